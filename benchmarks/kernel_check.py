@@ -1,0 +1,203 @@
+"""Build the generated CUDA kernel of a few specs on their own, check them against a float64 reference
+and time them with CUDA events (no ONNX Runtime involved): the fast loop for kernel work on the GPU host.
+
+    python benchmarks/kernel_check.py [--out DIR] [--only NAME] [--no-time]
+
+Each case prints: max rel-L2 error over the checked batch sizes, kernel time at the case's batch,
+effective TFLOP/s and the floor (max of bytes / 3.0 TB/s and flops / 665 TFLOP/s, NOTES.md).
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from onnx2fused import expr as ex  # noqa: E402
+from onnx2fused import cuda_plan  # noqa: E402
+from onnx2fused.spec import LayerSpec, MLPSpec  # noqa: E402
+
+BW = 3.0e12       # measured device-to-device copy, bytes/s (read + write)
+TC = 665e12       # measured fp16 matmul rate, flop/s
+
+
+def mlp(widths, acts, precision="fp16", io="f32", bias=True):
+    if not isinstance(acts, (list, tuple)):
+        acts = [acts] * (len(widths) - 2) + [ex.identity()]
+    layers = tuple(LayerSpec(a, b, bias, f) for a, b, f in zip(widths, widths[1:], acts))
+    return MLPSpec(layers, precision, io)
+
+
+CASES = {
+    "nerf64": (mlp([32, 64, 64, 64, 64, 16], ex.relu()), 2**21),
+    "w128gelu": (mlp([64, 128, 128, 128, 128, 64], ex.gelu_erf()), 2**20),
+    "w256silu": (mlp([256, 256, 256, 256, 256], ex.silu()), 2**18),
+    "mnist": (mlp([784, 512, 512, 10], ex.relu()), 4096),
+    "odd": (mlp([3, 37, 129, 5], [ex.tanh(), ex.mish(), ex.sigmoid()]), 100003),
+    "odd_bf16": (mlp([17, 200, 1], [ex.gelu_tanh(), ex.identity()], "bf16"), 4099),
+    "f16io": (mlp([32, 64, 64, 16], ex.silu(), io="f16"), 65536),
+    "fp32": (mlp([19, 40, 40, 3], ex.softplus(), "fp32"), 3001),
+    "nobias": (mlp([16, 32, 32, 8], ex.relu(), bias=False), 1000),
+}
+
+
+def render(spec: MLPSpec) -> str:
+    import jinja2
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(ROOT / "templates")),
+                             undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
+    return env.get_template("cuda_kernel.cu.j2").render(**cuda_plan.template_params(spec))
+
+
+def build(spec: MLPSpec, out: Path, arch: str) -> ctypes.CDLL:
+    src = out / f"{spec.name}.cu"
+    src.write_text(render(spec))
+    lib = out / f"lib{spec.name}.so"
+    cmd = ["nvcc", "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-lineinfo",
+           f"-gencode=arch=compute_{arch},code=sm_{arch}", "-Xptxas", "-v", str(src), "-o", str(lib)]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    (out / f"{spec.name}.ptxas.txt").write_text(r.stdout + r.stderr)
+    if r.returncode:
+        raise RuntimeError(f"nvcc failed for {spec.name}:\n{r.stderr[-4000:]}")
+    so = ctypes.CDLL(str(lib))
+    for fn, res, args in [("cuda_workspace_bytes", ctypes.c_size_t, []),
+                          ("cuda_pack", ctypes.c_int, [ctypes.c_void_p] * 4),
+                          ("cuda_run", ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p])]:
+        f = getattr(so, f"{spec.name}_{fn}")
+        f.restype, f.argtypes = res, args
+    return so
+
+
+def reference(spec: MLPSpec, ws, bs, x: np.ndarray) -> np.ndarray:
+    h = x.astype(np.float64)
+    for l, w, b in zip(spec.layers, ws, bs):
+        h = h @ w.astype(np.float64) + b.astype(np.float64)
+        h = ex.evaluate(l.activation, h.astype(np.float32)).astype(np.float64)
+    return h
+
+
+class Case:
+    def __init__(self, name, spec, so, torch):
+        self.name, self.spec, self.so, self.torch = name, spec, so, torch
+        rng = np.random.default_rng(0)
+        self.ws, self.bs = [], []
+        for l in spec.layers:
+            bound = 1 / np.sqrt(l.in_features)
+            self.ws.append(rng.uniform(-bound, bound, (l.in_features, l.out_features)).astype(np.float32) * 1.7)
+            self.bs.append(rng.uniform(-bound, bound, l.out_features).astype(np.float32) if l.has_bias
+                           else np.zeros(l.out_features, np.float32))
+        dev = torch.device("cuda")
+        self.dw = [torch.from_numpy(w).to(dev) for w in self.ws]
+        self.db = [torch.from_numpy(b).to(dev) for b in self.bs]
+        self.ws_buf = torch.empty(so_call(so, spec, "cuda_workspace_bytes"), dtype=torch.uint8, device=dev)
+        wp = (ctypes.c_void_p * len(self.dw))(*[t.data_ptr() for t in self.dw])
+        bp = (ctypes.c_void_p * len(self.db))(*[t.data_ptr() for t in self.db])
+        stream = torch.cuda.current_stream().cuda_stream
+        check(so_call(so, spec, "cuda_pack", wp, bp, self.ws_buf.data_ptr(), stream), "pack")
+        torch.cuda.synchronize()
+        self.io_dtype = torch.float16 if spec.io_dtype == "f16" else torch.float32
+
+    def run(self, x, y):
+        stream = self.torch.cuda.current_stream().cuda_stream
+        return so_call(self.so, self.spec, "cuda_run", x.data_ptr(), y.data_ptr(), x.shape[0], self.ws_buf.data_ptr(), stream)
+
+    def check(self, batch: int) -> float:
+        torch = self.torch
+        x = torch.randn(batch, self.spec.widths[0], device="cuda").to(self.io_dtype)
+        y = torch.full((batch, self.spec.widths[-1]), float("nan"), device="cuda", dtype=self.io_dtype)
+        check(self.run(x, y), "run")
+        torch.cuda.synchronize()
+        got = y.float().cpu().numpy().astype(np.float64)
+        ref = reference(self.spec, self.ws, self.bs, x.float().cpu().numpy())
+        if batch == 0:
+            return 0.0
+        assert np.abs(ref).max() > 0, "reference is all zeros"
+        if not np.isfinite(got).all():
+            bad = np.argwhere(~np.isfinite(got))
+            raise AssertionError(f"{self.name} batch {batch}: {len(bad)} unwritten/NaN outputs, first at {bad[:3].tolist()}")
+        return float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+
+    def time(self, batch: int, reps: int = 200) -> float:
+        torch = self.torch
+        nbuf = 4 if batch * self.spec.widths[0] * 4 < 64e6 else 1  # rotate inputs when they'd fit in L2
+        xs = [torch.randn(batch, self.spec.widths[0], device="cuda").to(self.io_dtype) for _ in range(nbuf)]
+        y = torch.empty(batch, self.spec.widths[-1], device="cuda", dtype=self.io_dtype)
+        for i in range(10):
+            check(self.run(xs[i % nbuf], y), "run")
+        torch.cuda.synchronize()
+        times = []
+        for i in range(reps):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record(); self.run(xs[i % nbuf], y); e.record()
+            times.append((s, e))
+        torch.cuda.synchronize()
+        return float(np.median([s.elapsed_time(e) for s, e in times]))
+
+
+def so_call(so, spec, fn, *args):
+    return getattr(so, f"{spec.name}_{fn}")(*args)
+
+
+def check(code, what):
+    if code:
+        raise RuntimeError(f"{what} failed with CUDA error {code}")
+
+
+def floor_ms(spec: MLPSpec, batch: int) -> tuple[float, float]:
+    eb = 2 if spec.io_dtype == "f16" else 4
+    bytes_ = batch * (spec.widths[0] + spec.widths[-1]) * eb + spec.num_parameters * 4
+    flops = batch * spec.flops_per_row
+    return max(bytes_ / BW, flops / TC) * 1e3, flops
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/kcheck"))
+    ap.add_argument("--only", nargs="*")
+    ap.add_argument("--no-time", action="store_true")
+    ap.add_argument("--arch", default="90")
+    a = ap.parse_args()
+    import torch
+    out = Path(a.out) / "kernels"
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for name, (spec, batch) in CASES.items():
+        if a.only and name not in a.only:
+            continue
+        t0 = time.time()
+        try:
+            so = build(spec, out, a.arch)
+        except Exception as e:  # report and go on with the other cases
+            print(f"{name}: BUILD FAILED {e}", flush=True)
+            continue
+        c = Case(name, spec, so, torch)
+        plan = "fp32" if spec.precision == "fp32" else ("resident" if cuda_plan.make_plan(spec).resident else "streamed")
+        try:
+            errs = [c.check(b) for b in (0, 1, 127, 129, 1000, min(batch, 70001))]
+            err = max(errs)
+        except Exception as e:
+            print(f"{name}: CHECK FAILED {e}", flush=True)
+            continue
+        ms = float("nan") if a.no_time else c.time(batch)
+        fl_ms, flops = floor_ms(spec, batch)
+        row = dict(case=name, spec=spec.name, plan=plan, batch=batch, relerr=err, ms=ms, floor_ms=fl_ms,
+                   tflops=flops / (ms * 1e-3) / 1e12 if ms == ms else None, build_s=time.time() - t0)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    (Path(a.out) / "kernel_check.json").write_text(json.dumps(rows, indent=1))
+    print(f"{'case':10} {'plan':9} {'batch':>8} {'relerr':>8} {'ms':>8} {'floor':>7} {'x floor':>7} {'TFLOP/s':>7}")
+    for r in rows:
+        print(f"{r['case']:10} {r['plan']:9} {r['batch']:8d} {r['relerr']:8.1e} {r['ms']:8.4f} {r['floor_ms']:7.4f} "
+              f"{r['ms'] / r['floor_ms']:7.2f} {r['tflops'] or 0:7.1f}")
+
+
+if __name__ == "__main__":
+    main()

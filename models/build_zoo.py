@@ -1,0 +1,195 @@
+#!/usr/bin/env python3
+"""Build the model zoo: small PyTorch MLPs exported to ONNX with both torch exporters.
+
+For each model NAME this writes, next to this script (or into --out):
+  NAME.dynamo.onnx   torch.onnx.export(..., dynamo=True): opset 20; weights as external data in
+                     NAME.dynamo.onnx.data when the exporter writes them there (kept as written)
+  NAME.opset17.onnx  torch.onnx.export(..., dynamo=False, opset_version=17): weights inline
+and zoo.json describing every file (tests read it). Input is named "x", output "y"; the batch
+dimension is symbolic in both exports (ffn3d: batch and sequence).
+
+Deterministic: every model is built from a fixed seed (torch.manual_seed(SEED + index)).
+A model whose export fails is recorded in zoo.json under "failed" and skipped.
+
+Usage: python models/build_zoo.py [--out DIR] [--only NAME ...]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+import warnings
+from pathlib import Path
+
+SEED = 1234
+HERE = Path(__file__).resolve().parent
+
+
+def _mlp(widths, act, bias=True):
+    import torch.nn as nn
+
+    layers = []
+    for i in range(len(widths) - 1):
+        layers.append(nn.Linear(widths[i], widths[i + 1], bias=bias))
+        if i < len(widths) - 2:
+            layers.append(act())
+    return nn.Sequential(*layers)
+
+
+def model_table():
+    """name -> dict(widths, activation, bias, feature_shape, batch_shape, description)."""
+    return {
+        "nerf": dict(widths=[32, 64, 64, 64, 64, 16], activation="Relu", bias=True,
+                     feature_shape=[32], sample_lead=[4]),
+        "sdf": dict(widths=[3, 128, 128, 128, 128, 1], activation="Tanh", bias=True,
+                    feature_shape=[3], sample_lead=[4]),
+        "gelu": dict(widths=[64, 128, 128, 128, 128, 64], activation="Gelu", bias=True,
+                     feature_shape=[64], sample_lead=[4]),
+        "silu": dict(widths=[256, 256, 256, 256, 256], activation="Silu", bias=True,
+                     feature_shape=[256], sample_lead=[4]),
+        "mnist": dict(widths=[784, 512, 512, 10], activation="Relu", bias=True,
+                      feature_shape=[784], sample_lead=[4]),
+        "nobias": dict(widths=[16, 32, 32, 32, 8], activation="Relu", bias=False,
+                       feature_shape=[16], sample_lead=[4]),
+        "ffn3d": dict(widths=[64, 256, 64], activation="Gelu", bias=True,
+                      feature_shape=[64], sample_lead=[2, 8]),
+    }
+
+
+def build_module(name: str, index: int):
+    import torch
+    import torch.nn as nn
+
+    acts = {"Relu": nn.ReLU, "Tanh": nn.Tanh, "Gelu": nn.GELU, "Silu": nn.SiLU}
+    info = model_table()[name]
+    torch.manual_seed(SEED + index)
+    m = _mlp(info["widths"], acts[info["activation"]], bias=info["bias"])
+    m.eval()
+    return m
+
+
+def _example(info, index):
+    import torch
+
+    g = torch.Generator().manual_seed(SEED + 1000 + index)
+    return torch.randn(*info["sample_lead"], *info["feature_shape"], generator=g)
+
+
+def _export_dynamo(m, x, path: Path, rank: int):
+    import torch
+    from torch.export import Dim
+
+    dims = {0: Dim("batch", min=1, max=2**30)}
+    if rank == 3:
+        dims[1] = Dim("seq", min=1, max=2**20)
+    torch.onnx.export(m, (x,), str(path), dynamo=True, input_names=["x"], output_names=["y"],
+                      dynamic_shapes=(dims,), verbose=False)
+
+
+def _export_legacy(m, x, path: Path, rank: int):
+    import torch
+
+    axes = {0: "batch"}
+    if rank == 3:
+        axes[1] = "seq"
+    torch.onnx.export(m, (x,), str(path), dynamo=False, opset_version=17, input_names=["x"],
+                      output_names=["y"], dynamic_axes={"x": axes, "y": dict(axes)},
+                      do_constant_folding=True)
+
+
+def _describe(path: Path):
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    ext = sorted({e.value for t in model.graph.initializer for e in t.external_data
+                  if e.key == "location"})
+    ops = sorted({n.op_type for n in model.graph.node})
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
+    inp = model.graph.input[0]
+    dims = [d.dim_param if d.dim_param else d.dim_value for d in inp.type.tensor_type.shape.dim]
+    return dict(file=path.name, external_data=ext, opset=opset, ir_version=model.ir_version,
+                ops=ops, input_dims=dims, output=model.graph.output[0].name)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=HERE)
+    ap.add_argument("--only", nargs="*", default=None)
+    args = ap.parse_args(argv)
+
+    import torch
+
+    warnings.filterwarnings("ignore")
+    import logging
+    for lg in ("torch.onnx", "torch.onnx._internal.exporter._registration", "torch.export"):
+        logging.getLogger(lg).setLevel(logging.ERROR)
+    torch.use_deterministic_algorithms(True)
+    torch.set_num_threads(1)
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+
+    table = model_table()
+    names = list(table) if not args.only else args.only
+    entries, failed = [], []
+    for index, name in enumerate(table):
+        if name not in names:
+            continue
+        info = table[name]
+        m = build_module(name, index)
+        x = _example(info, index)
+        rank = x.dim()
+        files = {}
+        for kind, fn in (("dynamo", _export_dynamo), ("opset17", _export_legacy)):
+            path = out / f"{name}.{kind}.onnx"
+            for stale in (path, path.with_name(path.name + ".data")):
+                if stale.exists():
+                    stale.unlink()
+            try:
+                with torch.no_grad():
+                    fn(m, x, path, rank)
+                files[kind] = _describe(path)
+                print(f"  wrote {path.name}" + (f" (+ {', '.join(files[kind]['external_data'])})"
+                                                if files[kind]["external_data"] else ""))
+            except Exception as e:  # record and go on: one exporter failing must not block the zoo
+                msg = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                print(f"  FAILED {name} ({kind}): {msg}", file=sys.stderr)
+                traceback.print_exc(limit=3, file=sys.stderr)
+                failed.append(dict(name=name, exporter=kind, error=msg))
+                for stale in (path, path.with_name(path.name + ".data")):
+                    if stale.exists():
+                        stale.unlink()
+        entries.append(dict(
+            name=name,
+            input="x",
+            output="y",
+            feature_shape=info["feature_shape"],
+            rank=rank,
+            sample_shape=list(x.shape),
+            widths=info["widths"],
+            activations=[info["activation"]] * (len(info["widths"]) - 2),
+            activation=info["activation"],
+            bias=info["bias"],
+            seed=SEED + index,
+            files=files,
+        ))
+
+    manifest = dict(
+        generator="models/build_zoo.py",
+        torch=torch.__version__.split("+")[0],
+        note=("activations: one per hidden layer (the last Linear has none); "
+              "widths: K0, N0, N1, ...; files[kind].external_data lists the external "
+              "weight files the exporter wrote (empty = weights inline)"),
+        models=entries,
+        failed=failed,
+    )
+    (out / "zoo.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    total = sum(p.stat().st_size for p in out.iterdir() if ".onnx" in p.name)
+    print(f"zoo: {sum(len(e['files']) for e in entries)} files, {total / 1e6:.1f} MB, "
+          f"{len(failed)} failed -> {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

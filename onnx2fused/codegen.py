@@ -1,0 +1,183 @@
+"""Render the C++/CUDA sources of a plugin library from the specs: a pure function of its arguments.
+
+    render(specs, with_cuda) -> {filename: text}
+      <name>_cpu.cc   per spec   templates/cpu_kernel.cc.j2   (S_cpu)
+      <name>_cuda.cu  per spec   templates/cuda_kernel.cu.j2  (S_cuda_*; when with_cuda)
+      registry.cc                templates/registry.cc.j2     (the KernelEntry table ort_plugin registers)
+
+Templates hold placeholders and simple loops only; every number and string is computed here and passed
+as one flat dict, under jinja2's StrictUndefined, so a missing key is an error, never empty text.
+Identifiers in the generated code come from `MLPSpec.name` (already a C identifier), never from model
+strings.
+"""
+from __future__ import annotations
+
+import re
+from functools import lru_cache
+
+import jinja2
+
+from . import __version__
+from . import expr as ex
+from .errors import ConversionError
+from .resources import templates_dir
+from .spec import MLPSpec
+
+CPU_TEMPLATE = "cpu_kernel.cc.j2"
+CUDA_TEMPLATE = "cuda_kernel.cu.j2"
+REGISTRY_TEMPLATE = "registry.cc.j2"
+
+# CPU micro-kernel shapes: rows x vectors of accumulators (AVX2: 16 ymm, AVX-512: 32 zmm registers).
+MR_AVX2, NV_AVX2 = 6, 2
+MR_AVX512, NV_AVX512 = 8, 2
+ROW_QUANTUM = 24                # the row block is a multiple of both micro-kernel row counts
+BLOCK_BUDGET_BYTES = 96 * 1024  # the two activation buffers of a row block: about L2-resident
+MAX_ROW_BLOCK = 192
+TASK_BLOCKS = 2                 # row blocks per ORT ParallelFor task
+
+_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+@lru_cache(maxsize=None)
+def _env() -> jinja2.Environment:
+    return jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(templates_dir())),
+        undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        autoescape=False,
+    )
+
+
+def _render(template: str, params: dict) -> str:
+    try:
+        return _env().get_template(template).render(**params)
+    except jinja2.TemplateNotFound as e:
+        raise ConversionError(f"template {template} is missing from {templates_dir()}") from e
+
+
+def c_string(text: str) -> str:
+    """A C string literal holding `text` (ASCII; anything else octal-escaped)."""
+    out = []
+    for ch in text.encode("utf-8"):
+        c = chr(ch)
+        if c in '"\\':
+            out.append("\\" + c)
+        elif 32 <= ch < 127 and c != "?":  # '?' avoids trigraphs
+            out.append(c)
+        else:
+            out.append(f"\\{ch:03o}")
+    return '"' + "".join(out) + '"'
+
+
+def _check_name(spec: MLPSpec) -> str:
+    name = spec.name
+    if not _IDENT.match(name):
+        raise ConversionError(f"spec name {name!r} is not a C identifier")
+    return name
+
+
+def row_block(spec: MLPSpec) -> int:
+    """Rows of one CPU block: both activation buffers (rows x max width floats) within the budget."""
+    per_row = 2 * max(spec.widths) * 4
+    rows = BLOCK_BUDGET_BYTES // per_row // ROW_QUANTUM * ROW_QUANTUM
+    return max(ROW_QUANTUM, min(MAX_ROW_BLOCK, rows))
+
+
+def _buffers(num_layers: int) -> list[tuple[str, str]]:
+    """(src, dst) of each layer: ping-pong between bufB/bufA; the last layer writes `out_last`."""
+    out, src = [], "in0"
+    for i in range(num_layers):
+        dst = "out_last" if i == num_layers - 1 else ("bufB" if i % 2 == 0 else "bufA")
+        out.append((src, dst))
+        src = dst
+    return out
+
+
+def cpu_params(spec: MLPSpec) -> dict:
+    name = _check_name(spec)
+    n = len(spec.layers)
+    bufs = _buffers(n)
+    last_src = bufs[-1][0]
+    layers = []
+    for i, (layer, (src, dst)) in enumerate(zip(spec.layers, bufs)):
+        layers.append({
+            "index": i,
+            "k": layer.in_features,
+            "n": layer.out_features,
+            "bias": "true" if layer.has_bias else "false",
+            "act_c": ex.render_c(layer.activation, "v"),
+            "act_text": ex.to_text(layer.activation).replace("\n", " "),
+            "src": src,
+            "dst": dst,
+        })
+    return {
+        "version": __version__,
+        "name": name,
+        "description": spec.describe().replace("\n", " "),
+        "prelude": ex.C_PRELUDE.strip("\n"),
+        "row_block": row_block(spec),
+        "max_width": max(spec.widths),
+        "io_half": "true" if spec.io_dtype == "f16" else "false",
+        "io_ctype": "uint16_t" if spec.io_dtype == "f16" else "float",
+        "k0": spec.widths[0],
+        "n_last": spec.widths[-1],
+        "mr_avx2": MR_AVX2, "nv_avx2": NV_AVX2,
+        "mr_avx512": MR_AVX512, "nv_avx512": NV_AVX512,
+        "last_buffer": "bufA" if last_src == "bufB" else "bufB",
+        "layers": layers,
+    }
+
+
+def cuda_params(spec: MLPSpec) -> dict:
+    try:
+        from . import cuda_plan
+    except ImportError as e:
+        raise ConversionError("CUDA code generation needs onnx2fused.cuda_plan, which is missing "
+                              f"({e}); build with with_cuda=False") from e
+    params = dict(cuda_plan.template_params(spec))
+    params.setdefault("version", __version__)
+    params.setdefault("name", _check_name(spec))
+    params.setdefault("prelude", ex.C_PRELUDE.strip("\n"))
+    return params
+
+
+def registry_params(specs: list[MLPSpec], with_cuda: bool, cpu_enabled: dict[str, bool]) -> dict:
+    kernels = []
+    for spec in specs:
+        name = _check_name(spec)
+        has_cpu = cpu_enabled.get(name, True)
+        kernels.append({
+            "name": name,
+            "num_layers": len(spec.layers),
+            "widths": ", ".join(str(w) for w in spec.widths),
+            "activations": [c_string(ex.to_text(l.activation)) for l in spec.layers],
+            "io_is_half": 1 if spec.io_dtype == "f16" else 0,
+            "rows_per_task": row_block(spec) * TASK_BLOCKS,
+            "has_cpu": has_cpu,
+            "cpu_fn": f"&{name}_cpu" if has_cpu else "nullptr",
+            "cuda_workspace_fn": f"&{name}_cuda_workspace_bytes" if with_cuda else "nullptr",
+            "cuda_pack_fn": f"&{name}_cuda_pack" if with_cuda else "nullptr",
+            "cuda_run_fn": f"&{name}_cuda_run" if with_cuda else "nullptr",
+        })
+    return {"version": __version__, "with_cuda": with_cuda, "kernels": kernels}
+
+
+def render(specs: list[MLPSpec], with_cuda: bool, cpu_enabled: dict[str, bool] | None = None) -> dict[str, str]:
+    """Sources of one plugin library: {filename: text}. Pure: same arguments, same text."""
+    cpu_enabled = dict(cpu_enabled or {})
+    unique: dict[str, MLPSpec] = {}
+    for spec in specs:
+        unique.setdefault(spec.name, spec)  # equal specs share one kernel
+    specs = list(unique.values())
+    if not specs:
+        raise ConversionError("nothing to build: no fused MLP specs were given")
+    files: dict[str, str] = {}
+    for spec in specs:
+        if cpu_enabled.get(spec.name, True):
+            files[f"{spec.name}_cpu.cc"] = _render(CPU_TEMPLATE, cpu_params(spec))
+        if with_cuda:
+            files[f"{spec.name}_cuda.cu"] = _render(CUDA_TEMPLATE, cuda_params(spec))
+    files["registry.cc"] = _render(REGISTRY_TEMPLATE, registry_params(specs, with_cuda, cpu_enabled))
+    return files

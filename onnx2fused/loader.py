@@ -1,0 +1,99 @@
+"""Load an ONNX model for conversion: read it (and its external data), check it, infer shapes.
+
+Every way this can fail becomes one `ConversionError` line that names the file and the way out.
+The input file is only read, never written.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import onnx
+from google.protobuf.message import DecodeError
+from onnx import external_data_helper
+
+from .errors import ConversionError
+
+MIN_IR, MAX_IR = 3, 13          # onnxruntime 1.31 refuses IR 14 ("Unsupported model IR version")
+MIN_OPSET, MAX_OPSET = 7, 26    # default (ai.onnx) domain opsets onnxruntime 1.31 loads (27 is refused)
+_TWO_GB = 2**31 - 1
+
+
+def load_model(path) -> onnx.ModelProto:
+    p = Path(path)
+    if not p.exists():
+        raise ConversionError(f"{p}: no such file")
+    if p.is_dir():
+        raise ConversionError(f"{p}: is a directory, not an ONNX model file")
+    try:
+        data = p.read_bytes()
+    except OSError as e:
+        raise ConversionError(f"{p}: cannot read the file ({e.strerror or e})") from None
+    if not data:
+        raise ConversionError(f"{p}: the file is empty")
+    model = onnx.ModelProto()
+    try:
+        model.ParseFromString(data)
+    except (DecodeError, ValueError, RuntimeError) as e:
+        if data[:1] == b"\x08" and len(data) > 16 and data[2:3] == b"\x12" or b"onnx" in data[:256].lower():
+            raise ConversionError(f"{p}: truncated or corrupt ONNX file (protobuf parse failed: {e})") from None
+        raise ConversionError(f"{p}: not an ONNX model (the bytes are not an ONNX protobuf)") from None
+    if model.ir_version == 0 or not model.HasField("graph"):
+        raise ConversionError(f"{p}: not an ONNX model (no IR version or graph in the file)")
+    _check_versions(p, model)
+    _load_external(p, model)
+    try:
+        if model.ByteSize() > _TWO_GB:
+            onnx.checker.check_model(str(p))
+        else:
+            onnx.checker.check_model(model)
+    except Exception as e:
+        raise ConversionError(f"{p}: the ONNX checker rejects the model: {_first_line(e)}") from None
+    try:
+        if model.ByteSize() <= _TWO_GB:
+            model = onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
+    except Exception as e:
+        raise ConversionError(f"{p}: shape inference failed: {_first_line(e)}") from None
+    return model
+
+
+def _first_line(e: Exception) -> str:
+    lines = [l.strip() for l in str(e).strip().splitlines() if l.strip()]
+    return lines[0] if lines else type(e).__name__
+
+
+def _check_versions(p: Path, model: onnx.ModelProto) -> None:
+    if not MIN_IR <= model.ir_version <= MAX_IR:
+        raise ConversionError(f"{p}: IR version {model.ir_version} is outside what onnxruntime supports "
+                              f"({MIN_IR}..{MAX_IR}); re-export with an older exporter setting or convert it "
+                              f"with onnx.version_converter")
+    opsets = [o.version for o in model.opset_import if o.domain in ("", "ai.onnx")]
+    if not opsets:
+        raise ConversionError(f"{p}: the model imports no default-domain (ai.onnx) opset")
+    v = opsets[0]
+    if not MIN_OPSET <= v <= MAX_OPSET:
+        raise ConversionError(f"{p}: opset {v} is outside the supported range {MIN_OPSET}..{MAX_OPSET}; "
+                              f"convert it with onnx.version_converter.convert_version(model, {min(max(v, MIN_OPSET), MAX_OPSET)})")
+
+
+def _load_external(p: Path, model: onnx.ModelProto) -> None:
+    tensors = [t for t in external_data_helper._get_all_tensors(model) if external_data_helper.uses_external_data(t)]
+    if not tensors:
+        return
+    base = p.parent
+    for t in tensors:
+        info = external_data_helper.ExternalDataInfo(t)
+        loc = info.location
+        if not loc or os.path.isabs(loc) or ".." in Path(loc).parts:
+            raise ConversionError(f"{p}: tensor '{t.name}' has an unsafe external data location {loc!r}")
+        f = base / loc
+        if not f.is_file():
+            raise ConversionError(f"{p}: missing external data file '{loc}' (expected at {f}) for tensor '{t.name}'")
+        need = (info.offset or 0) + (info.length or 0)
+        if info.length and f.stat().st_size < need:
+            raise ConversionError(f"{p}: external data file '{loc}' is truncated ({f.stat().st_size} bytes, "
+                                  f"tensor '{t.name}' needs {need})")
+    try:
+        external_data_helper.load_external_data_for_model(model, str(base))
+    except Exception as e:
+        raise ConversionError(f"{p}: cannot load external data: {_first_line(e)}") from None

@@ -1,0 +1,313 @@
+"""Recognise the elementwise subgraph after a linear layer as one activation expression f.
+
+Given the layer's output tensor v, the activation is the largest set A of elementwise nodes such that
+
+    every input of a node in A is v, the output of a node in A, or a scalar constant;
+    every tensor of A except its final output t (v included) is consumed only by nodes of A and is
+    not a graph output;
+
+and then t = f(v) elementwise, with f an `expr.Expr` built node by node:
+
+    Relu(a) -> max(a, 0)        Sigmoid(a) -> sigmoid(a)      Mul(a, b) -> a * b      ...
+    Gelu(a) -> gelu_erf[x := a] Mish(a) -> mish[x := a]       Clip(a, lo, hi) -> min(max(a, lo), hi)
+    Identity / Dropout (inference) / Cast between float types -> a
+
+With no such nodes, f = x (`expr.identity()`). The tree is finally normalised to a named constructor of
+`expr` (relu, silu, gelu_erf, ...) when it is numerically the same function on a probe set that covers
+small, large, infinite and signed values, so kernel names read well.
+
+Each consumer that could not join A is recorded with a one-line reason (`Activation.rejected`).
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+
+from .. import expr as ex
+from ..expr import Const, Expr, Op, Var
+from .constants import FLOAT_TYPES, GraphIndex, elem_name
+
+PER_CHANNEL = "per-channel constant in activation not supported yet"
+
+
+class ActivationRefusal(Exception):
+    """An elementwise node that cannot be part of an activation; the message is the reason."""
+
+
+@dataclass
+class Activation:
+    expr: Expr
+    node_indices: list[int]
+    nodes: list[str]
+    output: str
+    rejected: dict[int, str] = field(default_factory=dict)
+
+
+def subst(e: Expr, x: Expr) -> Expr:
+    """e with its variable replaced by x."""
+    if isinstance(e, Var):
+        return x
+    if isinstance(e, Op):
+        return Op(e.name, tuple(subst(a, x) for a in e.args))
+    return e
+
+
+# -- one node -> Expr ------------------------------------------------------------------------------
+
+_UNARY = {"Sigmoid": "sigmoid", "Tanh": "tanh", "Erf": "erf", "Sin": "sin", "Cos": "cos", "Exp": "exp",
+          "Log": "log", "Abs": "abs", "Neg": "neg", "Sqrt": "sqrt", "Reciprocal": "reciprocal",
+          "Softplus": "softplus"}
+_BINARY = {"Add": "add", "Sub": "sub", "Mul": "mul", "Div": "div", "Pow": "pow",
+           "Greater": "gt", "Less": "lt", "GreaterOrEqual": "ge", "LessOrEqual": "le"}
+_VARIADIC = {"Max": "max", "Min": "min"}
+ELEMENTWISE_OPS = (set(_UNARY) | set(_BINARY) | set(_VARIADIC) |
+                   {"Relu", "LeakyRelu", "Gelu", "Elu", "Selu", "Celu", "HardSigmoid", "HardSwish", "Mish",
+                    "Clip", "Where", "Softsign", "ThresholdedRelu", "Identity", "Dropout", "Cast", "PRelu"})
+
+
+class _Ctx:
+    def __init__(self, ix: GraphIndex, env: dict[str, Expr], rank: int | None):
+        self.ix, self.env, self.rank = ix, env, rank
+
+    def operand(self, name: str, what: str) -> Expr:
+        if name in self.env:
+            return self.env[name]
+        c = self.ix.const(name)
+        if c is None:
+            raise ActivationRefusal(f"{what}: input '{name}' is neither derived from the layer output nor a constant")
+        return Const(self.scalar(c, name, what))
+
+    def scalar(self, c: np.ndarray, name: str, what: str) -> float:
+        max_rank = self.rank if self.rank is not None else 2
+        if c.ndim > max_rank:
+            raise ActivationRefusal(f"{what}: constant '{name}' of rank {c.ndim} would broadcast the value to a higher rank")
+        if c.dtype == np.bool_ or c.dtype.kind not in "fiu" and str(c.dtype) != "bfloat16":
+            raise ActivationRefusal(f"{what}: constant '{name}' has element type {c.dtype}")
+        flat = c.astype(np.float32).reshape(-1)
+        if flat.size == 0:
+            raise ActivationRefusal(f"{what}: constant '{name}' is empty")
+        if flat.size == 1 or (np.all(flat == flat[0]) and all(d == 1 for d in c.shape[:-1])):
+            return float(flat[0])
+        shape = "[" + ", ".join(map(str, c.shape)) + "]"
+        raise ActivationRefusal(f"{what}: {PER_CHANNEL} ('{name}', shape {shape})")
+
+
+def _attr(node, name, default=None):
+    for a in node.attribute:
+        if a.name == name:
+            return onnx.helper.get_attribute_value(a)
+    return default
+
+
+def node_expr(ctx: _Ctx, i: int) -> Expr:
+    """The expression of node i's (first) output in terms of its operands, or raise ActivationRefusal."""
+    ix = ctx.ix
+    node = ix.node(i)
+    what = ix.describe(i)
+    op = node.op_type
+    if node.domain not in ("", "ai.onnx") or op not in ELEMENTWISE_OPS:
+        raise ActivationRefusal(f"{what}: {op} is not a supported elementwise op")
+    ins = list(node.input)
+    extra_outs = [o for o in node.output[1:] if o]
+    if op == "Dropout":
+        if any(ix.users(o) or o in ix.graph_outputs for o in extra_outs):
+            raise ActivationRefusal(f"{what}: its mask output is used")
+        if len(ins) > 2 and ins[2]:
+            tm = ix.const(ins[2])
+            if tm is None or bool(np.asarray(tm).reshape(-1)[0]):
+                raise ActivationRefusal(f"{what}: training_mode is not a constant false")
+        return ctx.operand(ins[0], what)
+    if extra_outs:
+        raise ActivationRefusal(f"{what}: has more than one output")
+    if op == "Identity":
+        return ctx.operand(ins[0], what)
+    if op == "Cast":
+        to = _attr(node, "to")
+        src = ix.types.get(ins[0])
+        if to not in FLOAT_TYPES:
+            raise ActivationRefusal(f"{what}: Cast to {elem_name(to)} (only casts to float types are elementwise no-ops)")
+        if src is not None and src not in FLOAT_TYPES and src != onnx.TensorProto.BOOL:
+            raise ActivationRefusal(f"{what}: Cast from {elem_name(src)}")
+        return ctx.operand(ins[0], what)
+    if op in _UNARY:
+        return Op(_UNARY[op], (ctx.operand(ins[0], what),))
+    if op in _BINARY:
+        a, b = ctx.operand(ins[0], what), ctx.operand(ins[1], what)
+        return Op(_BINARY[op], (a, b))
+    if op in _VARIADIC:
+        args = [ctx.operand(n, what) for n in ins if n]
+        e = args[0]
+        for b in args[1:]:
+            e = Op(_VARIADIC[op], (e, b))
+        return e
+    x = ctx.operand(ins[0], what)
+    if op == "Relu":
+        return Op("max", (x, Const(0.0)))
+    if op == "LeakyRelu":
+        return subst(ex.leaky_relu(float(_attr(node, "alpha", 0.01))), x)
+    if op == "PRelu":
+        slope = ctx.operand(ins[1], what)
+        return Op("select", (Op("lt", (x, Const(0.0))), Op("mul", (x, slope)), x))
+    if op == "Gelu":
+        approx = _attr(node, "approximate", "none")
+        approx = approx.decode() if isinstance(approx, bytes) else approx
+        return subst(ex.gelu_tanh() if approx == "tanh" else ex.gelu_erf(), x)
+    if op == "Elu":
+        return subst(ex.elu(float(_attr(node, "alpha", 1.0))), x)
+    if op == "Selu":
+        alpha = float(_attr(node, "alpha", 1.67326319217681884765625))
+        gamma = float(_attr(node, "gamma", 1.05070102214813232421875))
+        neg = Const(gamma) * (Const(alpha) * Op("exp", (x,)) - Const(alpha))
+        return Op("select", (Op("le", (x, Const(0.0))), neg, Const(gamma) * x))
+    if op == "Celu":
+        alpha = float(_attr(node, "alpha", 1.0))
+        neg = Const(alpha) * (Op("exp", (x / Const(alpha),)) - Const(1.0))
+        return Op("add", (Op("max", (Const(0.0), x)), Op("min", (Const(0.0), neg))))
+    if op == "HardSigmoid":
+        return subst(ex.hard_sigmoid(float(_attr(node, "alpha", 0.2)), float(_attr(node, "beta", 0.5))), x)
+    if op == "HardSwish":
+        return subst(ex.hard_swish(), x)
+    if op == "Mish":
+        return subst(ex.mish(), x)
+    if op == "Softsign":
+        return x / (Const(1.0) + Op("abs", (x,)))
+    if op == "ThresholdedRelu":
+        alpha = float(_attr(node, "alpha", 1.0))
+        return Op("select", (Op("gt", (x, Const(alpha))), x, Const(0.0)))
+    if op == "Clip":
+        lo = hi = None
+        if len(ins) > 1 and ins[1]:
+            lo = ctx.operand(ins[1], what)
+        if len(ins) > 2 and ins[2]:
+            hi = ctx.operand(ins[2], what)
+        if lo is None and _attr(node, "min") is not None:
+            lo = Const(float(_attr(node, "min")))
+        if hi is None and _attr(node, "max") is not None:
+            hi = Const(float(_attr(node, "max")))
+        e = x
+        if lo is not None:
+            e = Op("max", (e, lo))
+        if hi is not None:
+            e = Op("min", (e, hi))
+        return e
+    if op == "Where":
+        c, a, b = ctx.operand(ins[0], what), ctx.operand(ins[1], what), ctx.operand(ins[2], what)
+        return Op("select", (c, a, b))
+    raise ActivationRefusal(f"{what}: {op} is not a supported elementwise op")  # pragma: no cover
+
+
+# -- normalisation ---------------------------------------------------------------------------------
+
+def _probe() -> np.ndarray:
+    mags = np.array([1e-30, 1e-6, 1e-3, 0.1, 0.5, 1, 1.5, 2, 3, 4, 6, 8, 10, 15, 20, 30, 50, 88, 100,
+                     1e3, 1e4, 1e6, 1e10, 1e20, 1e30, 3e38, np.inf], dtype=np.float32)
+    return np.concatenate([np.linspace(-12, 12, 2401, dtype=np.float32), mags, -mags, [0.0]]).astype(np.float32)
+
+
+_PROBE = _probe()
+_NAMED_VALUES = None
+
+
+def _same(a: np.ndarray, b: np.ndarray) -> bool:
+    both_nan = np.isnan(a) & np.isnan(b)
+    fin = np.isfinite(a) & np.isfinite(b)
+    ok = both_nan | (a == b) | (fin & (np.abs(a - b) <= 1e-6 + 2e-6 * np.abs(b)))
+    return bool(np.all(ok))
+
+
+def normalise(e: Expr) -> Expr:
+    """The named constructor equal to e as a function (on the probe set), else e itself."""
+    global _NAMED_VALUES
+    if e in ex.NAMED:
+        return e
+    if _NAMED_VALUES is None:
+        _NAMED_VALUES = [(n, ex.evaluate(n, _PROBE)) for n in ex.NAMED]
+    v = ex.evaluate(e, _PROBE)
+    for named, nv in _NAMED_VALUES:
+        if _same(v, nv):
+            return named
+    return e
+
+
+# -- the region walk -------------------------------------------------------------------------------
+
+def match_activation(ix: GraphIndex, value: str) -> Activation:
+    """The activation applied to tensor `value` (a linear layer's output)."""
+    env: dict[str, Expr] = {value: ex.X}
+    ctx = _Ctx(ix, env, ix.rank(value))
+    region: list[int] = []
+    rejected: dict[int, str] = {}
+    heap = list(ix.users(value))
+    heapq.heapify(heap)
+    seen: set[int] = set()
+    while heap:
+        i = heapq.heappop(heap)
+        if i in seen:
+            continue
+        seen.add(i)
+        try:
+            e = node_expr(ctx, i)
+        except ActivationRefusal as r:
+            rejected[i] = str(r)
+            continue
+        region.append(i)
+        out = ix.node(i).output[0]
+        env[out] = e
+        for u in ix.users(out):
+            heapq.heappush(heap, u)
+    # Choose the latest tensor t whose ancestor set within the region is closed.
+    in_region = set(region)
+    candidates = [value] + [ix.node(i).output[0] for i in region]
+    for t in reversed(candidates):
+        anc = _ancestors(ix, t, value, in_region)
+        if _closed(ix, t, value, anc):
+            order = sorted(anc)
+            expr = normalise(env[t]) if order else ex.identity()
+            rej = {i: r for i, r in rejected.items() if any(x == t for x in ix.node(i).input)}
+            # Region nodes that were left out (outside the closed set) and consume t explain the end too.
+            for j in region:
+                if j not in anc and t in ix.node(j).input:
+                    rej.setdefault(j, f"{ix.describe(j)}: the value is also used outside the activation")
+            return Activation(expr, order, [ix.keys[i] for i in order], t, rej)
+    raise AssertionError("unreachable: the empty activation is always closed")  # pragma: no cover
+
+
+def _ancestors(ix: GraphIndex, t: str, value: str, region: set[int]) -> set[int]:
+    anc: set[int] = set()
+    stack = [t]
+    while stack:
+        name = stack.pop()
+        if name == value:
+            continue
+        p = ix.producer.get(name)
+        if p is None or p not in region or p in anc:
+            continue
+        anc.add(p)
+        stack.extend(n for n in ix.node(p).input if n)
+    return anc
+
+
+def _closed(ix: GraphIndex, t: str, value: str, anc: set[int]) -> bool:
+    if not anc:
+        return t == value
+    if value not in {n for i in anc for n in ix.node(i).input}:
+        return False
+    tensors = {value} | {o for i in anc for o in ix.node(i).output if o}
+    for u in tensors - {t}:
+        if u in ix.graph_outputs:
+            return False
+        if any(j not in anc for j in ix.users(u)):
+            return False
+    return True
+
+
+def describe_expr(e: Expr) -> str:
+    """Short name when known, else the full text."""
+    return ex.NAMED.get(e) or ex.to_text(e)
+
+
+__all__ = ["Activation", "ActivationRefusal", "match_activation", "node_expr", "normalise", "subst",
+           "ELEMENTWISE_OPS", "PER_CHANNEL", "describe_expr"]

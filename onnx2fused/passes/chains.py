@@ -1,0 +1,179 @@
+"""Find maximal MLP chains: x -> f_1(x W_1 + b_1) -> f_2(. W_2 + b_2) -> ... -> y.
+
+A layer L_i (see `linear`) with activation f_i (see `activations`) continues into L_{i+1} when the
+activation's output t_i
+
+    has exactly one consumer, which is the first node of L_{i+1}, reading t_i as its input;
+    is not a graph output;
+    has the width L_{i+1} expects (N_i == K_{i+1}).
+
+Otherwise the chain ends at t_i. A chain of one layer is still a chain. Every Gemm/MatMul that ends up
+in no chain, and every chain end that stopped something fusable, gets a one-line `Refusal`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import onnx
+
+from .. import expr as ex
+from ..spec import LayerSpec, MLPSpec
+from .activations import ELEMENTWISE_OPS, Activation, describe_expr, match_activation
+from .constants import GraphIndex, elem_name
+from .linear import LINEAR_OPS, LinearLayer, LinearRefusal, match_linear
+
+IO_TYPES = {onnx.TensorProto.FLOAT: "f32", onnx.TensorProto.FLOAT16: "f16"}
+
+
+@dataclass
+class ChainLayer:
+    linear: LinearLayer
+    activation: ex.Expr
+    activation_nodes: list[str]
+
+    @property
+    def output(self) -> str:
+        return self._output
+
+    def __post_init__(self):
+        self._output = self.linear.output
+
+
+@dataclass
+class Chain:
+    input: str
+    output: str
+    layers: list[ChainLayer]
+    nodes: list[str]
+    input_dtype: str  # 'f32' or 'f16'
+
+    @property
+    def widths(self) -> tuple[int, ...]:
+        return (self.layers[0].linear.in_features,) + tuple(l.linear.out_features for l in self.layers)
+
+    @property
+    def activations(self) -> list[ex.Expr]:
+        return [l.activation for l in self.layers]
+
+    def to_spec(self, precision: str = "fp16") -> MLPSpec:
+        return MLPSpec(tuple(LayerSpec(l.linear.in_features, l.linear.out_features, l.linear.has_bias, l.activation)
+                             for l in self.layers), precision=precision, io_dtype=self.input_dtype)
+
+    def describe(self) -> str:
+        acts = ", ".join(describe_expr(a) for a in self.activations)
+        return (f"'{self.input}' -> '{self.output}': widths {' -> '.join(map(str, self.widths))}, "
+                f"activations [{acts}], {self.input_dtype}, {len(self.nodes)} nodes")
+
+
+@dataclass
+class Refusal:
+    node: str
+    reason: str
+
+    def __str__(self) -> str:
+        return self.reason
+
+
+@dataclass
+class FusionPlan:
+    chains: list[Chain] = field(default_factory=list)
+    refusals: list[Refusal] = field(default_factory=list)
+
+    def describe(self) -> str:
+        lines = [f"{len(self.chains)} chain(s) to fuse:"]
+        for k, c in enumerate(self.chains):
+            lines.append(f"  chain {k}: {c.describe()}")
+        if self.refusals:
+            lines.append(f"{len(self.refusals)} not fused:")
+            lines.extend(f"  {r.reason}" for r in self.refusals)
+        return "\n".join(lines)
+
+
+@dataclass
+class _Layer:
+    start: int
+    linear: LinearLayer
+    act: Activation
+    next: int | None = None
+    prev: int | None = None
+
+
+def find_chains(model: onnx.ModelProto) -> FusionPlan:
+    ix = GraphIndex(model)
+    plan = FusionPlan()
+    layers: dict[int, _Layer] = {}
+    refused: dict[int, str] = {}
+    for i, n in enumerate(ix.graph.node):
+        if n.op_type not in LINEAR_OPS or n.domain not in ("", "ai.onnx"):
+            continue
+        try:
+            lin = match_linear(ix, i)
+        except LinearRefusal as r:
+            refused[i] = str(r)
+            continue
+        t = ix.types.get(lin.input)
+        if t not in IO_TYPES:
+            refused[i] = (f"{ix.describe(i)}: input '{lin.input}' has element type {elem_name(t)}; "
+                          "only float32/float16 are fused")
+            continue
+        layers[i] = _Layer(i, lin, match_activation(ix, lin.output))
+    # A bias Add is never another layer's start; make sure no node is claimed twice.
+    by_input_node = {l.start: l for l in layers.values()}
+    ends: dict[int, str] = {}
+    for l in layers.values():
+        t = l.act.output
+        users = ix.users(t)
+        if t in ix.graph_outputs:
+            if users:
+                ends[l.start] = "is also a graph output"
+            continue
+        if len(users) != 1:
+            if len(users) > 1:
+                names = ", ".join(ix.describe(u) for u in users[:3]) + (", ..." if len(users) > 3 else "")
+                ends[l.start] = f"has {len(users)} consumers ({names})"
+            continue
+        u = users[0]
+        nxt = by_input_node.get(u)
+        if nxt is not None and nxt.linear.input == t:
+            if nxt.linear.in_features != l.linear.out_features:
+                ends[l.start] = (f"has {l.linear.out_features} features but {ix.describe(u)} takes "
+                                 f"{nxt.linear.in_features}")
+                continue
+            l.next, nxt.prev = u, l.start
+            continue
+        if u in l.act.rejected and ix.node(u).op_type in ELEMENTWISE_OPS:
+            ends[l.start] = f"feeds {l.act.rejected[u]}"
+        elif u in refused:
+            ends[l.start] = f"feeds {ix.describe(u)}, which is not fused"
+    for l in sorted(layers.values(), key=lambda l: l.start):
+        if l.prev is not None:
+            continue
+        seq = [l]
+        while seq[-1].next is not None:
+            seq.append(layers[seq[-1].next])
+        first = seq[0].linear
+        in_type = ix.types[first.input]
+        out_t = seq[-1].act.output
+        out_type = ix.types.get(out_t)
+        if out_type is not None and out_type != in_type:
+            for k, s in enumerate(seq):
+                refused[s.start] = (f"{ix.describe(s.start)}: chain output '{out_t}' has element type "
+                                    f"{elem_name(out_type)} but its input '{first.input}' has {elem_name(in_type)}")
+            continue
+        idx = sorted(j for s in seq for j in s.linear.node_indices + s.act.node_indices)
+        chain = Chain(first.input, out_t,
+                      [ChainLayer(s.linear, s.act.expr, list(s.act.nodes)) for s in seq],
+                      [ix.keys[j] for j in idx], IO_TYPES[in_type])
+        for cl, s in zip(chain.layers, seq):
+            cl._output = s.act.output
+        chain._node_indices = idx  # type: ignore[attr-defined]
+        plan.chains.append(chain)
+        last = seq[-1]
+        if last.start in ends:
+            end_node = ix.keys[(last.act.node_indices or last.linear.node_indices)[-1]]
+            plan.refusals.append(Refusal(end_node, f"chain {len(plan.chains) - 1} ends: output of layer "
+                                                   f"{len(seq)} ('{out_t}') {ends[last.start]}"))
+    for i in sorted(refused):
+        plan.refusals.append(Refusal(ix.keys[i], refused[i]))
+    plan.refusals.sort(key=lambda r: ix.index_of.get(r.node, 0))
+    return plan

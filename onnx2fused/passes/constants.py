@@ -1,0 +1,214 @@
+"""Graph facts for the passes: node keys, producers/consumers, element types, shapes, and constants.
+
+Constant folding (for matching only; the graph itself is not changed here):
+
+    Constant() -> c                          value(c) = the attribute tensor
+    initializer w (not an overridable input) value(w) = w
+    Identity(c) -> y                         value(y) = value(c)
+    Cast(c, to=T) -> y                       value(y) = value(c).astype(T)
+    Transpose(c, perm) -> y                  value(y) = value(c).transpose(perm)
+    Reshape(c, s) / Squeeze / Unsqueeze      value(y) = value(c) reshaped, when s (axes) is constant
+
+`GraphIndex.const_producers` names the nodes whose outputs were folded, so that `rewrite` can drop them
+once the fused node no longer needs them (and only then).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16,
+               onnx.TensorProto.DOUBLE}
+ELEM_NAMES = {v: k.lower() for k, v in onnx.TensorProto.DataType.items()}
+
+
+def elem_name(t: int | None) -> str:
+    return "unknown" if t is None else ELEM_NAMES.get(t, str(t))
+
+
+def node_keys(graph: onnx.GraphProto) -> list[str]:
+    """A unique, stable key per node: its name when that is non-empty and unique, else `<Op #i>`."""
+    counts: dict[str, int] = {}
+    for n in graph.node:
+        counts[n.name] = counts.get(n.name, 0) + 1
+    return [n.name if n.name and counts[n.name] == 1 else f"<{n.op_type} #{i}>"
+            for i, n in enumerate(graph.node)]
+
+
+def _subgraph_inputs(node: onnx.NodeProto) -> set[str]:
+    """Names a node's subgraphs (If/Loop/Scan bodies) read, including outer-scope references."""
+    names: set[str] = set()
+    for a in node.attribute:
+        graphs = list(a.graphs) + ([a.g] if a.HasField("g") else [])
+        for g in graphs:
+            for n in g.node:
+                names.update(i for i in n.input if i)
+                names |= _subgraph_inputs(n)
+            names.update(o.name for o in g.output)
+    return names
+
+
+def node_reads(node: onnx.NodeProto) -> set[str]:
+    return {i for i in node.input if i} | _subgraph_inputs(node)
+
+
+def _attr(node: onnx.NodeProto, name: str, default=None):
+    for a in node.attribute:
+        if a.name == name:
+            return onnx.helper.get_attribute_value(a)
+    return default
+
+
+def constant_node_value(node: onnx.NodeProto) -> np.ndarray | None:
+    for a in node.attribute:
+        if a.name == "value":
+            return numpy_helper.to_array(a.t)
+        if a.name == "value_float":
+            return np.array(a.f, dtype=np.float32)
+        if a.name == "value_floats":
+            return np.array(list(a.floats), dtype=np.float32)
+        if a.name == "value_int":
+            return np.array(a.i, dtype=np.int64)
+        if a.name == "value_ints":
+            return np.array(list(a.ints), dtype=np.int64)
+    return None
+
+
+@dataclass
+class GraphIndex:
+    """Read-only index of a model's main graph."""
+    model: onnx.ModelProto
+    graph: onnx.GraphProto = field(init=False)
+    keys: list[str] = field(init=False)
+    index_of: dict[str, int] = field(init=False)
+    producer: dict[str, int] = field(init=False)
+    consumers: dict[str, list[int]] = field(init=False)
+    graph_outputs: set[str] = field(init=False)
+    consts: dict[str, np.ndarray] = field(init=False)
+    not_const: dict[str, str] = field(init=False)     # tensor -> why it is not treated as a constant
+    const_producers: dict[str, int] = field(init=False)
+    types: dict[str, int] = field(init=False)
+    shapes: dict[str, list] = field(init=False)
+
+    def __post_init__(self):
+        g = self.graph = self.model.graph
+        self.keys = node_keys(g)
+        self.index_of = {k: i for i, k in enumerate(self.keys)}
+        self.producer, self.consumers = {}, {}
+        for i, n in enumerate(g.node):
+            for o in n.output:
+                if o:
+                    self.producer[o] = i
+            for t in node_reads(n):
+                self.consumers.setdefault(t, [])
+                if i not in self.consumers[t]:
+                    self.consumers[t].append(i)
+        self.graph_outputs = {o.name for o in g.output}
+        self._types_and_shapes()
+        self._fold_constants()
+
+    # -- types and shapes --------------------------------------------------------------------
+    def _types_and_shapes(self):
+        self.types, self.shapes = {}, {}
+        try:
+            inferred = onnx.shape_inference.infer_shapes(self.model, strict_mode=False)
+            infos = list(inferred.graph.value_info)
+        except Exception:  # shape inference is best effort here; the loader reports real failures
+            infos = []
+        g = self.graph
+        for vi in list(g.input) + list(g.value_info) + infos + list(g.output):
+            tt = vi.type.tensor_type
+            if not vi.type.HasField("tensor_type"):
+                continue
+            if tt.elem_type:
+                self.types.setdefault(vi.name, tt.elem_type)
+            if tt.HasField("shape") and vi.name not in self.shapes:
+                self.shapes[vi.name] = [d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
+                                        for d in tt.shape.dim]
+        for init in g.initializer:
+            self.types.setdefault(init.name, init.data_type)
+            self.shapes.setdefault(init.name, list(init.dims))
+
+    def rank(self, name: str) -> int | None:
+        s = self.shapes.get(name)
+        return None if s is None else len(s)
+
+    # -- constants ---------------------------------------------------------------------------
+    def _fold_constants(self):
+        g = self.graph
+        self.consts, self.not_const, self.const_producers = {}, {}, {}
+        inputs = {i.name for i in g.input}
+        for init in g.initializer:
+            if init.name in inputs and self.model.ir_version >= 4:
+                self.not_const[init.name] = f"'{init.name}' is a graph input (it can be overridden at run time)"
+                continue
+            try:
+                self.consts[init.name] = numpy_helper.to_array(init)
+            except Exception as e:  # e.g. external data that was not loaded
+                self.not_const[init.name] = f"initializer '{init.name}' cannot be read ({e})"
+        for i, n in enumerate(g.node):
+            if n.domain not in ("", "ai.onnx") or len(n.output) != 1 or not n.output[0]:
+                continue
+            v = None
+            try:
+                v = self._fold(n)
+            except Exception:
+                v = None
+            if v is not None:
+                self.consts[n.output[0]] = v
+                self.const_producers[n.output[0]] = i
+
+    def _fold(self, n: onnx.NodeProto) -> np.ndarray | None:
+        if n.op_type == "Constant":
+            return constant_node_value(n)
+        ins = [self.consts.get(x) if x else None for x in n.input]
+        if not ins or ins[0] is None:
+            return None
+        x = ins[0]
+        if n.op_type == "Identity":
+            return x
+        if n.op_type == "Cast":
+            to = _attr(n, "to")
+            return x.astype(onnx.helper.tensor_dtype_to_np_dtype(to))
+        if n.op_type == "Transpose":
+            perm = _attr(n, "perm")
+            return np.transpose(x, perm) if perm else np.transpose(x)
+        if n.op_type == "Reshape" and len(ins) > 1 and ins[1] is not None:
+            shape = [int(s) for s in ins[1]]
+            if not _attr(n, "allowzero", 0):
+                shape = [x.shape[j] if s == 0 else s for j, s in enumerate(shape)]
+            return x.reshape(shape)
+        if n.op_type in ("Squeeze", "Unsqueeze"):
+            axes = _attr(n, "axes")
+            if axes is None and len(ins) > 1:
+                if ins[1] is None:
+                    return None
+                axes = [int(a) for a in ins[1]]
+            if n.op_type == "Squeeze":
+                return np.squeeze(x, axis=tuple(axes)) if axes else np.squeeze(x)
+            if axes is None:
+                return None
+            out_rank = x.ndim + len(axes)
+            for a in sorted(a % out_rank for a in axes):
+                x = np.expand_dims(x, a)
+            return x
+        return None
+
+    def const(self, name: str) -> np.ndarray | None:
+        return self.consts.get(name) if name else None
+
+    # -- helpers -----------------------------------------------------------------------------
+    def node(self, i: int) -> onnx.NodeProto:
+        return self.graph.node[i]
+
+    def describe(self, i: int) -> str:
+        return f"{self.graph.node[i].op_type} '{self.keys[i]}'"
+
+    def users(self, tensor: str) -> list[int]:
+        return self.consumers.get(tensor, [])
+
+    def attr(self, i: int, name: str, default=None):
+        return _attr(self.graph.node[i], name, default)

@@ -1,0 +1,243 @@
+"""Replace each chain by one custom node, with a model-local function as its stock-ONNX fallback.
+
+For a chain x -> f_1(x W_1 + b_1) -> ... -> y found by `find_chains` and its spec S:
+
+    nodes(chain)  ->  y = onnx2fused.S(x, W_1, B_1, ..., W_n, B_n; widths, activations)
+    function onnx2fused.S(X, W_1, B_1, ...) := Y = f_n(... f_1(Cast_f32(X) @ W_1 + B_1) ... @ W_n + B_n)
+
+with W_i float32 [K_i, N_i] and B_i float32 [N_i] (zeros without a bias) as new initializers, the
+activations emitted from their `expr` trees with stock ops (Relu-free: max/min/where/... exactly as
+the tree says, so the fallback computes what the kernels compute). The fused node sits where the
+chain's last node was; all other nodes are kept byte for byte; initializers and folded constant
+producers that only the chain used are dropped; the IR version is never raised.
+"""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from .. import expr as ex
+from ..errors import ConversionError
+from ..spec import DOMAIN, MLPSpec
+from .chains import FusionPlan
+from .constants import GraphIndex, node_reads
+
+FUNCTION_MIN_IR = 3  # checker and onnxruntime 1.31 accept model-local functions at IR 7 too (checked)
+
+_UNARY_OPS = {"neg": "Neg", "abs": "Abs", "exp": "Exp", "log": "Log", "sqrt": "Sqrt", "tanh": "Tanh",
+              "erf": "Erf", "sin": "Sin", "cos": "Cos", "sigmoid": "Sigmoid", "softplus": "Softplus",
+              "reciprocal": "Reciprocal"}
+_BINARY_OPS = {"add": "Add", "sub": "Sub", "mul": "Mul", "div": "Div", "max": "Max", "min": "Min",
+               "pow": "Pow"}
+_CMP_OPS = {"gt": "Greater", "lt": "Less", "ge": "GreaterOrEqual", "le": "LessOrEqual"}
+
+
+class OnnxEmitter:
+    """Emit stock ONNX nodes (float32 math) that compute an `expr.Expr` of a tensor."""
+
+    def __init__(self, prefix: str, opset: int):
+        self.prefix, self.opset = prefix, opset
+        self.nodes: list[onnx.NodeProto] = []
+        self._n = 0
+
+    def fresh(self) -> str:
+        self._n += 1
+        return f"{self.prefix}{self._n}"
+
+    def node(self, op: str, inputs: list[str], **attrs) -> str:
+        out = self.fresh()
+        self.nodes.append(helper.make_node(op, inputs, [out], name=out, **attrs))
+        return out
+
+    def const(self, v: float) -> str:
+        t = helper.make_tensor("value", TensorProto.FLOAT, [], [float(np.float32(v))])
+        return self.node("Constant", [], value=t)
+
+    def emit(self, e: ex.Expr, x: str, memo: dict | None = None) -> str:
+        memo = {} if memo is None else memo
+        if e in memo:
+            return memo[e]
+        if isinstance(e, ex.Var):
+            out = x
+        elif isinstance(e, ex.Const):
+            out = self.const(e.value)
+        elif e.name in _UNARY_OPS:
+            out = self.node(_UNARY_OPS[e.name], [self.emit(e.args[0], x, memo)])
+        elif e.name in _BINARY_OPS:
+            out = self.node(_BINARY_OPS[e.name], [self.emit(a, x, memo) for a in e.args])
+        elif e.name in _CMP_OPS:
+            out = self.node("Cast", [self.emit_bool(e, x, memo)], to=TensorProto.FLOAT)
+        elif e.name == "select":
+            c, a, b = e.args
+            cond = self.emit_bool(c, x, memo)
+            out = self.node("Where", [cond, self.emit(a, x, memo), self.emit(b, x, memo)])
+        else:  # pragma: no cover - every primitive is handled above
+            raise ConversionError(f"cannot emit expression primitive {e.name!r} as ONNX")
+        memo[e] = out
+        return out
+
+    def emit_bool(self, e: ex.Expr, x: str, memo: dict) -> str:
+        key = ("bool", e)
+        if key in memo:
+            return memo[key]
+        if isinstance(e, ex.Op) and e.name in _CMP_OPS:
+            a, b = (self.emit(v, x, memo) for v in e.args)
+            if e.name in ("ge", "le") and self.opset < 12:
+                strict = self.node("Greater" if e.name == "ge" else "Less", [a, b])
+                out = self.node("Or", [strict, self.node("Equal", [a, b])])
+            else:
+                out = self.node(_CMP_OPS[e.name], [a, b])
+        else:  # c != 0, NaN counts as true like C's `c != 0.0f`
+            out = self.node("Cast", [self.emit(e, x, memo)], to=TensorProto.BOOL)
+        memo[key] = out
+        return out
+
+
+def default_opset(model: onnx.ModelProto) -> int:
+    for o in model.opset_import:
+        if o.domain in ("", "ai.onnx"):
+            return o.version
+    raise ConversionError("the model imports no default-domain (ai.onnx) opset")
+
+
+def make_fallback_function(spec: MLPSpec, opset: int) -> onnx.FunctionProto:
+    """The stock-ONNX body of the fused op `spec.name` (float32 math, like the kernels)."""
+    em = OnnxEmitter("t", opset)
+    n = len(spec.layers)
+    inputs = ["X"] + [f"{p}{i}" for i in range(n) for p in ("W", "B")]
+    h = "X"
+    if spec.io_dtype == "f16":
+        h = em.node("Cast", [h], to=TensorProto.FLOAT)
+    for i, layer in enumerate(spec.layers):
+        m = em.node("MatMul", [h, f"W{i}"])
+        a = em.node("Add", [m, f"B{i}"])
+        h = em.emit(layer.activation, a)
+    if spec.io_dtype == "f16":
+        em.nodes.append(helper.make_node("Cast", [h], ["Y"], name="cast_out", to=TensorProto.FLOAT16))
+    else:
+        em.nodes.append(helper.make_node("Identity", [h], ["Y"], name="out"))
+    return helper.make_function(DOMAIN, spec.name, inputs, ["Y"], em.nodes,
+                                [helper.make_opsetid("", opset)], attributes=["widths", "activations"])
+
+
+def _unique(base: str, taken: set[str]) -> str:
+    name, k = base, 1
+    while name in taken:
+        k += 1
+        name = f"{base}_{k}"
+    taken.add(name)
+    return name
+
+
+def _all_names(g: onnx.GraphProto) -> set[str]:
+    names = {i.name for i in g.input} | {o.name for o in g.output} | {t.name for t in g.initializer}
+    names |= {v.name for v in g.value_info}
+    for n in g.node:
+        names.update(n.input)
+        names.update(n.output)
+        names |= node_reads(n)
+        if n.name:
+            names.add(n.name)
+    return names
+
+
+def rewrite(model: onnx.ModelProto, plan: FusionPlan, specs: list[MLPSpec]) -> onnx.ModelProto:
+    """A new model with each chain of `plan` replaced by its fused node (specs[i] for plan.chains[i])."""
+    if len(specs) != len(plan.chains):
+        raise ConversionError(f"rewrite got {len(specs)} specs for {len(plan.chains)} chains")
+    ix = GraphIndex(model)
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    g = out.graph
+    taken = _all_names(model.graph)
+    opset = default_opset(model)
+
+    remove: set[int] = set()
+    place: dict[int, onnx.NodeProto] = {}
+    new_inits: list[onnx.TensorProto] = []
+    fused_outputs: list[str] = []
+    for k, (chain, spec) in enumerate(zip(plan.chains, specs)):
+        if tuple(spec.widths) != tuple(chain.widths) or spec.io_dtype != chain.input_dtype:
+            raise ConversionError(f"spec {spec.name} does not describe chain {k} "
+                                  f"(widths {chain.widths}, {chain.input_dtype})")
+        try:
+            idx = [ix.index_of[n] for n in chain.nodes]
+        except KeyError as e:
+            raise ConversionError(f"chain {k} names node {e} that is not in the model") from None
+        if remove & set(idx):
+            raise ConversionError(f"chain {k} overlaps another chain")
+        remove |= set(idx)
+        inputs = [chain.input]
+        for i, layer in enumerate(chain.layers):
+            w = np.ascontiguousarray(layer.linear.weight, dtype=np.float32)
+            b = (np.zeros(w.shape[1], np.float32) if layer.linear.bias is None
+                 else np.ascontiguousarray(layer.linear.bias, dtype=np.float32))
+            for arr, p in ((w, "W"), (b, "B")):
+                name = _unique(f"onnx2fused_c{k}_{p}{i}", taken)
+                new_inits.append(numpy_helper.from_array(arr, name))
+                inputs.append(name)
+        node = helper.make_node(spec.name, inputs, [chain.output], name=_unique(f"onnx2fused_chain{k}", taken),
+                                domain=DOMAIN, widths=list(spec.widths),
+                                activations=[ex.to_text(l.activation) for l in spec.layers])
+        place[max(idx)] = node
+        fused_outputs.append(chain.output)
+
+    kept = []
+    for i, n in enumerate(model.graph.node):
+        if i in place:
+            kept.append((None, place[i]))
+        elif i not in remove:
+            kept.append((i, n))
+
+    # Drop folded constant producers that only the removed nodes used.
+    const_nodes = set(ix.const_producers.values())
+    while True:
+        reads = {o.name for o in g.output}
+        for _, n in kept:
+            reads |= node_reads(n)
+        dead = [j for j, (i, n) in enumerate(kept)
+                if i in const_nodes and ix.users(n.output[0]) and n.output[0] not in reads]
+        if not dead:
+            break
+        kept = [x for j, x in enumerate(kept) if j not in set(dead)]
+    del g.node[:]
+    g.node.extend(n for _, n in kept)
+
+    # Initializers that the removed nodes used and nothing uses now.
+    old_reads = set(ix.consumers)
+    unused = {t.name for t in model.graph.initializer if t.name in old_reads and t.name not in reads}
+    if unused:
+        inits = [t for t in g.initializer if t.name not in unused]
+        del g.initializer[:]
+        g.initializer.extend(inits)
+        if any(i.name in unused for i in g.input):
+            ins = [i for i in g.input if i.name not in unused]
+            del g.input[:]
+            g.input.extend(ins)
+    g.initializer.extend(new_inits)
+    if out.ir_version < 4:  # IR 3: every initializer is also a graph input
+        for t in new_inits:
+            g.input.append(helper.make_tensor_value_info(t.name, TensorProto.FLOAT, list(t.dims)))
+
+    # value_info: drop tensors that no longer exist, describe the fused outputs.
+    alive = {o for _, n in kept for o in n.output} | {i.name for i in g.input} | {t.name for t in g.initializer}
+    vis = [v for v in g.value_info if v.name in alive]
+    del g.value_info[:]
+    g.value_info.extend(vis)
+    described = {v.name for v in g.value_info} | {o.name for o in g.output}
+    for name in fused_outputs:
+        if name not in described and name in ix.types:
+            shape = ix.shapes.get(name)
+            g.value_info.append(helper.make_tensor_value_info(name, ix.types[name], shape))
+
+    if not any(o.domain == DOMAIN for o in out.opset_import):
+        out.opset_import.append(helper.make_opsetid(DOMAIN, 1))
+    if out.ir_version >= FUNCTION_MIN_IR:
+        have = {(f.domain, f.name) for f in out.functions}
+        for spec in specs:
+            if (DOMAIN, spec.name) not in have:
+                out.functions.append(make_fallback_function(spec, opset))
+                have.add((DOMAIN, spec.name))
+    out.ir_version = model.ir_version
+    return out

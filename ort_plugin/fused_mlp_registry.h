@@ -1,0 +1,37 @@
+// onnx2fused ORT plugin: the kernel table that the generated registry.cc fills.
+// Hand-written; compiled into every plugin library. Needs no ONNX Runtime or CUDA headers.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+namespace onnx2fused {
+
+// CPU kernel of one spec: rows x widths[0] -> rows x widths[num_layers]. x/y are float or uint16_t (fp16)
+// per io_is_half; w[i] is the [K_i, N_i] float32 weight (MatMul layout), b[i] the [N_i] float32 bias.
+// threads <= 1 runs on the calling thread; more splits the rows over that many std::threads.
+typedef void (*CpuFn)(const void* x, void* y, int64_t rows, const float* const* w, const float* const* b,
+                      int threads);
+// CUDA kernel of one spec. `w`/`b` are HOST arrays of DEVICE pointers; streams are cudaStream_t.
+typedef size_t (*CudaWorkspaceBytesFn)();
+typedef int (*CudaPackFn)(const float* const* w, const float* const* b, void* workspace, void* stream);
+typedef int (*CudaRunFn)(const void* x, void* y, int64_t rows, const void* workspace, void* stream);
+
+struct KernelEntry {
+  const char* name;               // op type in domain "onnx2fused" (= MLPSpec.name)
+  int num_layers;
+  const int64_t* widths;          // num_layers + 1 values: K0, N0, N1, ...
+  const char* const* activations; // num_layers strings: expr.to_text of each layer's activation
+  int io_is_half;                 // 1: X/Y are float16, 0: float32
+  int rows_per_task;              // CPU: rows one parallel task should take (multiple of the kernel's row block)
+  CpuFn cpu;                      // null: no CPU kernel (ORT runs the node's function on the CPU EP)
+  CudaWorkspaceBytesFn cuda_workspace_bytes;  // all three null when built without CUDA
+  CudaPackFn cuda_pack;
+  CudaRunFn cuda_run;
+};
+
+// Defined by the generated registry.cc.
+extern const KernelEntry kKernels[];
+extern const int kNumKernels;
+extern const char* const kLibraryVersion;  // onnx2fused version that generated the sources
+
+}  // namespace onnx2fused

@@ -1,0 +1,353 @@
+// onnx2fused ORT plugin: registers one custom op per generated kernel (domain "onnx2fused").
+// Hand-written; compiled into every plugin library together with the generated sources.
+//
+// For each KernelEntry of the generated table:
+//   - a CPU-EP op when the entry has a CPU kernel,
+//   - a CUDA-EP op when the library is built with -DONNX2FUSED_WITH_CUDA.
+// Inputs: X [..., K0] (float32 or float16), then W_i [K_i, N_i] and B_i [N_i] (float32) per layer.
+// Output: Y [..., N_last], the element type of X. Bad inputs give an ORT error naming the expected shape.
+#define ORT_API_MANUAL_INIT
+#include "onnxruntime_cxx_api.h"
+#undef ORT_API_MANUAL_INIT
+
+#include <cstring>
+#include <exception>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "fused_mlp_registry.h"
+
+#ifdef ONNX2FUSED_WITH_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+namespace onnx2fused {
+namespace {
+
+const char* const kDomain = "onnx2fused";
+
+OrtStatusPtr Error(OrtErrorCode code, const std::string& msg) {
+  return Ort::GetApi().CreateStatus(code, msg.c_str());
+}
+
+std::string ShapeText(const std::vector<int64_t>& shape) {
+  std::ostringstream s;
+  s << "[";
+  for (size_t i = 0; i < shape.size(); ++i) s << (i ? ", " : "") << shape[i];
+  s << "]";
+  return s.str();
+}
+
+std::string WidthsText(const KernelEntry& e) {
+  return ShapeText(std::vector<int64_t>(e.widths, e.widths + e.num_layers + 1));
+}
+
+const char* TypeName(ONNXTensorElementDataType t) {
+  switch (t) {
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT: return "float32";
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16: return "float16";
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16: return "bfloat16";
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_DOUBLE: return "float64";
+    default: return "a non-float type";
+  }
+}
+
+ONNXTensorElementDataType IoType(const KernelEntry& e) {
+  return e.io_is_half ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+}
+
+// The checked inputs and the allocated output of one Compute call.
+struct Call {
+  const void* x = nullptr;
+  void* y = nullptr;
+  int64_t rows = 0;
+  std::vector<const float*> w, b;
+};
+
+// Checks every input against the entry, allocates the output. Returns an error status or nullptr.
+OrtStatusPtr Prepare(const KernelEntry& e, Ort::KernelContext& ctx, Call& call) {
+  const int L = e.num_layers;
+  const std::string op = std::string(kDomain) + "." + e.name;
+  if (ctx.GetInputCount() != static_cast<size_t>(1 + 2 * L)) {
+    std::ostringstream s;
+    s << op << ": expected " << 1 + 2 * L << " inputs (X, then W_i, B_i for " << L << " layers), got "
+      << ctx.GetInputCount();
+    return Error(ORT_INVALID_ARGUMENT, s.str());
+  }
+  Ort::ConstValue X = ctx.GetInput(0);
+  auto xinfo = X.GetTensorTypeAndShapeInfo();
+  std::vector<int64_t> xshape = xinfo.GetShape();
+  const int64_t K0 = e.widths[0], NL = e.widths[L];
+  if (xshape.size() < 2 || xshape.back() != K0) {
+    std::ostringstream s;
+    s << op << ": input X must have shape [..., " << K0 << "] (rank >= 2, last dimension " << K0 << "), got "
+      << ShapeText(xshape);
+    return Error(ORT_INVALID_ARGUMENT, s.str());
+  }
+  if (xinfo.GetElementType() != IoType(e)) {
+    std::ostringstream s;
+    s << op << ": input X must be " << TypeName(IoType(e)) << ", got " << TypeName(xinfo.GetElementType());
+    return Error(ORT_INVALID_ARGUMENT, s.str());
+  }
+  call.w.resize(L);
+  call.b.resize(L);
+  for (int i = 0; i < L; ++i) {
+    const int64_t K = e.widths[i], N = e.widths[i + 1];
+    Ort::ConstValue W = ctx.GetInput(1 + 2 * i), B = ctx.GetInput(2 + 2 * i);
+    auto winfo = W.GetTensorTypeAndShapeInfo();
+    auto binfo = B.GetTensorTypeAndShapeInfo();
+    std::vector<int64_t> ws = winfo.GetShape(), bs = binfo.GetShape();
+    if (winfo.GetElementType() != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT || ws != std::vector<int64_t>{K, N}) {
+      std::ostringstream s;
+      s << op << ": weight W_" << i << " must be float32 [" << K << ", " << N << "], got "
+        << TypeName(winfo.GetElementType()) << " " << ShapeText(ws);
+      return Error(ORT_INVALID_ARGUMENT, s.str());
+    }
+    if (binfo.GetElementType() != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT || bs != std::vector<int64_t>{N}) {
+      std::ostringstream s;
+      s << op << ": bias B_" << i << " must be float32 [" << N << "], got " << TypeName(binfo.GetElementType())
+        << " " << ShapeText(bs);
+      return Error(ORT_INVALID_ARGUMENT, s.str());
+    }
+    call.w[i] = W.GetTensorData<float>();
+    call.b[i] = B.GetTensorData<float>();
+  }
+  int64_t rows = 1;
+  for (size_t d = 0; d + 1 < xshape.size(); ++d) rows *= xshape[d];
+  std::vector<int64_t> yshape = xshape;
+  yshape.back() = NL;
+  Ort::UnownedValue Y = ctx.GetOutput(0, yshape);
+  call.rows = rows;
+  if (rows > 0) {
+    call.x = X.GetTensorRawData();
+    call.y = Y.GetTensorMutableRawData();
+  }
+  return nullptr;
+}
+
+template <class F>
+OrtStatusPtr Guard(F&& f) {
+  try {
+    return f();
+  } catch (const Ort::Exception& ex) {
+    return Error(ex.GetOrtErrorCode(), ex.what());
+  } catch (const std::exception& ex) {
+    return Error(ORT_FAIL, ex.what());
+  }
+}
+
+// ---------------------------------------------------------------------------------------------- CPU
+struct CpuTask {
+  const KernelEntry* e;
+  Call* call;
+  int64_t rows_per_task;
+  size_t in_row_bytes, out_row_bytes;
+};
+
+void RunCpuTask(void* data, size_t task) {
+  const CpuTask& t = *static_cast<const CpuTask*>(data);
+  const int64_t r0 = static_cast<int64_t>(task) * t.rows_per_task;
+  int64_t n = t.call->rows - r0;
+  if (n > t.rows_per_task) n = t.rows_per_task;
+  if (n <= 0) return;
+  t.e->cpu(static_cast<const char*>(t.call->x) + r0 * t.in_row_bytes,
+           static_cast<char*>(t.call->y) + r0 * t.out_row_bytes, n, t.call->w.data(), t.call->b.data(), 1);
+}
+
+struct CpuKernel {
+  const KernelEntry* e;
+  explicit CpuKernel(const KernelEntry* entry) : e(entry) {}
+
+  OrtStatusPtr ComputeV2(OrtKernelContext* context) {
+    return Guard([&]() -> OrtStatusPtr {
+      Ort::KernelContext ctx(context);
+      Call call;
+      if (OrtStatusPtr st = Prepare(*e, ctx, call)) return st;
+      if (call.rows == 0) return nullptr;
+      const size_t elem = e->io_is_half ? 2 : 4;
+      CpuTask task{e, &call, e->rows_per_task > 0 ? e->rows_per_task : 64,
+                   elem * static_cast<size_t>(e->widths[0]), elem * static_cast<size_t>(e->widths[e->num_layers])};
+      const int64_t tasks = (call.rows + task.rows_per_task - 1) / task.rows_per_task;
+      if (tasks <= 1) {
+        RunCpuTask(&task, 0);
+      } else {
+        ctx.ParallelFor(&RunCpuTask, static_cast<size_t>(tasks), 0, &task);
+      }
+      return nullptr;
+    });
+  }
+};
+
+// --------------------------------------------------------------------------------------------- CUDA
+#ifdef ONNX2FUSED_WITH_CUDA
+OrtStatusPtr CudaError(const KernelEntry& e, const char* what, int rc) {
+  std::ostringstream s;
+  s << kDomain << "." << e.name << ": " << what << " failed: " << cudaGetErrorString(static_cast<cudaError_t>(rc))
+    << " (" << rc << ")";
+  return Error(ORT_EP_FAIL, s.str());
+}
+
+struct CudaKernel {
+  // Packed weights per device: allocated once, packed again only when the weight pointers change.
+  struct DeviceState {
+    void* workspace = nullptr;
+    std::vector<const float*> w, b;  // device pointers the workspace was packed from
+    cudaStream_t packed_on = nullptr;
+    cudaEvent_t packed = nullptr;    // recorded after packing, for runs on other streams
+  };
+  const KernelEntry* e;
+  std::mutex mu;
+  std::map<int, DeviceState> devices;
+
+  explicit CudaKernel(const KernelEntry* entry) : e(entry) {}
+  ~CudaKernel() {
+    int current = 0;
+    cudaGetDevice(&current);
+    for (auto& kv : devices) {
+      cudaSetDevice(kv.first);
+      if (kv.second.packed) cudaEventDestroy(kv.second.packed);
+      if (kv.second.workspace) cudaFree(kv.second.workspace);
+    }
+    cudaSetDevice(current);
+  }
+
+  OrtStatusPtr ComputeV2(OrtKernelContext* context) {
+    return Guard([&]() -> OrtStatusPtr {
+      Ort::KernelContext ctx(context);
+      Call call;
+      if (OrtStatusPtr st = Prepare(*e, ctx, call)) return st;
+      if (call.rows == 0) return nullptr;
+      cudaStream_t stream = static_cast<cudaStream_t>(ctx.GetGPUComputeStream());
+      int dev = 0;
+      int rc = cudaGetDevice(&dev);
+      if (rc) return CudaError(*e, "cudaGetDevice", rc);
+      std::lock_guard<std::mutex> lock(mu);
+      DeviceState& s = devices[dev];
+      if (!s.workspace) {
+        size_t bytes = e->cuda_workspace_bytes();
+        rc = cudaMalloc(&s.workspace, bytes ? bytes : 1);
+        if (rc) {
+          s.workspace = nullptr;
+          return CudaError(*e, "cudaMalloc of the packed-weight workspace", rc);
+        }
+        rc = cudaEventCreateWithFlags(&s.packed, cudaEventDisableTiming);
+        if (rc) return CudaError(*e, "cudaEventCreate", rc);
+      }
+      if (s.w != call.w || s.b != call.b) {
+        rc = e->cuda_pack(call.w.data(), call.b.data(), s.workspace, stream);
+        if (rc) return CudaError(*e, "packing the weights", rc);
+        rc = cudaEventRecord(s.packed, stream);
+        if (rc) return CudaError(*e, "cudaEventRecord", rc);
+        s.w = call.w;
+        s.b = call.b;
+        s.packed_on = stream;
+      } else if (stream != s.packed_on) {
+        rc = cudaStreamWaitEvent(stream, s.packed, 0);
+        if (rc) return CudaError(*e, "cudaStreamWaitEvent", rc);
+      }
+      rc = e->cuda_run(call.x, call.y, call.rows, s.workspace, stream);
+      if (rc) return CudaError(*e, "the kernel launch", rc);
+      return nullptr;
+    });
+  }
+};
+#endif
+
+// ----------------------------------------------------------------------------------------------- op
+// Checks the node's `widths` attribute against the entry. (The `activations` attribute is a list of
+// strings, which the 1.21 C API cannot read from a kernel info; the op type itself carries a hash of
+// every activation, so a node only reaches this kernel when its activations match.)
+OrtStatusPtr CheckAttributes(const KernelEntry& e, const OrtKernelInfo* info) {
+  Ort::ConstKernelInfo ki(info);
+  std::vector<int64_t> widths;
+  try {
+    widths = ki.GetAttributes<int64_t>("widths");
+  } catch (const Ort::Exception&) {
+    return Error(ORT_INVALID_GRAPH, std::string(kDomain) + "." + e.name +
+                                        ": the node has no `widths` attribute; the library was built for a "
+                                        "different model (re-run onnx2fused convert)");
+  }
+  std::vector<int64_t> expected(e.widths, e.widths + e.num_layers + 1);
+  if (widths != expected) {
+    return Error(ORT_INVALID_GRAPH, std::string(kDomain) + "." + e.name + ": the node has widths " +
+                                        ShapeText(widths) + " but the library was built for a different model (widths " +
+                                        WidthsText(e) + "); re-run onnx2fused convert");
+  }
+  return nullptr;
+}
+
+template <class Kernel>
+struct FusedOp : Ort::CustomOpBase<FusedOp<Kernel>, Kernel, true> {
+  const KernelEntry* e;
+  const char* ep;
+  FusedOp(const KernelEntry* entry, const char* provider) : e(entry), ep(provider) {}
+
+  OrtStatusPtr CreateKernelV2(const OrtApi&, const OrtKernelInfo* info, void** kernel) const {
+    return Guard([&]() -> OrtStatusPtr {
+      if (OrtStatusPtr st = CheckAttributes(*e, info)) return st;
+      *kernel = new Kernel(e);
+      return nullptr;
+    });
+  }
+  const char* GetName() const { return e->name; }
+  const char* GetExecutionProviderType() const { return ep; }
+  size_t GetInputTypeCount() const { return static_cast<size_t>(1 + 2 * e->num_layers); }
+  ONNXTensorElementDataType GetInputType(size_t i) const {
+    return i == 0 ? IoType(*e) : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  }
+  size_t GetOutputTypeCount() const { return 1; }
+  ONNXTensorElementDataType GetOutputType(size_t) const { return IoType(*e); }
+};
+
+struct Registry {
+  std::vector<std::unique_ptr<FusedOp<CpuKernel>>> cpu_ops;
+#ifdef ONNX2FUSED_WITH_CUDA
+  std::vector<std::unique_ptr<FusedOp<CudaKernel>>> cuda_ops;
+#endif
+  std::vector<OrtCustomOpDomain*> domains;  // must outlive every session: never released
+  std::mutex mu;
+};
+
+Registry& TheRegistry() {
+  static Registry* r = [] {
+    auto* reg = new Registry();  // leaked on purpose: sessions may outlive static destruction
+    for (int i = 0; i < kNumKernels; ++i) {
+      const KernelEntry* e = &kKernels[i];
+      if (e->cpu) reg->cpu_ops.emplace_back(new FusedOp<CpuKernel>(e, "CPUExecutionProvider"));
+#ifdef ONNX2FUSED_WITH_CUDA
+      if (e->cuda_run) reg->cuda_ops.emplace_back(new FusedOp<CudaKernel>(e, "CUDAExecutionProvider"));
+#endif
+    }
+    return reg;
+  }();
+  return *r;
+}
+
+}  // namespace
+}  // namespace onnx2fused
+
+extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL
+RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
+  const OrtApi* api = api_base->GetApi(ORT_API_VERSION);
+  if (!api) return nullptr;  // cannot even report: the runtime is older than the headers
+  Ort::InitApi(api);
+  using namespace onnx2fused;
+  return Guard([&]() -> OrtStatusPtr {
+    Registry& reg = TheRegistry();
+    std::lock_guard<std::mutex> lock(reg.mu);
+    OrtCustomOpDomain* domain = nullptr;
+    if (OrtStatusPtr st = api->CreateCustomOpDomain(kDomain, &domain)) return st;
+    reg.domains.push_back(domain);
+    for (auto& op : reg.cpu_ops)
+      if (OrtStatusPtr st = api->CustomOpDomain_Add(domain, op.get())) return st;
+#ifdef ONNX2FUSED_WITH_CUDA
+    for (auto& op : reg.cuda_ops)
+      if (OrtStatusPtr st = api->CustomOpDomain_Add(domain, op.get())) return st;
+#endif
+    return api->AddCustomOpDomain(options, domain);
+  });
+}

@@ -1,0 +1,103 @@
+"""The wheel carries the templates and plugin sources, and installs into a fresh venv with a working CLI.
+
+Slow: builds a wheel, creates a venv (no system site-packages) and installs the wheel with its `cpu`
+extra and dependencies from PyPI (onnx, jinja2, numpy, onnxruntime).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+# what a source distribution of the project holds (copied so the build never writes into the checkout)
+SOURCES = ("pyproject.toml", "setup.py", "README.md", "onnx2fused", "templates", "ort_plugin")
+PLUGIN_SUFFIXES = (".h", ".hpp", ".cc", ".cpp", ".cu", ".cuh")
+
+
+def _env():
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+    env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
+    return env
+
+
+def _sh(cmd, cwd, timeout=900):
+    r = subprocess.run([str(c) for c in cmd], cwd=cwd, env=_env(), capture_output=True, text=True,
+                       timeout=timeout)
+    assert r.returncode == 0, f"{' '.join(map(str, cmd))} failed ({r.returncode}):\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
+    return r.stdout
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("wheel")
+    src = tmp / "src"
+    src.mkdir()
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info", "build")
+    for name in SOURCES:
+        p = ROOT / name
+        if p.is_dir():
+            shutil.copytree(p, src / name, ignore=ignore)
+        elif p.is_file():
+            shutil.copy2(p, src / name)
+    _sh([sys.executable, "-m", "pip", "wheel", ".", "--no-deps", "--no-cache-dir", "-w", tmp / "dist"],
+        cwd=src)
+    (whl,) = (tmp / "dist").glob("onnx2fused-*.whl")
+    return whl
+
+
+def test_wheel_contents(wheel):
+    names = set(zipfile.ZipFile(wheel).namelist())
+    templates = sorted(p.name for p in (ROOT / "templates").glob("*.j2"))
+    plugin = sorted(p.name for p in (ROOT / "ort_plugin").iterdir() if p.suffix in PLUGIN_SUFFIXES)
+    assert templates, "templates/*.j2: none in the checkout"
+    assert plugin, "ort_plugin/: no sources in the checkout"
+    missing = [f"onnx2fused/_data/templates/{n}" for n in templates] + \
+              [f"onnx2fused/_data/ort_plugin/{n}" for n in plugin]
+    missing = [m for m in missing if m not in names]
+    assert not missing, f"not in the wheel: {missing}"
+    for pkg in ROOT.joinpath("onnx2fused").rglob("__init__.py"):
+        rel = pkg.relative_to(ROOT).as_posix()
+        assert rel in names, f"package {rel} not in the wheel"
+    assert not any(n.startswith(("tests/", "models/", "templates/", "ort_plugin/")) for n in names)
+    ep = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
+    assert "onnx2fused = onnx2fused.cli:main" in zipfile.ZipFile(wheel).read(ep).decode()
+
+
+@pytest.fixture(scope="module")
+def venv(wheel, tmp_path_factory):
+    v = tmp_path_factory.mktemp("venv") / "v"
+    _sh([sys.executable, "-m", "venv", v], cwd=v.parent)  # no --system-site-packages: really fresh
+    _sh([v / "bin" / "python", "-m", "pip", "install", "-q", f"{wheel}[cpu]"], cwd=v.parent)
+    return v
+
+
+def test_installed_package_is_self_contained(venv):
+    out = _sh([venv / "bin" / "python", "-c",
+               "import onnx2fused, pathlib; p = pathlib.Path(onnx2fused.__file__).parent;"
+               "print(p); print(sorted(x.name for x in (p / '_data' / 'templates').glob('*.j2')));"
+               "print(sorted(x.name for x in (p / '_data' / 'ort_plugin').iterdir()))"], cwd=venv.parent)
+    pkg, templates, plugin = out.splitlines()
+    assert str(venv) in pkg, f"imported onnx2fused from {pkg}, not from the fresh venv"
+    assert templates != "[]" and plugin != "[]"
+
+
+def test_cli_help(venv):
+    out = _sh([venv / "bin" / "onnx2fused", "--help"], cwd=venv.parent)
+    for cmd in ("convert", "inspect"):
+        assert cmd in out
+
+
+def test_cli_inspect(venv):
+    model = ROOT / "models" / "nerf.opset17.onnx"
+    if not model.is_file():
+        pytest.skip("models/nerf.opset17.onnx missing: run `make zoo`")
+    out = _sh([venv / "bin" / "onnx2fused", "inspect", model], cwd=venv.parent)
+    assert out.strip()
