@@ -11,7 +11,7 @@ VENV        ?= .venv
 TORCH       ?= torch==2.13.0
 EXTRAS      ?= cpu,test
 PYTEST_ARGS ?=
-XDIST       ?= -n 2
+XDIST       ?= -n 2 --dist loadgroup
 DEMO        ?= nerf
 DEMO_EXPORT ?= opset17
 

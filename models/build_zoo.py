@@ -3,7 +3,9 @@
 
 For each model NAME this writes, next to this script (or into --out):
   NAME.dynamo.onnx   torch.onnx.export(..., dynamo=True): opset 20; weights as external data in
-                     NAME.dynamo.onnx.data when the exporter writes them there (kept as written)
+                     NAME.dynamo.onnx.data when the exporter writes them there (kept as written;
+                     torch 2.13 does so even for the smallest model). Only the per-node
+                     "pkg.torch.onnx.stack_trace" metadata (absolute local paths) is removed.
   NAME.opset17.onnx  torch.onnx.export(..., dynamo=False, opset_version=17): weights inline
 and zoo.json describing every file (tests read it). Input is named "x", output "y"; the batch
 dimension is symbolic in both exports (ffn3d: batch and sequence).
@@ -86,6 +88,24 @@ def _export_dynamo(m, x, path: Path, rank: int):
         dims[1] = Dim("seq", min=1, max=2**20)
     torch.onnx.export(m, (x,), str(path), dynamo=True, input_names=["x"], output_names=["y"],
                       dynamic_shapes=(dims,), verbose=False)
+    _strip_stack_traces(path)
+
+
+def _strip_stack_traces(path: Path):
+    """The dynamo exporter records a Python stack trace (absolute paths of this machine's
+    site-packages) on every node; drop it so the files are the same bytes on every machine."""
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)  # external data stays where it is
+    changed = False
+    for node in model.graph.node:
+        keep = [p for p in node.metadata_props if p.key != "pkg.torch.onnx.stack_trace"]
+        if len(keep) != len(node.metadata_props):
+            del node.metadata_props[:]
+            node.metadata_props.extend(keep)
+            changed = True
+    if changed:
+        onnx.save(model, str(path))
 
 
 def _export_legacy(m, x, path: Path, rank: int):
@@ -175,6 +195,13 @@ def main(argv=None) -> int:
             files=files,
         ))
 
+    old_path = out / "zoo.json"
+    if args.only and old_path.is_file():  # a partial rebuild keeps the other models' entries
+        old = json.loads(old_path.read_text())
+        done = {e["name"] for e in entries}
+        entries = [e for e in old.get("models", []) if e["name"] not in done] + entries
+        entries.sort(key=lambda e: list(table).index(e["name"]) if e["name"] in table else 99)
+        failed = [f for f in old.get("failed", []) if f["name"] not in done] + failed
     manifest = dict(
         generator="models/build_zoo.py",
         torch=torch.__version__.split("+")[0],

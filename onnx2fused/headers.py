@@ -76,12 +76,23 @@ def locate_ort_headers(cache_dir: Path | str | None = None, fetch: bool = True, 
     sysdir = Path("/usr/include/onnxruntime")
     if _ok(sysdir):
         return OrtHeaders(sysdir, header_version(sysdir), "system")
-    cache = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
-    target = cache / "headers" / FETCH_VERSION
-    if _ok(target):
-        return OrtHeaders(target, header_version(target), "cache")
+    caches = [default_cache_dir()]
+    if cache_dir:
+        caches.insert(0, Path(cache_dir).expanduser())
+    for cache in caches:
+        target = cache / "headers" / FETCH_VERSION
+        if _ok(target):
+            return OrtHeaders(target, header_version(target), "cache")
     if not fetch:
         raise ConversionError(f"no ONNX Runtime headers found; {HOW_TO}")
+    # fetch into the shared default cache when it is writable, else into the given one
+    target = caches[-1] / "headers" / FETCH_VERSION
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if not os.access(target.parent, os.W_OK):
+            raise OSError("not writable")
+    except OSError:
+        target = caches[0] / "headers" / FETCH_VERSION
     _fetch(target, progress)
     return OrtHeaders(target, header_version(target), "fetched")
 

@@ -35,7 +35,7 @@ def load_model(path) -> onnx.ModelProto:
     try:
         model.ParseFromString(data)
     except (DecodeError, ValueError, RuntimeError) as e:
-        if data[:1] == b"\x08" and len(data) > 16 and data[2:3] == b"\x12" or b"onnx" in data[:256].lower():
+        if data[:1] == b"\x08" and 1 <= data[1] <= 20:  # starts like a ModelProto: field 1 = ir_version
             raise ConversionError(f"{p}: truncated or corrupt ONNX file (protobuf parse failed: {e})") from None
         raise ConversionError(f"{p}: not an ONNX model (the bytes are not an ONNX protobuf)") from None
     if model.ir_version == 0 or not model.HasField("graph"):

@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
+# one xdist worker runs the whole module (with `--dist loadgroup`, as `make test` does), so the
+# wheel and the venv are built once
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("packaging")]
 
 ROOT = Path(__file__).resolve().parents[1]
 # what a source distribution of the project holds (copied so the build never writes into the checkout)

@@ -30,13 +30,10 @@ class ChainLayer:
     linear: LinearLayer
     activation: ex.Expr
     activation_nodes: list[str]
-
-    @property
-    def output(self) -> str:
-        return self._output
+    output: str = ""  # the tensor after the activation ('' = the linear layer's output)
 
     def __post_init__(self):
-        self._output = self.linear.output
+        self.output = self.output or self.linear.output
 
 
 @dataclass
@@ -162,11 +159,8 @@ def find_chains(model: onnx.ModelProto) -> FusionPlan:
             continue
         idx = sorted(j for s in seq for j in s.linear.node_indices + s.act.node_indices)
         chain = Chain(first.input, out_t,
-                      [ChainLayer(s.linear, s.act.expr, list(s.act.nodes)) for s in seq],
+                      [ChainLayer(s.linear, s.act.expr, list(s.act.nodes), s.act.output) for s in seq],
                       [ix.keys[j] for j in idx], IO_TYPES[in_type])
-        for cl, s in zip(chain.layers, seq):
-            cl._output = s.act.output
-        chain._node_indices = idx  # type: ignore[attr-defined]
         plan.chains.append(chain)
         last = seq[-1]
         if last.start in ends:

@@ -78,9 +78,14 @@ def match_linear(ix: GraphIndex, i: int) -> LinearLayer:
     what = ix.describe(i)
     if node.domain not in ("", "ai.onnx") or node.op_type not in LINEAR_OPS:
         raise LinearRefusal(f"{what}: not a Gemm or MatMul")
-    if node.op_type == "Gemm":
-        return _match_gemm(ix, i, what)
-    return _match_matmul(ix, i, what)
+    try:
+        if node.op_type == "Gemm":
+            return _match_gemm(ix, i, what)
+        return _match_matmul(ix, i, what)
+    except LinearRefusal as r:
+        if str(r).startswith(what):
+            raise
+        raise LinearRefusal(f"{what}: {r}") from None
 
 
 def _weight(ix: GraphIndex, name: str, what: str) -> np.ndarray:

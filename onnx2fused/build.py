@@ -1,0 +1,304 @@
+"""Compile rendered sources + ort_plugin/ into one ONNX Runtime custom-op library, cached.
+
+    build_plugin(specs) -> BuiltLibrary(path=<cache>/<key>/libonnx2fused_<key>.so, sources_dir, cache_hit, ...)
+
+The cache is content-addressed: key = sha256 of every source, every flag (with -march=native resolved),
+the compiler versions, the ONNX Runtime header version and VERSION. An entry `<cache>/<key>/` holds the
+library, the sources it was built from (`sources/`) and a manifest with the library's sha256, which is
+checked on every hit (a truncated or corrupt library is rebuilt). Builds happen in a temp folder inside
+the cache and are moved into place with one atomic rename, under an flock per key, so concurrent
+builders never see a half-written entry. A failed compile leaves no entry, writes the compiler output to
+`<cache>/failed/<key>/build.log` and raises BuildError naming it.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Callable
+
+from . import __version__
+from .codegen import render
+from .errors import BuildError, ConversionError
+from .headers import default_cache_dir, locate_ort_headers
+from .resources import ort_plugin_dir
+
+VERSION = 1  # bump when the build recipe changes in a way the key does not see
+
+HOST_FLAGS = ["-O3", "-std=c++17", "-fPIC", "-march=native", "-fvisibility=hidden", "-pthread",
+              "-fopenmp-simd", "-fno-trapping-math", "-fno-math-errno"]  # the last two let activations vectorize
+DEFAULT_CUDA_ARCHS = ["80", "90"]
+MANIFEST = "manifest.json"
+
+
+@dataclass(frozen=True)
+class BuiltLibrary:
+    path: Path             # the shared library
+    sources_dir: Path      # the sources it was built from
+    cache_hit: bool
+    build_seconds: float   # 0.0 on a cache hit
+    key: str = ""
+    with_cuda: bool = False
+
+
+# ------------------------------------------------------------------------------------------ tools
+def find_nvcc() -> str | None:
+    """nvcc on PATH, else under $CUDA_HOME/bin (or $CUDA_PATH/bin)."""
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        home = os.environ.get(var)
+        if home and os.access(Path(home) / "bin" / "nvcc", os.X_OK):
+            return str(Path(home) / "bin" / "nvcc")
+    return None
+
+
+def find_cxx() -> str:
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if not cxx:
+        raise ConversionError("no C++ compiler found: install g++ (Debian/Ubuntu: apt-get install g++) or set CXX")
+    return cxx
+
+
+@lru_cache(maxsize=None)
+def _tool_output(args: tuple[str, ...]) -> str:
+    try:
+        p = subprocess.run(list(args), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise ConversionError(f"cannot run {args[0]}: {e}") from e
+    return p.stdout
+
+
+def compiler_version(tool: str) -> str:
+    return _tool_output((tool, "--version")).strip()
+
+
+def native_flags(cxx: str) -> list[str]:
+    """What -march=native means on this host (the -m flags cc1 receives), for the cache key."""
+    out = _tool_output((cxx, "-march=native", "-E", "-v", "-x", "c++", "/dev/null"))
+    for line in out.splitlines():
+        if "cc1" in line and "-march=" in line:
+            return [t for t in line.split() if t.startswith("-m")]
+    return ["-march=native:" + hashlib.sha256(out.encode()).hexdigest()[:16]]
+
+
+def cuda_archs() -> list[str]:
+    env = os.environ.get("ONNX2FUSED_CUDA_ARCHS")
+    if not env:
+        return list(DEFAULT_CUDA_ARCHS)
+    archs = [a.strip().replace("sm_", "").replace(".", "") for a in env.replace(";", ",").split(",") if a.strip()]
+    if not archs or not all(a.rstrip("af").isdigit() for a in archs):
+        raise ConversionError(f"ONNX2FUSED_CUDA_ARCHS={env!r}: expected a list like 80,90")
+    return archs
+
+
+def nvcc_flags() -> list[str]:
+    flags = ["-O3", "-std=c++17", "-Xcompiler", "-fPIC", "-Xcompiler", "-fvisibility=hidden", "-lineinfo"]
+    for a in cuda_archs():
+        flags += ["-gencode", f"arch=compute_{a},code=sm_{a}"]
+    return flags
+
+
+# ------------------------------------------------------------------------------------------ cache
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _valid_entry(entry: Path) -> Path | None:
+    """The library of a complete, uncorrupted entry, else None."""
+    try:
+        manifest = json.loads((entry / MANIFEST).read_text())
+        lib = entry / manifest["library"]
+        if lib.name != Path(manifest["library"]).name or not lib.is_file():
+            return None
+        if lib.stat().st_size != manifest["size"] or _sha256_file(lib) != manifest["sha256"]:
+            return None
+        return lib
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _unwritable(cache: Path, e: OSError) -> ConversionError:
+    why = "it is full" if e.errno == errno.ENOSPC else f"{e.strerror or e}"
+    return ConversionError(f"cannot write the onnx2fused build cache {cache} ({why}); set ONNX2FUSED_CACHE "
+                           "to a writable folder with free space, or pass cache_dir")
+
+
+def _ensure_writable(cache: Path) -> None:
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".probe-", dir=cache)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise _unwritable(cache, e) from e
+
+
+def _compile(args: list[str], cwd: Path) -> tuple[int, str]:
+    try:
+        p = subprocess.run(args, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
+    except OSError as e:
+        return 127, f"cannot run {args[0]}: {e}"
+    return p.returncode, p.stdout
+
+
+# ------------------------------------------------------------------------------------------ build
+def build_plugin(specs, with_cuda: bool | None = None, cache_dir=None, cpu_enabled=None,
+                 progress: Callable[[str], None] | None = None) -> BuiltLibrary:
+    """Build (or find in the cache) the plugin library of `specs`."""
+    say = progress or (lambda msg: None)
+    nvcc = find_nvcc()
+    if with_cuda is None:
+        with_cuda = nvcc is not None
+    if with_cuda and not nvcc:
+        raise ConversionError("CUDA kernels need nvcc: put it on PATH or set CUDA_HOME, or build with with_cuda=False")
+    cxx = find_cxx()
+    cache = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+    _ensure_writable(cache)
+    headers = locate_ort_headers(cache_dir, progress=say)
+
+    # Sources: the rendered ones, then the hand-written plugin.
+    sources = dict(render(list(specs), with_cuda, cpu_enabled))
+    plugin_dir = ort_plugin_dir()
+    plugin_files = sorted(p for p in plugin_dir.iterdir()
+                          if p.is_file() and p.suffix in ((".cc", ".h", ".cu") if with_cuda else (".cc", ".h")))
+    for p in plugin_files:
+        if p.name in sources:
+            raise ConversionError(f"generated file {p.name} clashes with ort_plugin/{p.name}")
+        sources[p.name] = p.read_text()
+
+    host_flags = list(HOST_FLAGS) + (["-DONNX2FUSED_WITH_CUDA"] if with_cuda else [])
+    cu_flags = nvcc_flags() + ["-DONNX2FUSED_WITH_CUDA"] if with_cuda else []
+    key_parts = {
+        "version": VERSION,
+        "onnx2fused": __version__,
+        "sources": {name: hashlib.sha256(text.encode()).hexdigest() for name, text in sorted(sources.items())},
+        "host_flags": host_flags,
+        "native": native_flags(cxx),
+        "cxx": compiler_version(cxx),
+        "nvcc_flags": cu_flags,
+        "nvcc": compiler_version(nvcc) if with_cuda else "",
+        "ort_headers": headers.version,
+    }
+    key = hashlib.sha256(json.dumps(key_parts, sort_keys=True).encode()).hexdigest()[:16]
+    entry = cache / key
+    lib_name = f"libonnx2fused_{key}.so"
+
+    lib = _valid_entry(entry)
+    if lib:
+        return BuiltLibrary(lib, entry / "sources", True, 0.0, key, with_cuda)
+
+    lock_path = cache / f".{key}.lock"
+    try:
+        lock = open(lock_path, "a+")
+    except OSError as e:
+        raise _unwritable(cache, e) from e
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        lib = _valid_entry(entry)  # another process may have built it while we waited
+        if lib:
+            return BuiltLibrary(lib, entry / "sources", True, 0.0, key, with_cuda)
+        if entry.exists():
+            say(f"cached plugin {entry} is incomplete or corrupt; rebuilding")
+        t0 = time.monotonic()
+        try:
+            tmp = Path(tempfile.mkdtemp(prefix=f".build-{key}-", dir=cache))
+        except OSError as e:
+            raise _unwritable(cache, e) from e
+        try:
+            _build_into(tmp, sources, lib_name, cxx, nvcc, host_flags, cu_flags, headers.path, with_cuda,
+                        cache, key, key_parts, say, [p.name for p in plugin_files if p.suffix == ".cc"])
+            _install(tmp, entry, cache)
+        except OSError as e:
+            raise _unwritable(cache, e) from e
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        lib = _valid_entry(entry)
+        if not lib:
+            raise BuildError(f"the plugin built into {entry} does not verify; remove that folder and retry")
+        seconds = time.monotonic() - t0
+        say(f"built {lib} in {seconds:.1f} s")
+        return BuiltLibrary(lib, entry / "sources", False, seconds, key, with_cuda)
+
+
+def _install(tmp: Path, entry: Path, cache: Path) -> None:
+    """Move the finished build to `entry` atomically; an old (corrupt) entry is moved aside first."""
+    if entry.exists():
+        trash = Path(tempfile.mkdtemp(prefix=".trash-", dir=cache))
+        os.replace(entry, trash / "old")
+        shutil.rmtree(trash, ignore_errors=True)
+    os.replace(tmp / "entry", entry)
+
+
+def _build_into(tmp: Path, sources: dict[str, str], lib_name: str, cxx: str, nvcc: str | None,
+                host_flags: list[str], cu_flags: list[str], include: Path, with_cuda: bool, cache: Path,
+                key: str, key_parts: dict, say, plugin_cc: list[str]) -> None:
+    out = tmp / "entry"
+    src = out / "sources"
+    obj = tmp / "obj"
+    src.mkdir(parents=True)
+    obj.mkdir()
+    for name, text in sources.items():
+        (src / name).write_text(text)
+    includes = ["-I", str(src), "-I", str(include)]
+    # hand-written host code that calls the CUDA runtime: nvcc supplies the CUDA include path
+    nvcc_hosted = {n for n in plugin_cc} if with_cuda else set()
+    jobs: list[tuple[str, list[str]]] = []
+    for name in sorted(sources):
+        o = str(obj / (name + ".o"))
+        if name.endswith(".cu"):
+            jobs.append((name, [nvcc, *cu_flags, *includes, "-c", str(src / name), "-o", o]))
+        elif name.endswith(".cc"):
+            if with_cuda and name in nvcc_hosted:
+                xflags = ",".join(f for f in host_flags if f != "-pthread")
+                jobs.append((name, [nvcc, "-std=c++17", "-O3", "-Xcompiler", xflags, "-DONNX2FUSED_WITH_CUDA",
+                                    *includes, "-c", str(src / name), "-o", o]))
+            else:
+                jobs.append((name, [cxx, *host_flags, *includes, "-c", str(src / name), "-o", o]))
+    say(f"compiling {len(jobs)} translation units{' (with CUDA)' if with_cuda else ''}")
+    workers = max(1, min(len(jobs), os.cpu_count() or 1))
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        results = list(pool.map(lambda job: (job, *_compile(job[1], tmp)), jobs))
+    log = [f"$ {' '.join(job[1])}\n{text}" for job, rc, text in results]
+    failed = [job[0] for job, rc, _ in results if rc != 0]
+    if not failed:
+        objs = [str(obj / (name + ".o")) for name, _ in jobs]
+        if with_cuda:
+            link = [nvcc, "-shared", "-Xcompiler", "-fPIC", "-cudart", "static", "-o", str(out / lib_name), *objs,
+                    "-Xlinker", "-z,defs", "-lpthread"]
+        else:
+            link = [cxx, "-shared", "-pthread", "-o", str(out / lib_name), *objs, "-Wl,-z,defs"]
+        rc, text = _compile(link, tmp)
+        log.append(f"$ {' '.join(link)}\n{text}")
+        if rc != 0:
+            failed = ["the link"]
+    if failed:
+        fail_dir = cache / "failed" / key
+        shutil.rmtree(fail_dir, ignore_errors=True)
+        (fail_dir / "sources").mkdir(parents=True)
+        for name, text in sources.items():
+            (fail_dir / "sources" / name).write_text(text)
+        log_path = fail_dir / "build.log"
+        log_path.write_text("\n".join(log))
+        raise BuildError(f"compiling the plugin failed ({', '.join(failed)}); the compiler output is in {log_path}")
+    lib = out / lib_name
+    manifest = {"library": lib_name, "sha256": _sha256_file(lib), "size": lib.stat().st_size, "key": key,
+                "key_parts": key_parts, "onnx2fused": __version__}
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))

@@ -1,0 +1,150 @@
+"""build_plugin: content-addressed cache, verification, atomic/concurrent installs, clean failures."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from onnx2fused import build as build_mod
+from onnx2fused import expr as ex
+from onnx2fused.build import BuiltLibrary, build_plugin, find_nvcc
+from onnx2fused.errors import BuildError, ConversionError
+from onnx2fused.spec import LayerSpec, MLPSpec
+
+REPO = Path(__file__).resolve().parent.parent
+SPEC = MLPSpec((LayerSpec(8, 24, True, ex.relu()), LayerSpec(24, 3, False, ex.identity())), io_dtype="f32")
+
+
+def entries(cache: Path) -> list[Path]:
+    return sorted(p for p in cache.iterdir() if p.is_dir() and not p.name.startswith(".")
+                  and p.name not in ("failed", "headers"))
+
+
+def test_second_build_is_a_cache_hit(tmp_path):
+    lines: list[str] = []
+    first = build_plugin([SPEC], with_cuda=False, cache_dir=tmp_path, progress=lines.append)
+    assert isinstance(first, BuiltLibrary) and not first.cache_hit and first.build_seconds > 0
+    assert first.path.name == f"libonnx2fused_{first.key}.so" and first.path.parent == tmp_path / first.key
+    assert (first.sources_dir / f"{SPEC.name}_cpu.cc").is_file()
+    assert (first.sources_dir / "plugin.cc").is_file() and (first.sources_dir / "registry.cc").is_file()
+    assert any("built" in line for line in lines)
+    second = build_plugin([SPEC], with_cuda=False, cache_dir=tmp_path)
+    assert second.cache_hit and second.path == first.path and second.build_seconds == 0.0
+    assert entries(tmp_path) == [first.path.parent]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".build-")]
+
+
+def test_key_changes_with_the_spec(tmp_path):
+    a = build_plugin([SPEC], with_cuda=False, cache_dir=tmp_path)
+    other = MLPSpec((LayerSpec(8, 24, True, ex.tanh()), LayerSpec(24, 3, False, ex.identity())))
+    b = build_plugin([other], with_cuda=False, cache_dir=tmp_path)
+    assert a.key != b.key and not b.cache_hit
+
+
+def test_corrupt_library_is_detected_and_rebuilt(tmp_path):
+    first = build_plugin([SPEC], with_cuda=False, cache_dir=tmp_path)
+    good = first.path.read_bytes()
+    with open(first.path, "r+b") as f:
+        f.truncate(len(good) // 2)
+    again = build_plugin([SPEC], with_cuda=False, cache_dir=tmp_path)
+    assert not again.cache_hit and again.path == first.path
+    assert again.path.stat().st_size == len(good)
+    manifest = json.loads((again.path.parent / "manifest.json").read_text())
+    assert manifest["sha256"] == build_mod._sha256_file(again.path)
+    # a missing manifest counts as corrupt too
+    (again.path.parent / "manifest.json").unlink()
+    assert not build_plugin([SPEC], with_cuda=False, cache_dir=tmp_path).cache_hit
+
+
+def test_failed_compile_leaves_no_entry_and_names_the_log(tmp_path, monkeypatch):
+    real = build_mod.render
+
+    def broken(specs, with_cuda, cpu_enabled=None):
+        files = real(specs, with_cuda, cpu_enabled)
+        files[f"{SPEC.name}_cpu.cc"] += "\nthis is not C++;\n"
+        return files
+
+    monkeypatch.setattr(build_mod, "render", broken)
+    with pytest.raises(BuildError) as err:
+        build_plugin([SPEC], with_cuda=False, cache_dir=tmp_path)
+    log = Path(str(err.value).split(" is in ")[-1].strip())
+    assert log.name == "build.log" and log.parent.parent == tmp_path / "failed"
+    assert "this is not C++" in log.read_text() or "error" in log.read_text()
+    assert (log.parent / "sources" / f"{SPEC.name}_cpu.cc").is_file()
+    assert entries(tmp_path) == []
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".build-")]
+
+
+def test_unwritable_cache_is_a_conversion_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    with pytest.raises(ConversionError) as err:
+        build_plugin([SPEC], with_cuda=False, cache_dir=blocker / "cache")
+    assert not isinstance(err.value, BuildError)
+    assert "cannot write the onnx2fused build cache" in str(err.value)
+
+
+@pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root ignores permission bits")
+def test_read_only_cache_is_a_conversion_error(tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    try:
+        with pytest.raises(ConversionError) as err:
+            build_plugin([SPEC], with_cuda=False, cache_dir=ro)
+        assert "ONNX2FUSED_CACHE" in str(err.value)
+    finally:
+        ro.chmod(0o755)
+
+
+def test_concurrent_builds_from_two_processes_give_one_library(tmp_path):
+    script = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(REPO)!r})
+        from onnx2fused import expr as ex
+        from onnx2fused.build import build_plugin
+        from onnx2fused.spec import LayerSpec, MLPSpec
+        spec = MLPSpec((LayerSpec(8, 24, True, ex.relu()), LayerSpec(24, 3, False, ex.identity())), io_dtype="f32")
+        lib = build_plugin([spec], with_cuda=False, cache_dir=sys.argv[1])
+        print(lib.path, lib.cache_hit)
+    """)
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    results = [o[0].split() for o in outs]
+    assert results[0][0] == results[1][0]
+    assert sorted(r[1] for r in results) == ["False", "True"]  # one built, the other waited and hit
+    lib = Path(results[0][0])
+    assert build_mod._valid_entry(lib.parent) == lib
+    assert entries(tmp_path) == [lib.parent]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith((".build-", ".trash-"))]
+
+
+def test_cuda_archs_env(monkeypatch):
+    monkeypatch.setenv("ONNX2FUSED_CUDA_ARCHS", "sm_90, 100a")
+    assert build_mod.cuda_archs() == ["90", "100a"]
+    monkeypatch.setenv("ONNX2FUSED_CUDA_ARCHS", "hopper")
+    with pytest.raises(ConversionError):
+        build_mod.cuda_archs()
+
+
+@pytest.mark.cuda_build
+@pytest.mark.skipif(find_nvcc() is None, reason="nvcc not found")
+def test_build_compiles_cuda(tmp_path):
+    """Compiles CUDA (slow): the library links with the CUDA kernels; running it needs a GPU."""
+    spec = MLPSpec((LayerSpec(16, 32, True, ex.relu()), LayerSpec(32, 8, True, ex.identity())),
+                   precision="fp32", io_dtype="f32")
+    lib = build_plugin([spec], with_cuda=True, cache_dir=tmp_path)
+    assert lib.with_cuda and not lib.cache_hit and lib.path.is_file()
+    assert (lib.sources_dir / f"{spec.name}_cuda.cu").is_file()
+    nm = shutil.which("nm")
+    if nm:
+        syms = subprocess.run([nm, "-D", "--defined-only", str(lib.path)], capture_output=True, text=True).stdout
+        assert "RegisterCustomOps" in syms

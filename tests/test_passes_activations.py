@@ -1,0 +1,170 @@
+"""Activation recognition: each ONNX elementwise pattern -> expr tree, checked against stock ORT."""
+import math
+
+import numpy as np
+import onnx
+import pytest
+
+from onnx2fused import expr as ex
+from onnx2fused.passes.activations import PER_CHANNEL, match_activation, normalise
+from onnx2fused.passes.constants import GraphIndex
+from onnx_builders import G, rand, run
+
+F = onnx.TensorProto.FLOAT
+S2 = np.float32(1.4142135)
+
+
+def c(v):
+    return np.array(v, dtype=np.float32)
+
+
+# name -> (builder(g, x) -> output, opset, expected named expr or None)
+CASES = {
+    "relu": (lambda g, x: g.op("Relu", [x]), 17, ex.relu()),
+    "leaky": (lambda g, x: g.op("LeakyRelu", [x], alpha=0.1), 17, ex.leaky_relu(0.1)),
+    "leaky_default": (lambda g, x: g.op("LeakyRelu", [x]), 17, ex.leaky_relu(0.01)),
+    "sigmoid": (lambda g, x: g.op("Sigmoid", [x]), 17, ex.sigmoid()),
+    "tanh": (lambda g, x: g.op("Tanh", [x]), 17, ex.tanh()),
+    "gelu": (lambda g, x: g.op("Gelu", [x]), 20, ex.gelu_erf()),
+    "gelu_tanh": (lambda g, x: g.op("Gelu", [x], approximate="tanh"), 20, ex.gelu_tanh()),
+    "gelu_torch_erf_chain": (lambda g, x: g.op("Mul", [g.op("Mul", [x, g.op("Add", [
+        g.op("Erf", [g.op("Div", [x, g.init(S2)])]), g.init(c(1.0))])]), g.init(c(0.5))]), 17, ex.gelu_erf()),
+    "gelu_erf_chain_reordered": (lambda g, x: g.op("Mul", [g.const_node(c(0.5)), g.op("Mul", [g.op("Add", [
+        g.init(c(1.0)), g.op("Erf", [g.op("Mul", [g.init(c(1 / math.sqrt(2))), x])])]), x])]), 17, ex.gelu_erf()),
+    "gelu_tanh_pow_chain": (lambda g, x: g.op("Mul", [g.op("Mul", [x, g.init(c(0.5))]), g.op("Add", [
+        g.init(c(1.0)), g.op("Tanh", [g.op("Mul", [g.init(c(math.sqrt(2 / math.pi))), g.op("Add", [
+            x, g.op("Mul", [g.init(c(0.044715)), g.op("Pow", [x, g.init(c(3.0))])])])])])])]), 17, ex.gelu_tanh()),
+    "silu": (lambda g, x: g.op("Mul", [x, g.op("Sigmoid", [x])]), 17, ex.silu()),
+    "silu_swapped": (lambda g, x: g.op("Mul", [g.op("Sigmoid", [x]), x]), 17, ex.silu()),
+    "softplus": (lambda g, x: g.op("Softplus", [x]), 17, ex.softplus()),
+    "softplus_torch_dynamo": (lambda g, x: (lambda m: g.op("Where", [
+        g.op("Greater", [m, g.init(c(20.0))]), x, g.op("Div", [g.op("Softplus", [m]), g.init(c(2.0))])]))(
+        g.op("Mul", [x, g.init(c(2.0))])), 20, None),
+    "elu": (lambda g, x: g.op("Elu", [x], alpha=0.7), 17, ex.elu(0.7)),
+    "selu": (lambda g, x: g.op("Selu", [x]), 17, None),
+    "celu": (lambda g, x: g.op("Celu", [x], alpha=1.3), 17, None),
+    "hardswish": (lambda g, x: g.op("HardSwish", [x]), 17, ex.hard_swish()),
+    "hardsigmoid": (lambda g, x: g.op("HardSigmoid", [x], alpha=0.3, beta=0.4), 17, ex.hard_sigmoid(0.3, 0.4)),
+    "mish": (lambda g, x: g.op("Mish", [x]), 18, ex.mish()),
+    "mish_legacy_chain": (lambda g, x: g.op("Mul", [x, g.op("Tanh", [g.op("Softplus", [x])])]), 17, ex.mish()),
+    "sin": (lambda g, x: g.op("Sin", [x]), 17, ex.sin()),
+    "cos": (lambda g, x: g.op("Cos", [x]), 17, None),
+    "exp": (lambda g, x: g.op("Exp", [x]), 17, None),
+    "log_abs": (lambda g, x: g.op("Log", [g.op("Abs", [x])]), 17, None),
+    "neg_sqrt": (lambda g, x: g.op("Sqrt", [g.op("Neg", [x])]), 17, None),
+    "reciprocal": (lambda g, x: g.op("Reciprocal", [x]), 17, None),
+    "pow2": (lambda g, x: g.op("Pow", [x, g.init(c(2.0))]), 17, None),
+    "relu6_clip_inputs": (lambda g, x: g.op("Clip", [x, g.init(c(0.0)), g.init(c(6.0))]), 17, ex.clip(0, 6)),
+    "clip_attrs_opset10": (lambda g, x: g.op("Clip", [x], min=-1.0, max=2.0), 10, ex.clip(-1, 2)),
+    "clip_min_only": (lambda g, x: g.op("Clip", [x, g.init(c(0.5))]), 17, None),
+    "clip_max_only": (lambda g, x: g.op("Clip", [x, "", g.init(c(0.5))]), 17, None),
+    "scalar_arith": (lambda g, x: g.op("Max", [g.op("Min", [g.op("Div", [g.op("Sub", [g.op("Add", [
+        x, g.init(c(1.0))]), g.init(c([0.5]))]), g.init(c(2.0))]), g.init(c(3.0))]), g.init(c(-1.0))]), 17, None),
+    "where_greater": (lambda g, x: g.op("Where", [g.op("Greater", [x, g.init(c(0.0))]), x,
+                                                  g.op("Mul", [x, g.init(c(0.2))])]), 17, None),
+    "where_less": (lambda g, x: g.op("Where", [g.op("Less", [x, g.init(c(1.0))]), g.init(c(0.0)), x]), 17, None),
+    "softsign": (lambda g, x: g.op("Softsign", [x]), 17, None),
+    "thresholded_relu": (lambda g, x: g.op("ThresholdedRelu", [x], alpha=0.5), 17, None),
+    "identity": (lambda g, x: g.op("Identity", [x]), 17, ex.identity()),
+    "dropout": (lambda g, x: g.op("Dropout", [x], outputs=1), 17, ex.identity()),
+    "cast_double_roundtrip": (lambda g, x: g.op("Relu", [g.op("Cast", [g.op("Cast", [x], to=onnx.TensorProto.DOUBLE)],
+                                                             to=F)]), 17, ex.relu()),
+    "prelu_scalar": (lambda g, x: g.op("PRelu", [x, g.init(c([0.25]))]), 17, ex.leaky_relu(0.25)),
+    "x_times_x": (lambda g, x: g.op("Mul", [x, x]), 17, None),
+    "per_tensor_broadcast_equal": (lambda g, x: g.op("Mul", [x, g.init(np.full([6], 3.0, np.float32))]), 17, None),
+}
+
+
+def _build(name):
+    build, opset, _ = CASES[name]
+    g = G(opset=opset)
+    out = build(g, "x")
+    g.op("Identity", [out], name="sink", outputs=["y"])  # the activation ends at `out`
+    return g.model([("x", ["B", 6])], [("y", ["B", 6])]), out
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_activation_matches_onnxruntime(name):
+    m, out = _build(name)
+    ix = GraphIndex(m)
+    act = match_activation(ix, "x")
+    expected = CASES[name][2]
+    if name == "identity":  # the sink itself is an Identity: the whole thing is one identity activation
+        assert act.output == "y"
+    else:
+        assert act.output == "y", act.rejected
+    # every node, the sink included, is the activation (Constant producers are folded, not consumed)
+    assert act.nodes == [k for k, n in zip(ix.keys, m.graph.node) if n.op_type != "Constant"]
+    x = np.concatenate([rand([64, 6], seed=3), np.array([[0, -0.0, 1e-3, -1e-3, 7, -7]], np.float32)])
+    (y,) = run(m, {"x": x})
+    got = ex.evaluate(act.expr, x)
+    np.testing.assert_allclose(got, y, rtol=2e-5, atol=2e-6, equal_nan=True)
+    if expected is not None:
+        assert act.expr == expected, ex.to_text(act.expr)
+
+
+def test_no_elementwise_ops_is_identity():
+    g = G()
+    g.op("MatMul", ["x", g.weight(6, 6)], name="mm", outputs=["y"])
+    m = g.model([("x", ["B", 6])], [("y", ["B", 6])])
+    act = match_activation(GraphIndex(m), "x")
+    assert act.expr == ex.identity() and act.nodes == [] and act.output == "x"
+
+
+def test_per_channel_constant_refused_with_reason():
+    g = G()
+    r = g.op("Relu", ["x"], name="relu")
+    g.op("Mul", [r, g.init(np.arange(6, dtype=np.float32), "scale")], name="scale_mul", outputs=["y"])
+    m = g.model([("x", ["B", 6])], [("y", ["B", 6])])
+    ix = GraphIndex(m)
+    act = match_activation(ix, "x")
+    assert act.expr == ex.relu() and act.output == r and act.nodes == ["relu"]
+    assert act.rejected == {1: f"Mul 'scale_mul': {PER_CHANNEL} ('scale', shape [6])"}
+
+
+def test_intermediate_used_outside_shrinks_region():
+    g = G()
+    s = g.op("Sigmoid", ["x"], name="sig", outputs=["s"])
+    g.op("Mul", ["x", s], name="mul", outputs=["y"])
+    m = g.model([("x", ["B", 6])], [("y", ["B", 6]), ("s", ["B", 6])])
+    act = match_activation(GraphIndex(m), "x")
+    # 's' is a graph output and x is read by the Mul as well: no closed region beyond x itself.
+    assert act.expr == ex.identity() and act.output == "x"
+
+
+def test_value_used_twice_outside_stops_at_the_value():
+    g = G()
+    r = g.op("Relu", ["x"], name="relu")
+    s = g.op("Sigmoid", [r], name="sig")
+    g.op("Add", [r, g.op("Softmax", [s], name="sm")], name="add", outputs=["y"])
+    m = g.model([("x", ["B", 6])], [("y", ["B", 6])])
+    act = match_activation(GraphIndex(m), "x")
+    assert act.expr == ex.relu() and act.output == r
+
+
+def test_dropout_with_used_mask_and_int_cast_refused():
+    g = G()
+    d, mask = g.op("Dropout", ["x"], name="drop", outputs=["d", "mask"])
+    m = g.model([("x", ["B", 6])], [("d", ["B", 6])], check=False)
+    m.graph.output.append(onnx.helper.make_tensor_value_info("mask", onnx.TensorProto.BOOL, ["B", 6]))
+    act = match_activation(GraphIndex(m), "x")
+    assert act.output == "x" and act.rejected == {0: "Dropout 'drop': its mask output is used"}
+    g = G()
+    g.op("Cast", ["x"], name="to_int", outputs=["y"], to=onnx.TensorProto.INT32)
+    m = g.model([("x", ["B", 6])], [("y", ["B", 6])], check=False)
+    act = match_activation(GraphIndex(m), "x")
+    assert act.rejected == {0: "Cast 'to_int': Cast to int32 (only casts to float types are elementwise no-ops)"}
+
+
+def test_non_constant_other_operand_refused():
+    g = G()
+    g.op("Add", ["x", "z"], name="resid", outputs=["y"])
+    m = g.model([("x", ["B", 6]), ("z", ["B", 6])], [("y", ["B", 6])])
+    act = match_activation(GraphIndex(m), "x")
+    assert act.rejected == {0: "Add 'resid': input 'z' is neither derived from the layer output nor a constant"}
+
+
+def test_normalise_keeps_unknown_and_distinguishes_near_misses():
+    assert normalise(ex.clip(0.0, 1e9)) == ex.clip(0.0, 1e9)  # not relu: differs above 1e9
+    assert normalise(ex.leaky_relu(1e-7)) == ex.leaky_relu(1e-7)
+    assert normalise(ex.Op("sigmoid", (ex.X,)) * ex.X) == ex.silu()

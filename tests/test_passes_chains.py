@@ -1,0 +1,147 @@
+"""Chain finding: maximal chains, where and why they end, refusals as text."""
+import numpy as np
+import onnx
+import pytest
+
+from onnx2fused import expr as ex
+from onnx2fused.passes import find_chains
+from onnx2fused.spec import MLPSpec
+from onnx_builders import F16, G, mlp
+
+
+def test_single_chain_gemm_relu():
+    plan = find_chains(mlp([8, 16, 16, 16, 4]))
+    assert len(plan.chains) == 1 and plan.refusals == []
+    c = plan.chains[0]
+    assert c.widths == (8, 16, 16, 16, 4) and c.input == "x" and c.output == "y" and c.input_dtype == "f32"
+    assert c.activations == [ex.relu(), ex.relu(), ex.relu(), ex.identity()]
+    assert c.nodes == ["fc0", "act0", "fc1", "act1", "fc2", "act2", "fc3"]
+    assert [l.activation_nodes for l in c.layers] == [["act0"], ["act1"], ["act2"], []]
+    spec = c.to_spec("fp16")
+    assert isinstance(spec, MLPSpec) and spec.widths == c.widths and spec.io_dtype == "f32"
+    assert spec.precision == "fp16" and [l.activation for l in spec.layers] == c.activations
+    assert all(l.has_bias for l in spec.layers)
+
+
+def test_single_layer_is_a_chain_and_no_bias():
+    plan = find_chains(mlp([8, 4], kind="matmul", bias=False))
+    (c,) = plan.chains
+    assert c.widths == (8, 4) and not c.layers[0].linear.has_bias and c.activations == [ex.identity()]
+    assert [l.has_bias for l in c.to_spec("fp32").layers] == [False]
+
+
+def test_rank3_matmul_chain_and_f16():
+    plan = find_chains(mlp([8, 16, 4], kind="matmul", rank=3, act="Gelu", opset=20))
+    (c,) = plan.chains
+    assert c.activations == [ex.gelu_erf(), ex.identity()] and c.widths == (8, 16, 4)
+    (c,) = find_chains(mlp([8, 16, 4], kind="matmul", elem=F16)).chains
+    assert c.input_dtype == "f16"
+
+
+def _two_layer_with(extra):
+    """x -> fc0 -> relu (h) -> fc1 -> y, then `extra(g)` to add the twist."""
+    g = G()
+    h = g.op("Relu", [g.linear("x", 8, 16, name="fc0")], name="relu0", outputs=["h"])
+    g.linear(h, 16, 4, name="fc1")
+    g.nodes[-1].output[0] = "y"
+    outs = extra(g) or []
+    return g.model([("x", ["B", 8])], [("y", ["B", 4])] + outs)
+
+
+def test_intermediate_graph_output_ends_chain():
+    plan = find_chains(_two_layer_with(lambda g: [("h", ["B", 16])]))
+    assert [c.widths for c in plan.chains] == [(8, 16), (16, 4)]
+    assert plan.chains[0].output == "h" and plan.chains[1].input == "h"
+    assert [r.reason for r in plan.refusals] == ["chain 0 ends: output of layer 1 ('h') is also a graph output"]
+    assert plan.refusals[0].node == "relu0"
+
+
+def test_second_consumer_ends_chain():
+    def extra(g):
+        g.op("Softmax", ["h"], name="side", outputs=["s"])
+        return [("s", ["B", 16])]
+    plan = find_chains(_two_layer_with(extra))
+    assert len(plan.chains) == 2
+    assert plan.refusals[0].reason == "chain 0 ends: output of layer 1 ('h') has 2 consumers (Gemm 'fc1', Softmax 'side')"
+
+
+def test_non_constant_weight_refusal_and_break():
+    g = G()
+    h = g.op("Relu", [g.linear("x", 8, 16, name="fc0")], name="relu0", outputs=["h"])
+    g.op("Gemm", [h, "w3"], name="fc3", outputs=["y"])
+    m = g.model([("x", ["B", 8]), ("w3", [16, 4])], [("y", ["B", 4])])
+    plan = find_chains(m)
+    assert [c.widths for c in plan.chains] == [(8, 16)]
+    assert [(r.node, r.reason) for r in plan.refusals] == [
+        ("relu0", "chain 0 ends: output of layer 1 ('h') feeds Gemm 'fc3', which is not fused"),
+        ("fc3", "Gemm 'fc3': weight 'w3' is not a constant"),
+    ]
+
+
+def test_per_channel_activation_ends_chain_with_reason():
+    g = G()
+    h = g.op("Mul", [g.linear("x", 8, 16, name="fc0", kind="matmul"), g.vec(16, name="gamma")], name="scale")
+    g.linear(h, 16, 4, name="fc1")
+    g.nodes[-1].output[0] = "y"
+    plan = find_chains(g.model([("x", ["B", 8])], [("y", ["B", 4])]))
+    assert [c.widths for c in plan.chains] == [(8, 16), (16, 4)]
+    assert plan.refusals[0].reason.startswith("chain 0 ends: output of layer 1 ('add_out")
+    assert plan.refusals[0].reason.endswith(
+        "feeds Mul 'scale': per-channel constant in activation not supported yet ('gamma', shape [16])")
+
+
+def test_double_input_refused():
+    m = mlp([8, 4], kind="matmul", bias=False)
+    m.graph.input[0].type.tensor_type.elem_type = onnx.TensorProto.DOUBLE
+    m.graph.output[0].type.tensor_type.elem_type = onnx.TensorProto.DOUBLE
+    m.graph.initializer[0].CopyFrom(onnx.numpy_helper.from_array(
+        onnx.numpy_helper.to_array(m.graph.initializer[0]).astype(np.float64), m.graph.initializer[0].name))
+    plan = find_chains(m)
+    assert plan.chains == []
+    assert [r.reason for r in plan.refusals] == [
+        "MatMul 'fc0': weight 'w1' has element type float64; only float16/bfloat16/float32 are fused"]
+
+
+def test_two_chains_around_softmax_and_describe():
+    g = G()
+    h = g.op("Tanh", [g.linear("x", 8, 16, name="a0")], name="t0")
+    s = g.op("Softmax", [g.linear(h, 16, 16, name="a1")], name="sm")
+    g.op("Sigmoid", [g.linear(s, 16, 4, name="b0")], name="sig", outputs=["y"])
+    plan = find_chains(g.model([("x", ["B", 8])], [("y", ["B", 4])]))
+    assert [(c.widths, c.activations) for c in plan.chains] == [
+        ((8, 16, 16), [ex.tanh(), ex.identity()]), ((16, 4), [ex.sigmoid()])]
+    assert plan.refusals == []  # a Softmax is a natural end, not a refusal
+    text = plan.describe()
+    assert "2 chain(s) to fuse:" in text
+    assert "chain 0: 'x' -> " in text and "widths 8 -> 16 -> 16, activations [tanh, id], f32" in text
+    assert "widths 16 -> 4, activations [sigmoid]" in text
+
+
+def test_transa_gemm_refused_in_plan():
+    g = G()
+    g.op("Gemm", ["x", g.weight(8, 4)], name="gt", outputs=["y"], transA=1)
+    plan = find_chains(g.model([("x", [8, "B"])], [("y", ["B", 4])]))
+    assert plan.chains == [] and [r.reason for r in plan.refusals] == [
+        "Gemm 'gt': transA=1 (transposed input) is not supported"]
+    assert "Gemm 'gt': transA=1" in plan.describe()
+
+
+def test_skl2onnx_mlp_classifier():
+    sk = pytest.importorskip("sklearn.neural_network")
+    skl2onnx = pytest.importorskip("skl2onnx")
+    import warnings
+    from onnx2fused.passes import rewrite
+    from onnx_builders import run
+    rng = np.random.default_rng(0)
+    X = rng.standard_normal((60, 5)).astype(np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        clf = sk.MLPClassifier((16, 8), max_iter=30, random_state=0).fit(X, (X[:, 0] > 0).astype(int))
+    m = skl2onnx.to_onnx(clf, X[:1], options={"zipmap": False})
+    plan = find_chains(m)
+    (c,) = plan.chains
+    assert c.widths == (5, 16, 8, 1) and c.activations == [ex.relu(), ex.relu(), ex.sigmoid()]  # binary: logistic out
+    r = rewrite(m, plan, [c.to_spec("fp32")])
+    onnx.checker.check_model(r, full_check=True)
+    for u, v in zip(run(m, {"X": X}), run(r, {"X": X})):
+        np.testing.assert_allclose(v, u, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,104 @@
+"""Real torch exports (legacy opset-17 and dynamo opset-20 with external data): chains, widths, activations,
+and the rewritten model matching the original in plain onnxruntime."""
+import warnings
+
+import numpy as np
+import onnx
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+
+from onnx2fused import expr as ex  # noqa: E402
+from onnx2fused.loader import load_model  # noqa: E402
+from onnx2fused.passes import find_chains, rewrite  # noqa: E402
+from onnx_builders import rand, run  # noqa: E402
+
+ACTS = {
+    "relu": (nn.ReLU, ex.relu()),
+    "gelu": (nn.GELU, ex.gelu_erf()),
+    "silu": (nn.SiLU, ex.silu()),
+    "tanh": (nn.Tanh, ex.tanh()),
+    "mish": (nn.Mish, ex.mish()),
+    "softplus": (nn.Softplus, None),  # beta/threshold form: a Where over a threshold
+    "leaky": (lambda: nn.LeakyReLU(0.1), ex.leaky_relu(0.1)),
+    "hardswish": (nn.Hardswish, ex.hard_swish()),
+    "elu": (nn.ELU, ex.elu(1.0)),
+}
+
+
+def _export(module, x, path, dynamo):
+    module.eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if dynamo:
+            torch.onnx.export(module, (x,), str(path), dynamo=True, dynamic_shapes=None, verbose=False)
+        else:
+            torch.onnx.export(module, (x,), str(path), dynamo=False, opset_version=17,
+                              input_names=["x"], output_names=["y"])
+    return load_model(path)
+
+
+def _check(m, x, widths, act, tol=1e-5):
+    plan = find_chains(m)
+    assert len(plan.chains) == 1, plan.describe()
+    (c,) = plan.chains
+    assert c.widths == widths
+    # the last activation ends the chain; compare the hidden ones numerically (and by name when known)
+    probe = np.linspace(-6, 6, 241, dtype=np.float32)
+    ref = torch_act_values(act, probe)
+    for a in c.activations[:-1]:
+        np.testing.assert_allclose(ex.evaluate(a, probe), ref, rtol=1e-5, atol=1e-6)
+    assert c.activations[-1] == ex.identity()
+    specs = [c.to_spec("fp32")]
+    r = rewrite(m, plan, specs)
+    onnx.checker.check_model(r, full_check=True)
+    assert r.ir_version == m.ir_version
+    name = m.graph.input[0].name
+    xa = x.numpy()
+    (a,), (b,) = run(m, {name: xa}), run(r, {name: xa})
+    np.testing.assert_allclose(b, a, rtol=tol, atol=tol)
+    return c
+
+
+def torch_act_values(act, probe):
+    with torch.no_grad():
+        return ACTS[act][0]()(torch.from_numpy(probe)).numpy()
+
+
+@pytest.mark.parametrize("act", sorted(ACTS))
+def test_legacy_export(tmp_path, act):
+    torch.manual_seed(0)
+    f = ACTS[act][0]
+    mod = nn.Sequential(nn.Linear(8, 16), f(), nn.Linear(16, 16), f(), nn.Linear(16, 4))
+    x = torch.randn(5, 8) * 3
+    m = _export(mod, x, tmp_path / "m.onnx", dynamo=False)
+    assert m.ir_version == 8
+    c = _check(m, x, (8, 16, 16, 4), act)
+    if ACTS[act][1] is not None:
+        assert c.activations[:2] == [ACTS[act][1]] * 2
+
+
+@pytest.mark.parametrize("act", ["relu", "gelu", "silu", "mish", "softplus", "hardswish"])
+def test_dynamo_export_external_data(tmp_path, act):
+    torch.manual_seed(0)
+    f = ACTS[act][0]
+    mod = nn.Sequential(nn.Linear(8, 32), f(), nn.Linear(32, 4))
+    x = torch.randn(5, 8) * 3
+    p = tmp_path / "m.onnx"
+    m = _export(mod, x, p, dynamo=True)
+    assert (tmp_path / "m.onnx.data").is_file()  # weights as external data, loaded by load_model
+    c = _check(m, x, (8, 32, 4), act)
+    if ACTS[act][1] is not None:
+        assert c.activations[0] == ACTS[act][1]
+
+
+@pytest.mark.parametrize("dynamo", [False, True])
+def test_no_bias_and_3d_input(tmp_path, dynamo):
+    torch.manual_seed(0)
+    mod = nn.Sequential(nn.Linear(8, 16, bias=False), nn.ReLU(), nn.Linear(16, 4))
+    x = torch.randn(2, 3, 8)
+    m = _export(mod, x, tmp_path / "m.onnx", dynamo=dynamo)
+    c = _check(m, x, (8, 16, 4), "relu")
+    assert [l.linear.has_bias for l in c.layers] == [False, True]
+    assert c.activations[0] == ex.relu()
