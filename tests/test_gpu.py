@@ -1,0 +1,180 @@
+"""The fused models on the CUDA EP, against stock ONNX Runtime in fp32 (GPU host only).
+
+Runs every zoo model through the real pipeline pieces (passes -> spec -> CUDA build -> rewrite),
+then through onnxruntime-gpu with the plugin: outputs poisoned with NaN before each run (IOBinding on
+device buffers) so unwritten elements show, batch sizes off every tile multiple, the profiler's
+record of which EP ran the fused node, and a CUDA-graph replay.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+ort = pytest.importorskip("onnxruntime")
+pytestmark = pytest.mark.gpu
+if "CUDAExecutionProvider" not in ort.get_available_providers():
+    pytest.skip("onnxruntime has no CUDAExecutionProvider", allow_module_level=True)
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("torch sees no CUDA device", allow_module_level=True)
+
+from onnx2fused import build, passes  # noqa: E402
+from onnx2fused.loader import load_model  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+ZOO = json.loads((ROOT / "models" / "zoo.json").read_text())
+TOL = {"fp16": 2e-3, "bf16": 1e-2, "fp32": 1e-5}
+ZOO_FILES = [(m["name"], kind) for m in ZOO["models"] for kind in m["files"]]
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("gpu_cache")
+
+
+def _fuse(path: Path, precision: str, cache_dir: Path, out: Path) -> tuple[Path, Path, onnx.ModelProto]:
+    model = load_model(str(path))
+    plan = passes.find_chains(model)
+    assert plan.chains, f"nothing fused in {path.name}: {plan.describe()}"
+    specs = [c.to_spec(precision) for c in plan.chains]
+    lib = build.build_plugin(specs, with_cuda=True, cache_dir=cache_dir)
+    fused = passes.rewrite(model, plan, specs)
+    onnx.save(fused, str(out))
+    return out, lib.path, fused
+
+
+def _session(model_path, lib=None, cuda_graph=False, profile=None):
+    so = ort.SessionOptions()
+    if lib:
+        so.register_custom_ops_library(str(lib))
+    if profile:
+        so.enable_profiling = True
+        so.profile_file_prefix = str(profile)
+    opts = {"enable_cuda_graph": "1"} if cuda_graph else {}
+    return ort.InferenceSession(str(model_path), so, providers=[("CUDAExecutionProvider", opts), "CPUExecutionProvider"])
+
+
+def _reference(model_path, x):
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    s = ort.InferenceSession(str(model_path), so, providers=["CPUExecutionProvider"])
+    return s.run(None, {s.get_inputs()[0].name: x})[0]
+
+
+def _run_poisoned(sess, x: np.ndarray, out_shape) -> np.ndarray:
+    """Run with device-resident input and a NaN-filled device output buffer."""
+    xt = torch.from_numpy(x).cuda()
+    yt = torch.full(out_shape, float("nan"), dtype=xt.dtype, device="cuda")
+    io = sess.io_binding()
+    io.bind_input(sess.get_inputs()[0].name, "cuda", 0, x.dtype, list(x.shape), xt.data_ptr())
+    io.bind_output(sess.get_outputs()[0].name, "cuda", 0, x.dtype, list(out_shape), yt.data_ptr())
+    sess.run_with_iobinding(io)
+    torch.cuda.synchronize()
+    return yt.cpu().numpy()
+
+
+def _rel(got, ref):
+    ref = ref.astype(np.float64)
+    assert np.abs(ref).max() > 0, "reference is all zeros"
+    assert np.isfinite(got).all(), f"{np.count_nonzero(~np.isfinite(got))} outputs unwritten or NaN"
+    return float(np.linalg.norm(got.astype(np.float64) - ref) / np.linalg.norm(ref))
+
+
+def _shape(entry, batch):
+    return [batch] + ([5] if entry["rank"] == 3 else []) + list(entry["feature_shape"])
+
+
+@pytest.mark.parametrize("name,kind", ZOO_FILES)
+def test_zoo_model_on_cuda_ep(name, kind, cache_dir, tmp_path):
+    entry = next(m for m in ZOO["models"] if m["name"] == name)
+    src = ROOT / "models" / entry["files"][kind]["file"]
+    fused_path, lib, _ = _fuse(src, "fp16", cache_dir, tmp_path / "fused.onnx")
+    sess = _session(fused_path, lib)
+    rng = np.random.default_rng(7)
+    for batch in (1, 127, 129, 4099):
+        x = rng.standard_normal(_shape(entry, batch)).astype(np.float32)
+        ref = _reference(src, x)
+        got = _run_poisoned(sess, x, ref.shape)
+        assert _rel(got, ref) <= TOL["fp16"], f"{name}/{kind} batch {batch}"
+    empty = sess.run(None, {sess.get_inputs()[0].name: np.zeros(_shape(entry, 0), np.float32)})[0]
+    assert empty.shape[0] == 0
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_precisions_on_cuda_ep(precision, cache_dir, tmp_path):
+    src = ROOT / "models" / "sdf.opset17.onnx"
+    fused_path, lib, _ = _fuse(src, precision, cache_dir, tmp_path / "fused.onnx")
+    sess = _session(fused_path, lib)
+    x = np.random.default_rng(1).standard_normal((3001, 3)).astype(np.float32)
+    assert _rel(_run_poisoned(sess, x, (3001, 1)), _reference(src, x)) <= TOL[precision]
+
+
+def test_large_batch_and_profiler_shows_cuda_ep(cache_dir, tmp_path):
+    src = ROOT / "models" / "nerf.opset17.onnx"
+    fused_path, lib, fused = _fuse(src, "fp16", cache_dir, tmp_path / "fused.onnx")
+    sess = _session(fused_path, lib, profile=tmp_path / "prof")
+    x = np.random.default_rng(3).standard_normal((10**6 + 3, 32)).astype(np.float32)
+    got = _run_poisoned(sess, x, (10**6 + 3, 16))
+    assert _rel(got, _reference(src, x)) <= TOL["fp16"]
+    trace = json.loads(Path(sess.end_profiling()).read_text())
+    fused_op = next(n.op_type for n in fused.graph.node if n.domain == "onnx2fused")
+    providers = {e["args"].get("provider") for e in trace
+                 if e.get("cat") == "Node" and e["args"].get("op_name") == fused_op}
+    assert providers == {"CUDAExecutionProvider"}, providers
+
+
+def test_cuda_graph_replay(cache_dir, tmp_path):
+    src = ROOT / "models" / "gelu.opset17.onnx"
+    fused_path, lib, _ = _fuse(src, "fp16", cache_dir, tmp_path / "fused.onnx")
+    sess = _session(fused_path, lib, cuda_graph=True)
+    xt = torch.empty((2048, 64), device="cuda")
+    yt = torch.empty((2048, 64), device="cuda")
+    io = sess.io_binding()
+    io.bind_input("x", "cuda", 0, np.float32, [2048, 64], xt.data_ptr())
+    io.bind_output("y", "cuda", 0, np.float32, [2048, 64], yt.data_ptr())
+    for seed in range(4):  # first run captures, later runs replay with new data in the same buffers
+        x = np.random.default_rng(seed).standard_normal((2048, 64)).astype(np.float32)
+        xt.copy_(torch.from_numpy(x))
+        yt.fill_(float("nan"))
+        sess.run_with_iobinding(io)
+        torch.cuda.synchronize()
+        assert _rel(yt.cpu().numpy(), _reference(src, x)) <= TOL["fp16"], f"replay {seed}"
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_mlps_on_cuda_ep(seed, cache_dir, tmp_path):
+    """Random widths 1..300 and depths 1..8 built as ONNX by hand (Gemm + activation)."""
+    from onnx import helper, numpy_helper, TensorProto
+    rng = np.random.default_rng(100 + seed)
+    depth = int(rng.integers(1, 9))
+    widths = [int(w) for w in rng.integers(1, 301, depth + 1)]
+    acts = ["Relu", "Tanh", "Sigmoid", "Softplus", None]
+    nodes, inits, h = [], [], "x"
+    for i, (k, n) in enumerate(zip(widths, widths[1:])):
+        w = (rng.standard_normal((n, k)) / np.sqrt(k)).astype(np.float32)
+        b = (rng.standard_normal(n) * 0.1).astype(np.float32)
+        inits += [numpy_helper.from_array(w, f"w{i}"), numpy_helper.from_array(b, f"b{i}")]
+        nodes.append(helper.make_node("Gemm", [h, f"w{i}", f"b{i}"], [f"g{i}"], transB=1))
+        h = f"g{i}"
+        act = acts[int(rng.integers(len(acts)))] if i < depth - 1 else None
+        if act:
+            nodes.append(helper.make_node(act, [h], [f"a{i}"]))
+            h = f"a{i}"
+    nodes.append(helper.make_node("Identity", [h], ["y"]))
+    g = helper.make_graph(nodes, "rand", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", widths[0]])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", widths[-1]])], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    src = tmp_path / "rand.onnx"
+    onnx.save(m, str(src))
+    fused_path, lib, _ = _fuse(src, "fp16", cache_dir, tmp_path / "fused.onnx")
+    sess = _session(fused_path, lib)
+    for batch in (1, 129, 1000):
+        x = rng.standard_normal((batch, widths[0])).astype(np.float32)
+        ref = _reference(src, x)
+        if np.abs(ref).max() == 0:
+            continue
+        assert _rel(_run_poisoned(sess, x, ref.shape), ref) <= 5e-3, f"widths {widths}"
