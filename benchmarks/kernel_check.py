@@ -164,6 +164,7 @@ def main():
     ap.add_argument("--only", nargs="*")
     ap.add_argument("--no-time", action="store_true")
     ap.add_argument("--arch", default="90")
+    ap.add_argument("--profile", action="store_true", help="one launch at the case's batch, no checks (for ncu)")
     a = ap.parse_args()
     import torch
     out = Path(a.out) / "kernels"
@@ -179,6 +180,12 @@ def main():
             print(f"{name}: BUILD FAILED {e}", flush=True)
             continue
         c = Case(name, spec, so, torch)
+        if a.profile:
+            x = torch.randn(batch, spec.widths[0], device="cuda").to(c.io_dtype)
+            y = torch.empty(batch, spec.widths[-1], device="cuda", dtype=c.io_dtype)
+            check(c.run(x, y), "run")
+            torch.cuda.synchronize()
+            continue
         plan = "fp32" if spec.precision == "fp32" else ("resident" if cuda_plan.make_plan(spec).resident else "streamed")
         try:
             errs = [c.check(b) for b in (0, 1, 127, 129, 1000, min(batch, 70001))]

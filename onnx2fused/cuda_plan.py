@@ -257,7 +257,11 @@ def template_params(spec: MLPSpec) -> dict:
         "describe": spec.describe(),
         "tensor_cores": spec.precision in ("fp16", "bf16"),
         "bf16": spec.precision == "bf16",
-        "acts": [{"index": i, "code": ex.render_c(l.activation, "v")} for i, l in enumerate(spec.layers)],
+        # Hidden layers of the tensor-core kernel round their activations to fp16/bf16 at once: they use
+        # the fast intrinsic forms. The last layer (written in the io type) and fp32 keep libm's.
+        "acts": [{"index": i, "code": ex.render_c(l.activation, "v",
+                                                  fast=spec.precision in ("fp16", "bf16") and i < len(spec.layers) - 1)}
+                 for i, l in enumerate(spec.layers)],
         "fp32_layers": [{"index": i, "k": l.in_features, "n": l.out_features, "last": i == len(spec.layers) - 1}
                         for i, l in enumerate(spec.layers)],
         "max_width": max(spec.widths),

@@ -1,0 +1,155 @@
+"""The `onnx2fused` command: convert | inspect (| bench | doctor, when those modules are installed).
+
+Every ConversionError (and OSError) prints one line `onnx2fused: error: <message>` to stderr and exits 2.
+Progress lines of long steps go to stderr (`--quiet` hides them); reports go to stdout.
+
+A subcommand hook: for each NAME in HOOKS, when the module `onnx2fused.NAME` exists, `onnx2fused NAME`
+is offered; the module is imported only when that subcommand is run (or its --help asked), and must
+provide `add_arguments(parser)` and `main(args) -> int`.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import os
+import sys
+
+from . import __version__
+from .errors import ConversionError
+
+PROG = "onnx2fused"
+HOOKS = {
+    "bench": "time stock ONNX Runtime vs the fused model",
+    "doctor": "toolchain, headers, GPU and ONNX Runtime providers",
+}
+
+
+def _error(msg) -> int:
+    text = " ".join(str(msg).split()) or "unknown error"
+    print(f"{PROG}: error: {text}", file=sys.stderr)
+    return 2
+
+
+def _progress(args):
+    if getattr(args, "quiet", False):
+        return None
+    return lambda msg: print(f"{PROG}: {msg}", file=sys.stderr, flush=True)
+
+
+def _hook_available(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(f"{__package__}.{name}") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _command_of(argv: list[str]) -> str | None:
+    for a in argv:
+        if not a.startswith("-"):
+            return a
+    return None
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG, description="Fuse the MLP chains of an ONNX model into one custom "
+                                "op each, build its ONNX Runtime plugin and validate it against stock ORT.")
+    p.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    c = sub.add_parser("convert", help="fuse, build the plugin, validate, write the fused model and a report",
+                       description="Fuse the MLP chains of IN, build the plugin library, validate against "
+                                   "stock ONNX Runtime and write OUT (default: <IN stem>.fused.onnx) with the "
+                                   "library <OUT stem>.onnx2fused.so beside it.")
+    c.add_argument("input", metavar="IN", help="the ONNX model (never modified)")
+    c.add_argument("-o", "--output", metavar="OUT", help="the fused model (default: <IN stem>.fused.onnx beside IN)")
+    c.add_argument("--precision", choices=["fp16", "bf16", "tf32", "fp32"], default="fp16",
+                   help="kernel compute precision (default fp16; tf32 has no kernel yet)")
+    c.add_argument("--no-validate", dest="validate", action="store_false", help="skip the comparison with stock ORT")
+    c.add_argument("--inputs", metavar="NPZ", help=".npz of input name -> array, validated besides random inputs")
+    c.add_argument("--force", action="store_true", help="write the model even when validation fails")
+    c.add_argument("--cache-dir", metavar="DIR", help="build cache (default $ONNX2FUSED_CACHE or ~/.cache/onnx2fused)")
+    c.add_argument("--cpu-only", action="store_true", help="build the C++ (CPU) kernels only, no CUDA")
+    c.add_argument("--json", action="store_true", help="print the report as JSON")
+    c.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
+
+    i = sub.add_parser("inspect", help="list the chains found, and why other layers are not fused",
+                       description="List the MLP chains convert would fuse (widths, activations, CUDA plan) "
+                                   "and, for each linear layer not fused, why.")
+    i.add_argument("input", metavar="IN", help="the ONNX model")
+    i.add_argument("--precision", choices=["fp16", "bf16", "fp32"], default="fp16",
+                   help="precision of the CUDA plan shown (default fp16)")
+    i.add_argument("--json", action="store_true", help="print JSON")
+
+    argv = sys.argv[1:] if argv is None else argv
+    chosen = _command_of(argv)
+    for name, help_text in HOOKS.items():
+        if not _hook_available(name):
+            continue
+        h = sub.add_parser(name, help=help_text, description=help_text)
+        h.set_defaults(_hook=name)
+        if chosen == name:  # import the module only when its subcommand runs
+            mod = importlib.import_module(f"{__package__}.{name}")
+            mod.add_arguments(h)
+    return p
+
+
+def _convert(args) -> int:
+    from .convert import convert
+    result = convert(args.input, args.output, precision=args.precision, validate=args.validate,
+                     inputs=args.inputs, force=args.force, cache_dir=args.cache_dir,
+                     with_cuda=False if args.cpu_only else None, progress=_progress(args))
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=1))
+    else:
+        print(result.format())
+    return 0
+
+
+def _inspect(args) -> int:
+    from .convert import inspect
+    result = inspect(args.input, precision=args.precision)
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=1))
+    else:
+        print(result.format())
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        parser = build_parser(argv)
+    except ImportError as e:
+        return _error(f"cannot load the subcommand: {e}")
+    args = parser.parse_args(argv)
+    try:
+        if getattr(args, "_hook", None):
+            mod = importlib.import_module(f"{__package__}.{args._hook}")
+            return int(mod.main(args) or 0)
+        if args.command == "convert":
+            return _convert(args)
+        if args.command == "inspect":
+            return _inspect(args)
+        parser.error(f"unknown command {args.command!r}")
+    except ConversionError as e:
+        return _error(e)
+    except OSError as e:
+        where = f"{e.filename}: " if getattr(e, "filename", None) else ""
+        return _error(f"{where}{e.strerror or e}")
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # a bug, not bad input: one line unless asked for the traceback
+        if os.environ.get("ONNX2FUSED_DEBUG"):
+            raise
+        print(f"{PROG}: internal error: {type(e).__name__}: {' '.join(str(e).split())} "
+              "(set ONNX2FUSED_DEBUG=1 for the traceback)", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

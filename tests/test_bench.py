@@ -1,0 +1,150 @@
+"""`onnx2fused bench` on a CPU host: the CPU mode end to end (table, bench.json, bench.png), the no-GPU
+message of the default mode, the fp16 model helper, argument parsing and the torch module builders."""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+ort = pytest.importorskip("onnxruntime")
+
+from onnx2fused import bench  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+NERF = ROOT / "models" / "nerf.opset17.onnx"
+
+
+def parse(*argv):
+    p = argparse.ArgumentParser(prog="onnx2fused bench")
+    bench.add_arguments(p)
+    return p.parse_args([str(a) for a in argv])
+
+
+def test_batches_parsing():
+    assert parse(NERF, "--batches", "1024,2^12, 8").batches == [1024, 4096, 8]
+    with pytest.raises(SystemExit):
+        parse(NERF, "--batches", "12x")
+    with pytest.raises(SystemExit):
+        parse(NERF, "--batches", "0")
+    a = parse(NERF)
+    assert a.batches is None and a.reps is None and a.threads == 2 and not a.cpu and a.precision == "fp16"
+
+
+def test_cpu_bench_end_to_end(tmp_path, capsys):
+    out = tmp_path / "out"
+    rc = bench.main(parse(NERF, "--cpu", "--batches", "512,2048", "--reps", "3", "--warmup", "1", "--out", out))
+    text = capsys.readouterr().out
+    assert rc == 0
+    assert "ORT CPU ms" in text and "fused CPU ms" in text and "speed-up" in text
+    lines = [l.split() for l in text.splitlines()]
+    assert any(l and l[0] == "512" for l in lines) and any(l and l[0] == "2048" for l in lines)
+
+    res = json.loads((out / "bench.json").read_text())
+    for key in ("mode", "model", "device", "date", "versions", "commit", "command", "rows", "threads", "reps"):
+        assert key in res, key
+    assert res["mode"] == "cpu" and res["threads"] == 2 and res["reps"] == 3
+    assert res["versions"]["onnxruntime"] == ort.__version__
+    assert [r["batch"] for r in res["rows"]] == [512, 2048]
+    for r in res["rows"]:
+        assert not r["na"], r["na"]
+        assert r["ms"]["ort_cpu"] > 0 and r["ms"]["fused_cpu"] > 0
+        assert len(r["rep_ms"]["ort_cpu"]) == 3
+        assert r["speedup_vs_ort_cpu"] == pytest.approx(r["ms"]["ort_cpu"] / r["ms"]["fused_cpu"])
+        assert r["flops"] == r["batch"] * 2 * (32 * 64 + 3 * 64 * 64 + 64 * 16)
+
+    png = (out / "bench.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 1000
+    # the fused model and its plugin were written into the output folder
+    assert list(out.glob("*.fused.onnx"))
+
+
+def test_gpu_mode_without_cuda_ep(tmp_path, capsys):
+    if "CUDAExecutionProvider" in ort.get_available_providers():
+        pytest.skip("this onnxruntime has the CUDA EP")
+    rc = bench.main(parse(NERF, "--out", tmp_path / "o"))
+    assert rc == 0
+    assert capsys.readouterr().out.strip() == bench.NO_GPU_MESSAGE
+    assert not (tmp_path / "o").exists()
+
+
+def test_missing_model(tmp_path, capsys):
+    assert bench.main(parse(tmp_path / "nope.onnx", "--cpu")) == 2
+    assert "no such file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["nerf.opset17", "gelu.opset17", "silu.dynamo", "nobias.opset17", "ffn3d.dynamo"])
+def test_to_fp16_runs_on_ort_cpu(name, tmp_path):
+    src = ROOT / "models" / f"{name}.onnx"
+    m16 = onnx.load(bench.fp16_model_file(src, tmp_path / "m.fp16.onnx"))
+    onnx.checker.check_model(m16)
+    f16 = onnx.TensorProto.FLOAT16
+    assert all(t.data_type != onnx.TensorProto.FLOAT for t in m16.graph.initializer)
+    assert all(v.type.tensor_type.elem_type == f16 for v in list(m16.graph.input) + list(m16.graph.output))
+
+    info = bench.model_info(src)
+    name_in, _, dims = info.inputs[0]
+    x = np.random.default_rng(0).standard_normal(bench._input_shape(dims, 8)).astype(np.float32)
+    try:
+        s16 = ort.InferenceSession(str(tmp_path / "m.fp16.onnx"), providers=["CPUExecutionProvider"])
+    except Exception as e:  # an op without an fp16 CPU kernel: loading and checking is all we can ask here
+        pytest.skip(f"ORT CPU cannot run this fp16 model: {e}")
+    y16 = s16.run(None, {name_in: x.astype(np.float16)})[0]
+    y32 = ort.InferenceSession(str(src), providers=["CPUExecutionProvider"]).run(None, {name_in: x})[0]
+    assert y16.dtype == np.float16 and y16.shape == y32.shape
+    err = np.linalg.norm(y16.astype(np.float32) - y32) / max(np.linalg.norm(y32), 1e-12)
+    assert err < 2e-2
+
+
+def test_model_info_layers():
+    info = bench.model_info(ROOT / "models" / "nobias.opset17.onnx")   # MatMul, no bias
+    assert [(l.k, l.n, l.bias) for l in info.layers] == [(16, 32, False), (32, 32, False), (32, 32, False),
+                                                          (32, 8, False)]
+    info = bench.model_info(ROOT / "models" / "mnist.dynamo.onnx")     # Gemm transB, external data
+    assert [(l.k, l.n) for l in info.layers] == [(784, 512), (512, 512), (512, 10)]
+    assert bench.default_cpu_batch(info) < 65536
+    assert bench.default_cpu_batch(bench.model_info(NERF)) == 65536
+
+
+def test_gpu_batches_capped_to_memory():
+    info = bench.model_info(ROOT / "models" / "mnist.opset17.onnx")
+    kept, notes = bench.gpu_batches(info, bench.DEFAULT_GPU_BATCHES, total_mem=80 * 2 ** 30)
+    assert kept and kept == sorted(kept) and kept[0] == 2 ** 10
+    assert 2 ** 22 not in kept and notes   # 2^22 x 784 fp32 rows, rotated, do not fit with activations
+    kept, _ = bench.gpu_batches(bench.model_info(NERF), bench.DEFAULT_GPU_BATCHES, total_mem=80 * 2 ** 30)
+    assert kept == bench.DEFAULT_GPU_BATCHES
+
+
+def test_zoo_torch_module_matches_onnx():
+    torch = pytest.importorskip("torch")
+    for name in ("gelu.opset17", "nobias.dynamo"):
+        path = ROOT / "models" / f"{name}.onnx"
+        entry = bench._find_zoo_entry(path)
+        assert entry is not None
+        mod, note = bench.zoo_torch_module(torch, path, entry)
+        assert "ONNX model's weights" in note, note
+        x = np.random.default_rng(1).standard_normal((5, entry["widths"][0])).astype(np.float32)
+        with torch.no_grad():
+            yt = mod(torch.from_numpy(x)).numpy()
+        yo = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+        np.testing.assert_allclose(yt, yo, rtol=1e-4, atol=1e-5)
+
+
+def test_load_torch_module(tmp_path):
+    pytest.importorskip("torch")
+    f = tmp_path / "mymod.py"
+    f.write_text("import torch\ndef make():\n    return torch.nn.Linear(4, 2)\nnet = torch.nn.ReLU()\n")
+    assert type(bench.load_torch_module(f"{f}:make")).__name__ == "Linear"
+    assert type(bench.load_torch_module(f"{f}:net")).__name__ == "ReLU"
+    with pytest.raises(ValueError):
+        bench.load_torch_module(str(f))
+
+
+def test_table_marks_missing_values():
+    res = {"mode": "gpu", "rows": [{"batch": 1024, "ms": {"ort_fp32": 1.0}, "na": {"fused": "BuildError: x"},
+                                    "speedup_vs_ort_fp32": None, "floor_ms": 0.1}]}
+    t = bench.format_table(res)
+    assert "n/a" in t and "n/a fused: BuildError: x" in t and "1.0000" in t

@@ -1,0 +1,183 @@
+"""The `onnx2fused` command through `python -m onnx2fused` (subprocess): errors, nothing-to-fuse, JSON, inspect."""
+from __future__ import annotations
+
+import importlib.machinery
+import json
+import os
+import shutil
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import onnx
+import pytest
+
+from onnx_builders import G
+
+ROOT = Path(__file__).resolve().parent.parent
+MODELS = ROOT / "models"
+
+
+def cli(*args, cwd=None):
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("ONNX2FUSED_DEBUG", None)
+    return subprocess.run([sys.executable, "-m", "onnx2fused", *map(str, args)], cwd=cwd, env=env,
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="session")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("o2f-cli-cache")
+
+
+def two_layer_with_graph_output_break():
+    """x -> fc0 -> relu (h, also a graph output) -> fc1 -> y."""
+    g = G()
+    h = g.op("Relu", [g.linear("x", 8, 16, name="fc0")], name="relu0", outputs=["h"])
+    g.linear(h, 16, 4, name="fc1")
+    g.nodes[-1].output[0] = "y"
+    return g.model([("x", ["B", 8])], [("y", ["B", 4]), ("h", ["B", 16])])
+
+
+def nothing_to_fuse():
+    """A Gemm whose weight is a graph input (refused) and a Softmax: no chain."""
+    g = G()
+    h = g.op("Gemm", ["x", "w"], name="fc", outputs=["h"])
+    g.op("Softmax", [h], name="sm", outputs=["y"])
+    return g.model([("x", ["B", 8]), ("w", [8, 4])], [("y", ["B", 4])])
+
+
+def _bad_inputs(d: Path) -> dict[str, Path]:
+    good = (MODELS / "nerf.opset17.onnx").read_bytes()
+    (d / "not_onnx.onnx").write_text("this is not an onnx model\n" * 20)
+    (d / "truncated.onnx").write_bytes(good[: len(good) // 2])
+    shutil.copyfile(MODELS / "nerf.dynamo.onnx", d / "nodata.onnx")  # its .onnx.data is not copied
+    (d / "empty.onnx").write_bytes(b"")
+    (d / "adir.onnx").mkdir()
+    return {"not_onnx": d / "not_onnx.onnx", "truncated": d / "truncated.onnx", "missing_data": d / "nodata.onnx",
+            "empty": d / "empty.onnx", "directory": d / "adir.onnx", "missing_file": d / "nope.onnx",
+            "missing_folder": d / "no" / "such" / "dir.onnx"}
+
+
+def _snapshot(d: Path) -> dict:
+    return {p.relative_to(d): (p.read_bytes() if p.is_file() else None) for p in sorted(d.rglob("*"))}
+
+
+@pytest.mark.parametrize("case", ["not_onnx", "truncated", "missing_data", "empty", "directory", "missing_file",
+                                  "missing_folder"])
+def test_bad_input_one_line_exit_2(case, tmp_path, cache):
+    src = _bad_inputs(tmp_path)[case]
+    before = _snapshot(tmp_path)
+    out = tmp_path / "out.fused.onnx"
+    p = cli("convert", src, "-o", out, "--cpu-only", "--cache-dir", cache)
+    assert p.returncode == 2, p.stderr
+    lines = p.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("onnx2fused: error: "), p.stderr
+    assert "Traceback" not in p.stderr and p.stdout == ""
+    assert _snapshot(tmp_path) == before  # no output, input bytes unchanged
+    p = cli("inspect", src)
+    assert p.returncode == 2 and p.stderr.startswith("onnx2fused: error: ") and len(p.stderr.splitlines()) == 1
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads any file")
+def test_unreadable_input(tmp_path):
+    src = tmp_path / "m.onnx"
+    shutil.copyfile(MODELS / "nerf.opset17.onnx", src)
+    src.chmod(0)
+    try:
+        p = cli("convert", src, "--cpu-only")
+        assert p.returncode == 2 and p.stderr.startswith("onnx2fused: error: ")
+        assert sorted(x.name for x in tmp_path.iterdir()) == ["m.onnx"]
+    finally:
+        src.chmod(0o644)
+
+
+def test_output_equals_input_refused(tmp_path):
+    src = tmp_path / "m.onnx"
+    shutil.copyfile(MODELS / "nerf.opset17.onnx", src)
+    before = src.read_bytes()
+    for out in (src, tmp_path / "." / "m.onnx"):
+        p = cli("convert", src, "-o", out, "--cpu-only")
+        assert p.returncode == 2 and len(p.stderr.splitlines()) == 1
+        assert p.stderr.startswith("onnx2fused: error: ") and "input" in p.stderr
+        assert src.read_bytes() == before and sorted(x.name for x in tmp_path.iterdir()) == ["m.onnx"]
+
+
+def test_output_into_missing_folder(tmp_path):
+    p = cli("convert", MODELS / "nerf.opset17.onnx", "-o", tmp_path / "no" / "out.onnx", "--cpu-only")
+    assert p.returncode == 2 and p.stderr.startswith("onnx2fused: error: ") and "does not exist" in p.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_tf32_rejected_with_alternatives(tmp_path):
+    p = cli("convert", MODELS / "nerf.opset17.onnx", "-o", tmp_path / "o.onnx", "--precision", "tf32")
+    assert p.returncode == 2 and len(p.stderr.splitlines()) == 1
+    assert "tf32" in p.stderr and "fp16" in p.stderr and "bf16" in p.stderr and "fp32" in p.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_nothing_to_fuse_written_unchanged(tmp_path, cache):
+    src = tmp_path / "plain.onnx"
+    onnx.save(nothing_to_fuse(), str(src))
+    p = cli("convert", src, "--cpu-only", "--cache-dir", cache)
+    assert p.returncode == 0, p.stderr
+    out = tmp_path / "plain.fused.onnx"
+    assert out.read_bytes() == src.read_bytes()
+    assert "nothing fused" in p.stdout and "weight 'w' is not a constant" in p.stdout
+    assert not list(tmp_path.glob("*.so"))
+
+
+def test_convert_json_and_default_output(tmp_path, cache):
+    src = tmp_path / "nerf.onnx"
+    shutil.copyfile(MODELS / "nerf.opset17.onnx", src)
+    p = cli("convert", src, "--cpu-only", "--cache-dir", cache, "--json")
+    assert p.returncode == 0, p.stderr
+    r = json.loads(p.stdout)
+    assert r["output_path"] == str(tmp_path / "nerf.fused.onnx")
+    assert r["chains"][0]["widths"] == [32, 64, 64, 64, 64, 16] and r["precision"] == "fp16"
+    assert r["validation"]["passed"] and r["validation"]["outputs"][0]["name"] == "y"
+    assert Path(r["library_path"]).is_file() and r["library_path"].endswith("nerf.fused.onnx2fused.so")
+    assert "validating" in p.stderr  # progress lines on stderr
+    # second run: a cache hit; --quiet silences progress; human table
+    p = cli("convert", src, "--cpu-only", "--cache-dir", cache, "--quiet")
+    assert p.returncode == 0 and p.stderr == ""
+    assert "cache hit" in p.stdout and "rel L2" in p.stdout and "relu" in p.stdout
+
+
+def test_inspect_lists_refusals(tmp_path):
+    src = tmp_path / "brk.onnx"
+    onnx.save(two_layer_with_graph_output_break(), str(src))
+    p = cli("inspect", src)
+    assert p.returncode == 0, p.stderr
+    assert "2 chain(s)" in p.stdout and "is also a graph output" in p.stdout
+    assert "8->16" in p.stdout and "16->4" in p.stdout and "resident weights" in p.stdout
+    p = cli("inspect", src, "--json")
+    r = json.loads(p.stdout)
+    assert [c["widths"] for c in r["chains"]] == [[8, 16], [16, 4]]
+    assert r["refusals"] == ["chain 0 ends: output of layer 1 ('h') is also a graph output"]
+    assert not list(tmp_path.glob("*.fused.onnx"))
+
+
+def test_help_and_unknown_command():
+    p = cli("--help")
+    assert p.returncode == 0 and "convert" in p.stdout and "inspect" in p.stdout
+    p = cli("frobnicate")
+    assert p.returncode == 2
+
+
+def test_bench_hook_in_process(monkeypatch, capsys):
+    """A module onnx2fused.bench with add_arguments/main becomes the `bench` subcommand."""
+    from onnx2fused import cli as cli_mod
+    calls = {}
+    mod = types.ModuleType("onnx2fused.bench")
+    mod.__spec__ = importlib.machinery.ModuleSpec("onnx2fused.bench", None)
+    mod.add_arguments = lambda parser: parser.add_argument("model")
+    mod.main = lambda args: calls.setdefault("model", args.model) and 7
+    monkeypatch.setitem(sys.modules, "onnx2fused.bench", mod)
+    assert cli_mod.main(["bench", "m.onnx"]) == 7 and calls == {"model": "m.onnx"}
+    monkeypatch.delitem(sys.modules, "onnx2fused.bench")
+    if not cli_mod._hook_available("bench"):
+        with pytest.raises(SystemExit) as e:
+            cli_mod.main(["bench", "m.onnx"])
+        assert e.value.code == 2

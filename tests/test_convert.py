@@ -1,0 +1,163 @@
+"""convert() at the API level: validation failures and force, user inputs, fp16 overflow, output layout,
+InferenceSession. CPU-only builds, one shared build cache."""
+from __future__ import annotations
+
+import importlib
+import shutil
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import numpy_helper
+
+ort = pytest.importorskip("onnxruntime")
+
+import onnx2fused  # noqa: E402
+from onnx2fused import validate as val  # noqa: E402
+from onnx2fused.convert import PLUGIN_KEY  # noqa: E402
+from onnx2fused.errors import ConversionError, ValidationError  # noqa: E402
+from onnx2fused.session import PluginNotFoundError  # noqa: E402
+
+from onnx_builders import mlp, run  # noqa: E402
+
+MODELS = Path(__file__).resolve().parent.parent / "models"
+
+
+@pytest.fixture(scope="session")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("o2f-api-cache")
+
+
+@pytest.fixture
+def nerf(tmp_path):
+    src = tmp_path / "nerf.onnx"
+    shutil.copyfile(MODELS / "nerf.opset17.onnx", src)
+    return src
+
+
+def names(d: Path) -> list[str]:
+    return sorted(p.name for p in d.iterdir())
+
+
+def test_validation_error_writes_nothing_then_force(nerf, cache, monkeypatch):
+    monkeypatch.setattr(val, "CPU_TOLERANCE", 0.0)
+    before = nerf.read_bytes()
+    with pytest.raises(ValidationError, match="relative L2 error .* exceeds the tolerance 0"):
+        onnx2fused.convert(nerf, cache_dir=cache, with_cuda=False)
+    assert names(nerf.parent) == ["nerf.onnx"] and nerf.read_bytes() == before
+    res = onnx2fused.convert(nerf, cache_dir=cache, with_cuda=False, force=True)
+    assert not res.validation.passed
+    assert any(w.startswith("written anyway (force)") for w in res.warnings)
+    assert names(nerf.parent) == ["nerf.fused.onnx", "nerf.fused.onnx2fused.so", "nerf.onnx"]
+    assert "NO" in res.format()
+
+
+def test_user_inputs_npz_and_dict(nerf, cache, tmp_path):
+    x = np.random.default_rng(5).standard_normal((3, 32)).astype(np.float64)  # cast to float32 by validate
+    npz = tmp_path / "in.npz"
+    np.savez(npz, x=x)
+    res = onnx2fused.convert(nerf, tmp_path / "a.onnx", inputs=npz, cache_dir=cache, with_cuda=False)
+    assert res.validation.cases[-1] == "user inputs" and res.validation.passed
+    res = onnx2fused.convert(nerf, tmp_path / "b.onnx", inputs={"x": x[:1]}, cache_dir=cache, with_cuda=False)
+    assert res.validation.cases[-1] == "user inputs"
+    assert res.cache_hit
+    np.savez(tmp_path / "bad.npz", z=x)
+    with pytest.raises(ConversionError, match="'z' not among the model's inputs"):
+        onnx2fused.convert(nerf, tmp_path / "c.onnx", inputs=tmp_path / "bad.npz", cache_dir=cache, with_cuda=False)
+    with pytest.raises(ConversionError, match="dimension 1 must be 32"):
+        onnx2fused.convert(nerf, tmp_path / "c.onnx", inputs={"x": x[:, :5]}, cache_dir=cache, with_cuda=False)
+    assert not (tmp_path / "c.onnx").exists()
+
+
+def _scaled_model(peak_target: float) -> onnx.ModelProto:
+    """x -> fc0 -> relu -> fc1 -> y with fc0 scaled so that max |relu output| on the validation inputs = target."""
+    m = mlp([8, 16, 4], act="Relu")
+    fc0 = next(n for n in m.graph.node if n.name == "fc0")
+    inits = {t.name: t for t in m.graph.initializer}
+    h = None
+    for case, feeds in val.random_inputs(m):
+        probe = onnx.ModelProto()
+        probe.CopyFrom(m)
+        relu_out = next(n for n in probe.graph.node if n.name == "act0").output[0]
+        probe.graph.output.append(onnx.helper.make_tensor_value_info(relu_out, onnx.TensorProto.FLOAT, None))
+        v = float(np.abs(run(probe, feeds)[1]).max())
+        h = max(h or 0.0, v)
+    s = peak_target / h
+    for name in fc0.input[1:]:
+        t = inits[name]
+        t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(t) * np.float32(s), name))
+    return m
+
+
+def test_fp16_overflow_error_and_warning(tmp_path, cache):
+    src = tmp_path / "big.onnx"
+    onnx.save(_scaled_model(1.0e5), str(src))
+    with pytest.raises(ValidationError, match="beyond the fp16 maximum 65504; use --precision bf16 or fp32"):
+        onnx2fused.convert(src, cache_dir=cache, with_cuda=False)
+    assert names(tmp_path) == ["big.onnx"]
+    res = onnx2fused.convert(src, cache_dir=cache, with_cuda=False, force=True)
+    assert any("fp16 overflow" in w and "bf16 or fp32" in w for w in res.warnings)
+    assert res.validation.max_activation[0] == pytest.approx(1.0e5, rel=1e-4)
+    # fp32 does not care
+    res = onnx2fused.convert(src, tmp_path / "f32.onnx", precision="fp32", cache_dir=cache, with_cuda=False)
+    assert res.validation.passed and not res.warnings and res.chains[0].cuda_plan == "CUDA cores, fp32"
+
+    src2 = tmp_path / "half.onnx"
+    onnx.save(_scaled_model(4.5e4), str(src2))
+    res = onnx2fused.convert(src2, cache_dir=cache, with_cuda=False)
+    assert res.validation.passed
+    assert len(res.warnings) == 1 and "more than half the fp16 maximum" in res.warnings[0]
+    assert "warning:" in res.format()
+
+
+def test_output_rules(nerf, cache, tmp_path):
+    with pytest.raises(ConversionError, match="would overwrite the input"):
+        onnx2fused.convert(nerf, nerf, cache_dir=cache, with_cuda=False)
+    with pytest.raises(ConversionError, match="tf32 has no kernel yet"):
+        onnx2fused.convert(nerf, precision="tf32")
+    with pytest.raises(ConversionError, match="unknown precision"):
+        onnx2fused.convert(nerf, precision="int8")
+    res = onnx2fused.convert(nerf, cache_dir=cache, with_cuda=False, validate=False)
+    assert res.validation is None and "validation: skipped" in res.format()
+    assert res.output_path == str(tmp_path / "nerf.fused.onnx")
+    meta = {p.key: p.value for p in onnx.load(res.output_path).metadata_props}
+    assert meta[PLUGIN_KEY] == "nerf.fused.onnx2fused.so"
+
+
+def test_external_data_output(nerf, cache, monkeypatch):
+    conv = importlib.import_module("onnx2fused.convert")  # the module (onnx2fused.convert is the function)
+    monkeypatch.setattr(conv, "EXTERNAL_DATA_BYTES", 0)
+    res = onnx2fused.convert(nerf, cache_dir=cache, with_cuda=False)
+    assert res.external_data == "nerf.fused.onnx.data" and res.validation.passed
+    assert (nerf.parent / "nerf.fused.onnx.data").is_file()
+    x = np.ones((2, 32), np.float32)
+    y = onnx2fused.InferenceSession(res.output_path).run(None, {"x": x})[0]
+    assert np.allclose(y, run(onnx.load(str(nerf)), {"x": x})[0], atol=1e-5)
+
+
+def test_dynamo_model_moved_with_its_library(cache, tmp_path):
+    """The fused model and its library travel together (relative path); a missing library is a clear error."""
+    res = onnx2fused.convert(MODELS / "silu.dynamo.onnx", tmp_path / "s.onnx", cache_dir=cache, with_cuda=False)
+    moved = tmp_path / "moved"
+    moved.mkdir()
+    shutil.move(res.output_path, moved / "s.onnx")
+    with pytest.raises(PluginNotFoundError, match="s.onnx2fused.so is missing"):
+        onnx2fused.InferenceSession(moved / "s.onnx")
+    shutil.move(res.library_path, moved / "s.onnx2fused.so")
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    sess = onnx2fused.InferenceSession(moved / "s.onnx", so)
+    assert sess.get_session_options().intra_op_num_threads == 1
+    x = np.random.default_rng(0).standard_normal((5, 256)).astype(np.float32)
+    ref = ort.InferenceSession(str(MODELS / "silu.dynamo.onnx"), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    assert np.linalg.norm(sess.run(None, {"x": x})[0] - ref) <= 1e-4 * np.linalg.norm(ref)
+    # the caller's options are not modified: a plain session with them still works (no plugin registered)
+    ort.InferenceSession(str(MODELS / "silu.dynamo.onnx"), so, providers=["CPUExecutionProvider"])
+
+
+def test_inspect_api():
+    r = onnx2fused.inspect(MODELS / "gelu.opset17.onnx")
+    assert [c.widths for c in r.chains] == [[64, 128, 128, 128, 128, 64]]
+    assert r.chains[0].activations[:1] == ["gelu_erf"] or r.chains[0].activations[0].startswith("gelu")
+    assert "chain" in r.plan
