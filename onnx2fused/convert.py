@@ -18,6 +18,7 @@ from typing import Callable
 import onnx
 
 from . import cuda_plan
+from .cpu_policy import cpu_kernel_wins
 from .build import build_plugin
 from .errors import ConversionError
 from .loader import load_model
@@ -80,12 +81,14 @@ def check_precision(precision: str) -> str:
 
 
 def plan_text(spec) -> str:
+    """The CUDA plan and the CPU decision of a spec, as the report and `inspect` show them."""
+    cpu = cpu_kernel_wins(spec)[1]
     if spec.precision == "fp32":
-        return "CUDA cores, fp32"
+        return f"GPU: CUDA cores, fp32; CPU: {cpu}"
     try:
-        return cuda_plan.make_plan(spec).describe()
+        return f"GPU: {cuda_plan.make_plan(spec).describe()}; CPU: {cpu}"
     except SpecError as e:
-        return f"no tensor-core plan: {e}"
+        return f"GPU: no tensor-core plan: {e}; CPU: {cpu}"
 
 
 def default_output(input_path) -> Path:
@@ -192,7 +195,8 @@ def convert(input_path, output_path=None, precision: str = "fp16", validate: boo
                                              precision, s.io_dtype, plan_text(s), c.input, c.output))
 
         say(f"building the plugin for {len(unique)} kernel(s)")
-        lib = build_plugin(unique, with_cuda=with_cuda, cache_dir=cache_dir, progress=say)
+        cpu_enabled = {s.name: cpu_kernel_wins(s)[0] for s in unique}
+        lib = build_plugin(unique, with_cuda=with_cuda, cache_dir=cache_dir, cpu_enabled=cpu_enabled, progress=say)
         result.cached_library, result.build_seconds = str(lib.path), lib.build_seconds
         result.cache_hit, result.with_cuda = lib.cache_hit, lib.with_cuda
         if lib.cache_hit:
