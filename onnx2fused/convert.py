@@ -274,11 +274,7 @@ def format_report(r: ConversionResult) -> str:
         lines.append(f"nothing fused: {r.nothing_to_fuse}; the model was written unchanged")
     else:
         lines.append(f"{len(r.chains)} chain(s) fused, precision {r.precision}:")
-        rows = [("#", "widths", "activations", "io", "CUDA plan")]
-        for c in r.chains:
-            rows.append((str(c.index), "->".join(map(str, c.widths)), ", ".join(c.activations), c.io_dtype,
-                         c.cuda_plan))
-        lines += _table(rows, indent="  ")
+        lines += _chain_table(r.chains, "CUDA plan")
         for c in r.chains:
             lines.append(f"  chain {c.index}: op {c.name} ('{c.input}' -> '{c.output}')")
         where = "cache hit" if r.cache_hit else f"built in {r.build_seconds:.1f} s"
@@ -308,6 +304,14 @@ def format_report(r: ConversionResult) -> str:
     return "\n".join(lines)
 
 
+def _chain_table(chains, plan_header: str) -> list[str]:
+    """The per-chain table shared by the convert report and `inspect`."""
+    rows = [("#", "widths", "activations", "io", plan_header)]
+    for c in chains:
+        rows.append((str(c.index), "->".join(map(str, c.widths)), ", ".join(c.activations), c.io_dtype, c.cuda_plan))
+    return _table(rows, indent="  ")
+
+
 def _table(rows, indent="") -> list[str]:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return [indent + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
@@ -327,11 +331,7 @@ class InspectResult:
     def format(self) -> str:
         lines = [f"{self.input_path}: {len(self.chains)} chain(s) to fuse"]
         if self.chains:
-            rows = [("#", "widths", "activations", "io", "CUDA plan (fp16)")]
-            for c in self.chains:
-                rows.append((str(c.index), "->".join(map(str, c.widths)), ", ".join(c.activations), c.io_dtype,
-                             c.cuda_plan))
-            lines += _table(rows, indent="  ")
+            lines += _chain_table(self.chains, "CUDA plan (fp16)")
             for c in self.chains:
                 lines.append(f"  chain {c.index}: '{c.input}' -> '{c.output}', op {c.name}")
         if self.refusals:
