@@ -9,6 +9,7 @@ effective TFLOP/s and the floor (max of bytes / 3.0 TB/s and flops / 665 TFLOP/s
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import ctypes
 import json
 import os
@@ -47,26 +48,50 @@ CASES = {
     "f16io": (mlp([32, 64, 64, 16], ex.silu(), io="f16"), 65536),
     "fp32": (mlp([19, 40, 40, 3], ex.softplus(), "fp32"), 3001),
     "nobias": (mlp([16, 32, 32, 8], ex.relu(), bias=False), 1000),
+    "nerf64_tf32": (mlp([32, 64, 64, 64, 64, 16], ex.relu(), "tf32"), 2**21),
+    "w256silu_tf32": (mlp([256, 256, 256, 256, 256], ex.silu(), "tf32"), 2**18),
+    "odd_tf32": (mlp([3, 37, 129, 5], [ex.tanh(), ex.mish(), ex.sigmoid()], "tf32"), 100003),
+}
+
+# Alternatives of the default plan, timed beside it: case -> (base case, make_plan options).
+VARIANTS = {
+    "nerf64_noprefetch": ("nerf64", {"prefetch": False}),
+    "nerf64_w16": ("nerf64", {"warp_choices": (16,)}),
+    "nerf64_smem": ("nerf64", {"register_activations": False}),
+    "w128gelu_noprefetch": ("w128gelu", {"prefetch": False}),
+    "w128gelu_w16": ("w128gelu", {"warp_choices": (16,)}),
+    "w128gelu_smem": ("w128gelu", {"register_activations": False}),
 }
 
 
-def render(spec: MLPSpec) -> str:
+def all_cases() -> dict:
+    cases = {name: (spec, batch, {}) for name, (spec, batch) in CASES.items()}
+    for name, (base, options) in VARIANTS.items():
+        cases[name] = (CASES[base][0], CASES[base][1], options)
+    return cases
+
+
+def render(spec: MLPSpec, options: dict) -> str:
     import jinja2
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(ROOT / "templates")),
                              undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
-    return env.get_template("cuda_kernel.cu.j2").render(**cuda_plan.template_params(spec))
+    return env.get_template("cuda_kernel.cu.j2").render(**cuda_plan.template_params(spec, **options))
 
 
-def build(spec: MLPSpec, out: Path, arch: str) -> ctypes.CDLL:
-    src = out / f"{spec.name}.cu"
-    src.write_text(render(spec))
-    lib = out / f"lib{spec.name}.so"
+def compile_case(name: str, spec: MLPSpec, options: dict, out: Path, arch: str) -> Path:
+    src = out / f"{name}.cu"
+    src.write_text(render(spec, options))
+    lib = out / f"lib{name}.so"
     cmd = ["nvcc", "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-lineinfo",
            f"-gencode=arch=compute_{arch},code=sm_{arch}", "-Xptxas", "-v", str(src), "-o", str(lib)]
     r = subprocess.run(cmd, capture_output=True, text=True)
-    (out / f"{spec.name}.ptxas.txt").write_text(r.stdout + r.stderr)
+    (out / f"{name}.ptxas.txt").write_text(r.stdout + r.stderr)
     if r.returncode:
-        raise RuntimeError(f"nvcc failed for {spec.name}:\n{r.stderr[-4000:]}")
+        raise RuntimeError(f"nvcc failed for {name}:\n{r.stderr[-4000:]}")
+    return lib
+
+
+def load(spec: MLPSpec, lib: Path) -> ctypes.CDLL:
     so = ctypes.CDLL(str(lib))
     for fn, res, args in [("cuda_workspace_bytes", ctypes.c_size_t, []),
                           ("cuda_pack", ctypes.c_int, [ctypes.c_void_p] * 4),
@@ -170,12 +195,16 @@ def main():
     out = Path(a.out) / "kernels"
     out.mkdir(parents=True, exist_ok=True)
     rows = []
-    for name, (spec, batch) in CASES.items():
-        if a.only and name not in a.only:
-            continue
+    cases = {n: c for n, c in all_cases().items() if not a.only or n in a.only}
+    t0 = time.time()
+    # nvcc runs are independent: compile every case at once, then check and time one by one.
+    with concurrent.futures.ThreadPoolExecutor(max(1, (os.cpu_count() or 2) // 2)) as pool:
+        libs = {n: pool.submit(compile_case, n, spec, opts, out, a.arch) for n, (spec, _, opts) in cases.items()}
+    print(f"compiled {len(cases)} cases in {time.time() - t0:.0f} s", flush=True)
+    for name, (spec, batch, options) in cases.items():
         t0 = time.time()
         try:
-            so = build(spec, out, a.arch)
+            so = load(spec, libs[name].result())
         except Exception as e:  # report and go on with the other cases
             print(f"{name}: BUILD FAILED {e}", flush=True)
             continue
@@ -186,7 +215,7 @@ def main():
             check(c.run(x, y), "run")
             torch.cuda.synchronize()
             continue
-        plan = "fp32" if spec.precision == "fp32" else ("resident" if cuda_plan.make_plan(spec).resident else "streamed")
+        plan = "fp32" if spec.precision == "fp32" else cuda_plan.make_plan(spec, **options).describe()
         try:
             errs = [c.check(b) for b in (0, 1, 127, 129, 1000, min(batch, 70001))]
             err = max(errs)
@@ -200,9 +229,9 @@ def main():
         rows.append(row)
         print(json.dumps(row), flush=True)
     (Path(a.out) / "kernel_check.json").write_text(json.dumps(rows, indent=1))
-    print(f"{'case':10} {'plan':9} {'batch':>8} {'relerr':>8} {'ms':>8} {'floor':>7} {'x floor':>7} {'TFLOP/s':>7}")
+    print(f"{'case':20} {'plan':9} {'batch':>8} {'relerr':>8} {'ms':>8} {'floor':>7} {'x floor':>7} {'TFLOP/s':>7}")
     for r in rows:
-        print(f"{r['case']:10} {r['plan']:9} {r['batch']:8d} {r['relerr']:8.1e} {r['ms']:8.4f} {r['floor_ms']:7.4f} "
+        print(f"{r['case']:20} {r['plan'][:9]:9} {r['batch']:8d} {r['relerr']:8.1e} {r['ms']:8.4f} {r['floor_ms']:7.4f} "
               f"{r['ms'] / r['floor_ms']:7.2f} {r['tflops'] or 0:7.1f}")
 
 

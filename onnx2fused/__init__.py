@@ -4,13 +4,15 @@ __version__ = "0.1.0"
 from .errors import BuildError, ConversionError, ValidationError  # noqa: E402
 from .convert import ConversionResult, InspectResult, convert, inspect  # noqa: E402  (rebinds the name `convert`)
 
-__all__ = ["__version__", "convert", "inspect", "InferenceSession", "ConversionError", "ValidationError",
-           "BuildError", "ConversionResult", "InspectResult"]
+__all__ = ["__version__", "convert", "inspect", "InferenceSession", "from_torch", "TorchConversion",
+           "ConversionError", "ValidationError", "BuildError", "ConversionResult", "InspectResult"]
+
+# Lazy attributes: importing onnx2fused imports neither onnxruntime nor torch until one of these is asked for.
+_LAZY = {"InferenceSession": "session", "from_torch": "torch_export", "TorchConversion": "torch_export"}
 
 
 def __getattr__(name):
-    # Lazy: importing onnx2fused does not import onnxruntime until a session is asked for.
-    if name == "InferenceSession":
-        from .session import InferenceSession
-        return InferenceSession
+    if name in _LAZY:
+        import importlib
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
     raise AttributeError(f"module 'onnx2fused' has no attribute {name!r}")

@@ -30,7 +30,7 @@ from typing import Callable
 from . import __version__
 from .codegen import render
 from .errors import BuildError, ConversionError
-from .headers import default_cache_dir, locate_ort_headers
+from .headers import default_cache_dir, find_cutlass_headers, locate_ort_headers, needs_cutlass
 from .resources import ort_plugin_dir
 
 VERSION = 1  # bump when the build recipe changes in a way the key does not see
@@ -186,6 +186,9 @@ def build_plugin(specs, with_cuda: bool | None = None, cache_dir=None, cpu_enabl
 
     host_flags = list(HOST_FLAGS) + (["-DONNX2FUSED_WITH_CUDA"] if with_cuda else [])
     cu_flags = nvcc_flags() + ["-DONNX2FUSED_WITH_CUDA"] if with_cuda else []
+    cutlass = find_cutlass_headers() if with_cuda and needs_cutlass(sources) else None  # wide design only
+    if cutlass:
+        cu_flags += ["-I", str(cutlass.path), "--expt-relaxed-constexpr"]
     key_parts = {
         "version": VERSION,
         "onnx2fused": __version__,
@@ -196,6 +199,7 @@ def build_plugin(specs, with_cuda: bool | None = None, cache_dir=None, cpu_enabl
         "nvcc_flags": cu_flags,
         "nvcc": compiler_version(nvcc) if with_cuda else "",
         "ort_headers": headers.version,
+        "cutlass": cutlass.version if cutlass else "",
     }
     key = hashlib.sha256(json.dumps(key_parts, sort_keys=True).encode()).hexdigest()[:16]
     entry = cache / key

@@ -3,9 +3,10 @@
 Every ConversionError (and OSError) prints one line `onnx2fused: error: <message>` to stderr and exits 2.
 Progress lines of long steps go to stderr (`--quiet` hides them); reports go to stdout.
 
-A subcommand hook: for each NAME in HOOKS, when the module `onnx2fused.NAME` exists, `onnx2fused NAME`
-is offered; the module is imported only when that subcommand is run (or its --help asked), and must
-provide `add_arguments(parser)` and `main(args) -> int`.
+A subcommand hook: for each NAME in HOOKS, when the module `onnx2fused.<module>` exists, `onnx2fused NAME`
+is offered; <module> is NAME, or HOOK_MODULES[NAME] where NAME is not a valid module name (a '-' in it).
+The module is imported only when that subcommand is run (or its --help asked), and must provide
+`add_arguments(parser)` and `main(args) -> int`.
 """
 from __future__ import annotations
 
@@ -23,7 +24,14 @@ PROG = "onnx2fused"
 HOOKS = {
     "bench": "time stock ONNX Runtime vs the fused model",
     "doctor": "toolchain, headers, GPU and ONNX Runtime providers",
+    "export-triton": "write a Triton Inference Server model repository for a (fused) model",
 }
+# command name -> module name, for command names that are not valid module names
+HOOK_MODULES = {"export-triton": "triton"}
+
+
+def _hook_module(name: str) -> str:
+    return f"{__package__}.{HOOK_MODULES.get(name, name)}"
 
 
 def _error(msg) -> int:
@@ -40,7 +48,7 @@ def _progress(args):
 
 def _hook_available(name: str) -> bool:
     try:
-        return importlib.util.find_spec(f"{__package__}.{name}") is not None
+        return importlib.util.find_spec(_hook_module(name)) is not None
     except (ImportError, ValueError):
         return False
 
@@ -66,7 +74,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     c.add_argument("input", metavar="IN", help="the ONNX model (never modified)")
     c.add_argument("-o", "--output", metavar="OUT", help="the fused model (default: <IN stem>.fused.onnx beside IN)")
     c.add_argument("--precision", choices=["fp16", "bf16", "tf32", "fp32"], default="fp16",
-                   help="kernel compute precision (default fp16; tf32 has no kernel yet)")
+                   help="tensor-core operand precision (default fp16; bf16, tf32), or fp32 on CUDA cores")
     c.add_argument("--no-validate", dest="validate", action="store_false", help="skip the comparison with stock ORT")
     c.add_argument("--inputs", metavar="NPZ", help=".npz of input name -> array, validated besides random inputs")
     c.add_argument("--force", action="store_true", help="write the model even when validation fails")
@@ -79,7 +87,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                        description="List the MLP chains convert would fuse (widths, activations, CUDA plan) "
                                    "and, for each linear layer not fused, why.")
     i.add_argument("input", metavar="IN", help="the ONNX model")
-    i.add_argument("--precision", choices=["fp16", "bf16", "fp32"], default="fp16",
+    i.add_argument("--precision", choices=["fp16", "bf16", "tf32", "fp32"], default="fp16",
                    help="precision of the CUDA plan shown (default fp16)")
     i.add_argument("--json", action="store_true", help="print JSON")
 
@@ -91,7 +99,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         h = sub.add_parser(name, help=help_text, description=help_text)
         h.set_defaults(_hook=name)
         if chosen == name:  # import the module only when its subcommand runs
-            mod = importlib.import_module(f"{__package__}.{name}")
+            mod = importlib.import_module(_hook_module(name))
             mod.add_arguments(h)
     return p
 
@@ -127,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if getattr(args, "_hook", None):
-            mod = importlib.import_module(f"{__package__}.{args._hook}")
+            mod = importlib.import_module(_hook_module(args._hook))
             return int(mod.main(args) or 0)
         if args.command == "convert":
             return _convert(args)

@@ -95,6 +95,12 @@ def _buffers(num_layers: int) -> list[tuple[str, str]]:
     return out
 
 
+def chan_array_params(arrays: dict, size: int) -> list[dict]:
+    """The constant arrays of a layer's per-channel constants (`expr.chan_arrays`), `size` entries
+    each: only numbers go into the generated code, never a model's names."""
+    return [{"name": name, "size": size, "init": ex.c_array_values(c, size)} for c, name in arrays.items()]
+
+
 def cpu_params(spec: MLPSpec) -> dict:
     name = _check_name(spec)
     n = len(spec.layers)
@@ -102,12 +108,15 @@ def cpu_params(spec: MLPSpec) -> dict:
     last_src = bufs[-1][0]
     layers = []
     for i, (layer, (src, dst)) in enumerate(zip(spec.layers, bufs)):
+        arrays = ex.chan_arrays(layer.activation, f"kChan{i}_")
         layers.append({
             "index": i,
             "k": layer.in_features,
             "n": layer.out_features,
             "bias": "true" if layer.has_bias else "false",
-            "act_c": ex.render_c(layer.activation, "v"),
+            "act_c": ex.render_c(layer.activation, "v", col="col", arrays=arrays),
+            # The CPU kernel applies the activation to true columns only: arrays of N entries.
+            "chans": chan_array_params(arrays, layer.out_features),
             "act_text": ex.to_text(layer.activation).replace("\n", " "),
             "src": src,
             "dst": dst,
@@ -178,6 +187,7 @@ def render(specs: list[MLPSpec], with_cuda: bool, cpu_enabled: dict[str, bool] |
         if cpu_enabled.get(spec.name, True):
             files[f"{spec.name}_cpu.cc"] = _render(CPU_TEMPLATE, cpu_params(spec))
         if with_cuda:
-            files[f"{spec.name}_cuda.cu"] = _render(CUDA_TEMPLATE, cuda_params(spec))
+            params = cuda_params(spec)  # the plan names its template when it is not the fused kernel's
+            files[f"{spec.name}_cuda.cu"] = _render(params.get("template", CUDA_TEMPLATE), params)
     files["registry.cc"] = _render(REGISTRY_TEMPLATE, registry_params(specs, with_cuda, cpu_enabled))
     return files

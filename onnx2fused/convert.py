@@ -73,10 +73,8 @@ class ConversionResult:
 
 
 def check_precision(precision: str) -> str:
-    if precision == "tf32":
-        raise ConversionError("precision tf32 has no kernel yet; use --precision fp16, bf16 or fp32")
     if precision not in PRECISIONS:
-        raise ConversionError(f"unknown precision {precision!r}; choose fp16, bf16 or fp32")
+        raise ConversionError(f"unknown precision {precision!r}; choose fp16, bf16, tf32 or fp32")
     return precision
 
 
@@ -157,7 +155,7 @@ def convert(input_path, output_path=None, precision: str = "fp16", validate: boo
             progress: Callable[[str], None] | None = None) -> ConversionResult:
     """Fuse the MLP chains of `input_path` into one custom op each; write `output_path` and its plugin.
 
-    precision: fp16 (default), bf16 or fp32 (tf32 has no kernel yet). validate: compare with stock ORT
+    precision: fp16 (default), bf16, tf32 (tensor cores) or fp32 (CUDA cores, exact). validate: compare with stock ORT
     (ValidationError above the tolerance unless force=True; nothing is written then). inputs: an .npz
     path or a dict name -> array used for validation besides random inputs. with_cuda: build the CUDA
     kernels (None: when nvcc is found). Returns the report.
@@ -331,7 +329,7 @@ class InspectResult:
     def format(self) -> str:
         lines = [f"{self.input_path}: {len(self.chains)} chain(s) to fuse"]
         if self.chains:
-            lines += _chain_table(self.chains, "CUDA plan (fp16)")
+            lines += _chain_table(self.chains, f"plan ({self.chains[0].precision})")
             for c in self.chains:
                 lines.append(f"  chain {c.index}: '{c.input}' -> '{c.output}', op {c.name}")
         if self.refusals:

@@ -37,6 +37,19 @@ NC_STREAMED_MAX = 256     # output columns per streamed chunk
 RESIDENT_NP_MAX = 256     # widest layer the resident design accumulates in registers (MT=1)
 
 
+ELEM_BYTES = {"fp16": 2, "bf16": 2, "tf32": 4}  # tensor-core operand size per precision
+
+
+def elem_bytes(spec: MLPSpec) -> int:
+    return ELEM_BYTES[spec.precision]
+
+
+def row_pad(spec: MLPSpec) -> int:
+    """Padding elements at the end of each chunk/tile row: 16 bytes, so the 8 rows one ldmatrix reads
+    fall in distinct shared-memory banks."""
+    return 16 // elem_bytes(spec)
+
+
 def _round_up(v: int, m: int) -> int:
     return (v + m - 1) // m * m
 
@@ -53,6 +66,7 @@ class LayerPlan:
     chunk_first: int  # id of the layer's first chunk in the per-tile sequence
     w_offset: int     # offset of the layer's first chunk in the packed weights (elements)
     b_offset: int     # offset of the layer's bias in the packed biases (floats)
+    pad: int = 8      # padding elements per chunk row (16 bytes)
 
     @property
     def n_kchunks(self) -> int:
@@ -68,7 +82,7 @@ class LayerPlan:
 
     @property
     def chunk_elems(self) -> int:
-        return self.nc * (self.kc + 8)
+        return self.nc * (self.kc + self.pad)
 
 
 @dataclass(frozen=True)
@@ -100,6 +114,8 @@ class CudaPlan:
     mt: int = 0
     act_ld: int = 0
     smem_bytes: int = 0
+    prefetch_vectors: int = 0  # 16-byte registers per lane holding the next input tile (0: no prefetch)
+    register_activations: bool = False  # hidden activations stay in registers (act_ld: input staging only)
     # streamed design
     width_a: int = 0
     width_b: int = 0
@@ -123,7 +139,10 @@ class CudaPlan:
 
     def describe(self) -> str:
         if self.resident:
-            return f"resident weights, {self.warps} warps x {16 * self.mt} rows, {self.smem_bytes // 1024} KB smem"
+            pf = ", next input prefetched" if self.prefetch_vectors else ""
+            regs = ", activations in registers" if self.register_activations else ""
+            return (f"resident weights, {self.warps} warps x {16 * self.mt} rows, {self.smem_bytes // 1024} KB smem"
+                    f"{regs}{pf}")
         return "streamed weights, " + ", ".join(f"{v.name} {v.bm}-row tiles ({v.smem_bytes // 1024} KB)" for v in self.variants)
 
 
@@ -140,7 +159,7 @@ def _layer_plans(spec: MLPSpec, nc_of) -> list[LayerPlan]:
             kc = next(c for c in (KC_MAX, 48, 32, 16) if kp % c == 0)
         nc = nc_of(l.out_features)
         p = LayerPlan(i, l.in_features, l.out_features, kc, nc, kp,
-                      _round_up(l.out_features, nc), chunk, w_off, b_off)
+                      _round_up(l.out_features, nc), chunk, w_off, b_off, row_pad(spec))
         kp = p.np_
         plans.append(p)
         chunk += p.n_chunks
@@ -157,17 +176,51 @@ def _streamed_nc(n: int) -> int:
     return min((256, 192, 128), key=lambda c: (_round_up(n, c) - n, -c))
 
 
-def _resident_plan(spec: MLPSpec, smem_limit: int) -> CudaPlan | None:
+RESIDENT_WARPS = (16, 12, 8, 4)  # warps per block tried by the shared-memory design, best occupancy first
+REGISTER_FRAGMENTS_MAX = 96  # accumulator + operand registers per lane the register design may hold
+
+
+def _fragment_registers(layers: list[LayerPlan], mt: int) -> int:
+    """Registers per lane a warp of `mt` m16-tiles holds at once in the register design: a layer's
+    fp32 accumulators (np/2 per m-tile) plus its input as packed 16-bit A fragments (kp/4)."""
+    return max(mt * (l.np_ // 2 + (l.kp // 4 if l.index else 0)) for l in layers)
+
+
+def _resident_plan(spec: MLPSpec, smem_limit: int, mt: int | None = None,
+                   warp_choices: tuple[int, ...] | None = None, prefetch: bool = True,
+                   register_activations: bool | None = None) -> CudaPlan | None:
+    """All weights in shared memory. With 16-bit operands and layers up to 128 wide, the register
+    design: a layer's accumulator fragments, after bias and activation, are packed in registers into
+    exactly the A fragments of the next layer's mma.sync (m16n8k16's C and A layouts agree), so hidden
+    activations never go through shared memory; only the input tile is staged there. Otherwise each
+    warp keeps its activation tile in shared memory and overwrites it layer by layer."""
     layers = _layer_plans(spec, lambda n: _round_up(n, 16))
     widest = max(l.np_ for l in layers)
     if widest > RESIDENT_NP_MAX:
         return None
-    mt = 2 if widest <= 64 else 1
-    act_ld = max([l.kp for l in layers] + [l.np_ for l in layers[:-1]]) + 8
-    fixed = sum(l.np_ for l in layers) * 4 + sum(l.n_chunks * l.chunk_elems for l in layers) * 2
+    if register_activations is None:
+        register_activations = (elem_bytes(spec) == 2 and _fragment_registers(layers, 1) <= REGISTER_FRAGMENTS_MAX)
+    if register_activations and elem_bytes(spec) != 2:
+        raise SpecError("register activations need 16-bit operands (tf32's A and C fragments differ)")
+    if warp_choices is None:
+        # Registers, not shared memory, bound the register design's occupancy: 12 warps leave 168
+        # registers a lane, which the fragments and the input prefetch need (16 warps cap them at 128
+        # and spill; measured on an H100: nerf 0.162 vs 0.198 ms, gelu 0.682 vs 0.787 ms).
+        warp_choices = (12,) if register_activations else RESIDENT_WARPS
+    if mt is None:
+        if register_activations:
+            mt = 2 if _fragment_registers(layers, 2) <= REGISTER_FRAGMENTS_MAX else 1
+        else:
+            mt = 2 if widest <= 64 else 1
+    eb = elem_bytes(spec)
+    if register_activations:
+        act_ld = layers[0].kp + row_pad(spec)
+    else:
+        act_ld = max([l.kp for l in layers] + [l.np_ for l in layers[:-1]]) + row_pad(spec)
+    fixed = sum(l.np_ for l in layers) * 4 + sum(l.n_chunks * l.chunk_elems for l in layers) * eb
     best = None
-    for warps in (16, 12, 8, 4):
-        smem = fixed + warps * 16 * mt * act_ld * 2
+    for warps in warp_choices:
+        smem = fixed + warps * 16 * mt * act_ld * eb
         if smem > smem_limit:
             continue
         per_sm = min(228 * 1024 // (smem + 1024), 64 // warps)
@@ -176,7 +229,26 @@ def _resident_plan(spec: MLPSpec, smem_limit: int) -> CudaPlan | None:
             best = (score, warps, smem)
     if best is None:
         return None
-    return CudaPlan(spec, tuple(layers), True, warps=best[1], mt=mt, act_ld=act_ld, smem_bytes=best[2])
+    return CudaPlan(spec, tuple(layers), True, warps=best[1], mt=mt, act_ld=act_ld, smem_bytes=best[2],
+                    prefetch_vectors=_prefetch_vectors(spec, 16 * mt) if prefetch else 0,
+                    register_activations=register_activations)
+
+
+PREFETCH_VECTORS_MAX = 8  # 16-byte registers per lane for the next tile's input (32 registers)
+
+
+def _prefetch_vectors(spec: MLPSpec, rows: int) -> int:
+    """16-byte vectors per lane that hold a warp's next input tile (rows x K0 in the io type), or 0
+    when the tile does not split evenly into whole vectors over 32 lanes or needs too many registers.
+    The warp loads its next tile into these registers before computing the current one, so the
+    global-memory latency of the input overlaps the tensor-core work."""
+    io_bytes = 4 if spec.io_dtype == "f32" else 2
+    k0 = spec.layers[0].in_features
+    tile = rows * k0 * io_bytes
+    if (k0 * io_bytes) % 16 or tile % (16 * 32):
+        return 0
+    vectors = tile // (16 * 32)
+    return vectors if vectors <= PREFETCH_VECTORS_MAX else 0
 
 
 def _tiling(bm: int, warps: int, nc: int, prefer_rows: bool, max_acc: int = 128) -> WarpTiling:
@@ -203,12 +275,13 @@ def _streamed_plan(spec: MLPSpec, smem_limit: int) -> CudaPlan:
     wa = max(l.kp for l in layers[0::2])
     wb = max((l.kp for l in layers[1::2]), default=0)
     bias = sum(l.np_ for l in layers) * 4
-    slot = max(l.chunk_elems for l in layers) * 2
+    eb, pad = elem_bytes(spec), row_pad(spec)
+    slot = max(l.chunk_elems for l in layers) * eb
     variants = []
     for name, bms, warps, prefer_rows in (("tall_tiles", (128, 64), 8, True), ("short_tiles", (32, 16), 8, False)):
         for bm in bms:
             for stages in (3, 2):
-                smem = bias + stages * slot + bm * ((wa + 8) + ((wb + 8) if wb else 0)) * 2
+                smem = bias + stages * slot + bm * ((wa + pad) + ((wb + pad) if wb else 0)) * eb
                 if smem <= smem_limit:
                     tilings = tuple(_tiling(bm, warps, l.nc, prefer_rows) for l in layers)
                     variants.append(Variant(name, bm, warps, stages, tilings, smem))
@@ -217,7 +290,7 @@ def _streamed_plan(spec: MLPSpec, smem_limit: int) -> CudaPlan:
                 continue
             break
     if not variants:
-        need = bias + 2 * slot + 16 * ((wa + 8) + (wb + 8)) * 2
+        need = bias + 2 * slot + 16 * ((wa + pad) + (wb + pad)) * eb
         raise SpecError(f"{spec.describe()}: even a 16-row tile needs {need // 1024} KB of shared memory "
                         f"(over {smem_limit // 1024} KB); use --precision fp32 or split the chain")
     if len(variants) == 2 and variants[0].bm == variants[1].bm:
@@ -225,10 +298,18 @@ def _streamed_plan(spec: MLPSpec, smem_limit: int) -> CudaPlan:
     return CudaPlan(spec, tuple(layers), False, width_a=wa, width_b=wb, variants=tuple(variants))
 
 
-def make_plan(spec: MLPSpec, smem_limit: int = SMEM_LIMIT) -> CudaPlan:
-    if spec.precision not in ("fp16", "bf16"):
+def make_plan(spec: MLPSpec, smem_limit: int = SMEM_LIMIT, **resident_options) -> CudaPlan:
+    """`resident_options` (mt, warp_choices) override the resident design's heuristics: for
+    benchmarks/kernel_check.py, which times the alternatives."""
+    if spec.precision not in ELEM_BYTES:
         raise SpecError(f"{spec.precision} has no tensor-core plan (it runs on the CUDA-core kernel)")
-    return _resident_plan(spec, smem_limit) or _streamed_plan(spec, smem_limit)
+    from . import wide_plan  # the third design (CUTLASS GEMMs per layer) and the cost model that picks
+    try:
+        streamed, streamed_error = _streamed_plan(spec, smem_limit), None
+    except SpecError as e:
+        streamed, streamed_error = None, e
+    return wide_plan.choose_plan(spec, _resident_plan(spec, smem_limit, **resident_options), streamed,
+                                 streamed_error)
 
 
 def _layer_params(spec: MLPSpec, plan: CudaPlan) -> list[dict]:
@@ -246,8 +327,24 @@ def _layer_params(spec: MLPSpec, plan: CudaPlan) -> list[dict]:
     return out
 
 
-def template_params(spec: MLPSpec) -> dict:
-    """The flat dict templates/cuda_kernel.cu.j2 is rendered with."""
+def _act_params(spec: MLPSpec, padded_widths: list[int]) -> list[dict]:
+    """Each layer's activation code, and its per-channel constant arrays sized to the columns the kernel
+    computes (`padded_widths`). Hidden layers of the tensor-core kernel round their activations to
+    fp16/bf16/tf32 at once: they use the fast intrinsic forms. The last layer (written in the io type) and
+    fp32 keep libm's."""
+    out = []
+    for i, (l, size) in enumerate(zip(spec.layers, padded_widths)):
+        arrays = ex.chan_arrays(l.activation, f"kChan{i}_")
+        fast = spec.precision in ELEM_BYTES and i < len(spec.layers) - 1
+        chans = [{"name": name, "size": size, "init": ex.c_array_values(c, size)} for c, name in arrays.items()]
+        out.append({"index": i, "chans": chans,
+                    "code": ex.render_c(l.activation, "v", fast=fast, col="col", arrays=arrays,
+                                        load="__ldg(&{array}[{col}])")})
+    return out
+
+
+def template_params(spec: MLPSpec, **plan_options) -> dict:
+    """The flat dict templates/cuda_kernel.cu.j2 is rendered with (`plan_options`: see make_plan)."""
     params = {
         "sym": spec.name,
         "io_half": spec.io_dtype == "f16",
@@ -255,13 +352,10 @@ def template_params(spec: MLPSpec) -> dict:
         "prelude": ex.C_PRELUDE,
         "widths": list(spec.widths),
         "describe": spec.describe(),
-        "tensor_cores": spec.precision in ("fp16", "bf16"),
+        "tensor_cores": spec.precision in ELEM_BYTES,
+        "precision": spec.precision,
         "bf16": spec.precision == "bf16",
-        # Hidden layers of the tensor-core kernel round their activations to fp16/bf16 at once: they use
-        # the fast intrinsic forms. The last layer (written in the io type) and fp32 keep libm's.
-        "acts": [{"index": i, "code": ex.render_c(l.activation, "v",
-                                                  fast=spec.precision in ("fp16", "bf16") and i < len(spec.layers) - 1)}
-                 for i, l in enumerate(spec.layers)],
+        "acts": _act_params(spec, [l.out_features for l in spec.layers]),
         "fp32_layers": [{"index": i, "k": l.in_features, "n": l.out_features, "last": i == len(spec.layers) - 1}
                         for i, l in enumerate(spec.layers)],
         "max_width": max(spec.widths),
@@ -269,16 +363,24 @@ def template_params(spec: MLPSpec) -> dict:
     if not params["tensor_cores"]:
         params["plan_text"] = "CUDA cores, fp32"
         return params
-    plan = make_plan(spec)
+    plan = make_plan(spec, **plan_options)
+    if getattr(plan, "design", "") == "wide":
+        from . import wide_plan
+        return {**params, **wide_plan.template_params(plan, _act_params(spec, [g.np_ for g in plan.gemms]))}
     params.update({
         "plan_text": plan.describe(),
         "resident": plan.resident,
+        "pad": row_pad(spec),
+        "k_step": 32 // elem_bytes(spec),  # features per mma.sync: m16n8k16 (fp16/bf16), m16n8k8 (tf32)
         "weight_elems": plan.weight_elems,
         "bias_elems": plan.bias_elems,
         "slot_elems": plan.slot_elems,
         "total_chunks": plan.total_chunks,
         "layers": _layer_params(spec, plan),
+        "acts": _act_params(spec, [l.np_ for l in plan.layers]),  # padded columns run the activation too
         "warps": plan.warps, "mt": plan.mt, "act_ld": plan.act_ld, "smem_bytes": plan.smem_bytes,
+        "prefetch_vectors": plan.prefetch_vectors,
+        "register_activations": plan.register_activations,
         "width_a": plan.width_a, "width_b": plan.width_b,
         "variants": [
             {"name": v.name, "bm": v.bm, "warps": v.warps, "stages": v.stages, "smem_bytes": v.smem_bytes,

@@ -1,13 +1,17 @@
 """Expression IR for the elementwise activation that follows a linear layer.
 
-An activation is a pure function f: float -> float of one tensor element, written as a small tree:
+An activation is a pure function f(x, col) -> float of one tensor element x in output column col,
+written as a small tree:
 
     Var()                       the pre-activation value x (accumulator + bias, in fp32)
     Const(v)                    a float constant
+    Chan((v_0, ..., v_{N-1}))   a per-channel constant: v_col for the element of output column col
+                                (PRelu slopes, per-channel scales and shifts)
     Op(name, (a, b, ...))       a primitive from PRIMITIVES
 
 The same tree is rendered to C/CUDA source (`render_c`, identical text for the host compiler and nvcc:
-only C99 float math functions are used) and evaluated with numpy (`evaluate`) as the executable
+only C99 float math functions are used; a Chan reads a constant array, declared by the template, at
+the column index) and evaluated with numpy (`evaluate`, the column is the last axis) as the executable
 definition that tests compare the generated kernels against.
 
 Trees are frozen dataclasses, so they hash and compare structurally; `fingerprint` is a stable hash
@@ -48,6 +52,26 @@ class Const(Expr):
 
     def __post_init__(self):
         object.__setattr__(self, "value", float(np.float32(self.value)))
+
+
+@dataclass(frozen=True, eq=True)
+class Chan(Expr):
+    """values[col] for output column col. The generated code bakes the values into a constant array."""
+    values: tuple
+
+    def __post_init__(self):
+        vals = tuple(float(np.float32(v)) for v in np.asarray(self.values, dtype=np.float64).reshape(-1))
+        if not vals:
+            raise ValueError("a per-channel constant needs at least one value")
+        object.__setattr__(self, "values", vals)
+
+    @property
+    def width(self) -> int:
+        return len(self.values)
+
+    def digest(self) -> str:
+        """A hash of the float32 values (64 bits): names long vectors in texts and cache keys."""
+        return hashlib.sha256(np.asarray(self.values, dtype=np.float32).tobytes()).hexdigest()[:16]
 
 
 @dataclass(frozen=True, eq=True)
@@ -150,8 +174,21 @@ C_PRELUDE = r"""
 #else
 #define O2F_HD static inline
 #endif
-O2F_HD float o2f_max(float a, float b) { return (a != a || b != b) ? (a + b) : (a > b ? a : b); }
-O2F_HD float o2f_min(float a, float b) { return (a != a || b != b) ? (a + b) : (a < b ? a : b); }
+// max/min that propagate NaN like ONNX's Max/Min/Relu (C's fmaxf drops it); sm_80+ has an instruction.
+O2F_HD float o2f_max(float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  float r; asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r;
+#else
+  return (a != a || b != b) ? (a + b) : (a > b ? a : b);
+#endif
+}
+O2F_HD float o2f_min(float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  float r; asm("min.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r;
+#else
+  return (a != a || b != b) ? (a + b) : (a < b ? a : b);
+#endif
+}
 O2F_HD float o2f_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 O2F_HD float o2f_softplus(float x) { return (x > 0.0f ? x : 0.0f) + log1pf(expf(-fabsf(x))); }
 #ifdef __CUDACC__
@@ -162,6 +199,24 @@ __device__ __forceinline__ float o2f_erf_fast(float x) {
   const float a = fabsf(x), t = __fdividef(1.0f, fmaf(0.3275911f, a, 1.0f));  // Abramowitz & Stegun 7.1.26
   const float p = t * fmaf(t, fmaf(t, fmaf(t, fmaf(t, 1.061405429f, -1.453152027f), 1.421413741f), -0.284496736f), 0.254829592f);
   return copysignf(1.0f - p * __expf(-a * a), x);
+}
+// GELU (erf form) for hidden layers without the special-function unit: x * (1/2 + z Q(z^2)) with
+// z = x/sqrt(2) clamped to [-3, 3] and z Q(z^2) ~ erf(z)/2 an odd polynomial of degree 17 (a weighted
+// least-squares fit to minimax; erf(3) = 1 - 2.2e-5, so the clamp costs no more than the fit):
+// |gelu error| <= 1.2e-5 |x|, a fortieth of fp16's relative step. The exp and divide of o2f_erf_fast
+// are two MUFU operations per element, and MUFU throughput (16/clk/SM) bounds GELU-heavy kernels;
+// this is 14 FMA-pipe instructions.
+__device__ __forceinline__ float o2f_gelu_fast(float x) {
+  const float z = fminf(fmaxf(x * 0.70710678118654752f, -3.0f), 3.0f), u = z * z;
+  float q = fmaf(u, 2.037283408640178e-08f, -9.724752771944623e-07f);
+  q = fmaf(u, q, 2.0531200789264403e-05f);
+  q = fmaf(u, q, -0.00025552569422870874f);
+  q = fmaf(u, q, 0.0021177453454583883f);
+  q = fmaf(u, q, -0.012551507912576199f);
+  q = fmaf(u, q, 0.05553976818919182f);
+  q = fmaf(u, q, -0.18765749037265778f);
+  q = fmaf(u, q, 0.5641342401504517f);
+  return x * fmaf(z, q, 0.5f);
 }
 __device__ __forceinline__ float o2f_sigmoid_fast(float x) { return __fdividef(1.0f, 1.0f + __expf(-x)); }
 __device__ __forceinline__ float o2f_softplus_fast(float x) { return (x > 0.0f ? x : 0.0f) + __logf(1.0f + __expf(-fabsf(x))); }
@@ -179,19 +234,58 @@ FAST_C = {
 }
 
 
-def render_c(e: Expr, var: str = "v", fast: bool = False) -> str:
+# Whole activations with a dedicated fast form (filled below, once the named constructors exist).
+FAST_WHOLE: dict = {}
+
+
+def render_c(e: Expr, var: str = "v", fast: bool = False, col: str = "col",
+             arrays: dict | None = None, load: str = "{array}[{col}]") -> str:
     """C expression text computing `e` with the input value named `var`. `fast` picks CUDA intrinsic
-    forms (FAST_C) for use where the result is rounded to a 16-bit type right after."""
+    forms (FAST_C) for use where the result is rounded to a 16-bit type right after. A per-channel
+    constant reads `load` of its array name (`arrays[chan]`, see `chan_arrays`) at the column `col`."""
+    if fast and e in FAST_WHOLE:
+        return FAST_WHOLE[e](var)
     if isinstance(e, Var):
         return var
     if isinstance(e, Const):
         return _f(e.value)
+    if isinstance(e, Chan):
+        if not arrays or e not in arrays:
+            raise ValueError("a per-channel constant needs an array name to render (see chan_arrays)")
+        return load.format(array=arrays[e], col=col)
     if isinstance(e, Op):
-        args = [render_c(a, var, fast) for a in e.args]
+        args = [render_c(a, var, fast, col, arrays, load) for a in e.args]
         if fast and e.name in FAST_C:
             return FAST_C[e.name](*args)
         return PRIMITIVES[e.name].c(*args)
     raise TypeError(f"not an expression: {e!r}")
+
+
+def chan_leaves(e: Expr) -> tuple[Chan, ...]:
+    """The distinct per-channel constants of `e`, in first-visit order (deterministic)."""
+    found: dict[Chan, None] = {}
+
+    def walk(n: Expr):
+        if isinstance(n, Chan):
+            found.setdefault(n)
+        elif isinstance(n, Op):
+            for a in n.args:
+                walk(a)
+    walk(e)
+    return tuple(found)
+
+
+def chan_arrays(e: Expr, prefix: str) -> dict[Chan, str]:
+    """One C array name per per-channel constant of `e`: prefix0, prefix1, ..."""
+    return {c: f"{prefix}{k}" for k, c in enumerate(chan_leaves(e))}
+
+
+def c_array_values(c: Chan, size: int) -> str:
+    """The initialiser list of c's array with `size` entries. Entries past the true width (the padded
+    columns a kernel computes and then discards) are 0: they exist only so no read is out of bounds."""
+    if size < c.width:
+        raise ValueError(f"array of {size} entries for a per-channel constant of width {c.width}")
+    return ", ".join([_f(v) for v in c.values] + ["0.0f"] * (size - c.width))
 
 
 def evaluate(e: Expr, x: np.ndarray) -> np.ndarray:
@@ -206,18 +300,31 @@ def _eval(e: Expr, x: np.ndarray) -> np.ndarray:
         return x
     if isinstance(e, Const):
         return np.full_like(x, e.value)
+    if isinstance(e, Chan):
+        if x.ndim == 0 or x.shape[-1] != e.width:
+            raise ValueError(f"a per-channel constant of width {e.width} applied to shape {list(x.shape)}")
+        return np.broadcast_to(np.asarray(e.values, dtype=np.float32), x.shape).copy()
     if isinstance(e, Op):
         out = PRIMITIVES[e.name].np(*(_eval(a, x) for a in e.args))
         return np.asarray(out, dtype=np.float32)
     raise TypeError(f"not an expression: {e!r}")
 
 
+CHAN_TEXT_MAX = 4  # per-channel constants with more values are written as their width and hash
+
+
 def to_text(e: Expr) -> str:
-    """Canonical, human-readable text of the tree: `mul(x, sigmoid(x))`."""
+    """Canonical, human-readable text of the tree: `mul(x, sigmoid(x))`. It determines the tree (and so
+    the generated code) up to the 64-bit hash that stands for long per-channel vectors:
+    `chan(0.5, 2.0)` or `chan[64:1a2b3c4d5e6f7a8b]`."""
     if isinstance(e, Var):
         return "x"
     if isinstance(e, Const):
         return repr(e.value)
+    if isinstance(e, Chan):
+        if e.width <= CHAN_TEXT_MAX:
+            return f"chan({', '.join(repr(v) for v in e.values)})"
+        return f"chan[{e.width}:{e.digest()}]"
     return f"{e.name}({', '.join(to_text(a) for a in e.args)})"
 
 
@@ -258,8 +365,39 @@ def _named() -> dict[Expr, str]:
 
 
 NAMED = _named()
+FAST_WHOLE[gelu_erf()] = lambda a: f"o2f_gelu_fast({a})"
+
+
+@dataclass(frozen=True, eq=True)
+class _Slot(Expr):
+    """Stands for any per-channel constant in the shapes of PER_CHANNEL_NAMED."""
+
+
+def _skeleton(e: Expr) -> Expr:
+    if isinstance(e, Chan):
+        return _Slot()
+    if isinstance(e, Op):
+        return Op(e.name, tuple(_skeleton(a) for a in e.args))
+    return e
+
+
+def _per_channel_named() -> dict[Expr, str]:
+    s = _Slot()
+    return {
+        Op("select", (Op("lt", (X, Const(0.0))), X * s, X)): "prelu",
+        X * s: "scale", s * X: "scale", X + s: "shift", s + X: "shift",
+        X * s + s: "affine", s * X + s: "affine",
+    }
+
+
+PER_CHANNEL_NAMED = _per_channel_named()
 
 
 def short_name(e: Expr) -> str:
-    """A short C-identifier-safe name: the activation's name when known, else `e<fingerprint>`."""
-    return NAMED.get(e, "e" + fingerprint(e))
+    """A short C-identifier-safe name: the activation's name when known (`prelu`, `scale`, ... for the
+    common per-channel forms: the spec name's hash tells their values apart), else `e<fingerprint>`."""
+    if e in NAMED:
+        return NAMED[e]
+    if chan_leaves(e):
+        return PER_CHANNEL_NAMED.get(_skeleton(e), "e" + fingerprint(e))
+    return "e" + fingerprint(e)

@@ -142,3 +142,53 @@ def _fetch(target: Path, progress=None) -> None:
         raise ConversionError(f"could not fetch the ONNX Runtime headers ({e}); {HOW_TO}\n{tail}") from e
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------------ CUTLASS
+CUTLASS_HEADER = "cutlass/gemm/device/gemm.h"
+CUTLASS_HOW_TO = ("pip install nvidia-cutlass (its headers are under cutlass_library/source/include), or set "
+                  "ONNX2FUSED_CUTLASS_DIR to the include/ folder of a CUTLASS checkout")
+
+
+@dataclass(frozen=True)
+class CutlassHeaders:
+    path: Path      # folder holding cutlass/ (and cute/)
+    version: str    # e.g. "4.2.0" from cutlass/version.h, for the build-cache key
+    source: str     # "env", "package"
+
+
+def _cutlass_version(include_dir: Path) -> str:
+    try:
+        text = (include_dir / "cutlass" / "version.h").read_text(errors="replace")
+    except OSError:
+        return "unknown"
+    parts = [re.search(rf"#define\s+CUTLASS_{k}\s+(\d+)", text) for k in ("MAJOR", "MINOR", "PATCH")]
+    return ".".join(m.group(1) for m in parts) if all(parts) else "unknown"
+
+
+def find_cutlass_headers() -> CutlassHeaders:
+    """CUTLASS's include folder (header-only; the wide CUDA design needs it): `$ONNX2FUSED_CUTLASS_DIR`,
+    else the installed `nvidia-cutlass` package. Nothing is fetched: GPU hosts may have no network, so
+    the folder is carried there and named by the variable."""
+    env = os.environ.get("ONNX2FUSED_CUTLASS_DIR")
+    if env:
+        d = Path(env).expanduser()
+        if not (d / CUTLASS_HEADER).is_file():
+            raise ConversionError(f"ONNX2FUSED_CUTLASS_DIR={env} has no {CUTLASS_HEADER}; {CUTLASS_HOW_TO}")
+        return CutlassHeaders(d.resolve(), _cutlass_version(d), "env")
+    try:
+        import importlib.util
+        spec = importlib.util.find_spec("cutlass_library")
+    except (ImportError, ValueError):
+        spec = None
+    if spec and spec.submodule_search_locations:
+        for loc in spec.submodule_search_locations:
+            d = Path(loc) / "source" / "include"
+            if (d / CUTLASS_HEADER).is_file():
+                return CutlassHeaders(d.resolve(), _cutlass_version(d), "package")
+    raise ConversionError(f"no CUTLASS headers found; {CUTLASS_HOW_TO}")
+
+
+def needs_cutlass(sources: dict[str, str]) -> bool:
+    """Whether any rendered CUDA source includes CUTLASS (only the wide design does)."""
+    return any(name.endswith(".cu") and '#include "cutlass/' in text for name, text in sources.items())

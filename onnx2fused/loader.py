@@ -6,6 +6,8 @@ The input file is only read, never written.
 from __future__ import annotations
 
 import os
+import stat
+import warnings
 from pathlib import Path
 
 import onnx
@@ -25,6 +27,8 @@ def load_model(path) -> onnx.ModelProto:
         raise ConversionError(f"{p}: no such file")
     if p.is_dir():
         raise ConversionError(f"{p}: is a directory, not an ONNX model file")
+    if not _is_regular_file(p):  # a FIFO or a device would block or never end
+        raise ConversionError(f"{p}: not a regular file (a pipe, socket or device); save the model to a file")
     try:
         data = p.read_bytes()
     except OSError as e:
@@ -41,6 +45,8 @@ def load_model(path) -> onnx.ModelProto:
     if model.ir_version == 0 or not model.HasField("graph"):
         raise ConversionError(f"{p}: not an ONNX model (no IR version or graph in the file)")
     _check_versions(p, model)
+    if not model.graph.output:
+        raise ConversionError(f"{p}: the graph has no outputs, so there is nothing to compute")
     _load_external(p, model)
     try:
         if model.ByteSize() > _TWO_GB:
@@ -55,6 +61,13 @@ def load_model(path) -> onnx.ModelProto:
     except Exception as e:
         raise ConversionError(f"{p}: shape inference failed: {_first_line(e)}") from None
     return model
+
+
+def _is_regular_file(p: Path) -> bool:
+    try:
+        return stat.S_ISREG(p.stat().st_mode)
+    except OSError:
+        return True  # let the read below report the error
 
 
 def _first_line(e: Exception) -> str:
@@ -82,18 +95,36 @@ def _load_external(p: Path, model: onnx.ModelProto) -> None:
         return
     base = p.parent
     for t in tensors:
-        info = external_data_helper.ExternalDataInfo(t)
-        loc = info.location
+        loc, offset, length = _external_info(p, t)
         if not loc or os.path.isabs(loc) or ".." in Path(loc).parts:
             raise ConversionError(f"{p}: tensor '{t.name}' has an unsafe external data location {loc!r}")
         f = base / loc
         if not f.is_file():
             raise ConversionError(f"{p}: missing external data file '{loc}' (expected at {f}) for tensor '{t.name}'")
-        need = (info.offset or 0) + (info.length or 0)
-        if info.length and f.stat().st_size < need:
+        need = offset + length
+        if length and f.stat().st_size < need:
             raise ConversionError(f"{p}: external data file '{loc}' is truncated ({f.stat().st_size} bytes, "
                                   f"tensor '{t.name}' needs {need})")
     try:
-        external_data_helper.load_external_data_for_model(model, str(base))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            external_data_helper.load_external_data_for_model(model, str(base))
     except Exception as e:
         raise ConversionError(f"{p}: cannot load external data: {_first_line(e)}") from None
+
+
+def _external_info(p: Path, t: onnx.TensorProto) -> tuple[str, int, int]:
+    """(location, offset, length) of an external tensor; a corrupt entry is a ConversionError."""
+    try:
+        with warnings.catch_warnings():  # onnx warns (on stderr) about unknown keys; a bad location fails below
+            warnings.simplefilter("ignore")
+            info = external_data_helper.ExternalDataInfo(t)
+        loc, offset, length = info.location, int(info.offset or 0), int(info.length or 0)
+    except (ValueError, TypeError) as e:
+        raise ConversionError(f"{p}: tensor '{t.name}' has corrupt external data information: "
+                              f"{_first_line(e)}") from None
+    if not isinstance(loc, str):
+        raise ConversionError(f"{p}: tensor '{t.name}' has an unreadable external data location {loc!r}")
+    if offset < 0 or length < 0:
+        raise ConversionError(f"{p}: tensor '{t.name}' has a negative external data offset or length")
+    return loc, offset, length

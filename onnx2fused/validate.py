@@ -181,7 +181,7 @@ def choose_providers(with_cuda: bool) -> list[str]:
 def _session(model, library=None, providers=("CPUExecutionProvider",), optimize: bool = True):
     import onnxruntime as ort
     so = ort.SessionOptions()
-    so.log_severity_level = 3
+    so.log_severity_level = 4  # ORT logs errors straight to fd 2; ours are reported as one line instead
     if not optimize:
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     if library is not None:

@@ -104,3 +104,136 @@ def run(model: onnx.ModelProto, feeds: dict) -> list[np.ndarray]:
 
 def rand(shape, seed: int = 1, scale: float = 3.0, dtype=np.float32) -> np.ndarray:
     return (np.random.default_rng(seed).standard_normal(shape) * scale).astype(dtype)
+
+
+# -- fusing and checking (shared by the exporter, property and GPU tests) ----------------------------
+
+def fuse(model: onnx.ModelProto, precision: str = "fp32"):
+    """(plan, specs, rewritten model) of the whole pass pipeline."""
+    from onnx2fused.passes import find_chains, rewrite
+    plan = find_chains(model)
+    specs = [c.to_spec(precision) for c in plan.chains]
+    return plan, specs, rewrite(model, plan, specs)
+
+
+def assert_untouched_identical(model: onnx.ModelProto, plan, fused: onnx.ModelProto) -> None:
+    """Every node outside the chains is in the fused model byte for byte and in the same order; only
+    folded constant producers that nothing reads any more may be gone."""
+    from onnx2fused.passes.constants import GraphIndex, node_reads
+    from onnx2fused.spec import DOMAIN
+    ix = GraphIndex(model)
+    in_chains = {k for c in plan.chains for k in c.nodes}
+    kept = [(k, n.SerializeToString()) for k, n in zip(ix.keys, model.graph.node) if k not in in_chains]
+    now = [n.SerializeToString() for n in fused.graph.node if n.domain != DOMAIN]
+    reads = {o.name for o in fused.graph.output} | {t for n in fused.graph.node for t in node_reads(n)}
+    it = iter(now)
+    for key, blob in kept:
+        if blob in now:
+            assert next(it) == blob, f"node {key} moved"
+        else:
+            i = ix.index_of[key]
+            assert i in ix.const_producers.values(), f"node {key} changed or vanished"
+            assert not set(model.graph.node[i].output) & reads, f"dropped constant {key} is still read"
+    assert next(it, None) is None, "the fused model has nodes the original had not"
+
+
+def assert_every_unfused_layer_explained(model: onnx.ModelProto, plan) -> None:
+    """Each Gemm/MatMul outside the chains has a one-line refusal naming it."""
+    from onnx2fused.passes.constants import node_keys
+    in_chains = {k for c in plan.chains for k in c.nodes}
+    refused = {r.node: r.reason for r in plan.refusals}
+    for key, n in zip(node_keys(model.graph), model.graph.node):
+        if n.op_type in ("Gemm", "MatMul") and key not in in_chains:
+            assert key in refused, f"{n.op_type} '{key}' is neither fused nor explained"
+            assert "\n" not in refused[key] and refused[key]
+
+
+def plugin_session(model: onnx.ModelProto, library=None, level=None, providers=("CPUExecutionProvider",)):
+    """An ORT session of `model`, with the plugin library registered when given."""
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    if level is not None:
+        so.graph_optimization_level = level
+    if library is not None:
+        so.register_custom_ops_library(str(library))
+    return ort.InferenceSession(model.SerializeToString(), so, providers=list(providers))
+
+
+def assert_close(got: np.ndarray, ref: np.ndarray, tol: float) -> None:
+    """|got - ref| <= tol * (|ref| + max|ref|): relative, with the scale of the whole output as a floor."""
+    assert got.shape == ref.shape and got.dtype == ref.dtype, (got.shape, got.dtype, ref.shape, ref.dtype)
+    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+    assert np.isfinite(ref).all(), "the reference has inf/NaN: pick another input"
+    scale = max(float(np.abs(ref).max(initial=0.0)), 1e-30)
+    err = np.abs(got - ref)
+    bad = ~(err <= tol * (np.abs(ref) + scale))
+    assert not bad.any(), (f"{int(bad.sum())} of {bad.size} outputs differ; worst {float(err.max()):.3g} "
+                           f"at {np.unravel_index(int(np.argmax(np.where(np.isnan(err), np.inf, err))), err.shape)}")
+
+
+# -- activation families with per-channel constants ---------------------------------------------------
+
+def _vec(g: G, n: int, lo: float, hi: float) -> str:
+    return g.init(g.rng.uniform(lo, hi, n).astype(np.float32))
+
+
+def _s(g: G, v: float) -> str:
+    return g.init(np.array(v, np.float32))
+
+
+# Activation builders that know the layer width (for per-channel vectors): name -> f(g, x, width) -> output.
+# CONTINUOUS_ACTS are continuous functions: a threshold flipped by a rounding difference in a hidden layer
+# changes the output by no more than that difference, so they can be compared with a tight tolerance
+# after any number of layers.
+CONTINUOUS_ACTS = {
+    "none": lambda g, x, n: x,
+    "relu": lambda g, x, n: g.op("Relu", [x]),
+    "leaky": lambda g, x, n: g.op("LeakyRelu", [x], alpha=0.1),
+    "prelu_per_channel": lambda g, x, n: g.op("PRelu", [x, _vec(g, n, -0.5, 0.5)]),
+    "elu": lambda g, x, n: g.op("Elu", [x], alpha=0.8),
+    "selu": lambda g, x, n: g.op("Selu", [x]),
+    "celu": lambda g, x, n: g.op("Celu", [x], alpha=1.5),
+    "sigmoid": lambda g, x, n: g.op("Sigmoid", [x]),
+    "hardsigmoid": lambda g, x, n: g.op("HardSigmoid", [x], alpha=0.3, beta=0.4),
+    "hardswish": lambda g, x, n: g.op("HardSwish", [x]),
+    "tanh": lambda g, x, n: g.op("Tanh", [x]),
+    "softplus": lambda g, x, n: g.op("Softplus", [x]),
+    "softsign": lambda g, x, n: g.op("Softsign", [x]),
+    "gelu_erf_chain": lambda g, x, n: g.op("Mul", [g.op("Mul", [x, g.op("Add", [
+        g.op("Erf", [g.op("Div", [x, _s(g, 1.4142135)])]), _s(g, 1.0)])]), _s(g, 0.5)]),
+    "mish_chain": lambda g, x, n: g.op("Mul", [x, g.op("Tanh", [g.op("Softplus", [x])])]),
+    "silu": lambda g, x, n: g.op("Mul", [x, g.op("Sigmoid", [x])]),
+    "sin_scaled": lambda g, x, n: g.op("Sin", [g.op("Mul", [x, _s(g, 2.0)])]),
+    "relu6": lambda g, x, n: g.op("Clip", [x, _s(g, 0.0), _s(g, 6.0)]),
+    "scale_shift_per_channel": lambda g, x, n: g.op("Add", [g.op("Mul", [x, _vec(g, n, -2, 2)]), _vec(g, n, -1, 1)]),
+    "clamp_per_channel": lambda g, x, n: g.op("Min", [g.op("Max", [x, _vec(g, n, -2, -0.1)]), _vec(g, n, 0.1, 2)]),
+    "div_sub_per_channel": lambda g, x, n: g.op("Sub", [g.op("Div", [x, _vec(g, n, 0.5, 2)]), _vec(g, n, -1, 1)]),
+    "where_slope_per_channel": lambda g, x, n: g.op("Where", [g.op("Greater", [x, _s(g, 0.0)]), x,
+                                                             g.op("Mul", [x, _vec(g, n, 0, 0.3)])]),
+    "tanh_squared": lambda g, x, n: g.op("Pow", [g.op("Tanh", [x]), _s(g, 2.0)]),
+    "composite": lambda g, x, n: g.op("Add", [g.op("Mul", [g.op("Sigmoid", [x]), g.op("Tanh", [x])]),
+                                              g.op("Mul", [x, _s(g, 0.1)])]),
+    "dropout_then_abs": lambda g, x, n: g.op("Abs", [g.op("Dropout", [x])]),
+    "cast_roundtrip_relu": lambda g, x, n: g.op("Relu", [g.op("Cast", [g.op("Cast", [x], to=TensorProto.DOUBLE)],
+                                                              to=TensorProto.FLOAT)]),
+}
+
+# Discontinuous or unbounded ones (compared one family at a time, in fp32 where a threshold decides).
+STEP_ACTS = {
+    "thresholded_relu": lambda g, x, n: g.op("ThresholdedRelu", [x], alpha=0.3),
+    "where_less_per_channel": lambda g, x, n: g.op("Where", [g.op("Less", [x, _vec(g, n, -0.5, 0.5)]), _s(g, 0.0), x]),
+    "softplus_torch_form": lambda g, x, n: (lambda m: g.op("Where", [g.op("Greater", [m, _s(g, 20.0)]), x, g.op(
+        "Div", [g.op("Softplus", [m]), _s(g, 2.0)])]))(g.op("Mul", [x, _s(g, 2.0)])),
+    "siren_sin30": lambda g, x, n: g.op("Sin", [g.op("Mul", [_s(g, 30.0), x])]),
+}
+OTHER_ACTS = {
+    "gelu_op": lambda g, x, n: g.op("Gelu", [x]),                    # opset 20
+    "gelu_tanh_op": lambda g, x, n: g.op("Gelu", [x], approximate="tanh"),
+    "mish_op": lambda g, x, n: g.op("Mish", [x]),
+    "exp_neg_abs": lambda g, x, n: g.op("Exp", [g.op("Neg", [g.op("Abs", [x])])]),
+    "log_one_plus_abs": lambda g, x, n: g.op("Log", [g.op("Add", [g.op("Abs", [x]), _s(g, 1.0)])]),
+    "sqrt_abs": lambda g, x, n: g.op("Sqrt", [g.op("Abs", [x])]),
+    "reciprocal_shifted": lambda g, x, n: g.op("Reciprocal", [g.op("Add", [g.op("Abs", [x]), _s(g, 1.0)])]),
+    "cos_erf": lambda g, x, n: g.op("Cos", [g.op("Erf", [x])]),
+    "neg_identity": lambda g, x, n: g.op("Identity", [g.op("Neg", [x])]),
+}

@@ -110,10 +110,10 @@ def test_output_into_missing_folder(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_tf32_rejected_with_alternatives(tmp_path):
-    p = cli("convert", MODELS / "nerf.opset17.onnx", "-o", tmp_path / "o.onnx", "--precision", "tf32")
-    assert p.returncode == 2 and len(p.stderr.splitlines()) == 1
-    assert "tf32" in p.stderr and "fp16" in p.stderr and "bf16" in p.stderr and "fp32" in p.stderr
+def test_unknown_precision_names_the_choices(tmp_path):
+    p = cli("convert", MODELS / "nerf.opset17.onnx", "-o", tmp_path / "o.onnx", "--precision", "fp8")
+    assert p.returncode == 2 and "fp8" in p.stderr
+    assert all(c in p.stderr for c in ("fp16", "bf16", "tf32", "fp32"))
     assert list(tmp_path.iterdir()) == []
 
 
@@ -181,3 +181,46 @@ def test_bench_hook_in_process(monkeypatch, capsys):
         with pytest.raises(SystemExit) as e:
             cli_mod.main(["bench", "m.onnx"])
         assert e.value.code == 2
+
+
+def test_hyphenated_hook_maps_to_its_module(monkeypatch):
+    """`export-triton` is served by the module onnx2fused.triton (a module name cannot hold '-')."""
+    from onnx2fused import cli as cli_mod
+    assert cli_mod._hook_module("export-triton") == "onnx2fused.triton"
+    assert cli_mod._hook_module("doctor") == "onnx2fused.doctor"
+    calls = {}
+    mod = types.ModuleType("onnx2fused.triton")
+    mod.__spec__ = importlib.machinery.ModuleSpec("onnx2fused.triton", None)
+    mod.add_arguments = lambda parser: parser.add_argument("model")
+    mod.main = lambda args: calls.setdefault("model", args.model) and 3
+    monkeypatch.setitem(sys.modules, "onnx2fused.triton", mod)
+    assert cli_mod.main(["export-triton", "m.onnx"]) == 3 and calls == {"model": "m.onnx"}
+
+
+def test_help_lists_the_hooks():
+    p = cli("--help")
+    for name in ("doctor", "export-triton", "bench"):
+        assert name in p.stdout
+    p = cli("export-triton", "--help")
+    assert p.returncode == 0 and "--library-dir" in p.stdout and "--repository-root" in p.stdout
+
+
+def test_report_build_time_and_cache_hit(tmp_path_factory):
+    """The report's build line and JSON fields: a fresh cache builds (time > 0), the next run hits."""
+    fresh = tmp_path_factory.mktemp("o2f-cli-fresh-cache")
+    d = tmp_path_factory.mktemp("report")
+    runs = []
+    for k in range(2):
+        p = cli("convert", MODELS / "sdf.opset17.onnx", "-o", d / f"sdf{k}.fused.onnx", "--cpu-only",
+                "--cache-dir", fresh, "--json", "-q")
+        assert p.returncode == 0, p.stderr
+        runs.append(json.loads(p.stdout))
+    first, second = runs
+    assert first["cache_hit"] is False and first["build_seconds"] > 0
+    assert second["cache_hit"] is True and second["build_seconds"] == 0
+    assert first["chains"][0]["activations"] and first["chains"][0]["precision"] == "fp16"
+    assert {o["name"] for o in first["validation"]["outputs"]} == {"y"}
+    p = cli("convert", MODELS / "sdf.opset17.onnx", "-o", d / "sdf2.fused.onnx", "--cpu-only", "--cache-dir", fresh, "-q")
+    text = p.stdout
+    assert "precision fp16" in text and "3->128->128->128->128->1" in text and "tanh" in text
+    assert "cache hit" in text and "rel L2" in text and "y " in text

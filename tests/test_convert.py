@@ -114,8 +114,6 @@ def test_fp16_overflow_error_and_warning(tmp_path, cache):
 def test_output_rules(nerf, cache, tmp_path):
     with pytest.raises(ConversionError, match="would overwrite the input"):
         onnx2fused.convert(nerf, nerf, cache_dir=cache, with_cuda=False)
-    with pytest.raises(ConversionError, match="tf32 has no kernel yet"):
-        onnx2fused.convert(nerf, precision="tf32")
     with pytest.raises(ConversionError, match="unknown precision"):
         onnx2fused.convert(nerf, precision="int8")
     res = onnx2fused.convert(nerf, cache_dir=cache, with_cuda=False, validate=False)
@@ -161,3 +159,10 @@ def test_inspect_api():
     assert [c.widths for c in r.chains] == [[64, 128, 128, 128, 128, 64]]
     assert r.chains[0].activations[:1] == ["gelu_erf"] or r.chains[0].activations[0].startswith("gelu")
     assert "chain" in r.plan
+
+
+def test_tf32_precision_converts_and_plans_tensor_cores(nerf, cache, tmp_path):
+    res = onnx2fused.convert(nerf, tmp_path / "t.onnx", precision="tf32", cache_dir=cache, with_cuda=False)
+    assert res.validation.passed and "_tf32_" in res.format()
+    r = onnx2fused.inspect(nerf, precision="tf32")
+    assert "resident weights" in r.chains[0].cuda_plan and "plan (tf32)" in r.format()

@@ -5,9 +5,10 @@ from __future__ import annotations
 import shutil
 import subprocess
 
+import numpy as np
 import pytest
 
-from onnx2fused import codegen
+from onnx2fused import codegen, cuda_plan
 from onnx2fused import expr as ex
 from onnx2fused.spec import LayerSpec, MLPSpec
 
@@ -15,10 +16,21 @@ pytestmark = pytest.mark.cuda_build
 NVCC = shutil.which("nvcc")
 
 
-def _spec(widths, precision, act):
-    layers = tuple(LayerSpec(a, b, True, act if i < len(widths) - 2 else ex.identity())
+def _spec(widths, precision, act, last=None):
+    layers = tuple(LayerSpec(a, b, True, act(b) if callable(act) else act) if i < len(widths) - 2 else
+                   LayerSpec(a, b, True, last(b) if last else ex.identity())
                    for i, (a, b) in enumerate(zip(widths, widths[1:])))
     return MLPSpec(layers, precision, "f32")
+
+
+def _prelu(n):
+    """PRelu with a slope per channel (a constant array in the generated code)."""
+    slope = ex.Chan(tuple(np.linspace(0.01, 0.3, n)))
+    return ex.Op("select", (ex.Op("lt", (ex.X, ex.Const(0.0))), ex.X * slope, ex.X))
+
+
+def _affine(n):
+    return ex.X * ex.Chan(tuple(np.linspace(-1, 1, n))) + ex.Chan(tuple(np.arange(n) % 3))
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
@@ -26,9 +38,15 @@ def _spec(widths, precision, act):
 @pytest.mark.parametrize("spec", [
     _spec([32, 64, 64, 16], "fp16", ex.relu()),          # resident design
     _spec([784, 512, 10], "bf16", ex.gelu_erf()),        # streamed design, bf16
+    _spec([32, 50, 50, 7], "fp16", _prelu, _affine),     # per-channel, resident, odd last width
+    _spec([300, 520, 9], "bf16", _prelu, _affine),       # per-channel, streamed (520 padded to 576 columns)
 ], ids=lambda s: s.name if isinstance(s, MLPSpec) else s)
 def test_ptx_uses_tensor_cores(spec, arch, tmp_path):
     src = next(text for name, text in codegen.render([spec], with_cuda=True).items() if name.endswith(".cu"))
+    plan = cuda_plan.make_plan(spec)
+    for i, layer in enumerate(spec.layers):  # per-channel arrays cover the padded columns the kernel computes
+        for c, arr in ex.chan_arrays(layer.activation, f"kChan{i}_").items():
+            assert f"__device__ const float {arr}[{plan.layers[i].np_}] = {{ {ex.c_array_values(c, plan.layers[i].np_)} }};" in src
     cu = tmp_path / "k.cu"
     cu.write_text(src)
     ptx = tmp_path / "k.ptx"
@@ -40,3 +58,59 @@ def test_ptx_uses_tensor_cores(spec, arch, tmp_path):
     assert f"mma.sync.aligned.m16n8k16.row.col.f32.{dtype}.{dtype}.f32" in text
     assert "ldmatrix.sync.aligned.m8n8.x4.shared.b16" in text
     assert "cp.async" in text
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+def test_fp32_kernel_with_per_channel_constants_compiles(tmp_path):
+    """The CUDA-core (fp32) kernel: per-channel arrays of the true width, read at the row's column."""
+    spec = _spec([13, 37, 5], "fp32", _prelu, _affine)
+    src = next(text for name, text in codegen.render([spec], with_cuda=True).items() if name.endswith(".cu"))
+    assert "__device__ const float kChan0_0[37]" in src and "__device__ const float kChan1_1[5]" in src
+    cu = tmp_path / "k.cu"
+    cu.write_text(src)
+    r = subprocess.run([NVCC, "-ptx", "-std=c++17", "-arch=compute_80", str(cu), "-o", str(tmp_path / "k.ptx")],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ptx = (tmp_path / "k.ptx").read_text()
+    # The arrays are global-memory data holding the float32 bytes of the values.
+    decls = [line for line in ptx.splitlines() if line.startswith(".global") and "kChan" in line]
+    assert len(decls) == 3 and "kChan1_0E[20] = {0, 0, 128, 191, 0, 0, 0, 191," in decls[1]  # -1.0f, -0.5f
+
+
+# ---- wide design (CUTLASS GEMMs per layer): one PTX compile per case, one arch each (CUTLASS is slow) ----
+def _cutlass_include():
+    from onnx2fused.headers import find_cutlass_headers
+    from onnx2fused.errors import ConversionError
+    try:
+        return find_cutlass_headers().path
+    except ConversionError:
+        return None
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+@pytest.mark.parametrize("spec,arch", [
+    (_spec([768, 3072, 768], "fp16", ex.gelu_erf()), "90"),                # FFN: wide by the cost model
+    (_spec([9216, 4096, 4096, 1000], "bf16", ex.relu()), "80"),            # head: too wide for streamed; bf16
+    (MLPSpec((LayerSpec(1001, 520, True, ex.silu()), LayerSpec(520, 999, False, ex.identity())),
+             "fp16", "f16"), "90"),                                        # odd widths, fp16 io, forced wide
+], ids=lambda v: v.name if isinstance(v, MLPSpec) else v)
+def test_wide_ptx_uses_tensor_cores(spec, arch, tmp_path, monkeypatch):
+    include = _cutlass_include()
+    if include is None:
+        pytest.skip("no CUTLASS headers (pip install nvidia-cutlass or set ONNX2FUSED_CUTLASS_DIR)")
+    monkeypatch.setenv("ONNX2FUSED_CUDA_DESIGN", "wide")
+    src = next(text for name, text in codegen.render([spec], with_cuda=True).items() if name.endswith(".cu"))
+    assert '#include "cutlass/gemm/device/gemm.h"' in src
+    cu = tmp_path / "k.cu"
+    cu.write_text(src)
+    ptx = tmp_path / "k.ptx"
+    r = subprocess.run([NVCC, "-ptx", "-std=c++17", "--expt-relaxed-constexpr", f"-arch=compute_{arch}",
+                        "-I", str(include), str(cu), "-o", str(ptx)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    text = ptx.read_text()
+    dtype = "bf16" if spec.precision == "bf16" else "f16"
+    assert f"mma.sync.aligned.m16n8k16.row.col.f32.{dtype}.{dtype}.f32" in text
+    assert "ldmatrix.sync.aligned" in text and "cp.async.cg.shared.global" in text
+    # every exported entry point of the ABI is there
+    for fn in ("cuda_workspace_bytes", "cuda_pack", "cuda_run"):
+        assert f"{spec.name}_{fn}" in src

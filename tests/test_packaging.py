@@ -93,7 +93,7 @@ def test_installed_package_is_self_contained(venv):
 
 def test_cli_help(venv):
     out = _sh([venv / "bin" / "onnx2fused", "--help"], cwd=venv.parent)
-    for cmd in ("convert", "inspect"):
+    for cmd in ("convert", "inspect", "bench", "doctor", "export-triton"):
         assert cmd in out
 
 
@@ -103,3 +103,45 @@ def test_cli_inspect(venv):
         pytest.skip("models/nerf.opset17.onnx missing: run `make zoo`")
     out = _sh([venv / "bin" / "onnx2fused", "inspect", model], cwd=venv.parent)
     assert out.strip()
+
+
+def _sh_rc(cmd, cwd, timeout=900):
+    r = subprocess.run([str(c) for c in cmd], cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout)
+    return r.returncode, r.stdout, r.stderr
+
+
+def test_cli_doctor(venv):
+    import json
+    rc, out, err = _sh_rc([venv / "bin" / "onnx2fused", "doctor", "--json"], cwd=venv.parent)
+    r = json.loads(out)
+    assert rc == (0 if r["cpu_conversion_possible"] else 1), err
+    checks = {c["name"]: c for c in r["checks"]}
+    assert str(venv) in checks["python"]["data"]["executable"]
+    assert checks["onnxruntime"]["data"]["distributions"] == ["onnxruntime"]   # the [cpu] extra, and only it
+    if not shutil.which("nvidia-smi"):   # and no torch in the fresh venv: nothing can see a GPU
+        assert checks["gpu"]["summary"].startswith("no GPU")
+
+
+def test_cli_convert_bench_export_triton(venv, tmp_path):
+    """The README's flow in the fresh venv: convert, bench (CPU-only onnxruntime: says there is no GPU),
+    export-triton of the fused model."""
+    model = ROOT / "models" / "nerf.opset17.onnx"
+    if not model.is_file():
+        pytest.skip("models/nerf.opset17.onnx missing: run `make zoo`")
+    exe = venv / "bin" / "onnx2fused"
+    src = tmp_path / "my_mlp.onnx"
+    shutil.copyfile(model, src)
+    out = _sh([exe, "convert", src, "--cpu-only", "--cache-dir", tmp_path / "cache", "-q"], cwd=tmp_path)
+    assert "1 chain(s) fused" in out and (tmp_path / "my_mlp.fused.onnx2fused.so").is_file()
+
+    rc, out, err = _sh_rc([exe, "bench", src, "--out", tmp_path / "bench"], cwd=tmp_path)
+    assert rc == 0, err
+    assert "no GPU" in out and "--cpu" in out       # the [cpu] extra's onnxruntime has no CUDA EP
+
+    _sh([exe, "export-triton", tmp_path / "my_mlp.fused.onnx", tmp_path / "repo", "-q"], cwd=tmp_path)
+    entry = tmp_path / "repo" / "my_mlp"
+    assert (entry / "1" / "model.onnx").is_file() and (entry / "1" / "model.onnx2fused.so").is_file()
+    config = (entry / "config.pbtxt").read_text()
+    assert 'backend: "onnxruntime"' in config and 'op_library_filename: "/models/my_mlp/1/model.onnx2fused.so"' in config
+    rc, out, err = _sh_rc([exe, "export-triton", tmp_path / "my_mlp.fused.onnx", tmp_path / "repo"], cwd=tmp_path)
+    assert rc == 2 and err.startswith("onnx2fused: error: ") and "--force" in err

@@ -6,7 +6,7 @@ import onnx
 import pytest
 
 from onnx2fused import expr as ex
-from onnx2fused.passes.activations import PER_CHANNEL, match_activation, normalise
+from onnx2fused.passes.activations import NOT_PER_CHANNEL, describe_expr, match_activation, normalise
 from onnx2fused.passes.constants import GraphIndex
 from onnx_builders import G, rand, run
 
@@ -72,6 +72,22 @@ CASES = {
     "prelu_scalar": (lambda g, x: g.op("PRelu", [x, g.init(c([0.25]))]), 17, ex.leaky_relu(0.25)),
     "x_times_x": (lambda g, x: g.op("Mul", [x, x]), 17, None),
     "per_tensor_broadcast_equal": (lambda g, x: g.op("Mul", [x, g.init(np.full([6], 3.0, np.float32))]), 17, None),
+    # per-channel constants (the layer width is 6): one value per output column
+    "prelu_per_channel": (lambda g, x: g.op("PRelu", [x, g.init(c([0.1, 0.2, 0.3, -0.5, 2.0, 0.0]))]), 17, None),
+    "prelu_per_channel_1xn": (lambda g, x: g.op("PRelu", [x, g.init(c([[0.1, 0.2, 0.3, 0.4, 0.5, 0.6]]))]), 9, None),
+    "scale_shift": (lambda g, x: g.op("Add", [g.op("Mul", [x, g.init(c([1, -2, 3, 0.5, 0, 7]))]),
+                                              g.init(c([0.1, 0.2, -0.3, 4, 5, 6]))]), 17, None),
+    "div_sub_per_channel": (lambda g, x: g.op("Sub", [g.init(c([1, 2, 3, 4, 5, 6])), g.op("Div", [
+        x, g.const_node(c([0.5, -2, 3, 8, 1e-3, 1]))])]), 17, None),
+    "max_min_per_channel": (lambda g, x: g.op("Min", [g.op("Max", [x, g.init(c([-1, -2, 0, 0, -5, 1]))]),
+                                                      g.init(c([1, 2, 3, 4, 5, 6]))]), 17, None),
+    "where_per_channel": (lambda g, x: g.op("Where", [g.op("Greater", [x, g.init(c([0, 1, -1, 2, -2, 0.5]))]), x,
+                                                      g.op("Mul", [x, g.init(c([0.1, 0.2, 0.3, 0.4, 0.5, 0.6]))])]),
+                          17, None),
+    "where_bool_mask": (lambda g, x: g.op("Where", [g.init(np.array([True, False, True, True, False, False])),
+                                                    x, g.op("Neg", [x])]), 17, None),
+    "pow_per_channel": (lambda g, x: g.op("Pow", [g.op("Abs", [x]), g.init(c([1, 2, 0.5, 3, 1.5, 0]))]), 17, None),
+    "siren_per_channel_freq": (lambda g, x: g.op("Sin", [g.op("Mul", [g.init(c([30, 1, 2, 30, 5, 6])), x])]), 17, None),
 }
 
 
@@ -111,15 +127,51 @@ def test_no_elementwise_ops_is_identity():
     assert act.expr == ex.identity() and act.nodes == [] and act.output == "x"
 
 
-def test_per_channel_constant_refused_with_reason():
+def test_per_channel_constants_become_chan_leaves():
     g = G()
     r = g.op("Relu", ["x"], name="relu")
     g.op("Mul", [r, g.init(np.arange(6, dtype=np.float32), "scale")], name="scale_mul", outputs=["y"])
     m = g.model([("x", ["B", 6])], [("y", ["B", 6])])
+    act = match_activation(GraphIndex(m), "x")
+    assert act.expr == ex.relu() * ex.Chan(tuple(range(6))) and act.output == "y" and act.rejected == {}
+    slope = ex.Chan((0.1, 0.2, 0.3, -0.5, 2.0, 0.0))
+    prelu = match_activation(GraphIndex(_build("prelu_per_channel")[0]), "x").expr
+    assert prelu == ex.Op("select", (ex.Op("lt", (ex.X, ex.Const(0.0))), ex.X * slope, ex.X))
+    assert ex.short_name(prelu) == "prelu" and describe_expr(prelu) == "prelu[6]"
+
+
+@pytest.mark.parametrize("shape,why", [
+    ([6, 1], "of shape [6, 1] does not broadcast per channel (the layer's width is 6)"),
+    ([2, 6], "of shape [2, 6] does not broadcast per channel (the layer's width is 6)"),
+    ([3], "of shape [3] does not broadcast per channel (the layer's width is 6)"),
+    ([1, 1, 6], "of rank 3 would broadcast the value to a higher rank"),
+])
+def test_constants_that_would_broadcast_the_value_are_refused(shape, why):
+    g = G()
+    g.op("Mul", ["x", g.init(np.arange(np.prod(shape), dtype=np.float32).reshape(shape) + 1, "k")],
+         name="mul", outputs=["y"])
+    m = g.model([("x", ["B", 6])], [("y", None)], check=False)
+    act = match_activation(GraphIndex(m), "x")
+    assert act.output == "x" and act.rejected == {0: f"Mul 'mul': constant 'k' {why}"}
+    assert NOT_PER_CHANNEL in why or "higher rank" in why
+
+
+def test_vector_clip_bound_refused():
+    g = G()
+    g.op("Clip", ["x", g.init(-np.arange(6, dtype=np.float32), "lo")], name="clip", outputs=["y"])
+    m = g.model([("x", ["B", 6])], [("y", ["B", 6])], check=False)
+    act = match_activation(GraphIndex(m), "x")
+    assert act.rejected == {0: "Clip 'clip': the min 'lo' is a vector; ONNX takes a scalar there"}
+
+
+def test_per_channel_width_comes_from_the_layer_when_shapes_are_unknown():
+    g = G()
+    g.op("Add", ["x", g.init(np.arange(4, dtype=np.float32), "shift")], name="add", outputs=["y"])
+    m = g.model([("x", None)], [("y", None)], check=False)
     ix = GraphIndex(m)
-    act = match_activation(ix, "x")
-    assert act.expr == ex.relu() and act.output == r and act.nodes == ["relu"]
-    assert act.rejected == {1: f"Mul 'scale_mul': {PER_CHANNEL} ('scale', shape [6])"}
+    assert match_activation(ix, "x").rejected == {
+        0: "Add 'add': constant 'shift' of shape [4] does not broadcast per channel (the layer's width is unknown)"}
+    assert match_activation(ix, "x", width=4).expr == ex.X + ex.Chan((0, 1, 2, 3))
 
 
 def test_intermediate_used_outside_shrinks_region():
@@ -168,3 +220,19 @@ def test_normalise_keeps_unknown_and_distinguishes_near_misses():
     assert normalise(ex.clip(0.0, 1e9)) == ex.clip(0.0, 1e9)  # not relu: differs above 1e9
     assert normalise(ex.leaky_relu(1e-7)) == ex.leaky_relu(1e-7)
     assert normalise(ex.Op("sigmoid", (ex.X,)) * ex.X) == ex.silu()
+
+
+def test_cast_that_rounds_a_float32_value_is_not_an_activation():
+    g = G()
+    h = g.op("Cast", ["x"], name="to_half", to=onnx.TensorProto.FLOAT16)
+    g.op("Cast", [h], name="back", outputs=["y"], to=F)
+    m = g.model([("x", ["B", 6])], [("y", ["B", 6])])
+    act = match_activation(GraphIndex(m), "x")
+    assert act.output == "x" and act.rejected == {0: "Cast 'to_half': Cast to float16 rounds the float32 value"}
+    # in a float16 model the same round trip is exact: it is fused
+    g = G()
+    h = g.op("Cast", ["x"], name="up", to=F)
+    g.op("Cast", [g.op("Tanh", [h])], name="down", outputs=["y"], to=onnx.TensorProto.FLOAT16)
+    m = g.model([("x", ["B", 6])], [("y", ["B", 6])], elem=onnx.TensorProto.FLOAT16)
+    act = match_activation(GraphIndex(m), "x")
+    assert act.output == "y" and act.expr == ex.tanh()

@@ -78,16 +78,28 @@ def test_non_constant_weight_refusal_and_break():
     ]
 
 
-def test_per_channel_activation_ends_chain_with_reason():
+def test_per_channel_activation_is_fused():
     g = G()
     h = g.op("Mul", [g.linear("x", 8, 16, name="fc0", kind="matmul"), g.vec(16, name="gamma")], name="scale")
     g.linear(h, 16, 4, name="fc1")
     g.nodes[-1].output[0] = "y"
-    plan = find_chains(g.model([("x", ["B", 8])], [("y", ["B", 4])]))
-    assert [c.widths for c in plan.chains] == [(8, 16), (16, 4)]
-    assert plan.refusals[0].reason.startswith("chain 0 ends: output of layer 1 ('add_out")
-    assert plan.refusals[0].reason.endswith(
-        "feeds Mul 'scale': per-channel constant in activation not supported yet ('gamma', shape [16])")
+    m = g.model([("x", ["B", 8])], [("y", ["B", 4])])
+    plan = find_chains(m)
+    assert [c.widths for c in plan.chains] == [(8, 16, 4)] and plan.refusals == []
+    gamma = onnx.numpy_helper.to_array(next(t for t in m.graph.initializer if t.name == "gamma"))
+    assert plan.chains[0].activations[0] == ex.X * ex.Chan(tuple(gamma))
+
+
+def test_non_per_channel_constant_ends_chain_with_reason():
+    g = G()
+    h = g.op("Mul", [g.linear("x", 8, 16, name="fc0", kind="matmul"), g.init(np.ones((2, 16), np.float32), "k2")],
+             name="scale")
+    g.op("ReduceSum", [h], name="rs", outputs=["y"], keepdims=0)
+    plan = find_chains(g.model([("x", ["B", 8])], [("y", [])]))
+    assert [c.widths for c in plan.chains] == [(8, 16)]
+    assert [r.reason for r in plan.refusals] == [
+        "chain 0 ends: output of layer 1 ('add_out4') feeds Mul 'scale': constant 'k2' of shape [2, 16] "
+        "does not broadcast per channel (the layer's width is 16)"]
 
 
 def test_double_input_refused():

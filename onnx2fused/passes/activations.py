@@ -2,7 +2,8 @@
 
 Given the layer's output tensor v, the activation is the largest set A of elementwise nodes such that
 
-    every input of a node in A is v, the output of a node in A, or a scalar constant;
+    every input of a node in A is v, the output of a node in A, or a constant that is a scalar or a
+    per-channel vector (shape [N], [1, N], ... with N the layer's width and rank <= rank(v));
     every tensor of A except its final output t (v included) is consumed only by nodes of A and is
     not a graph output;
 
@@ -10,7 +11,10 @@ and then t = f(v) elementwise, with f an `expr.Expr` built node by node:
 
     Relu(a) -> max(a, 0)        Sigmoid(a) -> sigmoid(a)      Mul(a, b) -> a * b      ...
     Gelu(a) -> gelu_erf[x := a] Mish(a) -> mish[x := a]       Clip(a, lo, hi) -> min(max(a, lo), hi)
-    Identity / Dropout (inference) / Cast between float types -> a
+    Identity / Dropout (inference) / Cast between float types -> a  (not a Cast that rounds a float32
+                                                                      value to float16/bfloat16)
+    a constant c of shape [1, ..., 1, N] -> Chan(c) (c[col] for output column col), or Const when all
+    its values are equal; a bool constant (a Where condition) -> 1.0 / 0.0
 
 With no such nodes, f = x (`expr.identity()`). The tree is finally normalised to a named constructor of
 `expr` (relu, silu, gelu_erf, ...) when it is numerically the same function on a probe set that covers
@@ -31,7 +35,7 @@ from .. import expr as ex
 from ..expr import Const, Expr, Op, Var
 from .constants import FLOAT_TYPES, GraphIndex, elem_name
 
-PER_CHANNEL = "per-channel constant in activation not supported yet"
+NOT_PER_CHANNEL = "does not broadcast per channel"
 
 
 class ActivationRefusal(Exception):
@@ -69,9 +73,13 @@ ELEMENTWISE_OPS = (set(_UNARY) | set(_BINARY) | set(_VARIADIC) |
                     "Clip", "Where", "Softsign", "ThresholdedRelu", "Identity", "Dropout", "Cast", "PRelu"})
 
 
+_NARROW_FLOATS = (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
+
+
 class _Ctx:
-    def __init__(self, ix: GraphIndex, env: dict[str, Expr], rank: int | None):
-        self.ix, self.env, self.rank = ix, env, rank
+    def __init__(self, ix: GraphIndex, env: dict[str, Expr], rank: int | None, width: int | None,
+                 value_type: int | None):
+        self.ix, self.env, self.rank, self.width, self.value_type = ix, env, rank, width, value_type
 
     def operand(self, name: str, what: str) -> Expr:
         if name in self.env:
@@ -79,21 +87,35 @@ class _Ctx:
         c = self.ix.const(name)
         if c is None:
             raise ActivationRefusal(f"{what}: input '{name}' is neither derived from the layer output nor a constant")
-        return Const(self.scalar(c, name, what))
+        return self.constant(c, name, what)
 
-    def scalar(self, c: np.ndarray, name: str, what: str) -> float:
+    def scalar_operand(self, name: str, what: str, role: str) -> Expr:
+        e = self.operand(name, what)
+        if isinstance(e, ex.Chan):
+            raise ActivationRefusal(f"{what}: the {role} '{name}' is a vector; ONNX takes a scalar there")
+        return e
+
+    def constant(self, c: np.ndarray, name: str, what: str) -> Expr:
+        """Const for a scalar (or a vector of equal values), Chan for a per-channel vector."""
         max_rank = self.rank if self.rank is not None else 2
         if c.ndim > max_rank:
             raise ActivationRefusal(f"{what}: constant '{name}' of rank {c.ndim} would broadcast the value to a higher rank")
-        if c.dtype == np.bool_ or c.dtype.kind not in "fiu" and str(c.dtype) != "bfloat16":
+        if c.dtype.kind not in "fiub" and str(c.dtype) != "bfloat16":
             raise ActivationRefusal(f"{what}: constant '{name}' has element type {c.dtype}")
-        flat = c.astype(np.float32).reshape(-1)
+        flat = c.astype(np.float32).reshape(-1)  # bool (a Where condition) -> 1.0 / 0.0
         if flat.size == 0:
             raise ActivationRefusal(f"{what}: constant '{name}' is empty")
-        if flat.size == 1 or (np.all(flat == flat[0]) and all(d == 1 for d in c.shape[:-1])):
-            return float(flat[0])
+        if flat.size == 1:
+            return Const(float(flat[0]))
         shape = "[" + ", ".join(map(str, c.shape)) + "]"
-        raise ActivationRefusal(f"{what}: {PER_CHANNEL} ('{name}', shape {shape})")
+        if any(d != 1 for d in c.shape[:-1]) or c.shape[-1] != self.width:
+            # Anything else would broadcast the value to a new shape (or it is not a per-column vector).
+            width = "unknown" if self.width is None else str(self.width)
+            raise ActivationRefusal(f"{what}: constant '{name}' of shape {shape} {NOT_PER_CHANNEL} "
+                                    f"(the layer's width is {width})")
+        if np.all(flat == flat[0]):
+            return Const(float(flat[0]))
+        return ex.Chan(tuple(flat))
 
 
 def _attr(node, name, default=None):
@@ -132,6 +154,9 @@ def node_expr(ctx: _Ctx, i: int) -> Expr:
             raise ActivationRefusal(f"{what}: Cast to {elem_name(to)} (only casts to float types are elementwise no-ops)")
         if src is not None and src not in FLOAT_TYPES and src != onnx.TensorProto.BOOL:
             raise ActivationRefusal(f"{what}: Cast from {elem_name(src)}")
+        if to in _NARROW_FLOATS and ctx.value_type not in _NARROW_FLOATS and src not in _NARROW_FLOATS:
+            # In a float32 chain this rounds to 16 bits: the kernels (fp32 epilogue) would not round.
+            raise ActivationRefusal(f"{what}: Cast to {elem_name(to)} rounds the float32 value")
         return ctx.operand(ins[0], what)
     if op in _UNARY:
         return Op(_UNARY[op], (ctx.operand(ins[0], what),))
@@ -154,7 +179,7 @@ def node_expr(ctx: _Ctx, i: int) -> Expr:
         return Op("select", (Op("lt", (x, Const(0.0))), Op("mul", (x, slope)), x))
     if op == "Gelu":
         approx = _attr(node, "approximate", "none")
-        approx = approx.decode() if isinstance(approx, bytes) else approx
+        approx = approx.decode("utf-8", "replace") if isinstance(approx, bytes) else approx  # any bytes
         return subst(ex.gelu_tanh() if approx == "tanh" else ex.gelu_erf(), x)
     if op == "Elu":
         return subst(ex.elu(float(_attr(node, "alpha", 1.0))), x)
@@ -181,9 +206,9 @@ def node_expr(ctx: _Ctx, i: int) -> Expr:
     if op == "Clip":
         lo = hi = None
         if len(ins) > 1 and ins[1]:
-            lo = ctx.operand(ins[1], what)
+            lo = ctx.scalar_operand(ins[1], what, "min")
         if len(ins) > 2 and ins[2]:
-            hi = ctx.operand(ins[2], what)
+            hi = ctx.scalar_operand(ins[2], what, "max")
         if lo is None and _attr(node, "min") is not None:
             lo = Const(float(_attr(node, "min")))
         if hi is None and _attr(node, "max") is not None:
@@ -223,7 +248,7 @@ def _same(a: np.ndarray, b: np.ndarray) -> bool:
 def normalise(e: Expr) -> Expr:
     """The named constructor equal to e as a function (on the probe set), else e itself."""
     global _NAMED_VALUES
-    if e in ex.NAMED:
+    if e in ex.NAMED or ex.chan_leaves(e):  # per-channel trees take their names from expr.short_name
         return e
     if _NAMED_VALUES is None:
         _NAMED_VALUES = [(n, ex.evaluate(n, _PROBE)) for n in ex.NAMED]
@@ -236,10 +261,14 @@ def normalise(e: Expr) -> Expr:
 
 # -- the region walk -------------------------------------------------------------------------------
 
-def match_activation(ix: GraphIndex, value: str) -> Activation:
-    """The activation applied to tensor `value` (a linear layer's output)."""
+def match_activation(ix: GraphIndex, value: str, width: int | None = None) -> Activation:
+    """The activation applied to tensor `value` (a linear layer's output of `width` features; None:
+    its inferred shape's last dimension, if known)."""
+    if width is None:
+        shape = ix.shapes.get(value)
+        width = shape[-1] if shape and isinstance(shape[-1], int) and shape[-1] > 0 else None
     env: dict[str, Expr] = {value: ex.X}
-    ctx = _Ctx(ix, env, ix.rank(value))
+    ctx = _Ctx(ix, env, ix.rank(value), width, ix.types.get(value))
     region: list[int] = []
     rejected: dict[int, str] = {}
     heap = list(ix.users(value))
@@ -307,9 +336,12 @@ def _closed(ix: GraphIndex, t: str, value: str, anc: set[int]) -> bool:
 
 
 def describe_expr(e: Expr) -> str:
-    """Short name when known, else the full text."""
+    """Short name when known (per-channel forms: `prelu[64]`), else the full text."""
+    leaves = ex.chan_leaves(e)
+    if leaves and ex.short_name(e) in ex.PER_CHANNEL_NAMED.values():
+        return f"{ex.short_name(e)}[{leaves[0].width}]"
     return ex.NAMED.get(e) or ex.to_text(e)
 
 
 __all__ = ["Activation", "ActivationRefusal", "match_activation", "node_expr", "normalise", "subst",
-           "ELEMENTWISE_OPS", "PER_CHANNEL", "describe_expr"]
+           "ELEMENTWISE_OPS", "NOT_PER_CHANNEL", "describe_expr"]

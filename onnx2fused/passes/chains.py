@@ -113,7 +113,7 @@ def find_chains(model: onnx.ModelProto) -> FusionPlan:
             refused[i] = (f"{ix.describe(i)}: input '{lin.input}' has element type {elem_name(t)}; "
                           "only float32/float16 are fused")
             continue
-        layers[i] = _Layer(i, lin, match_activation(ix, lin.output))
+        layers[i] = _Layer(i, lin, match_activation(ix, lin.output, lin.out_features))
     # A bias Add is never another layer's start; make sure no node is claimed twice.
     by_input_node = {l.start: l for l in layers.values()}
     ends: dict[int, str] = {}

@@ -3,6 +3,7 @@
 Constant folding (for matching only; the graph itself is not changed here):
 
     Constant() -> c                          value(c) = the attribute tensor
+    ConstantOfShape(s; value=v) -> c         value(c) = full(s, v)  (v defaults to float32 0), s constant
     initializer w (not an overridable input) value(w) = w
     Identity(c) -> y                         value(y) = value(c)
     Cast(c, to=T) -> y                       value(y) = value(c).astype(T)
@@ -22,6 +23,7 @@ from onnx import numpy_helper
 
 FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16,
                onnx.TensorProto.DOUBLE}
+MAX_FOLD_ELEMENTS = 1 << 28  # ConstantOfShape outputs larger than this (1 GiB of float32) are not folded
 ELEM_NAMES = {v: k.lower() for k, v in onnx.TensorProto.DataType.items()}
 
 
@@ -164,6 +166,16 @@ class GraphIndex:
     def _fold(self, n: onnx.NodeProto) -> np.ndarray | None:
         if n.op_type == "Constant":
             return constant_node_value(n)
+        if n.op_type == "ConstantOfShape":
+            shape = self.consts.get(n.input[0]) if n.input and n.input[0] else None
+            if shape is None:
+                return None
+            a = next((a for a in n.attribute if a.name == "value"), None)
+            fill = numpy_helper.to_array(a.t).reshape(-1) if a is not None else np.zeros(1, np.float32)
+            dims = [int(d) for d in np.asarray(shape).reshape(-1)]
+            if np.prod(dims, dtype=np.float64) > MAX_FOLD_ELEMENTS:  # not a weight we could fuse anyway
+                return None
+            return np.full(dims, fill[0], dtype=fill.dtype)
         ins = [self.consts.get(x) if x else None for x in n.input]
         if not ins or ins[0] is None:
             return None

@@ -54,6 +54,11 @@ class OnnxEmitter:
         t = helper.make_tensor("value", TensorProto.FLOAT, [], [float(np.float32(v))])
         return self.node("Constant", [], value=t)
 
+    def const_vector(self, values: tuple) -> str:
+        """A per-channel constant as a float32 [N] tensor: it broadcasts over the last axis."""
+        t = numpy_helper.from_array(np.asarray(values, dtype=np.float32), "value")
+        return self.node("Constant", [], value=t)
+
     def emit(self, e: ex.Expr, x: str, memo: dict | None = None) -> str:
         memo = {} if memo is None else memo
         if e in memo:
@@ -62,6 +67,8 @@ class OnnxEmitter:
             out = x
         elif isinstance(e, ex.Const):
             out = self.const(e.value)
+        elif isinstance(e, ex.Chan):
+            out = self.const_vector(e.values)
         elif e.name in _UNARY_OPS:
             out = self.node(_UNARY_OPS[e.name], [self.emit(e.args[0], x, memo)])
         elif e.name in _BINARY_OPS:

@@ -1,0 +1,182 @@
+"""Issue 5's three wide-layer cases on the GPU: stock ORT CUDA EP on the fp32 model and on its fp16 copy,
+and the fused model (onnx2fused convert, fp16), all through ORT with device-resident I/O (IOBinding).
+
+    python benchmarks/wide_cases.py [--out build/bench/wide] [--reps 100] [--cases ffn,head,dlrm]
+                                    [--design auto|wide|streamed]
+
+Cases (issue 5 targets, H100):
+    ffn   768 -> 3072 -> 768, GELU,  input [64, 256, 768] (16384 rows)   >= 1.3x ORT fp16, >= 4x ORT fp32
+    head  9216 -> 4096 -> 4096 -> 1000, ReLU, batch 256                  >= 1.2x ORT fp16
+    dlrm  512 -> 256 -> 64 -> 1, ReLU, batch 65536                       >= 2x ORT fp16
+The models are built here with onnx.helper (random weights, seed 0; the FFN as MatMul + Add with GELU in
+the erf form torch's opset-17 export writes). `--design` sets ONNX2FUSED_CUDA_DESIGN for the fused
+model, to compare the cost model's choice with the alternatives. Timing and the fp16 copy come from
+onnx2fused/bench.py (median of --reps runs after warm-up; CUDA events when torch sees the GPU).
+Results go to <out>/wide_cases.json and a table on stdout.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from onnx2fused import bench  # noqa: E402
+
+# name: (widths, activation, input shape with the batch first, batch, targets {variant: speed-up})
+CASES = {
+    "ffn": ([768, 3072, 768], "gelu", ["batch", 256, 768], 64, {"ort_fp16": 1.3, "ort_fp32": 4.0}),
+    "head": ([9216, 4096, 4096, 1000], "relu", ["batch", 9216], 256, {"ort_fp16": 1.2}),
+    "dlrm": ([512, 256, 64, 1], "relu", ["batch", 512], 65536, {"ort_fp16": 2.0}),
+}
+
+
+def _gelu_nodes(x: str, prefix: str, inits: list) -> tuple[list, str]:
+    """0.5 * x * (1 + erf(x / sqrt(2))): the node sequence of torch's opset-17 nn.GELU export."""
+    for name, v in ((f"{prefix}_sqrt2", math.sqrt(2.0)), (f"{prefix}_one", 1.0), (f"{prefix}_half", 0.5)):
+        inits.append(numpy_helper.from_array(np.array(v, np.float32), name))
+    nodes = [
+        helper.make_node("Div", [x, f"{prefix}_sqrt2"], [f"{prefix}_d"]),
+        helper.make_node("Erf", [f"{prefix}_d"], [f"{prefix}_e"]),
+        helper.make_node("Add", [f"{prefix}_e", f"{prefix}_one"], [f"{prefix}_a"]),
+        helper.make_node("Mul", [x, f"{prefix}_a"], [f"{prefix}_m"]),
+        helper.make_node("Mul", [f"{prefix}_m", f"{prefix}_half"], [f"{prefix}_g"]),
+    ]
+    return nodes, f"{prefix}_g"
+
+
+def build_model(widths, act: str, in_shape, path: Path, seed: int = 0) -> Path:
+    """An MLP as ONNX: Gemm(transB=1) per layer on 2-D input, MatMul + Add on 3-D (as exporters write)."""
+    rng = np.random.default_rng(seed)
+    three_d = len(in_shape) == 3
+    nodes, inits, h = [], [], "x"
+    for i, (k, n) in enumerate(zip(widths, widths[1:])):
+        w = (rng.standard_normal((k, n)) / np.sqrt(k)).astype(np.float32)  # MatMul layout [K, N]
+        b = (rng.standard_normal(n) * 0.1).astype(np.float32)
+        inits += [numpy_helper.from_array(w if three_d else np.ascontiguousarray(w.T), f"w{i}"),
+                  numpy_helper.from_array(b, f"b{i}")]
+        if three_d:
+            nodes += [helper.make_node("MatMul", [h, f"w{i}"], [f"mm{i}"]),
+                      helper.make_node("Add", [f"mm{i}", f"b{i}"], [f"l{i}"])]
+        else:
+            nodes.append(helper.make_node("Gemm", [h, f"w{i}", f"b{i}"], [f"l{i}"], transB=1))
+        h = f"l{i}"
+        if i < len(widths) - 2:
+            if act == "relu":
+                nodes.append(helper.make_node("Relu", [h], [f"r{i}"]))
+                h = f"r{i}"
+            else:
+                more, h = _gelu_nodes(h, f"gelu{i}", inits)
+                nodes += more
+    nodes.append(helper.make_node("Identity", [h], ["y"]))
+    out_shape = list(in_shape[:-1]) + [widths[-1]]
+    g = helper.make_graph(nodes, path.stem, [helper.make_tensor_value_info("x", TensorProto.FLOAT, in_shape)],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, out_shape)], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    onnx.checker.check_model(m)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(m, str(path))
+    return path
+
+
+def plan_text(model: Path) -> str:
+    """What `onnx2fused inspect` says about the model's chains (the CUDA plan and why)."""
+    import onnx2fused
+    return onnx2fused.inspect(str(model)).format()
+
+
+def run_case(name: str, out_dir: Path, reps: int, warmup: int, dev, providers) -> dict:
+    import onnxruntime as ort
+    widths, act, in_shape, batch, targets = CASES[name]
+    model = build_model(widths, act, in_shape, out_dir / f"{name}.onnx")
+    info = bench.model_info(model)
+    rows = batch * int(np.prod([d for d in in_shape[1:-1]] or [1]))
+    result = {"case": name, "widths": widths, "activation": act, "batch": batch, "rows": rows, "ms": {},
+              "errors": {}, "plan": plan_text(model)}
+    print(f"== {name}: {' -> '.join(map(str, widths))} {act}, input {[batch] + in_shape[1:]} ({rows} rows)", flush=True)
+    print(result["plan"], flush=True)
+
+    def so():
+        o = ort.SessionOptions()
+        o.log_severity_level = 3
+        return o
+
+    def ort_fp32():
+        return ort.InferenceSession(str(model), so(), providers=providers)
+
+    def ort_fp16():
+        p = bench.fp16_model_file(model, out_dir / f"{name}.fp16.onnx")
+        return ort.InferenceSession(str(p), so(), providers=providers)
+
+    def fused():
+        p, lib = bench.convert_model(model, out_dir / name, "fp16", with_cuda=True)
+        return bench.fused_session(p, lib, so(), providers)
+
+    for variant, make in (("ort_fp32", ort_fp32), ("ort_fp16", ort_fp16), ("fused", fused)):
+        try:
+            sess = make()
+            if "CUDAExecutionProvider" not in sess.get_providers():
+                raise RuntimeError(f"no CUDA EP in {sess.get_providers()}")
+            ts, _ = bench.time_ort_gpu(dev, sess, info, batch, reps, warmup)
+            result["ms"][variant] = float(np.median(ts))
+            print(f"  {variant:<9} {result['ms'][variant]:.4f} ms", flush=True)
+        except Exception as e:  # noqa: BLE001 - one failed variant must not hide the others
+            result["errors"][variant] = f"{type(e).__name__}: {e}"
+            print(f"  {variant:<9} n/a ({result['errors'][variant][:300]})", flush=True)
+        finally:
+            sess = None
+    fused_ms = result["ms"].get("fused")
+    result["speedup"] = {v: result["ms"][v] / fused_ms for v in ("ort_fp32", "ort_fp16")
+                         if fused_ms and v in result["ms"]}
+    result["targets"] = {v: {"want": t, "got": result["speedup"].get(v),
+                             "met": bool(result["speedup"].get(v) and result["speedup"][v] >= t)}
+                         for v, t in targets.items()}
+    return result
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=str(ROOT / "build" / "bench" / "wide"))
+    ap.add_argument("--reps", type=int, default=100)
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--design", choices=["auto", "wide", "streamed"], default=None,
+                    help="force the fused model's CUDA design (sets ONNX2FUSED_CUDA_DESIGN)")
+    args = ap.parse_args(argv)
+    if args.design:
+        os.environ["ONNX2FUSED_CUDA_DESIGN"] = args.design
+    names = [c.strip() for c in args.cases.split(",") if c.strip()]
+    unknown = [c for c in names if c not in CASES]
+    if unknown:
+        ap.error(f"unknown case(s) {unknown}; choose from {list(CASES)}")
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    torch = bench._cuda_torch()
+    dev = bench._Dev(torch)
+    providers = bench.gpu_providers()
+    results = [run_case(n, out_dir, args.reps, args.warmup, dev, providers) for n in names]
+
+    print("\n| case | rows | ORT fp32 ms | ORT fp16 ms | fused ms | x fp32 | x fp16 | targets |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in results:
+        ms, sp = r["ms"], r["speedup"]
+        cell = lambda d, k, f: f.format(d[k]) if k in d else "n/a"  # noqa: E731
+        tgt = ", ".join(f"{v} >= {t['want']}x: {'met' if t['met'] else 'MISSED'}" for v, t in r["targets"].items())
+        print(f"| {r['case']} | {r['rows']} | {cell(ms, 'ort_fp32', '{:.3f}')} | {cell(ms, 'ort_fp16', '{:.3f}')} | "
+              f"{cell(ms, 'fused', '{:.3f}')} | {cell(sp, 'ort_fp32', '{:.2f}')} | {cell(sp, 'ort_fp16', '{:.2f}')} | {tgt} |")
+    (out_dir / "wide_cases.json").write_text(json.dumps(results, indent=1))
+    print(f"\nwrote {out_dir / 'wide_cases.json'}")
+    return 0 if all("fused" in r["ms"] for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

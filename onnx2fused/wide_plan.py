@@ -1,0 +1,305 @@
+"""The "wide" CUDA design, and the cost model that picks resident vs streamed vs wide per chain.
+
+Wide design (templates/cuda_wide.cu.j2): one tensor-core GEMM per layer, Y_i = act_i(X_i @ W_i + b_i),
+with CUTLASS 2.x device-level GEMMs (sm_80 `mma.sync` kernels, which also run on sm_90) whose epilogue
+is `LinearCombinationGeneric` over a generated activation functor (the layer's expr IR, render_c):
+
+    X (io type) --convert--> X16 [MB, KP0]  (skipped when X is already fp16/bf16 of the compute type
+                                            and K0 is a multiple of 8: the GEMM reads X in place)
+    H_0 = act_0(X16 @ W_0 + b_0)            fp16/bf16 [MB, NP_0], in the workspace
+    H_1 = act_1(H_0 @ W_1 + b_1)            ping-pong between two workspace buffers
+    Y   = act_L(H_{L-2} @ W_L + b_L)        io type, true width, straight to the output
+
+The plugin gives a kernel no per-run allocator (ort_plugin/plugin.cc allocates one workspace per device,
+once), so the intermediates live in that workspace, sized for MB rows ("row block"); a call loops over
+row blocks on the stream: no cudaMalloc, no synchronisation, capturable in a CUDA graph. Runs of one
+kernel share the workspace, which is safe because ORT issues them on the session's one compute stream.
+
+Padding: K of every GEMM and the widths of the hidden tensors are rounded up to 8 (16-byte vectors).
+Padded weight entries and biases are zero, so a padded hidden column holds act(0), and the next layer
+multiplies it by zero weights: act(0) must be finite, which `wide_reason_refused` checks.
+The bias enters as CUTLASS's source operand C with a row stride of 0 (a broadcast row); it is stored in
+the GEMM's output type: fp16/bf16 for hidden layers (rounded like the weights), the io type last.
+
+Tiles come from TILE_TABLE, keyed by arch: a "large" tile for GEMMs with enough output tiles to fill the
+GPU and a "small" one otherwise; the launcher picks per GEMM and row block at run time from the SM count.
+(No build-time search: the table is the default the issue asks for; see RESULTS.md for calibration.)
+
+Cost model (`estimate_*`): seconds at NOMINAL_ROWS rows from a roofline with a fixed efficiency per
+design; its constants are H100 figures and are assumptions until calibrated on the GPU.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from . import expr as ex
+from .spec import MLPSpec, SpecError
+
+ALIGN = 8                       # elements per 16-byte vector of fp16/bf16: GEMM K and hidden widths round to it
+SCRATCH_BUDGET = 128 << 20      # bytes of workspace for the intermediates of one row block
+ROW_QUANTUM = 128               # the row block is a multiple of the largest tile's rows
+MAX_ROW_BLOCK = 65536
+REGION_ALIGN = 256              # byte alignment of each workspace region
+
+# Cost model (H100 SXM figures: NOTES.md measured 665 TFLOP/s fp16 matmul, 3.0 TB/s copy).
+NOMINAL_ROWS = 16384            # the batch the compile-time decision is made for
+TC_FLOPS = 660e12
+HBM_BPS = 3.0e12
+L2_BPS = 8.0e12                 # streamed weights are re-read from L2 once per row tile
+LAUNCH_S = 3e-6                 # per kernel launch in the stream
+WIDE_GEMM_EFF = 0.55            # CUTLASS 2.x mma.sync GEMM on sm_90, fraction of TC_FLOPS (assumed)
+# Streamed kernel, 128-row tiles: 183 TFLOP/s measured on silu (RESULTS.md, kernel only); shorter tiles
+# re-read each weight chunk for fewer rows: x sqrt(bm/128) fits mnist's 32-row tiles (108 TFLOP/s).
+STREAMED_EFF_128 = 0.28
+WIDE_MARGIN = 2.0               # wide replaces a working streamed plan only when estimated this much faster
+                                # (its constants are not calibrated yet: keep measured streamed cases as they are)
+
+DESIGN_ENV = "ONNX2FUSED_CUDA_DESIGN"   # "wide" | "streamed" | "resident" | "auto": force a design (experiments, tests)
+
+
+@dataclass(frozen=True)
+class GemmTile:
+    """A CUTLASS threadblock / warp tile and pipeline depth (instruction shape is always 16x8x16)."""
+    bm: int
+    bn: int
+    bk: int
+    wm: int
+    wn: int
+    wk: int
+    stages: int
+
+    @property
+    def name(self) -> str:
+        return f"Tile{self.bm}x{self.bn}x{self.bk}_w{self.wm}x{self.wn}_s{self.stages}"
+
+    @property
+    def smem_bytes(self) -> int:
+        return (self.bm + self.bn) * self.bk * 2 * self.stages
+
+
+# Per arch: (large, small). Both archs run the sm_80 mma.sync kernels; sm_90 (227 KB of shared memory)
+# takes the wider 128x256 tile, which halves the A-tile re-reads on the wide GEMMs.
+TILE_TABLE: dict[int, tuple[GemmTile, GemmTile]] = {
+    80: (GemmTile(128, 128, 32, 64, 64, 32, 4), GemmTile(64, 64, 64, 32, 32, 64, 4)),
+    90: (GemmTile(128, 256, 32, 64, 64, 32, 3), GemmTile(64, 64, 64, 32, 32, 64, 4)),
+}
+
+
+def _round_up(v: int, m: int) -> int:
+    return (v + m - 1) // m * m
+
+
+@dataclass(frozen=True)
+class WideGemm:
+    index: int
+    k: int            # true input features
+    n: int            # true output features
+    kp: int           # padded K: the row stride of A and of the packed (n-major) weights
+    np_: int          # columns the GEMM computes and writes: padded to ALIGN (hidden), true N (last)
+    last: bool
+    align_out: int    # elements per epilogue access (divides np_)
+    w_offset: int     # bytes into the workspace: packed weights [np_][kp], compute type
+    b_offset: int     # bytes: bias [np_] in the output type
+    src: str          # "x" (the input in place), "xc" (converted input), "h0", "h1"
+    dst: str          # "h0", "h1" or "y"
+
+
+@dataclass(frozen=True)
+class WidePlan:
+    spec: MLPSpec
+    gemms: tuple[WideGemm, ...]
+    row_block: int          # MB: rows of one pass through the chain
+    convert_input: bool     # a conversion pass writes X16; else the first GEMM reads X in place
+    xc_offset: int          # bytes: converted input [MB][kp0] (when convert_input)
+    h_offsets: tuple[int, int]
+    h_width: int            # row stride (elements) of both hidden buffers
+    workspace_bytes: int
+    reason: str             # why the cost model chose this design
+    resident: bool = False  # cuda_plan.CudaPlan compatibility: callers test plan.resident
+    design: str = "wide"
+
+    @property
+    def tiles(self) -> tuple[GemmTile, ...]:
+        """The distinct tiles the kernel instantiates, in a fixed order."""
+        seen: dict[GemmTile, None] = {}
+        for arch in sorted(TILE_TABLE):
+            for t in TILE_TABLE[arch]:
+                seen.setdefault(t)
+        return tuple(seen)
+
+    def describe(self) -> str:
+        conv = "fp32->16-bit conversion pass, " if self.convert_input else ""
+        return (f"wide: {len(self.gemms)} tensor-core GEMMs (CUTLASS sm80 mma.sync, bias+activation epilogue), "
+                f"{conv}16-bit intermediates in the workspace, {self.row_block}-row blocks; {self.reason}")
+
+
+# ------------------------------------------------------------------------------------------ refusals
+def wide_reason_refused(spec: MLPSpec) -> str | None:
+    """Why the wide design cannot run this spec, or None."""
+    if spec.precision not in ("fp16", "bf16"):
+        return f"{spec.precision} has no tensor-core GEMM"
+    for i, l in enumerate(spec.layers):
+        if ex.chan_leaves(l.activation):
+            return (f"layer {i}'s activation has per-channel constants, which the GEMM epilogue "
+                    "(it does not see the column) cannot apply")
+        if i < len(spec.layers) - 1 and not np.isfinite(ex.evaluate(l.activation, np.zeros(1, np.float32))).all():
+            return f"layer {i}'s activation is not finite at 0 (padded hidden columns would poison the next layer)"
+    return None
+
+
+@lru_cache(maxsize=None)
+def _cutlass_found() -> str | None:
+    from .headers import find_cutlass_headers
+    try:
+        find_cutlass_headers()
+        return None
+    except Exception as e:  # noqa: BLE001 - any failure means "not found"; the message says what to do
+        return str(e)
+
+
+# ------------------------------------------------------------------------------------------ layout
+def make_wide_plan(spec: MLPSpec, reason: str = "") -> WidePlan:
+    why = wide_reason_refused(spec)
+    if why:
+        raise SpecError(f"{spec.describe()}: no wide plan: {why}")
+    io_bytes = 2 if spec.io_dtype == "f16" else 4
+    out_bytes_last = io_bytes
+    k0 = spec.layers[0].in_features
+    kp0 = _round_up(k0, ALIGN)
+    # fp16 input of an fp16 kernel with aligned rows is already the GEMM's A operand
+    convert = not (spec.io_dtype == "f16" and spec.precision == "fp16" and kp0 == k0)
+    off = 0
+    kp = kp0
+    hidden = [_round_up(l.out_features, ALIGN) for l in spec.layers[:-1]]
+    h_width = max(hidden, default=0)
+    layouts = []
+    for i, l in enumerate(spec.layers):
+        last = i == len(spec.layers) - 1
+        np_ = l.out_features if last else _round_up(l.out_features, ALIGN)
+        out_bytes = out_bytes_last if last else 2
+        align = next(a for a in (16 // out_bytes, 4, 2, 1) if np_ % a == 0)
+        w_off = off
+        off = _round_up(off + np_ * kp * 2, REGION_ALIGN)
+        b_off = off
+        off = _round_up(off + np_ * out_bytes, REGION_ALIGN)
+        src = ("xc" if convert else "x") if i == 0 else f"h{(i - 1) % 2}"
+        dst = "y" if last else f"h{i % 2}"
+        layouts.append(WideGemm(i, l.in_features, l.out_features, kp, np_, last, align, w_off, b_off, src, dst))
+        kp = np_
+    n_hbuf = min(2, len(spec.layers) - 1)   # hidden tensors ping-pong between two buffers
+    per_row = (kp0 * 2 if convert else 0) + n_hbuf * h_width * 2
+    mb = SCRATCH_BUDGET // max(per_row, 1) // ROW_QUANTUM * ROW_QUANTUM
+    mb = max(ROW_QUANTUM, min(MAX_ROW_BLOCK, mb))
+    xc_off = off
+    if convert:
+        off = _round_up(off + mb * kp0 * 2, REGION_ALIGN)
+    h0 = off
+    off = _round_up(off + mb * h_width * 2, REGION_ALIGN) if n_hbuf >= 1 else off
+    h1 = off
+    off = _round_up(off + mb * h_width * 2, REGION_ALIGN) if n_hbuf >= 2 else off
+    return WidePlan(spec, tuple(layouts), mb, convert, xc_off, (h0, h1), h_width, off, reason)
+
+
+# ------------------------------------------------------------------------------------------ cost model
+def estimate_wide(spec: MLPSpec, rows: int = NOMINAL_ROWS) -> float:
+    """Seconds: each GEMM at max(compute, HBM traffic) plus a launch; plus the conversion pass."""
+    io = 2 if spec.io_dtype == "f16" else 4
+    k0 = spec.layers[0].in_features
+    t = (rows * k0 * io + rows * _round_up(k0, ALIGN) * 2) / HBM_BPS + LAUNCH_S
+    for i, l in enumerate(spec.layers):
+        last = i == len(spec.layers) - 1
+        k, n = _round_up(l.in_features, ALIGN), l.out_features if last else _round_up(l.out_features, ALIGN)
+        flops = 2.0 * rows * k * n
+        traffic = rows * k * 2 + k * n * 2 + rows * n * (io if last else 2)
+        t += max(flops / (TC_FLOPS * WIDE_GEMM_EFF), traffic / HBM_BPS) + LAUNCH_S
+    return t
+
+
+def estimate_streamed(spec: MLPSpec, streamed_plan, rows: int = NOMINAL_ROWS) -> float:
+    """Seconds of the streamed kernel (cuda_plan): its tallest tile sets the tensor-core efficiency
+    (short tiles re-read every weight chunk per few rows: shared-memory bound) and the L2 weight traffic."""
+    io = 2 if spec.io_dtype == "f16" else 4
+    bm = max(v.bm for v in streamed_plan.variants)
+    eff = STREAMED_EFF_128 * min(1.0, bm / 128) ** 0.5
+    weight_bytes = streamed_plan.weight_elems * 2
+    compute = spec.flops_per_row * rows / (TC_FLOPS * eff)
+    l2 = -(-rows // bm) * weight_bytes / L2_BPS
+    hbm = rows * (spec.widths[0] + spec.widths[-1]) * io / HBM_BPS
+    return max(compute, l2, hbm) + LAUNCH_S
+
+
+def _us(s: float) -> str:
+    return f"{s * 1e6:.0f} us"
+
+
+def choose_plan(spec: MLPSpec, resident_plan, streamed_plan, streamed_error: SpecError | None):
+    """The plan cuda_plan.make_plan returns: resident when it exists (narrow chains: one kernel, weights
+    on chip), else the faster of streamed and wide by the cost model at NOMINAL_ROWS rows.
+    `$ONNX2FUSED_CUDA_DESIGN` forces a design where it is possible (experiments and tests)."""
+    forced = os.environ.get(DESIGN_ENV, "auto").strip().lower() or "auto"
+    if forced not in ("auto", "wide", "streamed", "resident"):
+        raise SpecError(f"{DESIGN_ENV}={forced!r}: expected auto, wide, streamed or resident")
+    wide_why = wide_reason_refused(spec) or _cutlass_found()
+    if forced == "resident" and resident_plan is not None:
+        return resident_plan
+    if forced == "streamed" and streamed_plan is not None:
+        return streamed_plan
+    if forced == "wide" and wide_why is None:
+        return make_wide_plan(spec, f"forced by {DESIGN_ENV}=wide")
+    if resident_plan is not None:
+        return resident_plan
+    if streamed_plan is None:
+        if wide_why is not None:
+            raise SpecError(f"{streamed_error}; the wide design cannot take it either: {wide_why}")
+        return make_wide_plan(spec, f"chosen because the streamed kernel cannot hold it ({_short(streamed_error)})")
+    if wide_why is not None:
+        return streamed_plan
+    t_wide, t_streamed = estimate_wide(spec), estimate_streamed(spec, streamed_plan)
+    if t_wide * WIDE_MARGIN < t_streamed:
+        return make_wide_plan(spec, f"chosen by the cost model at {NOMINAL_ROWS} rows: "
+                                    f"~{_us(t_wide)} vs ~{_us(t_streamed)} streamed")
+    return streamed_plan
+
+
+def _short(err) -> str:
+    text = str(err)
+    return text.split(": ", 1)[1] if ": " in text else text
+
+
+# ------------------------------------------------------------------------------------------ template
+def template_params(plan: WidePlan, acts: list[dict]) -> dict:
+    """The keys templates/cuda_wide.cu.j2 needs beyond cuda_plan.template_params' common ones. `acts`:
+    cuda_plan's per-layer activation code; layers with the same code share one functor, hence one
+    GEMM instantiation per (functor, output type, alignment, tile): less to compile."""
+    spec = plan.spec
+    functors: dict[str, str] = {}
+    for a in acts:
+        functors.setdefault(a["code"], f"Act{len(functors)}")
+    act_of = [functors[a["code"]] for a in acts]
+    large = {arch: TILE_TABLE[arch][0].name for arch in TILE_TABLE}
+    small = {arch: TILE_TABLE[arch][1].name for arch in TILE_TABLE}
+    return {
+        "template": "cuda_wide.cu.j2",
+        "plan_text": plan.describe(),
+        "k0": spec.widths[0],
+        "kp0": plan.gemms[0].kp,
+        "row_block": plan.row_block,
+        "convert_input": plan.convert_input,
+        "xc_offset": plan.xc_offset,
+        "h0_offset": plan.h_offsets[0], "h1_offset": plan.h_offsets[1],
+        "h_width": plan.h_width,
+        "workspace_bytes": plan.workspace_bytes,
+        "tiles": [{"name": t.name, "bm": t.bm, "bn": t.bn, "bk": t.bk, "wm": t.wm, "wn": t.wn, "wk": t.wk,
+                   "stages": t.stages} for t in plan.tiles],
+        # arch major -> tile names; the launcher takes the entry of the largest arch <= the device's
+        "arch_tiles": [{"major": arch // 10, "large": large[arch], "small": small[arch]}
+                       for arch in sorted(TILE_TABLE, reverse=True)],
+        "act_functors": [{"name": name, "code": code} for code, name in functors.items()],
+        "gemms": [{"index": g.index, "act": act_of[g.index], "k": g.k, "n": g.n, "kp": g.kp, "np": g.np_, "last": g.last,
+                   "align": g.align_out, "w_offset": g.w_offset, "b_offset": g.b_offset,
+                   "src": g.src, "dst": g.dst} for g in plan.gemms],
+    }

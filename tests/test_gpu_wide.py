@@ -1,0 +1,218 @@
+"""The wide CUDA design (CUTLASS GEMM per layer, onnx2fused/wide_plan.py) on the CUDA EP, against stock
+ONNX Runtime in fp32 (GPU host only; CUTLASS headers from nvidia-cutlass or ONNX2FUSED_CUTLASS_DIR).
+
+Widths 512 ... 8192, several not multiples of 16 (or of 8), fp32 and fp16 model I/O, batches off every
+tile multiple and past one row block of the workspace; outputs poisoned with NaN before each run
+(IOBinding on device buffers) so unwritten elements show. The design is forced with
+ONNX2FUSED_CUDA_DESIGN=wide so narrow chains exercise it too; each test asserts the plan is wide.
+"""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+ort = pytest.importorskip("onnxruntime")
+pytestmark = pytest.mark.gpu
+if "CUDAExecutionProvider" not in ort.get_available_providers():
+    pytest.skip("onnxruntime has no CUDAExecutionProvider", allow_module_level=True)
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("torch sees no CUDA device", allow_module_level=True)
+
+from onnx2fused import build, cuda_plan, passes, wide_plan  # noqa: E402
+from onnx2fused.loader import load_model  # noqa: E402
+
+TOL = {"fp16": 2e-3, "bf16": 1e-2}
+ACTS = {"relu": "Relu", "tanh": "Tanh", "sigmoid": "Sigmoid", "none": None}
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("gpu_wide_cache")
+
+
+@pytest.fixture(autouse=True)
+def _force_wide(monkeypatch):
+    monkeypatch.setenv(wide_plan.DESIGN_ENV, "wide")
+
+
+CASES = [
+    ([512, 512, 512], "relu"),
+    ([768, 3072, 768], "gelu"),            # FFN pair
+    ([1000, 520, 1000], "tanh"),           # multiples of 8, not of 16
+    ([1001, 517, 999], "sigmoid"),         # odd: padded K / hidden columns, alignment-1 output epilogue
+    ([2048, 8192, 2048], "relu"),
+    ([8192, 4096, 1000], "relu"),
+    ([512, 256, 64, 1], "relu"),           # DLRM tower, forced wide; single output column
+]
+
+
+def _case_id(widths, act):
+    return "x".join(map(str, widths)) + "_" + act
+
+
+def _mlp(path, widths, act, gelu=False, seed=0):
+    """Gemm(transB=1) + activation per hidden layer; GELU in torch's opset-17 erf form when `gelu`."""
+    rng = np.random.default_rng(seed)
+    nodes, inits, h = [], [], "x"
+    for i, (k, n) in enumerate(zip(widths, widths[1:])):
+        w = (rng.standard_normal((n, k)) / np.sqrt(k)).astype(np.float32)
+        b = (rng.standard_normal(n) * 0.1).astype(np.float32)
+        inits += [numpy_helper.from_array(w, f"w{i}"), numpy_helper.from_array(b, f"b{i}")]
+        nodes.append(helper.make_node("Gemm", [h, f"w{i}", f"b{i}"], [f"g{i}"], transB=1))
+        h = f"g{i}"
+        if i < len(widths) - 2:
+            if gelu:
+                inits += [numpy_helper.from_array(np.array(v, np.float32), f"c{i}_{j}")
+                          for j, v in enumerate((1.4142135381698608, 1.0, 0.5))]
+                nodes += [helper.make_node("Div", [h, f"c{i}_0"], [f"d{i}"]),
+                          helper.make_node("Erf", [f"d{i}"], [f"e{i}"]),
+                          helper.make_node("Add", [f"e{i}", f"c{i}_1"], [f"a{i}"]),
+                          helper.make_node("Mul", [h, f"a{i}"], [f"m{i}"]),
+                          helper.make_node("Mul", [f"m{i}", f"c{i}_2"], [f"act{i}"])]
+                h = f"act{i}"
+            elif ACTS[act]:
+                nodes.append(helper.make_node(ACTS[act], [h], [f"act{i}"]))
+                h = f"act{i}"
+    nodes.append(helper.make_node("Identity", [h], ["y"]))
+    g = helper.make_graph(nodes, "wide", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", widths[0]])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", widths[-1]])], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    onnx.save(m, str(path))
+    return path
+
+
+def _fuse(src, precision, cache_dir, out):
+    model = load_model(str(src))
+    plan = passes.find_chains(model)
+    assert len(plan.chains) == 1, plan.describe()
+    specs = [c.to_spec(precision) for c in plan.chains]
+    cplan = cuda_plan.make_plan(specs[0])
+    assert getattr(cplan, "design", "") == "wide", cplan.describe()
+    lib = build.build_plugin(specs, with_cuda=True, cache_dir=cache_dir)
+    onnx.save(passes.rewrite(model, plan, specs), str(out))
+    return out, lib.path, cplan
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory, cache_dir):
+    """Every model of CASES plus an fp16-I/O one (fp16 and bf16 kernels), fused with ONE plugin library:
+    its .cu files compile in parallel, once (CUTLASS builds take minutes)."""
+    from onnx2fused.bench import to_fp16
+    d = tmp_path_factory.mktemp("wide_models")
+    jobs = [(_case_id(w, a), _mlp(d / f"{_case_id(w, a)}.onnx", w, a, gelu=a == "gelu"), "fp16") for w, a in CASES]
+    src32 = _mlp(d / "io16.onnx", [1024, 4096, 1024], "relu")
+    src16 = d / "io16.f16.onnx"
+    onnx.save(to_fp16(onnx.load(str(src32))), str(src16))
+    jobs += [("io16_fp16", src16, "fp16"), ("io16_bf16", src16, "bf16")]
+    out, specs = {}, []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(wide_plan.DESIGN_ENV, "wide")
+        for key, src, precision in jobs:
+            model = load_model(str(src))
+            plan = passes.find_chains(model)
+            assert len(plan.chains) == 1, plan.describe()
+            spec = plan.chains[0].to_spec(precision)
+            cplan = cuda_plan.make_plan(spec)
+            assert getattr(cplan, "design", "") == "wide", cplan.describe()
+            fused = d / f"{key}.fused.onnx"
+            onnx.save(passes.rewrite(model, plan, [spec]), str(fused))
+            specs.append(spec)
+            out[key] = (src32 if key.startswith("io16") else src, fused, cplan)
+        lib = build.build_plugin(specs, with_cuda=True, cache_dir=cache_dir).path
+    return out, lib
+
+
+def _session(model_path, lib=None):
+    so = ort.SessionOptions()
+    if lib:
+        so.register_custom_ops_library(str(lib))
+    return ort.InferenceSession(str(model_path), so, providers=["CUDAExecutionProvider", "CPUExecutionProvider"])
+
+
+def _reference(model_path, x):
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    s = ort.InferenceSession(str(model_path), so, providers=["CPUExecutionProvider"])
+    return s.run(None, {"x": x})[0]
+
+
+def _run_poisoned(sess, x, out_shape):
+    xt = torch.from_numpy(x).cuda()
+    yt = torch.full(out_shape, float("nan"), dtype=xt.dtype, device="cuda")
+    io = sess.io_binding()
+    io.bind_input("x", "cuda", 0, x.dtype, list(x.shape), xt.data_ptr())
+    io.bind_output("y", "cuda", 0, x.dtype, list(out_shape), yt.data_ptr())
+    sess.run_with_iobinding(io)
+    torch.cuda.synchronize()
+    return yt.cpu().numpy()
+
+
+def _rel(got, ref):
+    ref = ref.astype(np.float64)
+    assert np.abs(ref).max() > 0, "reference is all zeros"
+    assert np.isfinite(got).all(), f"{np.count_nonzero(~np.isfinite(got))} outputs unwritten or NaN"
+    return float(np.linalg.norm(got.astype(np.float64) - ref) / np.linalg.norm(ref))
+
+
+@pytest.mark.parametrize("widths,act", CASES, ids=[_case_id(w, a) for w, a in CASES])
+def test_wide_matches_stock_fp32(widths, act, shared):
+    models, lib = shared
+    src, fused, plan = models[_case_id(widths, act)]
+    sess = _session(fused, lib)
+    rng = np.random.default_rng(1)
+    for batch in (1, 37, 129, 1000):
+        x = rng.standard_normal((batch, widths[0])).astype(np.float32)
+        ref = _reference(src, x)
+        assert _rel(_run_poisoned(sess, x, ref.shape), ref) <= TOL["fp16"], f"{widths} batch {batch}"
+
+
+def test_wide_fp16_io_in_place_and_bf16(shared):
+    """An fp16 model (bench.to_fp16 of the fp32 one: fp16 input, weights, output) against stock fp32."""
+    models, lib = shared
+    x = np.random.default_rng(2).standard_normal((333, 1024)).astype(np.float16)
+    for precision in ("fp16", "bf16"):
+        src32, fused, plan = models[f"io16_{precision}"]
+        assert plan.spec.io_dtype == "f16"
+        assert plan.convert_input == (precision == "bf16")  # fp16 rows of 1024 are the GEMM's A as they are
+        ref = _reference(src32, x.astype(np.float32))
+        got = _run_poisoned(_session(fused, lib), x, ref.shape).astype(np.float32)
+        assert _rel(got, ref) <= TOL[precision], precision
+
+
+def test_rows_past_one_row_block(cache_dir, tmp_path, monkeypatch):
+    """More rows than the workspace's row block: the launcher loops over blocks on the stream. A small
+    scratch budget makes the block 128 rows, so the stock CPU reference stays quick."""
+    monkeypatch.setattr(wide_plan, "SCRATCH_BUDGET", 1 << 20)
+    widths = [1024, 2048, 1024, 520]
+    src = _mlp(tmp_path / "m.onnx", widths, "relu")
+    fused, lib, plan = _fuse(src, "fp16", cache_dir, tmp_path / "fused.onnx")
+    rows = plan.row_block * 2 + 77
+    x = np.random.default_rng(3).standard_normal((rows, widths[0])).astype(np.float32)
+    ref = _reference(src, x)
+    got = _run_poisoned(_session(fused, lib), x, ref.shape)
+    assert _rel(got, ref) <= TOL["fp16"]
+    assert _rel(got[-77:], ref[-77:]) <= TOL["fp16"]  # the partial last block
+
+
+def test_cuda_graph_replay(shared):
+    models, lib = shared
+    src, fused, _ = models[_case_id([768, 3072, 768], "gelu")]
+    so = ort.SessionOptions()
+    so.register_custom_ops_library(str(lib))
+    sess = ort.InferenceSession(str(fused), so, providers=[("CUDAExecutionProvider", {"enable_cuda_graph": "1"}),
+                                                           "CPUExecutionProvider"])
+    xt = torch.empty((512, 768), device="cuda")
+    yt = torch.empty((512, 768), device="cuda")
+    io = sess.io_binding()
+    io.bind_input("x", "cuda", 0, np.float32, [512, 768], xt.data_ptr())
+    io.bind_output("y", "cuda", 0, np.float32, [512, 768], yt.data_ptr())
+    for seed in range(3):  # first run captures, later runs replay with new data in the same buffers
+        x = np.random.default_rng(seed).standard_normal((512, 768)).astype(np.float32)
+        xt.copy_(torch.from_numpy(x))
+        yt.fill_(float("nan"))
+        sess.run_with_iobinding(io)
+        torch.cuda.synchronize()
+        assert _rel(yt.cpu().numpy(), _reference(src, x)) <= TOL["fp16"], f"replay {seed}"

@@ -1,0 +1,190 @@
+"""The wide CUDA design's plan (onnx2fused/wide_plan.py): which design the cost model picks and why,
+the workspace layout (checked by a numpy emulation of the generated kernel's index math), the CUTLASS
+header discovery, and the rendered source. No GPU or nvcc needed."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from onnx2fused import codegen, cuda_plan, headers, wide_plan
+from onnx2fused import expr as ex
+from onnx2fused.errors import ConversionError
+from onnx2fused.spec import LayerSpec, MLPSpec, SpecError
+
+
+def _spec(widths, act=ex.relu(), precision="fp16", io="f32", last=ex.identity()):
+    n = len(widths) - 1
+    return MLPSpec(tuple(LayerSpec(a, b, True, act if i < n - 1 else last)
+                         for i, (a, b) in enumerate(zip(widths, widths[1:]))), precision, io)
+
+
+@pytest.fixture(autouse=True)
+def _auto_design(monkeypatch):
+    monkeypatch.delenv(wide_plan.DESIGN_ENV, raising=False)
+
+
+# ------------------------------------------------------------------------------------------ decisions
+def test_head_too_wide_for_streamed_goes_wide_and_says_why():
+    plan = cuda_plan.make_plan(_spec([9216, 4096, 4096, 1000]))
+    assert plan.design == "wide" and not plan.resident
+    assert "streamed kernel cannot hold it" in plan.reason and "16-row tile" in plan.reason
+    text = plan.describe()
+    assert text.startswith("wide: 3 tensor-core GEMMs") and "conversion pass" in text
+
+
+def test_ffn_goes_wide_by_the_cost_model():
+    spec = _spec([768, 3072, 768], ex.gelu_erf())
+    plan = cuda_plan.make_plan(spec)
+    assert plan.design == "wide"
+    assert "cost model" in plan.reason and "streamed" in plan.reason
+    assert wide_plan.estimate_wide(spec) * wide_plan.WIDE_MARGIN < wide_plan.estimate_streamed(
+        spec, cuda_plan._streamed_plan(spec, cuda_plan.SMEM_LIMIT))
+
+
+def test_narrow_chains_keep_their_fused_designs():
+    assert cuda_plan.make_plan(_spec([32, 64, 64, 16])).resident
+    dlrm = cuda_plan.make_plan(_spec([512, 256, 64, 1]))  # memory bound: one fused pass reads x once
+    assert getattr(dlrm, "design", "") != "wide" and not dlrm.resident
+
+
+def test_forced_design(monkeypatch):
+    monkeypatch.setenv(wide_plan.DESIGN_ENV, "wide")
+    plan = cuda_plan.make_plan(_spec([512, 256, 64, 1]))
+    assert plan.design == "wide" and "forced" in plan.reason
+    monkeypatch.setenv(wide_plan.DESIGN_ENV, "streamed")
+    assert getattr(cuda_plan.make_plan(_spec([768, 3072, 768])), "design", "") != "wide"
+    monkeypatch.setenv(wide_plan.DESIGN_ENV, "fastest")
+    with pytest.raises(SpecError, match="expected auto, wide, streamed or resident"):
+        cuda_plan.make_plan(_spec([768, 3072, 768]))
+
+
+def test_per_channel_activation_is_refused_with_reason():
+    prelu = ex.Op("max", (ex.X, ex.Const(0.0))) + ex.Chan(tuple(range(4096))) * ex.Op("min", (ex.X, ex.Const(0.0)))
+    spec = _spec([9216, 4096, 4096, 1000], prelu)
+    assert "per-channel constants" in wide_plan.wide_reason_refused(spec)
+    with pytest.raises(SpecError, match="16-row tile.*wide design cannot take it.*per-channel"):
+        cuda_plan.make_plan(spec)
+
+
+def test_activation_not_finite_at_zero_is_refused():
+    spec = _spec([768, 3072, 768], ex.Const(1.0) / ex.X)
+    assert "not finite at 0" in wide_plan.wide_reason_refused(spec)
+
+
+# ------------------------------------------------------------------------------------------ layout
+@pytest.mark.parametrize("widths,io", [([768, 3072, 768], "f32"), ([9216, 4096, 4096, 1000], "f32"),
+                                       ([1001, 520, 999], "f16"), ([512, 256, 64, 1], "f32"), ([520, 1000], "f16")])
+def test_layout_regions_are_aligned_disjoint_and_within_the_workspace(widths, io):
+    plan = wide_plan.make_wide_plan(_spec(widths, io=io))
+    regions = []
+    for g in plan.gemms:
+        out_bytes = (2 if io == "f16" else 4) if g.last else 2
+        regions += [(g.w_offset, g.np_ * g.kp * 2), (g.b_offset, g.np_ * out_bytes)]
+        assert g.kp % 8 == 0 and g.np_ % g.align_out == 0
+        assert g.last or g.np_ % 8 == 0
+    mb = plan.row_block
+    if plan.convert_input:
+        regions.append((plan.xc_offset, mb * plan.gemms[0].kp * 2))
+    for i in range(min(2, len(plan.gemms) - 1)):
+        regions.append((plan.h_offsets[i], mb * plan.h_width * 2))
+    regions.sort()
+    for (a, n), (b, _) in zip(regions, regions[1:]):
+        assert a % wide_plan.REGION_ALIGN == 0 and a + n <= b
+    assert regions[-1][0] + regions[-1][1] <= plan.workspace_bytes
+    per_row = (plan.gemms[0].kp * 2 if plan.convert_input else 0) + min(2, len(plan.gemms) - 1) * plan.h_width * 2
+    assert mb % wide_plan.ROW_QUANTUM == 0 and (mb * per_row <= wide_plan.SCRATCH_BUDGET or mb == wide_plan.ROW_QUANTUM)
+    # a K of a GEMM is the padded width the previous GEMM wrote
+    for a, b in zip(plan.gemms, plan.gemms[1:]):
+        assert b.kp == a.np_ and b.src == a.dst
+
+
+def test_fp16_input_with_aligned_rows_is_read_in_place():
+    assert not wide_plan.make_wide_plan(_spec([768, 3072, 768], io="f16")).convert_input
+    assert wide_plan.make_wide_plan(_spec([1001, 520, 999], io="f16")).convert_input
+    assert wide_plan.make_wide_plan(_spec([768, 3072, 768], precision="bf16", io="f16")).convert_input
+
+
+def _emulate(plan: wide_plan.WidePlan, x: np.ndarray, ws_w, ws_b) -> np.ndarray:
+    """The generated kernel's computation, with its index math, on a byte array as the workspace."""
+    spec = plan.spec
+    ws = np.zeros(plan.workspace_bytes, np.uint8)
+
+    def view(off, count, dtype):
+        return ws[off: off + count * np.dtype(dtype).itemsize].view(dtype)
+
+    io_dt = np.float16 if spec.io_dtype == "f16" else np.float32
+    for g, w, b in zip(plan.gemms, ws_w, ws_b):  # cuda_pack
+        packed = view(g.w_offset, g.np_ * g.kp, np.float16).reshape(g.np_, g.kp)
+        packed[:] = 0
+        packed[: g.n, : g.k] = w.T.astype(np.float16)
+        bias = view(g.b_offset, g.np_, io_dt if g.last else np.float16)
+        bias[:] = 0
+        bias[: g.n] = b
+    rows, y = x.shape[0], np.full((x.shape[0], spec.widths[-1]), np.nan, np.float32)
+    for r0 in range(0, rows, plan.row_block):  # cuda_run
+        m = min(plan.row_block, rows - r0)
+        bufs = {"h0": plan.h_offsets[0], "h1": plan.h_offsets[1], "xc": plan.xc_offset}
+        if plan.convert_input:
+            xc = view(plan.xc_offset, m * plan.gemms[0].kp, np.float16).reshape(m, -1)
+            xc[:] = 0
+            xc[:, : spec.widths[0]] = x[r0: r0 + m]
+        for g, layer in zip(plan.gemms, spec.layers):
+            if g.src == "x":
+                a = x[r0: r0 + m].astype(np.float16)
+            else:
+                a = view(bufs[g.src], m * g.kp, np.float16).reshape(m, g.kp)
+            wt = view(g.w_offset, g.np_ * g.kp, np.float16).reshape(g.np_, g.kp)
+            bias = view(g.b_offset, g.np_, io_dt if g.last else np.float16).astype(np.float32)
+            acc = a.astype(np.float32) @ wt.astype(np.float32).T + bias
+            out = ex.evaluate(layer.activation, acc)
+            if g.last:
+                y[r0: r0 + m] = out.astype(io_dt)
+            else:
+                view(bufs[g.dst], m * g.np_, np.float16).reshape(m, g.np_)[:] = out
+    return y
+
+
+@pytest.mark.parametrize("widths,io", [([40, 24, 17], "f32"), ([13, 9, 30, 5], "f16"), ([16, 64, 8], "f16")])
+def test_emulated_kernel_matches_fp32_reference(widths, io, monkeypatch):
+    monkeypatch.setattr(wide_plan, "SCRATCH_BUDGET", 20000)  # several row blocks, a partial last one
+    spec = _spec(widths, ex.sigmoid(), io=io)                 # act(0) = 0.5: the padding must not leak
+    plan = wide_plan.make_wide_plan(spec)
+    assert plan.row_block == wide_plan.ROW_QUANTUM
+    rng = np.random.default_rng(0)
+    ws = [rng.standard_normal((k, n)).astype(np.float32) / np.sqrt(k) for k, n in zip(widths, widths[1:])]
+    bs = [rng.standard_normal(n).astype(np.float32) * 0.1 for n in widths[1:]]
+    x = rng.standard_normal((300, widths[0])).astype(np.float16 if io == "f16" else np.float32)
+    got = _emulate(plan, x, ws, bs)
+    ref = x.astype(np.float32)
+    for layer, w, b in zip(spec.layers, ws, bs):
+        ref = ex.evaluate(layer.activation, ref @ w + b)
+    assert np.isfinite(got).all() and np.abs(ref).max() > 0
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 2e-3
+
+
+# ------------------------------------------------------------------------------------------ CUTLASS headers
+def test_cutlass_dir_env(tmp_path, monkeypatch):
+    (tmp_path / "cutlass" / "gemm" / "device").mkdir(parents=True)
+    (tmp_path / "cutlass" / "gemm" / "device" / "gemm.h").write_text("")
+    (tmp_path / "cutlass" / "version.h").write_text(
+        "#define CUTLASS_MAJOR 4\n#define CUTLASS_MINOR 2\n#define CUTLASS_PATCH 1\n")
+    monkeypatch.setenv("ONNX2FUSED_CUTLASS_DIR", str(tmp_path))
+    found = headers.find_cutlass_headers()
+    assert (found.path, found.version, found.source) == (tmp_path.resolve(), "4.2.1", "env")
+    monkeypatch.setenv("ONNX2FUSED_CUTLASS_DIR", str(tmp_path / "nope"))
+    with pytest.raises(ConversionError, match="pip install nvidia-cutlass"):
+        headers.find_cutlass_headers()
+
+
+def test_rendered_wide_source_names_the_abi_and_needs_cutlass():
+    spec = _spec([9216, 4096, 4096, 1000])
+    files = codegen.render([spec], with_cuda=True)
+    src = files[f"{spec.name}_cuda.cu"]
+    assert headers.needs_cutlass(files)
+    for fn in ("_cuda_workspace_bytes()", "_cuda_pack(", "_cuda_run("):
+        assert f'extern "C" ' in src and f"{spec.name}{fn}" in src
+    plan = cuda_plan.make_plan(spec)
+    assert f"return kWorkspaceBytes;" in src and f"kWorkspaceBytes = {plan.workspace_bytes};" in src
+    assert src.count("struct Act") == 2  # the two ReLU layers share one functor (and GEMM instantiations)
+    narrow = codegen.render([_spec([32, 64, 16])], with_cuda=True)
+    assert not headers.needs_cutlass(narrow)
