@@ -272,6 +272,9 @@ def export_triton(model, out_dir, *, name: str | None = None, version: int = 1,
     model, out_dir = Path(model), Path(out_dir)
     name = name or default_name(model)
     if library_dir is None:
+        if not os.path.isabs(repository_root):
+            raise ConversionError(f"--repository-root {repository_root!r} must be absolute: the path where the "
+                                  "server mounts the repository, e.g. /models")
         library_dir = f"{repository_root.rstrip('/')}/{name}/{version}"
     if kind not in ("KIND_GPU", "KIND_CPU"):
         raise ConversionError(f"instance kind {kind!r}: KIND_GPU or KIND_CPU")

@@ -40,6 +40,8 @@ def _affine(n):
     _spec([784, 512, 10], "bf16", ex.gelu_erf()),        # streamed design, bf16
     _spec([32, 50, 50, 7], "fp16", _prelu, _affine),     # per-channel, resident, odd last width
     _spec([300, 520, 9], "bf16", _prelu, _affine),       # per-channel, streamed (520 padded to 576 columns)
+    _spec([32, 64, 64, 16], "tf32", ex.gelu_erf()),      # tf32 (m16n8k8), resident with shared-memory tiles
+    _spec([256, 256, 256], "tf32", ex.silu()),           # tf32, streamed
 ], ids=lambda s: s.name if isinstance(s, MLPSpec) else s)
 def test_ptx_uses_tensor_cores(spec, arch, tmp_path):
     src = next(text for name, text in codegen.render([spec], with_cuda=True).items() if name.endswith(".cu"))
@@ -54,8 +56,10 @@ def test_ptx_uses_tensor_cores(spec, arch, tmp_path):
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
     text = ptx.read_text()
-    dtype = "bf16" if spec.precision == "bf16" else "f16"
-    assert f"mma.sync.aligned.m16n8k16.row.col.f32.{dtype}.{dtype}.f32" in text
+    shape, dtype = {"fp16": ("m16n8k16", "f16"), "bf16": ("m16n8k16", "bf16"), "tf32": ("m16n8k8", "tf32")}[spec.precision]
+    assert f"mma.sync.aligned.{shape}.row.col.f32.{dtype}.{dtype}.f32" in text
+    if spec.precision == "tf32":
+        assert "cvt.rna.tf32.f32" in text  # operands rounded to tf32, not truncated by the tensor core
     assert "ldmatrix.sync.aligned.m8n8.x4.shared.b16" in text
     assert "cp.async" in text
 
@@ -114,3 +118,12 @@ def test_wide_ptx_uses_tensor_cores(spec, arch, tmp_path, monkeypatch):
     # every exported entry point of the ABI is there
     for fn in ("cuda_workspace_bytes", "cuda_pack", "cuda_run"):
         assert f"{spec.name}_{fn}" in src
+
+
+def test_register_design_chosen_where_fragments_fit():
+    """16-bit layers up to 128 wide keep hidden activations in registers; wider ones, and tf32 (whose A
+    and C fragment layouts differ), keep them in shared memory."""
+    assert cuda_plan.make_plan(_spec([32, 64, 64, 16], "fp16", ex.relu())).register_activations
+    assert cuda_plan.make_plan(_spec([64, 128, 128, 64], "bf16", ex.gelu_erf())).register_activations
+    assert not cuda_plan.make_plan(_spec([64, 200, 64], "fp16", ex.relu())).register_activations
+    assert not cuda_plan.make_plan(_spec([32, 64, 64, 16], "tf32", ex.relu())).register_activations

@@ -27,7 +27,7 @@ from onnx2fused.loader import load_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 ZOO = json.loads((ROOT / "models" / "zoo.json").read_text())
-TOL = {"fp16": 2e-3, "bf16": 1e-2, "fp32": 1e-5}
+TOL = {"fp16": 2e-3, "bf16": 1e-2, "tf32": 1e-3, "fp32": 1e-5}
 ZOO_FILES = [(m["name"], kind) for m in ZOO["models"] for kind in m["files"]]
 
 
@@ -104,13 +104,18 @@ def test_zoo_model_on_cuda_ep(name, kind, cache_dir, tmp_path):
     assert empty.shape[0] == 0
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp32"])
-def test_precisions_on_cuda_ep(precision, cache_dir, tmp_path):
-    src = ROOT / "models" / "sdf.opset17.onnx"
+# sdf: resident design; gelu: 128 wide (register design in 16 bits, shared-memory tiles in tf32);
+# silu: 256 wide, streamed weights.
+@pytest.mark.parametrize("name,precision", [("sdf", "bf16"), ("sdf", "tf32"), ("sdf", "fp32"), ("gelu", "bf16"),
+                                            ("gelu", "tf32"), ("silu", "tf32"), ("silu", "bf16")])
+def test_precisions_on_cuda_ep(name, precision, cache_dir, tmp_path):
+    src = ROOT / "models" / f"{name}.opset17.onnx"
     fused_path, lib, _ = _fuse(src, precision, cache_dir, tmp_path / "fused.onnx")
     sess = _session(fused_path, lib)
-    x = np.random.default_rng(1).standard_normal((3001, 3)).astype(np.float32)
-    assert _rel(_run_poisoned(sess, x, (3001, 1)), _reference(src, x)) <= TOL[precision]
+    width = onnx.load(str(src)).graph.input[0].type.tensor_type.shape.dim[-1].dim_value
+    x = np.random.default_rng(1).standard_normal((3001, width)).astype(np.float32)
+    ref = _reference(src, x)
+    assert _rel(_run_poisoned(sess, x, ref.shape), ref) <= TOL[precision]
 
 
 def test_large_batch_and_profiler_shows_cuda_ep(cache_dir, tmp_path):

@@ -322,7 +322,7 @@ def test_bad_inputs_are_ort_errors_and_the_process_lives(converted, tmp_path):
     sess = fused_session(loose)
     good = np.random.default_rng(1).standard_normal((7, 8)).astype(np.float32)
     for bad, expect in [(np.ones((4, 9), np.float32), "[4, 9]"), (np.ones((8,), np.float32), "rank >= 2"),
-                        (np.float32(1.0), "rank >= 2"), (np.ones((2, 3, 7), np.float32), "[2, 3, 7]")]:
+                        (np.array(1.0, np.float32), "rank >= 2"), (np.ones((2, 3, 7), np.float32), "[2, 3, 7]")]:
         with pytest.raises(Exception) as err:
             sess.run(None, {"x": bad})
         assert expect in str(err.value) and "[..., 8]" in str(err.value), str(err.value)
@@ -358,8 +358,11 @@ def test_nan_and_inf_propagate_like_stock_ort(converted, name):
     np.testing.assert_array_equal(np.isnan(got), np.isnan(ref))
     np.testing.assert_array_equal(np.isposinf(got), np.isposinf(ref))
     np.testing.assert_array_equal(np.isneginf(got), np.isneginf(ref))
+    # finite values: relative to each row's largest (rows fed 3e38 cancel at that scale, in any sum order)
     finite = np.isfinite(ref)
-    np.testing.assert_allclose(got[finite], ref[finite], rtol=1e-4, atol=1e-4)
+    row_scale = np.max(np.where(finite, np.abs(ref), 0), axis=1, keepdims=True) + 1.0
+    err = np.abs(np.where(finite, got.astype(np.float64) - ref, 0))
+    assert np.all(err <= 1e-4 * row_scale), float(np.max(err / row_scale))
 
 
 def test_one_session_eight_threads_two_hundred_runs(converted):

@@ -156,7 +156,7 @@ def test_cli_options_and_force(fused_nerf, tmp_path):
     assert sorted(x.name for x in repo.iterdir()) == ["n1"]     # the old entry and the stage are gone
 
 
-@pytest.mark.parametrize("case", ["not_onnx", "missing", "relative_library_dir", "bad_gpus", "gpus_with_cpu",
+@pytest.mark.parametrize("case", ["not_onnx", "missing", "relative_library_dir", "relative_root", "bad_gpus", "gpus_with_cpu",
                                   "bad_name", "parent_missing", "missing_library"])
 def test_bad_input_one_line_exit_2(case, fused_nerf, tmp_path):
     model, extra, repo = fused_nerf, [], tmp_path / "repo"
@@ -167,6 +167,8 @@ def test_bad_input_one_line_exit_2(case, fused_nerf, tmp_path):
         model = tmp_path / "nope.onnx"
     elif case == "relative_library_dir":
         extra = ["--library-dir", "lib"]
+    elif case == "relative_root":
+        extra = ["--repository-root", "models"]
     elif case == "bad_gpus":
         extra = ["--gpus", "0,a"]
     elif case == "gpus_with_cpu":

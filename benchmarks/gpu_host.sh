@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# What a session runs on the GPU host (it has nvcc, torch and onnx, but onnxruntime without CUDA and no
+# internet). Run from the repository root, with `.deps/` carried (ort-headers: the ORT C headers the
+# build fetched here; cutlass/include: the nvidia-cutlass headers) and the onnxruntime-gpu wheel's parts
+# moved to /tmp/ortparts beforehand (../shared/gpu-deps/split-ort-gpu.sh). Results go to $OUT.
+#
+#   benchmarks/gpu_host.sh install        rebuild and install the onnxruntime-gpu wheel into /tmp/site
+#   benchmarks/gpu_host.sh test [ARGS]    the GPU-marked tests (pytest ARGS, default: all tests/test_gpu*.py)
+#   benchmarks/gpu_host.sh kernels        benchmarks/kernel_check.py (kernels alone, no ORT)
+#   benchmarks/gpu_host.sh bench          `onnx2fused bench` on the issue's four cases, then the wide cases
+set -uo pipefail
+R=$(pwd)
+OUT=${OUT:-/tmp/o2f-out}
+export PYTHONPATH=/tmp/site:$R
+export ONNXRUNTIME_INCLUDE_DIR=$R/.deps/ort-headers ONNX2FUSED_CUTLASS_DIR=$R/.deps/cutlass/include
+export ONNX2FUSED_CUDA_ARCHS=${ONNX2FUSED_CUDA_ARCHS:-90} ONNX2FUSED_CACHE=${ONNX2FUSED_CACHE:-/tmp/o2f-cache}
+
+case "${1:-}" in
+install)
+  (cd /tmp/ortparts && cat part-* > onnxruntime_gpu-1.31.1-cp312-cp312-manylinux_2_28_x86_64.whl \
+     && sha256sum -c SHA256 && python3 -m pip install -q --no-index --no-deps --target /tmp/site onnxruntime_gpu-*.whl) \
+    || exit 1
+  python3 -c "import onnxruntime as o; print('onnxruntime', o.__version__, o.get_available_providers())"
+  ;;
+test)
+  shift
+  args=("$@")
+  [ ${#args[@]} -eq 0 ] && args=(tests/test_gpu.py tests/test_gpu_activations.py tests/test_gpu_reliability.py tests/test_gpu_wide.py)
+  python3 -m pytest -q -m gpu -p no:cacheprovider -rs "${args[@]}" 2>&1 | tee "$OUT/pytest_gpu.txt" | tail -40
+  ;;
+kernels)
+  python3 benchmarks/kernel_check.py --out "$OUT/kc" 2>&1 | grep -v '^{' | tail -30
+  ;;
+bench)
+  for c in "nerf 2097152" "gelu 1048576" "silu 262144" "mnist 4096"; do
+    set -- $c
+    python3 -m onnx2fused bench "models/$1.opset17.onnx" --batches "$2" --out "$OUT/bench_$1" --reps 100 2>&1 | tail -12
+  done
+  python3 benchmarks/wide_cases.py --out "$OUT/wide" 2>&1 | tail -20
+  ;;
+*)
+  sed -n 2,12p "$0"; exit 2
+  ;;
+esac
