@@ -186,3 +186,20 @@ def test_bad_input_one_line_exit_2(case, fused_nerf, tmp_path):
     lines = p.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("onnx2fused: error: "), p.stderr
     assert _tree(tmp_path) == before, "something was written"
+
+
+def test_failed_conversion_leaves_nothing(monkeypatch, tmp_path):
+    """A conversion failing half-way (after writing into the stage) leaves no OUT_DIR and no temp folder."""
+    convert_mod = sys.modules["onnx2fused.convert"]    # (the package's name `convert` is the function)
+
+    def failing_convert(src, dest, **kw):
+        Path(dest).write_bytes(b"half a model")
+        raise onnx2fused.ValidationError("validation failed: output 'y': relative L2 error 1 exceeds 0.002")
+    monkeypatch.setattr(convert_mod, "convert", failing_convert)
+    with pytest.raises(onnx2fused.ValidationError):
+        export_triton(MODELS / "nerf.opset17.onnx", tmp_path / "repo")
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "repo").mkdir()           # an OUT_DIR that existed before is kept, empty as it was
+    with pytest.raises(onnx2fused.ValidationError):
+        export_triton(MODELS / "nerf.opset17.onnx", tmp_path / "repo")
+    assert list(tmp_path.iterdir()) == [tmp_path / "repo"] and list((tmp_path / "repo").iterdir()) == []
