@@ -370,8 +370,8 @@ def _refusal_models():
     h = g.op("Cast", [g.linear("x", 8, 4, name="fc0")], name="to16", outputs=["y"], to=TensorProto.FLOAT16)
     m = g.model([("x", ["B", 8])], [("y", ["B", 4])])
     m.graph.output[0].type.tensor_type.elem_type = F16
-    out["output_type_differs"] = (m, [
-        "Gemm 'fc0': chain output 'y' has element type float16 but its input 'x' has float"])
+    out["cast_to_float16_at_the_end"] = (m, [  # the layer is fused; the rounding Cast stays a stock op
+        "chain 0 ends: output of layer 1 ('gemm_out3') feeds Cast 'to16': Cast to float16 rounds the float32 value"])
     return out
 
 

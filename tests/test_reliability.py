@@ -164,6 +164,21 @@ def test_paths_with_spaces_quotes_and_non_ascii_and_no_shell(tmp_path, monkeypat
     np.testing.assert_allclose(got, stock(src, {"x": x})[0], rtol=1e-4, atol=1e-5)
 
 
+def test_an_onnxruntime_failure_is_still_one_stderr_line(tmp_path, cache):
+    """ORT logs kernel failures straight to fd 2: validation must keep them off, so that the command's
+    stderr stays the one error line (checked in a real process, where fd 2 is the terminal)."""
+    model = mlp([8, 16, 4], act="Relu")
+    model.graph.input[0].type.tensor_type.shape.dim[1].dim_param = "K"  # validation feeds K = 5: Gemm fails
+    src = tmp_path / "m.onnx"
+    onnx.save(model, str(src))
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run([sys.executable, "-m", "onnx2fused", "convert", str(src), "--cpu-only", "--quiet",
+                        "--cache-dir", str(cache)], env=env, capture_output=True, text=True, timeout=300)
+    line = one_error_line(p.returncode, p.stderr)
+    assert "stock onnxruntime fails on the original model" in line
+    assert sorted(q.name for q in tmp_path.iterdir()) == ["m.onnx"]
+
+
 # ------------------------------------------------------------------------------------------ the cache
 def test_concurrent_conversions_of_one_model_share_one_library(tmp_path):
     """Three processes convert the same model into an empty cache at once."""
