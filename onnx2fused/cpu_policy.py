@@ -1,21 +1,63 @@
 """Whether a chain's generated CPU kernel is registered, or the node falls back to its stock-op body.
 
-The fused CPU kernel wins where fusion keeps every intermediate in L1/L2 and the layers are too narrow
-for MLAS's GEMMs to run at full speed; on wide layers MLAS's packed GEMMs win. The threshold is
-checked against `onnx2fused bench --cpu` on the 2-core AVX-512 development host (benchmarks/RESULTS.md):
-32->64x4->16 ReLU 2.0x stock; 64->128x4->64 GELU 0.86x; 256->256x3->256 SiLU 1.08x (noise level);
-784->512x2->10 ReLU 0.48x. Where the kernel is not registered, ONNX Runtime runs the node's
-model-local function (the original stock ops), so the CPU is never slower than the original model.
+Where the kernel is not registered, ONNX Runtime runs the node's model-local function (the original
+stock ops) on the CPU EP, so the CPU is never slower than the original model. The kernel is registered
+only where a small cost model says it is at least as fast as stock ONNX Runtime (MLAS GEMMs plus one
+pass over memory per elementwise op):
+
+1. Weights: the fused kernel runs a block of rows through every layer before the next block, so each
+   block streams all of the chain's weights. While they stay in a core's L2/L3 (<= MAX_WEIGHT_BYTES)
+   that is cheap and fusion saves stock ORT's round trips of every intermediate tensor through memory;
+   above it, MLAS's blocked GEMMs, which reuse each weight panel over many more rows, win.
+2. Activations: the kernel's epilogue is vectorised only for activations built from ops with a
+   vectorisable form in the generated code (arithmetic, compare/select, min/max, abs, sqrt, exp, erf,
+   tanh, sigmoid). An op in SCALAR_OPS is one libm call per element, which costs more than the whole
+   GEMM of a narrow layer; stock ORT has vectorised kernels for those activations.
+
+Measured with `onnx2fused bench --cpu` on the 2-core AMD EPYC (Zen 3, AVX2) development host, 2 threads
+(benchmarks/RESULTS.md; this host is shared, ratios vary by ~15% between runs):
+  registered:  32->64x4->16 ReLU (15 KiB of weights) 1.7-2.3x stock; 64->128x4->64 GELU (256 KiB)
+               1.5-1.9x; 3->128x4->1 Tanh (193 KiB) 1.5x; 64->256->64 GELU (128 KiB) 1.5-2.1x;
+               256->256x3->256 SiLU (1 MiB) 1.1-1.2x; 256x5 Tanh (1 MiB) 1.3-1.8x.
+  not:         784->512x2->10 ReLU (2.6 MiB) 0.84x; 64x5 and 128x5 Softplus (log1pf) 0.5-0.7x.
 """
 from __future__ import annotations
 
+from . import expr as ex
 from .spec import MLPSpec
 
-MAX_HIDDEN_WIDTH = 64
+MAX_WEIGHT_BYTES = 1 << 20  # fp32 weight matrices of the whole chain (biases are negligible)
+SCALAR_OPS = {"log": "logf", "pow": "powf", "sin": "sinf", "cos": "cosf", "softplus": "log1pf"}
+
+
+def weight_bytes(spec: MLPSpec) -> int:
+    return sum(4 * l.in_features * l.out_features for l in spec.layers)
+
+
+def scalar_ops(e: ex.Expr) -> list[str]:
+    """The ops of `e` that the generated CPU code evaluates with a scalar libm call, in first-visit order."""
+    found: dict[str, None] = {}
+
+    def walk(n: ex.Expr):
+        if isinstance(n, ex.Op):
+            if n.name in SCALAR_OPS:
+                found.setdefault(n.name)
+            for a in n.args:
+                walk(a)
+    walk(e)
+    return list(found)
 
 
 def cpu_kernel_wins(spec: MLPSpec) -> tuple[bool, str]:
-    widest = max(spec.widths)
-    if widest <= MAX_HIDDEN_WIDTH:
-        return True, f"fused CPU kernel (all widths <= {MAX_HIDDEN_WIDTH})"
-    return False, f"stock ops on the CPU (width {widest} > {MAX_HIDDEN_WIDTH}: MLAS GEMMs are faster there)"
+    """(register the fused CPU kernel?, the reason, as `inspect` and the convert report print it)."""
+    wb = weight_bytes(spec)
+    if wb > MAX_WEIGHT_BYTES:
+        return False, (f"stock ops on the CPU (weights {wb / 2**20:.1f} MiB > {MAX_WEIGHT_BYTES / 2**20:g} MiB: "
+                       "MLAS's blocked GEMMs are faster there)")
+    for i, layer in enumerate(spec.layers):
+        slow = scalar_ops(layer.activation)
+        if slow:
+            calls = ", ".join(SCALAR_OPS[s] for s in slow)
+            return False, (f"stock ops on the CPU (layer {i}'s activation needs scalar {calls} per element "
+                           "in the fused kernel; stock ORT vectorises it)")
+    return True, f"fused CPU kernel (weights {wb / 1024:.0f} KiB <= {MAX_WEIGHT_BYTES / 2**20:g} MiB, vectorised activations)"

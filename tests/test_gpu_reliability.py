@@ -63,7 +63,8 @@ def cuda_session(path, device_id=0, lib=None):
     so.log_severity_level = 3
     so.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
     so.register_custom_ops_library(str(lib or plugin_path(path)))
-    providers = [("CUDAExecutionProvider", {"device_id": str(device_id)}), "CPUExecutionProvider"]
+    # CUDA EP only: ORT refuses an explicit CPU EP together with disable_cpu_ep_fallback.
+    providers = [("CUDAExecutionProvider", {"device_id": str(device_id)})]
     return ort.InferenceSession(str(path), so, providers=providers)
 
 

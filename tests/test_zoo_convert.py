@@ -2,7 +2,8 @@
 
 The fused model must validate (fp16 -> judged on the CPU EP), hold one custom node per chain, record its
 plugin in metadata_props, and match stock ORT on fresh inputs both through onnx2fused.InferenceSession
-(the plugin) and through plain onnxruntime without the plugin (the model-local function fallback).
+(the plugin) and through plain onnxruntime with the plugin registered by hand and without it (the
+model-local function fallback), with ONNX Runtime's profile telling which implementation ran.
 """
 from __future__ import annotations
 
@@ -39,6 +40,20 @@ def rel_l2(a, b):
 def fresh_inputs(dims, batch=7, seq=3, seed=99):
     shape = [batch if d == "batch" else seq if isinstance(d, str) else d for d in dims]
     return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+def ops_run(path, feeds, plugin=None, prefix="prof"):
+    """(outputs, op types of the nodes ONNX Runtime ran) of a plain onnxruntime CPU session on `path`,
+    with the plugin library registered by hand when given (as the README shows), from its profile."""
+    so = ort.SessionOptions()
+    so.enable_profiling = True
+    so.profile_file_prefix = str(Path(path).parent / prefix)
+    if plugin is not None:
+        so.register_custom_ops_library(str(plugin))
+    sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    ys = sess.run(None, feeds)
+    events = json.loads(Path(sess.end_profiling()).read_text())
+    return ys, {e["args"]["op_name"] for e in events if e.get("cat") == "Node" and "op_name" in e.get("args", {})}
 
 
 def stock(path, feeds):
@@ -83,6 +98,19 @@ def test_zoo_converts(entry, kind, cache, tmp_path):
     assert y_plugin.shape == ref.shape == y_fallback.shape
     assert rel_l2(y_plugin, ref) <= 1e-4
     assert rel_l2(y_fallback, ref) <= 1e-5
+
+    # Plain onnxruntime, plugin registered by hand: the fused kernel runs where cpu_policy registered it
+    # (the report's plan says which), else the node's stock-op function; without the plugin, always the
+    # function. The profiles show which ran, so a silent fallback cannot pass for the kernel.
+    op = res.chains[0].name
+    kernel = "CPU: fused CPU kernel" in res.chains[0].cuda_plan
+    assert kernel or "CPU: stock ops" in res.chains[0].cuda_plan
+    (y_plain,), ran = ops_run(out, {entry["input"]: x}, plugin=out.parent / meta[PLUGIN_KEY], prefix="with")
+    assert (op in ran) == kernel, (op, ran)
+    assert y_plain.shape == ref.shape and rel_l2(y_plain, ref) <= (1e-4 if kernel else 1e-5)
+    (y_plain,), ran = ops_run(out, {entry["input"]: x}, prefix="without")
+    assert op not in ran and ran & {"Gemm", "MatMul"}, ran
+    assert y_plain.shape == ref.shape and rel_l2(y_plain, ref) <= 1e-5
 
 
 def test_rank3_handbuilt(cache, tmp_path):
