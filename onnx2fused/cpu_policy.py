@@ -10,16 +10,20 @@ pass over memory per elementwise op):
    that is cheap and fusion saves stock ORT's round trips of every intermediate tensor through memory;
    above it, MLAS's blocked GEMMs, which reuse each weight panel over many more rows, win.
 2. Activations: the kernel's epilogue is vectorised only for activations built from ops with a
-   vectorisable form in the generated code (arithmetic, compare/select, min/max, abs, sqrt, exp, erf,
-   tanh, sigmoid). An op in SCALAR_OPS is one libm call per element, which costs more than the whole
-   GEMM of a narrow layer; stock ORT has vectorised kernels for those activations.
+   vectorisable form in the generated code (arithmetic, compare/select, min/max, abs, sqrt, and the
+   template's own exp, log, log1p, erf, tanh, hence sigmoid, softplus, GELU, SiLU, Mish, ELU). An op in
+   SCALAR_OPS is one libm call per element, which costs more than the whole GEMM of a narrow layer;
+   stock ORT has vectorised kernels for those activations.
 
 Measured with `onnx2fused bench --cpu` on the 2-core AMD EPYC (Zen 3, AVX2) development host, 2 threads
 (benchmarks/RESULTS.md; this host is shared, ratios vary by ~15% between runs):
-  registered:  32->64x4->16 ReLU (15 KiB of weights) 1.7-2.3x stock; 64->128x4->64 GELU (256 KiB)
-               1.5-1.9x; 3->128x4->1 Tanh (193 KiB) 1.5x; 64->256->64 GELU (128 KiB) 1.5-2.1x;
-               256->256x3->256 SiLU (1 MiB) 1.1-1.2x; 256x5 Tanh (1 MiB) 1.3-1.8x.
-  not:         784->512x2->10 ReLU (2.6 MiB) 0.84x; 64x5 and 128x5 Softplus (log1pf) 0.5-0.7x.
+  registered:  32->64x4->16 ReLU (60 KiB of weights) 1.7-2.8x stock; 64->128x4->64 GELU (256 KiB)
+               1.7-2.1x; 3->128x4->1 Tanh (194 KiB) 1.5x; 64->256->64 GELU (128 KiB) 1.5-2.1x;
+               16->32x3->8 ReLU (11 KiB) 3.0x; 256->256x3->256 SiLU (1 MiB) 1.1-1.2x; 256x5 Tanh
+               (1 MiB) 1.3-1.8x; 64x5 and 128x5 Softplus 2.3-2.7x (0.5-0.7x while log1pf was libm's
+               scalar call); 128x5 Mish 2.1x.
+  not:         784->512x2->10 ReLU (2.6 MiB) 0.84-0.86x with the kernel forced on; 64x5 Sin (scalar
+               sinf) 0.75x.
 """
 from __future__ import annotations
 
@@ -27,7 +31,7 @@ from . import expr as ex
 from .spec import MLPSpec
 
 MAX_WEIGHT_BYTES = 1 << 20  # fp32 weight matrices of the whole chain (biases are negligible)
-SCALAR_OPS = {"log": "logf", "pow": "powf", "sin": "sinf", "cos": "cosf", "softplus": "log1pf"}
+SCALAR_OPS = {"pow": "powf", "sin": "sinf", "cos": "cosf"}  # op -> the libm call it renders to
 
 
 def weight_bytes(spec: MLPSpec) -> int:
