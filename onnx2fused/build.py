@@ -111,6 +111,23 @@ def nvcc_flags() -> list[str]:
     return flags
 
 
+WIDE_SM90A_DEFINE = "-DONNX2FUSED_WIDE_SM90A"
+
+
+def wide_nvcc_flags(flags: list[str]) -> list[str]:
+    """nvcc flags for a wide-design source (one that includes CUTLASS; wide_plan.py): its Hopper kernels
+    (CUTLASS 3.x, wgmma + TMA) need the arch-specific target sm_90a, so the sm_90 gencode becomes
+    sm_90a for these sources only (sm_90a SASS runs on compute capability 9.0 only, as sm_90 SASS
+    does, so nothing is lost), and ONNX2FUSED_WIDE_SM90A tells their host code the kernels exist.
+    Other archs keep their gencodes (the source's CUTLASS 2.x sm80 kernels serve them)."""
+    out, sm90a = [], False
+    for f in flags:
+        if f in ("arch=compute_90,code=sm_90", "arch=compute_90a,code=sm_90a"):
+            f, sm90a = "arch=compute_90a,code=sm_90a", True
+        out.append(f)
+    return out + ([WIDE_SM90A_DEFINE] if sm90a else [])
+
+
 # ------------------------------------------------------------------------------------------ cache
 def _sha256_file(path: Path) -> str:
     h = hashlib.sha256()
@@ -201,6 +218,8 @@ def build_plugin(specs, with_cuda: bool | None = None, cache_dir=None, cpu_enabl
         "ort_headers": headers.version,
         "cutlass": cutlass.version if cutlass else "",
     }
+    if cutlass:  # wide sources compile with wide_nvcc_flags (sm_90a): key that recipe too
+        key_parts["nvcc_wide_flags"] = wide_nvcc_flags(cu_flags)
     key = hashlib.sha256(json.dumps(key_parts, sort_keys=True).encode()).hexdigest()[:16]
     entry = cache / key
     lib_name = f"libonnx2fused_{key}.so"
@@ -268,7 +287,9 @@ def _build_into(tmp: Path, sources: dict[str, str], lib_name: str, cxx: str, nvc
     for name in sorted(sources):
         o = str(obj / (name + ".o"))
         if name.endswith(".cu"):
-            jobs.append((name, [nvcc, *cu_flags, *includes, "-c", str(src / name), "-o", o]))
+            # wide-design sources (they include CUTLASS) get sm_90a instead of sm_90: see wide_nvcc_flags
+            flags = wide_nvcc_flags(cu_flags) if needs_cutlass({name: sources[name]}) else cu_flags
+            jobs.append((name, [nvcc, *flags, *includes, "-c", str(src / name), "-o", o]))
         elif name.endswith(".cc"):
             if with_cuda and name in nvcc_hosted:
                 xflags = ",".join(f for f in host_flags if f != "-pthread")

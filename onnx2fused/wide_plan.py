@@ -25,6 +25,17 @@ Tiles come from TILE_TABLE, keyed by arch: a "large" tile for GEMMs with enough 
 GPU and a "small" one otherwise; the launcher picks per GEMM and row block at run time from the SM count.
 (No build-time search: the table is the default the issue asks for; see RESULTS.md for calibration.)
 
+Hopper (sm_90a): when the build's arch list has 90, build.py compiles the wide sources for sm_90a and
+defines ONNX2FUSED_WIDE_SM90A; the source then also holds CUTLASS 3.x kernels (TMA loads, wgmma,
+KernelTmaWarpSpecializedCooperative, TMA warp-specialized epilogue whose fusion is
+LinCombPerColBiasEltAct over the same generated activation functor) with the stream-K tile scheduler:
+with few output tiles (the 256-row head: 32 tiles of 128x256 for 132 SMs) it splits the K loop across
+the idle SMs and reduces the partial tiles through SM90_SCRATCH bytes of the workspace; with many tiles
+it is data-parallel (persistent). The launcher takes them on compute capability 9.0 for every GEMM
+whose output rows are 16-byte multiples (TMA stores; `WideGemm.sm90`), with 16-byte aligned pointers;
+anything else (other GPUs, a last layer of width 1 or 999, `$ONNX2FUSED_WIDE_KERNELS=sm80` at run
+time for comparisons) runs the CUTLASS 2.x kernels.
+
 Cost model (`estimate_*`): seconds at NOMINAL_ROWS rows from a roofline with a fixed efficiency per
 design; its constants are H100 figures and are assumptions until calibrated on the GPU.
 """
@@ -44,6 +55,9 @@ SCRATCH_BUDGET = 128 << 20      # bytes of workspace for the intermediates of on
 ROW_QUANTUM = 128               # the row block is a multiple of the largest tile's rows
 MAX_ROW_BLOCK = 65536
 REGION_ALIGN = 256              # byte alignment of each workspace region
+# Stream-K partial-tile reductions of the sm90 kernels (fp32 128x256 tiles, 128 KiB each; CUTLASS sizes it
+# per problem and SM count: ~100 partials for 132 SMs). Larger needs fall back to data-parallel tiles.
+SM90_SCRATCH = 32 << 20
 
 # Cost model (H100 SXM figures: NOTES.md measured 665 TFLOP/s fp16 matmul, 3.0 TB/s copy).
 NOMINAL_ROWS = 16384            # the batch the compile-time decision is made for
@@ -88,6 +102,13 @@ TILE_TABLE: dict[int, tuple[GemmTile, GemmTile]] = {
     90: (GemmTile(128, 256, 32, 64, 64, 32, 3), GemmTile(64, 64, 64, 32, 32, 64, 4)),
 }
 
+# The sm90a CUTLASS 3.x kernel: one CTA tile (two consumer warpgroups of 64 x 256 each, the cooperative
+# schedule's shape), cluster 1x1x1, pipeline stages picked by CUTLASS from the shared memory left by the
+# epilogue. One tile for all shapes: stream-K fills the SMs when M is small, so no "small" variant
+# (each sm90 instantiation costs about a minute of nvcc).
+SM90_TILE = (128, 256, 64)
+SM80_ENV = "ONNX2FUSED_WIDE_KERNELS"   # =sm80 at run time: sm_90 GPUs run the CUTLASS 2.x kernels too
+
 
 def _round_up(v: int, m: int) -> int:
     return (v + m - 1) // m * m
@@ -106,6 +127,7 @@ class WideGemm:
     b_offset: int     # bytes: bias [np_] in the output type
     src: str          # "x" (the input in place), "xc" (converted input), "h0", "h1"
     dst: str          # "h0", "h1" or "y"
+    sm90: bool = True  # output rows are 16-byte multiples, so the sm90a kernel's TMA store can write them
 
 
 @dataclass(frozen=True)
@@ -115,6 +137,7 @@ class WidePlan:
     row_block: int          # MB: rows of one pass through the chain
     convert_input: bool     # a conversion pass writes X16; else the first GEMM reads X in place
     xc_offset: int          # bytes: converted input [MB][kp0] (when convert_input)
+    sm90_offset: int        # bytes: SM90_SCRATCH of stream-K reduction workspace for the sm90a kernels
     h_offsets: tuple[int, int]
     h_width: int            # row stride (elements) of both hidden buffers
     workspace_bytes: int
@@ -133,7 +156,9 @@ class WidePlan:
 
     def describe(self) -> str:
         conv = "fp32->16-bit conversion pass, " if self.convert_input else ""
-        return (f"wide: {len(self.gemms)} tensor-core GEMMs (CUTLASS sm80 mma.sync, bias+activation epilogue), "
+        n90 = sum(g.sm90 for g in self.gemms)
+        return (f"wide: {len(self.gemms)} tensor-core GEMMs (CUTLASS 3.x sm90a wgmma + stream-K for {n90} on "
+                f"Hopper, CUTLASS 2.x sm80 mma.sync otherwise; bias+activation epilogue), "
                 f"{conv}16-bit intermediates in the workspace, {self.row_block}-row blocks; {self.reason}")
 
 
@@ -188,12 +213,15 @@ def make_wide_plan(spec: MLPSpec, reason: str = "") -> WidePlan:
         off = _round_up(off + np_ * out_bytes, REGION_ALIGN)
         src = ("xc" if convert else "x") if i == 0 else f"h{(i - 1) % 2}"
         dst = "y" if last else f"h{i % 2}"
-        layouts.append(WideGemm(i, l.in_features, l.out_features, kp, np_, last, align, w_off, b_off, src, dst))
+        layouts.append(WideGemm(i, l.in_features, l.out_features, kp, np_, last, align, w_off, b_off, src, dst,
+                                np_ * out_bytes % 16 == 0))
         kp = np_
     n_hbuf = min(2, len(spec.layers) - 1)   # hidden tensors ping-pong between two buffers
     per_row = (kp0 * 2 if convert else 0) + n_hbuf * h_width * 2
     mb = SCRATCH_BUDGET // max(per_row, 1) // ROW_QUANTUM * ROW_QUANTUM
     mb = max(ROW_QUANTUM, min(MAX_ROW_BLOCK, mb))
+    sm90_off = off
+    off = _round_up(off + SM90_SCRATCH, REGION_ALIGN)
     xc_off = off
     if convert:
         off = _round_up(off + mb * kp0 * 2, REGION_ALIGN)
@@ -201,7 +229,7 @@ def make_wide_plan(spec: MLPSpec, reason: str = "") -> WidePlan:
     off = _round_up(off + mb * h_width * 2, REGION_ALIGN) if n_hbuf >= 1 else off
     h1 = off
     off = _round_up(off + mb * h_width * 2, REGION_ALIGN) if n_hbuf >= 2 else off
-    return WidePlan(spec, tuple(layouts), mb, convert, xc_off, (h0, h1), h_width, off, reason)
+    return WidePlan(spec, tuple(layouts), mb, convert, xc_off, sm90_off, (h0, h1), h_width, off, reason)
 
 
 # ------------------------------------------------------------------------------------------ cost model
@@ -290,6 +318,9 @@ def template_params(plan: WidePlan, acts: list[dict]) -> dict:
         "row_block": plan.row_block,
         "convert_input": plan.convert_input,
         "xc_offset": plan.xc_offset,
+        "sm90_offset": plan.sm90_offset, "sm90_scratch": SM90_SCRATCH,
+        "sm90_tile": dict(zip(("bm", "bn", "bk"), SM90_TILE)),
+        "sm80_env": SM80_ENV,
         "h0_offset": plan.h_offsets[0], "h1_offset": plan.h_offsets[1],
         "h_width": plan.h_width,
         "workspace_bytes": plan.workspace_bytes,
@@ -301,5 +332,5 @@ def template_params(plan: WidePlan, acts: list[dict]) -> dict:
         "act_functors": [{"name": name, "code": code} for code, name in functors.items()],
         "gemms": [{"index": g.index, "act": act_of[g.index], "k": g.k, "n": g.n, "kp": g.kp, "np": g.np_, "last": g.last,
                    "align": g.align_out, "w_offset": g.w_offset, "b_offset": g.b_offset,
-                   "src": g.src, "dst": g.dst} for g in plan.gemms],
+                   "src": g.src, "dst": g.dst, "sm90": g.sm90} for g in plan.gemms],
     }
