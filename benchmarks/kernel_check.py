@@ -63,6 +63,9 @@ VARIANTS = {
     "w128gelu_noprefetch": ("w128gelu", {"prefetch": False}),
     "w128gelu_w16": ("w128gelu", {"warp_choices": (16,)}),
     "w128gelu_smem": ("w128gelu", {"register_activations": False}),
+    # streamed: 64-row tiles of 32-deep chunks fit two blocks per SM, so one block's epilogue can
+    # overlap the other's tensor-core work
+    "w256silu_kc32_bm64": ("w256silu", {"streamed_kc_max": 32, "streamed_tall_rows": (64,), "streamed_stages_choices": (2,)}),
 }
 
 

@@ -146,17 +146,17 @@ class CudaPlan:
         return "streamed weights, " + ", ".join(f"{v.name} {v.bm}-row tiles ({v.smem_bytes // 1024} KB)" for v in self.variants)
 
 
-def _layer_plans(spec: MLPSpec, nc_of) -> list[LayerPlan]:
+def _layer_plans(spec: MLPSpec, nc_of, kc_max: int = KC_MAX) -> list[LayerPlan]:
     """Chunk shapes per layer. A layer's padded input width is exactly the padded output width of the
     layer before (the columns that layer writes, zeros included), so no unwritten column is ever read."""
     plans, chunk, w_off, b_off = [], 0, 0, 0
     kp = None
     for i, l in enumerate(spec.layers):
         if kp is None:
-            kc = min(_round_up(l.in_features, 16), KC_MAX)
+            kc = min(_round_up(l.in_features, 16), kc_max)
             kp = _round_up(l.in_features, kc)
         else:
-            kc = next(c for c in (KC_MAX, 48, 32, 16) if kp % c == 0)
+            kc = next(c for c in (kc_max, 48, 32, 16) if c <= kc_max and kp % c == 0)
         nc = nc_of(l.out_features)
         p = LayerPlan(i, l.in_features, l.out_features, kc, nc, kp,
                       _round_up(l.out_features, nc), chunk, w_off, b_off, row_pad(spec))
@@ -270,17 +270,18 @@ def _tiling(bm: int, warps: int, nc: int, prefer_rows: bool, max_acc: int = 128)
     return best[1]
 
 
-def _streamed_plan(spec: MLPSpec, smem_limit: int) -> CudaPlan:
-    layers = _layer_plans(spec, _streamed_nc)
+def _streamed_plan(spec: MLPSpec, smem_limit: int, kc_max: int = KC_MAX, tall_rows: tuple[int, ...] = (128, 64),
+                   stages_choices: tuple[int, ...] = (3, 2)) -> CudaPlan:
+    layers = _layer_plans(spec, _streamed_nc, kc_max)
     wa = max(l.kp for l in layers[0::2])
     wb = max((l.kp for l in layers[1::2]), default=0)
     bias = sum(l.np_ for l in layers) * 4
     eb, pad = elem_bytes(spec), row_pad(spec)
     slot = max(l.chunk_elems for l in layers) * eb
     variants = []
-    for name, bms, warps, prefer_rows in (("tall_tiles", (128, 64), 8, True), ("short_tiles", (32, 16), 8, False)):
+    for name, bms, warps, prefer_rows in (("tall_tiles", tall_rows, 8, True), ("short_tiles", (32, 16), 8, False)):
         for bm in bms:
-            for stages in (3, 2):
+            for stages in stages_choices:
                 smem = bias + stages * slot + bm * ((wa + pad) + ((wb + pad) if wb else 0)) * eb
                 if smem <= smem_limit:
                     tilings = tuple(_tiling(bm, warps, l.nc, prefer_rows) for l in layers)
@@ -298,14 +299,17 @@ def _streamed_plan(spec: MLPSpec, smem_limit: int) -> CudaPlan:
     return CudaPlan(spec, tuple(layers), False, width_a=wa, width_b=wb, variants=tuple(variants))
 
 
-def make_plan(spec: MLPSpec, smem_limit: int = SMEM_LIMIT, **resident_options) -> CudaPlan:
-    """`resident_options` (mt, warp_choices) override the resident design's heuristics: for
-    benchmarks/kernel_check.py, which times the alternatives."""
+def make_plan(spec: MLPSpec, smem_limit: int = SMEM_LIMIT, **options) -> CudaPlan:
+    """`options` override the designs' heuristics, for benchmarks/kernel_check.py, which times the
+    alternatives: the resident design's (mt, warp_choices, prefetch, register_activations) and, with a
+    `streamed_` prefix, the streamed design's (kc_max, tall_rows, stages_choices)."""
+    streamed_options = {k[len("streamed_"):]: v for k, v in options.items() if k.startswith("streamed_")}
+    resident_options = {k: v for k, v in options.items() if not k.startswith("streamed_")}
     if spec.precision not in ELEM_BYTES:
         raise SpecError(f"{spec.precision} has no tensor-core plan (it runs on the CUDA-core kernel)")
     from . import wide_plan  # the third design (CUTLASS GEMMs per layer) and the cost model that picks
     try:
-        streamed, streamed_error = _streamed_plan(spec, smem_limit), None
+        streamed, streamed_error = _streamed_plan(spec, smem_limit, **streamed_options), None
     except SpecError as e:
         streamed, streamed_error = None, e
     return wide_plan.choose_plan(spec, _resident_plan(spec, smem_limit, **resident_options), streamed,
