@@ -6,6 +6,7 @@ batch size of a sweep:
   ort_fp32       stock ORT CUDA EP on the original model
   ort_fp16       stock ORT CUDA EP on an fp16 copy of the model (`to_fp16`)
   fused          the model converted by `onnx2fused.convert` (validated), plugin registered
+  fused_graph    the same with ORT's CUDA graphs (enable_cuda_graph=1): no per-run ORT overhead
   torch_eager    torch fp16 eager   (zoo models, or --torch-module)
   torch_compile  torch.compile fp16 (same)
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import gc
+import itertools
 import importlib
 import importlib.util
 import json
@@ -56,10 +58,11 @@ MEM_FRACTION = 0.6        # a batch is kept when its estimated footprint fits th
 MAX_ELEMENTS = 2 ** 31 - 1  # per tensor (32-bit indexing in some kernels)
 ORT_DEVICE = "cuda"       # where ORT-side buffers live in GPU mode ("cpu" only for a smoke test of the flow)
 
-GPU_VARIANTS = ["ort_fp32", "ort_fp16", "fused", "torch_eager", "torch_compile"]
+GPU_VARIANTS = ["ort_fp32", "ort_fp16", "fused", "fused_graph", "torch_eager", "torch_compile"]
 CPU_VARIANTS = ["ort_cpu", "fused_cpu"]
 LABELS = {
     "ort_fp32": "ORT CUDA fp32", "ort_fp16": "ORT CUDA fp16", "fused": "onnx2fused",
+    "fused_graph": "onnx2fused CUDA graph",
     "torch_eager": "torch eager fp16", "torch_compile": "torch.compile fp16",
     "ort_cpu": "ORT CPU", "fused_cpu": "onnx2fused CPU",
 }
@@ -663,8 +666,14 @@ def _bind(dev: _Dev, sess, inputs: dict, outputs: dict | None):
     return io
 
 
-def time_ort_gpu(dev: _Dev, sess, info: ModelInfo, batch: int, reps: int, warmup: int) -> tuple[list[float], int]:
+_graph_ids = itertools.count(1)  # CUDA graphs captured by ORT in this process, one per binding
+
+
+def time_ort_gpu(dev: _Dev, sess, info: ModelInfo, batch: int, reps: int, warmup: int,
+                 cuda_graph: bool = False) -> tuple[list[float], int]:
     """Time one ORT CUDA session at one batch size with device-resident inputs/outputs (IOBinding).
+    cuda_graph: the session was made with enable_cuda_graph=1; each binding (fixed buffer addresses)
+    gets its own captured graph (run option gpu_graph_id), replayed on every later run.
     Returns (per-run ms, output features per row)."""
     sets = _make_inputs(dev, sess, info, batch, 1)
     in_bytes = sum(dev.nbytes(b) for b in sets[0].values())
@@ -681,7 +690,15 @@ def time_ort_gpu(dev: _Dev, sess, info: ModelInfo, batch: int, reps: int, warmup
     del io0
     dev.sync()
     bindings = [_bind(dev, sess, s, outs) for s in sets]
-    ts = dev.time(lambda i: sess.run_with_iobinding(bindings[i % len(bindings)]), reps, warmup)
+    run_options = [None] * len(bindings)
+    if cuda_graph:
+        import onnxruntime as ort
+        for i in range(len(bindings)):
+            run_options[i] = ort.RunOptions()
+            run_options[i].add_run_config_entry("gpu_graph_id", str(next(_graph_ids)))
+        warmup = max(warmup, len(bindings))  # every graph is captured before the timed runs
+    ts = dev.time(lambda i: sess.run_with_iobinding(bindings[i % len(bindings)], run_options[i % len(bindings)]),
+                  reps, warmup)
     del bindings, sets, outs
     return ts, out_feat
 
@@ -903,10 +920,18 @@ def run_gpu(args) -> int:
         s = fused_session(p, lib, so(), providers)
         return s, f"fused model: {p} (precision {args.precision}; converted and validated in {time.perf_counter() - t0:.1f} s)"
 
+    def make_fused_graph():
+        # The same fused model with ORT's CUDA graphs: shows the op without ORT's per-run overhead.
+        p, lib = convert_model(model, out_dir, args.precision, with_cuda=True)
+        cuda, *rest = providers
+        graph_providers = [(cuda[0], {**cuda[1], "enable_cuda_graph": "1"})] + rest
+        return fused_session(p, lib, so(), graph_providers), "fused_graph: enable_cuda_graph=1, one graph per IOBinding"
+
     rows = {b: {"batch": b, "ms": {}, "na": {}, "rep_ms": {}} for b in batches}
     out_features = {}
 
-    for name, make in (("ort_fp32", make_ort_fp32), ("ort_fp16", make_ort_fp16), ("fused", make_fused)):
+    for name, make in (("ort_fp32", make_ort_fp32), ("ort_fp16", make_ort_fp16), ("fused", make_fused),
+                       ("fused_graph", make_fused_graph)):
         try:
             sess, note = make()
             if note:
@@ -925,7 +950,7 @@ def run_gpu(args) -> int:
                 rows[b]["na"][name] = f"skipped after a failure at a smaller batch: {failed}"
                 continue
             try:
-                ts, of = time_ort_gpu(dev, sess, info, b, reps, warmup)
+                ts, of = time_ort_gpu(dev, sess, info, b, reps, warmup, cuda_graph=name == "fused_graph")
                 rows[b]["ms"][name] = float(np.median(ts))
                 rows[b]["rep_ms"][name] = [round(t, 5) for t in ts]
                 out_features.setdefault(b, of)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from onnx2fused import codegen, cuda_plan, headers, wide_plan
+from onnx2fused import build, codegen, cuda_plan, headers, wide_plan
 from onnx2fused import expr as ex
 from onnx2fused.errors import ConversionError
 from onnx2fused.spec import LayerSpec, MLPSpec, SpecError
@@ -82,6 +82,7 @@ def test_layout_regions_are_aligned_disjoint_and_within_the_workspace(widths, io
         regions += [(g.w_offset, g.np_ * g.kp * 2), (g.b_offset, g.np_ * out_bytes)]
         assert g.kp % 8 == 0 and g.np_ % g.align_out == 0
         assert g.last or g.np_ % 8 == 0
+    regions.append((plan.sm90_offset, wide_plan.SM90_SCRATCH))  # stream-K reductions of the sm90a kernels
     mb = plan.row_block
     if plan.convert_input:
         regions.append((plan.xc_offset, mb * plan.gemms[0].kp * 2))
@@ -188,3 +189,62 @@ def test_rendered_wide_source_names_the_abi_and_needs_cutlass():
     assert src.count("struct Act") == 2  # the two ReLU layers share one functor (and GEMM instantiations)
     narrow = codegen.render([_spec([32, 64, 16])], with_cuda=True)
     assert not headers.needs_cutlass(narrow)
+
+
+# ------------------------------------------------------------------------------------------ Hopper (sm_90a)
+@pytest.mark.parametrize("widths,io,want", [
+    ([768, 3072, 768], "f32", [True, True]),      # 768 fp32 = 3072-byte rows
+    ([9216, 4096, 4096, 1000], "f32", [True] * 3),
+    ([1001, 517, 999], "f32", [True, False]),     # hidden padded to 520; 999 fp32 rows are not 16-byte multiples
+    ([512, 256, 64, 1], "f32", [True, True, False]),
+    ([520, 1004], "f16", [False]),                # 2008-byte rows
+    ([520, 1000], "f16", [True]),
+])
+def test_sm90_kernels_only_for_tma_storable_outputs(widths, io, want):
+    """The sm90a epilogue stores D with TMA (16-byte multiples of row bytes); other GEMMs keep the sm80 kernel."""
+    plan = wide_plan.make_wide_plan(_spec(widths, io=io))
+    assert [g.sm90 for g in plan.gemms] == want
+    for g in plan.gemms:
+        out_bytes = (2 if io == "f16" else 4) if g.last else 2
+        assert g.sm90 == (g.np_ * out_bytes % 16 == 0)
+        if g.sm90:  # the fusion's bias/D alignment is a full 16-byte vector
+            assert g.align_out * out_bytes == 16
+
+
+def test_rendered_source_has_guarded_sm90_kernels_and_per_layer_choice():
+    spec = _spec([1001, 517, 999], ex.gelu_erf())
+    src = codegen.render([spec], with_cuda=True)[f"{spec.name}_cuda.cu"]
+    plan = wide_plan.make_wide_plan(spec)
+    # the CUTLASS 3.x code exists only where build.py compiled for sm_90a
+    guarded = src.split("#if defined(ONNX2FUSED_WIDE_SM90A)")
+    assert len(guarded) >= 3 and all("#endif" in part for part in guarded[1:])
+    for needle in ("KernelTmaWarpSpecializedCooperative", "TmaWarpSpecializedCooperative", "StreamKScheduler",
+                   "LinCombPerColBiasEltAct", "cutlass::arch::Sm90", "cute::Int<128>, cute::Int<256>, cute::Int<64>"):
+        assert needle in src, needle
+    assert "cutlass::gemm::collective::CollectiveBuilder" in guarded[1] + guarded[2]
+    # layer 0 (hidden, 520 wide) may take the sm90a kernel; layer 1 (999 fp32 columns) may not
+    assert "run_layer<Act0, elem_t, 8, true>(" in src and "run_layer<Act1, io_t, 1, false>(" in src
+    # the device check: compute capability 9.0 only, and the run-time override for comparisons
+    assert "cc == 90" in src and f'getenv("{wide_plan.SM80_ENV}")' in src and '"sm80"' in src
+    assert f"{plan.sm90_offset}" in src and f"{wide_plan.SM90_SCRATCH}u" in src
+    # NDEBUG before the first include: no __assertfail calls to serialize wgmma
+    assert src.index("#define NDEBUG") < src.index("#include")
+
+
+def test_fp32_input_with_rows_of_8_gets_the_vectorized_conversion():
+    src = codegen.render([_spec([768, 3072, 768])], with_cuda=True)
+    text = next(t for n, t in src.items() if n.endswith(".cu"))
+    assert "convert_rows_vec8<<<" in text and "convert_rows<<<" in text  # vector path + unaligned fallback
+    odd = next(t for n, t in codegen.render([_spec([1001, 520, 999])], with_cuda=True).items() if n.endswith(".cu"))
+    assert "convert_rows_vec8" not in odd and "convert_rows<<<" in odd
+
+
+def test_wide_nvcc_flags_turn_sm90_into_sm90a_only():
+    flags = ["-O3", "-gencode", "arch=compute_80,code=sm_80", "-gencode", "arch=compute_90,code=sm_90", "-lineinfo"]
+    wide = build.wide_nvcc_flags(flags)
+    assert wide == ["-O3", "-gencode", "arch=compute_80,code=sm_80", "-gencode", "arch=compute_90a,code=sm_90a",
+                    "-lineinfo", build.WIDE_SM90A_DEFINE]
+    assert flags[4] == "arch=compute_90,code=sm_90"  # the caller's list (other sources) is untouched
+    only80 = ["-gencode", "arch=compute_80,code=sm_80"]
+    assert build.wide_nvcc_flags(only80) == only80  # no sm_90a: no Hopper kernels, no define
+    assert build.wide_nvcc_flags(["-gencode", "arch=compute_90a,code=sm_90a"])[-1] == build.WIDE_SM90A_DEFINE
