@@ -62,6 +62,7 @@ VARIANTS = {
     "nerf64_smem": ("nerf64", {"register_activations": False}),
     "w128gelu_noprefetch": ("w128gelu", {"prefetch": False}),
     "w128gelu_w16": ("w128gelu", {"warp_choices": (16,)}),
+    "w128gelu_w8": ("w128gelu", {"warp_choices": (8,)}),
     "w128gelu_smem": ("w128gelu", {"register_activations": False}),
     # streamed: 64-row tiles of 32-deep chunks fit two blocks per SM, so one block's epilogue can
     # overlap the other's tensor-core work

@@ -2,7 +2,7 @@
 and the fused model (onnx2fused convert, fp16), all through ORT with device-resident I/O (IOBinding).
 
     python benchmarks/wide_cases.py [--out build/bench/wide] [--reps 100] [--cases ffn,head,dlrm]
-                                    [--design auto|wide|streamed]
+                                    [--design auto|wide|streamed] [--kernels both|sm90|sm80]
 
 Cases (issue 5 targets, H100):
     ffn   768 -> 3072 -> 768, GELU,  input [64, 256, 768] (16384 rows)   >= 1.3x ORT fp16, >= 4x ORT fp32
@@ -10,7 +10,10 @@ Cases (issue 5 targets, H100):
     dlrm  512 -> 256 -> 64 -> 1, ReLU, batch 65536                       >= 2x ORT fp16
 The models are built here with onnx.helper (random weights, seed 0; the FFN as MatMul + Add with GELU in
 the erf form torch's opset-17 export writes). `--design` sets ONNX2FUSED_CUDA_DESIGN for the fused
-model, to compare the cost model's choice with the alternatives. Timing and the fp16 copy come from
+model, to compare the cost model's choice with the alternatives. `--kernels both` (default) times the
+fused session twice on a Hopper GPU: with its CUTLASS 3.x sm_90a kernels ("fused") and with
+ONNX2FUSED_WIDE_KERNELS=sm80 ("fused_sm80": the CUTLASS 2.x kernels of the same library, chosen per run),
+so one run compares both; it only matters for wide plans (build with ONNX2FUSED_CUDA_ARCHS=90). Timing and the fp16 copy come from
 onnx2fused/bench.py (median of --reps runs after warm-up; CUDA events when torch sees the GPU).
 Results go to <out>/wide_cases.json and a table on stdout.
 """
@@ -31,6 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from onnx2fused import bench  # noqa: E402
+from onnx2fused.wide_plan import SM80_ENV  # noqa: E402
 
 # name: (widths, activation, input shape with the batch first, batch, targets {variant: speed-up})
 CASES = {
@@ -94,7 +98,7 @@ def plan_text(model: Path) -> str:
     return onnx2fused.inspect(str(model)).format()
 
 
-def run_case(name: str, out_dir: Path, reps: int, warmup: int, dev, providers) -> dict:
+def run_case(name: str, out_dir: Path, reps: int, warmup: int, dev, providers, kernels: str = "both") -> dict:
     import onnxruntime as ort
     widths, act, in_shape, batch, targets = CASES[name]
     model = build_model(widths, act, in_shape, out_dir / f"{name}.onnx")
@@ -121,19 +125,31 @@ def run_case(name: str, out_dir: Path, reps: int, warmup: int, dev, providers) -
         p, lib = bench.convert_model(model, out_dir / name, "fp16", with_cuda=True)
         return bench.fused_session(p, lib, so(), providers)
 
-    for variant, make in (("ort_fp32", ort_fp32), ("ort_fp16", ort_fp16), ("fused", fused)):
+    variants = [("ort_fp32", ort_fp32, None), ("ort_fp16", ort_fp16, None)]
+    if kernels in ("both", "sm90"):
+        variants.append(("fused", fused, None))
+    if kernels in ("both", "sm80"):  # same library; the launcher reads the override on every run
+        variants.append(("fused_sm80" if kernels == "both" else "fused", fused, "sm80"))
+    for variant, make, force in variants:
+        sess = None
+        saved = os.environ.pop(SM80_ENV, None)
         try:
+            if force:
+                os.environ[SM80_ENV] = force
             sess = make()
             if "CUDAExecutionProvider" not in sess.get_providers():
                 raise RuntimeError(f"no CUDA EP in {sess.get_providers()}")
             ts, _ = bench.time_ort_gpu(dev, sess, info, batch, reps, warmup)
             result["ms"][variant] = float(np.median(ts))
-            print(f"  {variant:<9} {result['ms'][variant]:.4f} ms", flush=True)
+            print(f"  {variant:<10} {result['ms'][variant]:.4f} ms", flush=True)
         except Exception as e:  # noqa: BLE001 - one failed variant must not hide the others
             result["errors"][variant] = f"{type(e).__name__}: {e}"
-            print(f"  {variant:<9} n/a ({result['errors'][variant][:300]})", flush=True)
+            print(f"  {variant:<10} n/a ({result['errors'][variant][:300]})", flush=True)
         finally:
             sess = None
+            os.environ.pop(SM80_ENV, None)
+            if saved is not None:
+                os.environ[SM80_ENV] = saved
     fused_ms = result["ms"].get("fused")
     result["speedup"] = {v: result["ms"][v] / fused_ms for v in ("ort_fp32", "ort_fp16")
                          if fused_ms and v in result["ms"]}
@@ -151,6 +167,8 @@ def main(argv=None) -> int:
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--design", choices=["auto", "wide", "streamed"], default=None,
                     help="force the fused model's CUDA design (sets ONNX2FUSED_CUDA_DESIGN)")
+    ap.add_argument("--kernels", choices=["both", "sm90", "sm80"], default="both",
+                    help="wide plans on Hopper: time the sm_90a kernels, the sm80 ones (fused_sm80), or both")
     args = ap.parse_args(argv)
     if args.design:
         os.environ["ONNX2FUSED_CUDA_DESIGN"] = args.design
@@ -163,16 +181,16 @@ def main(argv=None) -> int:
     torch = bench._cuda_torch()
     dev = bench._Dev(torch)
     providers = bench.gpu_providers()
-    results = [run_case(n, out_dir, args.reps, args.warmup, dev, providers) for n in names]
+    results = [run_case(n, out_dir, args.reps, args.warmup, dev, providers, args.kernels) for n in names]
 
-    print("\n| case | rows | ORT fp32 ms | ORT fp16 ms | fused ms | x fp32 | x fp16 | targets |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n| case | rows | ORT fp32 ms | ORT fp16 ms | fused ms | fused sm80 kernels ms | x fp32 | x fp16 | targets |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
         ms, sp = r["ms"], r["speedup"]
         cell = lambda d, k, f: f.format(d[k]) if k in d else "n/a"  # noqa: E731
         tgt = ", ".join(f"{v} >= {t['want']}x: {'met' if t['met'] else 'MISSED'}" for v, t in r["targets"].items())
         print(f"| {r['case']} | {r['rows']} | {cell(ms, 'ort_fp32', '{:.3f}')} | {cell(ms, 'ort_fp16', '{:.3f}')} | "
-              f"{cell(ms, 'fused', '{:.3f}')} | {cell(sp, 'ort_fp32', '{:.2f}')} | {cell(sp, 'ort_fp16', '{:.2f}')} | {tgt} |")
+              f"{cell(ms, 'fused', '{:.3f}')} | {cell(ms, 'fused_sm80', '{:.3f}')} | {cell(sp, 'ort_fp32', '{:.2f}')} | {cell(sp, 'ort_fp16', '{:.2f}')} | {tgt} |")
     (out_dir / "wide_cases.json").write_text(json.dumps(results, indent=1))
     print(f"\nwrote {out_dir / 'wide_cases.json'}")
     return 0 if all("fused" in r["ms"] for r in results) else 1

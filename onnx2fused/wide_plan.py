@@ -65,7 +65,8 @@ TC_FLOPS = 660e12
 HBM_BPS = 3.0e12
 L2_BPS = 8.0e12                 # streamed weights are re-read from L2 once per row tile
 LAUNCH_S = 3e-6                 # per kernel launch in the stream
-WIDE_GEMM_EFF = 0.55            # CUTLASS 2.x mma.sync GEMM on sm_90, fraction of TC_FLOPS (assumed)
+WIDE_GEMM_EFF = 0.55            # CUTLASS 2.x mma.sync GEMM on sm_90, fraction of TC_FLOPS (assumed; kept for
+                                # the sm90a kernels too until measured: it only makes wide win less often)
 # Streamed kernel, 128-row tiles: 183 TFLOP/s measured on silu (RESULTS.md, kernel only); shorter tiles
 # re-read each weight chunk for fewer rows: x sqrt(bm/128) fits mnist's 32-row tiles (108 TFLOP/s).
 STREAMED_EFF_128 = 0.28
@@ -157,9 +158,10 @@ class WidePlan:
     def describe(self) -> str:
         conv = "fp32->16-bit conversion pass, " if self.convert_input else ""
         n90 = sum(g.sm90 for g in self.gemms)
-        return (f"wide: {len(self.gemms)} tensor-core GEMMs (CUTLASS 3.x sm90a wgmma + stream-K for {n90} on "
-                f"Hopper, CUTLASS 2.x sm80 mma.sync otherwise; bias+activation epilogue), "
-                f"{conv}16-bit intermediates in the workspace, {self.row_block}-row blocks; {self.reason}")
+        return (f"wide: {len(self.gemms)} tensor-core GEMMs with a bias+activation epilogue (on sm_90: "
+                f"{n90} as CUTLASS 3.x wgmma/TMA stream-K kernels, the rest CUTLASS 2.x; other GPUs: CUTLASS "
+                f"2.x sm80 mma.sync), {conv}16-bit intermediates in the workspace, {self.row_block}-row blocks; "
+                f"{self.reason}")
 
 
 # ------------------------------------------------------------------------------------------ refusals

@@ -157,16 +157,60 @@ def _rel(got, ref):
     return float(np.linalg.norm(got.astype(np.float64) - ref) / np.linalg.norm(ref))
 
 
+def _hopper() -> bool:
+    return torch.cuda.get_device_capability() == (9, 0)
+
+
+# On an sm_90 GPU the library (built with ONNX2FUSED_CUDA_ARCHS=90: sm_90a) runs CUTLASS 3.x kernels
+# where the plan allows; ONNX2FUSED_WIDE_KERNELS=sm80, read by the launcher on every run, makes the
+# same session run the CUTLASS 2.x kernels, so both families are checked against the same reference.
+KERNEL_FAMILIES = ("default", "sm80")
+
+
 @pytest.mark.parametrize("widths,act", CASES, ids=[_case_id(w, a) for w, a in CASES])
-def test_wide_matches_stock_fp32(widths, act, shared):
+def test_wide_matches_stock_fp32(widths, act, shared, monkeypatch):
     models, lib = shared
     src, fused, plan = models[_case_id(widths, act)]
     sess = _session(fused, lib)
     rng = np.random.default_rng(1)
-    for batch in (1, 37, 129, 1000):
+    for batch in (1, 37, 129, 1000):  # 129 and 1000 rows: stream-K splits (few 128x256 tiles) on Hopper
         x = rng.standard_normal((batch, widths[0])).astype(np.float32)
         ref = _reference(src, x)
-        assert _rel(_run_poisoned(sess, x, ref.shape), ref) <= TOL["fp16"], f"{widths} batch {batch}"
+        for family in KERNEL_FAMILIES if _hopper() else ("default",):
+            if family == "sm80":
+                monkeypatch.setenv(wide_plan.SM80_ENV, "sm80")
+            else:
+                monkeypatch.delenv(wide_plan.SM80_ENV, raising=False)
+            got = _run_poisoned(sess, x, ref.shape)
+            assert _rel(got, ref) <= TOL["fp16"], f"{widths} batch {batch} {family} kernels"
+    monkeypatch.delenv(wide_plan.SM80_ENV, raising=False)
+
+
+def test_hopper_runs_the_sm90a_kernels(shared, monkeypatch):
+    """The kernels launched, by name (torch's profiler sees every kernel of the process, ORT's included):
+    CUTLASS 3.x GemmUniversal kernels on sm_90 unless overridden, the 2.x ones with the override."""
+    if not _hopper():
+        pytest.skip("sm_90a kernels run on compute capability 9.0 only")
+    from torch.profiler import ProfilerActivity, profile
+    models, lib = shared
+    src, fused, plan = models[_case_id([768, 3072, 768], "gelu")]
+    sess = _session(fused, lib)
+    x = np.random.default_rng(4).standard_normal((4096, 768)).astype(np.float32)
+    names = {}
+    for family in KERNEL_FAMILIES:
+        if family == "sm80":
+            monkeypatch.setenv(wide_plan.SM80_ENV, "sm80")
+        else:
+            monkeypatch.delenv(wide_plan.SM80_ENV, raising=False)
+        _run_poisoned(sess, x, (4096, 768))  # warm-up outside the profile
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            _run_poisoned(sess, x, (4096, 768))
+        names[family] = " ".join(e.name for e in prof.events())
+    monkeypatch.delenv(wide_plan.SM80_ENV, raising=False)
+    if not names["default"]:
+        pytest.skip("the profiler recorded no CUDA kernels here (CUPTI unavailable)")
+    assert "GemmUniversal" in names["default"] and "MainloopSm90TmaGmmaWarpSpecialized" in names["default"]
+    assert "MmaMultistage" in names["sm80"] and "MainloopSm90" not in names["sm80"]
 
 
 def test_wide_fp16_io_in_place_and_bf16(shared):

@@ -221,7 +221,11 @@ def test_rendered_source_has_guarded_sm90_kernels_and_per_layer_choice():
     for needle in ("KernelTmaWarpSpecializedCooperative", "TmaWarpSpecializedCooperative", "StreamKScheduler",
                    "LinCombPerColBiasEltAct", "cutlass::arch::Sm90", "cute::Int<128>, cute::Int<256>, cute::Int<64>"):
         assert needle in src, needle
-    assert "cutlass::gemm::collective::CollectiveBuilder" in guarded[1] + guarded[2]
+    blocks = [part.split("#endif")[0] for part in guarded[1:]]
+    outside = guarded[0] + "".join(part.split("#endif", 1)[1] for part in guarded[1:])
+    assert any("namespace sm90" in b and "cutlass::gemm::collective::CollectiveBuilder" in b for b in blocks)
+    assert any('#include "cutlass/gemm/collective/collective_builder.hpp"' in b for b in blocks)
+    assert "CollectiveBuilder" not in outside and "sm90::run<" not in outside
     # layer 0 (hidden, 520 wide) may take the sm90a kernel; layer 1 (999 fp32 columns) may not
     assert "run_layer<Act0, elem_t, 8, true>(" in src and "run_layer<Act1, io_t, 1, false>(" in src
     # the device check: compute capability 9.0 only, and the run-time override for comparisons
