@@ -16,6 +16,7 @@ import importlib.util
 import json
 import os
 import sys
+import warnings
 
 from . import __version__
 from .errors import ConversionError
@@ -128,6 +129,9 @@ def _inspect(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if not os.environ.get("ONNX2FUSED_DEBUG"):
+        # Library warnings (onnx, onnxruntime, torch) would break the one-line error contract on stderr.
+        warnings.simplefilter("ignore")
     try:
         parser = build_parser(argv)
     except ImportError as e:

@@ -224,3 +224,16 @@ def test_report_build_time_and_cache_hit(tmp_path_factory):
     text = p.stdout
     assert "precision fp16" in text and "3->128->128->128->128->1" in text and "tanh" in text
     assert "cache hit" in text and "rel L2" in text and "y " in text
+
+
+def test_library_warnings_do_not_reach_stderr():
+    """A Python warning raised while a command runs must not add lines to stderr (one-line errors).
+    In a subprocess: pytest would capture the warning itself."""
+    code = ("import sys, warnings; from onnx2fused import cli; real = cli._inspect; "
+            "cli._inspect = lambda a: (warnings.warn('a library complains'), real(a))[1]; "
+            "sys.exit(cli.main(['inspect', sys.argv[1]]))")
+    env = {k: v for k, v in os.environ.items() if k != "ONNX2FUSED_DEBUG"}
+    p = subprocess.run([sys.executable, "-c", code, str(MODELS / "nerf.opset17.onnx")], capture_output=True,
+                       text=True, env=env)
+    assert p.returncode == 0 and "chain" in p.stdout
+    assert "complains" not in p.stderr, p.stderr
