@@ -157,11 +157,11 @@ class WidePlan:
 
     def describe(self) -> str:
         conv = "fp32->16-bit conversion pass, " if self.convert_input else ""
-        n90 = sum(g.sm90 for g in self.gemms)
-        return (f"wide: {len(self.gemms)} tensor-core GEMMs with a bias+activation epilogue (on sm_90: "
-                f"{n90} as CUTLASS 3.x wgmma/TMA stream-K kernels, the rest CUTLASS 2.x; other GPUs: CUTLASS "
-                f"2.x sm80 mma.sync), {conv}16-bit intermediates in the workspace, {self.row_block}-row blocks; "
-                f"{self.reason}")
+        n, n90 = len(self.gemms), sum(g.sm90 for g in self.gemms)
+        hopper = "all" if n90 == n else f"{n90} of {n}"  # the others' output rows are not TMA-storable
+        return (f"wide: {n} tensor-core GEMMs with a bias+activation epilogue (on sm_90: {hopper} as CUTLASS "
+                f"3.x wgmma/TMA stream-K kernels, the rest CUTLASS 2.x; other GPUs: CUTLASS 2.x sm80 mma.sync), "
+                f"{conv}16-bit intermediates in the workspace, {self.row_block}-row blocks; {self.reason}")
 
 
 # ------------------------------------------------------------------------------------------ refusals

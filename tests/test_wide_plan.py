@@ -204,6 +204,7 @@ def test_sm90_kernels_only_for_tma_storable_outputs(widths, io, want):
     """The sm90a epilogue stores D with TMA (16-byte multiples of row bytes); other GEMMs keep the sm80 kernel."""
     plan = wide_plan.make_wide_plan(_spec(widths, io=io))
     assert [g.sm90 for g in plan.gemms] == want
+    assert ("on sm_90: all as CUTLASS 3.x" if all(want) else f"on sm_90: {sum(want)} of {len(want)} as") in plan.describe()
     for g in plan.gemms:
         out_bytes = (2 if io == "f16" else 4) if g.last else 2
         assert g.sm90 == (g.np_ * out_bytes % 16 == 0)
@@ -252,3 +253,35 @@ def test_wide_nvcc_flags_turn_sm90_into_sm90a_only():
     only80 = ["-gencode", "arch=compute_80,code=sm_80"]
     assert build.wide_nvcc_flags(only80) == only80  # no sm_90a: no Hopper kernels, no define
     assert build.wide_nvcc_flags(["-gencode", "arch=compute_90a,code=sm_90a"])[-1] == build.WIDE_SM90A_DEFINE
+
+
+def test_build_compiles_only_the_wide_source_for_sm90a(tmp_path, monkeypatch):
+    """build_plugin's per-source nvcc lines (the compiler is stubbed: nothing is compiled): the wide
+    design's source gets sm_90a and the define, a fused-kernel source beside it keeps sm_90."""
+    import shutil
+    from pathlib import Path
+    from onnx2fused.errors import BuildError
+    if not (shutil.which("nvcc") and shutil.which("g++")):
+        pytest.skip("needs nvcc and g++ on PATH (their --version enters the cache key)")
+    deps = Path(__file__).resolve().parent.parent / ".deps" / "ort-headers"
+    if (deps / "onnxruntime_cxx_api.h").is_file():
+        monkeypatch.setenv("ONNXRUNTIME_INCLUDE_DIR", str(deps))
+    monkeypatch.setenv("ONNX2FUSED_CUDA_ARCHS", "80,90")
+    calls = []
+
+    def fake_compile(args, cwd):
+        calls.append(args)
+        return 1, "stub"
+
+    monkeypatch.setattr(build, "_compile", fake_compile)
+    wide, narrow = _spec([9216, 4096, 4096, 1000]), _spec([32, 64, 16])
+    try:
+        with pytest.raises(BuildError):
+            build.build_plugin([wide, narrow], with_cuda=True, cache_dir=tmp_path)
+    except ConversionError as e:  # no ONNX Runtime headers to be found offline
+        pytest.skip(str(e))
+    by_source = {Path(a[a.index("-c") + 1]).name: a for a in calls if "-c" in a}
+    wide_cmd, narrow_cmd = by_source[f"{wide.name}_cuda.cu"], by_source[f"{narrow.name}_cuda.cu"]
+    assert "arch=compute_90a,code=sm_90a" in wide_cmd and build.WIDE_SM90A_DEFINE in wide_cmd
+    assert "arch=compute_80,code=sm_80" in wide_cmd and "arch=compute_90,code=sm_90" not in wide_cmd
+    assert "arch=compute_90,code=sm_90" in narrow_cmd and build.WIDE_SM90A_DEFINE not in narrow_cmd
