@@ -681,7 +681,12 @@ def time_ort_gpu(dev: _Dev, sess, info: ModelInfo, batch: int, reps: int, warmup
         sets += _make_inputs(dev, sess, info, batch, ROTATE_BUFFERS - 1)
     # One run with ORT-allocated outputs gives their shapes.
     io0 = _bind(dev, sess, sets[0], None)
-    sess.run_with_iobinding(io0)
+    first_options = None
+    if cuda_graph:  # a graph of its own: the default one was captured at another batch size
+        import onnxruntime as ort
+        first_options = ort.RunOptions()
+        first_options.add_run_config_entry("gpu_graph_id", str(next(_graph_ids)))
+    sess.run_with_iobinding(io0, first_options)
     outs, out_feat = {}, 0
     for o, v in zip(sess.get_outputs(), io0.get_outputs()):
         shape = list(v.shape())
