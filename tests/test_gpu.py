@@ -14,13 +14,10 @@ import numpy as np
 import onnx
 import pytest
 
-ort = pytest.importorskip("onnxruntime")
+from gpu_support import rel_l2, require_cuda, run_poisoned  # noqa: E402
+
 pytestmark = pytest.mark.gpu
-if "CUDAExecutionProvider" not in ort.get_available_providers():
-    pytest.skip("onnxruntime has no CUDAExecutionProvider", allow_module_level=True)
-torch = pytest.importorskip("torch")
-if not torch.cuda.is_available():
-    pytest.skip("torch sees no CUDA device", allow_module_level=True)
+ort, torch = require_cuda()
 
 from onnx2fused import build, passes  # noqa: E402
 from onnx2fused.loader import load_model  # noqa: E402
@@ -65,25 +62,6 @@ def _reference(model_path, x):
     return s.run(None, {s.get_inputs()[0].name: x})[0]
 
 
-def _run_poisoned(sess, x: np.ndarray, out_shape) -> np.ndarray:
-    """Run with device-resident input and a NaN-filled device output buffer."""
-    xt = torch.from_numpy(x).cuda()
-    yt = torch.full(out_shape, float("nan"), dtype=xt.dtype, device="cuda")
-    io = sess.io_binding()
-    io.bind_input(sess.get_inputs()[0].name, "cuda", 0, x.dtype, list(x.shape), xt.data_ptr())
-    io.bind_output(sess.get_outputs()[0].name, "cuda", 0, x.dtype, list(out_shape), yt.data_ptr())
-    sess.run_with_iobinding(io)
-    torch.cuda.synchronize()
-    return yt.cpu().numpy()
-
-
-def _rel(got, ref):
-    ref = ref.astype(np.float64)
-    assert np.abs(ref).max() > 0, "reference is all zeros"
-    assert np.isfinite(got).all(), f"{np.count_nonzero(~np.isfinite(got))} outputs unwritten or NaN"
-    return float(np.linalg.norm(got.astype(np.float64) - ref) / np.linalg.norm(ref))
-
-
 def _shape(entry, batch):
     return [batch] + ([5] if entry["rank"] == 3 else []) + list(entry["feature_shape"])
 
@@ -98,8 +76,8 @@ def test_zoo_model_on_cuda_ep(name, kind, cache_dir, tmp_path):
     for batch in (1, 127, 129, 4099):
         x = rng.standard_normal(_shape(entry, batch)).astype(np.float32)
         ref = _reference(src, x)
-        got = _run_poisoned(sess, x, ref.shape)
-        assert _rel(got, ref) <= TOL["fp16"], f"{name}/{kind} batch {batch}"
+        got = run_poisoned(sess, x, ref.shape)
+        assert rel_l2(got, ref) <= TOL["fp16"], f"{name}/{kind} batch {batch}"
     empty = sess.run(None, {sess.get_inputs()[0].name: np.zeros(_shape(entry, 0), np.float32)})[0]
     assert empty.shape[0] == 0
 
@@ -117,7 +95,7 @@ def test_precisions_on_cuda_ep(name, precision, cache_dir, tmp_path):
     width = onnx.load(str(src)).graph.input[0].type.tensor_type.shape.dim[-1].dim_value
     x = np.random.default_rng(1).standard_normal((3001, width)).astype(np.float32)
     ref = _reference(src, x)
-    assert _rel(_run_poisoned(sess, x, ref.shape), ref) <= TOL[precision]
+    assert rel_l2(run_poisoned(sess, x, ref.shape), ref) <= TOL[precision]
 
 
 def test_large_batch_and_profiler_shows_cuda_ep(cache_dir, tmp_path):
@@ -125,8 +103,8 @@ def test_large_batch_and_profiler_shows_cuda_ep(cache_dir, tmp_path):
     fused_path, lib, fused = _fuse(src, "fp16", cache_dir, tmp_path / "fused.onnx")
     sess = _session(fused_path, lib, profile=tmp_path / "prof")
     x = np.random.default_rng(3).standard_normal((10**6 + 3, 32)).astype(np.float32)
-    got = _run_poisoned(sess, x, (10**6 + 3, 16))
-    assert _rel(got, _reference(src, x)) <= TOL["fp16"]
+    got = run_poisoned(sess, x, (10**6 + 3, 16))
+    assert rel_l2(got, _reference(src, x)) <= TOL["fp16"]
     trace = json.loads(Path(sess.end_profiling()).read_text())
     fused_op = next(n.op_type for n in fused.graph.node if n.domain == "onnx2fused")
     providers = {e["args"].get("provider") for e in trace
@@ -149,7 +127,7 @@ def test_cuda_graph_replay(cache_dir, tmp_path):
         yt.fill_(float("nan"))
         sess.run_with_iobinding(io)
         torch.cuda.synchronize()
-        assert _rel(yt.cpu().numpy(), _reference(src, x)) <= TOL["fp16"], f"replay {seed}"
+        assert rel_l2(yt.cpu().numpy(), _reference(src, x)) <= TOL["fp16"], f"replay {seed}"
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -184,4 +162,4 @@ def test_random_mlps_on_cuda_ep(seed, cache_dir, tmp_path):
         ref = _reference(src, x)
         if np.abs(ref).max() == 0:
             continue
-        assert _rel(_run_poisoned(sess, x, ref.shape), ref) <= 5e-3, f"widths {widths}"
+        assert rel_l2(run_poisoned(sess, x, ref.shape), ref) <= 5e-3, f"widths {widths}"

@@ -18,13 +18,10 @@ import numpy as np
 import onnx
 import pytest
 
-ort = pytest.importorskip("onnxruntime")
+from gpu_support import rel_l2, require_cuda, run_poisoned  # noqa: E402
+
 pytestmark = pytest.mark.gpu
-if "CUDAExecutionProvider" not in ort.get_available_providers():
-    pytest.skip("onnxruntime has no CUDAExecutionProvider", allow_module_level=True)
-torch = pytest.importorskip("torch")
-if not torch.cuda.is_available():
-    pytest.skip("torch sees no CUDA device", allow_module_level=True)
+ort, torch = require_cuda()
 
 from onnx2fused import build  # noqa: E402
 from onnx_builders import CONTINUOUS_ACTS, OTHER_ACTS, STEP_ACTS, G, fuse, run  # noqa: E402
@@ -86,24 +83,6 @@ def _session(model: onnx.ModelProto, lib):
     return ort.InferenceSession(model.SerializeToString(), so, providers=["CUDAExecutionProvider"])
 
 
-def _run_poisoned(sess, x: np.ndarray, out_shape) -> np.ndarray:
-    xt = torch.from_numpy(x).cuda()
-    yt = torch.full(out_shape, float("nan"), dtype=xt.dtype, device="cuda")
-    io = sess.io_binding()
-    io.bind_input("x", "cuda", 0, x.dtype, list(x.shape), xt.data_ptr())
-    io.bind_output("y", "cuda", 0, x.dtype, list(out_shape), yt.data_ptr())
-    sess.run_with_iobinding(io)
-    torch.cuda.synchronize()
-    return yt.cpu().numpy()
-
-
-def _rel_l2(got: np.ndarray, ref: np.ndarray) -> float:
-    ref = ref.astype(np.float64)
-    assert np.isfinite(ref).all() and np.abs(ref).max() > 0, "reference is not finite or all zeros"
-    assert np.isfinite(got).all(), f"{np.count_nonzero(~np.isfinite(got))} outputs unwritten or NaN"
-    return float(np.linalg.norm(got.astype(np.float64) - ref) / np.linalg.norm(ref))
-
-
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{'x'.join(map(str, c[1]))}-{c[2]}")
 def test_activation_family_on_cuda_ep(case, fused_cases):
     models, lib = fused_cases
@@ -114,7 +93,7 @@ def test_activation_family_on_cuda_ep(case, fused_cases):
     for batch in (1, 129, 1000):
         x = rng.standard_normal((batch, widths[0])).astype(np.float32)
         (ref,) = run(m, {"x": x})
-        got = _run_poisoned(sess, x, ref.shape)
-        err = _rel_l2(got, ref)
+        got = run_poisoned(sess, x, ref.shape)
+        err = rel_l2(got, ref)
         tol = 1e-2 if name == "siren_sin30" else TOL[precision]  # 30x gain per layer on the fp32 rounding
         assert err <= tol, f"{name} {precision} batch {batch}: relative L2 error {err:.2e}"

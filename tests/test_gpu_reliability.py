@@ -15,13 +15,10 @@ import numpy as np
 import onnx
 import pytest
 
-ort = pytest.importorskip("onnxruntime")
+from gpu_support import require_cuda  # noqa: E402
+
 pytestmark = pytest.mark.gpu
-if "CUDAExecutionProvider" not in ort.get_available_providers():
-    pytest.skip("onnxruntime has no CUDAExecutionProvider", allow_module_level=True)
-torch = pytest.importorskip("torch")
-if not torch.cuda.is_available():
-    pytest.skip("torch sees no CUDA device", allow_module_level=True)
+ort, torch = require_cuda()
 
 import onnx2fused  # noqa: E402
 from onnx2fused.build import find_nvcc  # noqa: E402

@@ -13,13 +13,10 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-ort = pytest.importorskip("onnxruntime")
+from gpu_support import rel_l2, require_cuda, run_poisoned  # noqa: E402
+
 pytestmark = pytest.mark.gpu
-if "CUDAExecutionProvider" not in ort.get_available_providers():
-    pytest.skip("onnxruntime has no CUDAExecutionProvider", allow_module_level=True)
-torch = pytest.importorskip("torch")
-if not torch.cuda.is_available():
-    pytest.skip("torch sees no CUDA device", allow_module_level=True)
+ort, torch = require_cuda()
 
 from onnx2fused import build, cuda_plan, passes, wide_plan  # noqa: E402
 from onnx2fused.loader import load_model  # noqa: E402
@@ -139,24 +136,6 @@ def _reference(model_path, x):
     return s.run(None, {"x": x})[0]
 
 
-def _run_poisoned(sess, x, out_shape):
-    xt = torch.from_numpy(x).cuda()
-    yt = torch.full(out_shape, float("nan"), dtype=xt.dtype, device="cuda")
-    io = sess.io_binding()
-    io.bind_input("x", "cuda", 0, x.dtype, list(x.shape), xt.data_ptr())
-    io.bind_output("y", "cuda", 0, x.dtype, list(out_shape), yt.data_ptr())
-    sess.run_with_iobinding(io)
-    torch.cuda.synchronize()
-    return yt.cpu().numpy()
-
-
-def _rel(got, ref):
-    ref = ref.astype(np.float64)
-    assert np.abs(ref).max() > 0, "reference is all zeros"
-    assert np.isfinite(got).all(), f"{np.count_nonzero(~np.isfinite(got))} outputs unwritten or NaN"
-    return float(np.linalg.norm(got.astype(np.float64) - ref) / np.linalg.norm(ref))
-
-
 def _hopper() -> bool:
     return torch.cuda.get_device_capability() == (9, 0)
 
@@ -181,8 +160,8 @@ def test_wide_matches_stock_fp32(widths, act, shared, monkeypatch):
                 monkeypatch.setenv(wide_plan.SM80_ENV, "sm80")
             else:
                 monkeypatch.delenv(wide_plan.SM80_ENV, raising=False)
-            got = _run_poisoned(sess, x, ref.shape)
-            assert _rel(got, ref) <= TOL["fp16"], f"{widths} batch {batch} {family} kernels"
+            got = run_poisoned(sess, x, ref.shape)
+            assert rel_l2(got, ref) <= TOL["fp16"], f"{widths} batch {batch} {family} kernels"
     monkeypatch.delenv(wide_plan.SM80_ENV, raising=False)
 
 
@@ -202,9 +181,9 @@ def test_hopper_runs_the_sm90a_kernels(shared, monkeypatch):
             monkeypatch.setenv(wide_plan.SM80_ENV, "sm80")
         else:
             monkeypatch.delenv(wide_plan.SM80_ENV, raising=False)
-        _run_poisoned(sess, x, (4096, 768))  # warm-up outside the profile
+        run_poisoned(sess, x, (4096, 768))  # warm-up outside the profile
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            _run_poisoned(sess, x, (4096, 768))
+            run_poisoned(sess, x, (4096, 768))
         names[family] = " ".join(e.name for e in prof.events())
     monkeypatch.delenv(wide_plan.SM80_ENV, raising=False)
     if not names["default"]:
@@ -222,8 +201,8 @@ def test_wide_fp16_io_in_place_and_bf16(shared):
         assert plan.spec.io_dtype == "f16"
         assert plan.convert_input == (precision == "bf16")  # fp16 rows of 1024 are the GEMM's A as they are
         ref = _reference(src32, x.astype(np.float32))
-        got = _run_poisoned(_session(fused, lib), x, ref.shape).astype(np.float32)
-        assert _rel(got, ref) <= TOL[precision], precision
+        got = run_poisoned(_session(fused, lib), x, ref.shape).astype(np.float32)
+        assert rel_l2(got, ref) <= TOL[precision], precision
 
 
 def test_rows_past_one_row_block(cache_dir, tmp_path, monkeypatch):
@@ -236,9 +215,9 @@ def test_rows_past_one_row_block(cache_dir, tmp_path, monkeypatch):
     rows = plan.row_block * 2 + 77
     x = np.random.default_rng(3).standard_normal((rows, widths[0])).astype(np.float32)
     ref = _reference(src, x)
-    got = _run_poisoned(_session(fused, lib), x, ref.shape)
-    assert _rel(got, ref) <= TOL["fp16"]
-    assert _rel(got[-77:], ref[-77:]) <= TOL["fp16"]  # the partial last block
+    got = run_poisoned(_session(fused, lib), x, ref.shape)
+    assert rel_l2(got, ref) <= TOL["fp16"]
+    assert rel_l2(got[-77:], ref[-77:]) <= TOL["fp16"]  # the partial last block
 
 
 def test_cuda_graph_replay(shared):
@@ -259,4 +238,4 @@ def test_cuda_graph_replay(shared):
         yt.fill_(float("nan"))
         sess.run_with_iobinding(io)
         torch.cuda.synchronize()
-        assert _rel(yt.cpu().numpy(), _reference(src, x)) <= TOL["fp16"], f"replay {seed}"
+        assert rel_l2(yt.cpu().numpy(), _reference(src, x)) <= TOL["fp16"], f"replay {seed}"

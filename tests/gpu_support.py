@@ -1,0 +1,39 @@
+"""What the GPU-marked test modules share: the module-level skip on hosts without a CUDA device or
+onnxruntime's CUDA EP, a run on device-resident buffers whose output is poisoned with NaN first (so
+elements the kernel never writes show up), and the relative L2 error that rejects such elements."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+
+def require_cuda():
+    """(onnxruntime, torch) when both can use a GPU; otherwise the calling test module is skipped."""
+    ort = pytest.importorskip("onnxruntime")
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        pytest.skip("onnxruntime has no CUDAExecutionProvider", allow_module_level=True)
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch sees no CUDA device", allow_module_level=True)
+    return ort, torch
+
+
+def run_poisoned(sess, x: np.ndarray, out_shape) -> np.ndarray:
+    """Run `sess` on x through IOBinding with the input and a NaN-filled output on the device."""
+    import torch
+    xt = torch.from_numpy(x).cuda()
+    yt = torch.full(tuple(out_shape), float("nan"), dtype=xt.dtype, device="cuda")
+    io = sess.io_binding()
+    io.bind_input(sess.get_inputs()[0].name, "cuda", 0, x.dtype, list(x.shape), xt.data_ptr())
+    io.bind_output(sess.get_outputs()[0].name, "cuda", 0, x.dtype, list(out_shape), yt.data_ptr())
+    sess.run_with_iobinding(io)
+    torch.cuda.synchronize()
+    return yt.cpu().numpy()
+
+
+def rel_l2(got: np.ndarray, ref: np.ndarray) -> float:
+    """Relative L2 error; fails on an all-zero or non-finite reference and on any NaN/Inf in `got`."""
+    ref = ref.astype(np.float64)
+    assert np.isfinite(ref).all() and np.abs(ref).max() > 0, "reference is not finite or all zeros"
+    assert np.isfinite(got).all(), f"{np.count_nonzero(~np.isfinite(got))} outputs unwritten or NaN"
+    return float(np.linalg.norm(got.astype(np.float64) - ref) / np.linalg.norm(ref))
