@@ -669,6 +669,14 @@ def _bind(dev: _Dev, sess, inputs: dict, outputs: dict | None):
 _graph_ids = itertools.count(1)  # CUDA graphs captured by ORT in this process, one per binding
 
 
+def _new_graph_options():
+    """Run options that make a CUDA-graph session capture (then replay) a graph of its own."""
+    import onnxruntime as ort
+    options = ort.RunOptions()
+    options.add_run_config_entry("gpu_graph_id", str(next(_graph_ids)))
+    return options
+
+
 def time_ort_gpu(dev: _Dev, sess, info: ModelInfo, batch: int, reps: int, warmup: int,
                  cuda_graph: bool = False) -> tuple[list[float], int]:
     """Time one ORT CUDA session at one batch size with device-resident inputs/outputs (IOBinding).
@@ -681,12 +689,8 @@ def time_ort_gpu(dev: _Dev, sess, info: ModelInfo, batch: int, reps: int, warmup
         sets += _make_inputs(dev, sess, info, batch, ROTATE_BUFFERS - 1)
     # One run with ORT-allocated outputs gives their shapes.
     io0 = _bind(dev, sess, sets[0], None)
-    first_options = None
-    if cuda_graph:  # a graph of its own: the default one was captured at another batch size
-        import onnxruntime as ort
-        first_options = ort.RunOptions()
-        first_options.add_run_config_entry("gpu_graph_id", str(next(_graph_ids)))
-    sess.run_with_iobinding(io0, first_options)
+    # With CUDA graphs this run needs a graph of its own: the default one was captured at another batch.
+    sess.run_with_iobinding(io0, _new_graph_options() if cuda_graph else None)
     outs, out_feat = {}, 0
     for o, v in zip(sess.get_outputs(), io0.get_outputs()):
         shape = list(v.shape())
@@ -695,12 +699,8 @@ def time_ort_gpu(dev: _Dev, sess, info: ModelInfo, batch: int, reps: int, warmup
     del io0
     dev.sync()
     bindings = [_bind(dev, sess, s, outs) for s in sets]
-    run_options = [None] * len(bindings)
+    run_options = [_new_graph_options() if cuda_graph else None for _ in bindings]
     if cuda_graph:
-        import onnxruntime as ort
-        for i in range(len(bindings)):
-            run_options[i] = ort.RunOptions()
-            run_options[i].add_run_config_entry("gpu_graph_id", str(next(_graph_ids)))
         warmup = max(warmup, len(bindings))  # every graph is captured before the timed runs
     ts = dev.time(lambda i: sess.run_with_iobinding(bindings[i % len(bindings)], run_options[i % len(bindings)]),
                   reps, warmup)

@@ -50,7 +50,7 @@ def row_pad(spec: MLPSpec) -> int:
     return 16 // elem_bytes(spec)
 
 
-def _round_up(v: int, m: int) -> int:
+def round_up(v: int, m: int) -> int:
     return (v + m - 1) // m * m
 
 
@@ -153,13 +153,13 @@ def _layer_plans(spec: MLPSpec, nc_of, kc_max: int = KC_MAX) -> list[LayerPlan]:
     kp = None
     for i, l in enumerate(spec.layers):
         if kp is None:
-            kc = min(_round_up(l.in_features, 16), kc_max)
-            kp = _round_up(l.in_features, kc)
+            kc = min(round_up(l.in_features, 16), kc_max)
+            kp = round_up(l.in_features, kc)
         else:
             kc = next(c for c in (kc_max, 48, 32, 16) if c <= kc_max and kp % c == 0)
         nc = nc_of(l.out_features)
         p = LayerPlan(i, l.in_features, l.out_features, kc, nc, kp,
-                      _round_up(l.out_features, nc), chunk, w_off, b_off, row_pad(spec))
+                      round_up(l.out_features, nc), chunk, w_off, b_off, row_pad(spec))
         kp = p.np_
         plans.append(p)
         chunk += p.n_chunks
@@ -169,11 +169,11 @@ def _layer_plans(spec: MLPSpec, nc_of, kc_max: int = KC_MAX) -> list[LayerPlan]:
 
 
 def _streamed_nc(n: int) -> int:
-    n16 = _round_up(n, 16)
+    n16 = round_up(n, 16)
     if n16 <= NC_STREAMED_MAX:
         return n16
     # Wider layers: the chunk width (256, 192 or 128) that pads least.
-    return min((256, 192, 128), key=lambda c: (_round_up(n, c) - n, -c))
+    return min((256, 192, 128), key=lambda c: (round_up(n, c) - n, -c))
 
 
 RESIDENT_WARPS = (16, 12, 8, 4)  # warps per block tried by the shared-memory design, best occupancy first
@@ -194,7 +194,7 @@ def _resident_plan(spec: MLPSpec, smem_limit: int, mt: int | None = None,
     exactly the A fragments of the next layer's mma.sync (m16n8k16's C and A layouts agree), so hidden
     activations never go through shared memory; only the input tile is staged there. Otherwise each
     warp keeps its activation tile in shared memory and overwrites it layer by layer."""
-    layers = _layer_plans(spec, lambda n: _round_up(n, 16))
+    layers = _layer_plans(spec, lambda n: round_up(n, 16))
     widest = max(l.np_ for l in layers)
     if widest > RESIDENT_NP_MAX:
         return None

@@ -48,6 +48,7 @@ from functools import lru_cache
 import numpy as np
 
 from . import expr as ex
+from .cuda_plan import round_up
 from .spec import MLPSpec, SpecError
 
 ALIGN = 8                       # elements per 16-byte vector of fp16/bf16: GEMM K and hidden widths round to it
@@ -109,10 +110,6 @@ TILE_TABLE: dict[int, tuple[GemmTile, GemmTile]] = {
 # (each sm90 instantiation costs about a minute of nvcc).
 SM90_TILE = (128, 256, 64)
 SM80_ENV = "ONNX2FUSED_WIDE_KERNELS"   # =sm80 at run time: sm_90 GPUs run the CUTLASS 2.x kernels too
-
-
-def _round_up(v: int, m: int) -> int:
-    return (v + m - 1) // m * m
 
 
 @dataclass(frozen=True)
@@ -196,23 +193,23 @@ def make_wide_plan(spec: MLPSpec, reason: str = "") -> WidePlan:
     io_bytes = 2 if spec.io_dtype == "f16" else 4
     out_bytes_last = io_bytes
     k0 = spec.layers[0].in_features
-    kp0 = _round_up(k0, ALIGN)
+    kp0 = round_up(k0, ALIGN)
     # fp16 input of an fp16 kernel with aligned rows is already the GEMM's A operand
     convert = not (spec.io_dtype == "f16" and spec.precision == "fp16" and kp0 == k0)
     off = 0
     kp = kp0
-    hidden = [_round_up(l.out_features, ALIGN) for l in spec.layers[:-1]]
+    hidden = [round_up(l.out_features, ALIGN) for l in spec.layers[:-1]]
     h_width = max(hidden, default=0)
     layouts = []
     for i, l in enumerate(spec.layers):
         last = i == len(spec.layers) - 1
-        np_ = l.out_features if last else _round_up(l.out_features, ALIGN)
+        np_ = l.out_features if last else round_up(l.out_features, ALIGN)
         out_bytes = out_bytes_last if last else 2
         align = next(a for a in (16 // out_bytes, 4, 2, 1) if np_ % a == 0)
         w_off = off
-        off = _round_up(off + np_ * kp * 2, REGION_ALIGN)
+        off = round_up(off + np_ * kp * 2, REGION_ALIGN)
         b_off = off
-        off = _round_up(off + np_ * out_bytes, REGION_ALIGN)
+        off = round_up(off + np_ * out_bytes, REGION_ALIGN)
         src = ("xc" if convert else "x") if i == 0 else f"h{(i - 1) % 2}"
         dst = "y" if last else f"h{i % 2}"
         layouts.append(WideGemm(i, l.in_features, l.out_features, kp, np_, last, align, w_off, b_off, src, dst,
@@ -223,14 +220,14 @@ def make_wide_plan(spec: MLPSpec, reason: str = "") -> WidePlan:
     mb = SCRATCH_BUDGET // max(per_row, 1) // ROW_QUANTUM * ROW_QUANTUM
     mb = max(ROW_QUANTUM, min(MAX_ROW_BLOCK, mb))
     sm90_off = off
-    off = _round_up(off + SM90_SCRATCH, REGION_ALIGN)
+    off = round_up(off + SM90_SCRATCH, REGION_ALIGN)
     xc_off = off
     if convert:
-        off = _round_up(off + mb * kp0 * 2, REGION_ALIGN)
+        off = round_up(off + mb * kp0 * 2, REGION_ALIGN)
     h0 = off
-    off = _round_up(off + mb * h_width * 2, REGION_ALIGN) if n_hbuf >= 1 else off
+    off = round_up(off + mb * h_width * 2, REGION_ALIGN) if n_hbuf >= 1 else off
     h1 = off
-    off = _round_up(off + mb * h_width * 2, REGION_ALIGN) if n_hbuf >= 2 else off
+    off = round_up(off + mb * h_width * 2, REGION_ALIGN) if n_hbuf >= 2 else off
     return WidePlan(spec, tuple(layouts), mb, convert, xc_off, sm90_off, (h0, h1), h_width, off, reason)
 
 
@@ -239,10 +236,10 @@ def estimate_wide(spec: MLPSpec, rows: int = NOMINAL_ROWS) -> float:
     """Seconds: each GEMM at max(compute, HBM traffic) plus a launch; plus the conversion pass."""
     io = 2 if spec.io_dtype == "f16" else 4
     k0 = spec.layers[0].in_features
-    t = (rows * k0 * io + rows * _round_up(k0, ALIGN) * 2) / HBM_BPS + LAUNCH_S
+    t = (rows * k0 * io + rows * round_up(k0, ALIGN) * 2) / HBM_BPS + LAUNCH_S
     for i, l in enumerate(spec.layers):
         last = i == len(spec.layers) - 1
-        k, n = _round_up(l.in_features, ALIGN), l.out_features if last else _round_up(l.out_features, ALIGN)
+        k, n = round_up(l.in_features, ALIGN), l.out_features if last else round_up(l.out_features, ALIGN)
         flops = 2.0 * rows * k * n
         traffic = rows * k * 2 + k * n * 2 + rows * n * (io if last else 2)
         t += max(flops / (TC_FLOPS * WIDE_GEMM_EFF), traffic / HBM_BPS) + LAUNCH_S

@@ -13,6 +13,7 @@ from pathlib import Path
 import onnx
 import pytest
 
+from cli_support import run_cli
 from onnx_builders import G
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -20,10 +21,7 @@ MODELS = ROOT / "models"
 
 
 def cli(*args, cwd=None):
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.pop("ONNX2FUSED_DEBUG", None)
-    return subprocess.run([sys.executable, "-m", "onnx2fused", *map(str, args)], cwd=cwd, env=env,
-                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300)
+    return run_cli(*args, cwd=cwd, timeout=300)
 
 
 @pytest.fixture(scope="session")

@@ -6,11 +6,11 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from cli_support import run_cli
 from onnx2fused import doctor
 from onnx2fused.build import find_nvcc
 from onnx2fused.errors import ConversionError
@@ -19,10 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def cli(*args, env_extra=None):
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.update(env_extra or {})
-    return subprocess.run([sys.executable, "-m", "onnx2fused", "doctor", *map(str, args)], env=env,
-                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300)
+    return run_cli("doctor", *args, env_extra=env_extra, timeout=300)
 
 
 def by_name(checks) -> dict:

@@ -2,9 +2,7 @@
 batching rules, library path, and refusals (one line, exit 2, nothing written). CPU-only builds."""
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,17 +12,15 @@ import pytest
 
 import onnx2fused
 from onnx2fused.triton import LIBRARY_FILE, export_triton, render_config
-from onnx_builders import G, mlp
+from cli_support import run_cli
+from onnx_builders import G
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "models"
 
 
 def cli(*args, cwd=None):
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.pop("ONNX2FUSED_DEBUG", None)
-    return subprocess.run([sys.executable, "-m", "onnx2fused", *map(str, args)], cwd=cwd, env=env,
-                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=600)
+    return run_cli(*args, cwd=cwd, timeout=600)
 
 
 def parse_config(path: Path):
