@@ -8,12 +8,20 @@
 #   benchmarks/gpu_host.sh test [ARGS]    the GPU-marked tests (pytest ARGS, default: all tests/test_gpu*.py)
 #   benchmarks/gpu_host.sh kernels        benchmarks/kernel_check.py (kernels alone, no ORT)
 #   benchmarks/gpu_host.sh bench          `onnx2fused bench` on the issue's four cases, then the wide cases
+#   benchmarks/gpu_host.sh tune           benchmarks/tune_wide.py: the wide kernel search, every candidate timed
+# Kernel choices measured by an earlier call (.deps/tune/*.json, copied from $OUT/tune) seed the build
+# cache, so convert does not tune again; every call leaves the cache's choices in $OUT/tune.
 set -uo pipefail
 R=$(pwd)
 OUT=${OUT:-/tmp/o2f-out}
 export PYTHONPATH=/tmp/site:$R
 export ONNXRUNTIME_INCLUDE_DIR=$R/.deps/ort-headers ONNX2FUSED_CUTLASS_DIR=$R/.deps/cutlass/include
 export ONNX2FUSED_CUDA_ARCHS=${ONNX2FUSED_CUDA_ARCHS:-90} ONNX2FUSED_CACHE=${ONNX2FUSED_CACHE:-/tmp/o2f-cache}
+if compgen -G ".deps/tune/*.json" > /dev/null; then
+  mkdir -p "$ONNX2FUSED_CACHE/tune" && cp .deps/tune/*.json "$ONNX2FUSED_CACHE/tune/"
+fi
+save_tune() { mkdir -p "$OUT/tune" && cp "$ONNX2FUSED_CACHE"/tune/*.json "$OUT/tune/" 2>/dev/null; true; }
+trap save_tune EXIT
 
 case "${1:-}" in
 install)
@@ -38,7 +46,11 @@ bench)
   done
   python3 benchmarks/wide_cases.py --out "$OUT/wide" 2>&1 | tail -20
   ;;
+tune)
+  shift
+  python3 benchmarks/tune_wide.py --out "$OUT/tune_wide" --cache "$ONNX2FUSED_CACHE" "$@" 2>&1 | tail -60
+  ;;
 *)
-  sed -n 2,12p "$0"; exit 2
+  sed -n 2,15p "$0"; exit 2
   ;;
 esac

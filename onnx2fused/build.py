@@ -17,12 +17,13 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import Callable
@@ -49,6 +50,7 @@ class BuiltLibrary:
     build_seconds: float   # 0.0 on a cache hit
     key: str = ""
     with_cuda: bool = False
+    wide_options: dict = field(default_factory=dict)  # {spec name: the wide kernels' choices} (wide_tune.py)
 
 
 # ------------------------------------------------------------------------------------------ tools
@@ -128,6 +130,16 @@ def wide_nvcc_flags(flags: list[str]) -> list[str]:
     return out + ([WIDE_SM90A_DEFINE] if sm90a else [])
 
 
+_PARTS = re.compile(r"^// onnx2fused-parts: (\d+)$", re.M)
+
+
+def source_parts(text: str) -> int | None:
+    """How many extra translation units a generated source splits into (templates/cuda_wide.cu.j2's
+    `onnx2fused-parts` line: each Hopper kernel configuration compiles on its own), or None."""
+    m = _PARTS.search(text)
+    return int(m.group(1)) if m else None
+
+
 # ------------------------------------------------------------------------------------------ cache
 def _sha256_file(path: Path) -> str:
     h = hashlib.sha256()
@@ -178,8 +190,10 @@ def _compile(args: list[str], cwd: Path) -> tuple[int, str]:
 
 # ------------------------------------------------------------------------------------------ build
 def build_plugin(specs, with_cuda: bool | None = None, cache_dir=None, cpu_enabled=None,
-                 progress: Callable[[str], None] | None = None) -> BuiltLibrary:
-    """Build (or find in the cache) the plugin library of `specs`."""
+                 progress: Callable[[str], None] | None = None, wide_options: dict | None = None) -> BuiltLibrary:
+    """Build (or find in the cache) the plugin library of `specs`. `wide_options`: {spec name:
+    wide_plan.make_wide_plan options}; None: wide_tune.resolve finds them (the cached or freshly tuned
+    kernel choices of this GPU, when one is present)."""
     say = progress or (lambda msg: None)
     nvcc = find_nvcc()
     if with_cuda is None:
@@ -191,8 +205,17 @@ def build_plugin(specs, with_cuda: bool | None = None, cache_dir=None, cpu_enabl
     _ensure_writable(cache)
     headers = locate_ort_headers(cache_dir, progress=say)
 
+    if wide_options is None:
+        wide_options = {}
+        if with_cuda:
+            from . import wide_tune
+
+            def build_tuning(tune_specs, **kw):
+                return build_plugin(tune_specs, with_cuda=True, cache_dir=cache, progress=say, **kw)
+            wide_options = wide_tune.resolve(specs, cache, build_tuning, say)
+
     # Sources: the rendered ones, then the hand-written plugin.
-    sources = dict(render(list(specs), with_cuda, cpu_enabled))
+    sources = dict(render(list(specs), with_cuda, cpu_enabled, wide_options))
     plugin_dir = ort_plugin_dir()
     plugin_files = sorted(p for p in plugin_dir.iterdir()
                           if p.is_file() and p.suffix in ((".cc", ".h", ".cu") if with_cuda else (".cc", ".h")))
@@ -226,7 +249,7 @@ def build_plugin(specs, with_cuda: bool | None = None, cache_dir=None, cpu_enabl
 
     lib = _valid_entry(entry)
     if lib:
-        return BuiltLibrary(lib, entry / "sources", True, 0.0, key, with_cuda)
+        return BuiltLibrary(lib, entry / "sources", True, 0.0, key, with_cuda, wide_options)
 
     lock_path = cache / f".{key}.lock"
     try:
@@ -237,7 +260,7 @@ def build_plugin(specs, with_cuda: bool | None = None, cache_dir=None, cpu_enabl
         fcntl.flock(lock, fcntl.LOCK_EX)
         lib = _valid_entry(entry)  # another process may have built it while we waited
         if lib:
-            return BuiltLibrary(lib, entry / "sources", True, 0.0, key, with_cuda)
+            return BuiltLibrary(lib, entry / "sources", True, 0.0, key, with_cuda, wide_options)
         if entry.exists():
             say(f"cached plugin {entry} is incomplete or corrupt; rebuilding")
         t0 = time.monotonic()
@@ -258,7 +281,7 @@ def build_plugin(specs, with_cuda: bool | None = None, cache_dir=None, cpu_enabl
             raise BuildError(f"the plugin built into {entry} does not verify; remove that folder and retry")
         seconds = time.monotonic() - t0
         say(f"built {lib} in {seconds:.1f} s")
-        return BuiltLibrary(lib, entry / "sources", False, seconds, key, with_cuda)
+        return BuiltLibrary(lib, entry / "sources", False, seconds, key, with_cuda, wide_options)
 
 
 def _install(tmp: Path, entry: Path, cache: Path) -> None:
@@ -289,7 +312,12 @@ def _build_into(tmp: Path, sources: dict[str, str], lib_name: str, cxx: str, nvc
         if name.endswith(".cu"):
             # wide-design sources (they include CUTLASS) get sm_90a instead of sm_90: see wide_nvcc_flags
             flags = wide_nvcc_flags(cu_flags) if needs_cutlass({name: sources[name]}) else cu_flags
-            jobs.append((name, [nvcc, *flags, *includes, "-c", str(src / name), "-o", o]))
+            parts = source_parts(sources[name])
+            if parts is None:
+                jobs.append((name, [nvcc, *flags, *includes, "-c", str(src / name), "-o", o]))
+            for p in range(parts + 1 if parts is not None else 0):  # one unit per part, built in parallel
+                jobs.append((f"{name}.p{p}", [nvcc, *flags, f"-DO2F_PART={p}", *includes, "-c", str(src / name),
+                                              "-o", str(obj / f"{name}.p{p}.o")]))
         elif name.endswith(".cc"):
             if with_cuda and name in nvcc_hosted:
                 xflags = ",".join(f for f in host_flags if f != "-pthread")
@@ -304,7 +332,7 @@ def _build_into(tmp: Path, sources: dict[str, str], lib_name: str, cxx: str, nvc
     log = [f"$ {' '.join(job[1])}\n{text}" for job, rc, text in results]
     failed = [job[0] for job, rc, _ in results if rc != 0]
     if not failed:
-        objs = [str(obj / (name + ".o")) for name, _ in jobs]
+        objs = [job[1][-1] for job in jobs]  # every job ends with "-o <object>"
         if with_cuda:
             link = [nvcc, "-shared", "-Xcompiler", "-fPIC", "-cudart", "static", "-o", str(out / lib_name), *objs,
                     "-Xlinker", "-z,defs", "-lpthread"]

@@ -139,13 +139,14 @@ def cpu_params(spec: MLPSpec) -> dict:
     }
 
 
-def cuda_params(spec: MLPSpec) -> dict:
+def cuda_params(spec: MLPSpec, wide_options: dict | None = None) -> dict:
+    """`wide_options`: the wide design's make_wide_plan options (kernel choices, the tuning build)."""
     try:
         from . import cuda_plan
     except ImportError as e:
         raise ConversionError("CUDA code generation needs onnx2fused.cuda_plan, which is missing "
                               f"({e}); build with with_cuda=False") from e
-    params = dict(cuda_plan.template_params(spec))
+    params = dict(cuda_plan.template_params(spec, **{f"wide_{k}": v for k, v in (wide_options or {}).items()}))
     params.setdefault("version", __version__)
     params.setdefault("name", _check_name(spec))
     params.setdefault("prelude", ex.C_PRELUDE.strip("\n"))
@@ -157,6 +158,16 @@ def registry_params(specs: list[MLPSpec], with_cuda: bool, cpu_enabled: dict[str
     for spec in specs:
         name = _check_name(spec)
         has_cpu = cpu_enabled.get(name, True)
+        # The wide design's cuda_run writes scratch regions of the workspace: the plugin then orders runs
+        # on different streams. Only the wide plan has design "wide"; a spec without a tensor-core plan
+        # (fp32, or a plan that fails) renders as before, with 0.
+        uses_scratch = 0
+        if with_cuda:
+            try:
+                from . import cuda_plan
+                uses_scratch = int(getattr(cuda_plan.make_plan(spec), "design", "") == "wide")
+            except Exception:  # noqa: BLE001 - no plan: the CUDA-core or failing kernel has no scratch
+                pass
         kernels.append({
             "name": name,
             "num_layers": len(spec.layers),
@@ -169,12 +180,16 @@ def registry_params(specs: list[MLPSpec], with_cuda: bool, cpu_enabled: dict[str
             "cuda_workspace_fn": f"&{name}_cuda_workspace_bytes" if with_cuda else "nullptr",
             "cuda_pack_fn": f"&{name}_cuda_pack" if with_cuda else "nullptr",
             "cuda_run_fn": f"&{name}_cuda_run" if with_cuda else "nullptr",
+            "cuda_uses_scratch": uses_scratch,
         })
     return {"version": __version__, "with_cuda": with_cuda, "kernels": kernels}
 
 
-def render(specs: list[MLPSpec], with_cuda: bool, cpu_enabled: dict[str, bool] | None = None) -> dict[str, str]:
-    """Sources of one plugin library: {filename: text}. Pure: same arguments, same text."""
+def render(specs: list[MLPSpec], with_cuda: bool, cpu_enabled: dict[str, bool] | None = None,
+           wide_options: dict[str, dict] | None = None) -> dict[str, str]:
+    """Sources of one plugin library: {filename: text}. Pure: same arguments, same text.
+    `wide_options`: {spec name: wide_plan.make_wide_plan options} (wide_tune.py's kernel choices)."""
+    wide_options = dict(wide_options or {})
     cpu_enabled = dict(cpu_enabled or {})
     unique: dict[str, MLPSpec] = {}
     for spec in specs:
@@ -187,7 +202,8 @@ def render(specs: list[MLPSpec], with_cuda: bool, cpu_enabled: dict[str, bool] |
         if cpu_enabled.get(spec.name, True):
             files[f"{spec.name}_cpu.cc"] = _render(CPU_TEMPLATE, cpu_params(spec))
         if with_cuda:
-            params = cuda_params(spec)  # the plan names its template when it is not the fused kernel's
+            # the plan names its template when it is not the fused kernel's
+            params = cuda_params(spec, wide_options.get(spec.name))
             files[f"{spec.name}_cuda.cu"] = _render(params.get("template", CUDA_TEMPLATE), params)
     files["registry.cc"] = _render(REGISTRY_TEMPLATE, registry_params(specs, with_cuda, cpu_enabled))
     return files

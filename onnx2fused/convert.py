@@ -78,15 +78,20 @@ def check_precision(precision: str) -> str:
     return precision
 
 
-def plan_text(spec) -> str:
-    """The CUDA plan and the CPU decision of a spec, as the report and `inspect` show them."""
+def plan_text(spec, wide_options: dict | None = None) -> str:
+    """The CUDA plan and the CPU decision of a spec, as the report and `inspect` show them
+    (`wide_options`: the wide design's kernel choices, wide_tune.py)."""
     cpu = cpu_kernel_wins(spec)[1]
     if spec.precision == "fp32":
         return f"GPU: CUDA cores, fp32; CPU: {cpu}"
     try:
-        return f"GPU: {cuda_plan.make_plan(spec).describe()}; CPU: {cpu}"
+        plan = cuda_plan.make_plan(spec, **{f"wide_{k}": v for k, v in (wide_options or {}).items()})
     except SpecError as e:
         return f"GPU: no tensor-core plan: {e}; CPU: {cpu}"
+    text = plan.describe()
+    if getattr(plan, "design", "") == "wide" and plan.tuned_on:
+        text += f" [{plan.choice_text()}]"
+    return f"GPU: {text}; CPU: {cpu}"
 
 
 def default_output(input_path) -> Path:
@@ -195,6 +200,9 @@ def convert(input_path, output_path=None, precision: str = "fp16", validate: boo
         say(f"building the plugin for {len(unique)} kernel(s)")
         cpu_enabled = {s.name: cpu_kernel_wins(s)[0] for s in unique}
         lib = build_plugin(unique, with_cuda=with_cuda, cache_dir=cache_dir, cpu_enabled=cpu_enabled, progress=say)
+        for report, s in zip(result.chains, specs):
+            if s.name in lib.wide_options:  # the kernels tuned for this GPU (wide_tune.py)
+                report.cuda_plan = plan_text(s, lib.wide_options[s.name])
         result.cached_library, result.build_seconds = str(lib.path), lib.build_seconds
         result.cache_hit, result.with_cuda = lib.cache_hit, lib.with_cuda
         if lib.cache_hit:
@@ -340,8 +348,12 @@ class InspectResult:
         return "\n".join(lines)
 
 
-def inspect(input_path, precision: str = "fp16") -> InspectResult:
-    """The chains `convert` would fuse (with the CUDA plan at `precision`) and why other layers are not."""
+def inspect(input_path, precision: str = "fp16", cache_dir=None) -> InspectResult:
+    """The chains `convert` would fuse (with the CUDA plan at `precision`, and the wide kernels tuned
+    for this GPU when the build cache holds them) and why other layers are not."""
+    from .build import default_cache_dir
+    from .wide_tune import cached_options
+    cache = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
     check_precision(precision)
     model = load_model(input_path)
     plan = find_chains(model)
@@ -352,5 +364,6 @@ def inspect(input_path, precision: str = "fp16") -> InspectResult:
         except SpecError as e:
             raise ConversionError(str(e)) from None
         res.chains.append(ChainReport(k, s.name, list(s.widths), [describe_expr(a) for a in c.activations],
-                                      precision, s.io_dtype, plan_text(s), c.input, c.output))
+                                      precision, s.io_dtype, plan_text(s, cached_options(s, cache)),
+                                      c.input, c.output))
     return res

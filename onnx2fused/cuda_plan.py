@@ -301,10 +301,12 @@ def _streamed_plan(spec: MLPSpec, smem_limit: int, kc_max: int = KC_MAX, tall_ro
 
 def make_plan(spec: MLPSpec, smem_limit: int = SMEM_LIMIT, **options) -> CudaPlan:
     """`options` override the designs' heuristics, for benchmarks/kernel_check.py, which times the
-    alternatives: the resident design's (mt, warp_choices, prefetch, register_activations) and, with a
-    `streamed_` prefix, the streamed design's (kc_max, tall_rows, stages_choices)."""
+    alternatives: the resident design's (mt, warp_choices, prefetch, register_activations), with a
+    `streamed_` prefix, the streamed design's (kc_max, tall_rows, stages_choices), and with a `wide_`
+    prefix the wide design's (choices, tuning, tuned_on: wide_plan.make_wide_plan)."""
     streamed_options = {k[len("streamed_"):]: v for k, v in options.items() if k.startswith("streamed_")}
-    resident_options = {k: v for k, v in options.items() if not k.startswith("streamed_")}
+    wide_options = {k[len("wide_"):]: v for k, v in options.items() if k.startswith("wide_")}
+    resident_options = {k: v for k, v in options.items() if not k.startswith(("streamed_", "wide_"))}
     if spec.precision not in ELEM_BYTES:
         raise SpecError(f"{spec.precision} has no tensor-core plan (it runs on the CUDA-core kernel)")
     from . import wide_plan  # the third design (CUTLASS GEMMs per layer) and the cost model that picks
@@ -313,7 +315,7 @@ def make_plan(spec: MLPSpec, smem_limit: int = SMEM_LIMIT, **options) -> CudaPla
     except SpecError as e:
         streamed, streamed_error = None, e
     return wide_plan.choose_plan(spec, _resident_plan(spec, smem_limit, **resident_options), streamed,
-                                 streamed_error)
+                                 streamed_error, wide_options)
 
 
 def _layer_params(spec: MLPSpec, plan: CudaPlan) -> list[dict]:

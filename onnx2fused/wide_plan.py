@@ -23,7 +23,6 @@ the GEMM's output type: fp16/bf16 for hidden layers (rounded like the weights), 
 
 Tiles come from TILE_TABLE, keyed by arch: a "large" tile for GEMMs with enough output tiles to fill the
 GPU and a "small" one otherwise; the launcher picks per GEMM and row block at run time from the SM count.
-(No build-time search: the table is the default the issue asks for; see RESULTS.md for calibration.)
 
 Hopper (sm_90a): when the build's arch list has 90, build.py compiles the wide sources for sm_90a and
 defines ONNX2FUSED_WIDE_SM90A; the source then also holds CUTLASS 3.x kernels (TMA loads, wgmma,
@@ -35,6 +34,15 @@ it is data-parallel (persistent). The launcher takes them on compute capability 
 whose output rows are 16-byte multiples (TMA stores; `WideGemm.sm90`), with 16-byte aligned pointers;
 anything else (other GPUs, a last layer of width 1 or 999, `$ONNX2FUSED_WIDE_KERNELS=sm80` at run
 time for comparisons) runs the CUTLASS 2.x kernels.
+
+Hopper kernel choice: SM90_KERNELS lists the CUTLASS 3.x kernel configurations a library can hold
+(schedule, CTA tile, cluster); a `Sm90Choice` is one of them plus the stream-K scheduler's runtime
+decomposition (heuristic, data-parallel, split-K with S splits, stream-K). Each GEMM has one choice per
+row bucket (ROW_BUCKETS: the launcher takes the bucket nearest the rows of the call on a log scale),
+because the best kernel for 256 rows is not the best for 16384. The library instantiates only the
+kernels its choices name, one translation unit per kernel (`parts`) so nvcc builds them in parallel.
+The choices are DEFAULT_CHOICE unless wide_tune.py measured better ones on the GPU the library is built
+for (a "tuning build" holds every kernel and times each candidate on each GEMM and bucket).
 
 Cost model (`estimate_*`): seconds at NOMINAL_ROWS rows from a roofline with a fixed efficiency per
 design; its constants are H100 figures and are assumptions until calibrated on the GPU.
@@ -104,11 +112,71 @@ TILE_TABLE: dict[int, tuple[GemmTile, GemmTile]] = {
     90: (GemmTile(128, 256, 32, 64, 64, 32, 3), GemmTile(64, 64, 64, 32, 32, 64, 4)),
 }
 
-# The sm90a CUTLASS 3.x kernel: one CTA tile (two consumer warpgroups of 64 x 256 each, the cooperative
-# schedule's shape), cluster 1x1x1, pipeline stages picked by CUTLASS from the shared memory left by the
-# epilogue. One tile for all shapes: stream-K fills the SMs when M is small, so no "small" variant
-# (each sm90 instantiation costs about a minute of nvcc).
-SM90_TILE = (128, 256, 64)
+@dataclass(frozen=True)
+class Sm90Kernel:
+    """A CUTLASS 3.x sm_90a GEMM kernel configuration (TMA loads, wgmma). Cooperative: two consumer
+    warpgroups share one CTA tile, with the stream-K tile scheduler (any decomposition at run time).
+    Ping-pong: each consumer warpgroup owns a tile, so one's epilogue overlaps the other's main loop;
+    it has the persistent data-parallel scheduler only. Pipeline stages: CUTLASS fills the shared
+    memory the epilogue leaves. Each one costs about a minute of nvcc per (activation, output type)."""
+    name: str
+    schedule: str                 # "cooperative" | "pingpong"
+    tile: tuple[int, int, int]    # CTA tile M, N, K
+    cluster: tuple[int, int]      # CTAs per cluster along M, N (TMA multicast of the shared operand)
+
+    @property
+    def stream_k(self) -> bool:
+        return self.schedule == "cooperative"
+
+
+SM90_KERNELS: tuple[Sm90Kernel, ...] = (
+    Sm90Kernel("Coop128x256", "cooperative", (128, 256, 64), (1, 1)),
+    Sm90Kernel("Coop128x128", "cooperative", (128, 128, 64), (1, 1)),
+    Sm90Kernel("Pingpong128x128", "pingpong", (128, 128, 64), (1, 1)),
+    Sm90Kernel("Pingpong64x128", "pingpong", (64, 128, 64), (1, 1)),      # few rows: more, shorter tiles
+    Sm90Kernel("Coop256x128C2", "cooperative", (256, 128, 64), (2, 1)),
+)
+
+# The stream-K scheduler's decompositions (CUTLASS DecompositionMode, same order as its enum).
+MODES = ("heuristic", "split_k", "stream_k", "data_parallel")
+
+
+@dataclass(frozen=True)
+class Sm90Choice:
+    kernel: int           # index into SM90_KERNELS
+    mode: str = "heuristic"
+    splits: int = 1       # split_k only
+
+    @property
+    def label(self) -> str:
+        k = SM90_KERNELS[self.kernel].name
+        if not SM90_KERNELS[self.kernel].stream_k:
+            return k
+        return f"{k}/{self.mode}" + (f"x{self.splits}" if self.mode == "split_k" else "")
+
+
+DEFAULT_CHOICE = Sm90Choice(0, "heuristic")
+ROW_BUCKETS = (256, 2048, 16384)   # rows the choices are made (and tuned) for; calls take the nearest
+
+
+def sm90_candidates() -> tuple[Sm90Choice, ...]:
+    """Everything the tuning build times per GEMM and bucket."""
+    out = []
+    for i, k in enumerate(SM90_KERNELS):
+        if k.stream_k:
+            out += [Sm90Choice(i, "heuristic"), Sm90Choice(i, "data_parallel"), Sm90Choice(i, "stream_k"),
+                    Sm90Choice(i, "split_k", 2), Sm90Choice(i, "split_k", 4)]
+        else:
+            out.append(Sm90Choice(i, "data_parallel"))
+    return tuple(out)
+
+
+def row_buckets(row_block: int) -> tuple[int, ...]:
+    """ROW_BUCKETS up to the plan's row block (a call never has more rows per GEMM than that)."""
+    top = min(row_block, ROW_BUCKETS[-1])
+    return tuple(b for b in ROW_BUCKETS if b < top) + (top,)
+
+
 SM80_ENV = "ONNX2FUSED_WIDE_KERNELS"   # =sm80 at run time: sm_90 GPUs run the CUTLASS 2.x kernels too
 
 
@@ -140,8 +208,21 @@ class WidePlan:
     h_width: int            # row stride (elements) of both hidden buffers
     workspace_bytes: int
     reason: str             # why the cost model chose this design
+    buckets: tuple[int, ...] = ROW_BUCKETS
+    choices: tuple[tuple[Sm90Choice, ...], ...] = ()   # per GEMM, per bucket: the Hopper kernel it runs
+    tuning: bool = False    # a tuning build: every SM90_KERNELS entry, and the exported timing entry
+    tuned_on: str = ""      # the GPU the choices were measured on ("" = DEFAULT_CHOICE)
+    chain_block: int = 0    # rows per pass through the chain (<= row_block; 0: row_block). Smaller passes
+                            # keep the hidden activations in L2 between the GEMMs; wide_tune.py measures it
     resident: bool = False  # cuda_plan.CudaPlan compatibility: callers test plan.resident
     design: str = "wide"
+
+    @property
+    def sm90_kernels(self) -> tuple[int, ...]:
+        """Indices into SM90_KERNELS that the library instantiates (one translation unit each)."""
+        if self.tuning:
+            return tuple(range(len(SM90_KERNELS)))
+        return tuple(sorted({c.kernel for per_gemm in self.choices for c in per_gemm}))
 
     @property
     def tiles(self) -> tuple[GemmTile, ...]:
@@ -156,9 +237,16 @@ class WidePlan:
         conv = "fp32->16-bit conversion pass, " if self.convert_input else ""
         n, n90 = len(self.gemms), sum(g.sm90 for g in self.gemms)
         hopper = "all" if n90 == n else f"{n90} of {n}"  # the others' output rows are not TMA-storable
+        tuned = f"kernels tuned on {self.tuned_on}" if self.tuned_on else "default kernels (not tuned)"
+        passes = f", {self.chain_block}-row passes" if self.chain_block != self.row_block else ""
         return (f"wide: {n} tensor-core GEMMs with a bias+activation epilogue (on sm_90: {hopper} as CUTLASS "
-                f"3.x wgmma/TMA stream-K kernels, the rest CUTLASS 2.x; other GPUs: CUTLASS 2.x sm80 mma.sync), "
-                f"{conv}16-bit intermediates in the workspace, {self.row_block}-row blocks; {self.reason}")
+                f"3.x wgmma/TMA kernels, {tuned}, the rest CUTLASS 2.x; other GPUs: CUTLASS 2.x sm80 mma.sync), "
+                f"{conv}16-bit intermediates in the workspace, {self.row_block}-row blocks{passes}; {self.reason}")
+
+    def choice_text(self) -> str:
+        """Per GEMM, the Hopper kernel of each row bucket: `inspect` shows it."""
+        return "; ".join(f"layer {g.index}: " + ", ".join(f"{b} rows {c.label}" for b, c in zip(self.buckets, per))
+                         for g, per in zip(self.gemms, self.choices))
 
 
 # ------------------------------------------------------------------------------------------ refusals
@@ -186,7 +274,11 @@ def _cutlass_found() -> str | None:
 
 
 # ------------------------------------------------------------------------------------------ layout
-def make_wide_plan(spec: MLPSpec, reason: str = "") -> WidePlan:
+def make_wide_plan(spec: MLPSpec, reason: str = "", choices=None, tuning: bool = False,
+                   tuned_on: str = "", chain_block: int = 0) -> WidePlan:
+    """`choices`: per GEMM, per row bucket, a Sm90Choice (wide_tune.py's measured ones), else the
+    default everywhere; `chain_block`: rows per pass (0: the row block). `tuning`: the tuning build
+    (all kernels, the timing entries)."""
     why = wide_reason_refused(spec)
     if why:
         raise SpecError(f"{spec.describe()}: no wide plan: {why}")
@@ -228,7 +320,19 @@ def make_wide_plan(spec: MLPSpec, reason: str = "") -> WidePlan:
     off = round_up(off + mb * h_width * 2, REGION_ALIGN) if n_hbuf >= 1 else off
     h1 = off
     off = round_up(off + mb * h_width * 2, REGION_ALIGN) if n_hbuf >= 2 else off
-    return WidePlan(spec, tuple(layouts), mb, convert, xc_off, sm90_off, (h0, h1), h_width, off, reason)
+    buckets = row_buckets(mb)
+    if choices is None:
+        choices = tuple((DEFAULT_CHOICE,) * len(buckets) for _ in layouts)
+    choices = tuple(tuple(per) for per in choices)
+    if len(choices) != len(layouts) or any(len(per) != len(buckets) for per in choices) or any(
+            not 0 <= c.kernel < len(SM90_KERNELS) or c.mode not in MODES or c.splits < 1
+            for per in choices for c in per):
+        raise SpecError(f"{spec.describe()}: kernel choices do not fit the plan "
+                        f"({len(layouts)} GEMMs x {len(buckets)} row buckets)")
+    if chain_block and not (0 < chain_block <= mb and chain_block % ROW_QUANTUM == 0):
+        raise SpecError(f"{spec.describe()}: a pass of {chain_block} rows does not fit the {mb}-row workspace")
+    return WidePlan(spec, tuple(layouts), mb, convert, xc_off, sm90_off, (h0, h1), h_width, off, reason,
+                    buckets, choices, tuning, tuned_on, chain_block or mb)
 
 
 # ------------------------------------------------------------------------------------------ cost model
@@ -263,10 +367,14 @@ def _us(s: float) -> str:
     return f"{s * 1e6:.0f} us"
 
 
-def choose_plan(spec: MLPSpec, resident_plan, streamed_plan, streamed_error: SpecError | None):
+def choose_plan(spec: MLPSpec, resident_plan, streamed_plan, streamed_error: SpecError | None,
+                wide_options: dict | None = None):
     """The plan cuda_plan.make_plan returns: resident when it exists (narrow chains: one kernel, weights
     on chip), else the faster of streamed and wide by the cost model at NOMINAL_ROWS rows.
-    `$ONNX2FUSED_CUDA_DESIGN` forces a design where it is possible (experiments and tests)."""
+    `$ONNX2FUSED_CUDA_DESIGN` forces a design where it is possible (experiments and tests).
+    `wide_options`: make_wide_plan's choices / tuning / tuned_on, when the wide design is taken."""
+    wide_options = dict(wide_options or {})
+
     forced = os.environ.get(DESIGN_ENV, "auto").strip().lower() or "auto"
     if forced not in ("auto", "wide", "streamed", "resident"):
         raise SpecError(f"{DESIGN_ENV}={forced!r}: expected auto, wide, streamed or resident")
@@ -276,19 +384,20 @@ def choose_plan(spec: MLPSpec, resident_plan, streamed_plan, streamed_error: Spe
     if forced == "streamed" and streamed_plan is not None:
         return streamed_plan
     if forced == "wide" and wide_why is None:
-        return make_wide_plan(spec, f"forced by {DESIGN_ENV}=wide")
+        return make_wide_plan(spec, f"forced by {DESIGN_ENV}=wide", **wide_options)
     if resident_plan is not None:
         return resident_plan
     if streamed_plan is None:
         if wide_why is not None:
             raise SpecError(f"{streamed_error}; the wide design cannot take it either: {wide_why}")
-        return make_wide_plan(spec, f"chosen because the streamed kernel cannot hold it ({_short(streamed_error)})")
+        return make_wide_plan(spec, f"chosen because the streamed kernel cannot hold it ({_short(streamed_error)})",
+                              **wide_options)
     if wide_why is not None:
         return streamed_plan
     t_wide, t_streamed = estimate_wide(spec), estimate_streamed(spec, streamed_plan)
     if t_wide * WIDE_MARGIN < t_streamed:
         return make_wide_plan(spec, f"chosen by the cost model at {NOMINAL_ROWS} rows: "
-                                    f"~{_us(t_wide)} vs ~{_us(t_streamed)} streamed")
+                                    f"~{_us(t_wide)} vs ~{_us(t_streamed)} streamed", **wide_options)
     return streamed_plan
 
 
@@ -315,10 +424,11 @@ def template_params(plan: WidePlan, acts: list[dict]) -> dict:
         "k0": spec.widths[0],
         "kp0": plan.gemms[0].kp,
         "row_block": plan.row_block,
+        "chain_block": plan.chain_block,
         "convert_input": plan.convert_input,
         "xc_offset": plan.xc_offset,
         "sm90_offset": plan.sm90_offset, "sm90_scratch": SM90_SCRATCH,
-        "sm90_tile": dict(zip(("bm", "bn", "bk"), SM90_TILE)),
+        **_sm90_params(plan, act_of),
         "sm80_env": SM80_ENV,
         "h0_offset": plan.h_offsets[0], "h1_offset": plan.h_offsets[1],
         "h_width": plan.h_width,
@@ -331,5 +441,40 @@ def template_params(plan: WidePlan, acts: list[dict]) -> dict:
         "act_functors": [{"name": name, "code": code} for code, name in functors.items()],
         "gemms": [{"index": g.index, "act": act_of[g.index], "k": g.k, "n": g.n, "kp": g.kp, "np": g.np_, "last": g.last,
                    "align": g.align_out, "w_offset": g.w_offset, "b_offset": g.b_offset,
-                   "src": g.src, "dst": g.dst, "sm90": g.sm90} for g in plan.gemms],
+                   "src": g.src, "dst": g.dst, "sm90": g.sm90,
+                   "choices": [_choice_param(c) for c in per],
+                   "kernels": sorted(set(range(len(SM90_KERNELS))) if plan.tuning else {c.kernel for c in per})}
+                  for g, per in zip(plan.gemms, plan.choices)],
     }
+
+
+def _sm90_params(plan: WidePlan, act_of: list[str]) -> dict:
+    """The Hopper kernels the library instantiates: one translation unit ("part") per kernel, holding
+    its explicit instantiations for every (activation, output type, alignment) of a GEMM that may run
+    it; part 0 is everything else (build.py compiles each part with -DO2F_PART=p, in parallel)."""
+    kernels = []
+    for part, i in enumerate(plan.sm90_kernels, start=1):
+        k = SM90_KERNELS[i]
+        uses = {(act_of[g.index], "io_t" if g.last else "elem_t", g.align_out)
+                for g, per in zip(plan.gemms, plan.choices)
+                if g.sm90 and (plan.tuning or any(c.kernel == i for c in per))}
+        kernels.append({"index": i, "name": k.name, "part": part, "coop": k.stream_k,
+                        "bm": k.tile[0], "bn": k.tile[1], "bk": k.tile[2], "cm": k.cluster[0], "cn": k.cluster[1],
+                        "uses": [{"act": a, "out": o, "align": al} for a, o, al in sorted(uses)]})
+    b = plan.buckets
+    return {
+        "sm90_kernels": kernels,
+        "parts": len(kernels),
+        "buckets": list(b),
+        # a call of m rows takes the first bucket whose upper bound (geometric mean with the next) >= m
+        "bucket_bounds": [int((lo * hi) ** 0.5) for lo, hi in zip(b, b[1:])],
+        "modes": list(MODES),
+        "sm90_names": [k.name for k in SM90_KERNELS],
+        "tuning": plan.tuning,
+        "default_choice": _choice_param(DEFAULT_CHOICE),
+        "candidates": [_choice_param(c) for c in sm90_candidates()],
+    }
+
+
+def _choice_param(c: Sm90Choice) -> dict:
+    return {"kernel": c.kernel, "mode": MODES.index(c.mode), "splits": c.splits}

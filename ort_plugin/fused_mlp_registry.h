@@ -24,9 +24,11 @@ struct KernelEntry {
   int io_is_half;                 // 1: X/Y are float16, 0: float32
   int rows_per_task;              // CPU: rows one parallel task should take (multiple of the kernel's row block)
   CpuFn cpu;                      // null: no CPU kernel (ORT runs the node's function on the CPU EP)
-  CudaWorkspaceBytesFn cuda_workspace_bytes;  // all three null when built without CUDA
+  CudaWorkspaceBytesFn cuda_workspace_bytes;  // these three null when built without CUDA
   CudaPackFn cuda_pack;
   CudaRunFn cuda_run;
+  int cuda_uses_scratch;          // 1: cuda_run also writes the workspace (scratch), so runs on different
+                                  // streams must not overlap; 0: it only reads the packed weights
 };
 
 // Defined by the generated registry.cc.

@@ -191,6 +191,11 @@ OrtStatusPtr CudaError(const KernelEntry& e, const char* what, int rc) {
   return Error(ORT_EP_FAIL, s.str());
 }
 
+// ORT may call one kernel instance from several Run() calls at once, each on its own stream; the mutex
+// below serialises the launches, not the GPU work. Kernels that only read the packed weights may overlap
+// on the GPU; those that also write scratch in the workspace (KernelEntry::cuda_uses_scratch: the wide
+// design) may not, so each of their runs records `last_run`, and a run on another stream first waits for
+// it. Runs on one stream are ordered by the stream itself and never wait.
 struct CudaKernel {
   // Packed weights per device: allocated once, packed again only when the weight pointers change.
   struct DeviceState {
@@ -198,6 +203,9 @@ struct CudaKernel {
     std::vector<const float*> w, b;  // device pointers the workspace was packed from
     cudaStream_t packed_on = nullptr;
     cudaEvent_t packed = nullptr;    // recorded after packing, for runs on other streams
+    cudaEvent_t last_run = nullptr;      // scratch users: recorded after the latest uncaptured run,
+    cudaStream_t last_stream = nullptr;  // which was on this stream
+    bool ran = false;                    // whether last_run was ever recorded
   };
   const KernelEntry* e;
   std::mutex mu;
@@ -210,6 +218,7 @@ struct CudaKernel {
     for (auto& kv : devices) {
       cudaSetDevice(kv.first);
       if (kv.second.packed) cudaEventDestroy(kv.second.packed);
+      if (kv.second.last_run) cudaEventDestroy(kv.second.last_run);
       if (kv.second.workspace) cudaFree(kv.second.workspace);
     }
     cudaSetDevice(current);
@@ -237,6 +246,28 @@ struct CudaKernel {
         rc = cudaEventCreateWithFlags(&s.packed, cudaEventDisableTiming);
         if (rc) return CudaError(*e, "cudaEventCreate", rc);
       }
+      // Scratch users: under stream capture (ORT's CUDA graphs) nothing runs now, and an event recorded
+      // in a capture cannot be waited on outside it, so captured runs neither wait nor record.
+      bool record = false;
+      if (e->cuda_uses_scratch) {
+        if (!s.last_run) {
+          rc = cudaEventCreateWithFlags(&s.last_run, cudaEventDisableTiming);
+          if (rc) {
+            s.last_run = nullptr;
+            return CudaError(*e, "cudaEventCreate", rc);
+          }
+        }
+        cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+        rc = cudaStreamIsCapturing(stream, &capture);
+        if (rc) return CudaError(*e, "cudaStreamIsCapturing", rc);
+        record = capture == cudaStreamCaptureStatusNone;
+      }
+      if (record && s.ran && stream != s.last_stream) {
+        // The previous run, on another stream, may still be using the scratch (or the weights that
+        // packing below would overwrite): queue behind it.
+        rc = cudaStreamWaitEvent(stream, s.last_run, 0);
+        if (rc) return CudaError(*e, "cudaStreamWaitEvent on the previous run", rc);
+      }
       if (s.w != call.w || s.b != call.b) {
         rc = e->cuda_pack(call.w.data(), call.b.data(), s.workspace, stream);
         if (rc) return CudaError(*e, "packing the weights", rc);
@@ -251,6 +282,12 @@ struct CudaKernel {
       }
       rc = e->cuda_run(call.x, call.y, call.rows, s.workspace, stream);
       if (rc) return CudaError(*e, "the kernel launch", rc);
+      if (record) {
+        rc = cudaEventRecord(s.last_run, stream);
+        if (rc) return CudaError(*e, "cudaEventRecord after the run", rc);
+        s.last_stream = stream;
+        s.ran = true;
+      }
       return nullptr;
     });
   }

@@ -2,8 +2,9 @@
 
 Bad inputs give an ORT error naming the expected shape and the process lives on; an input on the wrong
 device is copied by ORT; batch 0 gives an empty output; NaN and ±Inf propagate as stock ORT (CPU, fp32)
-would; one session from 8 threads x 200 runs; two models (two libraries) at once; one library loaded
-twice; and sessions on GPU 0 and GPU 1 at once (skipped with fewer than 2 GPUs).
+would; one session from 8 threads x 200 runs, and from 8 threads on the wide design (whose runs write
+scratch in the workspace); two models (two libraries) at once; one library loaded twice; and sessions
+on GPU 0 and GPU 1 at once (skipped with fewer than 2 GPUs).
 """
 from __future__ import annotations
 
@@ -149,6 +150,50 @@ def test_one_session_eight_threads_two_hundred_runs(converted):
             y = sess.run(None, {"x": x})[0]
             if y.shape != refs[t][r].shape or rel_l2(y, refs[t][r]) > TOL["fp16"]:
                 bad.append(f"thread {t} run {r}")
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not bad, bad[:10]
+
+
+@pytest.fixture(scope="module")
+def wide_converted(tmp_path_factory):
+    """(original, fused) of an MLP forced onto the wide design (CUTLASS GEMMs, headers from nvidia-cutlass
+    or ONNX2FUSED_CUTLASS_DIR): its cuda_run writes converted input and hidden activations into the
+    workspace, which the plugin shares between the runs of one session."""
+    from onnx2fused import wide_plan
+    d = tmp_path_factory.mktemp("gpu-rel-wide")
+    src, fused = d / "wide.onnx", d / "wide.fp16.fused.onnx"
+    onnx.save(mlp([256, 768, 768, 256]), str(src))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(wide_plan.DESIGN_ENV, "wide")
+        res = onnx2fused.convert(src, fused, precision="fp16", cache_dir=d / "cache", with_cuda=True)
+    assert res.with_cuda and res.validation.provider == "CUDAExecutionProvider"
+    assert len(res.chains) == 1 and res.chains[0].cuda_plan.startswith("GPU: wide"), res.chains
+    return src, fused
+
+
+def test_wide_design_one_session_eight_threads(wide_converted):
+    """ORT gives concurrent Run() calls their own streams: runs of the wide design must not overlap on its
+    scratch, so each output equals its input run alone (the same session, one thread)."""
+    src, fused = wide_converted
+    sess = cuda_session(fused)
+    rng = np.random.default_rng(7)
+    xs = [[rng.standard_normal((int(rng.integers(1, 2000)), 256)).astype(np.float32) for _ in range(30)]
+          for _ in range(8)]
+    alone = [[sess.run(None, {"x": x})[0] for x in per] for per in xs]
+    assert rel_l2(alone[0][0], stock(src, xs[0][0])) <= TOL["fp16"]
+    bad: list[str] = []
+
+    def work(t):
+        for r, x in enumerate(xs[t]):
+            y, ref = sess.run(None, {"x": x})[0], alone[t][r]
+            # another run's rows (or half-written ones) differ by O(1); reordered fp32 sums by far less
+            if y.shape != ref.shape or not np.abs(y - ref).max() <= 1e-2 * np.abs(ref).max():
+                bad.append(f"thread {t} run {r} ({len(x)} rows)")
 
     threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
     for t in threads:

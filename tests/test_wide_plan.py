@@ -212,28 +212,94 @@ def test_sm90_kernels_only_for_tma_storable_outputs(widths, io, want):
             assert g.align_out * out_bytes == 16
 
 
+def _sm90_bodies(src: str) -> tuple[str, str]:
+    """(the text inside `#if O2F_SM90_BODIES` blocks, the text outside them)."""
+    pieces = src.split("#if O2F_SM90_BODIES")
+    inside, outside = [], [pieces[0]]
+    for p in pieces[1:]:
+        end = p.index("#endif  // O2F_SM90_BODIES") if "#endif  // O2F_SM90_BODIES" in p else p.index("#endif")
+        inside.append(p[:end])
+        outside.append(p[end:])
+    return "".join(inside), "".join(outside)
+
+
 def test_rendered_source_has_guarded_sm90_kernels_and_per_layer_choice():
     spec = _spec([1001, 517, 999], ex.gelu_erf())
     src = codegen.render([spec], with_cuda=True)[f"{spec.name}_cuda.cu"]
     plan = wide_plan.make_wide_plan(spec)
-    # the CUTLASS 3.x code exists only where build.py compiled for sm_90a
-    guarded = src.split("#if defined(ONNX2FUSED_WIDE_SM90A)")
-    assert len(guarded) >= 3 and all("#endif" in part for part in guarded[1:])
+    # the CUTLASS 3.x code exists only in the units that define the Hopper launchers, for sm_90a
+    assert "#if defined(ONNX2FUSED_WIDE_SM90A) && (!defined(O2F_PART) || O2F_PART != 0)" in src
+    inside, outside = _sm90_bodies(src)
     for needle in ("KernelTmaWarpSpecializedCooperative", "TmaWarpSpecializedCooperative", "StreamKScheduler",
-                   "LinCombPerColBiasEltAct", "cutlass::arch::Sm90", "cute::Int<128>, cute::Int<256>, cute::Int<64>"):
-        assert needle in src, needle
-    blocks = [part.split("#endif")[0] for part in guarded[1:]]
-    outside = guarded[0] + "".join(part.split("#endif", 1)[1] for part in guarded[1:])
-    assert any("namespace sm90" in b and "cutlass::gemm::collective::CollectiveBuilder" in b for b in blocks)
-    assert any('#include "cutlass/gemm/collective/collective_builder.hpp"' in b for b in blocks)
-    assert "CollectiveBuilder" not in outside and "sm90::run<" not in outside
+                   "LinCombPerColBiasEltAct", "cutlass::arch::Sm90", "cute::Int<128>, cute::Int<256>, cute::Int<64>",
+                   '#include "cutlass/gemm/collective/collective_builder.hpp"'):
+        assert needle in inside and needle not in outside, needle
+    # the default: kernel 0 only, one part, its explicit instantiation for layer 0 in part 1
+    assert build.source_parts(src) == 1 and plan.sm90_kernels == (0,)
+    assert "#if !defined(O2F_PART) || O2F_PART == 1\ntemplate cudaError_t run<Coop128x256, Act0, elem_t, 8>(" in src
     # layer 0 (hidden, 520 wide) may take the sm90a kernel; layer 1 (999 fp32 columns) may not
-    assert "run_layer<Act0, elem_t, 8, true>(" in src and "run_layer<Act1, io_t, 1, false>(" in src
+    layer0 = src[src.index("cudaError_t layer0("):src.index("cudaError_t layer1(")]
+    layer1 = src[src.index("cudaError_t layer1("):src.index("constexpr int kBuckets")]
+    assert "sm90::run<sm90::Coop128x256, Act0, elem_t, 8>(" in layer0 and "sm90::run" not in layer1
+    assert "run_sm80<Act1, io_t, 1>(" in layer1
+    # one choice per layer and row bucket, the default everywhere
+    nb = len(plan.buckets)
+    assert f"constexpr Choice kChoices[2][kBuckets]" in src and src.count("{ 0, 0, 1 }") >= 2 * nb
     # the device check: compute capability 9.0 only, and the run-time override for comparisons
     assert "cc == 90" in src and f'getenv("{wide_plan.SM80_ENV}")' in src and '"sm80"' in src
     assert f"{plan.sm90_offset}" in src and f"{wide_plan.SM90_SCRATCH}u" in src
+    assert "_cuda_tune" not in src  # the timing entry is the tuning build's only
     # NDEBUG before the first include: no __assertfail calls to serialize wgmma
     assert src.index("#define NDEBUG") < src.index("#include")
+
+
+def test_rendered_choices_instantiate_only_the_chosen_kernels():
+    spec = _spec([9216, 4096, 4096, 1000])
+    plan = wide_plan.make_wide_plan(spec)
+    nb = len(plan.buckets)
+    split4 = wide_plan.Sm90Choice(1, "split_k", 4)
+    choices = [[split4] + [wide_plan.DEFAULT_CHOICE] * (nb - 1)] + [[wide_plan.DEFAULT_CHOICE] * nb] * 2
+    src = codegen.render([spec], with_cuda=True, wide_options={spec.name: {"choices": choices, "tuned_on": "H"}})
+    text = src[f"{spec.name}_cuda.cu"]
+    assert build.source_parts(text) == 2  # Coop128x256 and Coop128x128, nothing else
+    assert "struct Coop128x128 {" in text and "Pingpong" not in text and "Coop256x128C2" not in text
+    assert "{ 1, 1, 4 }" in text  # kernel 1, split_k (MODES index 1), 4 splits
+    layer0 = text[text.index("cudaError_t layer0("):text.index("cudaError_t layer1(")]
+    layer1 = text[text.index("cudaError_t layer1("):text.index("cudaError_t layer2(")]
+    assert "case 1:" in layer0 and "case 1:" not in layer1
+    assert "#if !defined(O2F_PART) || O2F_PART == 2\ntemplate cudaError_t run<Coop128x128, Act0, elem_t, 8>(" in text
+    plan = wide_plan.make_wide_plan(spec, choices=choices, tuned_on="H")
+    assert "tuned on H" in plan.describe() and f"{plan.buckets[0]} rows Coop128x128/split_kx4" in plan.choice_text()
+
+
+def test_tuning_build_holds_every_kernel_and_the_timing_entry():
+    spec = _spec([768, 3072, 768], ex.gelu_erf())
+    text = codegen.render([spec], with_cuda=True, wide_options={spec.name: {"tuning": True}})[f"{spec.name}_cuda.cu"]
+    assert build.source_parts(text) == len(wide_plan.SM90_KERNELS)
+    for k in wide_plan.SM90_KERNELS:
+        assert f"struct {k.name} {{" in text
+    assert f'__attribute__((visibility("default"))) int {spec.name}_cuda_tune(' in text
+    table = text[text.index("constexpr Choice kCandidates[] = {"):]
+    table = table[:table.index("};")]
+    assert table.count("{ ") == len(wide_plan.sm90_candidates())
+
+
+@pytest.mark.parametrize("bad", [
+    [[wide_plan.Sm90Choice(len(wide_plan.SM90_KERNELS))] * 3] * 2,      # no such kernel
+    [[wide_plan.Sm90Choice(0, "fastest")] * 3] * 2,                      # no such mode
+    [[wide_plan.DEFAULT_CHOICE] * 2] * 2,                                # a bucket short
+])
+def test_choices_that_do_not_fit_are_refused(bad):
+    spec = _spec([768, 3072, 768])
+    assert len(wide_plan.make_wide_plan(spec).buckets) == 3
+    with pytest.raises(SpecError, match="kernel choices do not fit"):
+        wide_plan.make_wide_plan(spec, choices=bad)
+
+
+def test_row_buckets_stop_at_the_row_block():
+    assert wide_plan.row_buckets(17408) == (256, 2048, 16384)
+    assert wide_plan.row_buckets(4096) == (256, 2048, 4096)
+    assert wide_plan.row_buckets(128) == (128,)
 
 
 def test_fp32_input_with_rows_of_8_gets_the_vectorized_conversion():
@@ -267,6 +333,7 @@ def test_build_compiles_only_the_wide_source_for_sm90a(tmp_path, monkeypatch):
     if (deps / "onnxruntime_cxx_api.h").is_file():
         monkeypatch.setenv("ONNXRUNTIME_INCLUDE_DIR", str(deps))
     monkeypatch.setenv("ONNX2FUSED_CUDA_ARCHS", "80,90")
+    monkeypatch.setenv("ONNX2FUSED_TUNE", "0")  # a GPU host would first build the tuning library
     calls = []
 
     def fake_compile(args, cwd):
@@ -285,3 +352,9 @@ def test_build_compiles_only_the_wide_source_for_sm90a(tmp_path, monkeypatch):
     assert "arch=compute_90a,code=sm_90a" in wide_cmd and build.WIDE_SM90A_DEFINE in wide_cmd
     assert "arch=compute_80,code=sm_80" in wide_cmd and "arch=compute_90,code=sm_90" not in wide_cmd
     assert "arch=compute_90,code=sm_90" in narrow_cmd and build.WIDE_SM90A_DEFINE not in narrow_cmd
+    # the wide source compiles as its parts (each Hopper kernel configuration on its own), the other whole
+    def part_flags(source):
+        return sorted(f for a in calls if "-c" in a and Path(a[a.index("-c") + 1]).name == source
+                      for f in a if f.startswith("-DO2F_PART=") or f == "-c")
+    assert part_flags(f"{wide.name}_cuda.cu") == ["-DO2F_PART=0", "-DO2F_PART=1", "-c", "-c"]  # the default kernel
+    assert part_flags(f"{narrow.name}_cuda.cu") == ["-c"]

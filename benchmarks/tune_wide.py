@@ -1,0 +1,83 @@
+"""The wide design's per-GPU kernel search (onnx2fused/wide_tune.py) on issue 5's cases, with every
+candidate's time: what `onnx2fused convert` does once per spec and GPU model, made visible.
+
+    python benchmarks/tune_wide.py [--out DIR] [--cases ffn,head] [--prebuilt DIR] [--reps 20]
+
+For each case (benchmarks/wide_cases.py builds the model) whose plan is wide: build the tuning library
+(or take DIR/lib<spec name>.so, compiled elsewhere from the same source), time the candidates, print
+per layer and row bucket the default kernel's time and the fastest, and store the record where
+`convert` looks for it ($ONNX2FUSED_CACHE/tune/, or --cache), plus a copy under --out.
+No ONNX Runtime needed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from onnx2fused import passes, wide_plan, wide_tune  # noqa: E402
+from onnx2fused.build import build_plugin  # noqa: E402
+from onnx2fused.headers import default_cache_dir  # noqa: E402
+from onnx2fused.loader import load_model  # noqa: E402
+from wide_cases import CASES, build_model  # noqa: E402
+
+
+def case_spec(name: str, out: Path):
+    widths, act, in_shape, _, _ = CASES[name]
+    model = load_model(str(build_model(widths, act, in_shape, out / f"{name}.onnx")))
+    chains = passes.find_chains(model).chains
+    assert len(chains) == 1, f"{name}: {len(chains)} chains"
+    return chains[0].to_spec("fp16")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/tune_wide"))
+    ap.add_argument("--cases", default="ffn,head")
+    ap.add_argument("--prebuilt", help="folder with lib<spec name>.so tuning libraries")
+    ap.add_argument("--cache", help="build cache (default: $ONNX2FUSED_CACHE or ~/.cache/onnx2fused)")
+    ap.add_argument("--reps", type=int, default=wide_tune.REPS)
+    ap.add_argument("--print-specs", action="store_true", help="print the spec names and exit")
+    a = ap.parse_args()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    cache = Path(a.cache) if a.cache else default_cache_dir()
+    gpu = wide_tune.current_gpu()
+    for name in a.cases.split(","):
+        spec = case_spec(name, out)
+        if a.print_specs:
+            print(name, spec.name)
+            continue
+        plan = wide_tune.wide_plan_of(spec)
+        if plan is None:
+            print(f"{name}: not a wide plan, nothing to tune")
+            continue
+        lib = Path(a.prebuilt) / f"lib{spec.name}.so" if a.prebuilt else None
+        if lib is None or not lib.is_file():
+            lib = build_plugin([spec], with_cuda=True, cache_dir=cache, cpu_enabled={spec.name: False},
+                               wide_options={spec.name: {"tuning": True}}, progress=print).path
+        record = wide_tune.run_tuning(lib, wide_plan.make_wide_plan(spec, tuning=True), a.reps)
+        record["gpu"] = gpu.name if gpu else ""
+        text = json.dumps(record, indent=1)
+        (out / f"{name}.tune.json").write_text(text)
+        if gpu:
+            path = wide_tune.cache_file(cache, spec, gpu)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+        print(f"== {name} ({spec.name}) on {record['gpu']}")
+        print(f"{'layer':>5} {'rows':>6} {'default ms':>10} {'best ms':>8} {'gain':>6}  chosen / fastest")
+        for g, per in enumerate(record["timings"]):
+            for t in per:
+                gain = t["default_ms"] / t["ms"] if t["ms"] else float("nan")
+                print(f"{g:5d} {t['rows']:6d} {t['default_ms']:10.4f} {t['ms']:8.4f} {gain:6.2f}  "
+                      f"{t['choice']} / {t['fastest']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,221 @@
+"""Per-GPU kernel selection for the wide design: the "small search over tile shapes when the plugin is
+built for a GPU that is present", cached per spec and GPU.
+
+When build.py builds a library with a wide chain (wide_plan.py) and the first visible GPU runs the Hopper
+kernels (compute capability 9.0), `resolve` first builds a *tuning library* of that chain: the same
+source with every configuration of wide_plan.SM90_KERNELS and an exported entry,
+`<name>_cuda_tune`, which, for each layer's GEMM and each row bucket, runs every candidate
+(wide_plan.sm90_candidates: kernel configuration x stream-K decomposition) on pseudo-random data,
+rejects one whose output differs from the default kernel's, and times the rest with CUDA events.
+The fastest (kept only when it beats the default by MIN_GAIN, so noise never swaps kernels) becomes
+that GEMM's choice for that bucket; the final library instantiates only the chosen kernels.
+
+The choice is stored in <cache>/tune/<spec>-<gpu>.json and reused by every later build of the same
+spec on the same GPU model (no tuning build then). Without a GPU, on other GPUs, with
+$ONNX2FUSED_TUNE=0, or when tuning fails (it never fails the build: it reports and keeps the default),
+the library uses wide_plan.DEFAULT_CHOICE.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Callable
+
+from . import wide_plan
+from .spec import MLPSpec, SpecError
+
+TUNE_ENV = "ONNX2FUSED_TUNE"     # "0": never tune (default kernels); anything else: tune when possible
+TUNE_FORMAT = 1                  # bump when the candidate list or the file's meaning changes
+REPS = 20                        # timed launches per candidate (after one checked and one warm run)
+MIN_GAIN = 0.03                  # a candidate replaces the default only when this much faster
+PASS_ROWS = (8192, 4096, 2048)   # smaller passes through the chain that _time_passes tries
+
+
+@dataclass(frozen=True)
+class Gpu:
+    name: str
+    cc: int           # compute capability, major * 10 + minor
+
+
+@lru_cache(maxsize=1)
+def current_gpu() -> Gpu | None:
+    """The first visible CUDA device (honours CUDA_VISIBLE_DEVICES), through the driver API, or None
+    when there is no driver or no device. Cheap: no context is created."""
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    dev, count = ctypes.c_int(), ctypes.c_int()
+    if cuda.cuInit(0) != 0 or cuda.cuDeviceGetCount(ctypes.byref(count)) != 0 or count.value < 1:
+        return None
+    if cuda.cuDeviceGet(ctypes.byref(dev), 0) != 0:
+        return None
+    name = ctypes.create_string_buffer(256)
+    major, minor = ctypes.c_int(), ctypes.c_int()
+    if (cuda.cuDeviceGetName(name, 256, dev) != 0
+            or cuda.cuDeviceGetAttribute(ctypes.byref(major), 75, dev) != 0     # ..._COMPUTE_CAPABILITY_MAJOR
+            or cuda.cuDeviceGetAttribute(ctypes.byref(minor), 76, dev) != 0):   # ..._COMPUTE_CAPABILITY_MINOR
+        return None
+    return Gpu(name.value.decode(errors="replace").strip(), major.value * 10 + minor.value)
+
+
+def tuning_enabled() -> bool:
+    return os.environ.get(TUNE_ENV, "1").strip() != "0"
+
+
+def tunable_gpu() -> Gpu | None:
+    """The GPU to tune on: one that runs the Hopper kernels, when tuning is enabled."""
+    gpu = current_gpu() if tuning_enabled() else None
+    return gpu if gpu is not None and gpu.cc == 90 else None
+
+
+def wide_plan_of(spec: MLPSpec) -> wide_plan.WidePlan | None:
+    from . import cuda_plan
+    if spec.precision not in cuda_plan.ELEM_BYTES:
+        return None
+    try:
+        plan = cuda_plan.make_plan(spec)
+    except SpecError:
+        return None
+    return plan if getattr(plan, "design", "") == "wide" else None
+
+
+def cache_file(cache: Path, spec: MLPSpec, gpu: Gpu) -> Path:
+    slug = re.sub(r"[^A-Za-z0-9]+", "-", gpu.name).strip("-") or "gpu"
+    return Path(cache) / "tune" / f"{spec.name}-{slug}-sm{gpu.cc}.json"
+
+
+def _options(plan: wide_plan.WidePlan, record: dict, gpu: Gpu) -> dict | None:
+    """make_wide_plan's options from a cache record, or None when it does not fit this plan."""
+    try:
+        if record.get("format") != TUNE_FORMAT or record.get("gpu") != gpu.name or \
+                tuple(record["buckets"]) != plan.buckets:
+            return None
+        choices = tuple(tuple(wide_plan.Sm90Choice(int(k), str(m), int(s)) for k, m, s in per)
+                        for per in record["choices"])
+        chain_block = int(record.get("chain_block") or 0)
+        wide_plan.make_wide_plan(plan.spec, choices=choices, chain_block=chain_block)   # validates every entry
+    except (KeyError, TypeError, ValueError, SpecError):
+        return None
+    return {"choices": choices, "tuned_on": gpu.name, "chain_block": chain_block}
+
+
+def cached_options(spec: MLPSpec, cache: Path) -> dict | None:
+    """The stored choice of `spec` for the current GPU, if any (what `inspect` shows)."""
+    gpu, plan = tunable_gpu(), wide_plan_of(spec)
+    if gpu is None or plan is None:
+        return None
+    try:
+        record = json.loads(cache_file(cache, spec, gpu).read_text())
+    except (OSError, ValueError):
+        return None
+    return _options(plan, record, gpu) if isinstance(record, dict) else None
+
+
+class TuneError(RuntimeError):
+    pass
+
+
+def run_tuning(library: Path, plan: wide_plan.WidePlan, reps: int = REPS) -> dict:
+    """Calls the tuning library's entry; returns the cache record (choices and every time measured)."""
+    lib = ctypes.CDLL(str(library))
+    fn = getattr(lib, f"{plan.spec.name}_cuda_tune")
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_int)] + [ctypes.POINTER(ctypes.c_float)] * 3
+    candidates = wide_plan.sm90_candidates()
+    n = len(plan.gemms) * len(plan.buckets)
+    index, ms, default_ms = (ctypes.c_int * n)(), (ctypes.c_float * n)(), (ctypes.c_float * n)()
+    every = (ctypes.c_float * (n * len(candidates)))()
+    rc = fn(reps, index, ms, default_ms, every)
+    if rc == -1:
+        raise TuneError("this GPU does not run the Hopper kernels")
+    if rc != 0:
+        raise TuneError(f"the tuning run failed with CUDA error {rc}")
+    nb = len(plan.buckets)
+    choices, timings = [], []
+    for g in range(len(plan.gemms)):
+        per, per_t = [], []
+        for b in range(nb):
+            i, t, t0 = index[g * nb + b], ms[g * nb + b], default_ms[g * nb + b]
+            best = candidates[i] if 0 <= i < len(candidates) and t < t0 * (1 - MIN_GAIN) else wide_plan.DEFAULT_CHOICE
+            per.append(best)
+            all_t = every[(g * nb + b) * len(candidates):(g * nb + b + 1) * len(candidates)]
+            per_t.append({"rows": plan.buckets[b], "choice": best.label, "ms": round(min(t, t0) if i >= 0 else t0, 5),
+                          "default_ms": round(t0, 5), "fastest": candidates[i].label if 0 <= i < len(candidates) else "",
+                          # every candidate's time; -1: cannot run the shape, -2: output differs from the default's
+                          "candidates": {c.label: round(v, 5) for c, v in zip(candidates, all_t)}})
+        choices.append(per)
+        timings.append(per_t)
+    chain_block, passes = _time_passes(lib, plan, [[candidates.index(c) for c in per] for per in choices], reps)
+    return {"format": TUNE_FORMAT, "spec": plan.spec.name, "buckets": list(plan.buckets), "reps": reps,
+            "choices": [[[c.kernel, c.mode, c.splits] for c in per] for per in choices], "timings": timings,
+            "chain_block": chain_block, "passes": passes}
+
+
+def _time_passes(lib, plan: wide_plan.WidePlan, index: list[list[int]], reps: int) -> tuple[int, dict]:
+    """The pass size (rows per trip through the chain) to use: the whole row block, or a smaller pass
+    whose hidden activations stay in L2 between the GEMMs when that measures faster by MIN_GAIN.
+    Times every size in PASS_ROWS below the row block, at NOMINAL_ROWS rows (or the row block)."""
+    fn = getattr(lib, f"{plan.spec.name}_cuda_time_chain")
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int64, ctypes.c_int, ctypes.c_int,
+                   ctypes.POINTER(ctypes.c_float)]
+    flat = (ctypes.c_int * (len(index) * len(plan.buckets)))(*[i for per in index for i in per])
+    rows = min(wide_plan.NOMINAL_ROWS, plan.row_block)
+    times = {}
+    for block in [plan.row_block] + [b for b in PASS_ROWS if b < rows]:
+        ms = ctypes.c_float()
+        rc = fn(flat, rows, block, reps, ctypes.byref(ms))
+        if rc != 0:
+            raise TuneError(f"timing {block}-row passes failed with CUDA error {rc}")
+        times[block] = round(ms.value, 5)
+    best = min(times, key=times.get)
+    chosen = best if times[best] < times[plan.row_block] * (1 - MIN_GAIN) else plan.row_block
+    return chosen, {"rows": rows, "ms": {str(b): t for b, t in times.items()}}
+
+
+def resolve(specs, cache: Path, build: Callable, say: Callable[[str], None]) -> dict[str, dict]:
+    """{spec name: make_wide_plan options} for the wide specs among `specs`: the cached choice for this
+    GPU, else a fresh tuning run (`build(specs, wide_options=..., cpu_enabled=...)` builds the tuning
+    library), else nothing (the defaults)."""
+    gpu = tunable_gpu()
+    if gpu is None:
+        return {}
+    out: dict[str, dict] = {}
+    for spec in {s.name: s for s in specs}.values():
+        plan = wide_plan_of(spec)
+        if plan is None or not any(g.sm90 for g in plan.gemms):
+            continue
+        cached = cached_options(spec, cache)
+        if cached:
+            out[spec.name] = cached
+            continue
+        say(f"tuning the Hopper GEMM kernels of {spec.name} on {gpu.name} (once per spec and GPU model)")
+        try:
+            lib = build([spec], wide_options={spec.name: {"tuning": True}}, cpu_enabled={spec.name: False})
+            record = run_tuning(lib.path, plan)
+        except Exception as e:  # noqa: BLE001 - tuning is an optimisation: report, keep the defaults
+            say(f"tuning {spec.name} failed ({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
+                "using the default kernels")
+            continue
+        record["gpu"] = gpu.name
+        path = cache_file(cache, spec, gpu)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps(record, indent=1))
+            os.replace(tmp, path)
+        except OSError as e:
+            say(f"cannot store the tuning result in {path}: {e}")
+        options = _options(plan, record, gpu)
+        if options:
+            out[spec.name] = options
+            say("tuned: " + "; ".join(f"layer {g}: " + ", ".join(f"{t['rows']} rows {t['choice']} {t['ms'] * 1e3:.0f} us"
+                                                                   f" (default {t['default_ms'] * 1e3:.0f})" for t in per)
+                                      for g, per in enumerate(record["timings"])))
+    return out

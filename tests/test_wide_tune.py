@@ -1,0 +1,143 @@
+"""Per-GPU kernel selection of the wide design (onnx2fused/wide_tune.py), without a GPU: the tuning
+library's entry is replaced by a fake that reports times, so what is tested is the decision, the
+cache per spec and GPU, and that failures keep the defaults. The real search runs in
+tests/test_gpu_tune.py."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from onnx2fused import codegen, wide_plan, wide_tune
+from onnx2fused import expr as ex
+from onnx2fused.spec import LayerSpec, MLPSpec
+
+H100 = wide_tune.Gpu("NVIDIA H100 80GB HBM3", 90)
+
+
+def _spec(widths, act=ex.gelu_erf()):
+    acts = [act] * (len(widths) - 2) + [ex.identity()]
+    return MLPSpec(tuple(LayerSpec(a, b, True, f) for a, b, f in zip(widths, widths[1:], acts)), "fp16", "f32")
+
+
+FFN = _spec([768, 3072, 768])
+NARROW = _spec([32, 64, 16])   # the resident design: nothing to tune
+
+
+class FakeTuning:
+    """Stands in for build + the library's timing entry: candidate `fast` takes `ms`, the default 1.0."""
+
+    def __init__(self, fast: int, ms: float):
+        self.fast, self.ms, self.builds = fast, ms, []
+
+    def build(self, specs, **kw):
+        self.builds.append(([s.name for s in specs], kw))
+        return type("Lib", (), {"path": "unused"})()
+
+    def run(self, library, plan, reps=wide_tune.REPS):
+        nb = len(plan.buckets)
+        cand = wide_plan.sm90_candidates()[self.fast]
+        best = cand if self.ms < 1.0 * (1 - wide_tune.MIN_GAIN) else wide_plan.DEFAULT_CHOICE
+        return {"format": wide_tune.TUNE_FORMAT, "spec": plan.spec.name, "buckets": list(plan.buckets),
+                "choices": [[[best.kernel, best.mode, best.splits]] * nb for _ in plan.gemms],
+                "timings": [[{"rows": b, "choice": best.label, "ms": min(self.ms, 1.0), "default_ms": 1.0,
+                              "fastest": cand.label} for b in plan.buckets] for _ in plan.gemms]}
+
+
+@pytest.fixture
+def gpu(monkeypatch):
+    monkeypatch.delenv(wide_tune.TUNE_ENV, raising=False)
+    monkeypatch.delenv(wide_plan.DESIGN_ENV, raising=False)
+    monkeypatch.setattr(wide_tune, "current_gpu", lambda: H100)
+
+
+def test_tunes_once_per_spec_and_gpu_then_reads_the_cache(tmp_path, gpu, monkeypatch):
+    fake = FakeTuning(fast=6, ms=0.5)   # candidate 6: Coop128x128, data-parallel
+    monkeypatch.setattr(wide_tune, "run_tuning", fake.run)
+    said = []
+    out = wide_tune.resolve([FFN, NARROW], tmp_path, fake.build, said.append)
+    assert list(out) == [FFN.name] and fake.builds == [([FFN.name], {"wide_options": {FFN.name: {"tuning": True}},
+                                                                      "cpu_enabled": {FFN.name: False}})]
+    chosen = wide_plan.sm90_candidates()[6]
+    assert all(c == chosen for per in out[FFN.name]["choices"] for c in per)
+    assert out[FFN.name]["tuned_on"] == H100.name
+    record = json.loads(wide_tune.cache_file(tmp_path, FFN, H100).read_text())
+    assert record["gpu"] == H100.name and record["spec"] == FFN.name
+    assert any("tuning the Hopper GEMM kernels" in s for s in said) and any(s.startswith("tuned: ") for s in said)
+    # a second build of the same spec on the same GPU model: no tuning build, the same choice
+    again = wide_tune.resolve([FFN], tmp_path, fake.build, said.append)
+    assert again == out and len(fake.builds) == 1
+    # the rendered library instantiates the chosen kernel only, and inspect's text says where it was tuned
+    src = codegen.render([FFN], True, wide_options=out)[f"{FFN.name}_cuda.cu"]
+    assert "struct Coop128x128 {" in src and "struct Coop128x256 {" not in src
+    plan = wide_plan.make_wide_plan(FFN, **out[FFN.name])
+    assert f"tuned on {H100.name}" in plan.describe() and "16384 rows Coop128x128/data_parallel" in plan.choice_text()
+    assert wide_tune.cached_options(FFN, tmp_path) == out[FFN.name]
+
+
+def test_noise_keeps_the_default(tmp_path, gpu, monkeypatch):
+    fake = FakeTuning(fast=3, ms=0.99)   # 1% faster: within MIN_GAIN
+    monkeypatch.setattr(wide_tune, "run_tuning", fake.run)
+    out = wide_tune.resolve([FFN], tmp_path, fake.build, lambda s: None)
+    assert all(c == wide_plan.DEFAULT_CHOICE for per in out[FFN.name]["choices"] for c in per)
+
+
+def test_another_gpu_model_tunes_again(tmp_path, gpu, monkeypatch):
+    fake = FakeTuning(fast=6, ms=0.5)
+    monkeypatch.setattr(wide_tune, "run_tuning", fake.run)
+    wide_tune.resolve([FFN], tmp_path, fake.build, lambda s: None)
+    monkeypatch.setattr(wide_tune, "current_gpu", lambda: wide_tune.Gpu("NVIDIA H200", 90))
+    assert wide_tune.cached_options(FFN, tmp_path) is None
+    wide_tune.resolve([FFN], tmp_path, fake.build, lambda s: None)
+    assert len(fake.builds) == 2 and len(list((tmp_path / "tune").iterdir())) == 2
+
+
+@pytest.mark.parametrize("gpu_seen,env", [(None, None), (wide_tune.Gpu("NVIDIA A100", 80), None), (H100, "0")])
+def test_no_tuning_without_a_hopper_gpu_or_when_disabled(tmp_path, monkeypatch, gpu_seen, env):
+    monkeypatch.setattr(wide_tune, "current_gpu", lambda: gpu_seen)
+    if env is None:
+        monkeypatch.delenv(wide_tune.TUNE_ENV, raising=False)
+    else:
+        monkeypatch.setenv(wide_tune.TUNE_ENV, env)
+    fake = FakeTuning(fast=6, ms=0.5)
+    assert wide_tune.resolve([FFN], tmp_path, fake.build, lambda s: None) == {} and not fake.builds
+
+
+def test_a_failed_tuning_build_keeps_the_defaults_and_says_why(tmp_path, gpu):
+    def broken_build(specs, **kw):
+        raise RuntimeError("compiling the plugin failed (stub)\nmore lines")
+    said = []
+    assert wide_tune.resolve([FFN], tmp_path, broken_build, said.append) == {}
+    assert any("failed (compiling the plugin failed (stub)); using the default kernels" in s for s in said)
+    assert not (tmp_path / "tune").exists()
+
+
+@pytest.mark.parametrize("corrupt", [
+    "not json",
+    json.dumps({"format": wide_tune.TUNE_FORMAT, "gpu": H100.name, "buckets": [1, 2], "choices": []}),
+    json.dumps({"format": wide_tune.TUNE_FORMAT, "gpu": H100.name, "buckets": [256, 2048, 16384],
+                "choices": [[[99, "heuristic", 1]] * 3] * 2}),
+    json.dumps({"format": wide_tune.TUNE_FORMAT + 1, "gpu": H100.name}),
+])
+def test_a_stale_or_corrupt_cache_entry_is_ignored_and_replaced(tmp_path, gpu, monkeypatch, corrupt):
+    path = wide_tune.cache_file(tmp_path, FFN, H100)
+    path.parent.mkdir(parents=True)
+    path.write_text(corrupt)
+    assert wide_tune.cached_options(FFN, tmp_path) is None
+    fake = FakeTuning(fast=6, ms=0.5)
+    monkeypatch.setattr(wide_tune, "run_tuning", fake.run)
+    assert wide_tune.resolve([FFN], tmp_path, fake.build, lambda s: None)[FFN.name]
+    assert json.loads(path.read_text())["spec"] == FFN.name
+
+
+def test_current_gpu_without_a_driver_is_none(monkeypatch):
+    import ctypes
+
+    def no_driver(name, *a, **k):
+        raise OSError(f"{name}: cannot open shared object file")
+    wide_tune.current_gpu.cache_clear()
+    monkeypatch.setattr(ctypes, "CDLL", no_driver)
+    try:
+        assert wide_tune.current_gpu() is None and wide_tune.tunable_gpu() is None
+    finally:
+        wide_tune.current_gpu.cache_clear()
