@@ -8,7 +8,8 @@
 #   benchmarks/gpu_host.sh test [ARGS]    the GPU-marked tests (pytest ARGS, default: all tests/test_gpu*.py)
 #   benchmarks/gpu_host.sh kernels        benchmarks/kernel_check.py (kernels alone, no ORT)
 #   benchmarks/gpu_host.sh bench          `onnx2fused bench` on the issue's four cases, then the wide cases
-#   benchmarks/gpu_host.sh tune           benchmarks/tune_wide.py: the wide kernel search, every candidate timed
+#   benchmarks/gpu_host.sh wide [ARGS]    benchmarks/wide_cases.py only (issue 5's three cases)
+#   benchmarks/gpu_host.sh tune [ARGS]    benchmarks/tune_wide.py: the wide kernel search, every candidate timed
 # Kernel choices measured by an earlier call (.deps/tune/*.json, copied from $OUT/tune) seed the build
 # cache, so convert does not tune again; every call leaves the cache's choices in $OUT/tune.
 set -uo pipefail
@@ -46,11 +47,15 @@ bench)
   done
   python3 benchmarks/wide_cases.py --out "$OUT/wide" 2>&1 | tail -20
   ;;
+wide)
+  shift
+  python3 benchmarks/wide_cases.py --out "$OUT/wide" "$@" 2>&1 | tail -40
+  ;;
 tune)
   shift
   python3 benchmarks/tune_wide.py --out "$OUT/tune_wide" --cache "$ONNX2FUSED_CACHE" "$@" 2>&1 | tail -60
   ;;
 *)
-  sed -n 2,15p "$0"; exit 2
+  sed -n 2,16p "$0"; exit 2
   ;;
 esac
