@@ -74,13 +74,14 @@ TC_FLOPS = 660e12
 HBM_BPS = 3.0e12
 L2_BPS = 8.0e12                 # streamed weights are re-read from L2 once per row tile
 LAUNCH_S = 3e-6                 # per kernel launch in the stream
-WIDE_GEMM_EFF = 0.55            # CUTLASS 2.x mma.sync GEMM on sm_90, fraction of TC_FLOPS (assumed; kept for
-                                # the sm90a kernels too until measured: it only makes wide win less often)
+WIDE_GEMM_EFF = 0.78            # the tuned CUTLASS 3.x GEMMs, fraction of TC_FLOPS: measured on the H100
+                                # (RESULTS.md): FFN 768->3072 GELU 0.78, 3072->768 1.0, head 9216->4096 0.97
+TF32_FLOPS = TC_FLOPS / 2       # tf32 wgmma: half the fp16 rate
 # Streamed kernel, 128-row tiles: 183 TFLOP/s measured on silu (RESULTS.md, kernel only); shorter tiles
 # re-read each weight chunk for fewer rows: x sqrt(bm/128) fits mnist's 32-row tiles (108 TFLOP/s).
 STREAMED_EFF_128 = 0.28
-WIDE_MARGIN = 2.0               # wide replaces a working streamed plan only when estimated this much faster
-                                # (its constants are not calibrated yet: keep measured streamed cases as they are)
+WIDE_MARGIN = 1.25              # wide replaces a working streamed plan only when estimated this much faster
+                                # (the estimates are rooflines: keep near-ties on the single fused kernel)
 
 DESIGN_ENV = "ONNX2FUSED_CUDA_DESIGN"   # "wide" | "streamed" | "resident" | "auto": force a design (experiments, tests)
 
@@ -123,6 +124,8 @@ class Sm90Kernel:
     schedule: str                 # "cooperative" | "pingpong"
     tile: tuple[int, int, int]    # CTA tile M, N, K
     cluster: tuple[int, int]      # CTAs per cluster along M, N (TMA multicast of the shared operand)
+    tf32: bool = False            # fp32 operands on tf32 wgmma: the first layer reads the fp32 input in
+                                  # place (the conversion pass fused into its loads); first layers only
 
     @property
     def stream_k(self) -> bool:
@@ -134,8 +137,12 @@ SM90_KERNELS: tuple[Sm90Kernel, ...] = (
     Sm90Kernel("Coop128x128", "cooperative", (128, 128, 64), (1, 1)),
     Sm90Kernel("Pingpong128x128", "pingpong", (128, 128, 64), (1, 1)),
     Sm90Kernel("Pingpong64x128", "pingpong", (64, 128, 64), (1, 1)),      # few rows: more, shorter tiles
-    Sm90Kernel("Coop256x128C2", "cooperative", (256, 128, 64), (2, 1)),
+    Sm90Kernel("Coop256x128", "cooperative", (256, 128, 64), (1, 1)),     # few rows, split-K: A read once
+    Sm90Kernel("Pingpong128x128C2", "pingpong", (128, 128, 64), (2, 1)),  # B multicast to 2 row tiles
+    Sm90Kernel("Tf32Coop128x256", "cooperative", (128, 256, 32), (1, 1), tf32=True),
+    Sm90Kernel("Tf32Pingpong128x128", "pingpong", (128, 128, 32), (1, 1), tf32=True),
 )
+TF32_KERNELS = tuple(i for i, k in enumerate(SM90_KERNELS) if k.tf32)
 
 # The stream-K scheduler's decompositions (CUTLASS DecompositionMode, same order as its enum).
 MODES = ("heuristic", "split_k", "stream_k", "data_parallel")
@@ -156,11 +163,12 @@ class Sm90Choice:
 
 
 DEFAULT_CHOICE = Sm90Choice(0, "heuristic")
+DEFAULT_TF32_CHOICE = Sm90Choice(TF32_KERNELS[0], "heuristic")   # a first layer the cost model reads in place
 ROW_BUCKETS = (256, 2048, 16384)   # rows the choices are made (and tuned) for; calls take the nearest
 
 
 def sm90_candidates() -> tuple[Sm90Choice, ...]:
-    """Everything the tuning build times per GEMM and bucket."""
+    """Everything the tuning build times per GEMM and bucket (tf32 ones on an in-place first layer only)."""
     out = []
     for i, k in enumerate(SM90_KERNELS):
         if k.stream_k:
@@ -212,6 +220,8 @@ class WidePlan:
     choices: tuple[tuple[Sm90Choice, ...], ...] = ()   # per GEMM, per bucket: the Hopper kernel it runs
     tuning: bool = False    # a tuning build: every SM90_KERNELS entry, and the exported timing entry
     tuned_on: str = ""      # the GPU the choices were measured on ("" = DEFAULT_CHOICE)
+    tf32_first: bool = False  # layer 0 may read the fp32 input in place with tf32 kernels (TF32_KERNELS)
+    w0f_offset: int = 0       # bytes: layer 0's weights as fp32 [np0][k0], tf32-rounded (when tf32_first)
     chain_block: int = 0    # rows per pass through the chain (<= row_block; 0: row_block). Smaller passes
                             # keep the hidden activations in L2 between the GEMMs; wide_tune.py measures it
     resident: bool = False  # cuda_plan.CudaPlan compatibility: callers test plan.resident
@@ -221,7 +231,7 @@ class WidePlan:
     def sm90_kernels(self) -> tuple[int, ...]:
         """Indices into SM90_KERNELS that the library instantiates (one translation unit each)."""
         if self.tuning:
-            return tuple(range(len(SM90_KERNELS)))
+            return tuple(i for i, k in enumerate(SM90_KERNELS) if self.tf32_first or not k.tf32)
         return tuple(sorted({c.kernel for per_gemm in self.choices for c in per_gemm}))
 
     @property
@@ -239,6 +249,8 @@ class WidePlan:
         hopper = "all" if n90 == n else f"{n90} of {n}"  # the others' output rows are not TMA-storable
         tuned = f"kernels tuned on {self.tuned_on}" if self.tuned_on else "default kernels (not tuned)"
         passes = f", {self.chain_block}-row passes" if self.chain_block != self.row_block else ""
+        if self.tf32_first and any(SM90_KERNELS[c.kernel].tf32 for c in self.choices[0]):
+            conv = "the first GEMM reads the fp32 input in place (tf32), " + conv.replace("pass, ", "pass elsewhere, ")
         return (f"wide: {n} tensor-core GEMMs with a bias+activation epilogue (on sm_90: {hopper} as CUTLASS "
                 f"3.x wgmma/TMA kernels, {tuned}, the rest CUTLASS 2.x; other GPUs: CUTLASS 2.x sm80 mma.sync), "
                 f"{conv}16-bit intermediates in the workspace, {self.row_block}-row blocks{passes}; {self.reason}")
@@ -320,33 +332,73 @@ def make_wide_plan(spec: MLPSpec, reason: str = "", choices=None, tuning: bool =
     off = round_up(off + mb * h_width * 2, REGION_ALIGN) if n_hbuf >= 1 else off
     h1 = off
     off = round_up(off + mb * h_width * 2, REGION_ALIGN) if n_hbuf >= 2 else off
+    # tf32 first layer: fp32 rows TMA can load (16-byte multiples) and an output row it can store
+    tf32_ok = tf32_eligible(spec) and layouts[0].sm90
     buckets = row_buckets(mb)
     if choices is None:
-        choices = tuple((DEFAULT_CHOICE,) * len(buckets) for _ in layouts)
+        first = DEFAULT_TF32_CHOICE if tf32_ok and tf32_first_wins(spec) else DEFAULT_CHOICE
+        choices = ((first,) * len(buckets),) + tuple((DEFAULT_CHOICE,) * len(buckets) for _ in layouts[1:])
     choices = tuple(tuple(per) for per in choices)
     if len(choices) != len(layouts) or any(len(per) != len(buckets) for per in choices) or any(
             not 0 <= c.kernel < len(SM90_KERNELS) or c.mode not in MODES or c.splits < 1
-            for per in choices for c in per):
+            or (SM90_KERNELS[c.kernel].tf32 and (g > 0 or not tf32_ok))
+            for g, per in enumerate(choices) for c in per):
         raise SpecError(f"{spec.describe()}: kernel choices do not fit the plan "
                         f"({len(layouts)} GEMMs x {len(buckets)} row buckets)")
+    # the fp32 copy of layer 0's weights only where a tf32 kernel may run (the tuning build times them)
+    tf32_first = tf32_ok and (tuning or any(SM90_KERNELS[c.kernel].tf32 for c in choices[0]))
+    w0f_off = off
+    if tf32_first:
+        off = round_up(off + layouts[0].np_ * k0 * 4, REGION_ALIGN)
     if chain_block and not (0 < chain_block <= mb and chain_block % ROW_QUANTUM == 0):
         raise SpecError(f"{spec.describe()}: a pass of {chain_block} rows does not fit the {mb}-row workspace")
     return WidePlan(spec, tuple(layouts), mb, convert, xc_off, sm90_off, (h0, h1), h_width, off, reason,
-                    buckets, choices, tuning, tuned_on, chain_block or mb)
+                    buckets, choices, tuning, tuned_on, tf32_first, w0f_off, chain_block or mb)
 
 
 # ------------------------------------------------------------------------------------------ cost model
+def _gemm_seconds(rows: int, k: int, n: int, a_bytes: int, w_bytes: int, out_bytes: int, rate: float) -> float:
+    flops = 2.0 * rows * k * n
+    traffic = rows * k * a_bytes + k * n * w_bytes + rows * n * out_bytes
+    return max(flops / (rate * WIDE_GEMM_EFF), traffic / HBM_BPS) + LAUNCH_S
+
+
+def _first_layer_seconds(spec: MLPSpec, rows: int, tf32: bool) -> float:
+    """Layer 0 from the io-type input: a tf32 GEMM on it in place, or the conversion pass + fp16 GEMM."""
+    l, io = spec.layers[0], 2 if spec.io_dtype == "f16" else 4
+    last = len(spec.layers) == 1
+    n = l.out_features if last else round_up(l.out_features, ALIGN)
+    out = io if last else 2
+    if tf32:
+        return _gemm_seconds(rows, l.in_features, n, 4, 4, out, TF32_FLOPS)
+    k = round_up(l.in_features, ALIGN)
+    conversion = (rows * l.in_features * io + rows * k * 2) / HBM_BPS + LAUNCH_S
+    return conversion + _gemm_seconds(rows, k, n, 2, 2, out, TC_FLOPS)
+
+
+def tf32_eligible(spec: MLPSpec) -> bool:
+    """fp32 input rows that TMA can load in place (16-byte multiples)."""
+    return spec.io_dtype == "f32" and spec.layers[0].in_features % 4 == 0
+
+
+def tf32_first_wins(spec: MLPSpec, rows: int = NOMINAL_ROWS) -> bool:
+    """Whether reading the fp32 input in place (tf32 first GEMM) beats converting it first: the memory-
+    bound first layers (DLRM's 512 -> 256: the conversion pass costs more than the GEMM)."""
+    return _first_layer_seconds(spec, rows, True) < _first_layer_seconds(spec, rows, False)
+
+
 def estimate_wide(spec: MLPSpec, rows: int = NOMINAL_ROWS) -> float:
-    """Seconds: each GEMM at max(compute, HBM traffic) plus a launch; plus the conversion pass."""
+    """Seconds: each GEMM at max(compute, HBM traffic) plus a launch; the first layer as the cheaper of
+    the tf32 in-place read and the conversion pass (where the tf32 kernels apply)."""
     io = 2 if spec.io_dtype == "f16" else 4
-    k0 = spec.layers[0].in_features
-    t = (rows * k0 * io + rows * round_up(k0, ALIGN) * 2) / HBM_BPS + LAUNCH_S
-    for i, l in enumerate(spec.layers):
+    first = _first_layer_seconds(spec, rows, False)
+    if tf32_eligible(spec):
+        first = min(first, _first_layer_seconds(spec, rows, True))
+    t = first
+    for i, l in enumerate(spec.layers[1:], start=1):
         last = i == len(spec.layers) - 1
         k, n = round_up(l.in_features, ALIGN), l.out_features if last else round_up(l.out_features, ALIGN)
-        flops = 2.0 * rows * k * n
-        traffic = rows * k * 2 + k * n * 2 + rows * n * (io if last else 2)
-        t += max(flops / (TC_FLOPS * WIDE_GEMM_EFF), traffic / HBM_BPS) + LAUNCH_S
+        t += _gemm_seconds(rows, k, n, 2, 2, io if last else 2, TC_FLOPS)
     return t
 
 
@@ -443,8 +495,18 @@ def template_params(plan: WidePlan, acts: list[dict]) -> dict:
                    "align": g.align_out, "w_offset": g.w_offset, "b_offset": g.b_offset,
                    "src": g.src, "dst": g.dst, "sm90": g.sm90,
                    "choices": [_choice_param(c) for c in per],
-                   "kernels": sorted(set(range(len(SM90_KERNELS))) if plan.tuning else {c.kernel for c in per})}
+                   # the launch arguments after the input (run_chain's names: ws, y, r0)
+                   "w_expr": f"reinterpret_cast<const elem_t*>(ws + {g.w_offset})",
+                   "tail_expr": (f"reinterpret_cast<const {'io_t' if g.last else 'elem_t'}*>(ws + {g.b_offset}), "
+                                 + (f"static_cast<io_t*>(y) + r0 * {g.n}, {g.n}" if g.last else f"{g.dst}, {g.np_}")),
+                   # the 16-bit kernels its dispatch switch holds; tf32 ones go to layer0_tf32
+                   "kernels": sorted(i for i in plan.sm90_kernels if not SM90_KERNELS[i].tf32
+                                     and (plan.tuning or any(c.kernel == i for c in per)))}
                   for g, per in zip(plan.gemms, plan.choices)],
+        "tf32_first": plan.tf32_first,
+        "w0f_offset": plan.w0f_offset,
+        "tf32_kernels": [i for i in plan.sm90_kernels if SM90_KERNELS[i].tf32],
+        "is_tf32": [int(k.tf32) for k in SM90_KERNELS],
     }
 
 
@@ -457,8 +519,8 @@ def _sm90_params(plan: WidePlan, act_of: list[str]) -> dict:
         k = SM90_KERNELS[i]
         uses = {(act_of[g.index], "io_t" if g.last else "elem_t", g.align_out)
                 for g, per in zip(plan.gemms, plan.choices)
-                if g.sm90 and (plan.tuning or any(c.kernel == i for c in per))}
-        kernels.append({"index": i, "name": k.name, "part": part, "coop": k.stream_k,
+                if g.sm90 and (g.index == 0 or not k.tf32) and (plan.tuning or any(c.kernel == i for c in per))}
+        kernels.append({"index": i, "name": k.name, "part": part, "coop": k.stream_k, "tf32": k.tf32,
                         "bm": k.tile[0], "bn": k.tile[1], "bk": k.tile[2], "cm": k.cluster[0], "cn": k.cluster[1],
                         "uses": [{"act": a, "out": o, "align": al} for a, o, al in sorted(uses)]})
     b = plan.buckets

@@ -71,7 +71,8 @@ def test_convert_tunes_once_and_stores_the_choice(tuned):
         for t in per:
             assert t["default_ms"] > 0 and t["ms"] > 0 and t["ms"] <= t["default_ms"] * 1.0001
             timed = [v for v in t["candidates"].values() if v > 0]
-            assert len(timed) >= len(wide_plan.SM90_KERNELS), t  # most candidates ran and matched the default
+            sixteen_bit = [k for k in wide_plan.SM90_KERNELS if not k.tf32]   # fp16 input: no tf32 candidates
+            assert len(timed) >= len(sixteen_bit), t  # most candidates ran and matched the default
             assert -2 not in t["candidates"].values(), t          # none computed something else
     assert str(rec["chain_block"]) in rec["passes"]["ms"]  # the pass size is one of those timed
     assert f"tuned on {gpu.name}" in report.chains[0].cuda_plan

@@ -43,8 +43,41 @@ def test_ffn_goes_wide_by_the_cost_model():
 
 def test_narrow_chains_keep_their_fused_designs():
     assert cuda_plan.make_plan(_spec([32, 64, 64, 16])).resident
-    dlrm = cuda_plan.make_plan(_spec([512, 256, 64, 1]))  # memory bound: one fused pass reads x once
-    assert getattr(dlrm, "design", "") != "wide" and not dlrm.resident
+    silu = cuda_plan.make_plan(_spec([256, 256, 256, 256, 256], ex.silu()))   # a near tie: the one fused kernel
+    assert getattr(silu, "design", "") != "wide" and not silu.resident
+
+
+def test_memory_bound_first_layer_reads_the_fp32_input_in_place():
+    """DLRM's 512 -> 256 first layer: converting the fp32 input costs more than the GEMM, so the default
+    first-layer kernel is a tf32 one reading x in place, and with it the wide design wins."""
+    spec = _spec([512, 256, 64, 1])
+    assert wide_plan.tf32_first_wins(spec)
+    plan = cuda_plan.make_plan(spec)
+    assert plan.design == "wide" and plan.tf32_first and "cost model" in plan.reason
+    assert all(c == wide_plan.DEFAULT_TF32_CHOICE for c in plan.choices[0])
+    assert all(c == wide_plan.DEFAULT_CHOICE for per in plan.choices[1:] for c in per)
+    assert "reads the fp32 input in place (tf32)" in plan.describe()
+    src = codegen.render([spec], with_cuda=True)[f"{spec.name}_cuda.cu"]
+    assert "cudaError_t layer0_tf32(" in src and "pack_weights<Tf32><<<" in src
+    assert "sm90::run<sm90::Tf32Coop128x256, Act0, elem_t, 8>(" in src
+    # the FFN's first layer is compute bound: fp16 after the conversion pass, no fp32 weight copy
+    ffn = wide_plan.make_wide_plan(_spec([768, 3072, 768], ex.gelu_erf()))
+    assert not wide_plan.tf32_first_wins(ffn.spec) and not ffn.tf32_first
+    assert ffn.w0f_offset == ffn.workspace_bytes   # no region
+    # fp16 input, or rows TMA cannot load: never
+    assert not wide_plan.make_wide_plan(_spec([512, 256, 64, 1], io="f16")).tf32_first
+    assert not wide_plan.make_wide_plan(_spec([513, 256, 64, 1])).tf32_first
+
+
+def test_tf32_kernels_only_for_an_in_place_first_layer():
+    spec = _spec([512, 256, 64, 1])
+    nb = len(wide_plan.make_wide_plan(spec).buckets)
+    tf32 = wide_plan.Sm90Choice(wide_plan.TF32_KERNELS[0])
+    with pytest.raises(SpecError, match="kernel choices do not fit"):
+        wide_plan.make_wide_plan(spec, choices=[[wide_plan.DEFAULT_CHOICE] * nb, [tf32] * nb, [wide_plan.DEFAULT_CHOICE] * nb])
+    f16 = _spec([512, 256, 64, 1], io="f16")
+    with pytest.raises(SpecError, match="kernel choices do not fit"):
+        wide_plan.make_wide_plan(f16, choices=[[tf32] * nb] + [[wide_plan.DEFAULT_CHOICE] * nb] * 2)
 
 
 def test_forced_design(monkeypatch):
@@ -72,10 +105,11 @@ def test_activation_not_finite_at_zero_is_refused():
 
 
 # ------------------------------------------------------------------------------------------ layout
-@pytest.mark.parametrize("widths,io", [([768, 3072, 768], "f32"), ([9216, 4096, 4096, 1000], "f32"),
-                                       ([1001, 520, 999], "f16"), ([512, 256, 64, 1], "f32"), ([520, 1000], "f16")])
-def test_layout_regions_are_aligned_disjoint_and_within_the_workspace(widths, io):
-    plan = wide_plan.make_wide_plan(_spec(widths, io=io))
+@pytest.mark.parametrize("widths,io,tuning", [([768, 3072, 768], "f32", False), ([9216, 4096, 4096, 1000], "f32", False),
+                                              ([1001, 520, 999], "f16", False), ([512, 256, 64, 1], "f32", False),
+                                              ([520, 1000], "f16", False), ([768, 3072, 768], "f32", True)])
+def test_layout_regions_are_aligned_disjoint_and_within_the_workspace(widths, io, tuning):
+    plan = wide_plan.make_wide_plan(_spec(widths, io=io), tuning=tuning)
     regions = []
     for g in plan.gemms:
         out_bytes = (2 if io == "f16" else 4) if g.last else 2
@@ -88,6 +122,9 @@ def test_layout_regions_are_aligned_disjoint_and_within_the_workspace(widths, io
         regions.append((plan.xc_offset, mb * plan.gemms[0].kp * 2))
     for i in range(min(2, len(plan.gemms) - 1)):
         regions.append((plan.h_offsets[i], mb * plan.h_width * 2))
+    assert plan.tf32_first == (io == "f32" and (tuning or widths[0] == 512))  # DLRM's: the cost model's choice
+    if plan.tf32_first:  # layer 0's weights again, fp32 [np0][k0]
+        regions.append((plan.w0f_offset, plan.gemms[0].np_ * widths[0] * 4))
     regions.sort()
     for (a, n), (b, _) in zip(regions, regions[1:]):
         assert a % wide_plan.REGION_ALIGN == 0 and a + n <= b
