@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,7 +40,7 @@ def case_spec(name: str, out: Path):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/tune_wide"))
-    ap.add_argument("--cases", default="ffn,head")
+    ap.add_argument("--cases", default="ffn,head,dlrm")
     ap.add_argument("--prebuilt", help="folder with lib<spec name>.so tuning libraries")
     ap.add_argument("--cache", help="build cache (default: $ONNX2FUSED_CACHE or ~/.cache/onnx2fused)")
     ap.add_argument("--reps", type=int, default=wide_tune.REPS)
@@ -49,20 +50,24 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     cache = Path(a.cache) if a.cache else default_cache_dir()
     gpu = wide_tune.current_gpu()
-    for name in a.cases.split(","):
-        spec = case_spec(name, out)
-        if a.print_specs:
+    specs = {name: case_spec(name, out) for name in a.cases.split(",")}
+    if a.print_specs:
+        for name, spec in specs.items():
             print(name, spec.name)
-            continue
-        plan = wide_tune.wide_plan_of(spec)
-        if plan is None:
-            print(f"{name}: not a wide plan, nothing to tune")
-            continue
+        return
+    specs = {name: s for name, s in specs.items() if wide_tune.wide_plan_of(s) is not None or print(
+        f"{name}: not a wide plan, nothing to tune")}
+
+    def tuning_library(spec) -> Path:
         lib = Path(a.prebuilt) / f"lib{spec.name}.so" if a.prebuilt else None
         if lib is None or not lib.is_file():
             lib = build_plugin([spec], with_cuda=True, cache_dir=cache, cpu_enabled={spec.name: False},
                                wide_options={spec.name: {"tuning": True}}, progress=print).path
-        record = wide_tune.run_tuning(lib, wide_plan.make_wide_plan(spec, tuning=True), a.reps)
+        return lib
+    with ThreadPoolExecutor(len(specs) or 1) as pool:   # nvcc jobs of all cases at once; timing one by one
+        libs = dict(zip(specs, pool.map(tuning_library, specs.values())))
+    for name, spec in specs.items():
+        record = wide_tune.run_tuning(libs[name], wide_plan.make_wide_plan(spec, tuning=True), a.reps)
         record["gpu"] = gpu.name if gpu else ""
         text = json.dumps(record, indent=1)
         (out / f"{name}.tune.json").write_text(text)

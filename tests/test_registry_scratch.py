@@ -49,7 +49,7 @@ def test_wide_entry_uses_scratch_and_the_fused_ones_do_not():
 
 
 def test_forced_wide_design_uses_scratch(monkeypatch):
-    spec = _spec([512, 256, 64, 1])
+    spec = _spec([256, 256, 256, 256, 256])  # the streamed kernel by the cost model
     assert _uses_scratch(_registry([spec]), spec) == 0
     monkeypatch.setenv(wide_plan.DESIGN_ENV, "wide")
     assert _uses_scratch(_registry([spec]), spec) == 1
