@@ -140,3 +140,27 @@ def test_register_design_chosen_where_fragments_fit():
     assert cuda_plan.make_plan(_spec([64, 128, 128, 64], "bf16", ex.gelu_erf())).register_activations
     assert not cuda_plan.make_plan(_spec([64, 200, 64], "fp16", ex.relu())).register_activations
     assert not cuda_plan.make_plan(_spec([32, 64, 64, 16], "tf32", ex.relu())).register_activations
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+@pytest.mark.parametrize("tuning", [False, True])
+def test_wide_source_main_part_compiles_with_a_tf32_first_layer(tmp_path, tuning):
+    """Part 0 of the wide design's source (the launchers, the conversion pass, the tf32 in-place first
+    layer, and in the tuning build the timing entries) compiles for sm_90a; the Hopper kernels' own
+    parts are not compiled here (minutes of nvcc each: the GPU tests build them)."""
+    from onnx2fused import build, wide_plan
+    from onnx2fused.headers import find_cutlass_headers
+    try:
+        cutlass = find_cutlass_headers()
+    except Exception as e:  # noqa: BLE001 - no CUTLASS headers: nothing to compile against
+        pytest.skip(str(e))
+    spec = _spec([512, 256, 64, 1], "fp16", ex.relu())   # DLRM: the cost model reads x in place (tf32)
+    plan = wide_plan.make_wide_plan(spec, tuning=tuning)
+    assert plan.tf32_first
+    src = codegen.render([spec], True, {spec.name: False}, {spec.name: {"tuning": tuning}})[f"{spec.name}_cuda.cu"]
+    path = tmp_path / "wide.cu"
+    path.write_text(src)
+    flags = build.wide_nvcc_flags(["-O1", "-std=c++17", "-gencode", "arch=compute_90,code=sm_90"])
+    r = subprocess.run([NVCC, *flags, "-I", str(cutlass.path), "--expt-relaxed-constexpr", "-DO2F_PART=0",
+                        "-c", str(path), "-o", str(tmp_path / "wide.o")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
