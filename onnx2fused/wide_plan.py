@@ -515,9 +515,12 @@ def _sm90_params(plan: WidePlan, act_of: list[str]) -> dict:
     its explicit instantiations for every (activation, output type, alignment) of a GEMM that may run
     it; part 0 is everything else (build.py compiles each part with -DO2F_PART=p, in parallel)."""
     kernels = []
+    # the C++ output type: io_t and elem_t are one type for fp16 kernels on fp16 I/O, and an explicit
+    # instantiation may appear only once
+    same = plan.spec.io_dtype == "f16" and plan.spec.precision == "fp16"
     for part, i in enumerate(plan.sm90_kernels, start=1):
         k = SM90_KERNELS[i]
-        uses = {(act_of[g.index], "io_t" if g.last else "elem_t", g.align_out)
+        uses = {(act_of[g.index], "io_t" if g.last and not same else "elem_t", g.align_out)
                 for g, per in zip(plan.gemms, plan.choices)
                 if g.sm90 and (g.index == 0 or not k.tf32) and (plan.tuning or any(c.kernel == i for c in per))}
         kernels.append({"index": i, "name": k.name, "part": part, "coop": k.stream_k, "tf32": k.tf32,

@@ -309,6 +309,20 @@ def test_rendered_choices_instantiate_only_the_chosen_kernels():
     assert "tuned on H" in plan.describe() and f"{plan.buckets[0]} rows Coop128x128/split_kx4" in plan.choice_text()
 
 
+@pytest.mark.parametrize("io,precision,per_kernel", [("f16", "fp16", 1), ("f16", "bf16", 2), ("f32", "fp16", 2)])
+def test_each_explicit_instantiation_appears_once(io, precision, per_kernel):
+    """fp16 I/O of an fp16 kernel: io_t and elem_t are one C++ type, so a last layer with the hidden
+    layers' activation must not instantiate the same launcher twice (a compile error)."""
+    import re
+    spec = _spec([512, 2048, 512], ex.relu(), precision, io, last=ex.relu())
+    src = codegen.render([spec], with_cuda=True, wide_options={spec.name: {"tuning": True}})[f"{spec.name}_cuda.cu"]
+    lines = re.findall(r"^template cudaError_t run<.*$", src, re.M)
+    assert len(lines) == len(set(lines))
+    sixteen_bit = len(wide_plan.SM90_KERNELS) - len(wide_plan.TF32_KERNELS)
+    tf32 = len(wide_plan.TF32_KERNELS) if io == "f32" else 0   # the first layer's only
+    assert len(lines) == sixteen_bit * per_kernel + tf32
+
+
 def test_tuning_build_holds_every_kernel_and_the_timing_entry():
     spec = _spec([768, 3072, 768], ex.gelu_erf())
     text = codegen.render([spec], with_cuda=True, wide_options={spec.name: {"tuning": True}})[f"{spec.name}_cuda.cu"]
