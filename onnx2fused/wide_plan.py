@@ -139,6 +139,7 @@ SM90_KERNELS: tuple[Sm90Kernel, ...] = (
     Sm90Kernel("Pingpong64x128", "pingpong", (64, 128, 64), (1, 1)),      # few rows: more, shorter tiles
     Sm90Kernel("Coop256x128", "cooperative", (256, 128, 64), (1, 1)),     # few rows, split-K: A read once
     Sm90Kernel("Pingpong128x128C2", "pingpong", (128, 128, 64), (2, 1)),  # B multicast to 2 row tiles
+    Sm90Kernel("Pingpong128x64", "pingpong", (128, 64, 64), (1, 1)),      # narrow layers (DLRM's 256 -> 64)
     Sm90Kernel("Tf32Coop128x256", "cooperative", (128, 256, 32), (1, 1), tf32=True),
     Sm90Kernel("Tf32Pingpong128x128", "pingpong", (128, 128, 32), (1, 1), tf32=True),
 )
@@ -185,6 +186,8 @@ def row_buckets(row_block: int) -> tuple[int, ...]:
     return tuple(b for b in ROW_BUCKETS if b < top) + (top,)
 
 
+NARROW_MAX = 8                  # last-layer outputs that take narrow_layer (DLRM's score, binary heads)
+NARROW_SMEM = 32 * 1024         # its weights as fp32 in shared memory
 SM80_ENV = "ONNX2FUSED_WIDE_KERNELS"   # =sm80 at run time: sm_90 GPUs run the CUTLASS 2.x kernels too
 
 
@@ -202,6 +205,8 @@ class WideGemm:
     src: str          # "x" (the input in place), "xc" (converted input), "h0", "h1"
     dst: str          # "h0", "h1" or "y"
     sm90: bool = True  # output rows are 16-byte multiples, so the sm90a kernel's TMA store can write them
+    narrow: bool = False  # a last layer of at most NARROW_MAX outputs: the template's narrow_layer kernel (a
+                          # thread per row, weights in shared memory), not a tensor-core tile of mostly padding
 
 
 @dataclass(frozen=True)
@@ -316,8 +321,9 @@ def make_wide_plan(spec: MLPSpec, reason: str = "", choices=None, tuning: bool =
         off = round_up(off + np_ * out_bytes, REGION_ALIGN)
         src = ("xc" if convert else "x") if i == 0 else f"h{(i - 1) % 2}"
         dst = "y" if last else f"h{i % 2}"
+        narrow = last and l.out_features <= NARROW_MAX and np_ * kp * 4 <= NARROW_SMEM
         layouts.append(WideGemm(i, l.in_features, l.out_features, kp, np_, last, align, w_off, b_off, src, dst,
-                                np_ * out_bytes % 16 == 0))
+                                np_ * out_bytes % 16 == 0 and not narrow, narrow))
         kp = np_
     n_hbuf = min(2, len(spec.layers) - 1)   # hidden tensors ping-pong between two buffers
     per_row = (kp0 * 2 if convert else 0) + n_hbuf * h_width * 2
@@ -493,7 +499,7 @@ def template_params(plan: WidePlan, acts: list[dict]) -> dict:
         "act_functors": [{"name": name, "code": code} for code, name in functors.items()],
         "gemms": [{"index": g.index, "act": act_of[g.index], "k": g.k, "n": g.n, "kp": g.kp, "np": g.np_, "last": g.last,
                    "align": g.align_out, "w_offset": g.w_offset, "b_offset": g.b_offset,
-                   "src": g.src, "dst": g.dst, "sm90": g.sm90,
+                   "src": g.src, "dst": g.dst, "sm90": g.sm90, "narrow": g.narrow,
                    "choices": [_choice_param(c) for c in per],
                    # the launch arguments after the input (run_chain's names: ws, y, r0)
                    "w_expr": f"reinterpret_cast<const elem_t*>(ws + {g.w_offset})",

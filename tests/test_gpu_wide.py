@@ -42,7 +42,8 @@ CASES = [
     ([1001, 517, 999], "sigmoid"),         # odd: padded K / hidden columns, alignment-1 output epilogue
     ([2048, 8192, 2048], "relu"),
     ([8192, 4096, 1000], "relu"),
-    ([512, 256, 64, 1], "relu"),           # DLRM tower, forced wide; single output column
+    ([512, 256, 64, 1], "relu"),           # DLRM tower: tf32 first layer, single-output narrow last layer
+    ([1000, 520, 3], "tanh"),              # a narrow last layer of 3 outputs, K padded to 520
 ]
 
 

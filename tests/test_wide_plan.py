@@ -69,6 +69,20 @@ def test_memory_bound_first_layer_reads_the_fp32_input_in_place():
     assert not wide_plan.make_wide_plan(_spec([513, 256, 64, 1])).tf32_first
 
 
+@pytest.mark.parametrize("widths,narrow", [([512, 256, 64, 1], True), ([1000, 520, 3], True),
+                                           ([9216, 4096, 4096, 1000], False), ([768, 8], True), ([2048, 8], False)])
+def test_narrow_last_layers_take_the_thread_per_row_kernel(widths, narrow, monkeypatch):
+    """<= 8 outputs (and weights that fit in shared memory as fp32): narrow_layer, never a tensor-core tile."""
+    monkeypatch.setenv(wide_plan.DESIGN_ENV, "wide")
+    spec = _spec(widths)
+    plan = wide_plan.make_wide_plan(spec)
+    last = plan.gemms[-1]
+    assert last.narrow == narrow and not (last.narrow and last.sm90)
+    assert all(not g.narrow for g in plan.gemms[:-1])
+    src = codegen.render([spec], with_cuda=True)[f"{spec.name}_cuda.cu"]
+    assert (f", io_t, {last.np_}, {last.kp}><<<" in src) == narrow
+
+
 def test_tf32_kernels_only_for_an_in_place_first_layer():
     spec = _spec([512, 256, 64, 1])
     nb = len(wide_plan.make_wide_plan(spec).buckets)
