@@ -73,8 +73,9 @@ NOMINAL_ROWS = 16384            # the batch the compile-time decision is made fo
 TC_FLOPS = 660e12
 HBM_BPS = 3.0e12
 L2_BPS = 8.0e12                 # streamed weights are re-read from L2 once per row tile
-LAUNCH_S = 10e-6                # a GEMM's fixed cost: the tuning runs measured >= 11 us even for the smallest
-                                # GEMMs (host-side CUTLASS setup + launch, once per GEMM and pass)
+LAUNCH_S = 3e-6                 # a kernel's fixed GPU time (prologue, pipeline fill, tail)
+HOST_LAUNCH_S = 8e-6            # a CUTLASS GEMM's host-side setup + launch: back to back, the tuning runs
+                                # time the smallest GEMMs at >= 8 us; a chain of short GEMMs is host bound
 WIDE_GEMM_EFF = 0.78            # the tuned CUTLASS 3.x GEMMs, fraction of TC_FLOPS: measured on the H100
                                 # (RESULTS.md): FFN 768->3072 GELU 0.78, 3072->768 1.0, head 9216->4096 0.97
 TF32_FLOPS = TC_FLOPS / 2       # tf32 wgmma: half the fp16 rate
@@ -304,8 +305,7 @@ def make_wide_plan(spec: MLPSpec, reason: str = "", choices=None, tuning: bool =
     out_bytes_last = io_bytes
     k0 = spec.layers[0].in_features
     kp0 = round_up(k0, ALIGN)
-    # fp16 input of an fp16 kernel with aligned rows is already the GEMM's A operand
-    convert = not (spec.io_dtype == "f16" and spec.precision == "fp16" and kp0 == k0)
+    convert = _converts(spec)  # fp16 input of an fp16 kernel with aligned rows is already the GEMM's A operand
     off = 0
     kp = kp0
     hidden = [round_up(l.out_features, ALIGN) for l in spec.layers[:-1]]
@@ -379,8 +379,14 @@ def _first_layer_seconds(spec: MLPSpec, rows: int, tf32: bool) -> float:
     if tf32:
         return _gemm_seconds(rows, l.in_features, n, 4, 4, out, TF32_FLOPS)
     k = round_up(l.in_features, ALIGN)
-    conversion = (rows * l.in_features * io + rows * k * 2) / HBM_BPS + LAUNCH_S
+    conversion = (rows * l.in_features * io + rows * k * 2) / HBM_BPS + LAUNCH_S if _converts(spec) else 0.0
     return conversion + _gemm_seconds(rows, k, n, 2, 2, out, TC_FLOPS)
+
+
+def _converts(spec: MLPSpec) -> bool:
+    """Whether the 16-bit path needs the conversion pass (make_wide_plan's convert_input)."""
+    k0 = spec.layers[0].in_features
+    return not (spec.io_dtype == "f16" and spec.precision == "fp16" and round_up(k0, ALIGN) == k0)
 
 
 def tf32_eligible(spec: MLPSpec) -> bool:
@@ -395,18 +401,20 @@ def tf32_first_wins(spec: MLPSpec, rows: int = NOMINAL_ROWS) -> bool:
 
 
 def estimate_wide(spec: MLPSpec, rows: int = NOMINAL_ROWS) -> float:
-    """Seconds: each GEMM at max(compute, HBM traffic) plus a launch; the first layer as the cheaper of
-    the tf32 in-place read and the conversion pass (where the tf32 kernels apply)."""
+    """Seconds: each GEMM at max(compute, HBM traffic) plus its fixed GPU time, the first layer as the
+    cheaper of the tf32 in-place read and the conversion pass (where the tf32 kernels apply); at least
+    the host's time to launch them all."""
     io = 2 if spec.io_dtype == "f16" else 4
     first = _first_layer_seconds(spec, rows, False)
-    if tf32_eligible(spec):
-        first = min(first, _first_layer_seconds(spec, rows, True))
+    launches = len(spec.layers) + _converts(spec)       # one kernel per layer, and the conversion pass
+    if tf32_eligible(spec) and _first_layer_seconds(spec, rows, True) < first:
+        first, launches = _first_layer_seconds(spec, rows, True), len(spec.layers)
     t = first
     for i, l in enumerate(spec.layers[1:], start=1):
         last = i == len(spec.layers) - 1
         k, n = round_up(l.in_features, ALIGN), l.out_features if last else round_up(l.out_features, ALIGN)
         t += _gemm_seconds(rows, k, n, 2, 2, io if last else 2, TC_FLOPS)
-    return t
+    return max(t, launches * HOST_LAUNCH_S)   # the GPU's time, or the host's when the kernels are short
 
 
 def estimate_streamed(spec: MLPSpec, streamed_plan, rows: int = NOMINAL_ROWS) -> float:
