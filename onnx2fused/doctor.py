@@ -8,6 +8,8 @@ Checks (each: ok / warn / missing, a one-line summary, and a one-line fix when n
   onnxruntime version, distribution (onnxruntime or onnxruntime-gpu) and providers (required)
   headers     the ONNX Runtime C/C++ headers, looked up without fetching (required, or fetchable)
   cache       the build cache folder, and whether it is writable (required)
+  tuning      the wide design's per-GPU kernel search: on (a Hopper GPU), off (ONNX2FUSED_TUNE=0) or
+              not applicable here, and how many choices the cache holds (informational)
 
 Exit status: 0 when a CPU conversion is possible here (cxx, onnxruntime, headers found or fetchable with
 apt-get, writable cache); 1 otherwise. GPU and nvcc gaps are warnings: they only cost the CUDA kernels.
@@ -63,7 +65,7 @@ def conversion_possible(checks: list[Check]) -> bool:
 
 def run_checks(cache_dir=None) -> list[Check]:
     return [check_python(), check_cxx(), check_nvcc(), check_gpu(), check_onnxruntime(),
-            check_headers(cache_dir), check_cache(cache_dir)]
+            check_headers(cache_dir), check_cache(cache_dir), check_tuning(cache_dir)]
 
 
 def format_checks(checks: list[Check], ok: bool) -> str:
@@ -263,3 +265,21 @@ def check_cache(cache_dir=None) -> Check:
         return Check("cache", MISSING, f"{d}{state} is not writable",
                      "set ONNX2FUSED_CACHE (or --cache-dir) to a writable folder", data)
     return Check("cache", OK, f"{d}{state}, writable", None, data)
+
+
+def check_tuning(cache_dir=None) -> Check:
+    """Whether wide chains get their kernels measured on this GPU at build time (onnx2fused/wide_tune.py)."""
+    from . import wide_tune
+    from .headers import default_cache_dir
+    d = (Path(cache_dir).expanduser() if cache_dir else default_cache_dir()) / "tune"
+    cached = sorted(p.name for p in d.glob("*.json")) if d.is_dir() else []
+    gpu = wide_tune.current_gpu()
+    data = {"enabled": wide_tune.tuning_enabled(), "gpu": gpu.name if gpu else None, "cached": len(cached)}
+    if not wide_tune.tuning_enabled():
+        summary = f"off ({wide_tune.TUNE_ENV}=0): wide chains use the default kernels"
+    elif gpu is None or gpu.cc != 90:
+        why = f"{gpu.name} is not a Hopper GPU" if gpu else "no GPU"
+        summary = f"not applicable ({why}): wide chains use the default kernels"
+    else:
+        summary = f"on: wide chains are tuned on {gpu.name} at their first build"
+    return Check("tuning", OK, f"{summary}; {len(cached)} choice(s) cached in {d}", None, data)

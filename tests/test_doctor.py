@@ -30,7 +30,7 @@ def test_json_reports_this_host(tmp_path):
     p = cli("--json", "--cache-dir", tmp_path / "cache")
     r = json.loads(p.stdout)
     checks = by_name(r["checks"])
-    assert set(checks) == {"python", "cxx", "nvcc", "gpu", "onnxruntime", "headers", "cache"}
+    assert set(checks) == {"python", "cxx", "nvcc", "gpu", "onnxruntime", "headers", "cache", "tuning"}
     assert p.returncode == (0 if r["cpu_conversion_possible"] else 1)
     for c in r["checks"]:
         assert c["status"] in ("ok", "warn", "missing")
@@ -138,3 +138,23 @@ def test_gpu_from_nvidia_smi(monkeypatch, tmp_path):
     smi.write_text("#!/bin/sh\necho 'Tesla T4, 7.5, 535.0, 15360 MiB'\n")
     c = doctor.check_gpu()
     assert c.status == "warn" and "8.0" in c.summary and c.fix
+
+
+@pytest.mark.parametrize("gpu,env,want", [
+    (("NVIDIA H100 80GB HBM3", 90), None, "on: wide chains are tuned on NVIDIA H100 80GB HBM3"),
+    (("NVIDIA H100 80GB HBM3", 90), "0", "off (ONNX2FUSED_TUNE=0)"),
+    (("NVIDIA A100-SXM4-80GB", 80), None, "not applicable (NVIDIA A100-SXM4-80GB is not a Hopper GPU)"),
+    (None, None, "not applicable (no GPU)"),
+])
+def test_tuning_line(monkeypatch, tmp_path, gpu, env, want):
+    from onnx2fused import wide_tune
+    monkeypatch.setattr(wide_tune, "current_gpu", lambda: wide_tune.Gpu(*gpu) if gpu else None)
+    if env is None:
+        monkeypatch.delenv(wide_tune.TUNE_ENV, raising=False)
+    else:
+        monkeypatch.setenv(wide_tune.TUNE_ENV, env)
+    (tmp_path / "tune").mkdir()
+    (tmp_path / "tune" / "FusedMLP_x-NVIDIA-H100-sm90.json").write_text("{}")
+    c = doctor.check_tuning(tmp_path)
+    assert c.status == "ok" and c.summary.startswith(want), c.summary
+    assert c.summary.endswith(f"1 choice(s) cached in {tmp_path / 'tune'}") and c.data["cached"] == 1
