@@ -13,7 +13,12 @@ is `LinearCombinationGeneric` over a generated activation functor (the layer's e
 The plugin gives a kernel no per-run allocator (ort_plugin/plugin.cc allocates one workspace per device,
 once), so the intermediates live in that workspace, sized for MB rows ("row block"); a call loops over
 row blocks on the stream: no cudaMalloc, no synchronisation, capturable in a CUDA graph. Runs of one
-kernel share the workspace, which is safe because ORT issues them on the session's one compute stream.
+kernel share the workspace: the registry marks the kernel (`cuda_uses_scratch`) and the plugin orders
+runs that come on different streams.
+
+tf32 first layer: where converting an fp32 input costs more than the first GEMM (`tf32_first_wins`:
+DLRM's 512 -> 256), that GEMM reads x in place with a tf32 kernel (TF32_KERNELS) and an fp32 copy of its
+weights; no conversion pass. Narrow last layer (<= NARROW_MAX outputs): a thread-per-row kernel.
 
 Padding: K of every GEMM and the widths of the hidden tensors are rounded up to 8 (16-byte vectors).
 Padded weight entries and biases are zero, so a padded hidden column holds act(0), and the next layer
@@ -45,7 +50,8 @@ The choices are DEFAULT_CHOICE unless wide_tune.py measured better ones on the G
 for (a "tuning build" holds every kernel and times each candidate on each GEMM and bucket).
 
 Cost model (`estimate_*`): seconds at NOMINAL_ROWS rows from a roofline with a fixed efficiency per
-design; its constants are H100 figures and are assumptions until calibrated on the GPU.
+design, calibrated on the H100 (benchmarks/RESULTS.md, fourth run): the tuned GEMMs' efficiency, a
+kernel's fixed GPU time and a CUTLASS launch's host time (a chain of short GEMMs is host bound).
 """
 from __future__ import annotations
 
