@@ -91,6 +91,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     i.add_argument("--precision", choices=["fp16", "bf16", "tf32", "fp32"], default="fp16",
                    help="precision of the CUDA plan shown (default fp16)")
     i.add_argument("--json", action="store_true", help="print JSON")
+    i.add_argument("--cache-dir", metavar="DIR", help="build cache whose tuned wide kernels to show "
+                                                     "(default $ONNX2FUSED_CACHE or ~/.cache/onnx2fused)")
 
     argv = sys.argv[1:] if argv is None else argv
     chosen = _command_of(argv)
@@ -119,7 +121,7 @@ def _convert(args) -> int:
 
 def _inspect(args) -> int:
     from .convert import inspect
-    result = inspect(args.input, precision=args.precision)
+    result = inspect(args.input, precision=args.precision, cache_dir=args.cache_dir)
     if args.json:
         print(json.dumps(result.to_dict(), indent=1))
     else:

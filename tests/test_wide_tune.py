@@ -141,3 +141,27 @@ def test_current_gpu_without_a_driver_is_none(monkeypatch):
         assert wide_tune.current_gpu() is None and wide_tune.tunable_gpu() is None
     finally:
         wide_tune.current_gpu.cache_clear()
+
+
+def test_inspect_shows_the_kernels_tuned_for_this_gpu(tmp_path, gpu, monkeypatch, capsys):
+    """`onnx2fused inspect --cache-dir D`: the wide chain's plan names the GPU its kernels were tuned on
+    and the kernel per layer and row bucket; without a stored choice, the defaults."""
+    import onnx
+
+    from onnx2fused import cli, passes
+    from onnx2fused.loader import load_model
+    from onnx_builders import mlp
+    path = tmp_path / "ffn.onnx"
+    onnx.save(mlp([768, 3072, 768]), str(path))
+    spec = passes.find_chains(load_model(str(path))).chains[0].to_spec("fp16")
+    assert wide_tune.wide_plan_of(spec) is not None
+
+    def inspect_text():
+        assert cli.main(["inspect", str(path), "--cache-dir", str(tmp_path / "cache")]) == 0
+        return capsys.readouterr().out
+    assert "default kernels (not tuned)" in inspect_text()
+    fake = FakeTuning(fast=6, ms=0.5)
+    monkeypatch.setattr(wide_tune, "run_tuning", fake.run)
+    wide_tune.resolve([spec], tmp_path / "cache", fake.build, lambda s: None)
+    text = inspect_text()
+    assert f"kernels tuned on {H100.name}" in text and "16384 rows Coop128x128/data_parallel" in text
