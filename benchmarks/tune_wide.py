@@ -68,13 +68,11 @@ def main():
         libs = dict(zip(specs, pool.map(tuning_library, specs.values())))
     for name, spec in specs.items():
         record = wide_tune.run_tuning(libs[name], wide_plan.make_wide_plan(spec, tuning=True), a.reps)
-        record["gpu"] = gpu.name if gpu else ""
-        text = json.dumps(record, indent=1)
-        (out / f"{name}.tune.json").write_text(text)
         if gpu:
-            path = wide_tune.cache_file(cache, spec, gpu)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(text)
+            wide_tune.store_record(cache, spec, gpu, record)   # where convert looks for it
+        else:
+            record["gpu"] = ""
+        (out / f"{name}.tune.json").write_text(json.dumps(record, indent=1))
         print(f"== {name} ({spec.name}) on {record['gpu']}")
         print(f"{'layer':>5} {'rows':>6} {'default ms':>10} {'best ms':>8} {'gain':>6}  chosen / fastest")
         for g, per in enumerate(record["timings"]):

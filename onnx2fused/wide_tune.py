@@ -110,11 +110,26 @@ def cached_options(spec: MLPSpec, cache: Path) -> dict | None:
     gpu, plan = tunable_gpu(), wide_plan_of(spec)
     if gpu is None or plan is None:
         return None
+    return _stored_options(plan, cache, gpu)
+
+
+def _stored_options(plan: wide_plan.WidePlan, cache: Path, gpu: Gpu) -> dict | None:
     try:
-        record = json.loads(cache_file(cache, spec, gpu).read_text())
+        record = json.loads(cache_file(cache, plan.spec, gpu).read_text())
     except (OSError, ValueError):
         return None
     return _options(plan, record, gpu) if isinstance(record, dict) else None
+
+
+def store_record(cache: Path, spec: MLPSpec, gpu: Gpu, record: dict) -> Path:
+    """Writes a tuning record (marked with the GPU) where builds look for it, atomically; OSError if not."""
+    record["gpu"] = gpu.name
+    path = cache_file(cache, spec, gpu)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(record, indent=1))
+    os.replace(tmp, path)
+    return path
 
 
 class TuneError(RuntimeError):
@@ -191,7 +206,7 @@ def resolve(specs, cache: Path, build: Callable, say: Callable[[str], None]) -> 
         plan = wide_plan_of(spec)
         if plan is None or not any(g.sm90 for g in plan.gemms):
             continue
-        cached = cached_options(spec, cache)
+        cached = _stored_options(plan, cache, gpu)
         if cached:
             out[spec.name] = cached
             continue
@@ -203,15 +218,10 @@ def resolve(specs, cache: Path, build: Callable, say: Callable[[str], None]) -> 
             say(f"tuning {spec.name} failed ({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
                 "using the default kernels")
             continue
-        record["gpu"] = gpu.name
-        path = cache_file(cache, spec, gpu)
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text(json.dumps(record, indent=1))
-            os.replace(tmp, path)
+            store_record(cache, spec, gpu, record)
         except OSError as e:
-            say(f"cannot store the tuning result in {path}: {e}")
+            say(f"cannot store the tuning result in {cache_file(cache, spec, gpu)}: {e}")
         options = _options(plan, record, gpu)
         if options:
             out[spec.name] = options
