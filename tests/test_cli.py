@@ -164,15 +164,22 @@ def test_help_and_unknown_command():
     assert p.returncode == 2
 
 
+def _fake_hook(monkeypatch, module: str, status: int) -> dict:
+    """Installs a stand-in hook module (add_arguments takes a `model`, main records it and returns
+    `status`); returns the dict main records into."""
+    calls = {}
+    mod = types.ModuleType(module)
+    mod.__spec__ = importlib.machinery.ModuleSpec(module, None)
+    mod.add_arguments = lambda parser: parser.add_argument("model")
+    mod.main = lambda args: calls.setdefault("model", args.model) and status
+    monkeypatch.setitem(sys.modules, module, mod)
+    return calls
+
+
 def test_bench_hook_in_process(monkeypatch, capsys):
     """A module onnx2fused.bench with add_arguments/main becomes the `bench` subcommand."""
     from onnx2fused import cli as cli_mod
-    calls = {}
-    mod = types.ModuleType("onnx2fused.bench")
-    mod.__spec__ = importlib.machinery.ModuleSpec("onnx2fused.bench", None)
-    mod.add_arguments = lambda parser: parser.add_argument("model")
-    mod.main = lambda args: calls.setdefault("model", args.model) and 7
-    monkeypatch.setitem(sys.modules, "onnx2fused.bench", mod)
+    calls = _fake_hook(monkeypatch, "onnx2fused.bench", 7)
     assert cli_mod.main(["bench", "m.onnx"]) == 7 and calls == {"model": "m.onnx"}
     monkeypatch.delitem(sys.modules, "onnx2fused.bench")
     if not cli_mod._hook_available("bench"):
@@ -186,12 +193,7 @@ def test_hyphenated_hook_maps_to_its_module(monkeypatch):
     from onnx2fused import cli as cli_mod
     assert cli_mod._hook_module("export-triton") == "onnx2fused.triton"
     assert cli_mod._hook_module("doctor") == "onnx2fused.doctor"
-    calls = {}
-    mod = types.ModuleType("onnx2fused.triton")
-    mod.__spec__ = importlib.machinery.ModuleSpec("onnx2fused.triton", None)
-    mod.add_arguments = lambda parser: parser.add_argument("model")
-    mod.main = lambda args: calls.setdefault("model", args.model) and 3
-    monkeypatch.setitem(sys.modules, "onnx2fused.triton", mod)
+    calls = _fake_hook(monkeypatch, "onnx2fused.triton", 3)
     assert cli_mod.main(["export-triton", "m.onnx"]) == 3 and calls == {"model": "m.onnx"}
 
 

@@ -9,7 +9,6 @@ on GPU 0 and GPU 1 at once (skipped with fewer than 2 GPUs).
 from __future__ import annotations
 
 import shutil
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +25,7 @@ from onnx2fused.build import find_nvcc  # noqa: E402
 from onnx2fused.session import plugin_path  # noqa: E402
 
 from onnx_builders import mlp  # noqa: E402
+from thread_support import run_threads  # noqa: E402
 
 if find_nvcc() is None:
     pytest.skip("nvcc not found: the CUDA kernels cannot be built", allow_module_level=True)
@@ -151,11 +151,7 @@ def test_one_session_eight_threads_two_hundred_runs(converted):
             if y.shape != refs[t][r].shape or rel_l2(y, refs[t][r]) > TOL["fp16"]:
                 bad.append(f"thread {t} run {r}")
 
-    threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_threads(work, [(t,) for t in range(8)])
     assert not bad, bad[:10]
 
 
@@ -195,11 +191,7 @@ def test_wide_design_one_session_eight_threads(wide_converted):
             if y.shape != ref.shape or not np.abs(y - ref).max() <= 1e-2 * np.abs(ref).max():
                 bad.append(f"thread {t} run {r} ({len(x)} rows)")
 
-    threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_threads(work, [(t,) for t in range(8)])
     assert not bad, bad[:10]
 
 
@@ -215,11 +207,7 @@ def _run_concurrently(jobs) -> list[str]:
             if rel_l2(sess.run(None, {"x": x})[0], stock(src, x)) > TOL["fp16"]:
                 bad.append(f"{src.name} seed {seed} run {r}")
 
-    threads = [threading.Thread(target=work, args=job) for job in jobs]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_threads(work, jobs)
     return bad
 
 

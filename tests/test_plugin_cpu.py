@@ -1,7 +1,6 @@
 """The CPU plugin end to end: build, load into stock onnxruntime, compare with the numpy reference."""
 from __future__ import annotations
 
-import threading
 
 import numpy as np
 import pytest
@@ -12,6 +11,7 @@ from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 from onnx2fused import expr as ex  # noqa: E402
 from onnx2fused.build import build_plugin  # noqa: E402
 from onnx2fused.spec import LayerSpec, MLPSpec  # noqa: E402
+from thread_support import run_threads  # noqa: E402
 
 
 def mlp(widths, acts, bias=True, io="f32") -> MLPSpec:
@@ -177,11 +177,7 @@ def test_concurrent_runs_on_one_session(library):
         for _ in range(5):
             out[i] = sess.run(None, {"X": xs[i]})[0]
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_threads(work, [(i,) for i in range(8)])
     for i, x in enumerate(xs):
         check(spec, out[i], reference(spec, ws, bs, x))
 

@@ -15,7 +15,6 @@ import os
 import shutil
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +32,7 @@ from onnx2fused.errors import ValidationError  # noqa: E402
 from onnx2fused.passes import find_chains  # noqa: E402
 
 from onnx_builders import G, mlp, run  # noqa: E402
+from thread_support import run_threads  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "models"
@@ -396,11 +396,7 @@ def test_one_session_eight_threads_two_hundred_runs(converted):
             if y.shape != refs[t][r].shape or not np.allclose(y, refs[t][r], rtol=1e-4, atol=1e-5):
                 bad.append(f"thread {t} run {r}")
 
-    threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_threads(work, [(t,) for t in range(8)])
     assert not bad, bad[:10]
 
 
@@ -419,11 +415,7 @@ def test_two_models_two_libraries_one_process_concurrently(converted):
             if not np.allclose(sessions[name].run(None, {"x": x})[0], stock(src, {"x": x})[0], rtol=1e-4, atol=1e-5):
                 bad.append(f"{name} run {r}")
 
-    threads = [threading.Thread(target=work, args=(n, s)) for s, n in enumerate(["relu", "tanh"] * 2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_threads(work, [(n, s) for s, n in enumerate(["relu", "tanh"] * 2)])
     assert not bad, bad
 
 
