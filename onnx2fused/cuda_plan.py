@@ -20,6 +20,13 @@ Two designs, chosen per spec:
             are compiled: "tall" tiles (many rows: weights re-read from L2 once per 128 rows) for
             large batches and "short" tiles (32 rows, warps split the columns) for small ones; the
             launcher picks by the batch size.
+            FFN-shaped pairs: where a wide layer i (more than one chunk of columns) feeds a layer i+1
+            whose output fits one chunk, the pair runs as one loop over HC-column blocks of layer i's
+            output: each block (bias + activation) goes to a small BM x HC buffer H and is multiplied
+            at once into layer i+1's accumulators, which stay in registers across all the blocks. The
+            wide hidden tensor never exists in full, so the A/B buffers only hold the narrow ones and
+            tall tiles fit. Chunk sequence of a pair, per block hb: layer i's k-chunks of column
+            block hb, then layer i+1's k-chunks of features [hb*HC, (hb+1)*HC).
 
 Widths are padded to the tile (K to a multiple of KC, N to a multiple of NC); padding columns of the
 activations are written as zeros, so padded weights (zeros) never multiply garbage.
@@ -120,6 +127,7 @@ class CudaPlan:
     width_a: int = 0
     width_b: int = 0
     variants: tuple[Variant, ...] = field(default_factory=tuple)
+    pairs: tuple[int, ...] = ()  # first layers i of the fused (i, i+1) pairs; H is BM x hidden_ld (+ pad)
 
     @property
     def weight_elems(self) -> int:
@@ -137,27 +145,39 @@ class CudaPlan:
     def total_chunks(self) -> int:
         return sum(l.n_chunks for l in self.layers)
 
+    @property
+    def hidden_ld(self) -> int:
+        """Columns of the hidden-block buffer H (the widest block of any pair; 0 without pairs)."""
+        return max((self.layers[i].nc for i in self.pairs), default=0)
+
     def describe(self) -> str:
         if self.resident:
             pf = ", next input prefetched" if self.prefetch_vectors else ""
             regs = ", activations in registers" if self.register_activations else ""
             return (f"resident weights, {self.warps} warps x {16 * self.mt} rows, {self.smem_bytes // 1024} KB smem"
                     f"{regs}{pf}")
-        return "streamed weights, " + ", ".join(f"{v.name} {v.bm}-row tiles ({v.smem_bytes // 1024} KB)" for v in self.variants)
+        pairs = "".join(f"hidden {self.layers[i].n} in {self.layers[i].nc}-column blocks straight into layer {i + 2}, "
+                        for i in self.pairs)  # layers counted from 1, as in the model
+        return ("streamed weights, " + pairs
+                + ", ".join(f"{v.name} {v.bm}-row tiles ({v.smem_bytes // 1024} KB)" for v in self.variants))
 
 
-def _layer_plans(spec: MLPSpec, nc_of, kc_max: int = KC_MAX) -> list[LayerPlan]:
+def _layer_plans(spec: MLPSpec, nc_of, kc_max: int = KC_MAX, hidden_blocks: dict[int, int] | None = None) -> list[LayerPlan]:
     """Chunk shapes per layer. A layer's padded input width is exactly the padded output width of the
-    layer before (the columns that layer writes, zeros included), so no unwritten column is ever read."""
+    layer before (the columns that layer writes, zeros included), so no unwritten column is ever read.
+    `hidden_blocks` {i: HC}: layer i of a fused pair is built HC columns at a time (its chunk width),
+    and layer i+1's chunk depth divides HC, so each of its k-chunks lies within one hidden block."""
+    hidden_blocks = hidden_blocks or {}
     plans, chunk, w_off, b_off = [], 0, 0, 0
     kp = None
     for i, l in enumerate(spec.layers):
+        block = hidden_blocks.get(i - 1, 0)
         if kp is None:
             kc = min(round_up(l.in_features, 16), kc_max)
             kp = round_up(l.in_features, kc)
         else:
-            kc = next(c for c in (kc_max, 48, 32, 16) if c <= kc_max and kp % c == 0)
-        nc = nc_of(l.out_features)
+            kc = next(c for c in (kc_max, 48, 32, 16) if c <= kc_max and kp % c == 0 and (not block or block % c == 0))
+        nc = hidden_blocks.get(i) or nc_of(l.out_features)
         p = LayerPlan(i, l.in_features, l.out_features, kc, nc, kp,
                       round_up(l.out_features, nc), chunk, w_off, b_off, row_pad(spec))
         kp = p.np_
@@ -270,39 +290,74 @@ def _tiling(bm: int, warps: int, nc: int, prefer_rows: bool, max_acc: int = 128)
     return best[1]
 
 
+PAIR_ACC_MAX = 160  # fp32 accumulators per lane of a fused pair: layer i+1's whole chunk plus one hidden block
+
+
+def _hidden_blocks(spec: MLPSpec) -> dict[int, int]:
+    """{i: HC} for the FFN-shaped pairs (i, i+1) the streamed design fuses: layer i wider than one chunk,
+    layer i+1 within one (its accumulators then stay in registers across layer i's column blocks). HC is
+    64 when layer i+1 is over 128 wide, else 128, so both accumulators fit PAIR_ACC_MAX. A pair's second
+    layer is narrow, so it never heads a pair itself: pairs cannot overlap."""
+    widths = [round_up(l.out_features, 16) for l in spec.layers]
+    blocks = {}
+    for i in range(len(widths) - 1):
+        if widths[i] > NC_STREAMED_MAX and widths[i + 1] <= NC_STREAMED_MAX and i - 1 not in blocks:
+            blocks[i] = 64 if widths[i + 1] > 128 else 128
+    return blocks
+
+
+def _variant_tilings(layers: list[LayerPlan], pairs: tuple[int, ...], bm: int, warps: int,
+                     prefer_rows: bool) -> tuple[WarpTiling, ...]:
+    """Warp tilings per layer. In a pair, layer i+1's accumulators are live through layer i's, so layer i
+    gets what is left of PAIR_ACC_MAX."""
+    tilings = [_tiling(bm, warps, l.nc, prefer_rows) for l in layers]
+    for i in pairs:
+        t = tilings[i + 1]
+        tilings[i] = _tiling(bm, warps, layers[i].nc, prefer_rows, max_acc=PAIR_ACC_MAX - t.mt * t.nt8 * 4)
+    return tuple(tilings)
+
+
 def _streamed_plan(spec: MLPSpec, smem_limit: int, kc_max: int = KC_MAX, tall_rows: tuple[int, ...] = (128, 64),
-                   stages_choices: tuple[int, ...] = (3, 2)) -> CudaPlan:
-    layers = _layer_plans(spec, _streamed_nc, kc_max)
-    wa = max(l.kp for l in layers[0::2])
-    wb = max((l.kp for l in layers[1::2]), default=0)
+                   stages_choices: tuple[int, ...] = (3, 2), pair_hidden: bool = True) -> CudaPlan:
+    """`pair_hidden`: fuse the FFN-shaped pairs (see _hidden_blocks); False keeps every layer's output in
+    the A/B buffers (benchmarks and tests compare the two)."""
+    blocks = _hidden_blocks(spec) if pair_hidden else {}
+    layers = _layer_plans(spec, _streamed_nc, kc_max, blocks)
+    pairs = tuple(sorted(blocks))
+    # A holds the inputs of even layers, B of odd ones; a pair's second layer reads H instead.
+    seconds = {i + 1 for i in pairs}
+    wa = max(l.kp for l in layers[0::2] if l.index not in seconds)
+    wb = max((l.kp for l in layers[1::2] if l.index not in seconds), default=0)
+    hc = max((layers[i].nc for i in pairs), default=0)
     bias = sum(l.np_ for l in layers) * 4
     eb, pad = elem_bytes(spec), row_pad(spec)
     slot = max(l.chunk_elems for l in layers) * eb
+    row_elems = sum(w + pad for w in (wa, wb, hc) if w)  # one tile row in A, B and H
     variants = []
     for name, bms, warps, prefer_rows in (("tall_tiles", tall_rows, 8, True), ("short_tiles", (32, 16), 8, False)):
         for bm in bms:
             for stages in stages_choices:
-                smem = bias + stages * slot + bm * ((wa + pad) + ((wb + pad) if wb else 0)) * eb
+                smem = bias + stages * slot + bm * row_elems * eb
                 if smem <= smem_limit:
-                    tilings = tuple(_tiling(bm, warps, l.nc, prefer_rows) for l in layers)
-                    variants.append(Variant(name, bm, warps, stages, tilings, smem))
+                    variants.append(Variant(name, bm, warps, stages,
+                                            _variant_tilings(layers, pairs, bm, warps, prefer_rows), smem))
                     break
             else:
                 continue
             break
     if not variants:
-        need = bias + 2 * slot + 16 * ((wa + pad) + (wb + pad)) * eb
+        need = bias + 2 * slot + 16 * row_elems * eb
         raise SpecError(f"{spec.describe()}: even a 16-row tile needs {need // 1024} KB of shared memory "
                         f"(over {smem_limit // 1024} KB); use --precision fp32 or split the chain")
     if len(variants) == 2 and variants[0].bm == variants[1].bm:
         variants = variants[:1]
-    return CudaPlan(spec, tuple(layers), False, width_a=wa, width_b=wb, variants=tuple(variants))
+    return CudaPlan(spec, tuple(layers), False, width_a=wa, width_b=wb, variants=tuple(variants), pairs=pairs)
 
 
 def make_plan(spec: MLPSpec, smem_limit: int = SMEM_LIMIT, **options) -> CudaPlan:
     """`options` override the designs' heuristics, for benchmarks/kernel_check.py, which times the
     alternatives: the resident design's (mt, warp_choices, prefetch, register_activations), with a
-    `streamed_` prefix, the streamed design's (kc_max, tall_rows, stages_choices), and with a `wide_`
+    `streamed_` prefix, the streamed design's (kc_max, tall_rows, stages_choices, pair_hidden), and with a `wide_`
     prefix the wide design's (choices, tuning, tuned_on: wide_plan.make_wide_plan)."""
     streamed_options = {k[len("streamed_"):]: v for k, v in options.items() if k.startswith("streamed_")}
     wide_options = {k[len("wide_"):]: v for k, v in options.items() if k.startswith("wide_")}
@@ -321,14 +376,16 @@ def make_plan(spec: MLPSpec, smem_limit: int = SMEM_LIMIT, **options) -> CudaPla
 def _layer_params(spec: MLPSpec, plan: CudaPlan) -> list[dict]:
     out = []
     for l in plan.layers:
-        src = "A" if (plan.resident or l.index % 2 == 0) else "B"
-        dst = "A" if (plan.resident or l.index % 2 == 1) else "B"
+        # A pair's first layer writes H instead of dst; its second reads H instead of src.
+        src = "H" if l.index - 1 in plan.pairs else "A" if (plan.resident or l.index % 2 == 0) else "B"
+        dst = "H" if l.index in plan.pairs else "A" if (plan.resident or l.index % 2 == 1) else "B"
         out.append({
             "index": l.index, "k": l.k, "n": l.n, "kc": l.kc, "nc": l.nc, "kp": l.kp, "np": l.np_,
             "n_kchunks": l.n_kchunks, "n_nchunks": l.n_nchunks, "n_chunks": l.n_chunks,
             "chunk_elems": l.chunk_elems, "chunk_first": l.chunk_first, "chunk_end": l.chunk_first + l.n_chunks,
             "w_offset": l.w_offset, "b_offset": l.b_offset, "src": src, "dst": dst,
             "last": l.index == len(plan.layers) - 1,
+            "pair_first": l.index in plan.pairs, "pair_second": l.index - 1 in plan.pairs,
         })
     return out
 
@@ -387,7 +444,7 @@ def template_params(spec: MLPSpec, **plan_options) -> dict:
         "warps": plan.warps, "mt": plan.mt, "act_ld": plan.act_ld, "smem_bytes": plan.smem_bytes,
         "prefetch_vectors": plan.prefetch_vectors,
         "register_activations": plan.register_activations,
-        "width_a": plan.width_a, "width_b": plan.width_b,
+        "width_a": plan.width_a, "width_b": plan.width_b, "hidden_ld": plan.hidden_ld,
         "variants": [
             {"name": v.name, "bm": v.bm, "warps": v.warps, "stages": v.stages, "smem_bytes": v.smem_bytes,
              "tilings": [{"wm": t.wm, "wn": t.wn, "mt": t.mt, "nt8": t.nt8} for t in v.tilings]}
