@@ -2,7 +2,7 @@
 and the fused model (onnx2fused convert, fp16), all through ORT with device-resident I/O (IOBinding).
 
     python benchmarks/wide_cases.py [--out build/bench/wide] [--reps 100] [--cases ffn,head,dlrm]
-                                    [--design auto|wide|streamed] [--kernels both|sm90|sm80]
+                                    [--design auto|wide|streamed] [--kernels both|sm90|sm80] [--tail auto|off]
 
 Cases (issue 5 targets, H100):
     ffn   768 -> 3072 -> 768, GELU,  input [64, 256, 768] (16384 rows)   >= 1.3x ORT fp16, >= 4x ORT fp32
@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from onnx2fused import bench  # noqa: E402
-from onnx2fused.wide_plan import SM80_ENV  # noqa: E402
+from onnx2fused.wide_plan import SM80_ENV, TAIL_ENV  # noqa: E402
 
 # name: (widths, activation, input shape with the batch first, batch, targets {variant: speed-up})
 CASES = {
@@ -169,9 +169,13 @@ def main(argv=None) -> int:
                     help="force the fused model's CUDA design (sets ONNX2FUSED_CUDA_DESIGN)")
     ap.add_argument("--kernels", choices=["both", "sm90", "sm80"], default="both",
                     help="wide plans on Hopper: time the sm_90a kernels, the sm80 ones (fused_sm80), or both")
+    ap.add_argument("--tail", choices=["auto", "off"], default=None,
+                    help="off: no segmented wide plans (every layer a GEMM; sets ONNX2FUSED_WIDE_TAIL), to compare")
     args = ap.parse_args(argv)
     if args.design:
         os.environ["ONNX2FUSED_CUDA_DESIGN"] = args.design
+    if args.tail:
+        os.environ[TAIL_ENV] = args.tail
     names = [c.strip() for c in args.cases.split(",") if c.strip()]
     unknown = [c for c in names if c not in CASES]
     if unknown:

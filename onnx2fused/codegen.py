@@ -147,10 +147,25 @@ def cuda_params(spec: MLPSpec, wide_options: dict | None = None) -> dict:
         raise ConversionError("CUDA code generation needs onnx2fused.cuda_plan, which is missing "
                               f"({e}); build with with_cuda=False") from e
     params = dict(cuda_plan.template_params(spec, **{f"wide_{k}": v for k, v in (wide_options or {}).items()}))
+    return _common_params(params, spec)
+
+
+def _common_params(params: dict, spec: MLPSpec) -> dict:
     params.setdefault("version", __version__)
     params.setdefault("name", _check_name(spec))
     params.setdefault("prelude", ex.C_PRELUDE.strip("\n"))
     return params
+
+
+def tail_params(spec: MLPSpec, tail: dict) -> dict:
+    """The fused kernel's template parameters for a segmented wide plan's tail (layers tail["start"]:
+    on the fp16 hidden tensor), under the tail's own symbol: the registry never lists it, the wide
+    source calls it."""
+    from . import cuda_plan, wide_plan
+    t_spec = wide_plan.tail_spec(spec, tail["start"])
+    params = dict(cuda_plan.template_params(t_spec, wide_allowed=False))
+    params["sym"] = tail["sym"]
+    return _common_params(params, t_spec)
 
 
 def registry_params(specs: list[MLPSpec], with_cuda: bool, cpu_enabled: dict[str, bool]) -> dict:
@@ -205,5 +220,7 @@ def render(specs: list[MLPSpec], with_cuda: bool, cpu_enabled: dict[str, bool] |
             # the plan names its template when it is not the fused kernel's
             params = cuda_params(spec, wide_options.get(spec.name))
             files[f"{spec.name}_cuda.cu"] = _render(params.get("template", CUDA_TEMPLATE), params)
+            if params.get("tail"):   # a segmented wide plan: its fused tail is a translation unit of its own
+                files[f"{params['tail']['sym']}_cuda.cu"] = _render(CUDA_TEMPLATE, tail_params(spec, params["tail"]))
     files["registry.cc"] = _render(REGISTRY_TEMPLATE, registry_params(specs, with_cuda, cpu_enabled))
     return files

@@ -20,6 +20,14 @@ tf32 first layer: where converting an fp32 input costs more than the first GEMM 
 DLRM's 512 -> 256), that GEMM reads x in place with a tf32 kernel (TF32_KERNELS) and an fp32 copy of its
 weights; no conversion pass. Narrow last layer (<= NARROW_MAX outputs): a thread-per-row kernel.
 
+Segmented plan (`tail_from` > 0): the GEMMs stop at layer tail_from - 1, and layers [tail_from:] run as
+ONE fused kernel of cuda_plan's resident or streamed design (`tail_spec`: those layers on fp16 rows in
+and out), rendered into its own translation unit under `tail_symbol`. It reads the fp16 hidden tensor the
+last GEMM wrote, keeps the narrower trailing activations on chip, and writes y (through a widening pass
+when y is fp32). The cost model takes it where it wins (`best_tail`): DLRM's 256 -> 64 -> 1 after the
+tf32 first GEMM is one pass over the 256-wide rows instead of two GEMM launches and a round trip of
+the 64-wide tensor. `$ONNX2FUSED_WIDE_TAIL=off` turns it off, for comparisons.
+
 Padding: K of every GEMM and the widths of the hidden tensors are rounded up to 8 (16-byte vectors).
 Padded weight entries and biases are zero, so a padded hidden column holds act(0), and the next layer
 multiplies it by zero weights: act(0) must be finite, which `wide_reason_refused` checks.
@@ -92,6 +100,7 @@ WIDE_MARGIN = 1.25              # wide replaces a working streamed plan only whe
                                 # (the estimates are rooflines: keep near-ties on the single fused kernel)
 
 DESIGN_ENV = "ONNX2FUSED_CUDA_DESIGN"   # "wide" | "streamed" | "resident" | "auto": force a design (experiments, tests)
+TAIL_ENV = "ONNX2FUSED_WIDE_TAIL"       # "off": no segmented plans (every layer a GEMM), to compare; else "auto"
 
 
 @dataclass(frozen=True)
@@ -237,6 +246,12 @@ class WidePlan:
     w0f_offset: int = 0       # bytes: layer 0's weights as fp32 [np0][k0], tf32-rounded (when tf32_first)
     chain_block: int = 0    # rows per pass through the chain (<= row_block; 0: row_block). Smaller passes
                             # keep the hidden activations in L2 between the GEMMs; wide_tune.py measures it
+    tail_from: int = 0      # segmented: layers [tail_from:] run as one fused kernel (cuda_plan's resident or
+                            # streamed design, `tail_spec`) on the hidden tensor the last GEMM wrote; 0: none
+    tail_offset: int = 0    # bytes: that kernel's packed weights and biases (tail_bytes)
+    tail_bytes: int = 0
+    tail_out_offset: int = 0  # bytes: its 16-bit output [MB][N] when the io type is fp32 (widened into y)
+    tail_text: str = ""     # the fused kernel's plan, as describe() says it
     resident: bool = False  # cuda_plan.CudaPlan compatibility: callers test plan.resident
     design: str = "wide"
 
@@ -264,9 +279,12 @@ class WidePlan:
         passes = f", {self.chain_block}-row passes" if self.chain_block != self.row_block else ""
         if self.tf32_first and any(SM90_KERNELS[c.kernel].tf32 for c in self.choices[0]):
             conv = "the first GEMM reads the fp32 input in place (tf32), " + conv.replace("pass, ", "pass elsewhere, ")
-        return (f"wide: {n} tensor-core GEMMs with a bias+activation epilogue (on sm_90: {hopper} as CUTLASS "
+        last = len(self.spec.layers) - 1
+        tail = (f"; segmented: layers {self.tail_from}..{last} in one fused kernel on the 16-bit hidden tensor "
+                f"({self.tail_text})" if self.tail_from else "")
+        return (f"wide: {n} tensor-core GEMM{'s' if n > 1 else ''} with a bias+activation epilogue (on sm_90: {hopper} as CUTLASS "
                 f"3.x wgmma/TMA kernels, {tuned}, the rest CUTLASS 2.x; other GPUs: CUTLASS 2.x sm80 mma.sync), "
-                f"{conv}16-bit intermediates in the workspace, {self.row_block}-row blocks{passes}; {self.reason}")
+                f"{conv}16-bit intermediates in the workspace, {self.row_block}-row blocks{passes}{tail}; {self.reason}")
 
     def choice_text(self) -> str:
         """Per GEMM, the Hopper kernel of each row bucket: `inspect` shows it."""
@@ -300,13 +318,20 @@ def _cutlass_found() -> str | None:
 
 # ------------------------------------------------------------------------------------------ layout
 def make_wide_plan(spec: MLPSpec, reason: str = "", choices=None, tuning: bool = False,
-                   tuned_on: str = "", chain_block: int = 0) -> WidePlan:
+                   tuned_on: str = "", chain_block: int = 0, tail_from: int | None = None) -> WidePlan:
     """`choices`: per GEMM, per row bucket, a Sm90Choice (wide_tune.py's measured ones), else the
     default everywhere; `chain_block`: rows per pass (0: the row block). `tuning`: the tuning build
-    (all kernels, the timing entries)."""
+    (all kernels, the timing entries). `tail_from`: the first layer of the fused tail (0: every layer a
+    GEMM; None: the cost model's `best_tail`)."""
     why = wide_reason_refused(spec)
     if why:
         raise SpecError(f"{spec.describe()}: no wide plan: {why}")
+    if tail_from is None:
+        tail_from = best_tail(spec)
+    tail = tail_plan(spec, tail_from) if tail_from else None
+    if tail_from and tail is None:
+        raise SpecError(f"{spec.describe()}: layers {tail_from}.. cannot run as one fused kernel")
+    n_gemms = tail_from or len(spec.layers)
     io_bytes = 2 if spec.io_dtype == "f16" else 4
     out_bytes_last = io_bytes
     k0 = spec.layers[0].in_features
@@ -314,10 +339,10 @@ def make_wide_plan(spec: MLPSpec, reason: str = "", choices=None, tuning: bool =
     convert = _converts(spec)  # fp16 input of an fp16 kernel with aligned rows is already the GEMM's A operand
     off = 0
     kp = kp0
-    hidden = [round_up(l.out_features, ALIGN) for l in spec.layers[:-1]]
+    hidden = [round_up(l.out_features, ALIGN) for l in spec.layers[:n_gemms] if l is not spec.layers[-1]]
     h_width = max(hidden, default=0)
     layouts = []
-    for i, l in enumerate(spec.layers):
+    for i, l in enumerate(spec.layers[:n_gemms]):
         last = i == len(spec.layers) - 1
         np_ = l.out_features if last else round_up(l.out_features, ALIGN)
         out_bytes = out_bytes_last if last else 2
@@ -332,8 +357,10 @@ def make_wide_plan(spec: MLPSpec, reason: str = "", choices=None, tuning: bool =
         layouts.append(WideGemm(i, l.in_features, l.out_features, kp, np_, last, align, w_off, b_off, src, dst,
                                 np_ * out_bytes % 16 == 0 and not narrow, narrow))
         kp = np_
-    n_hbuf = min(2, len(spec.layers) - 1)   # hidden tensors ping-pong between two buffers
-    per_row = (kp0 * 2 if convert else 0) + n_hbuf * h_width * 2
+    n_hbuf = min(2, len(hidden))   # hidden tensors ping-pong between two buffers
+    n_out = spec.layers[-1].out_features
+    stage_tail = bool(tail) and spec.io_dtype != "f16"   # the tail writes fp16; a pass widens it into y
+    per_row = (kp0 * 2 if convert else 0) + n_hbuf * h_width * 2 + (n_out * 2 if stage_tail else 0)
     mb = SCRATCH_BUDGET // max(per_row, 1) // ROW_QUANTUM * ROW_QUANTUM
     mb = max(ROW_QUANTUM, min(MAX_ROW_BLOCK, mb))
     sm90_off = off
@@ -363,10 +390,67 @@ def make_wide_plan(spec: MLPSpec, reason: str = "", choices=None, tuning: bool =
     w0f_off = off
     if tf32_first:
         off = round_up(off + layouts[0].np_ * k0 * 4, REGION_ALIGN)
+    tail_off = tail_bytes = tail_out_off = 0
+    if tail:
+        tail_off, tail_bytes = off, tail.weight_elems * 2 + tail.bias_elems * 4   # its _cuda_workspace_bytes
+        off = round_up(off + tail_bytes, REGION_ALIGN)
+        tail_out_off = off
+        if stage_tail:
+            off = round_up(off + mb * n_out * 2, REGION_ALIGN)
     if chain_block and not (0 < chain_block <= mb and chain_block % ROW_QUANTUM == 0):
         raise SpecError(f"{spec.describe()}: a pass of {chain_block} rows does not fit the {mb}-row workspace")
     return WidePlan(spec, tuple(layouts), mb, convert, xc_off, sm90_off, (h0, h1), h_width, off, reason,
-                    buckets, choices, tuning, tuned_on, tf32_first, w0f_off, chain_block or mb)
+                    buckets, choices, tuning, tuned_on, tf32_first, w0f_off, chain_block or mb,
+                    tail_from, tail_off, tail_bytes, tail_out_off, tail.describe() if tail else "")
+
+
+# ------------------------------------------------------------------------------------------ segments
+def tail_spec(spec: MLPSpec, start: int) -> MLPSpec:
+    """Layers [start:] as a chain of their own, fp16 in and out: the fused kernel that finishes a
+    segmented plan reads the hidden tensor the last GEMM wrote and writes 16-bit rows."""
+    return MLPSpec(spec.layers[start:], "fp16", "f16")
+
+
+def tail_plan(spec: MLPSpec, start: int):
+    """cuda_plan's fused kernel (resident or streamed, never wide) for layers [start:], or None where a
+    tail cannot start there: fp16 chains only (the hidden tensor is fp16), a hidden width that is a
+    multiple of ALIGN (the GEMM writes rows of exactly that stride, the tail reads them contiguously)."""
+    from . import cuda_plan
+    if spec.precision != "fp16" or not 0 < start < len(spec.layers) or spec.layers[start].in_features % ALIGN:
+        return None
+    try:
+        return cuda_plan.make_plan(tail_spec(spec, start), wide_allowed=False)
+    except SpecError:
+        return None
+
+
+def _tail_seconds(spec: MLPSpec, start: int, plan, rows: int) -> float:
+    """The fused tail: one pass over the fp16 hidden rows (the streamed estimate for a streamed plan; a
+    resident one at the streamed kernel's efficiency too: conservative), and the pass widening its
+    16-bit output into an fp32 y."""
+    t_spec = tail_spec(spec, start)
+    if plan.resident:
+        compute = t_spec.flops_per_row * rows / (TC_FLOPS * STREAMED_EFF_128)
+        t = max(compute, rows * (t_spec.widths[0] + t_spec.widths[-1]) * 2 / HBM_BPS) + LAUNCH_S
+    else:
+        t = estimate_streamed(t_spec, plan, rows)
+    if spec.io_dtype != "f16":
+        t += rows * t_spec.widths[-1] * (2 + 4) / HBM_BPS + LAUNCH_S
+    return t
+
+
+def best_tail(spec: MLPSpec, rows: int = NOMINAL_ROWS) -> int:
+    """The first layer of the fused tail the cost model prefers, or 0 (every layer a GEMM). A tail
+    replaces the GEMMs of narrow trailing layers (DLRM's 256 -> 64 -> 1: two launches and a round trip
+    of the 64-wide tensor) by one pass over the hidden rows."""
+    if os.environ.get(TAIL_ENV, "auto").strip().lower() == "off":
+        return 0
+    best, best_t = 0, estimate_wide(spec, rows)
+    for start in range(1, len(spec.layers)):
+        plan = tail_plan(spec, start)
+        if plan is not None and (t := estimate_wide(spec, rows, start, plan)) < best_t:
+            best, best_t = start, t
+    return best
 
 
 # ------------------------------------------------------------------------------------------ cost model
@@ -406,17 +490,22 @@ def tf32_first_wins(spec: MLPSpec, rows: int = NOMINAL_ROWS) -> bool:
     return _first_layer_seconds(spec, rows, True) < _first_layer_seconds(spec, rows, False)
 
 
-def estimate_wide(spec: MLPSpec, rows: int = NOMINAL_ROWS) -> float:
+def estimate_wide(spec: MLPSpec, rows: int = NOMINAL_ROWS, tail_from: int = 0, tail=None) -> float:
     """Seconds: each GEMM at max(compute, HBM traffic) plus its fixed GPU time, the first layer as the
     cheaper of the tf32 in-place read and the conversion pass (where the tf32 kernels apply); at least
-    the host's time to launch them all."""
+    the host's time to launch them all. `tail_from` > 0: layers from there run as the fused tail
+    (`tail`: its cuda_plan plan)."""
     io = 2 if spec.io_dtype == "f16" else 4
+    n_gemms = tail_from or len(spec.layers)
     first = _first_layer_seconds(spec, rows, False)
     launches = len(spec.layers) + _converts(spec)       # one kernel per layer, and the conversion pass
     if tf32_eligible(spec) and _first_layer_seconds(spec, rows, True) < first:
         first, launches = _first_layer_seconds(spec, rows, True), len(spec.layers)
     t = first
-    for i, l in enumerate(spec.layers[1:], start=1):
+    if tail_from:
+        t += _tail_seconds(spec, tail_from, tail, rows)
+        launches -= len(spec.layers) - tail_from - 1 - (io != 2)   # one kernel (and the widening pass)
+    for i, l in enumerate(spec.layers[1:n_gemms], start=1):
         last = i == len(spec.layers) - 1
         k, n = round_up(l.in_features, ALIGN), l.out_features if last else round_up(l.out_features, ALIGN)
         t += _gemm_seconds(rows, k, n, 2, 2, io if last else 2, TC_FLOPS)
@@ -452,6 +541,8 @@ def choose_plan(spec: MLPSpec, resident_plan, streamed_plan, streamed_error: Spe
     if forced not in ("auto", "wide", "streamed", "resident"):
         raise SpecError(f"{DESIGN_ENV}={forced!r}: expected auto, wide, streamed or resident")
     wide_why = wide_reason_refused(spec) or _cutlass_found()
+    if not wide_options.pop("allowed", True):   # a segmented plan's tail: its fused kernel, never GEMMs again
+        wide_why = "not allowed here"
     if forced == "resident" and resident_plan is not None:
         return resident_plan
     if forced == "streamed" and streamed_plan is not None:
@@ -467,7 +558,10 @@ def choose_plan(spec: MLPSpec, resident_plan, streamed_plan, streamed_error: Spe
                               **wide_options)
     if wide_why is not None:
         return streamed_plan
-    t_wide, t_streamed = estimate_wide(spec), estimate_streamed(spec, streamed_plan)
+    start = wide_options.get("tail_from")
+    start = best_tail(spec) if start is None else start
+    t_wide = estimate_wide(spec, NOMINAL_ROWS, start, tail_plan(spec, start) if start else None)
+    t_streamed = estimate_streamed(spec, streamed_plan)
     if t_wide * WIDE_MARGIN < t_streamed:
         return make_wide_plan(spec, f"chosen by the cost model at {NOMINAL_ROWS} rows: "
                                     f"~{_us(t_wide)} vs ~{_us(t_streamed)} streamed", **wide_options)
@@ -524,11 +618,26 @@ def template_params(plan: WidePlan, acts: list[dict]) -> dict:
                    "kernels": sorted(i for i in plan.sm90_kernels if not SM90_KERNELS[i].tf32
                                      and (plan.tuning or any(c.kernel == i for c in per)))}
                   for g, per in zip(plan.gemms, plan.choices)],
+        "tail": _tail_params(plan),
         "tf32_first": plan.tf32_first,
         "w0f_offset": plan.w0f_offset,
         "tf32_kernels": [i for i in plan.sm90_kernels if SM90_KERNELS[i].tf32],
         "is_tf32": [int(k.tf32) for k in SM90_KERNELS],
     }
+
+
+def tail_symbol(spec: MLPSpec) -> str:
+    """The C symbol prefix of a segmented plan's fused tail (its own translation unit, codegen.render)."""
+    return f"{spec.name}_tail"
+
+
+def _tail_params(plan: WidePlan) -> dict | None:
+    if not plan.tail_from:
+        return None
+    last_gemm = plan.gemms[-1]
+    return {"sym": tail_symbol(plan.spec), "start": plan.tail_from, "src": last_gemm.dst,
+            "n": plan.spec.layers[-1].out_features, "offset": plan.tail_offset, "bytes": plan.tail_bytes,
+            "stage": plan.spec.io_dtype != "f16", "out_offset": plan.tail_out_offset}
 
 
 def _sm90_params(plan: WidePlan, act_of: list[str]) -> dict:

@@ -44,6 +44,27 @@ def _affine(n):
     _spec([256, 256, 256], "tf32", ex.silu()),           # tf32, streamed
 ], ids=lambda s: s.name if isinstance(s, MLPSpec) else s)
 def test_ptx_uses_tensor_cores(spec, arch, tmp_path):
+    _check_ptx(spec, arch, tmp_path)
+
+
+# Streamed FFN-shaped pairs (a wide hidden layer built in blocks straight into the next layer), forced
+# to the streamed design: the cost model may give these chains to the wide design.
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+@pytest.mark.parametrize("arch", ["80", "90"])
+@pytest.mark.parametrize("spec", [
+    _spec([256, 4096, 256], "fp16", ex.gelu_erf()),      # FFN: 64-column blocks, 128-row tiles
+    _spec([64, 1000, 48], "bf16", _prelu, _affine),       # per-channel slopes on the hidden blocks; 1000 wide
+    _spec([64, 1000, 48], "tf32", _prelu),                # tf32 (m16n8k8, 2xTF32 activations)
+    _spec([128, 2048, 2048, 64], "bf16", ex.relu()),      # two wide layers: only the second pairs
+    _spec([64, 512, 64, 520, 9], "fp16", ex.silu()),      # two pairs sharing H; the last one into the output
+], ids=lambda s: s.name if isinstance(s, MLPSpec) else s)
+def test_streamed_pair_ptx_uses_tensor_cores(spec, arch, tmp_path, monkeypatch):
+    monkeypatch.setenv("ONNX2FUSED_CUDA_DESIGN", "streamed")
+    assert cuda_plan.make_plan(spec).pairs
+    _check_ptx(spec, arch, tmp_path)
+
+
+def _check_ptx(spec, arch, tmp_path):
     src = next(text for name, text in codegen.render([spec], with_cuda=True).items() if name.endswith(".cu"))
     plan = cuda_plan.make_plan(spec)
     for i, layer in enumerate(spec.layers):  # per-channel arrays cover the padded columns the kernel computes
@@ -156,11 +177,24 @@ def test_wide_source_main_part_compiles_with_a_tf32_first_layer(tmp_path, tuning
         pytest.skip(str(e))
     spec = _spec([512, 256, 64, 1], "fp16", ex.relu())   # DLRM: the cost model reads x in place (tf32)
     plan = wide_plan.make_wide_plan(spec, tuning=tuning)
-    assert plan.tf32_first
-    src = codegen.render([spec], True, {spec.name: False}, {spec.name: {"tuning": tuning}})[f"{spec.name}_cuda.cu"]
+    assert plan.tf32_first and plan.tail_from == 1      # and runs 256 -> 64 -> 1 as one fused tail kernel
+    files = codegen.render([spec], True, {spec.name: False}, {spec.name: {"tuning": tuning}})
     path = tmp_path / "wide.cu"
-    path.write_text(src)
+    path.write_text(files[f"{spec.name}_cuda.cu"])
     flags = build.wide_nvcc_flags(["-O1", "-std=c++17", "-gencode", "arch=compute_90,code=sm_90"])
     r = subprocess.run([NVCC, *flags, "-I", str(cutlass.path), "--expt-relaxed-constexpr", "-DO2F_PART=0",
                         "-c", str(path), "-o", str(tmp_path / "wide.o")], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
+    # the tail is its own unit (the fused kernel's template): it defines what the wide unit calls
+    tail = tmp_path / "tail.cu"
+    tail.write_text(files[f"{wide_plan.tail_symbol(spec)}_cuda.cu"])
+    r = subprocess.run([NVCC, "-O1", "-std=c++17", "-gencode", "arch=compute_90,code=sm_90", "-c", str(tail),
+                        "-o", str(tmp_path / "tail.o")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    nm = shutil.which("nm")
+    if nm:
+        def symbols(obj, kind):
+            out = subprocess.run([nm, str(tmp_path / obj)], capture_output=True, text=True).stdout
+            return {line.split()[-1] for line in out.splitlines() if line.split()[-2:-1] == [kind]}
+        wanted = {s for s in symbols("wide.o", "U") if s.startswith(wide_plan.tail_symbol(spec))}
+        assert len(wanted) == 3 and wanted <= symbols("tail.o", "T")

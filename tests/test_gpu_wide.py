@@ -42,9 +42,13 @@ CASES = [
     ([1001, 517, 999], "sigmoid"),         # odd: padded K / hidden columns, alignment-1 output epilogue
     ([2048, 8192, 2048], "relu"),
     ([8192, 4096, 1000], "relu"),
-    ([512, 256, 64, 1], "relu"),           # DLRM tower: tf32 first layer, single-output narrow last layer
+    ([512, 256, 64, 1], "relu"),           # DLRM tower: tf32 first layer, then 256 -> 64 -> 1 as one fused tail
+    ([512, 256, 64, 1], "tanh"),           # the same without the tail (NO_TAIL): single-output narrow last layer
     ([1000, 520, 3], "tanh"),              # a narrow last layer of 3 outputs, K padded to 520
 ]
+
+
+NO_TAIL = {"512x256x64x1_tanh"}   # built with every layer a GEMM (make_wide_plan's tail_from=0)
 
 
 def _case_id(widths, act):
@@ -105,7 +109,7 @@ def shared(tmp_path_factory, cache_dir):
     src16 = d / "io16.f16.onnx"
     onnx.save(to_fp16(onnx.load(str(src32))), str(src16))
     jobs += [("io16_fp16", src16, "fp16"), ("io16_bf16", src16, "bf16")]
-    out, specs = {}, []
+    out, specs, options = {}, [], {}
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(wide_plan.DESIGN_ENV, "wide")
         for key, src, precision in jobs:
@@ -113,13 +117,14 @@ def shared(tmp_path_factory, cache_dir):
             plan = passes.find_chains(model)
             assert len(plan.chains) == 1, plan.describe()
             spec = plan.chains[0].to_spec(precision)
-            cplan = cuda_plan.make_plan(spec)
+            options[spec.name] = {"tail_from": 0} if key in NO_TAIL else {}
+            cplan = cuda_plan.make_plan(spec, **{f"wide_{k}": v for k, v in options[spec.name].items()})
             assert getattr(cplan, "design", "") == "wide", cplan.describe()
             fused = d / f"{key}.fused.onnx"
             onnx.save(passes.rewrite(model, plan, [spec]), str(fused))
             specs.append(spec)
             out[key] = (src32 if key.startswith("io16") else src, fused, cplan)
-        lib = build.build_plugin(specs, with_cuda=True, cache_dir=cache_dir).path
+        lib = build.build_plugin(specs, with_cuda=True, cache_dir=cache_dir, wide_options=options).path
     return out, lib
 
 
@@ -164,6 +169,15 @@ def test_wide_matches_stock_fp32(widths, act, shared, monkeypatch):
             got = run_poisoned(sess, x, ref.shape)
             assert rel_l2(got, ref) <= TOL["fp16"], f"{widths} batch {batch} {family} kernels"
     monkeypatch.delenv(wide_plan.SM80_ENV, raising=False)
+
+
+def test_dlrm_cases_cover_the_segmented_plan_and_the_narrow_layer(shared):
+    """The two DLRM builds above run different code: a fused tail kernel after one GEMM, and three GEMMs
+    ending in the thread-per-row narrow layer (both checked against stock ORT by the test above)."""
+    models, _ = shared
+    segmented, plain = models["512x256x64x1_relu"][2], models["512x256x64x1_tanh"][2]
+    assert segmented.tail_from == 1 and len(segmented.gemms) == 1
+    assert plain.tail_from == 0 and plain.gemms[-1].narrow
 
 
 def test_hopper_runs_the_sm90a_kernels(shared, monkeypatch):

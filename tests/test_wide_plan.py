@@ -85,12 +85,58 @@ def test_narrow_last_layers_take_the_thread_per_row_kernel(widths, narrow, monke
     """<= 8 outputs (and weights that fit in shared memory as fp32): narrow_layer, never a tensor-core tile."""
     monkeypatch.setenv(wide_plan.DESIGN_ENV, "wide")
     spec = _spec(widths)
-    plan = wide_plan.make_wide_plan(spec)
+    plan = wide_plan.make_wide_plan(spec, tail_from=0)   # every layer a GEMM (no fused tail)
     last = plan.gemms[-1]
-    assert last.narrow == narrow and not (last.narrow and last.sm90)
+    assert last.last and last.narrow == narrow and not (last.narrow and last.sm90)
     assert all(not g.narrow for g in plan.gemms[:-1])
-    src = codegen.render([spec], with_cuda=True)[f"{spec.name}_cuda.cu"]
+    src = codegen.render([spec], True, None, {spec.name: {"tail_from": 0}})[f"{spec.name}_cuda.cu"]
     assert (f", io_t, {last.np_}, {last.kp}><<<" in src) == narrow
+
+
+def test_segmented_plan_runs_narrow_trailing_layers_as_one_fused_kernel():
+    """DLRM's 256 -> 64 -> 1 after the wide first layer: one pass of the fused kernel over the fp16 hidden
+    rows beats two GEMM launches and the round trip of the 64-wide tensor, by the cost model; the
+    FFN and the head have no such tail (their trailing layers are compute-bound GEMMs)."""
+    spec = _spec([512, 256, 64, 1])
+    t_tail = wide_plan.estimate_wide(spec, wide_plan.NOMINAL_ROWS, 1, wide_plan.tail_plan(spec, 1))
+    assert t_tail < wide_plan.estimate_wide(spec)
+    plan = cuda_plan.make_plan(spec)
+    assert plan.design == "wide" and plan.tail_from == 1 == wide_plan.best_tail(spec)
+    assert len(plan.gemms) == 1 and not plan.gemms[0].last and plan.gemms[0].dst == "h0"
+    tail = wide_plan.tail_plan(spec, 1)
+    assert getattr(tail, "design", "") != "wide" and tail.spec.widths == (256, 64, 1) and tail.spec.io_dtype == "f16"
+    assert "segmented: layers 1..2 in one fused kernel" in plan.describe() and tail.describe() in plan.describe()
+    for widths in ([768, 3072, 768], [9216, 4096, 4096, 1000]):
+        assert wide_plan.make_wide_plan(_spec(widths)).tail_from == 0
+    # where a tail cannot start: bf16 (the tail kernel reads fp16), a hidden width that is not a multiple
+    # of 8 (the GEMM's padded rows would not be the tail's contiguous input)
+    assert wide_plan.tail_plan(_spec([512, 256, 64, 1], precision="bf16"), 1) is None
+    assert wide_plan.tail_plan(_spec([512, 260, 64, 1]), 1) is None
+    assert wide_plan.make_wide_plan(_spec([512, 260, 64, 1])).tail_from == 0
+    with pytest.raises(SpecError, match="cannot run as one fused kernel"):
+        wide_plan.make_wide_plan(_spec([512, 260, 64, 1]), tail_from=1)
+
+
+@pytest.mark.parametrize("io", ["f32", "f16"])
+def test_segmented_source_calls_the_tail_it_renders(io):
+    """The wide source packs and runs the tail under the tail's own symbol, which the rendered tail
+    (the fused kernel's template, fp16 rows in and out) defines; the registry lists only the chain."""
+    spec = _spec([512, 256, 64, 1], io=io)
+    files = codegen.render([spec], with_cuda=True)
+    sym = wide_plan.tail_symbol(spec)
+    tail_src, wide_src = files[f"{sym}_cuda.cu"], files[f"{spec.name}_cuda.cu"]
+    for fn in ("cuda_workspace_bytes", "cuda_pack", "cuda_run"):
+        assert f'extern "C" int {sym}_{fn}(' in tail_src or f'extern "C" size_t {sym}_{fn}(' in tail_src
+        assert f"{sym}_{fn}(" in wide_src
+    assert f"{sym}_cuda_pack(w + 1, b + 1," in wide_src
+    assert "using io_t = __half;" in tail_src or "io_t = __half" in tail_src
+    assert ("widen_output<<<" in wide_src) == (io == "f32")
+    assert sym not in files["registry.cc"]
+    plan = wide_plan.make_wide_plan(spec)
+    # the region the plan reserves is exactly what the tail's own workspace function returns
+    tail = wide_plan.tail_plan(spec, 1)
+    assert plan.tail_bytes == tail.weight_elems * 2 + tail.bias_elems * 4
+    assert "kBiasOffsetBytes + kBiasElems * sizeof(float)" in tail_src
 
 
 def test_tf32_kernels_only_for_an_in_place_first_layer():
@@ -131,6 +177,7 @@ def test_activation_not_finite_at_zero_is_refused():
 # ------------------------------------------------------------------------------------------ layout
 @pytest.mark.parametrize("widths,io,tuning", [([768, 3072, 768], "f32", False), ([9216, 4096, 4096, 1000], "f32", False),
                                               ([1001, 520, 999], "f16", False), ([512, 256, 64, 1], "f32", False),
+                                              ([512, 256, 64, 1], "f32", True), ([512, 256, 64, 1], "f16", False),
                                               ([520, 1000], "f16", False), ([768, 3072, 768], "f32", True)])
 def test_layout_regions_are_aligned_disjoint_and_within_the_workspace(widths, io, tuning):
     plan = wide_plan.make_wide_plan(_spec(widths, io=io), tuning=tuning)
@@ -144,8 +191,13 @@ def test_layout_regions_are_aligned_disjoint_and_within_the_workspace(widths, io
     mb = plan.row_block
     if plan.convert_input:
         regions.append((plan.xc_offset, mb * plan.gemms[0].kp * 2))
-    for i in range(min(2, len(plan.gemms) - 1)):
+    n_hidden = sum(not g.last for g in plan.gemms)   # a segmented plan's GEMMs all write hidden tensors
+    for i in range(min(2, n_hidden)):
         regions.append((plan.h_offsets[i], mb * plan.h_width * 2))
+    if plan.tail_from:   # the fused tail's packed weights, and its fp16 output when y is fp32
+        regions.append((plan.tail_offset, plan.tail_bytes))
+        if io == "f32":
+            regions.append((plan.tail_out_offset, mb * widths[-1] * 2))
     assert plan.tf32_first == (io == "f32" and (tuning or widths[0] == 512))  # DLRM's: the cost model's choice
     if plan.tf32_first:  # layer 0's weights again, fp32 [np0][k0]
         regions.append((plan.w0f_offset, plan.gemms[0].np_ * widths[0] * 4))
@@ -153,7 +205,8 @@ def test_layout_regions_are_aligned_disjoint_and_within_the_workspace(widths, io
     for (a, n), (b, _) in zip(regions, regions[1:]):
         assert a % wide_plan.REGION_ALIGN == 0 and a + n <= b
     assert regions[-1][0] + regions[-1][1] <= plan.workspace_bytes
-    per_row = (plan.gemms[0].kp * 2 if plan.convert_input else 0) + min(2, len(plan.gemms) - 1) * plan.h_width * 2
+    per_row = ((plan.gemms[0].kp * 2 if plan.convert_input else 0) + min(2, n_hidden) * plan.h_width * 2
+               + (widths[-1] * 2 if plan.tail_from and io == "f32" else 0))
     assert mb % wide_plan.ROW_QUANTUM == 0 and (mb * per_row <= wide_plan.SCRATCH_BUDGET or mb == wide_plan.ROW_QUANTUM)
     # a K of a GEMM is the padded width the previous GEMM wrote
     for a, b in zip(plan.gemms, plan.gemms[1:]):
@@ -263,7 +316,7 @@ def test_rendered_wide_source_names_the_abi_and_needs_cutlass():
 ])
 def test_sm90_kernels_only_for_tma_storable_outputs(widths, io, want):
     """The sm90a epilogue stores D with TMA (16-byte multiples of row bytes); other GEMMs keep the sm80 kernel."""
-    plan = wide_plan.make_wide_plan(_spec(widths, io=io))
+    plan = wide_plan.make_wide_plan(_spec(widths, io=io), tail_from=0)
     assert [g.sm90 for g in plan.gemms] == want
     assert ("on sm_90: all as CUTLASS 3.x" if all(want) else f"on sm_90: {sum(want)} of {len(want)} as") in plan.describe()
     for g in plan.gemms:
