@@ -162,7 +162,8 @@ class CudaPlan:
                 + ", ".join(f"{v.name} {v.bm}-row tiles ({v.smem_bytes // 1024} KB)" for v in self.variants))
 
 
-def _layer_plans(spec: MLPSpec, nc_of, kc_max: int = KC_MAX, hidden_blocks: dict[int, int] | None = None) -> list[LayerPlan]:
+def _layer_plans(spec: MLPSpec, nc_of, kc_max: int = KC_MAX,
+                 hidden_blocks: dict[int, int] | None = None) -> list[LayerPlan]:
     """Chunk shapes per layer. A layer's padded input width is exactly the padded output width of the
     layer before (the columns that layer writes, zeros included), so no unwritten column is ever read.
     `hidden_blocks` {i: HC}: layer i of a fused pair is built HC columns at a time (its chunk width),
@@ -176,7 +177,8 @@ def _layer_plans(spec: MLPSpec, nc_of, kc_max: int = KC_MAX, hidden_blocks: dict
             kc = min(round_up(l.in_features, 16), kc_max)
             kp = round_up(l.in_features, kc)
         else:
-            kc = next(c for c in (kc_max, 48, 32, 16) if c <= kc_max and kp % c == 0 and (not block or block % c == 0))
+            kc = next(c for c in (kc_max, 48, 32, 16)
+                      if c <= kc_max and kp % c == 0 and (not block or block % c == 0))
         nc = hidden_blocks.get(i) or nc_of(l.out_features)
         p = LayerPlan(i, l.in_features, l.out_features, kc, nc, kp,
                       round_up(l.out_features, nc), chunk, w_off, b_off, row_pad(spec))

@@ -24,6 +24,10 @@ def _spec(widths, precision="fp16", act=None):
                          for i, (a, b) in enumerate(zip(widths, widths[1:]))), precision, "f32")
 
 
+def _id(v):
+    return "x".join(map(str, v)) if isinstance(v, list) else None
+
+
 def _plan(widths, precision="fp16", **options):
     return cuda_plan._streamed_plan(_spec(widths, precision), cuda_plan.SMEM_LIMIT, **options)
 
@@ -43,7 +47,7 @@ PAIRS = [
 ]
 
 
-@pytest.mark.parametrize("widths,blocks", PAIRS, ids=lambda v: "x".join(map(str, v)) if isinstance(v, list) else None)
+@pytest.mark.parametrize("widths,blocks", PAIRS, ids=_id)
 @pytest.mark.parametrize("precision", ["fp16", "bf16", "tf32"])
 def test_pairs_are_fused_where_the_rule_holds(widths, blocks, precision):
     try:
@@ -82,7 +86,7 @@ def test_tall_tiles_fit_only_with_the_pair():
     assert plain.width_b == 4096
 
 
-@pytest.mark.parametrize("widths", [w for w, b in PAIRS if b])
+@pytest.mark.parametrize("widths", [w for w, b in PAIRS if b], ids=_id)
 @pytest.mark.parametrize("precision", ["fp16", "tf32"])
 def test_shared_memory_and_register_accounting(widths, precision):
     try:
@@ -144,12 +148,15 @@ def _consumption_order(plan):
 
 def _host_chunk_map(src: str, total: int, tmp_path) -> list[tuple[int, int]]:
     """The generated chunk_offset/chunk_elems, compiled for the host and run for ids 0..total-1."""
-    body = src[src.index("__device__ __forceinline__ int chunk_offset"):src.index("__device__ __forceinline__ void issue_chunk")]
-    prog = ("#include <cstdio>\n#define __device__\n#define __forceinline__ inline\n" + body
-            + f"int main() {{ for (int i = 0; i < {total}; ++i) std::printf(\"%d %d\\n\", chunk_offset(i), chunk_elems(i)); }}\n")
-    (tmp_path / "chunks.cc").write_text(prog)
+    start = src.index("__device__ __forceinline__ int chunk_offset")
+    body = src[start:src.index("__device__ __forceinline__ void issue_chunk")]
+    main = (f"int main() {{ for (int i = 0; i < {total}; ++i) "
+            "std::printf(\"%d %d\\n\", chunk_offset(i), chunk_elems(i)); }\n")
+    (tmp_path / "chunks.cc").write_text("#include <cstdio>\n#define __device__\n#define __forceinline__ inline\n"
+                                        + body + main)
     exe = tmp_path / "chunks"
-    r = subprocess.run([CXX, "-std=c++17", "-O0", str(tmp_path / "chunks.cc"), "-o", str(exe)], capture_output=True, text=True)
+    r = subprocess.run([CXX, "-std=c++17", "-O0", str(tmp_path / "chunks.cc"), "-o", str(exe)],
+                       capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
     out = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout
     return [tuple(map(int, line.split())) for line in out.splitlines()]
@@ -157,7 +164,7 @@ def _host_chunk_map(src: str, total: int, tmp_path) -> list[tuple[int, int]]:
 
 @pytest.mark.skipif(CXX is None, reason="no C++ compiler")
 @pytest.mark.parametrize("widths,precision", [([256, 4096, 256], "fp16"), ([128, 2048, 2048, 64], "bf16"),
-                                              ([64, 512, 64, 520, 9], "tf32"), ([64, 1000, 48], "fp16")])
+                                              ([64, 512, 64, 520, 9], "tf32"), ([64, 1000, 48], "fp16")], ids=_id)
 def test_generated_chunk_sequence_reads_every_packed_chunk_once(widths, precision, tmp_path, monkeypatch):
     """Id k of the ring's sequence must be the k-th chunk the kernel's loops consume, at its packed
     offset (pack_weights: per layer, n-chunk major, then k-chunk), and a tile's sequence covers every
@@ -195,7 +202,7 @@ def test_rendered_pair_uses_h_and_the_destination_shift(monkeypatch):
 
 @pytest.mark.cuda_build
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
-@pytest.mark.parametrize("widths,precision", [([256, 4096, 256], "fp16"), ([64, 1000, 48], "tf32")])
+@pytest.mark.parametrize("widths,precision", [([256, 4096, 256], "fp16"), ([64, 1000, 48], "tf32")], ids=_id)
 def test_tall_pair_kernel_does_not_spill(widths, precision, tmp_path, monkeypatch):
     """Both accumulators of a pair live in registers (up to PAIR_ACC_MAX a lane in the tall variant):
     ptxas must keep them there on sm_90."""
