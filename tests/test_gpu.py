@@ -163,3 +163,53 @@ def test_random_mlps_on_cuda_ep(seed, cache_dir, tmp_path):
         if np.abs(ref).max() == 0:
             continue
         assert rel_l2(run_poisoned(sess, x, ref.shape), ref) <= 5e-3, f"widths {widths}"
+
+
+# Streamed FFN-shaped pairs (cuda_plan._hidden_blocks): a wide hidden layer built in column blocks
+# straight into the next layer's register accumulators, never stored whole. Forced to the streamed
+# design (the cost model may give these chains to the wide one); each chain's default plan pairs (its
+# tiles are taller so). (widths, hidden activations, precision)
+PAIR_CHAINS = [
+    ((256, 4096, 256), ("gelu_erf_chain",), "fp16"),       # FFN: 64-column blocks, 128-row tiles
+    ((256, 4096, 256), ("gelu_erf_chain",), "bf16"),
+    ((256, 4096, 128), ("silu",), "tf32"),                 # 128-column blocks; tf32 (2xTF32 activations)
+    ((64, 1000, 48), ("prelu_per_channel",), "fp16"),      # per-channel slopes at global columns; 1000 = 7 blocks + 104
+    ((64, 1000, 48), ("prelu_per_channel",), "bf16"),
+    ((64, 1000, 48), ("prelu_per_channel",), "tf32"),
+    ((64, 320, 512, 64), ("relu", "silu"), "fp16"),        # two wide layers: only the second pairs
+    ((64, 512, 64, 520, 9), ("gelu_erf_chain", "prelu_per_channel"), "fp16"),  # two pairs, one H; A reused between
+]
+
+
+@pytest.mark.parametrize("widths,acts,precision", PAIR_CHAINS,
+                         ids=["x".join(map(str, w)) + "-" + "-".join(a) + "-" + p for w, a, p in PAIR_CHAINS])
+def test_streamed_pairs_on_cuda_ep(widths, acts, precision, cache_dir, tmp_path, monkeypatch):
+    from onnx2fused import cuda_plan, wide_plan
+    from onnx_builders import CONTINUOUS_ACTS, G
+    monkeypatch.setenv(wide_plan.DESIGN_ENV, "streamed")
+    g = G(opset=17, seed=sum(widths))
+    h = "x"
+    for i, (k, n) in enumerate(zip(widths, widths[1:])):
+        h = g.linear(h, k, n, name=f"fc{i}")
+        if i < len(widths) - 2:
+            h = CONTINUOUS_ACTS[acts[i % len(acts)]](g, h, n)
+    g.op("Identity", [h], name="sink", outputs=["y"])
+    src = tmp_path / "pair.onnx"
+    onnx.save(g.model([("x", ["B", widths[0]])], [("y", ["B", widths[-1]])]), str(src))
+    chains = passes.find_chains(load_model(str(src))).chains
+    assert len(chains) == 1 and len(chains[0].to_spec(precision).layers) == len(widths) - 1
+    plan = cuda_plan.make_plan(chains[0].to_spec(precision))
+    assert plan.pairs and not plan.resident, plan.describe()
+    fused_path, lib, _ = _fuse(src, precision, cache_dir, tmp_path / "fused.onnx")
+    sess = _session(fused_path, lib)
+    # The launcher takes the tall variant only when its tiles fill the whole grid: the largest batch
+    # gives every block of it at least two tall tiles (the ring's sequence wraps between tiles).
+    tall = plan.variants[0]
+    per_sm = max(1, 228 * 1024 // (tall.smem_bytes + 1024))
+    big = torch.cuda.get_device_properties(0).multi_processor_count * per_sm * tall.bm * 2 + 3
+    rng = np.random.default_rng(len(widths))
+    for batch in (1, 33, 4096, 8191, big):
+        x = rng.standard_normal((batch, widths[0])).astype(np.float32)
+        ref = _reference(src, x)
+        err = rel_l2(run_poisoned(sess, x, ref.shape), ref)
+        assert err <= TOL[precision], f"{plan.describe()}: batch {batch}, rel L2 {err:.2e}"

@@ -32,13 +32,15 @@ def _plan(widths, precision="fp16", **options):
     return cuda_plan._streamed_plan(_spec(widths, precision), cuda_plan.SMEM_LIMIT, **options)
 
 
-# widths -> {first layer of a pair: HC}. A pair needs layer i over 256 columns and layer i+1 within 256;
-# HC is 64 when layer i+1 is over 128 wide (its accumulators take most of the registers), else 128.
+# widths -> {first layer of a pair: HC}, where pairs are forced (pair_hidden=True). A pair needs layer i
+# over 256 columns and layer i+1 within 256; HC is 64 when layer i+1 is over 128 wide (its accumulators
+# take most of the registers), else 128.
 PAIRS = [
     ([256, 4096, 256], {0: 64}),             # FFN
     ([256, 4096, 128], {0: 128}),
     ([64, 1000, 48], {0: 128}),              # hidden width off 16 and off the block
     ([128, 2048, 2048, 64], {1: 128}),       # two wide layers back to back: only the second pairs
+    ([64, 320, 512, 64], {1: 128}),
     ([64, 512, 64, 520, 9], {0: 128, 2: 128}),  # two pairs, one H buffer
     ([300, 272, 9], {0: 128}),               # just over one chunk
     ([64, 64, 1000], {}),                    # the wide layer is the last one
@@ -51,7 +53,7 @@ PAIRS = [
 @pytest.mark.parametrize("precision", ["fp16", "bf16", "tf32"])
 def test_pairs_are_fused_where_the_rule_holds(widths, blocks, precision):
     try:
-        plan = _plan(widths, precision)
+        plan = _plan(widths, precision, pair_hidden=True)
     except SpecError:
         assert precision == "tf32", "only tf32's 4-byte operands may leave a chain without a tile"
         return
@@ -71,6 +73,21 @@ def test_pairs_are_fused_where_the_rule_holds(widths, blocks, precision):
         assert blocks
         return
     assert unpaired.pairs == () and all(l.nc == cuda_plan._streamed_nc(l.n) for l in unpaired.layers)
+    # by default, pairs only where they make the tallest tile taller (at equal tiles they only cost)
+    auto = _plan(widths, precision)
+    assert auto.pairs == (plan.pairs if plan.tallest_rows > unpaired.tallest_rows else ())
+
+
+def test_default_pairs_only_for_taller_tiles():
+    assert _plan([256, 4096, 256]).pairs == (0,)
+    assert _plan([64, 320, 512, 64]).pairs == (1,)  # 128-row tiles paired, 64 without
+    # 16-row tiles either way: the 128-column hidden blocks would only add chunk steps (measured 1.4x slower)
+    assert _plan([128, 2048, 2048, 64]).pairs == ()
+    assert _plan([128, 2048, 2048, 64], pair_hidden=True).pairs == (1,)
+    # tf32: without the pair nothing fits at all
+    assert _plan([256, 4096, 256], "tf32").pairs == (0,)
+    with pytest.raises(SpecError):
+        _plan([256, 4096, 256], "tf32", pair_hidden=False)
 
 
 def test_tall_tiles_fit_only_with_the_pair():
@@ -90,7 +107,7 @@ def test_tall_tiles_fit_only_with_the_pair():
 @pytest.mark.parametrize("precision", ["fp16", "tf32"])
 def test_shared_memory_and_register_accounting(widths, precision):
     try:
-        plan = _plan(widths, precision)
+        plan = _plan(widths, precision, pair_hidden=True)
     except SpecError:
         return
     eb, pad = cuda_plan.elem_bytes(plan.spec), cuda_plan.row_pad(plan.spec)
@@ -171,8 +188,8 @@ def test_generated_chunk_sequence_reads_every_packed_chunk_once(widths, precisio
     packed chunk exactly once."""
     monkeypatch.setenv("ONNX2FUSED_CUDA_DESIGN", "streamed")
     spec = _spec(widths, precision)
-    params = cuda_plan.template_params(spec)
-    plan = cuda_plan.make_plan(spec)
+    params = cuda_plan.template_params(spec, streamed_pair_hidden=True)
+    plan = cuda_plan.make_plan(spec, streamed_pair_hidden=True)
     assert plan.pairs and not plan.resident
     src = codegen._env().get_template("cuda_kernel.cu.j2").render(**params)
     got = _host_chunk_map(src, plan.total_chunks, tmp_path)
