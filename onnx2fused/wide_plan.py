@@ -157,6 +157,10 @@ SM90_KERNELS: tuple[Sm90Kernel, ...] = (
     Sm90Kernel("Coop256x128", "cooperative", (256, 128, 64), (1, 1)),     # few rows, split-K: A read once
     Sm90Kernel("Pingpong128x128C2", "pingpong", (128, 128, 64), (2, 1)),  # B multicast to 2 row tiles
     Sm90Kernel("Pingpong128x64", "pingpong", (128, 64, 64), (1, 1)),      # narrow layers (DLRM's 256 -> 64)
+    # Few rows (the head's 256): every row tile re-reads the weights from L2, and the GEMM is L2-bound.
+    # A cluster along M multicasts each weight tile to all of its row tiles (4 x 64 = 256 rows: once).
+    Sm90Kernel("Pingpong64x128C4", "pingpong", (64, 128, 64), (4, 1)),
+    Sm90Kernel("Pingpong128x64C2", "pingpong", (128, 64, 64), (2, 1)),
     Sm90Kernel("Tf32Coop128x256", "cooperative", (128, 256, 32), (1, 1), tf32=True),
     Sm90Kernel("Tf32Pingpong128x128", "pingpong", (128, 128, 32), (1, 1), tf32=True),
 )
@@ -191,7 +195,10 @@ def sm90_candidates() -> tuple[Sm90Choice, ...]:
     for i, k in enumerate(SM90_KERNELS):
         if k.stream_k:
             out += [Sm90Choice(i, "heuristic"), Sm90Choice(i, "data_parallel"), Sm90Choice(i, "stream_k"),
-                    Sm90Choice(i, "split_k", 2), Sm90Choice(i, "split_k", 4)]
+                    Sm90Choice(i, "split_k", 2), Sm90Choice(i, "split_k", 4),
+                    # few rows, long K (the head's 256 rows through K = 4096: 16 output tiles of the
+                    # 4096 -> 1000 layer for 132 SMs): deeper splits fill the GPU
+                    Sm90Choice(i, "split_k", 8), Sm90Choice(i, "split_k", 16)]
         else:
             out.append(Sm90Choice(i, "data_parallel"))
     return tuple(out)

@@ -44,6 +44,9 @@ class FakeTuning:
                               "fastest": cand.label} for b in plan.buckets] for _ in plan.gemms]}
 
 
+COOP128_DP = wide_plan.sm90_candidates().index(wide_plan.Sm90Choice(1, "data_parallel"))  # Coop128x128, data-parallel
+
+
 @pytest.fixture
 def gpu(monkeypatch):
     monkeypatch.delenv(wide_tune.TUNE_ENV, raising=False)
@@ -52,13 +55,13 @@ def gpu(monkeypatch):
 
 
 def test_tunes_once_per_spec_and_gpu_then_reads_the_cache(tmp_path, gpu, monkeypatch):
-    fake = FakeTuning(fast=6, ms=0.5)   # candidate 6: Coop128x128, data-parallel
+    fake = FakeTuning(fast=COOP128_DP, ms=0.5)
     monkeypatch.setattr(wide_tune, "run_tuning", fake.run)
     said = []
     out = wide_tune.resolve([FFN, NARROW], tmp_path, fake.build, said.append)
     assert list(out) == [FFN.name] and fake.builds == [([FFN.name], {"wide_options": {FFN.name: {"tuning": True}},
                                                                       "cpu_enabled": {FFN.name: False}})]
-    chosen = wide_plan.sm90_candidates()[6]
+    chosen = wide_plan.sm90_candidates()[COOP128_DP]
     assert all(c == chosen for per in out[FFN.name]["choices"] for c in per)
     assert out[FFN.name]["tuned_on"] == H100.name
     record = json.loads(wide_tune.cache_file(tmp_path, FFN, H100).read_text())
@@ -83,7 +86,7 @@ def test_noise_keeps_the_default(tmp_path, gpu, monkeypatch):
 
 
 def test_another_gpu_model_tunes_again(tmp_path, gpu, monkeypatch):
-    fake = FakeTuning(fast=6, ms=0.5)
+    fake = FakeTuning(fast=COOP128_DP, ms=0.5)
     monkeypatch.setattr(wide_tune, "run_tuning", fake.run)
     wide_tune.resolve([FFN], tmp_path, fake.build, lambda s: None)
     monkeypatch.setattr(wide_tune, "current_gpu", lambda: wide_tune.Gpu("NVIDIA H200", 90))
@@ -99,7 +102,7 @@ def test_no_tuning_without_a_hopper_gpu_or_when_disabled(tmp_path, monkeypatch, 
         monkeypatch.delenv(wide_tune.TUNE_ENV, raising=False)
     else:
         monkeypatch.setenv(wide_tune.TUNE_ENV, env)
-    fake = FakeTuning(fast=6, ms=0.5)
+    fake = FakeTuning(fast=COOP128_DP, ms=0.5)
     assert wide_tune.resolve([FFN], tmp_path, fake.build, lambda s: None) == {} and not fake.builds
 
 
@@ -124,7 +127,7 @@ def test_a_stale_or_corrupt_cache_entry_is_ignored_and_replaced(tmp_path, gpu, m
     path.parent.mkdir(parents=True)
     path.write_text(corrupt)
     assert wide_tune.cached_options(FFN, tmp_path) is None
-    fake = FakeTuning(fast=6, ms=0.5)
+    fake = FakeTuning(fast=COOP128_DP, ms=0.5)
     monkeypatch.setattr(wide_tune, "run_tuning", fake.run)
     assert wide_tune.resolve([FFN], tmp_path, fake.build, lambda s: None)[FFN.name]
     assert json.loads(path.read_text())["spec"] == FFN.name
@@ -160,7 +163,7 @@ def test_inspect_shows_the_kernels_tuned_for_this_gpu(tmp_path, gpu, monkeypatch
         assert cli.main(["inspect", str(path), "--cache-dir", str(tmp_path / "cache")]) == 0
         return capsys.readouterr().out
     assert "default kernels (not tuned)" in inspect_text()
-    fake = FakeTuning(fast=6, ms=0.5)
+    fake = FakeTuning(fast=COOP128_DP, ms=0.5)
     monkeypatch.setattr(wide_tune, "run_tuning", fake.run)
     wide_tune.resolve([spec], tmp_path / "cache", fake.build, lambda s: None)
     text = inspect_text()
