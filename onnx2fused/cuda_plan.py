@@ -25,8 +25,10 @@ Two designs, chosen per spec:
             output: each block (bias + activation) goes to a small BM x HC buffer H and is multiplied
             at once into layer i+1's accumulators, which stay in registers across all the blocks. The
             wide hidden tensor never exists in full, so the A/B buffers only hold the narrow ones and
-            tall tiles fit. Chunk sequence of a pair, per block hb: layer i's k-chunks of column
-            block hb, then layer i+1's k-chunks of features [hb*HC, (hb+1)*HC).
+            tall tiles fit (pairs are fused only where they do make the tallest tile taller: at equal
+            tiles the narrower blocks only add chunk steps). Chunk sequence of a pair, per block hb:
+            layer i's k-chunks of column block hb, then layer i+1's k-chunks of features
+            [hb*HC, (hb+1)*HC).
 
 Widths are padded to the tile (K to a multiple of KC, N to a multiple of NC); padding columns of the
 activations are written as zeros, so padded weights (zeros) never multiply garbage.
