@@ -8,6 +8,10 @@ Cases (issue 5 targets, H100):
     ffn   768 -> 3072 -> 768, GELU,  input [64, 256, 768] (16384 rows)   >= 1.3x ORT fp16, >= 4x ORT fp32
     head  9216 -> 4096 -> 4096 -> 1000, ReLU, batch 256                  >= 1.2x ORT fp16
     dlrm  512 -> 256 -> 64 -> 1, ReLU, batch 65536                       >= 2x ORT fp16
+and, without targets, two FFN-shaped pairs for the streamed kernel's two-layer fusion vs the wide design:
+    pair256  256 -> 4096 -> 256, GELU, input [256, 256, 256] (65536 rows)
+    pair64   64 -> 1000 -> 48, GELU, batch 262144
+`--batch N` replaces a case's batch (N = 1: the per-run overhead of each path).
 The models are built here with onnx.helper (random weights, seed 0; the FFN as MatMul + Add with GELU in
 the erf form torch's opset-17 export writes). `--design` sets ONNX2FUSED_CUDA_DESIGN for the fused
 model, to compare the cost model's choice with the alternatives. `--kernels both` (default) times the
@@ -41,6 +45,10 @@ CASES = {
     "ffn": ([768, 3072, 768], "gelu", ["batch", 256, 768], 64, {"ort_fp16": 1.3, "ort_fp32": 4.0}),
     "head": ([9216, 4096, 4096, 1000], "relu", ["batch", 9216], 256, {"ort_fp16": 1.2}),
     "dlrm": ([512, 256, 64, 1], "relu", ["batch", 512], 65536, {"ort_fp16": 2.0}),
+    # FFN-shaped pairs narrow enough for the streamed kernel's two-layer fusion (no targets: the
+    # comparison of the designs, with --design streamed / wide)
+    "pair256": ([256, 4096, 256], "gelu", ["batch", 256, 256], 256, {}),
+    "pair64": ([64, 1000, 48], "gelu", ["batch", 64], 262144, {}),
 }
 
 
@@ -98,9 +106,11 @@ def plan_text(model: Path) -> str:
     return onnx2fused.inspect(str(model)).format()
 
 
-def run_case(name: str, out_dir: Path, reps: int, warmup: int, dev, providers, kernels: str = "both") -> dict:
+def run_case(name: str, out_dir: Path, reps: int, warmup: int, dev, providers, kernels: str = "both",
+             batch: int | None = None) -> dict:
     import onnxruntime as ort
-    widths, act, in_shape, batch, targets = CASES[name]
+    widths, act, in_shape, case_batch, targets = CASES[name]
+    batch = batch or case_batch
     model = build_model(widths, act, in_shape, out_dir / f"{name}.onnx")
     info = bench.model_info(model)
     rows = batch * int(np.prod([d for d in in_shape[1:-1]] or [1]))
@@ -169,6 +179,7 @@ def main(argv=None) -> int:
                     help="force the fused model's CUDA design (sets ONNX2FUSED_CUDA_DESIGN)")
     ap.add_argument("--kernels", choices=["both", "sm90", "sm80"], default="both",
                     help="wide plans on Hopper: time the sm_90a kernels, the sm80 ones (fused_sm80), or both")
+    ap.add_argument("--batch", type=int, default=None, help="replace every case's batch (first dimension)")
     ap.add_argument("--tail", choices=["auto", "off"], default=None,
                     help="off: no segmented wide plans (every layer a GEMM; sets ONNX2FUSED_WIDE_TAIL), to compare")
     args = ap.parse_args(argv)
@@ -185,7 +196,7 @@ def main(argv=None) -> int:
     torch = bench._cuda_torch()
     dev = bench._Dev(torch)
     providers = bench.gpu_providers()
-    results = [run_case(n, out_dir, args.reps, args.warmup, dev, providers, args.kernels) for n in names]
+    results = [run_case(n, out_dir, args.reps, args.warmup, dev, providers, args.kernels, args.batch) for n in names]
 
     print("\n| case | rows | ORT fp32 ms | ORT fp16 ms | fused ms | fused sm80 kernels ms | x fp32 | x fp16 | targets |")
     print("|---|---|---|---|---|---|---|---|---|")

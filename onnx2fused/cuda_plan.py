@@ -236,11 +236,13 @@ def _resident_plan(spec: MLPSpec, smem_limit: int, mt: int | None = None,
         # registers a lane, which the fragments and the input prefetch need (16 warps cap them at 128
         # and spill; measured on an H100: nerf 0.162 vs 0.198 ms, gelu 0.682 vs 0.787 ms).
         warp_choices = (12,) if register_activations else RESIDENT_WARPS
-    if mt is None:
-        if register_activations:
-            mt = 2 if _fragment_registers(layers, 2) <= REGISTER_FRAGMENTS_MAX else 1
-        else:
-            mt = 2 if widest <= 64 else 1
+    if mt is not None:
+        mts = (mt,)
+    elif register_activations:
+        # two m16 tiles a warp where the fragments fit, else (or where their staging does not fit) one
+        mts = (2, 1) if _fragment_registers(layers, 2) <= REGISTER_FRAGMENTS_MAX else (1,)
+    else:
+        mts = (2, 1) if widest <= 64 else (1,)
     eb = elem_bytes(spec)
     if register_activations:
         act_ld = layers[0].kp + row_pad(spec)
@@ -248,14 +250,17 @@ def _resident_plan(spec: MLPSpec, smem_limit: int, mt: int | None = None,
         act_ld = max([l.kp for l in layers] + [l.np_ for l in layers[:-1]]) + row_pad(spec)
     fixed = sum(l.np_ for l in layers) * 4 + sum(l.n_chunks * l.chunk_elems for l in layers) * eb
     best = None
-    for warps in warp_choices:
-        smem = fixed + warps * 16 * mt * act_ld * eb
-        if smem > smem_limit:
-            continue
-        per_sm = min(228 * 1024 // (smem + 1024), 64 // warps)
-        score = min(per_sm * warps, 32)
-        if best is None or score > best[0]:
-            best = (score, warps, smem)
+    for mt in mts:
+        for warps in warp_choices:
+            smem = fixed + warps * 16 * mt * act_ld * eb
+            if smem > smem_limit:
+                continue
+            per_sm = min(228 * 1024 // (smem + 1024), 64 // warps)
+            score = min(per_sm * warps, 32)
+            if best is None or score > best[0]:
+                best = (score, warps, smem)
+        if best is not None:
+            break
     if best is None:
         return None
     return CudaPlan(spec, tuple(layers), True, warps=best[1], mt=mt, act_ld=act_ld, smem_bytes=best[2],

@@ -43,12 +43,12 @@ CASES = [
     ([2048, 8192, 2048], "relu"),
     ([8192, 4096, 1000], "relu"),
     ([512, 256, 64, 1], "relu"),           # DLRM tower: tf32 first layer, then 256 -> 64 -> 1 as one fused tail
-    ([512, 256, 64, 1], "tanh"),           # the same without the tail (NO_TAIL): single-output narrow last layer
+    ([512, 256, 64, 2], "relu"),           # without the tail (NO_TAIL): a 2-output narrow last layer GEMM chain
     ([1000, 520, 3], "tanh"),              # a narrow last layer of 3 outputs, K padded to 520
 ]
 
 
-NO_TAIL = {"512x256x64x1_tanh"}   # built with every layer a GEMM (make_wide_plan's tail_from=0)
+NO_TAIL = {"512x256x64x2_relu"}   # built with every layer a GEMM (make_wide_plan's tail_from=0)
 
 
 def _case_id(widths, act):
@@ -175,7 +175,7 @@ def test_dlrm_cases_cover_the_segmented_plan_and_the_narrow_layer(shared):
     """The two DLRM builds above run different code: a fused tail kernel after one GEMM, and three GEMMs
     ending in the thread-per-row narrow layer (both checked against stock ORT by the test above)."""
     models, _ = shared
-    segmented, plain = models["512x256x64x1_relu"][2], models["512x256x64x1_tanh"][2]
+    segmented, plain = models["512x256x64x1_relu"][2], models["512x256x64x2_relu"][2]
     assert segmented.tail_from == 1 and len(segmented.gemms) == 1
     assert plain.tail_from == 0 and plain.gemms[-1].narrow
 
