@@ -214,6 +214,7 @@ def row_buckets(row_block: int) -> tuple[int, ...]:
 NARROW_MAX = 8                  # last-layer outputs that take narrow_layer (DLRM's score, binary heads)
 NARROW_SMEM = 32 * 1024         # its weights as fp32 in shared memory
 SM80_ENV = "ONNX2FUSED_WIDE_KERNELS"   # =sm80 at run time: sm_90 GPUs run the CUTLASS 2.x kernels too
+LAUNCH_CACHE_ENV = "ONNX2FUSED_WIDE_LAUNCH_CACHE"  # =off at run time: initialize every sm90 GEMM (comparisons)
 
 
 @dataclass(frozen=True)
@@ -605,6 +606,7 @@ def template_params(plan: WidePlan, acts: list[dict]) -> dict:
         "sm90_offset": plan.sm90_offset, "sm90_scratch": SM90_SCRATCH,
         **_sm90_params(plan, act_of),
         "sm80_env": SM80_ENV,
+        "launch_cache_env": LAUNCH_CACHE_ENV,
         "h0_offset": plan.h_offsets[0], "h1_offset": plan.h_offsets[1],
         "h_width": plan.h_width,
         "workspace_bytes": plan.workspace_bytes,
