@@ -187,7 +187,8 @@ class Sm90Choice:
 
 DEFAULT_CHOICE = Sm90Choice(0, "heuristic")
 DEFAULT_TF32_CHOICE = Sm90Choice(TF32_KERNELS[0], "heuristic")   # a first layer the cost model reads in place
-ROW_BUCKETS = (256, 2048, 16384)   # rows the choices are made (and tuned) for; calls take the nearest
+ROW_BUCKETS = (32, 256, 2048, 16384)   # rows the choices are made (and tuned) for; calls take the nearest
+# (32: GEMV-like calls, where one row tile leaves most SMs idle unless split-K fills them)
 
 
 def sm90_candidates() -> tuple[Sm90Choice, ...]:

@@ -413,21 +413,21 @@ def test_tuning_build_holds_every_kernel_and_the_timing_entry():
 
 
 @pytest.mark.parametrize("bad", [
-    [[wide_plan.Sm90Choice(len(wide_plan.SM90_KERNELS))] * 3] * 2,      # no such kernel
-    [[wide_plan.Sm90Choice(0, "fastest")] * 3] * 2,                      # no such mode
-    [[wide_plan.DEFAULT_CHOICE] * 2] * 2,                                # a bucket short
+    [[wide_plan.Sm90Choice(len(wide_plan.SM90_KERNELS))] * 4] * 2,      # no such kernel
+    [[wide_plan.Sm90Choice(0, "fastest")] * 4] * 2,                      # no such mode
+    [[wide_plan.DEFAULT_CHOICE] * 3] * 2,                                # a bucket short
 ])
 def test_choices_that_do_not_fit_are_refused(bad):
     spec = _spec([768, 3072, 768])
-    assert len(wide_plan.make_wide_plan(spec).buckets) == 3
+    assert len(wide_plan.make_wide_plan(spec).buckets) == 4
     with pytest.raises(SpecError, match="kernel choices do not fit"):
         wide_plan.make_wide_plan(spec, choices=bad)
 
 
 def test_row_buckets_stop_at_the_row_block():
-    assert wide_plan.row_buckets(17408) == (256, 2048, 16384)
-    assert wide_plan.row_buckets(4096) == (256, 2048, 4096)
-    assert wide_plan.row_buckets(128) == (128,)
+    assert wide_plan.row_buckets(17408) == (32, 256, 2048, 16384)
+    assert wide_plan.row_buckets(4096) == (32, 256, 2048, 4096)
+    assert wide_plan.row_buckets(128) == (32, 128)
 
 
 def test_fp32_input_with_rows_of_8_gets_the_vectorized_conversion():

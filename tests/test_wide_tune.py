@@ -118,8 +118,8 @@ def test_a_failed_tuning_build_keeps_the_defaults_and_says_why(tmp_path, gpu):
 @pytest.mark.parametrize("corrupt", [
     "not json",
     json.dumps({"format": wide_tune.TUNE_FORMAT, "gpu": H100.name, "buckets": [1, 2], "choices": []}),
-    json.dumps({"format": wide_tune.TUNE_FORMAT, "gpu": H100.name, "buckets": [256, 2048, 16384],
-                "choices": [[[99, "heuristic", 1]] * 3] * 2}),
+    json.dumps({"format": wide_tune.TUNE_FORMAT, "gpu": H100.name, "buckets": [32, 256, 2048, 16384],
+                "choices": [[[99, "heuristic", 1]] * 4] * 2}),
     json.dumps({"format": wide_tune.TUNE_FORMAT + 1, "gpu": H100.name}),
 ])
 def test_a_stale_or_corrupt_cache_entry_is_ignored_and_replaced(tmp_path, gpu, monkeypatch, corrupt):
