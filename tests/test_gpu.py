@@ -14,7 +14,7 @@ import numpy as np
 import onnx
 import pytest
 
-from gpu_support import rel_l2, require_cuda, run_poisoned  # noqa: E402
+from gpu_support import check_cuda_graph_replay, rel_l2, require_cuda, run_poisoned  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 ort, torch = require_cuda()
@@ -116,18 +116,7 @@ def test_cuda_graph_replay(cache_dir, tmp_path):
     src = ROOT / "models" / "gelu.opset17.onnx"
     fused_path, lib, _ = _fuse(src, "fp16", cache_dir, tmp_path / "fused.onnx")
     sess = _session(fused_path, lib, cuda_graph=True)
-    xt = torch.empty((2048, 64), device="cuda")
-    yt = torch.empty((2048, 64), device="cuda")
-    io = sess.io_binding()
-    io.bind_input("x", "cuda", 0, np.float32, [2048, 64], xt.data_ptr())
-    io.bind_output("y", "cuda", 0, np.float32, [2048, 64], yt.data_ptr())
-    for seed in range(4):  # first run captures, later runs replay with new data in the same buffers
-        x = np.random.default_rng(seed).standard_normal((2048, 64)).astype(np.float32)
-        xt.copy_(torch.from_numpy(x))
-        yt.fill_(float("nan"))
-        sess.run_with_iobinding(io)
-        torch.cuda.synchronize()
-        assert rel_l2(yt.cpu().numpy(), _reference(src, x)) <= TOL["fp16"], f"replay {seed}"
+    check_cuda_graph_replay(sess, lambda x: _reference(src, x), 2048, 64, 64, TOL["fp16"])
 
 
 @pytest.mark.parametrize("seed", range(6))

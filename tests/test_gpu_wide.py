@@ -13,7 +13,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from gpu_support import rel_l2, require_cuda, run_poisoned  # noqa: E402
+from gpu_support import check_cuda_graph_replay, rel_l2, require_cuda, run_poisoned  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 ort, torch = require_cuda()
@@ -242,15 +242,4 @@ def test_cuda_graph_replay(shared):
     so.register_custom_ops_library(str(lib))
     sess = ort.InferenceSession(str(fused), so, providers=[("CUDAExecutionProvider", {"enable_cuda_graph": "1"}),
                                                            "CPUExecutionProvider"])
-    xt = torch.empty((512, 768), device="cuda")
-    yt = torch.empty((512, 768), device="cuda")
-    io = sess.io_binding()
-    io.bind_input("x", "cuda", 0, np.float32, [512, 768], xt.data_ptr())
-    io.bind_output("y", "cuda", 0, np.float32, [512, 768], yt.data_ptr())
-    for seed in range(3):  # first run captures, later runs replay with new data in the same buffers
-        x = np.random.default_rng(seed).standard_normal((512, 768)).astype(np.float32)
-        xt.copy_(torch.from_numpy(x))
-        yt.fill_(float("nan"))
-        sess.run_with_iobinding(io)
-        torch.cuda.synchronize()
-        assert rel_l2(yt.cpu().numpy(), _reference(src, x)) <= TOL["fp16"], f"replay {seed}"
+    check_cuda_graph_replay(sess, lambda x: _reference(src, x), 512, 768, 768, TOL["fp16"], replays=2)
