@@ -349,7 +349,7 @@ def make_wide_plan(spec: MLPSpec, reason: str = "", choices=None, tuning: bool =
     convert = _converts(spec)  # fp16 input of an fp16 kernel with aligned rows is already the GEMM's A operand
     off = 0
     kp = kp0
-    hidden = [round_up(l.out_features, ALIGN) for l in spec.layers[:n_gemms] if l is not spec.layers[-1]]
+    hidden = [round_up(l.out_features, ALIGN) for l in spec.layers[:min(n_gemms, len(spec.layers) - 1)]]
     h_width = max(hidden, default=0)
     layouts = []
     for i, l in enumerate(spec.layers[:n_gemms]):
@@ -552,7 +552,7 @@ def choose_plan(spec: MLPSpec, resident_plan, streamed_plan, streamed_error: Spe
         raise SpecError(f"{DESIGN_ENV}={forced!r}: expected auto, wide, streamed or resident")
     wide_why = wide_reason_refused(spec) or _cutlass_found()
     if not wide_options.pop("allowed", True):   # a segmented plan's tail: its fused kernel, never GEMMs again
-        wide_why = "not allowed here"
+        wide_why = "a segmented plan's tail is one fused kernel"
     if forced == "resident" and resident_plan is not None:
         return resident_plan
     if forced == "streamed" and streamed_plan is not None:
