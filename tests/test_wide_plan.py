@@ -139,6 +139,19 @@ def test_segmented_source_calls_the_tail_it_renders(io):
     assert "kBiasOffsetBytes + kBiasElems * sizeof(float)" in tail_src
 
 
+def test_a_tail_after_several_gemms_reads_the_last_ones_buffer():
+    """Forced to start at layer 2: two GEMMs ping-pong h0 -> h1, the tail reads h1, and its regions
+    follow the others in the workspace."""
+    spec = _spec([1024, 2048, 512, 64, 1])
+    plan = wide_plan.make_wide_plan(spec, tail_from=2)
+    assert [g.dst for g in plan.gemms] == ["h0", "h1"] and plan.h_width == 2048
+    assert plan.tail_offset >= plan.sm90_offset + wide_plan.SM90_SCRATCH and plan.tail_offset % wide_plan.REGION_ALIGN == 0
+    assert plan.tail_out_offset + plan.row_block * 2 <= plan.workspace_bytes   # the fp16 output staged for y
+    src = codegen.render([spec], True, None, {spec.name: {"tail_from": 2}})[f"{spec.name}_cuda.cu"]
+    assert f"{wide_plan.tail_symbol(spec)}_cuda_run(h1, tail_out, m, ws + {plan.tail_offset}, s)" in src
+    assert f"{wide_plan.tail_symbol(spec)}_cuda_pack(w + 2, b + 2," in src
+
+
 def test_tf32_kernels_only_for_an_in_place_first_layer():
     spec = _spec([512, 256, 64, 1])
     nb = len(wide_plan.make_wide_plan(spec).buckets)
