@@ -453,14 +453,19 @@ def best_tail(spec: MLPSpec, rows: int = NOMINAL_ROWS) -> int:
     """The first layer of the fused tail the cost model prefers, or 0 (every layer a GEMM). A tail
     replaces the GEMMs of narrow trailing layers (DLRM's 256 -> 64 -> 1: two launches and a round trip
     of the 64-wide tensor) by one pass over the hidden rows."""
-    if os.environ.get(TAIL_ENV, "auto").strip().lower() == "off":
-        return 0
+    return _tail_choice(spec, rows)[0]
+
+
+def _tail_choice(spec: MLPSpec, rows: int) -> tuple[int, float]:
+    """best_tail's start, and the wide design's estimate with it (seconds)."""
     best, best_t = 0, estimate_wide(spec, rows)
+    if os.environ.get(TAIL_ENV, "auto").strip().lower() == "off":
+        return best, best_t
     for start in range(1, len(spec.layers)):
         plan = tail_plan(spec, start)
         if plan is not None and (t := estimate_wide(spec, rows, start, plan)) < best_t:
             best, best_t = start, t
-    return best
+    return best, best_t
 
 
 # ------------------------------------------------------------------------------------------ cost model
@@ -569,8 +574,11 @@ def choose_plan(spec: MLPSpec, resident_plan, streamed_plan, streamed_error: Spe
     if wide_why is not None:
         return streamed_plan
     start = wide_options.get("tail_from")
-    start = best_tail(spec) if start is None else start
-    t_wide = estimate_wide(spec, NOMINAL_ROWS, start, tail_plan(spec, start) if start else None)
+    if start is None:   # the cost model's split, searched once: make_wide_plan takes it as it is
+        start, t_wide = _tail_choice(spec, NOMINAL_ROWS)
+        wide_options["tail_from"] = start
+    else:
+        t_wide = estimate_wide(spec, NOMINAL_ROWS, start, tail_plan(spec, start) if start else None)
     t_streamed = estimate_streamed(spec, streamed_plan)
     if t_wide * WIDE_MARGIN < t_streamed:
         return make_wide_plan(spec, f"chosen by the cost model at {NOMINAL_ROWS} rows: "
