@@ -250,20 +250,21 @@ def _resident_plan(spec: MLPSpec, smem_limit: int, mt: int | None = None,
         act_ld = max([l.kp for l in layers] + [l.np_ for l in layers[:-1]]) + row_pad(spec)
     fixed = sum(l.np_ for l in layers) * 4 + sum(l.n_chunks * l.chunk_elems for l in layers) * eb
     best = None
-    for mt in mts:
+    for tiles in mts:   # the first m-tile count any warp count fits
         for warps in warp_choices:
-            smem = fixed + warps * 16 * mt * act_ld * eb
+            smem = fixed + warps * 16 * tiles * act_ld * eb
             if smem > smem_limit:
                 continue
             per_sm = min(228 * 1024 // (smem + 1024), 64 // warps)
             score = min(per_sm * warps, 32)
             if best is None or score > best[0]:
-                best = (score, warps, smem)
+                best = (score, warps, smem, tiles)
         if best is not None:
             break
     if best is None:
         return None
-    return CudaPlan(spec, tuple(layers), True, warps=best[1], mt=mt, act_ld=act_ld, smem_bytes=best[2],
+    _, warps, smem, mt = best
+    return CudaPlan(spec, tuple(layers), True, warps=warps, mt=mt, act_ld=act_ld, smem_bytes=smem,
                     prefetch_vectors=_prefetch_vectors(spec, 16 * mt) if prefetch else 0,
                     register_activations=register_activations)
 
