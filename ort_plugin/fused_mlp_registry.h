@@ -23,7 +23,7 @@ struct KernelEntry {
   const char* const* activations; // num_layers strings: expr.to_text of each layer's activation
   int io_is_half;                 // 1: X/Y are float16, 0: float32
   int rows_per_task;              // CPU: rows one parallel task should take (multiple of the kernel's row block)
-  CpuFn cpu;                      // null: no CPU kernel (ORT runs the node's function on the CPU EP)
+  CpuFn cpu;                      // null: no generated CPU kernel (the plugin runs the node's stock body)
   CudaWorkspaceBytesFn cuda_workspace_bytes;  // these three null when built without CUDA
   CudaPackFn cuda_pack;
   CudaRunFn cuda_run;

@@ -2,7 +2,11 @@
 // Hand-written; compiled into every plugin library together with the generated sources.
 //
 // For each KernelEntry of the generated table:
-//   - a CPU-EP op when the entry has a CPU kernel,
+//   - a CPU-EP op, always: the generated C++ kernel when the entry has one, else the node's stock body
+//     (its `stock_model` attribute) run in an inner ONNX Runtime session. A CPU op is needed for every
+//     op type: once a library registers any kernel for an op type, ORT gives the node that op's schema
+//     and no longer inlines the model-local function, so a CPU-EP node without a CPU kernel fails to
+//     load ("Could not find an implementation"; docs/DESIGN.md, "The CPU path").
 //   - a CUDA-EP op when the library is built with -DONNX2FUSED_WITH_CUDA.
 // Inputs: X [..., K0] (float32 or float16), then W_i [K_i, N_i] and B_i [N_i] (float32) per layer.
 // Output: Y [..., N_last], the element type of X. Bad inputs give an ORT error naming the expected shape.
@@ -10,12 +14,14 @@
 #include "onnxruntime_cxx_api.h"
 #undef ORT_API_MANUAL_INIT
 
+#include <algorithm>
 #include <cstring>
 #include <exception>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -182,6 +188,156 @@ struct CpuKernel {
   }
 };
 
+// ----------------------------------------------------------------------------------- CPU, stock ops
+// The chain's stock body (MatMul, Add, the activation ops) as ONNX Runtime itself runs it, for chains
+// whose generated C++ kernel the cost model declines (cpu_policy.py: MLAS is faster there). The body
+// comes from the node's `stock_model` attribute: a serialized model, base64 (a string attribute passes
+// through C strings, and raw protobuf bytes may hold NULs). The inner session has one thread; the rows
+// are split into tasks over the outer session's thread pool (ctx.ParallelFor), so the user's thread
+// settings hold and no second pool competes for the cores.
+const char* const kStockModelAttr = "stock_model";
+
+std::string Base64Decode(const std::string& in) {
+  auto value = [](char c) -> int {
+    if (c >= 'A' && c <= 'Z') return c - 'A';
+    if (c >= 'a' && c <= 'z') return c - 'a' + 26;
+    if (c >= '0' && c <= '9') return c - '0' + 52;
+    if (c == '+') return 62;
+    if (c == '/') return 63;
+    return -1;
+  };
+  std::string out;
+  out.reserve(in.size() / 4 * 3);
+  int bits = 0, acc = 0;
+  for (char c : in) {
+    if (c == '=') break;
+    const int v = value(c);
+    if (v < 0) throw std::runtime_error("the node's stock_model attribute is not base64");
+    acc = (acc << 6) | v;
+    bits += 6;
+    if (bits >= 8) {
+      bits -= 8;
+      out.push_back(static_cast<char>((acc >> bits) & 0xff));
+    }
+  }
+  return out;
+}
+
+Ort::Env& InnerEnv() {
+  // ORT keeps one environment per process: this returns the host's (reference counted). Leaked on
+  // purpose, like the registry: sessions may outlive static destruction.
+  static Ort::Env* env = new Ort::Env(ORT_LOGGING_LEVEL_ERROR, "onnx2fused");
+  return *env;
+}
+
+struct StockCpuKernel;
+
+struct StockTask {
+  StockCpuKernel* k;
+  Call* call;
+  int64_t rows_per_task;
+  OrtStatusPtr* errors;  // one slot per task: ParallelFor gives no way to return a status
+};
+
+void RunStockTask(void* data, size_t task);
+
+struct StockCpuKernel {
+  static constexpr int64_t kMinRowsPerTask = 128;  // an inner Run costs ~10 us: keep tasks well above
+  static constexpr int64_t kMaxTasks = 64;
+  const KernelEntry* e;
+  Ort::Session session{nullptr};
+  std::vector<std::string> input_names;
+  std::vector<const char*> input_ptrs;
+  const char* output_name = "Y";
+  Ort::MemoryInfo cpu = Ort::MemoryInfo::CreateCpu(OrtArenaAllocator, OrtMemTypeDefault);
+
+  StockCpuKernel(const KernelEntry* entry, const OrtKernelInfo* info) : e(entry) {
+    Ort::ConstKernelInfo ki(info);
+    std::string encoded;
+    try {
+      encoded = ki.GetAttribute<std::string>(kStockModelAttr);
+    } catch (const Ort::Exception&) {
+      throw std::runtime_error(std::string(kDomain) + "." + e->name +
+                               ": the node has no stock_model attribute, which this library's CPU path "
+                               "needs; the model was converted by an older onnx2fused (re-run onnx2fused convert)");
+    }
+    const std::string model = Base64Decode(encoded);
+    Ort::SessionOptions so;
+    so.SetIntraOpNumThreads(1);
+    so.SetInterOpNumThreads(1);
+    so.SetExecutionMode(ORT_SEQUENTIAL);
+    so.SetLogSeverityLevel(3);
+    session = Ort::Session(InnerEnv(), model.data(), model.size(), so);
+    input_names.push_back("X");
+    for (int i = 0; i < e->num_layers; ++i) {
+      input_names.push_back("W" + std::to_string(i));
+      input_names.push_back("B" + std::to_string(i));
+    }
+    for (auto& n : input_names) input_ptrs.push_back(n.c_str());
+  }
+
+  // Rows [r0, r0 + n) of the call through the inner session, writing straight into Y.
+  void RunRows(const Call& call, int64_t r0, int64_t n) {
+    const int L = e->num_layers;
+    const size_t elem = e->io_is_half ? 2 : 4;
+    const ONNXTensorElementDataType io = IoType(*e);
+    const int64_t K0 = e->widths[0], NL = e->widths[L];
+    std::vector<Ort::Value> ins;
+    ins.reserve(1 + 2 * L);
+    int64_t xshape[2] = {n, K0}, yshape[2] = {n, NL};
+    char* x = const_cast<char*>(static_cast<const char*>(call.x)) + r0 * K0 * elem;
+    ins.push_back(Ort::Value::CreateTensor(cpu, x, n * K0 * elem, xshape, 2, io));
+    for (int i = 0; i < L; ++i) {
+      int64_t wshape[2] = {e->widths[i], e->widths[i + 1]}, bshape[1] = {e->widths[i + 1]};
+      ins.push_back(Ort::Value::CreateTensor<float>(cpu, const_cast<float*>(call.w[i]),
+                                                   static_cast<size_t>(wshape[0] * wshape[1]), wshape, 2));
+      ins.push_back(Ort::Value::CreateTensor<float>(cpu, const_cast<float*>(call.b[i]),
+                                                   static_cast<size_t>(bshape[0]), bshape, 1));
+    }
+    char* y = static_cast<char*>(call.y) + r0 * NL * elem;
+    Ort::Value out = Ort::Value::CreateTensor(cpu, y, n * NL * elem, yshape, 2, io);
+    session.Run(Ort::RunOptions{nullptr}, input_ptrs.data(), ins.data(), ins.size(), &output_name, &out, 1);
+  }
+
+  OrtStatusPtr ComputeV2(OrtKernelContext* context) {
+    return Guard([&]() -> OrtStatusPtr {
+      Ort::KernelContext ctx(context);
+      Call call;
+      if (OrtStatusPtr st = Prepare(*e, ctx, call)) return st;
+      if (call.rows == 0) return nullptr;
+      // Equal tasks (300 rows on 2 threads: 150 + 150, not 256 + 44), each of at least kMinRowsPerTask
+      // rows, at most kMaxTasks of them.
+      const int64_t tasks = std::min<int64_t>(kMaxTasks, std::max<int64_t>(1, call.rows / kMinRowsPerTask));
+      const int64_t per = (call.rows + tasks - 1) / tasks;
+      if (tasks <= 1) {
+        RunRows(call, 0, call.rows);
+        return nullptr;
+      }
+      std::vector<OrtStatusPtr> errors(static_cast<size_t>(tasks), nullptr);
+      StockTask task{this, &call, per, errors.data()};
+      ctx.ParallelFor(&RunStockTask, static_cast<size_t>(tasks), 0, &task);
+      OrtStatusPtr first = nullptr;
+      for (OrtStatusPtr st : errors) {
+        if (st && !first) first = st;
+        else if (st) Ort::GetApi().ReleaseStatus(st);
+      }
+      return first;
+    });
+  }
+};
+
+void RunStockTask(void* data, size_t task) {
+  StockTask& t = *static_cast<StockTask*>(data);
+  const int64_t r0 = static_cast<int64_t>(task) * t.rows_per_task;
+  int64_t n = t.call->rows - r0;
+  if (n > t.rows_per_task) n = t.rows_per_task;
+  if (n <= 0) return;
+  t.errors[task] = Guard([&]() -> OrtStatusPtr {
+    t.k->RunRows(*t.call, r0, n);
+    return nullptr;
+  });
+}
+
 // --------------------------------------------------------------------------------------------- CUDA
 #ifdef ONNX2FUSED_WITH_CUDA
 OrtStatusPtr CudaError(const KernelEntry& e, const char* what, int rc) {
@@ -318,6 +474,13 @@ OrtStatusPtr CheckAttributes(const KernelEntry& e, const OrtKernelInfo* info) {
 }
 
 template <class Kernel>
+Kernel* MakeKernel(const KernelEntry* e, const OrtKernelInfo*) { return new Kernel(e); }
+template <>
+StockCpuKernel* MakeKernel<StockCpuKernel>(const KernelEntry* e, const OrtKernelInfo* info) {
+  return new StockCpuKernel(e, info);
+}
+
+template <class Kernel>
 struct FusedOp : Ort::CustomOpBase<FusedOp<Kernel>, Kernel, true> {
   const KernelEntry* e;
   const char* ep;
@@ -326,7 +489,7 @@ struct FusedOp : Ort::CustomOpBase<FusedOp<Kernel>, Kernel, true> {
   OrtStatusPtr CreateKernelV2(const OrtApi&, const OrtKernelInfo* info, void** kernel) const {
     return Guard([&]() -> OrtStatusPtr {
       if (OrtStatusPtr st = CheckAttributes(*e, info)) return st;
-      *kernel = new Kernel(e);
+      *kernel = MakeKernel<Kernel>(e, info);
       return nullptr;
     });
   }
@@ -342,6 +505,7 @@ struct FusedOp : Ort::CustomOpBase<FusedOp<Kernel>, Kernel, true> {
 
 struct Registry {
   std::vector<std::unique_ptr<FusedOp<CpuKernel>>> cpu_ops;
+  std::vector<std::unique_ptr<FusedOp<StockCpuKernel>>> stock_cpu_ops;
 #ifdef ONNX2FUSED_WITH_CUDA
   std::vector<std::unique_ptr<FusedOp<CudaKernel>>> cuda_ops;
 #endif
@@ -354,7 +518,11 @@ Registry& TheRegistry() {
     auto* reg = new Registry();  // leaked on purpose: sessions may outlive static destruction
     for (int i = 0; i < kNumKernels; ++i) {
       const KernelEntry* e = &kKernels[i];
-      if (e->cpu) reg->cpu_ops.emplace_back(new FusedOp<CpuKernel>(e, "CPUExecutionProvider"));
+      if (e->cpu) {
+        reg->cpu_ops.emplace_back(new FusedOp<CpuKernel>(e, "CPUExecutionProvider"));
+      } else {
+        reg->stock_cpu_ops.emplace_back(new FusedOp<StockCpuKernel>(e, "CPUExecutionProvider"));
+      }
 #ifdef ONNX2FUSED_WITH_CUDA
       if (e->cuda_run) reg->cuda_ops.emplace_back(new FusedOp<CudaKernel>(e, "CUDAExecutionProvider"));
 #endif
@@ -380,6 +548,8 @@ RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
     if (OrtStatusPtr st = api->CreateCustomOpDomain(kDomain, &domain)) return st;
     reg.domains.push_back(domain);
     for (auto& op : reg.cpu_ops)
+      if (OrtStatusPtr st = api->CustomOpDomain_Add(domain, op.get())) return st;
+    for (auto& op : reg.stock_cpu_ops)
       if (OrtStatusPtr st = api->CustomOpDomain_Add(domain, op.get())) return st;
 #ifdef ONNX2FUSED_WITH_CUDA
     for (auto& op : reg.cuda_ops)

@@ -13,6 +13,8 @@ producers that only the chain used are dropped; the IR version is never raised.
 """
 from __future__ import annotations
 
+import base64
+
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
@@ -23,6 +25,7 @@ from ..spec import DOMAIN, MLPSpec
 from .chains import FusionPlan
 from .constants import GraphIndex, node_reads
 
+STOCK_MODEL_ATTR = "stock_model"  # the node's fallback body as a serialized model, base64 (make_stock_model)
 FUNCTION_MIN_IR = 3  # checker and onnxruntime 1.31 accept model-local functions at IR 7 too (checked)
 
 _UNARY_OPS = {"neg": "Neg", "abs": "Abs", "exp": "Exp", "log": "Log", "sqrt": "Sqrt", "tanh": "Tanh",
@@ -125,7 +128,33 @@ def make_fallback_function(spec: MLPSpec, opset: int) -> onnx.FunctionProto:
     else:
         em.nodes.append(helper.make_node("Identity", [h], ["Y"], name="out"))
     return helper.make_function(DOMAIN, spec.name, inputs, ["Y"], em.nodes,
-                                [helper.make_opsetid("", opset)], attributes=["widths", "activations"])
+                                [helper.make_opsetid("", opset)], attributes=list(NODE_ATTRIBUTES))
+
+
+NODE_ATTRIBUTES = ("widths", "activations", STOCK_MODEL_ATTR)
+
+
+def make_stock_model(spec: MLPSpec, opset: int, ir_version: int) -> bytes:
+    """The fallback body as a standalone model (inputs X, W_i, B_i; output Y; rows symbolic), serialized.
+
+    The plugin's CPU kernel for a chain whose generated C++ kernel the cost model declines (cpu_policy)
+    runs this model in an inner ORT session: when a library registers any kernel for an op type, ORT
+    gives the node that op's schema and no longer inlines the model-local function, so a CPU-EP node
+    without a registered CPU kernel would fail to load (docs/DESIGN.md, "the CPU path").
+    Weights stay inputs, not initializers: the outer model already holds them, once.
+    """
+    fn = make_fallback_function(spec, opset)
+    n = len(spec.layers)
+    io = TensorProto.FLOAT16 if spec.io_dtype == "f16" else TensorProto.FLOAT
+    ins = [helper.make_tensor_value_info("X", io, ["rows", spec.widths[0]])]
+    for i, layer in enumerate(spec.layers):
+        ins.append(helper.make_tensor_value_info(f"W{i}", TensorProto.FLOAT, [layer.in_features, layer.out_features]))
+        ins.append(helper.make_tensor_value_info(f"B{i}", TensorProto.FLOAT, [layer.out_features]))
+    out = helper.make_tensor_value_info("Y", io, ["rows", spec.widths[-1]])
+    graph = helper.make_graph(list(fn.node), spec.name, ins, [out])
+    model = helper.make_model(graph, opset_imports=list(fn.opset_import), producer_name="onnx2fused")
+    model.ir_version = min(max(ir_version, 4), model.ir_version)  # weights are inputs only: IR >= 4
+    return model.SerializeToString()
 
 
 def _unique(base: str, taken: set[str]) -> str:
@@ -164,6 +193,8 @@ def rewrite(model: onnx.ModelProto, plan: FusionPlan, specs: list[MLPSpec]) -> o
     place: dict[int, onnx.NodeProto] = {}
     new_inits: list[onnx.TensorProto] = []
     fused_outputs: list[str] = []
+    stock_models = {s.name: base64.b64encode(make_stock_model(s, opset, model.ir_version)).decode("ascii")
+                    for s in specs}
     for k, (chain, spec) in enumerate(zip(plan.chains, specs)):
         if tuple(spec.widths) != tuple(chain.widths) or spec.io_dtype != chain.input_dtype:
             raise ConversionError(f"spec {spec.name} does not describe chain {k} "
@@ -186,7 +217,8 @@ def rewrite(model: onnx.ModelProto, plan: FusionPlan, specs: list[MLPSpec]) -> o
                 inputs.append(name)
         node = helper.make_node(spec.name, inputs, [chain.output], name=_unique(f"onnx2fused_chain{k}", taken),
                                 domain=DOMAIN, widths=list(spec.widths),
-                                activations=[ex.to_text(l.activation) for l in spec.layers])
+                                activations=[ex.to_text(l.activation) for l in spec.layers],
+                                **{STOCK_MODEL_ATTR: stock_models[spec.name]})
         place[max(idx)] = node
         fused_outputs.append(chain.output)
 
