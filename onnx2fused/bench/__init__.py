@@ -1,0 +1,111 @@
+"""`onnx2fused bench`: time stock ONNX Runtime against the fused model.
+
+GPU mode (default; needs onnxruntime's CUDAExecutionProvider), all in one process on one GPU, for each
+batch size of a sweep:
+
+  ort_fp32       stock ORT CUDA EP on the original model
+  ort_fp16       stock ORT CUDA EP on an fp16 copy of the model (`to_fp16`)
+  fused          the model converted by `onnx2fused.convert` (validated), plugin registered
+  fused_graph    the same with ORT's CUDA graphs (enable_cuda_graph=1): no per-run ORT overhead
+  torch_eager    torch fp16 eager   (zoo models, or --torch-module)
+  torch_compile  torch.compile fp16 (same)
+
+Inputs and outputs stay on the device (IOBinding on torch-allocated buffers); each case is warmed up
+and then timed `--reps` times with CUDA events; the median is reported. The floor of a case is
+max(bytes / BW, flops / TC) with BW (device-to-device copy) and TC (fp16 matmul) measured once in the
+same process.
+
+CPU mode (`--cpu`): stock ORT CPU EP on the original model vs the fused model with the CPU plugin,
+same thread count, the two interleaved run by run (shared hosts drift), median of `--reps` runs
+(default 15). Where the CPU policy (cpu_policy.py) does not register the fused kernel, the fused model
+runs its stock-op fallback, and the table says so.
+
+Both modes print a table and write `<out>/bench.json` and `<out>/bench.png`.
+
+The package: models.py (what a model holds, its fp16 copy, feeds, the torch modules), timing.py (how a
+run is timed), variants.py (what is timed: each variant's session, the sweeps of the two modes) and
+report.py (table, bench.json, plot). The names below are re-exported for benchmarks/ and the tests.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .models import (L2_ROTATE_BYTES, MAX_ELEMENTS, MEM_FRACTION, ROTATE_BUFFERS, Layer, ModelInfo,  # noqa: F401
+                     _features, _find_zoo_entry, _input_shape, _random_feed, _reason, default_cpu_batch,
+                     fp16_model_file, gpu_batches, load_torch_module, model_info, to_fp16, zoo_torch_module)
+from .report import LABELS, _write_outputs, format_table, plot  # noqa: F401
+from .timing import (FALLBACK_BW, FALLBACK_TC, ORT_DEVICE, _cuda_torch, _Dev, measure_peaks,  # noqa: F401
+                     time_interleaved, time_ort_gpu, time_torch)
+from .variants import (CPU_VARIANTS, DEFAULT_CPU_REPS, DEFAULT_GPU_BATCHES, DEFAULT_GPU_REPS,  # noqa: F401
+                       DEFAULT_THREADS, GPU_VARIANTS, convert_model, fused_session, gpu_providers, run_cpu, run_gpu)
+
+NO_GPU_MESSAGE = "no GPU: onnxruntime has no CUDAExecutionProvider; use --cpu"
+
+
+# ----------------------------------------------------------------------------------------------- CLI
+
+def _batch_value(part: str) -> int:
+    if "^" in part:
+        base, exp = part.split("^", 1)
+        return int(base) ** int(exp)
+    return int(part)
+
+
+def _batches(text: str) -> list[int]:
+    out = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        try:
+            v = _batch_value(part)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"bad batch size {part!r} (use e.g. 1024,4096 or 2^20)") from None
+        if v <= 0:
+            raise argparse.ArgumentTypeError(f"batch sizes must be positive, got {v}")
+        out.append(v)
+    if not out:
+        raise argparse.ArgumentTypeError("no batch sizes given")
+    return out
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", help="the ONNX model to benchmark (the original, not a fused one)")
+    parser.add_argument("--cpu", action="store_true",
+                        help="CPU mode: stock ORT CPU EP vs the fused model with the CPU plugin")
+    parser.add_argument("--batches", type=_batches, default=None,
+                        help="comma-separated batch sizes (2^20 allowed); GPU default 2^10..2^22 by 4x "
+                             "(capped to fit memory), CPU default 65536 (less for wide models)")
+    parser.add_argument("--precision", default="fp16", choices=["fp16", "bf16", "tf32", "fp32"],
+                        help="compute precision of the fused model (default fp16)")
+    parser.add_argument("--out", default=None,
+                        help="output folder for bench.json, bench.png and the converted models "
+                             "(default build/bench/<model>[-cpu])")
+    parser.add_argument("--reps", type=int, default=None,
+                        help=f"timed runs per case (GPU default {DEFAULT_GPU_REPS}, CPU default {DEFAULT_CPU_REPS})")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed runs per case (GPU 10, CPU 2)")
+    parser.add_argument("--threads", type=int, default=DEFAULT_THREADS,
+                        help=f"CPU mode: intra_op_num_threads of both sessions (default {DEFAULT_THREADS})")
+    parser.add_argument("--torch-module", default=None, metavar="PATH:CALLABLE",
+                        help="torch rows: 'file.py:fn' or 'pkg.mod:fn' returning an nn.Module equivalent to the "
+                             "model (or naming one); default: built from models/zoo.json when it describes the model")
+    parser.add_argument("--no-torch", action="store_true", help="GPU mode: skip the torch rows")
+
+
+def main(args) -> int:
+    if args.reps is not None and args.reps < 1:
+        print("bench: --reps must be >= 1", file=sys.stderr)
+        return 2
+    model = Path(args.model)
+    if not model.is_file():
+        print(f"bench: {model}: no such file", file=sys.stderr)
+        return 2
+    if args.cpu:
+        return run_cpu(args)
+    import onnxruntime as ort
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        print(NO_GPU_MESSAGE)
+        return 0
+    return run_gpu(args)
