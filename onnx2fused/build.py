@@ -107,7 +107,10 @@ def cuda_archs() -> list[str]:
 
 
 def nvcc_flags() -> list[str]:
-    flags = ["-O3", "-std=c++17", "-Xcompiler", "-fPIC", "-Xcompiler", "-fvisibility=hidden", "-lineinfo"]
+    # --threads 0: the per-arch device compilations of one unit run in parallel (one unit per chain: the
+    # cold build of a one-chain model is otherwise one arch after the other)
+    flags = ["-O3", "-std=c++17", "-Xcompiler", "-fPIC", "-Xcompiler", "-fvisibility=hidden", "-lineinfo",
+             "--threads", "0"]
     for a in cuda_archs():
         flags += ["-gencode", f"arch=compute_{a},code=sm_{a}"]
     return flags
@@ -190,20 +193,19 @@ def _compile(args: list[str], cwd: Path) -> tuple[int, str]:
 
 # ------------------------------------------------------------------------------------------ build
 def build_plugin(specs, with_cuda: bool | None = None, cache_dir=None, cpu_enabled=None,
-                 progress: Callable[[str], None] | None = None, wide_options: dict | None = None) -> BuiltLibrary:
+                 progress: Callable[[str], None] | None = None, wide_options: dict | None = None,
+                 tune: bool = False) -> BuiltLibrary:
     """Build (or find in the cache) the plugin library of `specs`. `wide_options`: {spec name:
-    wide_plan.make_wide_plan options}; None: wide_tune.resolve finds them (the cached or freshly tuned
-    kernel choices of this GPU, when one is present)."""
+    wide_plan.make_wide_plan options}; None: wide_tune.resolve finds them (the kernel choices this GPU
+    has in the cache; with `tune`, a fresh search where none is cached)."""
     say = progress or (lambda msg: None)
     nvcc = find_nvcc()
     if with_cuda is None:
         with_cuda = nvcc is not None
     if with_cuda and not nvcc:
         raise ConversionError("CUDA kernels need nvcc: put it on PATH or set CUDA_HOME, or build with with_cuda=False")
-    cxx = find_cxx()
     cache = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
     _ensure_writable(cache)
-    headers = locate_ort_headers(cache_dir, progress=say)
 
     if wide_options is None:
         wide_options = {}
@@ -212,45 +214,79 @@ def build_plugin(specs, with_cuda: bool | None = None, cache_dir=None, cpu_enabl
 
             def build_tuning(tune_specs, **kw):
                 return build_plugin(tune_specs, with_cuda=True, cache_dir=cache, progress=say, **kw)
-            wide_options = wide_tune.resolve(specs, cache, build_tuning, say)
+            wide_options = wide_tune.resolve(specs, cache, build_tuning, say, tune=tune)
 
-    # Sources: the rendered ones, then the hand-written plugin.
     sources = dict(render(list(specs), with_cuda, cpu_enabled, wide_options))
-    plugin_dir = ort_plugin_dir()
-    plugin_files = sorted(p for p in plugin_dir.iterdir()
-                          if p.is_file() and p.suffix in ((".cc", ".h", ".cu") if with_cuda else (".cc", ".h")))
-    for p in plugin_files:
-        if p.name in sources:
-            raise ConversionError(f"generated file {p.name} clashes with ort_plugin/{p.name}")
-        sources[p.name] = p.read_text()
+    lib = compile_library(sources, with_cuda, cache, say)
+    return BuiltLibrary(lib.path, lib.sources_dir, lib.cache_hit, lib.build_seconds, lib.key, with_cuda, wide_options)
+
+
+def plugin_sources(with_cuda: bool) -> dict[str, str]:
+    """The hand-written ort_plugin/ files compiled into every library (CUDA ones only with CUDA)."""
+    kinds = (".cc", ".h", ".cu") if with_cuda else (".cc", ".h")
+    return {p.name: p.read_text() for p in sorted(ort_plugin_dir().iterdir()) if p.is_file() and p.suffix in kinds}
+
+
+@dataclass(frozen=True)
+class _Job:
+    """One translation unit: `name` (the source, or `<source>.p<k>` for a part), its compile command
+    with the placeholders {src} (sources folder), {inc} (ORT headers) and {obj} (the object written), and
+    the key of its object in the cache (everything that can change the object, never a temp path)."""
+    name: str
+    args: tuple[str, ...]
+    key: str
+
+    def command(self, src: Path, inc: Path, obj: Path) -> list[str]:
+        return [a.format(src=src, inc=inc, obj=obj) for a in self.args]
+
+
+def compile_library(sources: dict[str, str], with_cuda: bool, cache: Path,
+                    say: Callable[[str], None] | None = None) -> BuiltLibrary:
+    """Compile `sources` (generated, plus ort_plugin/ added here) into one library in the cache.
+
+    Each translation unit's object is cached on its own under <cache>/objects/, keyed by its source,
+    every header it can include, its flags and the compiler: a library that shares units with an earlier
+    one (another precision of one chain, an unchanged registry's neighbours) compiles only what differs,
+    then links.
+    """
+    say = say or (lambda msg: None)
+    nvcc = find_nvcc() if with_cuda else None
+    if with_cuda and not nvcc:
+        raise ConversionError("CUDA kernels need nvcc: put it on PATH or set CUDA_HOME, or build with with_cuda=False")
+    cxx = find_cxx()
+    headers = locate_ort_headers(cache, progress=say)
+    sources = dict(sources)
+    plugin = plugin_sources(with_cuda)
+    for name, text in plugin.items():
+        if name in sources:
+            raise ConversionError(f"generated file {name} clashes with ort_plugin/{name}")
+        sources[name] = text
 
     host_flags = list(HOST_FLAGS) + (["-DONNX2FUSED_WITH_CUDA"] if with_cuda else [])
     cu_flags = nvcc_flags() + ["-DONNX2FUSED_WITH_CUDA"] if with_cuda else []
     cutlass = find_cutlass_headers() if with_cuda and needs_cutlass(sources) else None  # wide design only
     if cutlass:
         cu_flags += ["-I", str(cutlass.path), "--expt-relaxed-constexpr"]
-    key_parts = {
+    toolchain = {
         "version": VERSION,
         "onnx2fused": __version__,
-        "sources": {name: hashlib.sha256(text.encode()).hexdigest() for name, text in sorted(sources.items())},
-        "host_flags": host_flags,
         "native": native_flags(cxx),
         "cxx": compiler_version(cxx),
-        "nvcc_flags": cu_flags,
         "nvcc": compiler_version(nvcc) if with_cuda else "",
         "ort_headers": headers.version,
         "cutlass": cutlass.version if cutlass else "",
+        # every header a unit may include: a change to one recompiles every unit (they are few and small)
+        "headers": {n: _sha(t) for n, t in sorted(sources.items()) if not n.endswith((".cc", ".cu"))},
     }
-    if cutlass:  # wide sources compile with wide_nvcc_flags (sm_90a): key that recipe too
-        key_parts["nvcc_wide_flags"] = wide_nvcc_flags(cu_flags)
-    key = hashlib.sha256(json.dumps(key_parts, sort_keys=True).encode()).hexdigest()[:16]
+    jobs = _jobs(sources, cxx, nvcc, host_flags, cu_flags, set(plugin) if with_cuda else set(), toolchain)
+    link = _link_args(cxx, nvcc, with_cuda)
+    key = _sha(json.dumps({"version": VERSION, "objects": sorted(j.key for j in jobs), "link": link}))[:16]
     entry = cache / key
     lib_name = f"libonnx2fused_{key}.so"
 
     lib = _valid_entry(entry)
     if lib:
-        return BuiltLibrary(lib, entry / "sources", True, 0.0, key, with_cuda, wide_options)
-
+        return BuiltLibrary(lib, entry / "sources", True, 0.0, key, with_cuda)
     lock_path = cache / f".{key}.lock"
     try:
         lock = open(lock_path, "a+")
@@ -260,7 +296,7 @@ def build_plugin(specs, with_cuda: bool | None = None, cache_dir=None, cpu_enabl
         fcntl.flock(lock, fcntl.LOCK_EX)
         lib = _valid_entry(entry)  # another process may have built it while we waited
         if lib:
-            return BuiltLibrary(lib, entry / "sources", True, 0.0, key, with_cuda, wide_options)
+            return BuiltLibrary(lib, entry / "sources", True, 0.0, key, with_cuda)
         if entry.exists():
             say(f"cached plugin {entry} is incomplete or corrupt; rebuilding")
         t0 = time.monotonic()
@@ -269,8 +305,8 @@ def build_plugin(specs, with_cuda: bool | None = None, cache_dir=None, cpu_enabl
         except OSError as e:
             raise _unwritable(cache, e) from e
         try:
-            _build_into(tmp, sources, lib_name, cxx, nvcc, host_flags, cu_flags, headers.path, with_cuda,
-                        cache, key, key_parts, say, [p.name for p in plugin_files if p.suffix == ".cc"])
+            _build_into(tmp, sources, jobs, link, with_cuda, lib_name, headers.path, cache, key,
+                        {"toolchain": toolchain, "objects": {j.name: j.key for j in jobs}}, say, t0)
             _install(tmp, entry, cache)
         except OSError as e:
             raise _unwritable(cache, e) from e
@@ -281,7 +317,7 @@ def build_plugin(specs, with_cuda: bool | None = None, cache_dir=None, cpu_enabl
             raise BuildError(f"the plugin built into {entry} does not verify; remove that folder and retry")
         seconds = time.monotonic() - t0
         say(f"built {lib} in {seconds:.1f} s")
-        return BuiltLibrary(lib, entry / "sources", False, seconds, key, with_cuda, wide_options)
+        return BuiltLibrary(lib, entry / "sources", False, seconds, key, with_cuda)
 
 
 def _install(tmp: Path, entry: Path, cache: Path) -> None:
@@ -293,9 +329,58 @@ def _install(tmp: Path, entry: Path, cache: Path) -> None:
     os.replace(tmp / "entry", entry)
 
 
-def _build_into(tmp: Path, sources: dict[str, str], lib_name: str, cxx: str, nvcc: str | None,
-                host_flags: list[str], cu_flags: list[str], include: Path, with_cuda: bool, cache: Path,
-                key: str, key_parts: dict, say, plugin_cc: list[str]) -> None:
+def _sha(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _jobs(sources: dict[str, str], cxx: str, nvcc: str | None, host_flags: list[str], cu_flags: list[str],
+          nvcc_hosted: set[str], toolchain: dict) -> list[_Job]:
+    """The translation units of `sources`, each with its command and object key."""
+    includes = ["-I", "{src}", "-I", "{inc}"]
+    out = []
+
+    def add(name: str, source: str, args: list[str]):
+        key = _sha(json.dumps({"toolchain": toolchain, "args": args, "source": source,
+                               "text": _sha(sources[source])}, sort_keys=True))
+        out.append(_Job(name, tuple(args), key))
+
+    for name in sorted(sources):
+        src = "{src}/" + name
+        if name.endswith(".cu"):
+            # wide-design sources (they include CUTLASS) get sm_90a instead of sm_90: see wide_nvcc_flags
+            flags = wide_nvcc_flags(cu_flags) if needs_cutlass({name: sources[name]}) else cu_flags
+            parts = source_parts(sources[name])
+            if parts is None:
+                add(name, name, [nvcc, *flags, *includes, "-c", src, "-o", "{obj}"])
+            for p in range(parts + 1 if parts is not None else 0):  # one unit per part, built in parallel
+                add(f"{name}.p{p}", name, [nvcc, *flags, f"-DO2F_PART={p}", *includes, "-c", src, "-o", "{obj}"])
+        elif name.endswith(".cc"):
+            if name in nvcc_hosted:  # hand-written host code that calls the CUDA runtime: nvcc knows its headers
+                xflags = ",".join(f for f in host_flags if f != "-pthread")
+                add(name, name, [nvcc, "-std=c++17", "-O3", "-Xcompiler", xflags, "-DONNX2FUSED_WITH_CUDA",
+                                 *includes, "-c", src, "-o", "{obj}"])
+            else:
+                add(name, name, [cxx, *host_flags, *includes, "-c", src, "-o", "{obj}"])
+    return out
+
+
+def _link_args(cxx: str, nvcc: str | None, with_cuda: bool) -> list[str]:
+    """The link command before its output and objects (`-o LIB OBJECTS...` and the tail follow)."""
+    if with_cuda:
+        return [nvcc, "-shared", "-Xcompiler", "-fPIC", "-cudart", "static"]
+    return [cxx, "-shared", "-pthread"]
+
+
+def _link_tail(with_cuda: bool) -> list[str]:
+    return ["-Xlinker", "-z,defs", "-lpthread"] if with_cuda else ["-Wl,-z,defs"]
+
+
+def _cached_object(cache: Path, job: _Job) -> Path:
+    return cache / "objects" / f"{job.key[:32]}.o"
+
+
+def _build_into(tmp: Path, sources: dict[str, str], jobs: list[_Job], link: list[str], with_cuda: bool,
+                lib_name: str, include: Path, cache: Path, key: str, key_parts: dict, say, t0: float) -> None:
     out = tmp / "entry"
     src = out / "sources"
     obj = tmp / "obj"
@@ -303,43 +388,39 @@ def _build_into(tmp: Path, sources: dict[str, str], lib_name: str, cxx: str, nvc
     obj.mkdir()
     for name, text in sources.items():
         (src / name).write_text(text)
-    includes = ["-I", str(src), "-I", str(include)]
-    # hand-written host code that calls the CUDA runtime: nvcc supplies the CUDA include path
-    nvcc_hosted = {n for n in plugin_cc} if with_cuda else set()
-    jobs: list[tuple[str, list[str]]] = []
-    for name in sorted(sources):
-        o = str(obj / (name + ".o"))
-        if name.endswith(".cu"):
-            # wide-design sources (they include CUTLASS) get sm_90a instead of sm_90: see wide_nvcc_flags
-            flags = wide_nvcc_flags(cu_flags) if needs_cutlass({name: sources[name]}) else cu_flags
-            parts = source_parts(sources[name])
-            if parts is None:
-                jobs.append((name, [nvcc, *flags, *includes, "-c", str(src / name), "-o", o]))
-            for p in range(parts + 1 if parts is not None else 0):  # one unit per part, built in parallel
-                jobs.append((f"{name}.p{p}", [nvcc, *flags, f"-DO2F_PART={p}", *includes, "-c", str(src / name),
-                                              "-o", str(obj / f"{name}.p{p}.o")]))
-        elif name.endswith(".cc"):
-            if with_cuda and name in nvcc_hosted:
-                xflags = ",".join(f for f in host_flags if f != "-pthread")
-                jobs.append((name, [nvcc, "-std=c++17", "-O3", "-Xcompiler", xflags, "-DONNX2FUSED_WITH_CUDA",
-                                    *includes, "-c", str(src / name), "-o", o]))
-            else:
-                jobs.append((name, [cxx, *host_flags, *includes, "-c", str(src / name), "-o", o]))
-    say(f"compiling {len(jobs)} translation units{' (with CUDA)' if with_cuda else ''}")
-    workers = max(1, min(len(jobs), os.cpu_count() or 1))
+    todo = [j for j in jobs if not _cached_object(cache, j).is_file()]
+    reused = len(jobs) - len(todo)
+    say(f"compiling {len(todo)} of {len(jobs)} translation units{' (with CUDA)' if with_cuda else ''}"
+        + (f"; {reused} from the object cache" if reused else ""))
+    done = [0]
+
+    def compile_one(job: _Job):
+        target = obj / (job.name + ".o")
+        rc, text = _compile(job.command(src, include, target), tmp)
+        if rc == 0:
+            done[0] += 1
+            say(f"  compiled {job.name} ({done[0]}/{len(todo)}, {time.monotonic() - t0:.1f} s)")
+        return job, rc, text
+
+    workers = max(1, min(len(todo), os.cpu_count() or 1))
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        results = list(pool.map(lambda job: (job, *_compile(job[1], tmp)), jobs))
-    log = [f"$ {' '.join(job[1])}\n{text}" for job, rc, text in results]
-    failed = [job[0] for job, rc, _ in results if rc != 0]
+        results = list(pool.map(compile_one, todo))
+    log = [f"$ {' '.join(job.command(src, include, obj / (job.name + '.o')))}\n{text}" for job, rc, text in results]
+    failed = [job.name for job, rc, _ in results if rc != 0]
     if not failed:
-        objs = [job[1][-1] for job in jobs]  # every job ends with "-o <object>"
-        if with_cuda:
-            link = [nvcc, "-shared", "-Xcompiler", "-fPIC", "-cudart", "static", "-o", str(out / lib_name), *objs,
-                    "-Xlinker", "-z,defs", "-lpthread"]
-        else:
-            link = [cxx, "-shared", "-pthread", "-o", str(out / lib_name), *objs, "-Wl,-z,defs"]
-        rc, text = _compile(link, tmp)
-        log.append(f"$ {' '.join(link)}\n{text}")
+        (cache / "objects").mkdir(exist_ok=True)
+        for job, _, _ in results:  # publish each new object atomically (a concurrent twin writes the same bytes)
+            built = obj / (job.name + ".o")
+            if built.is_file():
+                fd, part = tempfile.mkstemp(prefix=".obj-", dir=cache / "objects")
+                os.close(fd)
+                shutil.copyfile(built, part)
+                os.replace(part, _cached_object(cache, job))
+        objs = [str(obj / (j.name + ".o")) if (obj / (j.name + ".o")).is_file() else str(_cached_object(cache, j))
+                for j in jobs]
+        cmd = [*link, "-o", str(out / lib_name), *objs, *_link_tail(with_cuda)]
+        rc, text = _compile(cmd, tmp)
+        log.append(f"$ {' '.join(cmd)}\n{text}")
         if rc != 0:
             failed = ["the link"]
     if failed:

@@ -194,10 +194,11 @@ def _time_passes(lib, plan: wide_plan.WidePlan, index: list[list[int]], reps: in
     return chosen, {"rows": rows, "ms": {str(b): t for b, t in times.items()}}
 
 
-def resolve(specs, cache: Path, build: Callable, say: Callable[[str], None]) -> dict[str, dict]:
+def resolve(specs, cache: Path, build: Callable, say: Callable[[str], None], tune: bool = False) -> dict[str, dict]:
     """{spec name: make_wide_plan options} for the wide specs among `specs`: the cached choice for this
-    GPU, else a fresh tuning run (`build(specs, wide_options=..., cpu_enabled=...)` builds the tuning
-    library), else nothing (the defaults)."""
+    GPU, else, with `tune`, a fresh tuning run (`build(specs, wide_options=..., cpu_enabled=...)` builds
+    the tuning library), else nothing (the default kernels). The search costs minutes of nvcc and GPU
+    time per chain, so convert runs it only on request (`--tune`, or `onnx2fused tune`)."""
     gpu = tunable_gpu()
     if gpu is None:
         return {}
@@ -209,6 +210,8 @@ def resolve(specs, cache: Path, build: Callable, say: Callable[[str], None]) -> 
         cached = _stored_options(plan, cache, gpu)
         if cached:
             out[spec.name] = cached
+            continue
+        if not tune:
             continue
         say(f"tuning the Hopper GEMM kernels of {spec.name} on {gpu.name} (once per spec and GPU model)")
         try:

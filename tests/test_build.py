@@ -23,7 +23,7 @@ SPEC = MLPSpec((LayerSpec(8, 24, True, ex.relu()), LayerSpec(24, 3, False, ex.id
 
 def entries(cache: Path) -> list[Path]:
     return sorted(p for p in cache.iterdir() if p.is_dir() and not p.name.startswith(".")
-                  and p.name not in ("failed", "headers"))
+                  and p.name not in ("failed", "headers", "objects"))
 
 
 def test_second_build_is_a_cache_hit(tmp_path):
@@ -160,3 +160,29 @@ def test_build_compiles_cuda(tmp_path):
     if nm:
         syms = subprocess.run([nm, "-D", "--defined-only", str(lib.path)], capture_output=True, text=True).stdout
         assert "RegisterCustomOps" in syms
+
+
+def test_units_are_cached_on_their_own_so_a_new_library_compiles_only_what_differs(tmp_path, monkeypatch):
+    """A second library that shares translation units with the first (same chain, another chain beside
+    it) compiles only its new units, links, and works; the shared objects come from <cache>/objects."""
+    compiled = []
+    real = build_mod._compile
+
+    def counting(args, cwd):
+        if "-c" in args:
+            compiled.append(Path(args[args.index("-c") + 1]).name)
+        return real(args, cwd)
+
+    monkeypatch.setattr(build_mod, "_compile", counting)
+    build_plugin([SPEC], with_cuda=False, cache_dir=tmp_path)
+    first = sorted(compiled)
+    assert f"{SPEC.name}_cpu.cc" in first and "plugin.cc" in first and "registry.cc" in first
+    compiled.clear()
+    other = MLPSpec((LayerSpec(8, 16, True, ex.tanh()), LayerSpec(16, 3, True, ex.identity())), io_dtype="f32")
+    lines = []
+    both = build_plugin([SPEC, other], with_cuda=False, cache_dir=tmp_path, progress=lines.append)
+    assert sorted(compiled) == sorted([f"{other.name}_cpu.cc", "registry.cc"])  # the rest came from the cache
+    assert any("2 of 4 translation units; 2 from the object cache" in x for x in lines), lines
+    assert not both.cache_hit and len(list((tmp_path / "objects").glob("*.o"))) == 5
+    import ctypes
+    ctypes.CDLL(str(both.path))  # it loads: linked with -z defs, every symbol the registry names is defined

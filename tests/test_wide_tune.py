@@ -58,7 +58,7 @@ def test_tunes_once_per_spec_and_gpu_then_reads_the_cache(tmp_path, gpu, monkeyp
     fake = FakeTuning(fast=COOP128_DP, ms=0.5)
     monkeypatch.setattr(wide_tune, "run_tuning", fake.run)
     said = []
-    out = wide_tune.resolve([FFN, NARROW], tmp_path, fake.build, said.append)
+    out = wide_tune.resolve([FFN, NARROW], tmp_path, fake.build, said.append, tune=True)
     assert list(out) == [FFN.name] and fake.builds == [([FFN.name], {"wide_options": {FFN.name: {"tuning": True}},
                                                                       "cpu_enabled": {FFN.name: False}})]
     chosen = wide_plan.sm90_candidates()[COOP128_DP]
@@ -68,7 +68,7 @@ def test_tunes_once_per_spec_and_gpu_then_reads_the_cache(tmp_path, gpu, monkeyp
     assert record["gpu"] == H100.name and record["spec"] == FFN.name
     assert any("tuning the Hopper GEMM kernels" in s for s in said) and any(s.startswith("tuned: ") for s in said)
     # a second build of the same spec on the same GPU model: no tuning build, the same choice
-    again = wide_tune.resolve([FFN], tmp_path, fake.build, said.append)
+    again = wide_tune.resolve([FFN], tmp_path, fake.build, said.append, tune=True)
     assert again == out and len(fake.builds) == 1
     # the rendered library instantiates the chosen kernel only, and inspect's text says where it was tuned
     src = codegen.render([FFN], True, wide_options=out)[f"{FFN.name}_cuda.cu"]
@@ -78,20 +78,29 @@ def test_tunes_once_per_spec_and_gpu_then_reads_the_cache(tmp_path, gpu, monkeyp
     assert wide_tune.cached_options(FFN, tmp_path) == out[FFN.name]
 
 
+def test_no_search_unless_asked_only_the_cached_choice(tmp_path, gpu, monkeypatch):
+    """convert's default: the search is off the critical path; a choice cached by an earlier --tune is used."""
+    fake = FakeTuning(fast=COOP128_DP, ms=0.5)
+    monkeypatch.setattr(wide_tune, "run_tuning", fake.run)
+    assert wide_tune.resolve([FFN], tmp_path, fake.build, lambda s: None) == {} and not fake.builds
+    tuned = wide_tune.resolve([FFN], tmp_path, fake.build, lambda s: None, tune=True)
+    assert wide_tune.resolve([FFN], tmp_path, fake.build, lambda s: None) == tuned and len(fake.builds) == 1
+
+
 def test_noise_keeps_the_default(tmp_path, gpu, monkeypatch):
     fake = FakeTuning(fast=3, ms=0.99)   # 1% faster: within MIN_GAIN
     monkeypatch.setattr(wide_tune, "run_tuning", fake.run)
-    out = wide_tune.resolve([FFN], tmp_path, fake.build, lambda s: None)
+    out = wide_tune.resolve([FFN], tmp_path, fake.build, lambda s: None, tune=True)
     assert all(c == wide_plan.DEFAULT_CHOICE for per in out[FFN.name]["choices"] for c in per)
 
 
 def test_another_gpu_model_tunes_again(tmp_path, gpu, monkeypatch):
     fake = FakeTuning(fast=COOP128_DP, ms=0.5)
     monkeypatch.setattr(wide_tune, "run_tuning", fake.run)
-    wide_tune.resolve([FFN], tmp_path, fake.build, lambda s: None)
+    wide_tune.resolve([FFN], tmp_path, fake.build, lambda s: None, tune=True)
     monkeypatch.setattr(wide_tune, "current_gpu", lambda: wide_tune.Gpu("NVIDIA H200", 90))
     assert wide_tune.cached_options(FFN, tmp_path) is None
-    wide_tune.resolve([FFN], tmp_path, fake.build, lambda s: None)
+    wide_tune.resolve([FFN], tmp_path, fake.build, lambda s: None, tune=True)
     assert len(fake.builds) == 2 and len(list((tmp_path / "tune").iterdir())) == 2
 
 
@@ -103,14 +112,14 @@ def test_no_tuning_without_a_hopper_gpu_or_when_disabled(tmp_path, monkeypatch, 
     else:
         monkeypatch.setenv(wide_tune.TUNE_ENV, env)
     fake = FakeTuning(fast=COOP128_DP, ms=0.5)
-    assert wide_tune.resolve([FFN], tmp_path, fake.build, lambda s: None) == {} and not fake.builds
+    assert wide_tune.resolve([FFN], tmp_path, fake.build, lambda s: None, tune=True) == {} and not fake.builds
 
 
 def test_a_failed_tuning_build_keeps_the_defaults_and_says_why(tmp_path, gpu):
     def broken_build(specs, **kw):
         raise RuntimeError("compiling the plugin failed (stub)\nmore lines")
     said = []
-    assert wide_tune.resolve([FFN], tmp_path, broken_build, said.append) == {}
+    assert wide_tune.resolve([FFN], tmp_path, broken_build, said.append, tune=True) == {}
     assert any("failed (compiling the plugin failed (stub)); using the default kernels" in s for s in said)
     assert not (tmp_path / "tune").exists()
 
@@ -129,7 +138,7 @@ def test_a_stale_or_corrupt_cache_entry_is_ignored_and_replaced(tmp_path, gpu, m
     assert wide_tune.cached_options(FFN, tmp_path) is None
     fake = FakeTuning(fast=COOP128_DP, ms=0.5)
     monkeypatch.setattr(wide_tune, "run_tuning", fake.run)
-    assert wide_tune.resolve([FFN], tmp_path, fake.build, lambda s: None)[FFN.name]
+    assert wide_tune.resolve([FFN], tmp_path, fake.build, lambda s: None, tune=True)[FFN.name]
     assert json.loads(path.read_text())["spec"] == FFN.name
 
 
@@ -165,6 +174,6 @@ def test_inspect_shows_the_kernels_tuned_for_this_gpu(tmp_path, gpu, monkeypatch
     assert "default kernels (not tuned)" in inspect_text()
     fake = FakeTuning(fast=COOP128_DP, ms=0.5)
     monkeypatch.setattr(wide_tune, "run_tuning", fake.run)
-    wide_tune.resolve([spec], tmp_path / "cache", fake.build, lambda s: None)
+    wide_tune.resolve([spec], tmp_path / "cache", fake.build, lambda s: None, tune=True)
     text = inspect_text()
     assert f"kernels tuned on {H100.name}" in text and "16384 rows Coop128x128/data_parallel" in text
