@@ -41,10 +41,40 @@ def _error(msg) -> int:
     return 2
 
 
-def _progress(args):
-    if getattr(args, "quiet", False):
+_OPEN_PROGRESS: list = []
+
+
+def progress(args=None, quiet: bool | None = None):
+    """The progress hook of a command: lines on stderr with the elapsed time and a heartbeat during long
+    steps (progress.Progress); None when --quiet. Closed when `main` returns."""
+    from .progress import Progress
+    if quiet is None:
+        quiet = bool(getattr(args, "quiet", False))
+    if quiet:
         return None
-    return lambda msg: print(f"{PROG}: {msg}", file=sys.stderr, flush=True)
+    p = Progress(PROG)
+    _OPEN_PROGRESS.append(p)
+    return p
+
+
+_progress = progress
+
+
+def _close_progress() -> None:
+    while _OPEN_PROGRESS:
+        _OPEN_PROGRESS.pop().close()
+
+
+def _broken_pipe() -> int:
+    """stdout's reader went away (`onnx2fused ... | head`): stop quietly, as a command killed by SIGPIPE
+    would, with its status 128 + 13; stdout is pointed at /dev/null so that the interpreter's final flush
+    does not complain either."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):
+        pass
+    return 141
 
 
 def _hook_available(name: str) -> bool:
@@ -138,16 +168,16 @@ def main(argv: list[str] | None = None) -> int:
         parser = build_parser(argv)
     except ImportError as e:
         return _error(f"cannot load the subcommand: {e}")
-    args = parser.parse_args(argv)
     try:
-        if getattr(args, "_hook", None):
-            mod = importlib.import_module(_hook_module(args._hook))
-            return int(mod.main(args) or 0)
-        if args.command == "convert":
-            return _convert(args)
-        if args.command == "inspect":
-            return _inspect(args)
-        parser.error(f"unknown command {args.command!r}")
+        args = parser.parse_args(argv)
+    except BrokenPipeError:   # --help into a closed pipe
+        return _broken_pipe()
+    try:
+        rc = _run(parser, args)
+        sys.stdout.flush()    # a closed pipe shows here, not at exit
+        return rc
+    except BrokenPipeError:
+        return _broken_pipe()
     except ConversionError as e:
         return _error(e)
     except OSError as e:
@@ -162,7 +192,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: internal error: {type(e).__name__}: {' '.join(str(e).split())} "
               "(set ONNX2FUSED_DEBUG=1 for the traceback)", file=sys.stderr)
         return 1
-    return 0
+    finally:
+        _close_progress()
+
+
+def _run(parser, args) -> int:
+    if getattr(args, "_hook", None):
+        mod = importlib.import_module(_hook_module(args._hook))
+        return int(mod.main(args) or 0)
+    if args.command == "convert":
+        return _convert(args)
+    if args.command == "inspect":
+        return _inspect(args)
+    parser.error(f"unknown command {args.command!r}")
+    return 2
 
 
 if __name__ == "__main__":
