@@ -104,8 +104,13 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                                    "library <OUT stem>.onnx2fused.so beside it.")
     c.add_argument("input", metavar="IN", help="the ONNX model (never modified)")
     c.add_argument("-o", "--output", metavar="OUT", help="the fused model (default: <IN stem>.fused.onnx beside IN)")
-    c.add_argument("--precision", choices=["fp16", "bf16", "tf32", "fp32"], default="fp16",
-                   help="tensor-core operand precision (default fp16; bf16, tf32), or fp32 on CUDA cores")
+    c.add_argument("--precision", choices=["auto", "fp16", "bf16", "tf32", "fp32"], default="auto",
+                   help="auto (default): per chain, the fastest of fp16, bf16, tf32, fp32 whose numerics pass; "
+                        "or one tensor-core operand precision for every chain (fp16, bf16, tf32), or fp32 "
+                        "on CUDA cores (exact); an explicit choice that fails validation is refused")
+    c.add_argument("--tune", action="store_true",
+                   help="search the wide design's Hopper GEMM kernels on this GPU where no choice is cached "
+                        "(minutes; cached per spec and GPU model)")
     c.add_argument("--no-validate", dest="validate", action="store_false", help="skip the comparison with stock ORT")
     c.add_argument("--inputs", metavar="NPZ", help=".npz of input name -> array, validated besides random inputs")
     c.add_argument("--force", action="store_true", help="write the model even when validation fails")
@@ -118,8 +123,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                        description="List the MLP chains convert would fuse (widths, activations, CUDA plan) "
                                    "and, for each linear layer not fused, why.")
     i.add_argument("input", metavar="IN", help="the ONNX model")
-    i.add_argument("--precision", choices=["fp16", "bf16", "tf32", "fp32"], default="fp16",
-                   help="precision of the CUDA plan shown (default fp16)")
+    i.add_argument("--precision", choices=["auto", "fp16", "bf16", "tf32", "fp32"], default="auto",
+                   help="precision of the plan shown (default auto: what convert would choose per chain)")
     i.add_argument("--json", action="store_true", help="print JSON")
     i.add_argument("--cache-dir", metavar="DIR", help="build cache whose tuned wide kernels to show "
                                                      "(default $ONNX2FUSED_CACHE or ~/.cache/onnx2fused)")
@@ -141,7 +146,7 @@ def _convert(args) -> int:
     from .convert import convert
     result = convert(args.input, args.output, precision=args.precision, validate=args.validate,
                      inputs=args.inputs, force=args.force, cache_dir=args.cache_dir,
-                     with_cuda=False if args.cpu_only else None, progress=_progress(args))
+                     with_cuda=False if args.cpu_only else None, progress=_progress(args), tune=args.tune)
     if args.json:
         print(json.dumps(result.to_dict(), indent=1))
     else:

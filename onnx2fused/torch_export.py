@@ -108,7 +108,7 @@ def _export_error(e: Exception) -> str:
     return text[:500] or type(e).__name__
 
 
-def from_torch(module, example_input, path=None, precision: str = "fp16", validate: bool = True,
+def from_torch(module, example_input, path=None, precision: str = "auto", validate: bool = True,
                dynamic_batch: bool = True, *, input_names=None, output_names=None, opset: int | None = None,
                cache_dir=None, with_cuda: bool | None = None, providers=None, force: bool = False,
                progress=None) -> TorchConversion:

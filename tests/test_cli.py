@@ -133,7 +133,8 @@ def test_convert_json_and_default_output(tmp_path, cache):
     assert p.returncode == 0, p.stderr
     r = json.loads(p.stdout)
     assert r["output_path"] == str(tmp_path / "nerf.fused.onnx")
-    assert r["chains"][0]["widths"] == [32, 64, 64, 64, 64, 16] and r["precision"] == "fp16"
+    assert r["chains"][0]["widths"] == [32, 64, 64, 64, 64, 16] and r["precision"] == "auto"
+    assert r["chains"][0]["precision"] == "fp16" and r["chains"][0]["precision_why"].startswith("CPU-only library")
     assert r["validation"]["passed"] and r["validation"]["outputs"][0]["name"] == "y"
     assert Path(r["library_path"]).is_file() and r["library_path"].endswith("nerf.fused.onnx2fused.so")
     assert "validating" in p.stderr  # progress lines on stderr
