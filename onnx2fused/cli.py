@@ -11,6 +11,7 @@ The module is imported only when that subcommand is run (or its --help asked), a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import importlib.util
 import json
@@ -77,6 +78,50 @@ def _broken_pipe() -> int:
     return 141
 
 
+# build-target options -> the environment variables build.py reads (set for the command only)
+TARGET_ENV = {"cpu_arch": "ONNX2FUSED_CPU_ARCH", "cuda_archs": "ONNX2FUSED_CUDA_ARCHS", "cuda_ptx": "ONNX2FUSED_CUDA_PTX"}
+
+
+def add_target_arguments(parser) -> None:
+    """--cpu-arch / --cuda-archs / --cuda-ptx: which CPUs and GPUs the built library runs on."""
+    g = parser.add_argument_group("build targets (where the library will run; default: this host's CPU, "
+                                  "GPUs sm_80 and sm_90 with PTX for newer ones)")
+    g.add_argument("--cpu-arch", metavar="ARCH",
+                   help="-march of the C++ kernels: native (default, this host's CPU only), or e.g. x86-64-v3 "
+                        "(any AVX2 x86 server), x86-64-v4, armv8.2-a ($ONNX2FUSED_CPU_ARCH)")
+    g.add_argument("--cuda-archs", metavar="LIST",
+                   help="compute capabilities of the CUDA kernels' SASS, e.g. 80,86,89,90 (default 80,90; "
+                        "$ONNX2FUSED_CUDA_ARCHS)")
+    g.add_argument("--cuda-ptx", metavar="auto|off|ARCH",
+                   help="PTX embedded for GPUs newer than every listed arch (JIT-compiled by the driver at "
+                        "load): auto (default) = the highest listed arch, off, or an arch ($ONNX2FUSED_CUDA_PTX)")
+
+
+@contextlib.contextmanager
+def build_targets(args):
+    """The build-target options of `args` as the environment build.py reads, for the command's duration;
+    bad values are a ConversionError before any work."""
+    saved = {}
+    try:
+        for opt, env in TARGET_ENV.items():
+            v = getattr(args, opt, None)
+            if v is not None:
+                saved[env] = os.environ.get(env)
+                os.environ[env] = v
+        if saved:
+            from .build import cpu_arch, cuda_archs, cuda_ptx_arch, find_cxx, native_flags
+            if "ONNX2FUSED_CPU_ARCH" in saved:
+                native_flags(find_cxx(), cpu_arch())   # the compiler knows the -march value
+            cuda_ptx_arch(cuda_archs())
+        yield
+    finally:
+        for env, old in saved.items():
+            if old is None:
+                os.environ.pop(env, None)
+            else:
+                os.environ[env] = old
+
+
 def _hook_available(name: str) -> bool:
     try:
         return importlib.util.find_spec(_hook_module(name)) is not None
@@ -118,6 +163,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     c.add_argument("--cpu-only", action="store_true", help="build the C++ (CPU) kernels only, no CUDA")
     c.add_argument("--json", action="store_true", help="print the report as JSON")
     c.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
+    add_target_arguments(c)
 
     i = sub.add_parser("inspect", help="list the chains found, and why other layers are not fused",
                        description="List the MLP chains convert would fuse (widths, activations, CUDA plan) "
@@ -144,9 +190,10 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 
 def _convert(args) -> int:
     from .convert import convert
-    result = convert(args.input, args.output, precision=args.precision, validate=args.validate,
-                     inputs=args.inputs, force=args.force, cache_dir=args.cache_dir,
-                     with_cuda=False if args.cpu_only else None, progress=_progress(args), tune=args.tune)
+    with build_targets(args):
+        result = convert(args.input, args.output, precision=args.precision, validate=args.validate,
+                         inputs=args.inputs, force=args.force, cache_dir=args.cache_dir,
+                         with_cuda=False if args.cpu_only else None, progress=_progress(args), tune=args.tune)
     if args.json:
         print(json.dumps(result.to_dict(), indent=1))
     else:

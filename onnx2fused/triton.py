@@ -75,24 +75,27 @@ def add_arguments(parser) -> None:
                         help="print what was written as JSON (entry, files, config fields, library path, warnings)")
     conv = parser.add_argument_group("conversion (when MODEL is not fused yet)")
     from .spec import PRECISIONS
-    conv.add_argument("--precision", choices=list(PRECISIONS), default="fp16",
-                      help="kernel compute precision (default fp16)")
+    conv.add_argument("--precision", choices=["auto", *PRECISIONS], default="auto",
+                      help="kernel compute precision (default auto: per chain, as convert chooses)")
     conv.add_argument("--cpu-only", action="store_true", help="build the C++ (CPU) kernels only, no CUDA")
     conv.add_argument("--cache-dir", metavar="DIR", help="build cache (default $ONNX2FUSED_CACHE or ~/.cache/onnx2fused)")
     conv.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
+    from .cli import add_target_arguments
+    add_target_arguments(parser)
 
 
 def main(args) -> int:
-    from .cli import progress as cli_progress
+    from .cli import build_targets, progress as cli_progress
     progress = cli_progress(args)
     gpus = parse_gpus(args.gpus)
-    done = export_triton_entry(args.model, args.out_dir, name=args.name, version=args.model_version,
-                               repository_root=args.repository_root, library_dir=args.library_dir,
-                               kind="KIND_CPU" if args.cpu else "KIND_GPU", gpus=gpus, instances=args.instances,
-                               max_batch_size=args.max_batch_size, max_queue_delay_us=args.max_queue_delay_us,
-                               force=args.force, precision=args.precision,
-                               with_cuda=False if args.cpu_only else None, cache_dir=args.cache_dir,
-                               progress=progress)
+    with build_targets(args):
+        done = export_triton_entry(args.model, args.out_dir, name=args.name, version=args.model_version,
+                                   repository_root=args.repository_root, library_dir=args.library_dir,
+                                   kind="KIND_CPU" if args.cpu else "KIND_GPU", gpus=gpus,
+                                   instances=args.instances, max_batch_size=args.max_batch_size,
+                                   max_queue_delay_us=args.max_queue_delay_us, force=args.force,
+                                   precision=args.precision, with_cuda=False if args.cpu_only else None,
+                                   cache_dir=args.cache_dir, progress=progress)
     if args.json:
         print(json.dumps(done.to_dict(), indent=1))
         return 0
@@ -102,6 +105,9 @@ def main(args) -> int:
         print(f"  {entry.name}/{f}")
     for w in done.warnings:
         print(f"warning: {w}")
+    if done.targets.get("cpu_arch") == "native":
+        print("note: the C++ kernels were built for this host's CPU (-march=native); for a server with another "
+              "CPU, export with --cpu-arch (e.g. x86-64-v3)")
     print(f"serve with: tritonserver --model-repository={args.repository_root} "
           f"(mount {entry.parent} there)")
     return 0
@@ -125,6 +131,7 @@ class TritonEntry:
     converted: bool = False         # MODEL was converted here (else it was already fused)
     library_has_cuda: bool | None = None   # None: not known (an already fused model's library)
     warnings: list[str] = field(default_factory=list)
+    targets: dict = field(default_factory=dict)   # converted here: cpu_arch, and cuda_archs / cuda_ptx with CUDA
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -305,7 +312,7 @@ def export_triton(model, out_dir, *, name: str | None = None, version: int = 1,
                   repository_root: str = DEFAULT_REPOSITORY_ROOT, library_dir: str | None = None,
                   kind: str = "KIND_GPU", gpus: list[int] | None = None, instances: int = 1,
                   max_batch_size: int = DEFAULT_MAX_BATCH, max_queue_delay_us: int = 100, force: bool = False,
-                  precision: str = "fp16", with_cuda: bool | None = None, cache_dir=None, progress=None) -> Path:
+                  precision: str = "auto", with_cuda: bool | None = None, cache_dir=None, progress=None) -> Path:
     """Write OUT_DIR/<name>/ (config.pbtxt, <version>/model.onnx, the library); return that folder.
     kind KIND_CPU builds no CUDA kernels unless with_cuda=True (a CPU instance runs ORT's CPU EP)."""
     return export_triton_entry(
@@ -319,7 +326,7 @@ def export_triton_entry(model, out_dir, *, name: str | None = None, version: int
                         repository_root: str = DEFAULT_REPOSITORY_ROOT, library_dir: str | None = None,
                         kind: str = "KIND_GPU", gpus: list[int] | None = None, instances: int = 1,
                         max_batch_size: int = DEFAULT_MAX_BATCH, max_queue_delay_us: int = 100,
-                        force: bool = False, precision: str = "fp16", with_cuda: bool | None = None,
+                        force: bool = False, precision: str = "auto", with_cuda: bool | None = None,
                         cache_dir=None, progress=None) -> TritonEntry:
     """export_triton, returning what was written (TritonEntry)."""
     say = progress or (lambda m: None)
@@ -372,9 +379,17 @@ def export_triton_entry(model, out_dir, *, name: str | None = None, version: int
         return [{"name": n, "data_type": t,
                  "dims": [-1 if d is None else d for d in (dims[1:] if batch else dims)] or [1]}
                 for n, t, dims in ts]
+    targets = {}
+    if has_lib and not fused:   # what build.py compiled for (cli.build_targets / the environment)
+        from .build import cpu_arch, cuda_archs, cuda_ptx_arch
+        targets["cpu_arch"] = cpu_arch()
+        if has_cuda:
+            targets["cuda_archs"] = cuda_archs()
+            targets["cuda_ptx"] = cuda_ptx_arch(targets["cuda_archs"])
     return TritonEntry(out_dir / name, name, version, files, kind, gpus if kind == "KIND_GPU" else None, instances,
                        max_batch_size if batch else 0, batch, lib_path, tensors(ins), tensors(outs),
-                       converted=not fused, library_has_cuda=has_cuda if has_lib else None, warnings=list(notes))
+                       converted=not fused, library_has_cuda=has_cuda if has_lib else None, warnings=list(notes),
+                       targets=targets)
 
 
 def _move_into_place(stage: Path, entry: Path) -> None:
