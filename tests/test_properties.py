@@ -35,7 +35,8 @@ ACTS = {
     "asinh": lambda g, x, n: g.op("Asinh", [x]),
     "sinh_tanh": lambda g, x, n: g.op("Sinh", [g.op("Tanh", [x])]),
     "soft_shrink": lambda g, x, n: g.op("Shrink", [x], lambd=0.5, bias=0.5),
-    "castlike_scale_sum": lambda g, x, n: g.op("Sum", [x, g.op("Mul", [x, g.op("CastLike", [g.init(np.float32(0.5)), x])])]),
+    "castlike_scale_sum": lambda g, x, n: g.op("Sum", [x, g.op("Mul", [
+        x, g.op("CastLike", [g.init(np.float32(0.5)), x])])]),
 }
 
 

@@ -10,6 +10,8 @@ every constant with CastLike.
 from __future__ import annotations
 
 import functools
+import shutil
+import subprocess
 import warnings
 
 import numpy as np
@@ -17,9 +19,11 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from onnx2fused import codegen
 from onnx2fused import expr as ex
 from onnx2fused.build import build_plugin
 from onnx2fused.passes import find_chains
+from onnx2fused.spec import LayerSpec, MLPSpec
 from onnx_builders import G, assert_close, fuse, plugin_session, run
 
 
@@ -384,3 +388,21 @@ def test_expanded_bodies_on_the_cpu_plugin(body_chains, plugin):
         (ref,) = run(m, {"x": x})
         (got,) = plugin_session(fused, plugin).run(None, {"x": x})
         assert_close(got, ref, 1e-4)
+
+
+@pytest.mark.cuda_build
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found")
+def test_new_ops_compile_for_the_gpu(tmp_path):
+    """The tensor-core kernel with every new op compiles (PTX, no GPU needed); Round is cvt.rni (half
+    to even), Floor/Ceil cvt.rmi/rpi."""
+    acts = [ex.Op(op.lower(), (ex.X,)) for op in UNARY] + [ex.shrink(1.5, 0.5), ex.swish(1.7)]
+    spec = MLPSpec(tuple(LayerSpec(16, 16, True, a) for a in acts) + (LayerSpec(16, 8, True, ex.identity()),),
+                   "fp16", "f32")
+    src = next(text for name, text in codegen.render([spec], with_cuda=True).items() if name.endswith(".cu"))
+    assert "rintf(" in src and "o2f_sign(" in src
+    (tmp_path / "k.cu").write_text(src)
+    r = subprocess.run([shutil.which("nvcc"), "-ptx", "-std=c++17", "-arch=compute_80", str(tmp_path / "k.cu"),
+                        "-o", str(tmp_path / "k.ptx")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ptx = (tmp_path / "k.ptx").read_text()
+    assert all(f"cvt.{m}.f32.f32" in ptx for m in ("rni", "rmi", "rpi"))
