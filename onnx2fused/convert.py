@@ -17,13 +17,15 @@ from typing import Callable
 
 import onnx
 
-from . import cuda_plan
 from .cpu_policy import cpu_kernel_wins
-from .build import build_plugin
+from .build import build_plugin, find_nvcc
 from .errors import ConversionError
 from .loader import load_model
 from .passes import find_chains, rewrite
 from .passes.activations import describe_expr
+from .plan.choose import make_plan
+from .plan.options import PlanOptions
+from .plan.protocol import Plan
 from .spec import PRECISIONS, SpecError
 from . import validate as val
 
@@ -78,18 +80,27 @@ def check_precision(precision: str) -> str:
     return precision
 
 
-def plan_text(spec, wide_options: dict | None = None) -> str:
-    """The CUDA plan and the CPU decision of a spec, as the report and `inspect` show them
-    (`wide_options`: the wide design's kernel choices, wide_tune.py)."""
+def plan_specs(specs, options: PlanOptions) -> tuple[dict[str, Plan], dict[str, str]]:
+    """Each distinct spec planned once: ({name: plan}, {name: why no design can run it})."""
+    plans, errors = {}, {}
+    for s in specs:
+        if s.name in plans or s.name in errors:
+            continue
+        try:
+            plans[s.name] = make_plan(s, options)
+        except SpecError as e:
+            errors[s.name] = str(e)
+    return plans, errors
+
+
+def plan_text(spec, plan: Plan | None, error: str = "") -> str:
+    """The CUDA plan and the CPU decision of a spec, as the report and `inspect` show them (`error`:
+    why there is no plan)."""
     cpu = cpu_kernel_wins(spec)[1]
-    if spec.precision == "fp32":
-        return f"GPU: CUDA cores, fp32; CPU: {cpu}"
-    try:
-        plan = cuda_plan.make_plan(spec, **{f"wide_{k}": v for k, v in (wide_options or {}).items()})
-    except SpecError as e:
-        return f"GPU: no tensor-core plan: {e}; CPU: {cpu}"
+    if plan is None:
+        return f"GPU: no tensor-core plan: {error}; CPU: {cpu}"
     text = plan.describe()
-    if getattr(plan, "design", "") == "wide" and plan.tuned_on:
+    if plan.design == "wide" and plan.tuned_on:
         text += f" [{plan.choice_text()}]"
     return f"GPU: {text}; CPU: {cpu}"
 
@@ -157,17 +168,19 @@ def _set_meta(model: onnx.ModelProto, key: str, value: str) -> None:
 
 def convert(input_path, output_path=None, precision: str = "fp16", validate: bool = True, inputs=None,
             force: bool = False, cache_dir=None, with_cuda: bool | None = None,
-            progress: Callable[[str], None] | None = None) -> ConversionResult:
+            progress: Callable[[str], None] | None = None, plan_options: PlanOptions | None = None) -> ConversionResult:
     """Fuse the MLP chains of `input_path` into one custom op each; write `output_path` and its plugin.
 
     precision: fp16 (default), bf16, tf32 (tensor cores) or fp32 (CUDA cores, exact). validate: compare with stock ORT
     (ValidationError above the tolerance unless force=True; nothing is written then). inputs: an .npz
     path or a dict name -> array used for validation besides random inputs. with_cuda: build the CUDA
-    kernels (None: when nvcc is found). Returns the report.
+    kernels (None: when nvcc is found). plan_options: how the CUDA kernels are planned (None: from the
+    environment, PlanOptions.from_env). Returns the report.
     """
     t0 = time.monotonic()
     say = progress or (lambda msg: None)
     check_precision(precision)
+    options = plan_options or PlanOptions.from_env()
     inp = Path(input_path)
     out = Path(output_path) if output_path is not None else default_output(inp)
     _check_paths(inp, out)
@@ -193,16 +206,22 @@ def convert(input_path, output_path=None, precision: str = "fp16", validate: boo
         except SpecError as e:
             raise ConversionError(str(e)) from None
         unique = list({s.name: s for s in specs}.values())
+        plans, plan_errors = plan_specs(unique, options)
         for k, (c, s) in enumerate(zip(plan.chains, specs)):
             result.chains.append(ChainReport(k, s.name, list(s.widths), [describe_expr(a) for a in c.activations],
-                                             precision, s.io_dtype, plan_text(s), c.input, c.output))
+                                             precision, s.io_dtype, plan_text(s, plans.get(s.name), plan_errors.get(s.name, "")),
+                                             c.input, c.output))
+        cuda = with_cuda if with_cuda is not None else find_nvcc() is not None
+        if cuda and plan_errors:
+            raise ConversionError(next(iter(plan_errors.values())))
 
         say(f"building the plugin for {len(unique)} kernel(s)")
         cpu_enabled = {s.name: cpu_kernel_wins(s)[0] for s in unique}
-        lib = build_plugin(unique, with_cuda=with_cuda, cache_dir=cache_dir, cpu_enabled=cpu_enabled, progress=say)
+        lib = build_plugin(unique, with_cuda=cuda, cache_dir=cache_dir, cpu_enabled=cpu_enabled, progress=say,
+                           plans=plans)
         for report, s in zip(result.chains, specs):
-            if s.name in lib.wide_options:  # the kernels tuned for this GPU (wide_tune.py)
-                report.cuda_plan = plan_text(s, lib.wide_options[s.name])
+            if s.name in lib.plans:  # with the kernels tuned for this GPU (wide_tune.py)
+                report.cuda_plan = plan_text(s, lib.plans[s.name])
         result.cached_library, result.build_seconds = str(lib.path), lib.build_seconds
         result.cache_hit, result.with_cuda = lib.cache_hit, lib.with_cuda
         if lib.cache_hit:
@@ -348,13 +367,14 @@ class InspectResult:
         return "\n".join(lines)
 
 
-def inspect(input_path, precision: str = "fp16", cache_dir=None) -> InspectResult:
+def inspect(input_path, precision: str = "fp16", cache_dir=None, plan_options: PlanOptions | None = None) -> InspectResult:
     """The chains `convert` would fuse (with the CUDA plan at `precision`, and the wide kernels tuned
     for this GPU when the build cache holds them) and why other layers are not."""
     from .build import default_cache_dir
-    from .wide_tune import cached_options
+    from .wide_tune import cached_plan
     cache = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
     check_precision(precision)
+    options = plan_options or PlanOptions.from_env()
     model = load_model(input_path)
     plan = find_chains(model)
     res = InspectResult(str(input_path), refusals=[r.reason for r in plan.refusals], plan=plan.describe())
@@ -363,7 +383,10 @@ def inspect(input_path, precision: str = "fp16", cache_dir=None) -> InspectResul
             s = c.to_spec(precision)
         except SpecError as e:
             raise ConversionError(str(e)) from None
+        plans, errors = plan_specs([s], options)
+        p = plans.get(s.name)
         res.chains.append(ChainReport(k, s.name, list(s.widths), [describe_expr(a) for a in c.activations],
-                                      precision, s.io_dtype, plan_text(s, cached_options(s, cache)),
+                                      precision, s.io_dtype,
+                                      plan_text(s, cached_plan(p, cache) if p else None, errors.get(s.name, "")),
                                       c.input, c.output))
     return res

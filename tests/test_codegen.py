@@ -105,9 +105,9 @@ def test_row_block_is_a_multiple_of_both_micro_kernels():
 
 
 def test_render_with_cuda_adds_one_cu_per_spec():
-    pytest.importorskip("onnx2fused.cuda_plan")
+    from onnx2fused.plan.choose import make_plans
     s = mlp([32, 64, 16], [ex.relu(), ex.identity()], precision="fp32")  # the CUDA-core kernel
-    files = codegen.render([s], with_cuda=True)
+    files = codegen.render([s], with_cuda=True, plans=make_plans([s]))
     assert f"{s.name}_cuda.cu" in files
     reg = files["registry.cc"]
     for fn in ("_cuda_workspace_bytes", "_cuda_pack", "_cuda_run"):
