@@ -89,13 +89,35 @@ def compiler_version(tool: str) -> str:
     return _tool_output((tool, "--version")).strip()
 
 
-def native_flags(cxx: str) -> list[str]:
-    """What -march=native means on this host (the -m flags cc1 receives), for the cache key."""
-    out = _tool_output((cxx, "-march=native", "-E", "-v", "-x", "c++", "/dev/null"))
+def native_flags(cxx: str, arch: str = "native") -> list[str]:
+    """What -march=<arch> means to this compiler (the -m flags cc1 receives; for native: this host's CPU),
+    for the cache key. An arch the compiler rejects is a ConversionError naming ONNX2FUSED_CPU_ARCH."""
+    out = _tool_output((cxx, f"-march={arch}", "-E", "-v", "-x", "c++", "/dev/null"))
+    bad = [l for l in out.splitlines() if "error" in l and "march" in l]
+    if bad:
+        raise ConversionError(f"CPU target {arch!r} (ONNX2FUSED_CPU_ARCH / --cpu-arch): {bad[0].strip()}")
     for line in out.splitlines():
         if "cc1" in line and "-march=" in line:
             return [t for t in line.split() if t.startswith("-m")]
-    return ["-march=native:" + hashlib.sha256(out.encode()).hexdigest()[:16]]
+    return [f"-march={arch}:" + hashlib.sha256(out.encode()).hexdigest()[:16]]
+
+
+DEFAULT_CPU_ARCH = "native"
+
+
+def cpu_arch() -> str:
+    """The -march of the C++ kernels: $ONNX2FUSED_CPU_ARCH, default native (this host's CPU: the library
+    then needs a CPU with the same instruction-set extensions; x86-64-v3 = any AVX2 x86 server)."""
+    arch = os.environ.get("ONNX2FUSED_CPU_ARCH", "").strip() or DEFAULT_CPU_ARCH
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.+-]*", arch):
+        raise ConversionError(f"ONNX2FUSED_CPU_ARCH={arch!r}: expected a -march value such as native, "
+                              "x86-64-v3 or armv8.2-a")
+    return arch
+
+
+def cpu_host_flags() -> list[str]:
+    """HOST_FLAGS with the selected CPU target (cpu_arch) in place of -march=native."""
+    return [f"-march={cpu_arch()}" if f == "-march=native" else f for f in HOST_FLAGS]
 
 
 def cuda_archs() -> list[str]:
@@ -108,13 +130,33 @@ def cuda_archs() -> list[str]:
     return archs
 
 
+def cuda_ptx_arch(archs: list[str] | None = None) -> str | None:
+    """The virtual arch whose PTX is embedded beside the SASS, so that GPUs newer than every listed arch
+    JIT-compile it at load: $ONNX2FUSED_CUDA_PTX = auto (default: the highest listed arch that is not
+    arch-specific, e.g. 90 of 80,90; PTX of 90a runs on 9.0 only), off, or an arch such as 80."""
+    archs = cuda_archs() if archs is None else archs
+    env = os.environ.get("ONNX2FUSED_CUDA_PTX", "").strip().lower().replace("sm_", "").replace("compute_", "")
+    if env in ("0", "off", "no", "none", "false"):
+        return None
+    if env in ("", "auto", "1", "on", "yes", "true"):
+        portable = [a for a in archs if a.isdigit()]
+        return max(portable, key=int) if portable else None
+    if not env.isdigit():
+        raise ConversionError(f"ONNX2FUSED_CUDA_PTX={env!r}: expected auto, off or an arch such as 90")
+    return env
+
+
 def nvcc_flags() -> list[str]:
     # --threads 0: the per-arch device compilations of one unit run in parallel (one unit per chain: the
     # cold build of a one-chain model is otherwise one arch after the other)
     flags = ["-O3", "-std=c++17", "-Xcompiler", "-fPIC", "-Xcompiler", "-fvisibility=hidden", "-lineinfo",
              "--threads", "0"]
-    for a in cuda_archs():
+    archs = cuda_archs()
+    for a in archs:
         flags += ["-gencode", f"arch=compute_{a},code=sm_{a}"]
+    ptx = cuda_ptx_arch(archs)
+    if ptx:   # code=compute_XX: PTX in the fatbinary (the same front-end pass as sm_XX's SASS when listed)
+        flags += ["-gencode", f"arch=compute_{ptx},code=compute_{ptx}"]
     return flags
 
 
@@ -132,6 +174,15 @@ def wide_nvcc_flags(flags: list[str]) -> list[str]:
         if f in ("arch=compute_90,code=sm_90", "arch=compute_90a,code=sm_90a"):
             f, sm90a = "arch=compute_90a,code=sm_90a", True
         out.append(f)
+    if sm90a and "arch=compute_90,code=compute_90" in out:
+        # the embedded PTX (nvcc_flags): compute_90 is no longer compiled for SASS here, so it would cost a
+        # pass of its own per unit; an older listed arch's PTX serves newer GPUs as well (they run the sm80
+        # kernels: the Hopper ones are for 9.0 only)
+        sass = [re.fullmatch(r"arch=compute_(\d+),code=sm_\1", f) for f in out]
+        older = [m.group(1) for m in sass if m and int(m.group(1)) < 90]
+        if older:
+            top = max(older, key=int)
+            out[out.index("arch=compute_90,code=compute_90")] = f"arch=compute_{top},code=compute_{top}"
     return out + ([WIDE_SM90A_DEFINE] if sm90a else [])
 
 
@@ -207,7 +258,7 @@ def build_plugin(specs, with_cuda: bool | None = None, cache_dir=None, cpu_enabl
         with_cuda = nvcc is not None
     if with_cuda and not nvcc:
         raise ConversionError("CUDA kernels need nvcc: put it on PATH or set CUDA_HOME, or build with with_cuda=False")
-    cache = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+    cache = (Path(cache_dir).expanduser() if cache_dir else default_cache_dir()).resolve()  # compilers run in a temp cwd
     _ensure_writable(cache)
 
     plans = dict(plans or {})
@@ -266,7 +317,7 @@ def compile_library(sources: dict[str, str], with_cuda: bool, cache: Path,
             raise ConversionError(f"generated file {name} clashes with ort_plugin/{name}")
         sources[name] = text
 
-    host_flags = list(HOST_FLAGS) + (["-DONNX2FUSED_WITH_CUDA"] if with_cuda else [])
+    host_flags = cpu_host_flags() + (["-DONNX2FUSED_WITH_CUDA"] if with_cuda else [])
     cu_flags = nvcc_flags() + ["-DONNX2FUSED_WITH_CUDA"] if with_cuda else []
     cutlass = find_cutlass_headers() if with_cuda and needs_cutlass(sources) else None  # wide design only
     if cutlass:
@@ -274,7 +325,7 @@ def compile_library(sources: dict[str, str], with_cuda: bool, cache: Path,
     toolchain = {
         "version": VERSION,
         "onnx2fused": __version__,
-        "native": native_flags(cxx),
+        "native": native_flags(cxx, cpu_arch()),   # what the -march in the host flags means here
         "cxx": compiler_version(cxx),
         "nvcc": compiler_version(nvcc) if with_cuda else "",
         "ort_headers": headers.version,

@@ -11,6 +11,7 @@ The module is imported only when that subcommand is run (or its --help asked), a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import importlib.util
 import json
@@ -41,10 +42,84 @@ def _error(msg) -> int:
     return 2
 
 
-def _progress(args):
-    if getattr(args, "quiet", False):
+_OPEN_PROGRESS: list = []
+
+
+def progress(args=None, quiet: bool | None = None):
+    """The progress hook of a command: lines on stderr with the elapsed time and a heartbeat during long
+    steps (progress.Progress); None when --quiet. Closed when `main` returns."""
+    from .progress import Progress
+    if quiet is None:
+        quiet = bool(getattr(args, "quiet", False))
+    if quiet:
         return None
-    return lambda msg: print(f"{PROG}: {msg}", file=sys.stderr, flush=True)
+    p = Progress(PROG)
+    _OPEN_PROGRESS.append(p)
+    return p
+
+
+_progress = progress
+
+
+def _close_progress() -> None:
+    while _OPEN_PROGRESS:
+        _OPEN_PROGRESS.pop().close()
+
+
+def _broken_pipe() -> int:
+    """stdout's reader went away (`onnx2fused ... | head`): stop quietly, as a command killed by SIGPIPE
+    would, with its status 128 + 13; stdout is pointed at /dev/null so that the interpreter's final flush
+    does not complain either."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):
+        pass
+    return 141
+
+
+# build-target options -> the environment variables build.py reads (set for the command only)
+TARGET_ENV = {"cpu_arch": "ONNX2FUSED_CPU_ARCH", "cuda_archs": "ONNX2FUSED_CUDA_ARCHS", "cuda_ptx": "ONNX2FUSED_CUDA_PTX"}
+
+
+def add_target_arguments(parser) -> None:
+    """--cpu-arch / --cuda-archs / --cuda-ptx: which CPUs and GPUs the built library runs on."""
+    g = parser.add_argument_group("build targets (where the library will run; default: this host's CPU, "
+                                  "GPUs sm_80 and sm_90 with PTX for newer ones)")
+    g.add_argument("--cpu-arch", metavar="ARCH",
+                   help="-march of the C++ kernels: native (default, this host's CPU only), or e.g. x86-64-v3 "
+                        "(any AVX2 x86 server), x86-64-v4, armv8.2-a ($ONNX2FUSED_CPU_ARCH)")
+    g.add_argument("--cuda-archs", metavar="LIST",
+                   help="compute capabilities of the CUDA kernels' SASS, e.g. 80,86,89,90 (default 80,90; "
+                        "$ONNX2FUSED_CUDA_ARCHS)")
+    g.add_argument("--cuda-ptx", metavar="auto|off|ARCH",
+                   help="PTX embedded for GPUs newer than every listed arch (JIT-compiled by the driver at "
+                        "load): auto (default) = the highest listed arch, off, or an arch ($ONNX2FUSED_CUDA_PTX)")
+
+
+@contextlib.contextmanager
+def build_targets(args):
+    """The build-target options of `args` as the environment build.py reads, for the command's duration;
+    bad values are a ConversionError before any work."""
+    saved = {}
+    try:
+        for opt, env in TARGET_ENV.items():
+            v = getattr(args, opt, None)
+            if v is not None:
+                saved[env] = os.environ.get(env)
+                os.environ[env] = v
+        if saved:
+            from .build import cpu_arch, cuda_archs, cuda_ptx_arch, find_cxx, native_flags
+            if "ONNX2FUSED_CPU_ARCH" in saved:
+                native_flags(find_cxx(), cpu_arch())   # the compiler knows the -march value
+            cuda_ptx_arch(cuda_archs())
+        yield
+    finally:
+        for env, old in saved.items():
+            if old is None:
+                os.environ.pop(env, None)
+            else:
+                os.environ[env] = old
 
 
 def _hook_available(name: str) -> bool:
@@ -74,8 +149,13 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                                    "library <OUT stem>.onnx2fused.so beside it.")
     c.add_argument("input", metavar="IN", help="the ONNX model (never modified)")
     c.add_argument("-o", "--output", metavar="OUT", help="the fused model (default: <IN stem>.fused.onnx beside IN)")
-    c.add_argument("--precision", choices=["fp16", "bf16", "tf32", "fp32"], default="fp16",
-                   help="tensor-core operand precision (default fp16; bf16, tf32), or fp32 on CUDA cores")
+    c.add_argument("--precision", choices=["auto", "fp16", "bf16", "tf32", "fp32"], default="auto",
+                   help="auto (default): per chain, the fastest of fp16, bf16, tf32, fp32 whose numerics pass; "
+                        "or one tensor-core operand precision for every chain (fp16, bf16, tf32), or fp32 "
+                        "on CUDA cores (exact); an explicit choice that fails validation is refused")
+    c.add_argument("--tune", action="store_true",
+                   help="search the wide design's Hopper GEMM kernels on this GPU where no choice is cached "
+                        "(minutes; cached per spec and GPU model)")
     c.add_argument("--no-validate", dest="validate", action="store_false", help="skip the comparison with stock ORT")
     c.add_argument("--inputs", metavar="NPZ", help=".npz of input name -> array, validated besides random inputs")
     c.add_argument("--force", action="store_true", help="write the model even when validation fails")
@@ -83,13 +163,14 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     c.add_argument("--cpu-only", action="store_true", help="build the C++ (CPU) kernels only, no CUDA")
     c.add_argument("--json", action="store_true", help="print the report as JSON")
     c.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
+    add_target_arguments(c)
 
     i = sub.add_parser("inspect", help="list the chains found, and why other layers are not fused",
                        description="List the MLP chains convert would fuse (widths, activations, CUDA plan) "
                                    "and, for each linear layer not fused, why.")
     i.add_argument("input", metavar="IN", help="the ONNX model")
-    i.add_argument("--precision", choices=["fp16", "bf16", "tf32", "fp32"], default="fp16",
-                   help="precision of the CUDA plan shown (default fp16)")
+    i.add_argument("--precision", choices=["auto", "fp16", "bf16", "tf32", "fp32"], default="auto",
+                   help="precision of the plan shown (default auto: what convert would choose per chain)")
     i.add_argument("--json", action="store_true", help="print JSON")
     i.add_argument("--cache-dir", metavar="DIR", help="build cache whose tuned wide kernels to show "
                                                      "(default $ONNX2FUSED_CACHE or ~/.cache/onnx2fused)")
@@ -109,9 +190,10 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 
 def _convert(args) -> int:
     from .convert import convert
-    result = convert(args.input, args.output, precision=args.precision, validate=args.validate,
-                     inputs=args.inputs, force=args.force, cache_dir=args.cache_dir,
-                     with_cuda=False if args.cpu_only else None, progress=_progress(args))
+    with build_targets(args):
+        result = convert(args.input, args.output, precision=args.precision, validate=args.validate,
+                         inputs=args.inputs, force=args.force, cache_dir=args.cache_dir,
+                         with_cuda=False if args.cpu_only else None, progress=_progress(args), tune=args.tune)
     if args.json:
         print(json.dumps(result.to_dict(), indent=1))
     else:
@@ -138,16 +220,16 @@ def main(argv: list[str] | None = None) -> int:
         parser = build_parser(argv)
     except ImportError as e:
         return _error(f"cannot load the subcommand: {e}")
-    args = parser.parse_args(argv)
     try:
-        if getattr(args, "_hook", None):
-            mod = importlib.import_module(_hook_module(args._hook))
-            return int(mod.main(args) or 0)
-        if args.command == "convert":
-            return _convert(args)
-        if args.command == "inspect":
-            return _inspect(args)
-        parser.error(f"unknown command {args.command!r}")
+        args = parser.parse_args(argv)
+    except BrokenPipeError:   # --help into a closed pipe
+        return _broken_pipe()
+    try:
+        rc = _run(parser, args)
+        sys.stdout.flush()    # a closed pipe shows here, not at exit
+        return rc
+    except BrokenPipeError:
+        return _broken_pipe()
     except ConversionError as e:
         return _error(e)
     except OSError as e:
@@ -162,7 +244,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: internal error: {type(e).__name__}: {' '.join(str(e).split())} "
               "(set ONNX2FUSED_DEBUG=1 for the traceback)", file=sys.stderr)
         return 1
-    return 0
+    finally:
+        _close_progress()
+
+
+def _run(parser, args) -> int:
+    if getattr(args, "_hook", None):
+        mod = importlib.import_module(_hook_module(args._hook))
+        return int(mod.main(args) or 0)
+    if args.command == "convert":
+        return _convert(args)
+    if args.command == "inspect":
+        return _inspect(args)
+    parser.error(f"unknown command {args.command!r}")
+    return 2
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ The input model is only read.
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -17,6 +18,8 @@ from typing import Callable
 
 import onnx
 
+from types import SimpleNamespace
+
 from .cpu_policy import cpu_kernel_wins
 from .build import build_plugin, find_nvcc
 from .errors import ConversionError
@@ -26,6 +29,7 @@ from .passes.activations import describe_expr
 from .plan.choose import make_plan
 from .plan.options import PlanOptions
 from .plan.protocol import Plan
+from .precision import PrecisionChoice, choose_precision, next_precision
 from .spec import PRECISIONS, SpecError
 from . import validate as val
 
@@ -45,6 +49,7 @@ class ChainReport:
     cuda_plan: str
     input: str
     output: str
+    precision_why: str = ""   # why this precision (automatic precision: why not the faster ones)
 
 
 @dataclass
@@ -74,10 +79,37 @@ class ConversionResult:
         return format_report(self)
 
 
+AUTO = "auto"
+CHAINS_KEY = "onnx2fused.chains"   # metadata: JSON list of {op, precision, why} per chain
+
+
 def check_precision(precision: str) -> str:
-    if precision not in PRECISIONS:
-        raise ConversionError(f"unknown precision {precision!r}; choose fp16, bf16, tf32 or fp32")
+    if precision != AUTO and precision not in PRECISIONS:
+        raise ConversionError(f"unknown precision {precision!r}; choose auto, fp16, bf16, tf32 or fp32")
     return precision
+
+
+def _model_layers(chain) -> list[SimpleNamespace]:
+    """A chain's layers as the numerics model reads them (weight [K, N], bias, activation)."""
+    return [SimpleNamespace(weight=l.linear.weight, bias=l.linear.bias, activation=l.activation)
+            for l in chain.layers]
+
+
+def initial_precisions(model, chains, cases, with_cuda: bool, say) -> list[PrecisionChoice]:
+    """Automatic precision before any build: the numerics model (precision.py) on the reference tensors
+    of each chain. A CPU-only library computes in fp32 whatever the label: every chain gets fp16, the
+    cheapest label, with no range check."""
+    if not with_cuda:
+        return [PrecisionChoice("fp16", "CPU-only library: its kernels compute in fp32 (the label is for a GPU build)")
+                for _ in chains]
+    if cases is None:
+        return [PrecisionChoice("fp16", "default: the original model could not run on random inputs to choose one")
+                for _ in chains]
+    say("choosing each chain's precision (numerics model on the validation inputs)")
+    names = list(dict.fromkeys(t for c in chains for t in (c.input, c.output)))
+    ref = val.reference_tensors(model, names, cases)
+    return [choose_precision(_model_layers(c), ref[c.input], ref[c.output], range_check=True,
+                             tolerances=val.TOLERANCES) for c in chains]
 
 
 def plan_specs(specs, options: PlanOptions) -> tuple[dict[str, Plan], dict[str, str]]:
@@ -93,10 +125,12 @@ def plan_specs(specs, options: PlanOptions) -> tuple[dict[str, Plan], dict[str, 
     return plans, errors
 
 
-def plan_text(spec, plan: Plan | None, error: str = "") -> str:
+def plan_text(spec, plan: Plan | None, error: str = "", with_cuda: bool = True) -> str:
     """The CUDA plan and the CPU decision of a spec, as the report and `inspect` show them (`error`:
-    why there is no plan)."""
+    why there is no plan; `with_cuda` False: a CPU-only library, which has no GPU plan to show)."""
     cpu = cpu_kernel_wins(spec)[1]
+    if not with_cuda:
+        return f"CPU: {cpu}; no GPU kernels (CPU-only library)"
     if plan is None:
         return f"GPU: no tensor-core plan: {error}; CPU: {cpu}"
     text = plan.describe()
@@ -166,16 +200,19 @@ def _set_meta(model: onnx.ModelProto, key: str, value: str) -> None:
     model.metadata_props.add(key=key, value=value)
 
 
-def convert(input_path, output_path=None, precision: str = "fp16", validate: bool = True, inputs=None,
+def convert(input_path, output_path=None, precision: str = AUTO, validate: bool = True, inputs=None,
             force: bool = False, cache_dir=None, with_cuda: bool | None = None,
-            progress: Callable[[str], None] | None = None, plan_options: PlanOptions | None = None) -> ConversionResult:
+            progress: Callable[[str], None] | None = None, tune: bool = False,
+            plan_options: PlanOptions | None = None) -> ConversionResult:
     """Fuse the MLP chains of `input_path` into one custom op each; write `output_path` and its plugin.
 
-    precision: fp16 (default), bf16, tf32 (tensor cores) or fp32 (CUDA cores, exact). validate: compare with stock ORT
-    (ValidationError above the tolerance unless force=True; nothing is written then). inputs: an .npz
-    path or a dict name -> array used for validation besides random inputs. with_cuda: build the CUDA
-    kernels (None: when nvcc is found). plan_options: how the CUDA kernels are planned (None: from the
-    environment, PlanOptions.from_env). Returns the report.
+    precision: auto (default: per chain, the fastest of fp16, bf16, tf32, fp32 whose numerics pass; see
+    precision.py), or fp16, bf16, tf32 (tensor cores) or fp32 (CUDA cores, exact) for every chain.
+    validate: compare with stock ORT (ValidationError above the tolerance unless force=True; nothing is
+    written then). inputs: an .npz path or a dict name -> array used for validation besides random
+    inputs. with_cuda: build the CUDA kernels (None: when nvcc is found). tune: run the wide design's
+    kernel search on this GPU where no choice is cached. plan_options: how the CUDA kernels are planned
+    (None: from the environment, PlanOptions.from_env). Returns the report.
     """
     t0 = time.monotonic()
     say = progress or (lambda msg: None)
@@ -201,52 +238,50 @@ def convert(input_path, output_path=None, precision: str = "fp16", validate: boo
             result.seconds = time.monotonic() - t0
             return result
 
-        try:
-            specs = [c.to_spec(precision) for c in plan.chains]
-        except SpecError as e:
-            raise ConversionError(str(e)) from None
-        unique = list({s.name: s for s in specs}.values())
-        plans, plan_errors = plan_specs(unique, options)
-        for k, (c, s) in enumerate(zip(plan.chains, specs)):
-            result.chains.append(ChainReport(k, s.name, list(s.widths), [describe_expr(a) for a in c.activations],
-                                             precision, s.io_dtype, plan_text(s, plans.get(s.name), plan_errors.get(s.name, "")),
-                                             c.input, c.output))
-        cuda = with_cuda if with_cuda is not None else find_nvcc() is not None
-        if cuda and plan_errors:
-            raise ConversionError(next(iter(plan_errors.values())))
+        if with_cuda is None:
+            with_cuda = find_nvcc() is not None
+        auto = precision == AUTO
+        cases = vacuous = None
+        if validate or auto:
+            try:
+                cases, vacuous = val.validation_cases(model, user_inputs)
+            except Exception as e:  # noqa: BLE001
+                if validate:
+                    raise ConversionError(f"stock onnxruntime fails on the original model: {val._one_line(e)}") from None
+        if auto:
+            choices = initial_precisions(model, plan.chains, cases, with_cuda, say)
+        else:
+            choices = [PrecisionChoice(precision, "asked for (--precision)") for _ in plan.chains]
 
-        say(f"building the plugin for {len(unique)} kernel(s)")
-        cpu_enabled = {s.name: cpu_kernel_wins(s)[0] for s in unique}
-        lib = build_plugin(unique, with_cuda=cuda, cache_dir=cache_dir, cpu_enabled=cpu_enabled, progress=say,
-                           plans=plans)
-        for report, s in zip(result.chains, specs):
-            if s.name in lib.plans:  # with the kernels tuned for this GPU (wide_tune.py)
-                report.cuda_plan = plan_text(s, lib.plans[s.name])
-        result.cached_library, result.build_seconds = str(lib.path), lib.build_seconds
+        for attempt in range(len(PRECISIONS)):
+            # each round in a folder of its own: a library that a session loaded must not be overwritten
+            # (it is mapped), and dlopen would hand back the first one loaded from the same path
+            round_dir = tmpdir / f"round{attempt}"
+            round_dir.mkdir()
+            built = _build_and_check(model, inp, out, plan, choices, with_cuda, options, cache_dir, tune, validate,
+                                     cases, vacuous, user_inputs, round_dir, say)
+            report = built.validation
+            moving = [k for k in (report.chain_failures if (report and auto) else [])
+                      if next_precision(choices[k].precision)]
+            if not moving:
+                break
+            for k in moving:
+                old, new = choices[k].precision, next_precision(choices[k].precision)
+                e = report.chain_errors[k] if k < len(report.chain_errors) and report.chain_errors[k] else None
+                detail = f"rel. L2 {e.rel_l2:.2g} on {report.provider}" if e else f"validation on {report.provider}"
+                choices[k] = PrecisionChoice(new, f"{old} failed ({detail}); " + choices[k].why)
+                say(f"chain {k}: {old} failed validation ({detail}); rebuilding it in {new}")
+
+        specs, lib, data, tmp_model, tmp_lib, lib_name = built.specs, built.lib, built.data, built.model, built.lib_copy, built.lib_name
+        result.chains = [ChainReport(k, s.name, list(s.widths), [describe_expr(a) for a in c.activations],
+                                     s.precision, s.io_dtype,
+                                     plan_text(s, lib.plans.get(s.name), with_cuda=with_cuda),
+                                     c.input, c.output, choices[k].why)
+                         for k, (c, s) in enumerate(zip(plan.chains, specs))]
+        result.cached_library, result.build_seconds = str(lib.path), built.build_seconds
         result.cache_hit, result.with_cuda = lib.cache_hit, lib.with_cuda
-        if lib.cache_hit:
-            say(f"plugin found in the build cache: {lib.path}")
-
-        fused = rewrite(model, plan, specs)
-        lib_name = library_name(out)
-        _set_meta(fused, PLUGIN_KEY, lib_name)  # relative to the model's folder: they are written side by side
-        _set_meta(fused, "onnx2fused.precision", precision)
-
-        tmp_model, tmp_lib = tmpdir / out.name, tmpdir / lib_name
-        say(f"writing {out.name}")
-        try:
-            data = _save(fused, tmp_model, out.name)
-            shutil.copyfile(lib.path, tmp_lib)
-        except OSError as e:
-            raise ConversionError(f"cannot write into {out.parent}: {e.strerror or e}") from None
-        except ValueError as e:
-            raise ConversionError(f"cannot serialize the fused model: {e}") from None
         result.external_data = data
-
-        if validate:
-            report = val.validate(str(inp), tmp_model, tmp_lib, precision, original_model=model,
-                                  chains=plan.chains, with_cuda=lib.with_cuda, user_inputs=user_inputs,
-                                  progress=say)
+        if report is not None:
             result.validation = report
             result.warnings.extend(report.warnings)
             if report.failures:
@@ -256,7 +291,7 @@ def convert(input_path, output_path=None, precision: str = "fp16", validate: boo
 
         try:
             if data:
-                os.replace(tmpdir / data, out.parent / data)
+                os.replace(round_dir / data, out.parent / data)
             os.replace(tmp_lib, out.parent / lib_name)
             os.replace(tmp_model, out)
         except OSError as e:
@@ -266,6 +301,66 @@ def convert(input_path, output_path=None, precision: str = "fp16", validate: boo
         return result
     finally:
         shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+@dataclass
+class _Built:
+    specs: list
+    lib: object
+    build_seconds: float
+    data: str | None
+    model: Path
+    lib_copy: Path
+    lib_name: str
+    validation: val.ValidationReport | None
+
+
+def _build_and_check(model, inp: Path, out: Path, plan, choices, with_cuda, options: PlanOptions, cache_dir, tune,
+                     validate, cases, vacuous, user_inputs, tmpdir: Path, say) -> _Built:
+    """One round: specs at the chosen precisions -> CUDA plans (each spec planned once) -> library (units
+    cached: a chain moved to another precision recompiles only its own) -> fused model written into
+    `tmpdir` -> validation."""
+    try:
+        specs = [c.to_spec(ch.precision) for c, ch in zip(plan.chains, choices)]
+    except SpecError as e:
+        raise ConversionError(str(e)) from None
+    unique = list({s.name: s for s in specs}.values())
+    plans = {}
+    if with_cuda:
+        plans, plan_errors = plan_specs(unique, options)
+        if plan_errors:
+            raise ConversionError(next(iter(plan_errors.values())))
+    say(f"building the plugin for {len(unique)} kernel(s) ({', '.join(s.precision for s in specs)})")
+    cpu_enabled = {s.name: cpu_kernel_wins(s)[0] for s in unique}
+    lib = build_plugin(unique, with_cuda=with_cuda, cache_dir=cache_dir, cpu_enabled=cpu_enabled, progress=say,
+                       tune=tune, plans=plans)
+    if lib.cache_hit:
+        say(f"plugin found in the build cache: {lib.path}")
+
+    fused = rewrite(model, plan, specs)
+    lib_name = library_name(out)
+    _set_meta(fused, PLUGIN_KEY, lib_name)  # relative to the model's folder: they are written side by side
+    _set_meta(fused, "onnx2fused.precision", choices[0].precision if len({c.precision for c in choices}) == 1
+              else "mixed")
+    _set_meta(fused, CHAINS_KEY, json.dumps([{"op": s.name, "precision": s.precision, "why": ch.why}
+                                             for s, ch in zip(specs, choices)]))
+    tmp_model, tmp_lib = tmpdir / out.name, tmpdir / lib_name
+    say(f"writing {out.name}")
+    try:
+        data = _save(fused, tmp_model, out.name)
+        shutil.copyfile(lib.path, tmp_lib)
+    except OSError as e:
+        raise ConversionError(f"cannot write into {out.parent}: {e.strerror or e}") from None
+    except ValueError as e:
+        raise ConversionError(f"cannot serialize the fused model: {e}") from None
+
+    report = None
+    if validate:
+        report = val.validate(str(inp), tmp_model, tmp_lib, specs[0].precision, original_model=model,
+                              chains=plan.chains, with_cuda=lib.with_cuda, user_inputs=user_inputs,
+                              progress=say, chain_precisions=[s.precision for s in specs], cases=cases,
+                              vacuous=vacuous)
+    return _Built(specs, lib, lib.build_seconds, data, tmp_model, tmp_lib, lib_name, report)
 
 
 def _write_unchanged(inp: Path, out: Path, tmpdir: Path, result: ConversionResult) -> None:
@@ -299,9 +394,11 @@ def format_report(r: ConversionResult) -> str:
         lines.append(f"nothing fused: {r.nothing_to_fuse}; the model was written unchanged")
     else:
         lines.append(f"{len(r.chains)} chain(s) fused, precision {r.precision}:")
-        lines += _chain_table(r.chains, "CUDA plan")
+        lines += _chain_table(r.chains, "plan")
         for c in r.chains:
             lines.append(f"  chain {c.index}: op {c.name} ('{c.input}' -> '{c.output}')")
+            if c.precision_why:
+                lines.append(f"    precision {c.precision}: {c.precision_why}")
         where = "cache hit" if r.cache_hit else f"built in {r.build_seconds:.1f} s"
         lines.append(f"plugin: {r.library_path or '(not written)'} ({where}"
                      f"{', with CUDA' if r.with_cuda else ', CPU only'})")
@@ -321,6 +418,9 @@ def format_report(r: ConversionResult) -> str:
         lines += _table(rows, indent="  ")
         if v.max_activation:
             lines.append("  fp16 range: max |intermediate| per chain " + ", ".join(f"{m:.4g}" for m in v.max_activation))
+        if any(e is not None for e in v.chain_errors):
+            lines.append("  per chain output, rel L2: " + ", ".join(
+                f"{k}: {_fmt_err(e.rel_l2) if e is not None else '-'}" for k, e in enumerate(v.chain_errors)))
     elif not r.nothing_to_fuse:
         lines.append("validation: skipped")
     for w in r.warnings:
@@ -331,9 +431,10 @@ def format_report(r: ConversionResult) -> str:
 
 def _chain_table(chains, plan_header: str) -> list[str]:
     """The per-chain table shared by the convert report and `inspect`."""
-    rows = [("#", "widths", "activations", "io", plan_header)]
+    rows = [("#", "widths", "activations", "precision", "io", plan_header)]
     for c in chains:
-        rows.append((str(c.index), "->".join(map(str, c.widths)), ", ".join(c.activations), c.io_dtype, c.cuda_plan))
+        rows.append((str(c.index), "->".join(map(str, c.widths)), ", ".join(c.activations), c.precision,
+                     c.io_dtype, c.cuda_plan))
     return _table(rows, indent="  ")
 
 
@@ -349,44 +450,67 @@ class InspectResult:
     chains: list[ChainReport] = field(default_factory=list)
     refusals: list[str] = field(default_factory=list)
     plan: str = ""          # FusionPlan.describe()
+    fused: list[dict] = field(default_factory=list)   # a fused model: its chains as convert recorded them
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     def format(self) -> str:
         lines = [f"{self.input_path}: {len(self.chains)} chain(s) to fuse"]
+        if self.fused:
+            lines = [f"{self.input_path}: a fused model, {len(self.fused)} fused chain(s)"]
+            lines += [f"  {k}: {c.get('op', '?')}: {c.get('precision', '?')} ({c.get('why', '')})"
+                      for k, c in enumerate(self.fused)]
         if self.chains:
-            lines += _chain_table(self.chains, f"plan ({self.chains[0].precision})")
+            lines += _chain_table(self.chains, "plan")
             for c in self.chains:
                 lines.append(f"  chain {c.index}: '{c.input}' -> '{c.output}', op {c.name}")
+                if c.precision_why:
+                    lines.append(f"    precision {c.precision}: {c.precision_why}")
         if self.refusals:
             lines.append(f"{len(self.refusals)} not fused:")
             lines += [f"  {x}" for x in self.refusals]
-        elif not self.chains:
+        elif not self.chains and not self.fused:
             lines.append("  the model has no Gemm/MatMul layer with constant weights")
         return "\n".join(lines)
 
 
-def inspect(input_path, precision: str = "fp16", cache_dir=None, plan_options: PlanOptions | None = None) -> InspectResult:
-    """The chains `convert` would fuse (with the CUDA plan at `precision`, and the wide kernels tuned
-    for this GPU when the build cache holds them) and why other layers are not."""
+def inspect(input_path, precision: str = AUTO, cache_dir=None, plan_options: PlanOptions | None = None) -> InspectResult:
+    """The chains `convert` would fuse (with the precision automatic precision would give each, and its
+    reason, or `precision` for all; the CUDA plan at that precision, with the wide kernels tuned for this
+    GPU when the build cache holds them) and why other layers are not. On a fused model: the precision
+    and reason convert recorded for each chain."""
     from .build import default_cache_dir
     from .wide_tune import cached_plan
     cache = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
-    check_precision(precision)
     options = plan_options or PlanOptions.from_env()
+    check_precision(precision)
     model = load_model(input_path)
     plan = find_chains(model)
     res = InspectResult(str(input_path), refusals=[r.reason for r in plan.refusals], plan=plan.describe())
-    for k, c in enumerate(plan.chains):
+    recorded = {p.key: p.value for p in model.metadata_props}.get(CHAINS_KEY)
+    if recorded:
         try:
-            s = c.to_spec(precision)
+            res.fused = [c for c in json.loads(recorded) if isinstance(c, dict)]
+        except ValueError:
+            res.fused = [{"op": "?", "precision": "?", "why": f"unreadable {CHAINS_KEY} metadata"}]
+    if precision == AUTO:
+        try:
+            cases, _ = val.validation_cases(model)
+        except Exception:  # noqa: BLE001 - inspect only reads: no cases, the default precision
+            cases = None
+        choices = initial_precisions(model, plan.chains, cases, True, lambda msg: None) if plan.chains else []
+    else:
+        choices = [PrecisionChoice(precision, "asked for (--precision)") for _ in plan.chains]
+    for k, (c, ch) in enumerate(zip(plan.chains, choices)):
+        try:
+            s = c.to_spec(ch.precision)
         except SpecError as e:
             raise ConversionError(str(e)) from None
         plans, errors = plan_specs([s], options)
         p = plans.get(s.name)
         res.chains.append(ChainReport(k, s.name, list(s.widths), [describe_expr(a) for a in c.activations],
-                                      precision, s.io_dtype,
+                                      s.precision, s.io_dtype,
                                       plan_text(s, cached_plan(p, cache) if p else None, errors.get(s.name, "")),
-                                      c.input, c.output))
+                                      c.input, c.output, ch.why))
     return res

@@ -10,6 +10,8 @@ Checks (each: ok / warn / missing, a one-line summary, and a one-line fix when n
   cache       the build cache folder, and whether it is writable (required)
   tuning      the wide design's per-GPU kernel search: on (a Hopper GPU), off (ONNX2FUSED_TUNE=0) or
               not applicable here, and how many choices the cache holds (informational)
+  targets     what a build targets: the C++ kernels' -march (ONNX2FUSED_CPU_ARCH), the CUDA archs
+              (ONNX2FUSED_CUDA_ARCHS) and the embedded PTX (ONNX2FUSED_CUDA_PTX); warn on a bad value
 
 Exit status: 0 when a CPU conversion is possible here (cxx, onnxruntime, headers found or fetchable with
 apt-get, writable cache); 1 otherwise. GPU and nvcc gaps are warnings: they only cost the CUDA kernels.
@@ -65,7 +67,7 @@ def conversion_possible(checks: list[Check]) -> bool:
 
 def run_checks(cache_dir=None) -> list[Check]:
     return [check_python(), check_cxx(), check_nvcc(), check_gpu(), check_onnxruntime(),
-            check_headers(cache_dir), check_cache(cache_dir), check_tuning(cache_dir)]
+            check_headers(cache_dir), check_cache(cache_dir), check_tuning(cache_dir), check_targets()]
 
 
 def format_checks(checks: list[Check], ok: bool) -> str:
@@ -283,3 +285,20 @@ def check_tuning(cache_dir=None) -> Check:
     else:
         summary = f"on: wide chains are tuned on {gpu.name} at their first build"
     return Check("tuning", OK, f"{summary}; {len(cached)} choice(s) cached in {d}", None, data)
+
+
+def check_targets() -> Check:
+    """Where a library built here runs (build.py's cpu_arch, cuda_archs, cuda_ptx_arch; informational)."""
+    from . import build
+    from .errors import ConversionError
+    try:
+        cpu, archs = build.cpu_arch(), build.cuda_archs()
+        ptx = build.cuda_ptx_arch(archs)
+    except ConversionError as e:
+        return Check("targets", WARN, str(e), "fix or unset the variable (README: Serving, portability)")
+    data = {"cpu_arch": cpu, "cuda_archs": archs, "cuda_ptx": ptx}
+    where = ("CPUs with this one's instruction sets only; for others set ONNX2FUSED_CPU_ARCH, e.g. x86-64-v3"
+             if cpu == "native" else "CPUs that implement it")
+    gpu = ", ".join(f"sm_{a}" for a in archs) + (f" + PTX compute_{ptx} (newer GPUs JIT it)" if ptx else ", no PTX")
+    summary = f"C++ kernels -march={cpu} ({where}); CUDA {gpu}"
+    return Check("targets", OK, summary, None, data)

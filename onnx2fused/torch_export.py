@@ -88,6 +88,17 @@ def _export(module, args: tuple, path: Path, dynamic_batch: bool, input_names, o
                 lg.setLevel(lv)
 
 
+def require_exporter() -> None:
+    """ConversionError (one line, with the install command) unless torch and onnxscript, which
+    torch.onnx.export(dynamo=True) imports, are installed."""
+    import importlib.util
+    missing = [m for m in ("torch", "onnxscript") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ConversionError(f"from_torch needs {' and '.join(missing)} (the dynamo exporter uses onnxscript): "
+                              'pip install "onnx2fused[torch]" (for the CPU build of torch, install it first '
+                              "with --index-url https://download.pytorch.org/whl/cpu)")
+
+
 def _export_error(e: Exception) -> str:
     """The exporter's own summary line when it has one (its full message is pages of advice)."""
     text = " ".join(str(e).split())
@@ -97,7 +108,7 @@ def _export_error(e: Exception) -> str:
     return text[:500] or type(e).__name__
 
 
-def from_torch(module, example_input, path=None, precision: str = "fp16", validate: bool = True,
+def from_torch(module, example_input, path=None, precision: str = "auto", validate: bool = True,
                dynamic_batch: bool = True, *, input_names=None, output_names=None, opset: int | None = None,
                cache_dir=None, with_cuda: bool | None = None, providers=None, force: bool = False,
                progress=None) -> TorchConversion:
@@ -109,6 +120,7 @@ def from_torch(module, example_input, path=None, precision: str = "fp16", valida
     (convert's validation) and with the module's own output on `example_input`; either failing raises
     ValidationError. Other arguments go to `onnx2fused.convert` / `onnx2fused.InferenceSession`.
     """
+    require_exporter()
     import torch
 
     check_precision(precision)   # before the (slow) export

@@ -21,11 +21,12 @@ assembled in a temp folder inside OUT_DIR and renamed into place.
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
-import sys
 import tempfile
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import onnx
@@ -70,31 +71,74 @@ def add_arguments(parser) -> None:
     parser.add_argument("--max-queue-delay-us", type=int, default=100,
                         help="dynamic batching: max_queue_delay_microseconds (default 100)")
     parser.add_argument("--force", action="store_true", help="replace an existing non-empty OUT_DIR/<name>")
+    parser.add_argument("--json", action="store_true",
+                        help="print what was written as JSON (entry, files, config fields, library path, warnings)")
     conv = parser.add_argument_group("conversion (when MODEL is not fused yet)")
     from .spec import PRECISIONS
-    conv.add_argument("--precision", choices=list(PRECISIONS), default="fp16",
-                      help="kernel compute precision (default fp16)")
+    conv.add_argument("--precision", choices=["auto", *PRECISIONS], default="auto",
+                      help="kernel compute precision (default auto: per chain, as convert chooses)")
     conv.add_argument("--cpu-only", action="store_true", help="build the C++ (CPU) kernels only, no CUDA")
     conv.add_argument("--cache-dir", metavar="DIR", help="build cache (default $ONNX2FUSED_CACHE or ~/.cache/onnx2fused)")
     conv.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
+    from .cli import add_target_arguments
+    add_target_arguments(parser)
 
 
 def main(args) -> int:
-    progress = None if args.quiet else (lambda m: print(f"onnx2fused: {m}", file=sys.stderr, flush=True))
+    from .cli import build_targets, progress as cli_progress
+    progress = cli_progress(args)
     gpus = parse_gpus(args.gpus)
-    entry = export_triton(args.model, args.out_dir, name=args.name, version=args.model_version,
-                          repository_root=args.repository_root, library_dir=args.library_dir,
-                          kind="KIND_CPU" if args.cpu else "KIND_GPU", gpus=gpus, instances=args.instances,
-                          max_batch_size=args.max_batch_size, max_queue_delay_us=args.max_queue_delay_us,
-                          force=args.force, precision=args.precision, with_cuda=False if args.cpu_only else None,
-                          cache_dir=args.cache_dir, progress=progress)
+    with build_targets(args):
+        done = export_triton_entry(args.model, args.out_dir, name=args.name, version=args.model_version,
+                                   repository_root=args.repository_root, library_dir=args.library_dir,
+                                   kind="KIND_CPU" if args.cpu else "KIND_GPU", gpus=gpus,
+                                   instances=args.instances, max_batch_size=args.max_batch_size,
+                                   max_queue_delay_us=args.max_queue_delay_us, force=args.force,
+                                   precision=args.precision, with_cuda=False if args.cpu_only else None,
+                                   cache_dir=args.cache_dir, progress=progress)
+    if args.json:
+        print(json.dumps(done.to_dict(), indent=1))
+        return 0
+    entry = done.path
     print(f"wrote {entry}")
-    for p in sorted(entry.rglob("*")):
-        if p.is_file():
-            print(f"  {p.relative_to(entry.parent)}")
+    for f in done.files:
+        print(f"  {entry.name}/{f}")
+    for w in done.warnings:
+        print(f"warning: {w}")
+    if done.targets.get("cpu_arch") == "native":
+        print("note: the C++ kernels were built for this host's CPU (-march=native); for a server with another "
+              "CPU, export with --cpu-arch (e.g. x86-64-v3)")
     print(f"serve with: tritonserver --model-repository={args.repository_root} "
           f"(mount {entry.parent} there)")
     return 0
+
+
+@dataclass
+class TritonEntry:
+    """What export_triton wrote (`export-triton --json` prints `to_dict()`)."""
+    path: Path                      # OUT_DIR/<name>
+    name: str
+    version: int
+    files: list[str]                # relative to `path`
+    kind: str                       # KIND_GPU or KIND_CPU
+    gpus: list[int] | None
+    instances: int
+    max_batch_size: int             # 0: no batching
+    dynamic_batching: bool
+    op_library_filename: str | None  # as the server will dlopen it; None: nothing fused, no library
+    inputs: list[dict] = field(default_factory=list)    # {name, data_type, dims} as in config.pbtxt
+    outputs: list[dict] = field(default_factory=list)
+    converted: bool = False         # MODEL was converted here (else it was already fused)
+    library_has_cuda: bool | None = None   # None: not known (an already fused model's library)
+    warnings: list[str] = field(default_factory=list)
+    targets: dict = field(default_factory=dict)   # converted here: cpu_arch, and cuda_archs / cuda_ptx with CUDA
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["path"] = str(self.path)
+        d["config"] = str(self.path / "config.pbtxt")
+        d["model"] = str(self.path / str(self.version) / MODEL_FILE)
+        return d
 
 
 def parse_gpus(text: str | None) -> list[int] | None:
@@ -250,24 +294,41 @@ def _copy_fused(model: Path, lib: Path | None, dest: Path) -> bool:
     return lib is not None
 
 
-def _convert_into(model: Path, dest: Path, precision: str, with_cuda, cache_dir, progress) -> tuple[bool, list[str]]:
+def _convert_into(model: Path, dest: Path, precision: str, with_cuda, cache_dir, progress,
+                  kind: str = "KIND_GPU") -> tuple[bool, list[str], bool]:
+    """Convert into `dest`; (has a library, warnings, the library has CUDA kernels)."""
     from .convert import convert, library_name
     assert library_name(MODEL_FILE) == LIBRARY_FILE
     r = convert(model, dest / MODEL_FILE, precision=precision, with_cuda=with_cuda, cache_dir=cache_dir,
                 progress=progress)
     notes = list(r.warnings)
-    if r.library_path and not r.with_cuda:
+    if r.library_path and not r.with_cuda and kind == "KIND_GPU":   # KIND_CPU instances never use CUDA
         notes.append("the plugin has no CUDA kernels (no nvcc, or --cpu-only): on KIND_GPU the fused nodes "
                      "run their stock-op fallback")
-    return r.library_path is not None, notes
+    return r.library_path is not None, notes, bool(r.with_cuda)
 
 
 def export_triton(model, out_dir, *, name: str | None = None, version: int = 1,
                   repository_root: str = DEFAULT_REPOSITORY_ROOT, library_dir: str | None = None,
                   kind: str = "KIND_GPU", gpus: list[int] | None = None, instances: int = 1,
                   max_batch_size: int = DEFAULT_MAX_BATCH, max_queue_delay_us: int = 100, force: bool = False,
-                  precision: str = "fp16", with_cuda: bool | None = None, cache_dir=None, progress=None) -> Path:
-    """Write OUT_DIR/<name>/ (config.pbtxt, <version>/model.onnx, the library); return that folder."""
+                  precision: str = "auto", with_cuda: bool | None = None, cache_dir=None, progress=None) -> Path:
+    """Write OUT_DIR/<name>/ (config.pbtxt, <version>/model.onnx, the library); return that folder.
+    kind KIND_CPU builds no CUDA kernels unless with_cuda=True (a CPU instance runs ORT's CPU EP)."""
+    return export_triton_entry(
+        model, out_dir, name=name, version=version, repository_root=repository_root, library_dir=library_dir,
+        kind=kind, gpus=gpus, instances=instances, max_batch_size=max_batch_size,
+        max_queue_delay_us=max_queue_delay_us, force=force, precision=precision, with_cuda=with_cuda,
+        cache_dir=cache_dir, progress=progress).path
+
+
+def export_triton_entry(model, out_dir, *, name: str | None = None, version: int = 1,
+                        repository_root: str = DEFAULT_REPOSITORY_ROOT, library_dir: str | None = None,
+                        kind: str = "KIND_GPU", gpus: list[int] | None = None, instances: int = 1,
+                        max_batch_size: int = DEFAULT_MAX_BATCH, max_queue_delay_us: int = 100,
+                        force: bool = False, precision: str = "auto", with_cuda: bool | None = None,
+                        cache_dir=None, progress=None) -> TritonEntry:
+    """export_triton, returning what was written (TritonEntry)."""
     say = progress or (lambda m: None)
     model, out_dir = Path(model), Path(out_dir)
     name = name or default_name(model)
@@ -291,25 +352,44 @@ def export_triton(model, out_dir, *, name: str | None = None, version: int = 1,
         vdir.mkdir()
         if fused:
             say(f"{model} is already fused: copying it and its plugin")
-            has_lib, notes = _copy_fused(model, source_lib, vdir), []
+            has_lib, notes, has_cuda = _copy_fused(model, source_lib, vdir), [], None
         else:
-            has_lib, notes = _convert_into(model, vdir, precision, with_cuda, cache_dir, progress)
+            if with_cuda is None and kind == "KIND_CPU":
+                with_cuda = False
+            has_lib, notes, has_cuda = _convert_into(model, vdir, precision, with_cuda, cache_dir, progress, kind)
         for n in notes:
             say(f"warning: {n}")
         ins, outs = model_io(onnx.load(str(vdir / MODEL_FILE), load_external_data=False))
-        if not batchable(ins, outs):
+        batch = batchable(ins, outs)
+        if not batch:
             say("not every input/output has a symbolic first dimension: max_batch_size 0, no dynamic batching")
         lib_path = f"{library_dir.rstrip('/')}/{LIBRARY_FILE}" if has_lib else None
         (stage / "config.pbtxt").write_text(render_config(
             name, ins, outs, library=lib_path, kind=kind, gpus=gpus, instances=instances,
             max_batch_size=max_batch_size, max_queue_delay_us=max_queue_delay_us))
+        files = sorted(p.relative_to(stage).as_posix() for p in stage.rglob("*") if p.is_file())
         _move_into_place(stage, out_dir / name)
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         if created:
             shutil.rmtree(out_dir, ignore_errors=True)
         raise
-    return out_dir / name
+
+    def tensors(ts):   # as config.pbtxt has them: without the batch dim when batching, [1] for none left
+        return [{"name": n, "data_type": t,
+                 "dims": [-1 if d is None else d for d in (dims[1:] if batch else dims)] or [1]}
+                for n, t, dims in ts]
+    targets = {}
+    if has_lib and not fused:   # what build.py compiled for (cli.build_targets / the environment)
+        from .build import cpu_arch, cuda_archs, cuda_ptx_arch
+        targets["cpu_arch"] = cpu_arch()
+        if has_cuda:
+            targets["cuda_archs"] = cuda_archs()
+            targets["cuda_ptx"] = cuda_ptx_arch(targets["cuda_archs"])
+    return TritonEntry(out_dir / name, name, version, files, kind, gpus if kind == "KIND_GPU" else None, instances,
+                       max_batch_size if batch else 0, batch, lib_path, tensors(ins), tensors(outs),
+                       converted=not fused, library_has_cuda=has_cuda if has_lib else None, warnings=list(notes),
+                       targets=targets)
 
 
 def _move_into_place(stage: Path, entry: Path) -> None:

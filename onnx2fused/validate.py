@@ -69,6 +69,9 @@ class ValidationReport:
     max_activation: list[float] = field(default_factory=list)   # per chain (fp16 only)
     warnings: list[str] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
+    chain_errors: list[OutputError] = field(default_factory=list)  # per chain: its own output tensor
+    chain_failures: list[int] = field(default_factory=list)        # chains whose numerics fail (auto moves them up)
+    vacuous: list[str] = field(default_factory=list)               # outputs whose reference is degenerate everywhere
 
     @property
     def passed(self) -> bool:
@@ -108,8 +111,25 @@ def _shape(vi: onnx.ValueInfoProto, batch: int) -> tuple[int, ...]:
     return tuple(dims)
 
 
-def random_inputs(model: onnx.ModelProto, batches=BATCHES, seed: int = SEED) -> list[tuple[str, dict]]:
-    """[(case name, feeds)]: normal(0, 1) floats (zeros for integer inputs), one set per distinct shape."""
+# Input distributions tried, in order, until the reference outputs are not degenerate (all NaN, all inf or
+# all zero): a model that saturates or overflows on N(0, 1) may be fine at another scale.
+DISTRIBUTIONS = (("normal", 1.0), ("normal", 0.1), ("uniform", 1.0), ("normal", 10.0), ("normal", 0.01),
+                 ("normal", 100.0))
+
+
+def _draw(rng, kind: str, scale: float, shape, t):
+    if kind == "uniform":
+        return rng.uniform(-scale, scale, shape).astype(t)
+    return (scale * rng.standard_normal(shape)).astype(t)
+
+
+def random_inputs(model: onnx.ModelProto, batches=BATCHES, seed: int = SEED,
+                  distribution: tuple[str, float] = DISTRIBUTIONS[0]) -> list[tuple[str, dict]]:
+    """[(case name, feeds)]: random floats of `distribution` (zeros for integer inputs), one set per
+    distinct shape. The default, normal(0, 1), keeps the case names short."""
+    kind, scale = distribution
+    tag = "" if distribution == DISTRIBUTIONS[0] else (f" U(-{scale:g}, {scale:g})" if kind == "uniform"
+                                                       else f" N(0, {scale:g}^2)")
     rng = np.random.default_rng(seed)
     ins = graph_inputs(model)
     cases, seen = [], set()
@@ -122,12 +142,89 @@ def random_inputs(model: onnx.ModelProto, batches=BATCHES, seed: int = SEED) -> 
         for vi, shape in zip(ins, shapes):
             t = _np_type(vi)
             if np.issubdtype(t, np.floating):
-                feeds[vi.name] = rng.standard_normal(shape).astype(t)
+                feeds[vi.name] = _draw(rng, kind, scale, shape, t)
             else:
                 feeds[vi.name] = np.zeros(shape, t)
         name = ", ".join(f"{vi.name}{list(s)}" for vi, s in zip(ins, shapes))
-        cases.append((f"random {name}", feeds))
+        cases.append((f"random{tag} {name}", feeds))
     return cases
+
+
+def degenerate(a: np.ndarray) -> str | None:
+    """Why a float reference output is no evidence ("all zeros", "all NaN", ...), or None when it is."""
+    a = np.asarray(a)
+    if not np.issubdtype(a.dtype, np.floating) or a.size == 0:
+        return None
+    finite = np.isfinite(a)
+    if np.any(finite & (a != 0)):
+        return None
+    if not finite.any():
+        return "all NaN" if np.isnan(a).all() else "all NaN or ±inf" if np.isnan(a).any() else "all ±inf"
+    return "all zeros" if finite.all() else "only zeros, NaN and ±inf"
+
+
+def validation_cases(model: onnx.ModelProto, user_inputs: dict | None = None, batches=BATCHES,
+                     ref_sess=None) -> tuple[list[tuple[str, dict]], list[str]]:
+    """The input sets validation uses, and the outputs that stay degenerate on all of them.
+
+    Random inputs first at N(0, 1); when some float output of the original is degenerate on every set,
+    the other DISTRIBUTIONS are tried in turn and the first that makes it informative replaces N(0, 1)
+    (an input scale is part of no model's contract, so any scale that gives evidence will do). The
+    user's inputs, when given, are always added."""
+    sess = ref_sess or _session(model, optimize=False)
+    names = [o.name for o in sess.get_outputs()]
+
+    def dead(cases) -> list[str]:
+        """The outputs degenerate on every one of `cases`, with why (as on the last case)."""
+        why: dict[str, str | None] = {n: "" for n in names}   # "": no case seen yet
+        for _, feeds in cases:
+            for n, y in zip(names, sess.run(None, feeds)):
+                if why[n] is not None:
+                    why[n] = degenerate(y)
+        return [f"'{n}' is {w}" for n, w in why.items() if w]
+
+    chosen = random_inputs(model, batches)
+    vacuous = dead(chosen)
+    for dist in DISTRIBUTIONS[1:]:
+        if not vacuous:
+            break
+        cases = random_inputs(model, batches, distribution=dist)
+        left = dead(cases)
+        if len(left) < len(vacuous):
+            chosen, vacuous = cases, left
+    if user_inputs:
+        chosen = chosen + [("user inputs", user_inputs)]
+        if vacuous and not dead([("user inputs", user_inputs)]):
+            vacuous = []
+    return chosen, vacuous
+
+
+def reference_tensors(original: onnx.ModelProto, names: list[str], cases) -> dict[str, list[np.ndarray]]:
+    """Stock ORT's values of the tensors `names` (graph inputs, intermediates or outputs) of the original
+    model on each input set: {name: [array per case]}. Runs the original once per case with the
+    intermediates as extra outputs (graph optimisations off, so they exist as named)."""
+    m = onnx.ModelProto()
+    m.CopyFrom(original)
+    g = m.graph
+    have = {o.name for o in g.output} | {i.name for i in g.input}
+    types = {v.name: v for v in list(g.value_info) + list(g.input) + list(g.output)}
+    for t in names:
+        if t in have:
+            continue
+        vi = types.get(t)
+        elem = vi.type.tensor_type.elem_type if vi is not None else onnx.TensorProto.FLOAT
+        g.output.append(onnx.helper.make_tensor_value_info(t, elem, None))
+        have.add(t)
+    if m.ByteSize() > 2**31 - 1:
+        raise ConversionError("the model is too large to read its intermediate tensors (over 2 GB)")
+    sess = _session(m, optimize=False)
+    out_names = [o.name for o in sess.get_outputs()]
+    got: dict[str, list[np.ndarray]] = {t: [] for t in names}
+    for _, feeds in cases:
+        outs = dict(zip(out_names, sess.run(None, feeds)))
+        for t in names:
+            got[t].append(np.asarray(feeds[t] if t in feeds else outs[t]))
+    return got
 
 
 def load_user_inputs(inputs, model: onnx.ModelProto) -> dict[str, np.ndarray]:
@@ -228,72 +325,87 @@ def chain_intermediates(chain) -> list[str]:
 
 
 def _max_activations(original: onnx.ModelProto, chains, cases) -> list[float]:
-    """max |value| of each chain's intermediate tensors, running the original with them as extra outputs."""
-    wanted = []
-    for c in chains:
-        for t in chain_intermediates(c):
-            if t not in wanted:
-                wanted.append(t)
-    m = onnx.ModelProto()
-    m.CopyFrom(original)
-    g = m.graph
-    have = {o.name for o in g.output} | {i.name for i in g.input}
-    types = {v.name: v for v in list(g.value_info) + list(g.input) + list(g.output)}
-    for t in wanted:
-        if t in have:
-            continue
-        vi = types.get(t)
-        elem = vi.type.tensor_type.elem_type if vi is not None else onnx.TensorProto.FLOAT
-        g.output.append(onnx.helper.make_tensor_value_info(t, elem, None))
-    if m.ByteSize() > 2**31 - 1:
-        return []
-    sess = _session(m, optimize=False)
-    names = [o.name for o in sess.get_outputs()]
-    peak = {t: 0.0 for t in wanted}
-    for _, feeds in cases:
-        outs = dict(zip(names, sess.run(None, feeds)))
-        for t in wanted:
-            v = feeds[t] if t in feeds else outs[t]
-            v = np.abs(np.asarray(v, dtype=np.float64))
-            v = v[np.isfinite(v)] if not np.all(np.isfinite(v)) else v
-            if v.size:
-                peak[t] = max(peak[t], float(v.max()))
+    """max |value| (finite ones) of each chain's intermediate tensors on the original model."""
+    wanted = list(dict.fromkeys(t for c in chains for t in chain_intermediates(c)))
+    values = reference_tensors(original, wanted, cases)
+    peak = {}
+    for t, arrays in values.items():
+        finite = [np.abs(a[np.isfinite(a)].astype(np.float64)) for a in arrays]
+        peak[t] = max((float(v.max()) for v in finite if v.size), default=0.0)
     return [max(peak[t] for t in chain_intermediates(c)) for c in chains]
+
+
+def _with_outputs(model, names: list[str], types: dict[str, int]):
+    """`model` (path or ModelProto) with the tensors `names` (element types from `types`) added as graph
+    outputs; None when it cannot be (over 2 GB in memory, or unreadable)."""
+    try:
+        m = model if isinstance(model, onnx.ModelProto) else onnx.load(str(model))
+    except Exception:  # noqa: BLE001 - the per-chain errors are a refinement: the model outputs are still checked
+        return None
+    out = onnx.ModelProto()
+    out.CopyFrom(m)
+    have = {o.name for o in out.graph.output}
+    for t in names:
+        if t not in have:
+            out.graph.output.append(onnx.helper.make_tensor_value_info(t, types.get(t, onnx.TensorProto.FLOAT), None))
+    return out if out.ByteSize() < 2**31 - 1 else None
+
+
+def _elem_types(model: onnx.ModelProto) -> dict[str, int]:
+    g = model.graph
+    return {v.name: v.type.tensor_type.elem_type for v in list(g.value_info) + list(g.input) + list(g.output)
+            if v.type.tensor_type.elem_type}
 
 
 # ------------------------------------------------------------------------------------------ validate
 def validate(original, fused, library, precision: str, *, original_model: onnx.ModelProto | None = None,
              chains=(), with_cuda: bool = False, user_inputs: dict | None = None,
-             batches=BATCHES, progress: Callable[[str], None] | None = None) -> ValidationReport:
+             batches=BATCHES, progress: Callable[[str], None] | None = None,
+             chain_precisions: list[str] | None = None, cases=None, vacuous=None) -> ValidationReport:
     """Compare `fused` (path, run with `library`) against `original` (path or ModelProto) on stock ORT.
 
+    `chain_precisions`: each chain's precision (default: `precision` for all); the model outputs are held
+    to the loosest of them, each chain's own output tensor to its own (`report.chain_errors`,
+    `report.chain_failures`: what automatic precision moves up). `cases`/`vacuous`: the input sets and
+    the degenerate outputs from `validation_cases` (computed here when not given).
     Never raises for a tolerance violation: the report's `failures` say what is wrong; `check(report)`
     raises. Raises ConversionError when a model cannot run at all.
     """
     say = progress or (lambda msg: None)
     if original_model is None:
         original_model = original if isinstance(original, onnx.ModelProto) else onnx.load(str(original))
+    chains = list(chains)
+    precisions = list(chain_precisions) if chain_precisions else [precision] * len(chains)
     providers = choose_providers(with_cuda)
     provider = providers[0]
-    if provider == "CPUExecutionProvider":
+    on_cpu = provider == "CPUExecutionProvider"
+    chain_tols = [CPU_TOLERANCE if on_cpu else TOLERANCES[p] for p in precisions]
+    if on_cpu:
         tol = CPU_TOLERANCE
         note = (f"CPU EP: the plugin computes in fp32 whatever the precision, so the fp32 tolerance "
-                f"{CPU_TOLERANCE:g} applies (the {precision} tolerance is {TOLERANCES[precision]:g})")
+                f"{CPU_TOLERANCE:g} applies")
     else:
-        tol = TOLERANCES[precision]
-        note = f"{provider}: {precision} tolerance {tol:g}"
+        tol = max((TOLERANCES[p] for p in precisions), default=TOLERANCES[precision])
+        used = sorted(set(precisions), key=list(TOLERANCES).index) or [precision]
+        note = f"{provider}: {'/'.join(used)} tolerance {tol:g}"
     report = ValidationReport(provider, precision, tol, note)
 
-    cases = random_inputs(original_model, batches)
-    if user_inputs:
-        cases.append(("user inputs", user_inputs))
-    report.cases = [c for c, _ in cases]
-
-    say(f"validating on {len(cases)} input set(s) ({provider})")
     try:
         ref_sess = _session(original, optimize=False)
     except Exception as e:
         raise ConversionError(f"stock onnxruntime cannot load the original model: {_one_line(e)}") from None
+    if cases is None:
+        try:
+            cases, vacuous = validation_cases(original_model, user_inputs, batches, ref_sess)
+        except Exception as e:
+            raise ConversionError(f"stock onnxruntime fails on the original model: {_one_line(e)}") from None
+    report.cases = [c for c, _ in cases]
+    report.vacuous = list(vacuous or [])
+    if report.vacuous:
+        report.warnings.append(f"validation vacuous: {', '.join(report.vacuous)} on every input scale tried "
+                               "(normal and uniform, 0.01 to 100); pass --inputs with real data")
+
+    say(f"validating on {len(cases)} input set(s) ({provider})")
     try:
         fused_sess = _session(fused, library=library, providers=providers)
     except Exception as e:
@@ -315,9 +427,11 @@ def validate(original, fused, library, precision: str, *, original_model: onnx.M
         for n, a, b in zip(names, out, ref):
             _compare(n, np.asarray(a), np.asarray(b), case, errs[n])
     report.outputs = list(errs.values())
+    mismatched_labels = False
     for e in report.outputs:
         if e.exact:
             if e.mismatches:
+                mismatched_labels = True
                 report.warnings.append(f"output '{e.name}' (not floating point) differs in {e.mismatches} "
                                        "element(s) from stock ORT (near-ties of the fused values)")
         elif not e.within(tol):
@@ -326,22 +440,60 @@ def validate(original, fused, library, precision: str, *, original_model: onnx.M
             report.failures.append(f"output '{e.name}': {what} exceeds the tolerance {tol:g} "
                                    f"({provider}, {e.worst_case})")
 
-    if precision == "fp16" and chains:
+    if chains:
+        report.chain_errors = _chain_errors(original_model, fused, library, providers, chains, cases)
+        for k, (e, t) in enumerate(zip(report.chain_errors, chain_tols)):
+            if e is not None and not e.within(t):
+                report.chain_failures.append(k)
+        if report.failures and not report.chain_failures:  # not attributable: every chain that can move up
+            report.chain_failures = [k for k, p in enumerate(precisions) if p != "fp32"]
+        if mismatched_labels:  # integer outputs (labels) must match exactly: every chain that can move up
+            report.chain_failures = sorted(set(report.chain_failures) |
+                                           {k for k, p in enumerate(precisions) if p != "fp32"})
+
+    fp16_chains = [k for k, p in enumerate(precisions) if p == "fp16"]
+    if with_cuda and fp16_chains:  # a CPU-only library computes in fp32: no fp16 range to respect
         say("checking fp16 range of the chains' intermediate tensors")
         try:
-            report.max_activation = _max_activations(original_model, list(chains), cases)
+            peaks = _max_activations(original_model, chains, cases)
         except Exception as e:  # the check is advisory; the comparison above already ran
+            peaks = []
             report.warnings.append(f"could not measure the fp16 range of the intermediates: {_one_line(e)}")
-        for k, peak in enumerate(report.max_activation):
+        report.max_activation = peaks
+        for k in fp16_chains:
+            peak = peaks[k] if k < len(peaks) else 0.0
             if peak > FP16_MAX:
                 report.failures.append(f"chain {k}: intermediate values reach {peak:.4g}, beyond the fp16 "
                                        f"maximum {FP16_MAX:g}; use --precision bf16 or fp32")
                 report.warnings.append(f"chain {k}: intermediate values reach {peak:.4g} > {FP16_MAX:g} "
                                        "(fp16 overflow); use --precision bf16 or fp32")
+                report.chain_failures = sorted(set(report.chain_failures) | {k})
             elif peak > FP16_WARN:
                 report.warnings.append(f"chain {k}: intermediate values reach {peak:.4g}, more than half the "
                                        f"fp16 maximum {FP16_MAX:g}; consider --precision bf16 or fp32")
     return report
+
+
+def _chain_errors(original_model, fused, library, providers, chains, cases) -> list[OutputError | None]:
+    """Each chain's own output tensor, fused vs stock (the upstream chains' errors included): which chain
+    to move up when the model outputs fail. None for a chain whose output cannot be read back."""
+    outs = list(dict.fromkeys(c.output for c in chains))
+    types = _elem_types(original_model)
+    ref_m, fused_m = _with_outputs(original_model, outs, types), _with_outputs(fused, outs, types)
+    if ref_m is None or fused_m is None:
+        return [None] * len(chains)
+    try:
+        ref_s = _session(ref_m, optimize=False)
+        fused_s = _session(fused_m, library=library, providers=providers)
+    except Exception:  # noqa: BLE001 - a refinement only (the model outputs were compared above)
+        return [None] * len(chains)
+    errs = {t: OutputError(t) for t in outs}
+    for case, feeds in cases:
+        r = dict(zip(outs, ref_s.run(outs, feeds)))
+        f = dict(zip(outs, fused_s.run(outs, feeds)))
+        for t in outs:
+            _compare(t, np.asarray(f[t]), np.asarray(r[t]), case, errs[t])
+    return [errs[c.output] for c in chains]
 
 
 def check(report: ValidationReport) -> None:

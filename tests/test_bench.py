@@ -1,9 +1,13 @@
-"""`onnx2fused bench` on a CPU host: the CPU mode end to end (table, bench.json, bench.png), the no-GPU
-message of the default mode, the fp16 model helper, argument parsing and the torch module builders."""
+"""`onnx2fused bench` on a CPU host: the CPU mode end to end (table with p10..p90 spread, bench.json,
+bench.png, progress lines), the refusals (no GPU without --cpu, an already fused model, nothing to fuse:
+exit 2 with the reason), the plot skipped without matplotlib, the fp16 model helper, argument parsing and
+the torch module builders."""
 from __future__ import annotations
 
 import argparse
 import json
+import re
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +16,10 @@ import pytest
 
 ort = pytest.importorskip("onnxruntime")
 
+import onnx2fused  # noqa: E402
 from onnx2fused import bench  # noqa: E402
+from cli_support import run_cli  # noqa: E402
+from onnx_builders import G  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 NERF = ROOT / "models" / "nerf.opset17.onnx"
@@ -36,23 +43,36 @@ def test_batches_parsing():
 
 def test_cpu_bench_end_to_end(tmp_path, capsys):
     out = tmp_path / "out"
-    rc = bench.main(parse(NERF, "--cpu", "--batches", "512,2048", "--reps", "3", "--warmup", "1", "--out", out))
-    text = capsys.readouterr().out
-    assert rc == 0
-    assert "ORT CPU ms" in text and "fused CPU ms" in text and "speed-up" in text
+    rc = bench.main(parse(NERF, "--cpu", "--batches", "512,2048", "--reps", "5", "--warmup", "1", "--out", out))
+    captured = capsys.readouterr()
+    text = captured.out
+    assert rc == 0, captured.err
+    assert "ORT CPU ms (p10..p90)" in text and "fused CPU ms (p10..p90)" in text and "speed-up" in text
     lines = [l.split() for l in text.splitlines()]
     assert any(l and l[0] == "512" for l in lines) and any(l and l[0] == "2048" for l in lines)
+    # progress on stderr, each line with the time since the start; the build/validation steps too
+    progress = captured.err.splitlines()
+    assert progress and all(re.match(r"onnx2fused: \[ *\d+\.\d s\] ", l) for l in progress), captured.err
+    assert any("timing batch 2048" in l for l in progress) and any("validating" in l for l in progress)
+    assert "Traceback" not in captured.err
 
     res = json.loads((out / "bench.json").read_text())
     for key in ("mode", "model", "device", "date", "versions", "commit", "command", "rows", "threads", "reps"):
         assert key in res, key
-    assert res["mode"] == "cpu" and res["threads"] == 2 and res["reps"] == 3
+    assert res["mode"] == "cpu" and res["threads"] == 2 and res["reps"] == 5
     assert res["versions"]["onnxruntime"] == ort.__version__
     assert [r["batch"] for r in res["rows"]] == [512, 2048]
     for r in res["rows"]:
         assert not r["na"], r["na"]
         assert r["ms"]["ort_cpu"] > 0 and r["ms"]["fused_cpu"] > 0
-        assert len(r["rep_ms"]["ort_cpu"]) == 3
+        assert len(r["rep_ms"]["ort_cpu"]) == 5
+        for v in ("ort_cpu", "fused_cpu"):   # the spread of the runs, beside the median
+            runs = r["rep_ms"][v]
+            assert r["p10_ms"][v] == pytest.approx(np.percentile(runs, 10), rel=1e-3, abs=1e-4)
+            assert r["p90_ms"][v] == pytest.approx(np.percentile(runs, 90), rel=1e-3, abs=1e-4)
+            assert min(runs) - 1e-4 <= r["p10_ms"][v] <= r["ms"][v] <= r["p90_ms"][v] <= max(runs) + 1e-4
+            cell = f"{r['ms'][v]:.4f} ({r['p10_ms'][v]:.4f}..{r['p90_ms'][v]:.4f})"
+            assert cell in text, (cell, text)
         assert r["speedup_vs_ort_cpu"] == pytest.approx(r["ms"]["ort_cpu"] / r["ms"]["fused_cpu"])
         assert r["flops"] == r["batch"] * 2 * (32 * 64 + 3 * 64 * 64 + 64 * 16)
 
@@ -62,18 +82,89 @@ def test_cpu_bench_end_to_end(tmp_path, capsys):
     assert list(out.glob("*.fused.onnx"))
 
 
-def test_gpu_mode_without_cuda_ep(tmp_path, capsys):
+def _one_error_line(err: str) -> str:
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("onnx2fused: error: "), err
+    return lines[0]
+
+
+def test_gpu_mode_without_cuda_ep_exits_2(tmp_path):
+    """Nothing can run: a non-zero exit with the reason (a script must not take this for a result)."""
     if "CUDAExecutionProvider" in ort.get_available_providers():
         pytest.skip("this onnxruntime has the CUDA EP")
-    rc = bench.main(parse(NERF, "--out", tmp_path / "o"))
-    assert rc == 0
-    assert capsys.readouterr().out.strip() == bench.NO_GPU_MESSAGE
+    p = run_cli("bench", NERF, "--out", tmp_path / "o")
+    assert p.returncode == 2 and p.stdout == ""
+    line = _one_error_line(p.stderr)
+    assert "no GPU" in line and "--cpu" in line
     assert not (tmp_path / "o").exists()
 
 
 def test_missing_model(tmp_path, capsys):
     assert bench.main(parse(tmp_path / "nope.onnx", "--cpu")) == 2
-    assert "no such file" in capsys.readouterr().err
+    assert "no such file" in _one_error_line(capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("opt", [("--reps", "0"), ("--warmup", "-1"), ("--threads", "0")])
+def test_bad_counts(opt, tmp_path, capsys):
+    assert bench.main(parse(NERF, "--cpu", *opt, "--out", tmp_path / "o")) == 2
+    assert opt[0] in _one_error_line(capsys.readouterr().err)
+    assert not (tmp_path / "o").exists()
+
+
+def test_fused_model_is_refused(tmp_path):
+    """A fused model: bench converts the original itself; timing a fused one would compare it with itself."""
+    fused = tmp_path / "nerf.fused.onnx"
+    onnx2fused.convert(NERF, fused, with_cuda=False, cache_dir=tmp_path / "cache")
+    for mode in (["--cpu"], []):
+        p = run_cli("bench", fused, *mode, "--out", tmp_path / "o")
+        assert p.returncode == 2, p.stderr
+        assert "already fused" in _one_error_line(p.stderr)
+    assert not (tmp_path / "o").exists()
+
+
+def test_nothing_to_fuse_exits_2(tmp_path):
+    g = G()
+    g.op("Softmax", ["x"], name="sm", outputs=["y"])
+    src = tmp_path / "plain.onnx"
+    onnx.save(g.model([("x", ["B", 8])], [("y", ["B", 8])]), str(src))
+    p = run_cli("bench", src, "--cpu", "--batches", "64", "--reps", "2", "--out", tmp_path / "o", "-q",
+                env_extra={"ONNX2FUSED_CACHE": str(tmp_path / "cache")})
+    assert p.returncode == 2 and p.stdout == ""
+    assert "nothing to fuse" in _one_error_line(p.stderr)
+
+
+def test_no_matplotlib_skips_the_plot_in_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)   # import matplotlib fails, find_spec says None
+    out = tmp_path / "out"
+    rc = bench.main(parse(NERF, "--cpu", "--batches", "256", "--reps", "2", "--warmup", "0", "--out", out, "-q"))
+    captured = capsys.readouterr()
+    assert rc == 0
+    assert captured.err.splitlines() == ["onnx2fused: " + bench.report.NO_MATPLOTLIB]
+    assert (out / "bench.json").is_file() and not (out / "bench.png").exists()
+    assert "wrote" in captured.out and "Traceback" not in captured.out + captured.err
+
+
+def test_quiet_and_progress_heartbeat(tmp_path, capsys):
+    import io
+    import time
+    from onnx2fused.progress import Progress
+    rc = bench.main(parse(NERF, "--cpu", "--batches", "256", "--reps", "2", "--out", tmp_path / "o", "-q"))
+    assert rc == 0 and capsys.readouterr().err == ""
+    buf = io.StringIO()
+    with Progress(stream=buf, interval=0.1) as say:
+        say("compiling 3 translation units")
+        time.sleep(0.45)
+    lines = buf.getvalue().splitlines()
+    assert re.fullmatch(r"onnx2fused: \[ +0\.\d s\] compiling 3 translation units", lines[0]), lines
+    beats = [l for l in lines[1:] if "still: compiling 3 translation units" in l]
+    assert len(beats) >= 2 and len(beats) == len(lines) - 1, lines
+    n = len(lines)
+    time.sleep(0.25)
+    assert len(buf.getvalue().splitlines()) == n, "the heartbeat went on after close()"
+    quiet = io.StringIO()
+    Progress(stream=quiet, interval=0.1, enabled=False)("x")
+    time.sleep(0.2)
+    assert quiet.getvalue() == ""
 
 
 @pytest.mark.parametrize("name", ["nerf.opset17", "gelu.opset17", "silu.dynamo", "nobias.opset17", "ffn3d.dynamo"])
@@ -145,6 +236,15 @@ def test_load_torch_module(tmp_path):
 
 def test_table_marks_missing_values():
     res = {"mode": "gpu", "rows": [{"batch": 1024, "ms": {"ort_fp32": 1.0}, "na": {"fused": "BuildError: x"},
+                                    "p10_ms": {"ort_fp32": 0.9}, "p90_ms": {"ort_fp32": 1.25},
                                     "speedup_vs_ort_fp32": None, "floor_ms": 0.1}]}
     t = bench.format_table(res)
-    assert "n/a" in t and "n/a fused: BuildError: x" in t and "1.0000" in t
+    assert "n/a" in t and "n/a fused: BuildError: x" in t and "1.0000 (0.9000..1.2500)" in t
+    assert "ORT CUDA fp32 ms (p10..p90)" in t
+
+
+def test_nothing_timed():
+    rows = [{"batch": 8, "ms": {"ort_cpu": 1.0}, "na": {"fused_cpu": "RuntimeError: boom"}}]
+    assert bench.variants.nothing_timed(rows, ["fused_cpu"]) == "fused_cpu: RuntimeError: boom"
+    rows.append({"batch": 16, "ms": {"ort_cpu": 1.0, "fused_cpu": 0.5}, "na": {}})
+    assert bench.variants.nothing_timed(rows, ["fused_cpu"]) is None

@@ -133,7 +133,8 @@ def test_convert_json_and_default_output(tmp_path, cache):
     assert p.returncode == 0, p.stderr
     r = json.loads(p.stdout)
     assert r["output_path"] == str(tmp_path / "nerf.fused.onnx")
-    assert r["chains"][0]["widths"] == [32, 64, 64, 64, 64, 16] and r["precision"] == "fp16"
+    assert r["chains"][0]["widths"] == [32, 64, 64, 64, 64, 16] and r["precision"] == "auto"
+    assert r["chains"][0]["precision"] == "fp16" and r["chains"][0]["precision_why"].startswith("CPU-only library")
     assert r["validation"]["passed"] and r["validation"]["outputs"][0]["name"] == "y"
     assert Path(r["library_path"]).is_file() and r["library_path"].endswith("nerf.fused.onnx2fused.so")
     assert "validating" in p.stderr  # progress lines on stderr
@@ -237,3 +238,19 @@ def test_library_warnings_do_not_reach_stderr():
                        text=True, env=env)
     assert p.returncode == 0 and "chain" in p.stdout
     assert "complains" not in p.stderr, p.stderr
+
+
+@pytest.mark.parametrize("argv", [["inspect", str(MODELS / "nerf.opset17.onnx"), "--json"], ["--help"],
+                                  ["doctor"]])
+def test_broken_pipe_is_quiet(argv):
+    """`onnx2fused ... | head`: the reader goes away before the command writes; no error, no traceback,
+    the exit status of a command ended by SIGPIPE (141)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("ONNX2FUSED_DEBUG", None)
+    p = subprocess.Popen([sys.executable, "-m", "onnx2fused", *argv], env=env, stdin=subprocess.DEVNULL,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p.stdout.close()          # before the child has written anything (its imports take far longer)
+    err = p.stderr.read()
+    rc = p.wait(timeout=300)
+    # (argparse's --help swallows the write error itself and exits 0)
+    assert err == "" and rc == (0 if argv == ["--help"] else 141), (rc, err)

@@ -3,6 +3,8 @@ InferenceSession. CPU-only builds, one shared build cache."""
 from __future__ import annotations
 
 import importlib
+import json
+import re
 import shutil
 from pathlib import Path
 
@@ -90,23 +92,51 @@ def _scaled_model(peak_target: float) -> onnx.ModelProto:
     return m
 
 
-def test_fp16_overflow_error_and_warning(tmp_path, cache):
+def test_fp16_range_check_is_for_gpu_libraries_only(tmp_path, cache):
+    """A CPU-only library computes in fp32: intermediates beyond the fp16 range are no reason to refuse
+    fp16 (nor to warn) there."""
+    src = tmp_path / "big.onnx"
+    onnx.save(_scaled_model(1.0e5), str(src))
+    res = onnx2fused.convert(src, precision="fp16", cache_dir=cache, with_cuda=False)
+    assert res.validation.passed and not res.warnings and not res.validation.max_activation
+
+
+def test_auto_precision_moves_an_overflowing_chain_to_bf16_before_building(tmp_path):
+    """The numerics model sees the fp16 overflow of a GPU build and picks bf16, saying why."""
+    conv = importlib.import_module("onnx2fused.convert")
+    for peak, want in ((1.0e5, "bf16"), (4.5e4, "fp16")):
+        m = _scaled_model(peak)
+        plan = conv.find_chains(m)
+        cases, vacuous = val.validation_cases(m)
+        (choice,) = conv.initial_precisions(m, plan.chains, cases, True, lambda s: None)
+        assert choice.precision == want and not vacuous
+        if want == "bf16":
+            assert re.search(r"fp16: intermediate values reach (9\.99\d*e\+04|1e\+05) > 65504 \(overflow\)", choice.why)
+    (cpu,) = conv.initial_precisions(m, plan.chains, cases, False, lambda s: None)
+    assert cpu.precision == "fp16" and "CPU-only library" in cpu.why
+
+
+@pytest.mark.cuda_build
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found")
+def test_fp16_overflow_with_cuda_refused_when_asked_moved_up_when_auto(tmp_path, cache, monkeypatch):
+    monkeypatch.setenv("ONNX2FUSED_CUDA_ARCHS", "80")
     src = tmp_path / "big.onnx"
     onnx.save(_scaled_model(1.0e5), str(src))
     with pytest.raises(ValidationError, match="beyond the fp16 maximum 65504; use --precision bf16 or fp32"):
-        onnx2fused.convert(src, cache_dir=cache, with_cuda=False)
+        onnx2fused.convert(src, precision="fp16", cache_dir=cache, with_cuda=True)
     assert names(tmp_path) == ["big.onnx"]
-    res = onnx2fused.convert(src, cache_dir=cache, with_cuda=False, force=True)
+    res = onnx2fused.convert(src, precision="fp16", cache_dir=cache, with_cuda=True, force=True)
     assert any("fp16 overflow" in w and "bf16 or fp32" in w for w in res.warnings)
     assert res.validation.max_activation[0] == pytest.approx(1.0e5, rel=1e-4)
-    # fp32 does not care
-    res = onnx2fused.convert(src, tmp_path / "f32.onnx", precision="fp32", cache_dir=cache, with_cuda=False)
-    assert res.validation.passed and not res.warnings and res.chains[0].cuda_plan.startswith("GPU: CUDA cores, fp32; CPU: ")
-
+    res = onnx2fused.convert(src, tmp_path / "auto.onnx", cache_dir=cache, with_cuda=True)
+    assert res.validation.passed and res.chains[0].precision == "bf16" and "overflow" in res.chains[0].precision_why
+    assert "_bf16_" in res.chains[0].name and "precision bf16: " in res.format()
+    meta = {p.key: p.value for p in onnx.load(str(tmp_path / "auto.onnx")).metadata_props}
+    assert json.loads(meta["onnx2fused.chains"])[0]["precision"] == "bf16"
     src2 = tmp_path / "half.onnx"
     onnx.save(_scaled_model(4.5e4), str(src2))
-    res = onnx2fused.convert(src2, cache_dir=cache, with_cuda=False)
-    assert res.validation.passed
+    res = onnx2fused.convert(src2, cache_dir=cache, with_cuda=True)
+    assert res.validation.passed and res.chains[0].precision == "fp16"
     assert len(res.warnings) == 1 and "more than half the fp16 maximum" in res.warnings[0]
     assert "warning:" in res.format()
 
@@ -165,4 +195,4 @@ def test_tf32_precision_converts_and_plans_tensor_cores(nerf, cache, tmp_path):
     res = onnx2fused.convert(nerf, tmp_path / "t.onnx", precision="tf32", cache_dir=cache, with_cuda=False)
     assert res.validation.passed and "_tf32_" in res.format()
     r = onnx2fused.inspect(nerf, precision="tf32")
-    assert "resident weights" in r.chains[0].cuda_plan and "plan (tf32)" in r.format()
+    assert "resident weights" in r.chains[0].cuda_plan and r.chains[0].precision == "tf32"

@@ -30,7 +30,7 @@ def test_json_reports_this_host(tmp_path):
     p = cli("--json", "--cache-dir", tmp_path / "cache")
     r = json.loads(p.stdout)
     checks = by_name(r["checks"])
-    assert set(checks) == {"python", "cxx", "nvcc", "gpu", "onnxruntime", "headers", "cache", "tuning"}
+    assert set(checks) == {"python", "cxx", "nvcc", "gpu", "onnxruntime", "headers", "cache", "tuning", "targets"}
     assert p.returncode == (0 if r["cpu_conversion_possible"] else 1)
     for c in r["checks"]:
         assert c["status"] in ("ok", "warn", "missing")

@@ -95,3 +95,34 @@ def test_import_does_not_import_torch():
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
+
+
+def test_missing_onnxscript_is_one_clear_error(tmp_path):
+    """Without onnxscript the dynamo exporter cannot run: a ConversionError naming the extra, before any
+    export, and nothing written."""
+    code = ("import sys; sys.modules['onnxscript'] = None\n"
+            "import torch, onnx2fused\n"
+            "m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))\n"
+            "try:\n"
+            "    onnx2fused.from_torch(m, torch.randn(3, 4), sys.argv[1])\n"
+            "except onnx2fused.ConversionError as e:\n"
+            "    print(e)\n"
+            "else:\n"
+            "    sys.exit('no error')\n")
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run([sys.executable, "-c", code, str(tmp_path / "m.fused.onnx")], env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert "onnxscript" in p.stdout and 'pip install "onnx2fused[torch]"' in p.stdout
+    assert "torch and" not in p.stdout          # torch itself is there
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_torch_extra_has_the_exporter_dependencies():
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        tomllib = pytest.importorskip("tomli")
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    names = {d.split("[")[0].split("=")[0].split("<")[0].split(">")[0].strip() for d in extras["torch"]}
+    assert {"torch", "onnxscript"} <= names

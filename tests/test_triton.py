@@ -199,3 +199,48 @@ def test_failed_conversion_leaves_nothing(monkeypatch, tmp_path):
     with pytest.raises(onnx2fused.ValidationError):
         export_triton(MODELS / "nerf.opset17.onnx", tmp_path / "repo")
     assert list(tmp_path.iterdir()) == [tmp_path / "repo"] and list((tmp_path / "repo").iterdir()) == []
+
+
+def test_json_report_matches_what_was_written(cache, tmp_path):
+    """--json: the entry, its files, the config's fields and the library path, as written."""
+    import json
+    repo = tmp_path / "repo"
+    p = cli("export-triton", MODELS / "nerf.opset17.onnx", repo, "--cpu-only", "--cache-dir", cache, "--json",
+            "-q", "--name", "nj", "--gpus", "0", "--instances", "2")
+    assert p.returncode == 0 and p.stderr == "", p.stderr
+    r = json.loads(p.stdout)
+    entry = repo / "nj"
+    assert r["path"] == str(entry) and r["name"] == "nj" and r["version"] == 1 and r["converted"] is True
+    assert r["files"] == sorted(str(q.relative_to(entry)) for q in entry.rglob("*") if q.is_file())
+    assert r["files"] == ["1/model.onnx", f"1/{LIBRARY_FILE}", "config.pbtxt"]
+    assert r["config"] == str(entry / "config.pbtxt") and r["model"] == str(entry / "1" / "model.onnx")
+    c = parse_config(entry / "config.pbtxt")
+    assert list(c.model_operations.op_library_filename) == [r["op_library_filename"]]
+    assert r["kind"] == "KIND_GPU" and r["gpus"] == [0] and r["instances"] == 2 == c.instance_group[0].count
+    assert r["max_batch_size"] == c.max_batch_size == 1024 and r["dynamic_batching"] is True
+    assert r["inputs"] == [{"name": "x", "data_type": "TYPE_FP32", "dims": [32]}]
+    assert r["outputs"] == [{"name": "y", "data_type": "TYPE_FP32", "dims": [16]}]
+    # a GPU instance group with a CPU-only library: said, in the JSON as on stderr
+    assert r["library_has_cuda"] is False and any("KIND_GPU" in w for w in r["warnings"]), r["warnings"]
+
+
+def test_cpu_instances_build_no_cuda_and_do_not_warn_about_gpus(cache, tmp_path):
+    """--cpu (KIND_CPU): ORT's CPU EP runs the model, so no CUDA kernels are built (even with nvcc on
+    PATH) and nothing is said about KIND_GPU."""
+    import json
+    repo = tmp_path / "repo"
+    p = cli("export-triton", MODELS / "nerf.opset17.onnx", repo, "--cpu", "--cache-dir", cache, "--json")
+    assert p.returncode == 0, p.stderr
+    r = json.loads(p.stdout)
+    assert r["kind"] == "KIND_CPU" and r["gpus"] is None and r["library_has_cuda"] is False
+    assert r["warnings"] == [] and "KIND_GPU" not in p.stderr and "warning" not in p.stderr
+    assert parse_config(repo / "nerf.opset17" / "config.pbtxt").instance_group[0].kind == 2   # KIND_CPU
+
+
+def test_fused_model_json(fused_nerf, tmp_path):
+    import json
+    p = cli("export-triton", fused_nerf, tmp_path / "repo", "--json", "-q")
+    assert p.returncode == 0, p.stderr
+    r = json.loads(p.stdout)
+    assert r["converted"] is False and r["library_has_cuda"] is None and r["name"] == "nerf"
+    assert r["op_library_filename"] == f"/models/nerf/1/{LIBRARY_FILE}"

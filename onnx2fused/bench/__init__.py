@@ -29,7 +29,6 @@ report.py (table, bench.json, plot). The names below are re-exported for benchma
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from .models import (L2_ROTATE_BYTES, MAX_ELEMENTS, MEM_FRACTION, ROTATE_BUFFERS, Layer, ModelInfo,  # noqa: F401
@@ -41,7 +40,8 @@ from .timing import (FALLBACK_BW, FALLBACK_TC, ORT_DEVICE, _cuda_torch, _Dev, me
 from .variants import (CPU_VARIANTS, DEFAULT_CPU_REPS, DEFAULT_GPU_BATCHES, DEFAULT_GPU_REPS,  # noqa: F401
                        DEFAULT_THREADS, GPU_VARIANTS, convert_model, fused_session, gpu_providers, run_cpu, run_gpu)
 
-NO_GPU_MESSAGE = "no GPU: onnxruntime has no CUDAExecutionProvider; use --cpu"
+NO_GPU_MESSAGE = ("no GPU: onnxruntime has no CUDAExecutionProvider (onnxruntime-gpu, with a CUDA GPU, has it); "
+                  "use --cpu to time the CPU kernels")
 
 
 # ----------------------------------------------------------------------------------------------- CLI
@@ -92,20 +92,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="torch rows: 'file.py:fn' or 'pkg.mod:fn' returning an nn.Module equivalent to the "
                              "model (or naming one); default: built from models/zoo.json when it describes the model")
     parser.add_argument("--no-torch", action="store_true", help="GPU mode: skip the torch rows")
+    parser.add_argument("-q", "--quiet", action="store_true",
+                        help="no progress lines on stderr (build steps and each timing, with the elapsed time)")
+
+
+def _already_fused(model: Path) -> bool:
+    """Whether `model` is an onnx2fused output (its plugin recorded, or onnx2fused nodes in its graph)."""
+    import onnx
+    m = onnx.load(str(model), load_external_data=False)
+    return (any(p.key == "onnx2fused.plugin" for p in m.metadata_props)
+            or any(n.domain == "onnx2fused" for n in m.graph.node))
 
 
 def main(args) -> int:
-    if args.reps is not None and args.reps < 1:
-        print("bench: --reps must be >= 1", file=sys.stderr)
-        return 2
+    """Exit 0 when the fused model was timed; 2 with a one-line reason when nothing (fused) could run:
+    bad arguments, no GPU without --cpu, an already fused model, a model with nothing to fuse."""
+    from ..cli import _error, progress
+    for opt, v, low in (("--reps", args.reps, 1), ("--warmup", args.warmup, 0), ("--threads", args.threads, 1)):
+        if v is not None and v < low:
+            return _error(f"{opt} must be >= {low}, got {v}")
     model = Path(args.model)
     if not model.is_file():
-        print(f"bench: {model}: no such file", file=sys.stderr)
-        return 2
-    if args.cpu:
-        return run_cpu(args)
-    import onnxruntime as ort
-    if "CUDAExecutionProvider" not in ort.get_available_providers():
-        print(NO_GPU_MESSAGE)
-        return 0
-    return run_gpu(args)
+        return _error(f"{model}: no such file")
+    try:
+        fused = _already_fused(model)
+    except Exception as e:
+        return _error(f"{model}: cannot read the model: {_reason(e)}")
+    if fused:
+        return _error(f"{model} is already fused (it holds onnx2fused nodes): bench takes the original model, "
+                      "converts it and times both")
+    if not args.cpu:
+        import onnxruntime as ort
+        if "CUDAExecutionProvider" not in ort.get_available_providers():
+            return _error(NO_GPU_MESSAGE)
+    say = progress(args)
+    try:
+        return run_cpu(args, say) if args.cpu else run_gpu(args, say)
+    finally:
+        if say is not None:
+            say.close()

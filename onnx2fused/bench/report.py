@@ -3,8 +3,10 @@ plot."""
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import math
+import os
 import platform
 import shlex
 import subprocess
@@ -80,17 +82,31 @@ def _fmt(v, spec="{:.4f}") -> str:
     return "n/a" if v is None else spec.format(v)
 
 
+def _timing_cell(r: dict, v: str) -> str:
+    """`median (p10..p90)` of a variant in a row (ms); the median alone for rows without the spread."""
+    med = r["ms"].get(v)
+    if med is None:
+        return "n/a"
+    p10, p90 = r.get("p10_ms", {}).get(v), r.get("p90_ms", {}).get(v)
+    return f"{med:.4f}" if p10 is None or p90 is None else f"{med:.4f} ({p10:.4f}..{p90:.4f})"
+
+
+SPREAD = " (p10..p90)"
+
+
 def format_table(result: dict) -> str:
+    """The result's table: per batch, each variant's median time with its p10..p90 spread, the speed-ups
+    (of the medians) and, on a GPU, the floor; then why each missing value is missing."""
     if result["mode"] == "cpu":
         cols = [("batch", lambda r: str(r["batch"])),
-                ("ORT CPU ms", lambda r: _fmt(r["ms"].get("ort_cpu"))),
-                ("fused CPU ms", lambda r: _fmt(r["ms"].get("fused_cpu"))),
+                ("ORT CPU ms" + SPREAD, lambda r: _timing_cell(r, "ort_cpu")),
+                ("fused CPU ms" + SPREAD, lambda r: _timing_cell(r, "fused_cpu")),
                 ("speed-up", lambda r: _fmt(r.get("speedup_vs_ort_cpu"), "{:.2f}x")),
                 ("fused GFLOP/s", lambda r: _fmt(r.get("fused_gflops"), "{:.1f}"))]
     else:
         cols = [("batch", lambda r: str(r["batch"]))]
         for v in GPU_VARIANTS:
-            cols.append((LABELS[v] + " ms", lambda r, v=v: _fmt(r["ms"].get(v))))
+            cols.append((LABELS[v] + " ms" + SPREAD, lambda r, v=v: _timing_cell(r, v)))
         cols += [("fused/fp32 x", lambda r: _fmt(r.get("speedup_vs_ort_fp32"), "{:.2f}")),
                  ("fused/fp16 x", lambda r: _fmt(r.get("speedup_vs_ort_fp16"), "{:.2f}")),
                  ("fused TFLOP/s", lambda r: _fmt(r.get("fused_tflops"), "{:.2f}")),
@@ -120,16 +136,27 @@ def _jsonable(o):
     return o
 
 
-def _write_outputs(result: dict, out_dir: Path) -> None:
+NO_MATPLOTLIB = 'no plot: matplotlib is not installed (pip install matplotlib, or the "bench" extra)'
+
+
+def _write_outputs(result: dict, out_dir: Path, say=None) -> None:
+    """bench.json, then bench.png when matplotlib is there: without it, or when plotting fails, one note
+    line on stderr (the numbers are in the JSON; a plotting problem must not lose them)."""
+    say = say or (lambda msg: None)
     jp = out_dir / "bench.json"
     jp.write_text(json.dumps(_jsonable(result), indent=1) + "\n")
     print(f"wrote {jp}")
+    if importlib.util.find_spec("matplotlib") is None:
+        print(f"onnx2fused: {NO_MATPLOTLIB}", file=sys.stderr)
+        return
+    say("plotting")
     try:
         pp = plot(result, out_dir / "bench.png")
         print(f"wrote {pp}")
-    except Exception as e:  # the numbers are in the JSON; a plotting problem must not lose them
-        print(f"bench: no plot ({_reason(e)})", file=sys.stderr)
-        traceback.print_exc()
+    except Exception as e:
+        if os.environ.get("ONNX2FUSED_DEBUG"):
+            traceback.print_exc()
+        print(f"onnx2fused: no plot: {_reason(e)}", file=sys.stderr)
 
 
 def plot(result: dict, path: Path) -> Path:
@@ -141,7 +168,12 @@ def plot(result: dict, path: Path) -> Path:
     for v in result["variants"]:
         pts = [(r["batch"], r["ms"][v]) for r in rows if r["ms"].get(v)]
         if pts:
-            ax1.plot(*zip(*pts), marker="o", label=LABELS.get(v, v))
+            line, = ax1.plot(*zip(*pts), marker="o", label=LABELS.get(v, v))
+            band = [(r["batch"], r["p10_ms"][v], r["p90_ms"][v]) for r in rows
+                    if r.get("p10_ms", {}).get(v) and r.get("p90_ms", {}).get(v)]
+            if len(band) > 1:   # the p10..p90 spread around the median
+                bx, lo, hi = zip(*band)
+                ax1.fill_between(bx, lo, hi, color=line.get_color(), alpha=0.15, lw=0)
     if result["mode"] == "gpu":
         pts = [(r["batch"], r["floor_ms"]) for r in rows if r.get("floor_ms")]
         if pts:
@@ -152,7 +184,7 @@ def plot(result: dict, path: Path) -> Path:
     ax1.set_xscale("log", base=2)
     ax1.set_yscale("log")
     ax1.set_xlabel("batch")
-    ax1.set_ylabel("time per run (ms, median)")
+    ax1.set_ylabel("time per run (ms, median; band p10..p90)")
     ax1.set_title(f"{Path(result['model']).name} on {result['device']}", fontsize=9)
     ax1.grid(True, which="both", alpha=0.3)
     ax1.legend(fontsize=8)

@@ -14,6 +14,13 @@ FALLBACK_TC = 665e12      # flop/s, H100 SXM dense fp16 matmul
 ORT_DEVICE = "cuda"       # where ORT-side buffers live in GPU mode ("cpu" only for a smoke test of the flow)
 
 
+def spread(ts) -> tuple[float, float, float]:
+    """(median, p10, p90) of per-run times: the spread shows how far one number can be trusted."""
+    a = np.asarray(ts, dtype=np.float64)
+    med, p10, p90 = np.percentile(a, [50, 10, 90])
+    return float(med), float(p10), float(p90)
+
+
 def _time_cpu(sess, feed, reps: int, warmup: int) -> list[float]:
     return time_interleaved({"s": sess}, feed, reps, warmup)["s"]
 

@@ -15,8 +15,8 @@ import numpy as np
 from .models import (_ELEM_NP, _features, _find_zoo_entry, _input_shape, _random_feed, _reason, default_cpu_batch,
                      fp16_model_file, gpu_batches, load_torch_module, model_info, zoo_torch_module)
 from .report import _command_line, _cpu_name, _git_commit, _versions, _write_outputs, format_table
-from .timing import (FALLBACK_BW, FALLBACK_TC, _cuda_torch, _Dev, _empty_cache, measure_peaks, time_interleaved,
-                     time_ort_gpu, time_torch)
+from .timing import (FALLBACK_BW, FALLBACK_TC, _cuda_torch, _Dev, _empty_cache, measure_peaks, spread,
+                     time_interleaved, time_ort_gpu, time_torch)
 
 DEFAULT_GPU_BATCHES = [2 ** k for k in range(10, 23, 2)]   # 2^10 ... 2^22, x4
 DEFAULT_GPU_REPS = 100
@@ -32,12 +32,18 @@ def _convert_fn():
     return getattr(mod, "convert")
 
 
-def convert_model(model: Path, out_dir: Path, precision: str, with_cuda: bool, plans: list | None = None):
-    """(fused model path, plugin path); `plans` (if given) receives (chain name, plan text) per chain."""
+def convert_model(model: Path, out_dir: Path, precision: str, with_cuda: bool, plans: list | None = None,
+                  progress=None):
+    """(fused model path, plugin path); `plans` (if given) receives (chain name, plan text) per chain.
+    Raises ConversionError when the model has nothing to fuse (there would be no fused variant to time)."""
+    from ..errors import ConversionError
     out_dir.mkdir(parents=True, exist_ok=True)
     dst = out_dir / (model.name[:-5] if model.name.endswith(".onnx") else model.name)
     dst = dst.with_name(dst.name + ".fused.onnx")
-    res = _convert_fn()(str(model), str(dst), precision=precision, validate=True, with_cuda=with_cuda)
+    res = _convert_fn()(str(model), str(dst), precision=precision, validate=True, with_cuda=with_cuda,
+                        progress=progress)
+    if getattr(res, "nothing_to_fuse", None):
+        raise ConversionError(f"nothing to fuse in {model}: {res.nothing_to_fuse}")
     if plans is not None:
         plans.extend((c.name, c.cuda_plan) for c in getattr(res, "chains", []) if getattr(c, "cuda_plan", None))
     out = Path(getattr(res, "output_path", None) or dst)
@@ -72,8 +78,35 @@ def _default_out(model: Path, cpu: bool) -> Path:
     return Path("build") / "bench" / (stem + ("-cpu" if cpu else ""))
 
 
-def run_cpu(args) -> int:
+def _record(row: dict, name: str, ts: list[float]) -> None:
+    """A variant's per-run times into a result row: median, p10 and p90 (ms) and the runs themselves."""
+    med, p10, p90 = spread(ts)
+    row["ms"][name] = med
+    row.setdefault("p10_ms", {})[name] = p10
+    row.setdefault("p90_ms", {})[name] = p90
+    row["rep_ms"][name] = [round(t, 5) for t in ts]
+
+
+def _timed(row: dict, name: str) -> str:
+    return f"{row['ms'][name]:.4f} ms (p10 {row['p10_ms'][name]:.4f}, p90 {row['p90_ms'][name]:.4f})"
+
+
+def nothing_timed(rows: list[dict], fused_variants) -> str | None:
+    """Why no fused variant has a time in any row (the bench then exits non-zero), or None."""
+    if any(v in r["ms"] for r in rows for v in fused_variants):
+        return None
+    for v in fused_variants:
+        for r in rows:
+            if r["na"].get(v):
+                return f"{v}: {r['na'][v]}"
+    return "no batch size was timed"
+
+
+def run_cpu(args, say=None) -> int:
     import onnxruntime as ort
+    from ..cli import _error
+    from ..errors import ConversionError
+    say = say or (lambda msg: None)
     model = Path(args.model)
     out_dir = Path(args.out) if args.out else _default_out(model, True)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -89,19 +122,22 @@ def run_cpu(args) -> int:
         o.inter_op_num_threads = 1
         return o
 
-    stock = ort.InferenceSession(str(model), so(), providers=["CPUExecutionProvider"])
+    try:
+        stock = ort.InferenceSession(str(model), so(), providers=["CPUExecutionProvider"])
+    except Exception as e:
+        raise ConversionError(f"stock onnxruntime cannot load {model}: {_reason(e)}") from None
     fused, fused_err = None, None
     t0 = time.perf_counter()
+    say(f"converting {model} (CPU kernels; build and validation)")
     try:
         plans: list[str] = []
-        fpath, lib = convert_model(model, out_dir, args.precision, with_cuda=False, plans=plans)
+        fpath, lib = convert_model(model, out_dir, args.precision, with_cuda=False, plans=plans, progress=say)
         fused = fused_session(fpath, lib, so(), ["CPUExecutionProvider"])
         notes.append(f"fused model: {fpath} (converted and validated in {time.perf_counter() - t0:.1f} s)")
         # which chains run the generated kernel and which their stock-op fallback (cpu_policy.py)
         notes += [f"{n}: {p[p.find('CPU:'):] if 'CPU:' in p else p}" for n, p in plans]
-    except Exception as e:
-        fused_err = _reason(e)
-        notes.append(f"fused: n/a: {fused_err}")
+    except Exception as e:   # nothing to compare with: stop before timing the stock model alone
+        return _error(f"no fused model to time: {_reason(e)}")
 
     rng = np.random.default_rng(0)
     rows = []
@@ -118,9 +154,11 @@ def run_cpu(args) -> int:
                 sessions[name] = sess
             except Exception as e:
                 row["na"][name] = _reason(e)
+        if sessions:
+            say(f"timing batch {b}: {', '.join(sessions)}, {warmup} warm-up + {reps} runs each, interleaved")
         for name, ts in (time_interleaved(sessions, feed, reps, warmup) if sessions else {}).items():
-            row["ms"][name] = float(np.median(ts))
-            row["rep_ms"][name] = [round(t, 5) for t in ts]
+            _record(row, name, ts)
+            say(f"  {name:<10} batch {b:>8}: {_timed(row, name)}")
         s, f = row["ms"].get("ort_cpu"), row["ms"].get("fused_cpu")
         row["speedup_vs_ort_cpu"] = s / f if s and f else None
         fl = info.flops_per_row * b
@@ -136,12 +174,14 @@ def run_cpu(args) -> int:
         "warmup": warmup, "variants": CPU_VARIANTS, "notes": notes,
         "layers": [[l.k, l.n] for l in info.layers], "rows": rows,
     }
-    print(f"onnx2fused bench --cpu: {model}  ({_cpu_name()}, {args.threads} threads, median of {reps})")
+    print(f"onnx2fused bench --cpu: {model}  ({_cpu_name()}, {args.threads} threads, median and p10..p90 of "
+          f"{reps} runs)")
     print(format_table(result))
     for n in notes:
         print("note:", n)
-    _write_outputs(result, out_dir)
-    return 0
+    _write_outputs(result, out_dir, say)
+    why = nothing_timed(rows, ["fused_cpu"])
+    return _error(f"the fused model was not timed: {why}") if why else 0
 
 
 def _set_dynamo_limits(torch):
@@ -181,8 +221,10 @@ def gpu_providers() -> list:
             "CPUExecutionProvider"]
 
 
-def run_gpu(args) -> int:
+def run_gpu(args, say=None) -> int:
     import onnxruntime as ort
+    from ..cli import _error
+    say = say or (lambda msg: None)
     model = Path(args.model)
     out_dir = Path(args.out) if args.out else _default_out(model, False)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -206,7 +248,7 @@ def run_gpu(args) -> int:
     batches, cap_notes = gpu_batches(info, args.batches or DEFAULT_GPU_BATCHES, total_mem)
     notes += cap_notes
     print(f"onnx2fused bench: {model} on {device}; measured {bw / 1e12:.2f} TB/s copy, "
-          f"{tc / 1e12:.0f} TFLOP/s fp16 matmul; median of {reps} runs", flush=True)
+          f"{tc / 1e12:.0f} TFLOP/s fp16 matmul; median and p10..p90 of {reps} runs", flush=True)
 
     providers = gpu_providers()
 
@@ -225,13 +267,14 @@ def run_gpu(args) -> int:
 
     def make_fused():
         t0 = time.perf_counter()
-        p, lib = convert_model(model, out_dir, args.precision, with_cuda=True)
+        say(f"converting {model} (CUDA and CPU kernels; build, tuning and validation)")
+        p, lib = convert_model(model, out_dir, args.precision, with_cuda=True, progress=say)
         s = fused_session(p, lib, so(), providers)
         return s, f"fused model: {p} (precision {args.precision}; converted and validated in {time.perf_counter() - t0:.1f} s)"
 
     def make_fused_graph():
         # The same fused model with ORT's CUDA graphs: shows the op without ORT's per-run overhead.
-        p, lib = convert_model(model, out_dir, args.precision, with_cuda=True)
+        p, lib = convert_model(model, out_dir, args.precision, with_cuda=True, progress=say)
         cuda, *rest = providers
         graph_providers = [(cuda[0], {**cuda[1], "enable_cuda_graph": "1"})] + rest
         return fused_session(p, lib, so(), graph_providers), "fused_graph: enable_cuda_graph=1, one graph per IOBinding"
@@ -241,6 +284,7 @@ def run_gpu(args) -> int:
 
     for name, make in (("ort_fp32", make_ort_fp32), ("ort_fp16", make_ort_fp16), ("fused", make_fused),
                        ("fused_graph", make_fused_graph)):
+        say(f"{name}: opening the session")
         try:
             sess, note = make()
             if note:
@@ -260,14 +304,13 @@ def run_gpu(args) -> int:
                 continue
             try:
                 ts, of = time_ort_gpu(dev, sess, info, b, reps, warmup, cuda_graph=name == "fused_graph")
-                rows[b]["ms"][name] = float(np.median(ts))
-                rows[b]["rep_ms"][name] = [round(t, 5) for t in ts]
+                _record(rows[b], name, ts)
                 out_features.setdefault(b, of)
-                print(f"  {name:<14} batch {b:>8}: {rows[b]['ms'][name]:.4f} ms", flush=True)
+                say(f"  {name:<14} batch {b:>8}: {_timed(rows[b], name)}")
             except Exception as e:
                 failed = _reason(e)
                 rows[b]["na"][name] = failed
-                print(f"  {name:<14} batch {b:>8}: n/a ({failed})", flush=True)
+                say(f"  {name:<14} batch {b:>8}: n/a ({failed})")
             gc.collect()
             _empty_cache(torch)
         del sess
@@ -313,13 +356,12 @@ def run_gpu(args) -> int:
                     continue
                 try:
                     ts = time_torch(dev, fn, _input_shape(in_dims, b), reps, max(warmup, 3))
-                    rows[b]["ms"][name] = float(np.median(ts))
-                    rows[b]["rep_ms"][name] = [round(t, 5) for t in ts]
-                    print(f"  {name:<14} batch {b:>8}: {rows[b]['ms'][name]:.4f} ms", flush=True)
+                    _record(rows[b], name, ts)
+                    say(f"  {name:<14} batch {b:>8}: {_timed(rows[b], name)}")
                 except Exception as e:
                     failed = _reason(e)
                     rows[b]["na"][name] = failed
-                    print(f"  {name:<14} batch {b:>8}: n/a ({failed})", flush=True)
+                    say(f"  {name:<14} batch {b:>8}: n/a ({failed})")
                 gc.collect()
                 _empty_cache(torch)
 
@@ -348,12 +390,13 @@ def run_gpu(args) -> int:
         "measured": {"copy_bytes_per_s": bw, "fp16_matmul_flops_per_s": tc},
         "timing": ("CUDA events" if torch is not None else "host timers") +
                   " around each run (ORT: run_with_iobinding, synchronous; torch: forward + event sync), "
-                  "device-resident inputs/outputs, inputs < 50 MB rotated over 4 buffers; median",
+                  "device-resident inputs/outputs, inputs < 50 MB rotated over 4 buffers; median, p10, p90",
         "notes": notes, "layers": [[l.k, l.n] for l in info.layers],
         "rows": [rows[b] for b in batches],
     }
     print(format_table(result))
     for n in notes:
         print("note:", n)
-    _write_outputs(result, out_dir)
-    return 0
+    _write_outputs(result, out_dir, say)
+    why = nothing_timed(list(rows.values()), ["fused", "fused_graph"])
+    return _error(f"the fused model was not timed: {why}") if why else 0

@@ -1,0 +1,155 @@
+"""Automatic precision: per chain, the fastest precision whose numerics pass.
+
+    choose_precisions(chains, reference, with_cuda) -> [PrecisionChoice]
+
+The ladder is fp16 -> bf16 -> tf32 -> fp32 (fastest first). Each chain is judged on its own: its input
+and output tensors come from stock ONNX Runtime running the original model on the validation inputs
+(`reference`: tensor name -> list of arrays, one per input set), and a NUMERICS MODEL of the CUDA
+kernels computes the chain at each precision from that reference input. The first precision whose
+relative L2 error stays within MARGIN x its tolerance (validate.TOLERANCES) is chosen; the margin leaves
+room for the real kernel's accumulation order, which the model does not reproduce.
+
+The numerics model is what every tensor-core design does (docs/DESIGN.md):
+    fp16 / bf16   the chain input and the weights rounded to the 16-bit type (round to nearest even),
+                  products summed in fp32 from a bias-initialised accumulator, the activation in fp32,
+                  each hidden activation rounded to the 16-bit type before the next layer (registers or
+                  the wide design's 16-bit intermediates alike), the last layer's output in fp32;
+    tf32          weights rounded to tf32 (cvt.rna: to nearest, ties away from zero), activations
+                  carried as two tf32 terms (hi + lo), i.e. within ~2^-22 of fp32: modelled as exact;
+    fp32          CUDA cores, exact.
+fp16 also needs every value the kernel stores in fp16 to stay finite: an intermediate beyond 65504
+overflows to inf whatever the relative error on the validation inputs says (the range check).
+
+Where this runs: convert calls it for libraries with CUDA kernels, before the first build, so that a
+CPU host with nvcc (where validation can only run the CPU kernels, which compute in fp32) still picks
+precisions the GPU can serve; on a GPU host the real validation then confirms each chain on the CUDA EP
+and moves up a chain that fails there (convert.py). A CPU-only library computes in fp32 whatever its
+label, so every chain keeps the cheapest label, fp16, with no range check.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import expr as ex
+
+LADDER = ("fp16", "bf16", "tf32", "fp32")
+MARGIN = 0.5
+FP16_MAX = 65504.0
+
+
+@dataclass
+class PrecisionChoice:
+    precision: str
+    why: str                                  # one line: why this one (and why not the faster ones)
+    errors: dict[str, float] | None = None    # modelled rel L2 per precision tried
+
+
+def next_precision(precision: str) -> str | None:
+    """The next slower, more exact precision of the ladder, or None after fp32."""
+    i = LADDER.index(precision)
+    return LADDER[i + 1] if i + 1 < len(LADDER) else None
+
+
+# ------------------------------------------------------------------------------------------ rounding
+def round_fp16(a: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        return a.astype(np.float16).astype(np.float32)
+
+
+def round_bf16(a: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 -> float32, round to nearest even (NaN stays NaN)."""
+    a = np.ascontiguousarray(a, dtype=np.float32)
+    bits = a.view(np.uint32).astype(np.uint64)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16 << 16).astype(np.uint32)
+    out = rounded.view(np.float32)
+    return np.where(np.isnan(a), a, out)
+
+
+def round_tf32(a: np.ndarray) -> np.ndarray:
+    """float32 -> tf32 (10 mantissa bits), to nearest with ties away from zero, like cvt.rna.tf32.f32."""
+    a = np.ascontiguousarray(a, dtype=np.float32)
+    bits = a.view(np.uint32).astype(np.uint64)
+    rounded = ((bits + 0x1000) & 0xFFFFE000).astype(np.uint32)
+    out = rounded.view(np.float32)
+    return np.where(np.isfinite(a), out, a)
+
+
+ROUND_OPERAND = {"fp16": round_fp16, "bf16": round_bf16, "tf32": lambda a: a, "fp32": lambda a: a}
+ROUND_WEIGHT = {"fp16": round_fp16, "bf16": round_bf16, "tf32": round_tf32, "fp32": lambda a: a}
+
+
+# ------------------------------------------------------------------------------------------ model
+@dataclass
+class ChainRun:
+    """The modelled chain output and the largest |value| stored in 16 bits (fp16 range check)."""
+    output: np.ndarray
+    peak_stored: float
+
+
+def model_chain(layers, x: np.ndarray, precision: str) -> ChainRun:
+    """Run a chain's layers (objects with .weight [K, N], .bias [N] or None, .activation Expr) on the
+    rows `x` (..., K0) as the CUDA kernel at `precision` computes them."""
+    rnd, rnd_w = ROUND_OPERAND[precision], ROUND_WEIGHT[precision]
+    h = np.asarray(x, np.float32).reshape(-1, np.shape(x)[-1])
+    peak = _finite_peak(h)
+    h = rnd(h)
+    for i, layer in enumerate(layers):
+        w = rnd_w(np.asarray(layer.weight, np.float32)).astype(np.float64)
+        with np.errstate(all="ignore"):  # inf inputs (an fp16 overflow) give inf/NaN, which is the point
+            acc = h.astype(np.float64) @ w
+        if layer.bias is not None:
+            acc += np.asarray(layer.bias, np.float64)
+        h = ex.evaluate(layer.activation, acc.astype(np.float32))
+        if i + 1 < len(layers):
+            peak = max(peak, _finite_peak(h))
+            h = rnd(h)
+    return ChainRun(h.reshape(*np.shape(x)[:-1], h.shape[-1]), peak)
+
+
+def _finite_peak(a: np.ndarray) -> float:
+    a = np.abs(a[np.isfinite(a)])
+    return float(a.max()) if a.size else 0.0
+
+
+def rel_l2(got: np.ndarray, ref: np.ndarray) -> float:
+    """||got - ref|| / ||ref|| over the elements where the reference is finite (inf where got is not)."""
+    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+    keep = np.isfinite(ref)
+    got, ref = got[keep], ref[keep]
+    if not np.all(np.isfinite(got)):
+        return float("inf")
+    nr = float(np.linalg.norm(ref))
+    if nr == 0.0:
+        return float(np.linalg.norm(got - ref))
+    return float(np.linalg.norm(got - ref)) / nr
+
+
+def choose_precision(layers, inputs: list[np.ndarray], outputs: list[np.ndarray], range_check: bool,
+                     tolerances: dict[str, float], start: str = "fp16") -> PrecisionChoice:
+    """The first precision from `start` up the ladder whose modelled error over every input set is within
+    MARGIN x its tolerance (and, for fp16 with `range_check`, whose stored values stay finite)."""
+    errors: dict[str, float] = {}
+    refused: list[str] = []
+    for p in LADDER[LADDER.index(start):]:
+        if p == "fp32":
+            why = "exact (CUDA cores)" + (f"; {'; '.join(refused)}" if refused else "")
+            return PrecisionChoice("fp32", why, errors)
+        runs = [model_chain(layers, x, p) for x in inputs]
+        err = max((rel_l2(r.output, y) for r, y in zip(runs, outputs)), default=0.0)
+        errors[p] = err
+        peak = max((r.peak_stored for r in runs), default=0.0)
+        if p == "fp16" and range_check and peak > FP16_MAX:
+            refused.append(f"fp16: intermediate values reach {peak:.4g} > {FP16_MAX:g} (overflow)")
+            continue
+        limit = MARGIN * tolerances[p]
+        if err <= limit:
+            why = f"modelled rel. L2 {err:.2g} <= {limit:.2g}" + (f"; {'; '.join(refused)}" if refused else "")
+            return PrecisionChoice(p, why, errors)
+        refused.append(f"{p}: modelled rel. L2 {_fmt(err)} > {limit:.2g}")
+    raise AssertionError("the ladder ends with fp32")  # pragma: no cover
+
+
+def _fmt(x: float) -> str:
+    return "inf" if x == float("inf") else f"{x:.2g}"

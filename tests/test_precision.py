@@ -1,0 +1,143 @@
+"""Automatic precision (precision.py) and validation that cannot pass vacuously (validate.py).
+
+The numerics model must round like the hardware (checked against torch's bfloat16/float16 casts), pick
+the fastest precision that passes and say why, and see what each precision does to hard chains (a
+SIREN's sin(30 x), activations beyond the fp16 range). Validation must not call a degenerate reference
+(all zeros, NaN or inf) evidence: it tries other input scales, and warns when none helps.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+
+import numpy as np
+import onnx
+import pytest
+
+import onnx2fused
+from onnx2fused import precision as prec
+from onnx2fused import validate as val
+
+from onnx_builders import G, mlp
+
+conv = importlib.import_module("onnx2fused.convert")
+
+
+def test_rounding_matches_torch():
+    torch = pytest.importorskip("torch")
+    x = np.random.default_rng(0).standard_normal(100_000).astype(np.float32) * np.float32(37.0)
+    x[:4] = [np.inf, -np.inf, 0.0, -0.0]
+    assert np.array_equal(prec.round_bf16(x), torch.from_numpy(x).bfloat16().float().numpy())
+    assert np.array_equal(prec.round_fp16(x), torch.from_numpy(x).half().float().numpy())
+    assert np.isnan(prec.round_bf16(np.array([np.nan], np.float32)))[0]
+
+
+def test_tf32_rounding_keeps_ten_mantissa_bits_ties_away():
+    one_ulp = np.float32(2.0 ** -10)
+    x = np.array([1 + one_ulp / 2, 1 + one_ulp / 4, -(1 + one_ulp / 2), 3.0], np.float32)
+    assert prec.round_tf32(x).tolist() == [1 + one_ulp, 1.0, -(1 + one_ulp), 3.0]
+    r = prec.round_tf32(np.random.default_rng(1).standard_normal(1000).astype(np.float32))
+    assert np.all((r.view(np.uint32) & 0x1FFF) == 0)
+
+
+def test_ladder():
+    assert [prec.next_precision(p) for p in prec.LADDER] == ["bf16", "tf32", "fp32", None]
+
+
+def siren(exporter_scale: float = 30.0) -> onnx.ModelProto:
+    """x -> sin(30 (x W0 + b0)) -> sin(30 (. W1 + b1)) -> . W2 + b2: a SIREN, whose first-layer frequency
+    multiplies every rounding error by 30."""
+    g = G(seed=3)
+    h = g.linear("x", 3, 64)
+    h = g.op("Sin", [g.op("Mul", [h, g.init(np.array(exporter_scale, np.float32))])])
+    h = g.linear(h, 64, 64)
+    h = g.op("Sin", [g.op("Mul", [h, g.init(np.array(exporter_scale, np.float32))])])
+    g.linear(h, 64, 1)
+    g.nodes[-1].output[0] = "y"
+    return g.model([("x", ["batch", 3])], [("y", ["batch", 1])])
+
+
+def choose(model) -> list[prec.PrecisionChoice]:
+    chains = conv.find_chains(model).chains
+    cases, _ = val.validation_cases(model)
+    return conv.initial_precisions(model, chains, cases, True, lambda s: None)
+
+
+def test_a_siren_is_not_left_in_fp16_and_the_reason_says_why():
+    (c,) = choose(siren())
+    assert c.precision in ("tf32", "fp32"), c
+    assert "fp16: modelled rel. L2" in c.why and c.errors["fp16"] > 2e-3 * prec.MARGIN
+
+
+def test_a_plain_relu_mlp_stays_fp16():
+    (c,) = choose(mlp([32, 64, 64, 16]))
+    assert c.precision == "fp16" and c.why.startswith("modelled rel. L2") and c.errors["fp16"] < 1e-3
+
+
+def test_choice_is_the_first_that_passes():
+    layers = [type("L", (), dict(weight=np.eye(4, dtype=np.float32), bias=None,
+                                 activation=onnx2fused.expr.identity()))()]
+    x = [np.array([[1.0, 2.0, 3.0, 1.0 + 2 ** -12]], np.float32)]
+    y = [x[0].copy()]
+    tight = {"fp16": 1e-9, "bf16": 1e-9, "tf32": 1e-9, "fp32": 0.0}
+    c = prec.choose_precision(layers, x, y, True, tight)
+    assert c.precision == "tf32" and "fp16: modelled" in c.why and "bf16: modelled" in c.why
+
+
+# ----------------------------------------------------------------------------------- vacuous validation
+def dead_at_unit_scale() -> onnx.ModelProto:
+    """y = relu(fc(x) - 50): all zeros on N(0, 1) inputs, informative on N(0, 100^2) ones."""
+    g = G(seed=4)
+    h = g.linear("x", 8, 16)
+    h = g.op("Relu", [h])
+    h = g.linear(h, 16, 4)
+    h = g.op("Sub", [h, g.init(np.array(50.0, np.float32))])
+    g.op("Relu", [h], outputs=["y"])
+    return g.model([("x", ["batch", 8])], [("y", ["batch", 4])])
+
+
+def always_zero() -> onnx.ModelProto:
+    """y = 0 * fc(relu(fc(x))): no input scale makes it informative."""
+    g = G(seed=4)
+    h = g.op("Relu", [g.linear("x", 8, 16)])
+    h = g.linear(h, 16, 4)
+    g.op("Mul", [h, g.init(np.array(0.0, np.float32))], outputs=["y"])
+    return g.model([("x", ["batch", 8])], [("y", ["batch", 4])])
+
+
+def test_degenerate():
+    assert val.degenerate(np.zeros(3, np.float32)) == "all zeros"
+    assert val.degenerate(np.full(3, np.nan, np.float32)) == "all NaN"
+    assert val.degenerate(np.array([np.inf, -np.inf], np.float32)) == "all ±inf"
+    assert val.degenerate(np.array([0.0, np.nan], np.float32)) == "only zeros, NaN and ±inf"
+    assert val.degenerate(np.array([0.0, 1e-30], np.float32)) is None
+    assert val.degenerate(np.zeros(3, np.int64)) is None  # labels are judged exactly, not here
+
+
+def test_validation_moves_to_an_informative_input_scale(tmp_path):
+    src = tmp_path / "dead.onnx"
+    onnx.save(dead_at_unit_scale(), str(src))
+    cases, vacuous = val.validation_cases(dead_at_unit_scale())
+    assert not vacuous and "N(0, " in cases[0][0] and "N(0, 1^2)" not in cases[0][0]
+    res = onnx2fused.convert(src, tmp_path / "d.onnx", with_cuda=False, cache_dir=tmp_path / "c")
+    assert res.validation.passed and not res.validation.vacuous
+    assert all(e.reference_nonzero for e in res.validation.outputs)
+
+
+def test_vacuous_validation_is_reported_as_a_warning_and_in_json(tmp_path):
+    src = tmp_path / "zero.onnx"
+    onnx.save(always_zero(), str(src))
+    res = onnx2fused.convert(src, tmp_path / "z.onnx", with_cuda=False, cache_dir=tmp_path / "c")
+    assert res.validation.vacuous == ["'y' is all zeros"]
+    assert any(w.startswith("validation vacuous: 'y' is all zeros on every input scale tried") for w in res.warnings)
+    assert "warning: validation vacuous" in res.format()
+    d = json.loads(json.dumps(res.to_dict()))
+    assert d["validation"]["vacuous"] == ["'y' is all zeros"]
+
+
+def test_user_inputs_that_are_informative_clear_the_warning(tmp_path):
+    x = np.random.default_rng(0).standard_normal((16, 8)).astype(np.float32)
+    cases, vacuous = val.validation_cases(always_zero(), {"x": x})
+    assert vacuous  # 0 * anything stays 0, whatever the inputs
+    cases, vacuous = val.validation_cases(dead_at_unit_scale(), {"x": 300 * x})
+    assert not vacuous and cases[-1][0] == "user inputs"
