@@ -29,9 +29,11 @@ from .wide_params import tail_symbol, wide_params
 
 CPU_TEMPLATE = "cpu_kernel.cc.j2"
 REGISTRY_TEMPLATE = "registry.cc.j2"
-# the CUDA template of each design
-CUDA_TEMPLATES = {"resident": "cuda_kernel.cu.j2", "streamed": "cuda_kernel.cu.j2", "fp32": "cuda_kernel.cu.j2",
+# the CUDA template of each design (a wide plan's tuning build: WIDE_TUNE_TEMPLATE)
+CUDA_TEMPLATES = {"resident": "cuda_resident.cu.j2", "streamed": "cuda_streamed.cu.j2", "fp32": "cuda_fp32.cu.j2",
                   "wide": "cuda_wide.cu.j2"}
+WIDE_TUNE_TEMPLATE = "cuda_wide_tune.cu.j2"
+_HEADER_INCLUDE = re.compile(r'^#include "(o2f_\w+\.cuh)"$', re.M)
 
 # CPU micro-kernel shapes: rows x vectors of accumulators (AVX2: 16 ymm, AVX-512: 32 zmm registers).
 MR_AVX2, NV_AVX2 = 6, 2
@@ -145,14 +147,20 @@ def cpu_params(spec: MLPSpec) -> dict:
     }
 
 
+def cuda_template(plan: Plan) -> str:
+    """The template of the plan's design."""
+    return WIDE_TUNE_TEMPLATE if plan.design == "wide" and plan.tuning else CUDA_TEMPLATES[plan.design]
+
+
 def cuda_params(plan: Plan) -> dict:
-    """The parameters of the plan's template (CUDA_TEMPLATES[plan.design])."""
+    """The parameters of the plan's template (cuda_template)."""
     if plan.design == "wide":
         params = wide_params(plan)
     elif plan.design == "fp32":
         params = fp32_params(plan)
     else:
         params = fused_params(plan)
+    params["template"] = cuda_template(plan)
     return _common_params(params, plan.spec)
 
 
@@ -166,13 +174,29 @@ def _common_params(params: dict, spec: MLPSpec) -> dict:
 def cuda_sources(plan: Plan) -> dict[str, str]:
     """The CUDA translation units of one spec: `<name>_cuda.cu`, and for a segmented wide plan its fused
     tail `<name>_tail_cuda.cu` (the tail's plan under the tail's own symbol)."""
-    files = {f"{plan.spec.name}_cuda.cu": _render(CUDA_TEMPLATES[plan.design], cuda_params(plan))}
+    files = {f"{plan.spec.name}_cuda.cu": _render(cuda_template(plan), cuda_params(plan))}
     tail = plan.tail if plan.design == "wide" else None
     if tail is not None:
         params = cuda_params(tail)
         params["sym"] = tail_symbol(plan.spec)
-        files[f"{params['sym']}_cuda.cu"] = _render(CUDA_TEMPLATES[tail.design], params)
-    return files
+        files[f"{params['sym']}_cuda.cu"] = _render(cuda_template(tail), params)
+    return _with_headers(files)
+
+
+def _with_headers(files: dict[str, str]) -> dict[str, str]:
+    """`files` and the static headers (templates/o2f_*.cuh) they include, by name: a library's sources
+    are then complete, and the build keys and compiles them like any other source."""
+    out, todo = dict(files), list(files.values())
+    while todo:
+        for name in _HEADER_INCLUDE.findall(todo.pop()):
+            if name not in out:
+                path = templates_dir() / name
+                try:
+                    out[name] = path.read_text()
+                except OSError as e:
+                    raise ConversionError(f"header {name} is missing from {templates_dir()}") from e
+                todo.append(out[name])
+    return out
 
 
 def registry_params(specs: list[MLPSpec], with_cuda: bool, cpu_enabled: dict[str, bool],
