@@ -2,6 +2,7 @@
 
     python benchmarks/render_golden.py render OUT       one folder per case, one file per source
     python benchmarks/render_golden.py compare A B      differences, with the .cuh headers inlined
+    python benchmarks/render_golden.py compare --code A B   the same, comment lines (//) left out
 
 The cases: every zoo model (models/zoo.json, both exports) at every precision, and the specs of the
 planning and codegen tests (test_wide_plan, test_streamed_pairs, test_cuda_ptx, test_codegen,
@@ -184,7 +185,17 @@ def _template_line_only(a: str, b: str) -> bool:
     return _GENERATED_FROM.sub(line, a) == _GENERATED_FROM.sub(line, b)
 
 
-def compare(a: Path, b: Path) -> int:
+def _code(text: str) -> str:
+    """`text` without its comments: whole-line ones, and trailing ones on lines without a string literal."""
+    out = []
+    for line in text.splitlines():
+        if line.lstrip().startswith("//"):
+            continue
+        out.append(line.split("//", 1)[0].rstrip() if '"' not in line else line)
+    return "\n".join(out)
+
+
+def compare(a: Path, b: Path, code_only: bool = False) -> int:
     """Differences between two render folders, headers inlined. A source that differs only in the name of
     its template (the first line) is counted apart, not as a difference."""
     import difflib
@@ -200,6 +211,8 @@ def compare(a: Path, b: Path) -> int:
             continue
         for name in sorted(na):
             ta, tb = _inline(fa, (fa / name).read_text()), _inline(fb, (fb / name).read_text())
+            if code_only:
+                ta, tb = _code(ta), _code(tb)
             if ta != tb and _template_line_only(ta, tb):
                 renamed += 1
             elif ta != tb:
@@ -218,6 +231,8 @@ def main(argv: list[str]) -> int:
         return 0
     if len(argv) == 3 and argv[0] == "compare":
         return compare(Path(argv[1]), Path(argv[2]))
+    if len(argv) == 4 and argv[:2] == ["compare", "--code"]:
+        return compare(Path(argv[2]), Path(argv[3]), code_only=True)
     print(__doc__)
     return 2
 
