@@ -39,7 +39,8 @@ def spec_params(spec: MLPSpec) -> dict:
         "precision": spec.precision,
         "bf16": spec.precision == "bf16",
         "acts": act_params(spec, [l.out_features for l in spec.layers]),
-        "fp32_layers": [{"index": i, "k": l.in_features, "n": l.out_features, "last": i == len(spec.layers) - 1}
+        "fp32_layers": [{"index": i, "k": l.in_features, "n": l.out_features, "last": i == len(spec.layers) - 1,
+                         "offset": "0" if i == 0 else f"kW{i - 1} + kWsz{i - 1}"}   # its weights follow the layer before
                         for i, l in enumerate(spec.layers)],
         "max_width": max(spec.widths),
     }
@@ -50,6 +51,8 @@ def fp32_params(plan: Fp32Plan) -> dict:
 
 
 def _layer_params(plan: FusedPlan) -> list[dict]:
+    k_step = 32 // elem_bytes(plan.spec)  # features per mma.sync: m16n8k16 (fp16/bf16), m16n8k8 (tf32)
+    pad = row_pad(plan.spec)
     out = []
     for l in plan.layers:
         # A pair's first layer writes H instead of dst; its second reads H instead of src.
@@ -62,8 +65,19 @@ def _layer_params(plan: FusedPlan) -> list[dict]:
             "w_offset": l.w_offset, "b_offset": l.b_offset, "src": src, "dst": dst,
             "last": l.index == len(plan.layers) - 1,
             "pair_first": l.index in plan.pairs, "pair_second": l.index - 1 in plan.pairs,
+            "prev": l.index - 1,
+            "k_steps": l.kc // k_step,        # mma steps per chunk
+            "ldw": l.kc + pad,                # row stride of a packed chunk
+            "n8": l.np_ // 8, "n16": l.np_ // 16, "k16": l.kp // 16,   # n8 tiles, A fragments out, A fragments in
+            # a pair's first layer: the next layer's k-chunks per hidden block
+            "block_kchunks": l.nc // plan.layers[l.index + 1].kc if l.index in plan.pairs else 0,
         })
     return out
+
+
+def _tiling_params(t) -> dict:
+    return {"wm": t.wm, "wn": t.wn, "mt": t.mt, "nt8": t.nt8,
+            "warps": t.wm * t.wn, "rows": 16 * t.mt, "cols": 8 * t.nt8}   # busy warps, each rows x cols
 
 
 def _smem_limit_text(limit: int) -> str:
@@ -93,7 +107,7 @@ def fused_params(plan: FusedPlan) -> dict:
         "width_a": plan.width_a, "width_b": plan.width_b, "hidden_ld": plan.hidden_ld,
         "variants": [
             {"name": v.name, "bm": v.bm, "warps": v.warps, "stages": v.stages, "smem_bytes": v.smem_bytes,
-             "tilings": [{"wm": t.wm, "wn": t.wn, "mt": t.mt, "nt8": t.nt8} for t in v.tilings]}
+             "tilings": [_tiling_params(t) for t in v.tilings]}
             for v in plan.variants
         ],
     })

@@ -72,7 +72,7 @@ def _tail_params(plan: WidePlan) -> dict | None:
     if not plan.tail_from:
         return None
     last_gemm = plan.gemms[-1]
-    return {"sym": tail_symbol(plan.spec), "start": plan.tail_from, "src": last_gemm.dst,
+    return {"sym": tail_symbol(plan.spec), "start": plan.tail_from, "after": plan.tail_from - 1, "src": last_gemm.dst,
             "n": plan.spec.layers[-1].out_features, "offset": plan.tail_offset, "bytes": plan.tail_bytes,
             "stage": plan.spec.io_dtype != "f16", "out_offset": plan.tail_out_offset}
 
@@ -97,6 +97,7 @@ def _sm90_params(plan: WidePlan, act_of: list[str]) -> dict:
     return {
         "sm90_kernels": kernels,
         "parts": len(kernels),
+        "units": len(kernels) + 1,   # translation units: part 0 and one per kernel
         "buckets": list(b),
         # a call of m rows takes the first bucket whose upper bound (geometric mean with the next) >= m
         "bucket_bounds": [int((lo * hi) ** 0.5) for lo, hi in zip(b, b[1:])],
