@@ -10,6 +10,8 @@
 #   benchmarks/gpu_host.sh bench          `onnx2fused bench` on the issue's four cases, then the wide cases
 #   benchmarks/gpu_host.sh wide [ARGS]    benchmarks/wide_cases.py only (issue 5's three cases)
 #   benchmarks/gpu_host.sh tune [ARGS]    benchmarks/tune_wide.py: the wide kernel search, every candidate timed
+#   benchmarks/gpu_host.sh times [ARGS]   benchmarks/convert_times.py: cold and warm convert of every zoo model
+#   benchmarks/gpu_host.sh sm90           benchmarks/sm90/run.sh: the standalone wgmma fused-MLP prototype
 # Kernel choices measured by an earlier call (.deps/tune/*.json, copied from $OUT/tune) seed the build
 # cache, so convert does not tune again; every call leaves the cache's choices in $OUT/tune.
 set -uo pipefail
@@ -55,7 +57,14 @@ tune)
   shift
   python3 benchmarks/tune_wide.py --out "$OUT/tune_wide" --cache "$ONNX2FUSED_CACHE" "$@" 2>&1 | tail -60
   ;;
+times)
+  shift
+  python3 benchmarks/convert_times.py --out "$OUT/times" "$@" 2>&1 | tail -30
+  ;;
+sm90)
+  CUTLASS_INC=$R/.deps/cutlass/include bash benchmarks/sm90/run.sh 2>&1 | tail -60
+  ;;
 *)
-  sed -n 2,16p "$0"; exit 2
+  sed -n 2,18p "$0"; exit 2
   ;;
 esac

@@ -158,6 +158,18 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                         "(minutes; cached per spec and GPU model)")
     c.add_argument("--no-validate", dest="validate", action="store_false", help="skip the comparison with stock ORT")
     c.add_argument("--inputs", metavar="NPZ", help=".npz of input name -> array, validated besides random inputs")
+    c.add_argument("--atol", type=float, metavar="A",
+                   help="validation: pass when |fused - ref| <= A + R * |ref| for every element (with --rtol R; "
+                        "a missing one is 0), instead of the precision's relative-L2 tolerance")
+    c.add_argument("--rtol", type=float, metavar="R", help="validation: the relative term of --atol's check")
+    c.add_argument("--input-shapes", nargs="+", action="extend", metavar="NAME:DIMS", type=input_shape,
+                   help="shapes of the random validation inputs, e.g. x:[64,32] or x:64x32 (instead of batches "
+                        "1, 37 and 256 with other symbolic dims 5)")
+    c.add_argument("--save-inputs", metavar="NPZ",
+                   help="write the validation input sets to this .npz (keys '<set>/<input>', and 'cases')")
+    c.add_argument("--save-outputs", metavar="NPZ",
+                   help="write stock ORT's outputs on them to this .npz (keys '<set>/<output>'; the fused "
+                        "model's as 'fused/<set>/<output>')")
     c.add_argument("--force", action="store_true", help="write the model even when validation fails")
     c.add_argument("--cache-dir", metavar="DIR", help="build cache (default $ONNX2FUSED_CACHE or ~/.cache/onnx2fused)")
     c.add_argument("--cpu-only", action="store_true", help="build the C++ (CPU) kernels only, no CUDA")
@@ -188,12 +200,29 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     return p
 
 
+def input_shape(text: str) -> tuple[str, tuple[int, ...]]:
+    """NAME:DIMS of --input-shapes: x:[64,32], x:64x32 or x:64,32 -> ("x", (64, 32)); the name is what is
+    before the last ':' (input names may hold ':')."""
+    name, sep, dims = text.rpartition(":")
+    body = dims.strip().strip("[]()").replace("x", ",").replace(" ", "")
+    try:
+        shape = tuple(int(d) for d in body.split(",") if d)
+    except ValueError:
+        shape = ()
+    if not sep or not name or not shape or any(d <= 0 for d in shape):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected NAME:DIMS with positive sizes, e.g. x:[64,32]")
+    return name, shape
+
+
 def _convert(args) -> int:
     from .convert import convert
+    shapes = dict(args.input_shapes) if args.input_shapes else None
     with build_targets(args):
         result = convert(args.input, args.output, precision=args.precision, validate=args.validate,
                          inputs=args.inputs, force=args.force, cache_dir=args.cache_dir,
-                         with_cuda=False if args.cpu_only else None, progress=_progress(args), tune=args.tune)
+                         with_cuda=False if args.cpu_only else None, progress=_progress(args), tune=args.tune,
+                         atol=args.atol, rtol=args.rtol, input_shapes=shapes, save_inputs=args.save_inputs,
+                         save_outputs=args.save_outputs)
     if args.json:
         print(json.dumps(result.to_dict(), indent=1))
     else:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -202,8 +203,9 @@ def _set_meta(model: onnx.ModelProto, key: str, value: str) -> None:
 
 def convert(input_path, output_path=None, precision: str = AUTO, validate: bool = True, inputs=None,
             force: bool = False, cache_dir=None, with_cuda: bool | None = None,
-            progress: Callable[[str], None] | None = None, tune: bool = False,
-            plan_options: PlanOptions | None = None) -> ConversionResult:
+            progress: Callable[[str], None] | None = None, tune: bool = False, *, atol: float | None = None,
+            rtol: float | None = None, input_shapes: dict | None = None, save_inputs=None,
+            save_outputs=None, plan_options: PlanOptions | None = None) -> ConversionResult:
     """Fuse the MLP chains of `input_path` into one custom op each; write `output_path` and its plugin.
 
     precision: auto (default: per chain, the fastest of fp16, bf16, tf32, fp32 whose numerics pass; see
@@ -211,8 +213,13 @@ def convert(input_path, output_path=None, precision: str = AUTO, validate: bool 
     validate: compare with stock ORT (ValidationError above the tolerance unless force=True; nothing is
     written then). inputs: an .npz path or a dict name -> array used for validation besides random
     inputs. with_cuda: build the CUDA kernels (None: when nvcc is found). tune: run the wide design's
-    kernel search on this GPU where no choice is cached. plan_options: how the CUDA kernels are planned
-    (None: from the environment, PlanOptions.from_env). Returns the report.
+    kernel search on this GPU where no choice is cached. Returns the report.
+    atol/rtol: the model outputs pass validation when |fused - ref| <= atol + rtol * |ref| elementwise (a
+    missing one is 0) instead of the precision's tolerance. input_shapes: {input name: shape} of the random
+    validation inputs (instead of batches 1, 37, 256). save_inputs/save_outputs: .npz paths for the
+    validation input sets and the reference (and fused) outputs (validate.save_arrays; written whenever
+    validation ran, also when it fails). plan_options: how the CUDA kernels are planned (None: from the
+    environment, PlanOptions.from_env).
     """
     t0 = time.monotonic()
     say = progress or (lambda msg: None)
@@ -221,9 +228,11 @@ def convert(input_path, output_path=None, precision: str = AUTO, validate: bool 
     inp = Path(input_path)
     out = Path(output_path) if output_path is not None else default_output(inp)
     _check_paths(inp, out)
+    _check_validation_options(inp, out, validate, atol, rtol, input_shapes, save_inputs, save_outputs)
 
     model = load_model(inp)
     user_inputs = val.load_user_inputs(inputs, model) if (inputs is not None and validate) else None
+    shapes = val.check_input_shapes(input_shapes, model) if input_shapes else None
     plan = find_chains(model)
     result = ConversionResult(str(inp), str(out), precision, refusals=[r.reason for r in plan.refusals])
 
@@ -244,7 +253,7 @@ def convert(input_path, output_path=None, precision: str = AUTO, validate: bool 
         cases = vacuous = None
         if validate or auto:
             try:
-                cases, vacuous = val.validation_cases(model, user_inputs)
+                cases, vacuous = val.validation_cases(model, user_inputs, shapes=shapes)
             except Exception as e:  # noqa: BLE001
                 if validate:
                     raise ConversionError(f"stock onnxruntime fails on the original model: {val._one_line(e)}") from None
@@ -259,7 +268,8 @@ def convert(input_path, output_path=None, precision: str = AUTO, validate: bool 
             round_dir = tmpdir / f"round{attempt}"
             round_dir.mkdir()
             built = _build_and_check(model, inp, out, plan, choices, with_cuda, options, cache_dir, tune, validate,
-                                     cases, vacuous, user_inputs, round_dir, say)
+                                     cases, vacuous, user_inputs, round_dir, say,
+                                     dict(atol=atol, rtol=rtol, save_inputs=save_inputs, save_outputs=save_outputs))
             report = built.validation
             moving = [k for k in (report.chain_failures if (report and auto) else [])
                       if next_precision(choices[k].precision)]
@@ -316,7 +326,7 @@ class _Built:
 
 
 def _build_and_check(model, inp: Path, out: Path, plan, choices, with_cuda, options: PlanOptions, cache_dir, tune,
-                     validate, cases, vacuous, user_inputs, tmpdir: Path, say) -> _Built:
+                     validate, cases, vacuous, user_inputs, tmpdir: Path, say, checks: dict | None = None) -> _Built:
     """One round: specs at the chosen precisions -> CUDA plans (each spec planned once) -> library (units
     cached: a chain moved to another precision recompiles only its own) -> fused model written into
     `tmpdir` -> validation."""
@@ -359,8 +369,34 @@ def _build_and_check(model, inp: Path, out: Path, plan, choices, with_cuda, opti
         report = val.validate(str(inp), tmp_model, tmp_lib, specs[0].precision, original_model=model,
                               chains=plan.chains, with_cuda=lib.with_cuda, user_inputs=user_inputs,
                               progress=say, chain_precisions=[s.precision for s in specs], cases=cases,
-                              vacuous=vacuous)
+                              vacuous=vacuous, **(checks or {}))
     return _Built(specs, lib, lib.build_seconds, data, tmp_model, tmp_lib, lib_name, report)
+
+
+def _check_validation_options(inp: Path, out: Path, validate: bool, atol, rtol, input_shapes, save_inputs,
+                              save_outputs) -> None:
+    """The polygraphy-style validation options, before any work: tolerances >= 0, and .npz paths that are
+    neither the input nor the outputs, in existing folders. Without validation they would do nothing."""
+    given = [n for n, v in (("--atol", atol), ("--rtol", rtol), ("--input-shapes", input_shapes),
+                            ("--save-inputs", save_inputs), ("--save-outputs", save_outputs)) if v is not None]
+    if given and not validate:
+        raise ConversionError(f"{', '.join(given)} {'needs' if len(given) == 1 else 'need'} validation; "
+                              "drop --no-validate")
+    for n, v in (("--atol", atol), ("--rtol", rtol)):
+        if v is not None and not (float(v) >= 0 and float(v) != float("inf")):
+            raise ConversionError(f"{n} {v}: must be a finite number >= 0")
+    taken = {inp, out, out.with_name(library_name(out)), out.with_name(out.name + ".data")}
+    paths = [(n, Path(v)) for n, v in (("--save-inputs", save_inputs), ("--save-outputs", save_outputs))
+             if v is not None]
+    if len(paths) == 2 and _same_file(paths[0][1], paths[1][1]):
+        raise ConversionError(f"--save-inputs and --save-outputs are the same file {paths[0][1]}")
+    for n, p in paths:
+        if any(_same_file(p, t) for t in taken):
+            raise ConversionError(f"{n} {p} would overwrite the input model or the output; choose another file")
+        if p.is_dir():
+            raise ConversionError(f"{n} {p}: is a directory; give a file name (.npz)")
+        if not p.parent.is_dir():
+            raise ConversionError(f"{n} {p}: folder {p.parent} does not exist")
 
 
 def _write_unchanged(inp: Path, out: Path, tmpdir: Path, result: ConversionResult) -> None:
@@ -402,9 +438,7 @@ def format_report(r: ConversionResult) -> str:
         where = "cache hit" if r.cache_hit else f"built in {r.build_seconds:.1f} s"
         lines.append(f"plugin: {r.library_path or '(not written)'} ({where}"
                      f"{', with CUDA' if r.with_cuda else ', CPU only'})")
-    if r.refusals:
-        lines.append(f"{len(r.refusals)} not fused:")
-        lines += [f"  {x}" for x in r.refusals]
+    lines += refusal_lines(r.refusals)
     v = r.validation
     if v is not None:
         lines.append(f"validation vs stock ORT on {len(v.cases)} input set(s): {v.tolerance_note}")
@@ -413,8 +447,11 @@ def format_report(r: ConversionResult) -> str:
             if e.exact:
                 rows.append((e.name, f"{e.mismatches} diff", "-", "yes" if e.reference_nonzero else "no", "exact"))
             else:
-                rows.append((e.name, _fmt_err(e.max_abs), _fmt_err(e.rel_l2), "yes" if e.reference_nonzero else "no",
-                             "yes" if e.within(v.tolerance) else "NO"))
+                ok = "yes" if v.output_ok(e) else "NO"
+                if v.elementwise and e.beyond:
+                    ok += f" ({e.beyond}/{e.elements} outside atol/rtol)"
+                rows.append((e.name, _fmt_err(e.max_abs), _fmt_err(e.rel_l2),
+                             "yes" if e.reference_nonzero else "no", ok))
         lines += _table(rows, indent="  ")
         if v.max_activation:
             lines.append("  fp16 range: max |intermediate| per chain " + ", ".join(f"{m:.4g}" for m in v.max_activation))
@@ -427,6 +464,24 @@ def format_report(r: ConversionResult) -> str:
         lines.append(f"warning: {w}")
     lines.append(f"done in {r.seconds:.1f} s")
     return "\n".join(lines)
+
+
+CHAIN_END = re.compile(r"^chain \d+ ends: ")
+
+
+def refusal_lines(refusals: list[str]) -> list[str]:
+    """The layers not fused (counted as such), then the notes on where fused chains end (a chain that
+    ends at a graph output or a second consumer fused all its layers: not counted as "not fused")."""
+    layers = [x for x in refusals if not CHAIN_END.match(x)]
+    ends = [x for x in refusals if CHAIN_END.match(x)]
+    lines = []
+    if layers:
+        lines.append(f"{len(layers)} not fused:")
+        lines += [f"  {x}" for x in layers]
+    if ends:
+        lines.append("where chains end:")
+        lines += [f"  {x}" for x in ends]
+    return lines
 
 
 def _chain_table(chains, plan_header: str) -> list[str]:
@@ -468,8 +523,7 @@ class InspectResult:
                 if c.precision_why:
                     lines.append(f"    precision {c.precision}: {c.precision_why}")
         if self.refusals:
-            lines.append(f"{len(self.refusals)} not fused:")
-            lines += [f"  {x}" for x in self.refusals]
+            lines += refusal_lines(self.refusals)
         elif not self.chains and not self.fused:
             lines.append("  the model has no Gemm/MatMul layer with constant weights")
         return "\n".join(lines)

@@ -49,6 +49,8 @@ class OutputError:
     worst_case: str = ""          # the input set where the relative error was largest
     exact: bool = False           # non-float output: compared for equality
     mismatches: int = 0           # non-float output: elements that differ
+    elements: int = 0             # float output: elements compared (all input sets)
+    beyond: int = 0               # float output: elements outside atol + rtol * |ref| (with --atol/--rtol)
 
     def within(self, tol: float) -> bool:
         if self.exact:
@@ -72,10 +74,22 @@ class ValidationReport:
     chain_errors: list[OutputError] = field(default_factory=list)  # per chain: its own output tensor
     chain_failures: list[int] = field(default_factory=list)        # chains whose numerics fail (auto moves them up)
     vacuous: list[str] = field(default_factory=list)               # outputs whose reference is degenerate everywhere
+    atol: float | None = None     # --atol/--rtol: elementwise |fused - ref| <= atol + rtol * |ref| decides instead
+    rtol: float | None = None
 
     @property
     def passed(self) -> bool:
         return not self.failures
+
+    @property
+    def elementwise(self) -> bool:
+        return self.atol is not None or self.rtol is not None
+
+    def output_ok(self, e: OutputError) -> bool:
+        """An output within the criterion that decides: the elementwise one when given, else the tolerance."""
+        if self.elementwise and not e.exact:
+            return e.beyond == 0
+        return e.within(self.tolerance)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -124,9 +138,12 @@ def _draw(rng, kind: str, scale: float, shape, t):
 
 
 def random_inputs(model: onnx.ModelProto, batches=BATCHES, seed: int = SEED,
-                  distribution: tuple[str, float] = DISTRIBUTIONS[0]) -> list[tuple[str, dict]]:
+                  distribution: tuple[str, float] = DISTRIBUTIONS[0],
+                  shapes: dict | None = None) -> list[tuple[str, dict]]:
     """[(case name, feeds)]: random floats of `distribution` (zeros for integer inputs), one set per
-    distinct shape. The default, normal(0, 1), keeps the case names short."""
+    distinct shape. The default, normal(0, 1), keeps the case names short. `shapes` ({input: shape},
+    check_input_shapes): those inputs get that shape in every set instead of the batch sizes."""
+    shapes = shapes or {}
     kind, scale = distribution
     tag = "" if distribution == DISTRIBUTIONS[0] else (f" U(-{scale:g}, {scale:g})" if kind == "uniform"
                                                        else f" N(0, {scale:g}^2)")
@@ -134,18 +151,18 @@ def random_inputs(model: onnx.ModelProto, batches=BATCHES, seed: int = SEED,
     ins = graph_inputs(model)
     cases, seen = [], set()
     for b in batches:
-        shapes = tuple(_shape(vi, b) for vi in ins)
-        if shapes in seen:
+        set_shapes = tuple(tuple(shapes[vi.name]) if vi.name in shapes else _shape(vi, b) for vi in ins)
+        if set_shapes in seen:
             continue
-        seen.add(shapes)
+        seen.add(set_shapes)
         feeds = {}
-        for vi, shape in zip(ins, shapes):
+        for vi, shape in zip(ins, set_shapes):
             t = _np_type(vi)
             if np.issubdtype(t, np.floating):
                 feeds[vi.name] = _draw(rng, kind, scale, shape, t)
             else:
                 feeds[vi.name] = np.zeros(shape, t)
-        name = ", ".join(f"{vi.name}{list(s)}" for vi, s in zip(ins, shapes))
+        name = ", ".join(f"{vi.name}{list(s)}" for vi, s in zip(ins, set_shapes))
         cases.append((f"random{tag} {name}", feeds))
     return cases
 
@@ -164,7 +181,7 @@ def degenerate(a: np.ndarray) -> str | None:
 
 
 def validation_cases(model: onnx.ModelProto, user_inputs: dict | None = None, batches=BATCHES,
-                     ref_sess=None) -> tuple[list[tuple[str, dict]], list[str]]:
+                     ref_sess=None, shapes: dict | None = None) -> tuple[list[tuple[str, dict]], list[str]]:
     """The input sets validation uses, and the outputs that stay degenerate on all of them.
 
     Random inputs first at N(0, 1); when some float output of the original is degenerate on every set,
@@ -183,12 +200,12 @@ def validation_cases(model: onnx.ModelProto, user_inputs: dict | None = None, ba
                     why[n] = degenerate(y)
         return [f"'{n}' is {w}" for n, w in why.items() if w]
 
-    chosen = random_inputs(model, batches)
+    chosen = random_inputs(model, batches, shapes=shapes)
     vacuous = dead(chosen)
     for dist in DISTRIBUTIONS[1:]:
         if not vacuous:
             break
-        cases = random_inputs(model, batches, distribution=dist)
+        cases = random_inputs(model, batches, distribution=dist, shapes=shapes)
         left = dead(cases)
         if len(left) < len(vacuous):
             chosen, vacuous = cases, left
@@ -292,8 +309,10 @@ def _one_line(e: Exception) -> str:
     return lines[0] if lines else type(e).__name__
 
 
-def _compare(name: str, a: np.ndarray, b: np.ndarray, case: str, acc: OutputError) -> None:
-    """Fold the error of fused `a` vs reference `b` into `acc`."""
+def _compare(name: str, a: np.ndarray, b: np.ndarray, case: str, acc: OutputError,
+             atol: float | None = None, rtol: float | None = None) -> None:
+    """Fold the error of fused `a` vs reference `b` into `acc` (with atol/rtol: also count the elements
+    outside atol + rtol * |ref|; NaN where the reference has NaN, and equal infinities, are equal)."""
     if a.shape != b.shape:
         raise ValidationError(f"output '{name}' has shape {list(a.shape)} in the fused model but "
                               f"{list(b.shape)} in the original ({case})")
@@ -306,6 +325,10 @@ def _compare(name: str, a: np.ndarray, b: np.ndarray, case: str, acc: OutputErro
     same = (np.isnan(a64) & np.isnan(b64)) | (np.isinf(b64) & (a64 == b64))
     a64, b64 = np.where(same, 0.0, a64), np.where(same, 0.0, b64)
     diff = a64 - b64
+    acc.elements += int(diff.size)
+    if atol is not None or rtol is not None:
+        with np.errstate(invalid="ignore"):
+            acc.beyond += int(np.count_nonzero(~(np.abs(diff) <= (atol or 0.0) + (rtol or 0.0) * np.abs(b64))))
     if not np.all(np.isfinite(diff)):
         max_abs, rel = float("inf"), float("inf")
     else:
@@ -361,13 +384,18 @@ def _elem_types(model: onnx.ModelProto) -> dict[str, int]:
 def validate(original, fused, library, precision: str, *, original_model: onnx.ModelProto | None = None,
              chains=(), with_cuda: bool = False, user_inputs: dict | None = None,
              batches=BATCHES, progress: Callable[[str], None] | None = None,
-             chain_precisions: list[str] | None = None, cases=None, vacuous=None) -> ValidationReport:
+             chain_precisions: list[str] | None = None, cases=None, vacuous=None,
+             atol: float | None = None, rtol: float | None = None, save_inputs=None,
+             save_outputs=None) -> ValidationReport:
     """Compare `fused` (path, run with `library`) against `original` (path or ModelProto) on stock ORT.
 
     `chain_precisions`: each chain's precision (default: `precision` for all); the model outputs are held
     to the loosest of them, each chain's own output tensor to its own (`report.chain_errors`,
     `report.chain_failures`: what automatic precision moves up). `cases`/`vacuous`: the input sets and
     the degenerate outputs from `validation_cases` (computed here when not given).
+    `atol`/`rtol`: the model outputs pass when every element has |fused - ref| <= atol + rtol * |ref| (a
+    missing one is 0), instead of the precision's relative-L2 tolerance. `save_inputs`/`save_outputs`:
+    .npz files written with the input sets, and the reference (and fused) outputs (save_arrays).
     Never raises for a tolerance violation: the report's `failures` say what is wrong; `check(report)`
     raises. Raises ConversionError when a model cannot run at all.
     """
@@ -388,7 +416,10 @@ def validate(original, fused, library, precision: str, *, original_model: onnx.M
         tol = max((TOLERANCES[p] for p in precisions), default=TOLERANCES[precision])
         used = sorted(set(precisions), key=list(TOLERANCES).index) or [precision]
         note = f"{provider}: {'/'.join(used)} tolerance {tol:g}"
-    report = ValidationReport(provider, precision, tol, note)
+    if atol is not None or rtol is not None:
+        note += (f"; the outputs are held to |fused - ref| <= {atol or 0:g} + {rtol or 0:g} * |ref| elementwise "
+                 "(--atol/--rtol) instead")
+    report = ValidationReport(provider, precision, tol, note, atol=atol, rtol=rtol)
 
     try:
         ref_sess = _session(original, optimize=False)
@@ -415,6 +446,7 @@ def validate(original, fused, library, precision: str, *, original_model: onnx.M
     if names != fused_names:
         raise ValidationError(f"the fused model's outputs {fused_names} differ from the original's {names}")
     errs = {n: OutputError(n) for n in names}
+    refs, fuseds = [], []
     for case, feeds in cases:
         try:
             ref = ref_sess.run(None, feeds)
@@ -425,8 +457,18 @@ def validate(original, fused, library, precision: str, *, original_model: onnx.M
         except Exception as e:
             raise ValidationError(f"the fused model fails with {case}: {_one_line(e)}") from None
         for n, a, b in zip(names, out, ref):
-            _compare(n, np.asarray(a), np.asarray(b), case, errs[n])
+            _compare(n, np.asarray(a), np.asarray(b), case, errs[n], atol, rtol)
+        if save_outputs is not None:
+            refs.append(dict(zip(names, ref)))
+            fuseds.append(dict(zip(names, out)))
     report.outputs = list(errs.values())
+    if save_inputs is not None:
+        save_arrays(save_inputs, {f"{k}/{n}": a for k, (_, feeds) in enumerate(cases) for n, a in feeds.items()},
+                    [c for c, _ in cases])
+    if save_outputs is not None:
+        save_arrays(save_outputs, {**{f"{k}/{n}": a for k, r in enumerate(refs) for n, a in r.items()},
+                                   **{f"fused/{k}/{n}": a for k, f in enumerate(fuseds) for n, a in f.items()}},
+                    [c for c, _ in cases])
     mismatched_labels = False
     for e in report.outputs:
         if e.exact:
@@ -434,6 +476,11 @@ def validate(original, fused, library, precision: str, *, original_model: onnx.M
                 mismatched_labels = True
                 report.warnings.append(f"output '{e.name}' (not floating point) differs in {e.mismatches} "
                                        "element(s) from stock ORT (near-ties of the fused values)")
+        elif report.elementwise:
+            if e.beyond:
+                report.failures.append(f"output '{e.name}': {e.beyond} of {e.elements} element(s) outside "
+                                       f"|fused - ref| <= {atol or 0:g} + {rtol or 0:g} * |ref| (max abs error "
+                                       f"{e.max_abs:.3g}; {provider}, worst rel L2 on {e.worst_case})")
         elif not e.within(tol):
             what = (f"relative L2 error {e.rel_l2:.3g}" if e.reference_nonzero
                     else f"max abs error {e.max_abs:.3g} (the reference is all zeros)")
@@ -494,6 +541,50 @@ def _chain_errors(original_model, fused, library, providers, chains, cases) -> l
         for t in outs:
             _compare(t, np.asarray(f[t]), np.asarray(r[t]), case, errs[t])
     return [errs[c.output] for c in chains]
+
+
+def save_arrays(path, arrays: dict[str, np.ndarray], cases: list[str]) -> None:
+    """Write `arrays` (key "<set>/<name>", set = index into `cases`) and `cases` (the input sets' names)
+    to the .npz `path`, atomically (a temp file beside it, renamed): a failure leaves no partial file."""
+    import os
+    import tempfile
+    p = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.tmp-", dir=p.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:   # a file object: np.savez adds no ".npz" to the name
+            np.savez(f, cases=np.array(cases, dtype=str), **{k: np.asarray(v) for k, v in arrays.items()})
+        os.replace(tmp, p)
+    except OSError as e:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise ConversionError(f"cannot write {p}: {e.strerror or e}") from None
+
+
+def check_input_shapes(shapes, model: onnx.ModelProto) -> dict[str, tuple[int, ...]]:
+    """{input name: shape} for the random validation inputs (--input-shapes), checked against the model:
+    a known input, its rank, its static dims, and positive sizes. Raises ConversionError (one line)."""
+    ins = {vi.name: vi for vi in graph_inputs(model)}
+    out = {}
+    for name, dims in dict(shapes).items():
+        if name not in ins:
+            raise ConversionError(f"--input-shapes: {name!r} is not an input of the model "
+                                  f"({', '.join(map(repr, ins))})")
+        dims = tuple(int(d) for d in dims)
+        if any(d <= 0 for d in dims):
+            raise ConversionError(f"--input-shapes: {name}{list(dims)}: sizes must be positive")
+        t = ins[name].type.tensor_type
+        if t.HasField("shape"):
+            if len(dims) != len(t.shape.dim):
+                raise ConversionError(f"--input-shapes: {name}{list(dims)} has rank {len(dims)}; the model's "
+                                      f"input has rank {len(t.shape.dim)}")
+            for k, d in enumerate(t.shape.dim):
+                if d.HasField("dim_value") and d.dim_value > 0 and dims[k] != d.dim_value:
+                    raise ConversionError(f"--input-shapes: {name}{list(dims)}: dimension {k} is fixed to "
+                                          f"{d.dim_value} in the model")
+        out[name] = dims
+    return out
 
 
 def check(report: ValidationReport) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import importlib.machinery
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -151,6 +152,8 @@ def test_inspect_lists_refusals(tmp_path):
     assert p.returncode == 0, p.stderr
     assert "2 chain(s)" in p.stdout and "is also a graph output" in p.stdout
     assert "8->16" in p.stdout and "16->4" in p.stdout and "resident weights" in p.stdout
+    # every layer is fused: where chain 0 ends is a note, not a layer "not fused"
+    assert "not fused" not in p.stdout and "where chains end:" in p.stdout
     p = cli("inspect", src, "--json")
     r = json.loads(p.stdout)
     assert [c["widths"] for c in r["chains"]] == [[8, 16], [16, 4]]
@@ -254,3 +257,102 @@ def test_broken_pipe_is_quiet(argv):
     rc = p.wait(timeout=300)
     # (argparse's --help swallows the write error itself and exits 0)
     assert err == "" and rc == (0 if argv == ["--help"] else 141), (rc, err)
+
+
+def test_report_of_a_fully_fused_split_model(tmp_path, cache):
+    """Both layers fused (two chains): the report counts no layer as not fused, and a CPU-only library's
+    plan column shows its CPU kernel, no GPU plan."""
+    src = tmp_path / "brk.onnx"
+    onnx.save(two_layer_with_graph_output_break(), str(src))
+    p = cli("convert", src, "--cpu-only", "--cache-dir", cache, "-q")
+    assert p.returncode == 0, p.stderr
+    assert "2 chain(s) fused" in p.stdout and "not fused" not in p.stdout
+    assert "where chains end:\n  chain 0 ends: output of layer 1 ('h') is also a graph output" in p.stdout
+    table = p.stdout.split("chain(s) fused", 1)[1].split("chain 0: op", 1)[0]
+    assert "CUDA plan" not in table and "GPU:" not in table and "CPU-only library" in table
+
+
+def nerf_copy(tmp_path) -> Path:
+    src = tmp_path / "nerf.onnx"
+    shutil.copyfile(MODELS / "nerf.opset17.onnx", src)
+    return src
+
+
+def test_atol_rtol_decide_validation(tmp_path, cache):
+    """--atol/--rtol: |fused - ref| <= atol + rtol * |ref| for every element, instead of the rel L2 bound."""
+    src = nerf_copy(tmp_path)
+    base = ["convert", src, "--cpu-only", "--cache-dir", cache, "--precision", "fp16", "-q"]
+    p = cli(*base, "--json", "--atol", "1e-5", "--rtol", "1e-4", "--input-shapes", "x:[64,32]")
+    assert p.returncode == 0, p.stderr
+    v = json.loads(p.stdout)["validation"]
+    assert v["atol"] == 1e-5 and v["rtol"] == 1e-4 and v["passed"]
+    (y,) = v["outputs"]
+    assert y["elements"] == 64 * 16 and y["beyond"] == 0 and y["max_abs"] > 0   # fp32 rounding differs a bit
+    assert "elementwise" in v["tolerance_note"]
+
+    # far tighter than fp32 rounding: fails, one line naming the count; nothing written
+    out = tmp_path / "tight.fused.onnx"
+    p = cli(*base, "-o", out, "--atol", "1e-12", "--rtol", "0")
+    assert p.returncode == 2 and len(p.stderr.splitlines()) == 1, p.stderr
+    assert "element(s) outside |fused - ref| <= 1e-12 + 0 * |ref|" in p.stderr
+    assert not out.exists() and not list(tmp_path.glob("tight*"))
+    # and with --force it is written, the report saying which output and how many elements
+    p = cli(*base, "-o", out, "--atol", "1e-12", "--force")
+    assert p.returncode == 0 and out.is_file()
+    assert re.search(r"y .* NO \(\d+/\d+ outside atol/rtol\)", p.stdout), p.stdout
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--atol", "-1"], "--atol"), (["--rtol", "nan"], "--rtol"),
+    (["--input-shapes", "y:[4,32]"], "'y' is not an input"),
+    (["--input-shapes", "x:[4,31]"], "dimension 1 is fixed to 32"),
+    (["--input-shapes", "x:[4,32,1]"], "rank 3"),
+    (["--no-validate", "--save-inputs", "in.npz"], "--save-inputs needs validation"),
+    (["--save-inputs", "nerf.onnx"], "would overwrite the input"),
+    (["--save-outputs", "no/such/out.npz"], "does not exist"),
+    (["--save-inputs", "a.npz", "--save-outputs", "a.npz"], "the same file"),
+])
+def test_validation_options_refused_in_one_line(args, says, tmp_path, cache):
+    src = nerf_copy(tmp_path)
+    before = _snapshot(tmp_path)
+    p = cli("convert", src, "--cpu-only", "--cache-dir", cache, *args, cwd=tmp_path)
+    assert p.returncode == 2, p.stderr
+    lines = p.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("onnx2fused: error: ") and says in lines[0], p.stderr
+    assert _snapshot(tmp_path) == before
+
+
+def test_bad_input_shapes_syntax_is_a_usage_error(tmp_path):
+    p = cli("convert", MODELS / "nerf.opset17.onnx", "-o", tmp_path / "o.onnx", "--input-shapes", "x:abc")
+    assert p.returncode == 2 and "NAME:DIMS" in p.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_input_shapes_and_saved_arrays(tmp_path, cache):
+    """--input-shapes sets the random validation inputs' shapes; --save-inputs/--save-outputs keep them and
+    stock ORT's outputs on them (and the fused model's), so that a check can be rerun elsewhere."""
+    import numpy as np
+    import onnxruntime as ort
+    src = nerf_copy(tmp_path)
+    p = cli("convert", src, "--cpu-only", "--cache-dir", cache, "--precision", "fp16", "-q", "--json",
+            "--input-shapes", "x:5x32", "--save-inputs", tmp_path / "in.npz", "--save-outputs", tmp_path / "out")
+    assert p.returncode == 0, p.stderr
+    r = json.loads(p.stdout)
+    assert r["validation"]["cases"] == ["random x[5, 32]"]
+    assert not (tmp_path / "out.npz").exists()          # the name is kept as given
+    with np.load(tmp_path / "in.npz") as zi, np.load(tmp_path / "out", allow_pickle=False) as zo:
+        assert sorted(zi.files) == ["0/x", "cases"] and list(zi["cases"]) == ["random x[5, 32]"]
+        assert sorted(zo.files) == ["0/y", "cases", "fused/0/y"]
+        x = zi["0/x"]
+        assert x.shape == (5, 32) and x.dtype == np.float32
+        so = ort.SessionOptions()
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        want = ort.InferenceSession(str(src), so, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+        np.testing.assert_array_equal(zo["0/y"], want)
+        np.testing.assert_allclose(zo["fused/0/y"], want, rtol=1e-4, atol=1e-5)
+        assert not np.array_equal(zo["fused/0/y"], np.zeros_like(want))
+    assert not [q for q in tmp_path.iterdir() if q.name.startswith(".")], "temp files left behind"
+    # several shapes (repeated or in one flag): one input set per distinct shape
+    p = cli("convert", src, "--cpu-only", "--cache-dir", cache, "--precision", "fp16", "-q", "--json",
+            "-o", tmp_path / "b.fused.onnx", "--input-shapes", "x:[3,32]", "--input-shapes", "x:[3,32]")
+    assert json.loads(p.stdout)["validation"]["cases"] == ["random x[3, 32]"]

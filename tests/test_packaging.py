@@ -1,7 +1,8 @@
 """The wheel carries the templates and plugin sources, and installs into a fresh venv with a working CLI.
 
-Slow: builds a wheel, creates a venv (no system site-packages) and installs the wheel with its `cpu`
-extra and dependencies from PyPI (onnx, jinja2, numpy, onnxruntime).
+Slow: builds the wheel with `make wheel` in a copy of the sources (as the README says: no dev venv),
+creates a venv (no system site-packages) and installs the wheel with its `cpu` extra and dependencies
+from PyPI (onnx, jinja2, numpy, onnxruntime; no matplotlib, no torch).
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("packaging")]
 
 ROOT = Path(__file__).resolve().parents[1]
 # what a source distribution of the project holds (copied so the build never writes into the checkout)
-SOURCES = ("pyproject.toml", "setup.py", "README.md", "onnx2fused", "templates", "ort_plugin")
+SOURCES = ("pyproject.toml", "setup.py", "README.md", "Makefile", "onnx2fused", "templates", "ort_plugin")
 PLUGIN_SUFFIXES = (".h", ".hpp", ".cc", ".cpp", ".cu", ".cuh")
 
 
@@ -49,9 +50,14 @@ def wheel(tmp_path_factory):
             shutil.copytree(p, src / name, ignore=ignore)
         elif p.is_file():
             shutil.copy2(p, src / name)
-    _sh([sys.executable, "-m", "pip", "wheel", ".", "--no-deps", "--no-cache-dir", "-w", tmp / "dist"],
-        cwd=src)
-    (whl,) = (tmp / "dist").glob("onnx2fused-*.whl")
+    if shutil.which("make") is None:
+        pytest.skip("make is not installed")
+    # the README's way, with the interpreter running the tests as PYTHON; the dev venv must not be needed
+    _sh(["make", "wheel", f"PYTHON={sys.executable}"], cwd=src)
+    assert not (src / ".venv").exists(), "make wheel created the dev venv"
+    import onnx2fused
+    (whl,) = (src / "dist").glob("onnx2fused-*.whl")
+    assert whl.name == f"onnx2fused-{onnx2fused.__version__}-py3-none-any.whl"   # the name the README shows
     return whl
 
 
@@ -135,8 +141,15 @@ def test_cli_convert_bench_export_triton(venv, tmp_path):
     assert "1 chain(s) fused" in out and (tmp_path / "my_mlp.fused.onnx2fused.so").is_file()
 
     rc, out, err = _sh_rc([exe, "bench", src, "--out", tmp_path / "bench"], cwd=tmp_path)
+    assert rc == 2 and out == "", (rc, out, err)    # the [cpu] extra's onnxruntime has no CUDA EP: says so
+    assert err.startswith("onnx2fused: error: no GPU") and "--cpu" in err and len(err.splitlines()) == 1
+    # --cpu runs; no matplotlib in this venv: bench.json, and one line instead of the plot
+    rc, out, err = _sh_rc([exe, "bench", src, "--cpu", "--batches", "256", "--reps", "2", "-q",
+                           "--out", tmp_path / "bench"], cwd=tmp_path)
     assert rc == 0, err
-    assert "no GPU" in out and "--cpu" in out       # the [cpu] extra's onnxruntime has no CUDA EP
+    assert err.splitlines() == ['onnx2fused: no plot: matplotlib is not installed (pip install matplotlib, or '
+                                'the "bench" extra)'], err
+    assert (tmp_path / "bench" / "bench.json").is_file() and not (tmp_path / "bench" / "bench.png").exists()
 
     _sh([exe, "export-triton", tmp_path / "my_mlp.fused.onnx", tmp_path / "repo", "-q"], cwd=tmp_path)
     entry = tmp_path / "repo" / "my_mlp"

@@ -4,13 +4,16 @@ The ```sh blocks and then ```python blocks are run in document order, in one tem
 placeholder model `my_mlp.onnx` being a copy of the zoo's nerf model (input `x`: [B, 32]), so that later
 commands see what earlier ones wrote, as a reader following the README would. Per command:
 
-  onnx2fused ...     run with the checkout's package; must exit 0. `bench` gets a quick `--out`
-                     (and, on a GPU host, a short sweep) so the test stays short.
+  onnx2fused ...     run with the checkout's package; must exit 0. `bench` gets a quick `--out` and a
+                     short sweep so the test stays short; a GPU `bench` (no --cpu) on a host without a
+                     GPU must exit 2 saying so.
   make TARGET        `make -n TARGET` in the repository: the target exists and its recipe expands
                      (running it would rebuild the venv / run the suite from inside the suite).
   pip install ...    not run here (it would change this environment): the extras it names must exist in
-                     pyproject.toml; tests/test_packaging.py installs the built wheel with `[cpu]` into a
-                     fresh venv and runs the commands there.
+                     pyproject.toml, a wheel path must be the one `make wheel` writes for this version,
+                     and a torch pin and index must be the Makefile's; tests/test_packaging.py builds the
+                     wheel with `make wheel`, installs it with `[cpu]` into a fresh venv and runs the
+                     commands there.
   docker run ...     no container runtime here: the folder it mounts must exist (written by the commands
                      before it) and the container path must be the repository root that the generated
                      config.pbtxt files name in op_library_filename, and that --model-repository serves.
@@ -95,17 +98,35 @@ def _check_make(words: list[str], env) -> None:
     assert p.returncode == 0, f"make -n {' '.join(targets)}: {p.stderr}"
 
 
+def _makefile_var(name: str) -> str:
+    m = re.search(rf"^{name}\s*\?=\s*(.*)$", (ROOT / "Makefile").read_text(), re.M)
+    assert m, f"Makefile: no {name}"
+    return m.group(1).strip()
+
+
 def _check_pip(words: list[str]) -> None:
     try:
         import tomllib
     except ModuleNotFoundError:  # Python 3.10
         tomllib = pytest.importorskip("tomli")
+    import onnx2fused
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    checked = False
     for w in words[2:]:
-        m = re.fullmatch(r"onnx2fused\[([\w,]+)\]", w)
+        m = re.fullmatch(r"(onnx2fused|dist/onnx2fused-([^-]+)-py3-none-any\.whl)\[([\w,]+)\]", w)
         if m:
-            missing = [x for x in m.group(1).split(",") if x not in extras]
+            assert not m.group(2) or m.group(2) == onnx2fused.__version__, \
+                f"`{' '.join(words)}`: make wheel writes onnx2fused-{onnx2fused.__version__}-py3-none-any.whl"
+            assert m.group(1) != "onnx2fused", f"`{' '.join(words)}`: onnx2fused is not on PyPI"
+            missing = [x for x in m.group(3).split(",") if x not in extras]
             assert not missing, f"`{' '.join(words)}`: no extra {missing} in pyproject.toml"
+            checked = True
+        elif w.startswith("torch=="):
+            assert w == _makefile_var("TORCH"), f"`{' '.join(words)}`: the Makefile pins {_makefile_var('TORCH')}"
+            at = words.index("--index-url")
+            assert words[at + 1] == _makefile_var("TORCH_INDEX") == "https://download.pytorch.org/whl/cpu"
+            checked = True
+    assert checked, f"`{' '.join(words)}`: nothing this test knows how to check"
 
 
 def _check_docker(words: list[str], cwd: Path) -> None:
@@ -127,13 +148,17 @@ def _check_docker(words: list[str], cwd: Path) -> None:
 
 
 def _run_onnx2fused(cmd: str, words: list[str], cwd: Path, env) -> None:
+    gpu_bench_here = len(words) > 1 and words[1] == "bench" and "--cpu" not in words and not _has_gpu()
     if len(words) > 1 and words[1] == "bench":
-        extra = ["--out", "bench_out"] + (["--batches", "1024", "--reps", "3", "--no-torch"] if _has_gpu() else [])
+        extra = ["--out", "bench_out", "--batches", "1024", "--reps", "3", "--no-torch"]
         cmd = " ".join([shlex.join(words)] + extra)
     p = subprocess.run(["bash", "-c", cmd], cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
+    if gpu_bench_here:   # nothing can run: a non-zero exit that says why
+        assert p.returncode == 2 and "no GPU" in p.stderr, (p.returncode, p.stderr[-3000:])
+        return
     assert p.returncode == 0, f"`{cmd}` exited {p.returncode}:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
-    if words[1] == "bench" and not _has_gpu():
-        assert "no GPU" in p.stdout + p.stderr
+    if words[1] == "bench":
+        assert (cwd / "bench_out" / "bench.json").is_file() and "(p10..p90)" in p.stdout
 
 
 def test_readme_commands_run(tmp_path, env):
