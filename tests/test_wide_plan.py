@@ -104,7 +104,7 @@ def test_segmented_plan_runs_narrow_trailing_layers_as_one_fused_kernel():
     assert plan.design == "wide" and plan.tail_from == 1 == choose.best_tail(spec)[0]
     assert len(plan.gemms) == 1 and not plan.gemms[0].last and plan.gemms[0].dst == "h0"
     tail = choose.tail_plan(spec, 1)
-    assert getattr(tail, "design", "") != "wide" and tail.spec.widths == (256, 64, 1) and tail.spec.io_dtype == "f16"
+    assert tail.design in ("resident", "streamed") and tail.spec.widths == (256, 64, 1) and tail.spec.io_dtype == "f16"
     assert "segmented: layers 1..2 in one fused kernel" in plan.describe() and tail.describe() in plan.describe()
     for widths in ([768, 3072, 768], [9216, 4096, 4096, 1000]):
         assert choose.wide_plan(_spec(widths)).tail_from == 0
