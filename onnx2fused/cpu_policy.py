@@ -31,7 +31,11 @@ from . import expr as ex
 from .spec import MLPSpec
 
 MAX_WEIGHT_BYTES = 1 << 20  # fp32 weight matrices of the whole chain (biases are negligible)
-SCALAR_OPS = {"pow": "powf", "sin": "sinf", "cos": "cosf"}  # op -> the libm call it renders to
+# op -> the libm call it renders to. floorf/ceilf/rintf are not here: with -march=native they compile
+# to vector round instructions (checked: no call in the built kernel), and sign is compares and selects.
+SCALAR_OPS = {"pow": "powf", "sin": "sinf", "cos": "cosf", "tan": "tanf", "sinh": "sinhf", "cosh": "coshf",
+              "asin": "asinf", "acos": "acosf", "atan": "atanf", "asinh": "asinhf", "acosh": "acoshf",
+              "atanh": "atanhf"}
 
 
 def weight_bytes(spec: MLPSpec) -> int:

@@ -154,6 +154,21 @@ PRIMITIVES: dict[str, Primitive] = {
     "erf": Primitive(1, lambda a: f"erff({a})", _erf_np),
     "sin": Primitive(1, lambda a: f"sinf({a})", np.sin),
     "cos": Primitive(1, lambda a: f"cosf({a})", np.cos),
+    "sinh": Primitive(1, lambda a: f"sinhf({a})", np.sinh),
+    "cosh": Primitive(1, lambda a: f"coshf({a})", np.cosh),
+    "tan": Primitive(1, lambda a: f"tanf({a})", np.tan),
+    "asin": Primitive(1, lambda a: f"asinf({a})", np.arcsin),
+    "acos": Primitive(1, lambda a: f"acosf({a})", np.arccos),
+    "atan": Primitive(1, lambda a: f"atanf({a})", np.arctan),
+    "asinh": Primitive(1, lambda a: f"asinhf({a})", np.arcsinh),
+    "acosh": Primitive(1, lambda a: f"acoshf({a})", np.arccosh),
+    "atanh": Primitive(1, lambda a: f"atanhf({a})", np.arctanh),
+    "floor": Primitive(1, lambda a: f"floorf({a})", np.floor),
+    "ceil": Primitive(1, lambda a: f"ceilf({a})", np.ceil),
+    # ONNX Round rounds halves to even (ORT: std::nearbyint); rintf does in the default rounding mode,
+    # on the host and on the GPU (cvt.rni), where C's roundf would round them away from zero.
+    "round": Primitive(1, lambda a: f"rintf({a})", np.rint),
+    "sign": Primitive(1, lambda a: f"o2f_sign({a})", np.sign),
     "sigmoid": Primitive(1, lambda a: f"o2f_sigmoid({a})", _sigmoid_np),
     "softplus": Primitive(1, lambda a: f"o2f_softplus({a})", _softplus_np),
     "reciprocal": Primitive(1, lambda a: f"(1.0f / {a})", lambda a: np.float32(1) / a),
@@ -189,6 +204,8 @@ O2F_HD float o2f_min(float a, float b) {
   return (a != a || b != b) ? (a + b) : (a < b ? a : b);
 #endif
 }
+// ONNX Sign as ORT computes it: NaN stays NaN, -0 and +0 give +0 (numpy's sign agrees).
+O2F_HD float o2f_sign(float x) { return x > 0.0f ? 1.0f : (x < 0.0f ? -1.0f : (x != x ? x : 0.0f)); }
 O2F_HD float o2f_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 O2F_HD float o2f_softplus(float x) { return (x > 0.0f ? x : 0.0f) + log1pf(expf(-fabsf(x))); }
 #ifdef __CUDACC__
@@ -354,6 +371,11 @@ def hard_swish() -> Expr: return X * hard_sigmoid(1 / 6, 0.5)
 def mish() -> Expr: return X * Op("tanh", (Op("softplus", (X,)),))
 def sin() -> Expr: return Op("sin", (X,))
 def clip(lo: float, hi: float) -> Expr: return Op("min", (Op("max", (X, Const(lo))), Const(hi)))
+def swish(alpha: float = 1.0) -> Expr: return X * Op("sigmoid", (Const(alpha) * X,))
+def shrink(lambd: float = 0.5, bias: float = 0.0) -> Expr:
+    # ONNX Shrink: x + bias below -lambd, x - bias above lambd, else 0 (NaN too, like ORT).
+    above = Op("select", (Op("gt", (X, Const(lambd))), X - Const(bias), Const(0.0)))
+    return Op("select", (Op("lt", (X, Const(-lambd))), X + Const(bias), above))
 
 
 def _named() -> dict[Expr, str]:

@@ -88,6 +88,19 @@ CASES = {
                                                     x, g.op("Neg", [x])]), 17, None),
     "pow_per_channel": (lambda g, x: g.op("Pow", [g.op("Abs", [x]), g.init(c([1, 2, 0.5, 3, 1.5, 0]))]), 17, None),
     "siren_per_channel_freq": (lambda g, x: g.op("Sin", [g.op("Mul", [g.init(c([30, 1, 2, 30, 5, 6])), x])]), 17, None),
+    # issue 14 §4: elementwise ops that split chains before
+    "shrink_default": (lambda g, x: g.op("Shrink", [x]), 17, ex.shrink()),
+    "shrink_soft": (lambda g, x: g.op("Shrink", [x], lambd=1.5, bias=1.5), 17, ex.shrink(1.5, 1.5)),
+    "swish": (lambda g, x: g.op("Swish", [x], alpha=1.7), 24, ex.swish(1.7)),
+    "swish_default_is_silu": (lambda g, x: g.op("Swish", [x]), 24, ex.silu()),
+    **{op.lower(): (lambda g, x, op=op: g.op(op, [x]), 17, ex.Op(op.lower(), (ex.X,)))
+       for op in ("Sinh", "Cosh", "Tan", "Asin", "Acos", "Atan", "Asinh", "Acosh", "Atanh", "Floor", "Ceil", "Round",
+                  "Sign")},
+    "sum_variadic": (lambda g, x: g.op("Sum", [x, g.init(c(0.5)), x]), 17, None),
+    # onnx's function bodies cast their constants to the input's type: a CastLike to the chain's type
+    "castlike_constant": (lambda g, x: g.op("Mul", [x, g.op("CastLike", [g.const_node(c(0.5)), x])]), 17, None),
+    "castlike_double_roundtrip": (lambda g, x: g.op("Relu", [g.op("CastLike", [
+        g.op("CastLike", [x, g.init(np.zeros([], np.float64))]), x])]), 17, ex.relu()),
 }
 
 
@@ -111,7 +124,9 @@ def test_activation_matches_onnxruntime(name):
         assert act.output == "y", act.rejected
     # every node, the sink included, is the activation (Constant producers are folded, not consumed)
     assert act.nodes == [k for k, n in zip(ix.keys, m.graph.node) if n.op_type != "Constant"]
-    x = np.concatenate([rand([64, 6], seed=3), np.array([[0, -0.0, 1e-3, -1e-3, 7, -7]], np.float32)])
+    # halves (Round rounds them to even), Shrink's default thresholds, the domain edges of Asin/Acosh/Atanh
+    x = np.concatenate([rand([64, 6], seed=3), np.array([[0, -0.0, 1e-3, -1e-3, 7, -7], [0.5, 1.5, 2.5, -0.5, -1.5, -2.5],
+                                                         [1, -1, 0.25, -0.25, 0.75, -0.75]], np.float32)])
     (y,) = run(m, {"x": x})
     got = ex.evaluate(act.expr, x)
     np.testing.assert_allclose(got, y, rtol=2e-5, atol=2e-6, equal_nan=True)

@@ -122,11 +122,23 @@ def test_two_chains_around_softmax_and_describe():
     plan = find_chains(g.model([("x", ["B", 8])], [("y", ["B", 4])]))
     assert [(c.widths, c.activations) for c in plan.chains] == [
         ((8, 16, 16), [ex.tanh(), ex.identity()]), ((16, 4), [ex.sigmoid()])]
-    assert plan.refusals == []  # a Softmax is a natural end, not a refusal
+    # the Softmax splits what would be one chain, so the split says why
+    assert [r.reason for r in plan.refusals] == [
+        "chain 0 ends: output of layer 2 ('gemm_out7') feeds Softmax 'sm': Softmax normalises across the row, "
+        "not elementwise"]
     text = plan.describe()
     assert "2 chain(s) to fuse:" in text
     assert "chain 0: 'x' -> " in text and "widths 8 -> 16 -> 16, activations [tanh, id], f32" in text
     assert "widths 16 -> 4, activations [sigmoid]" in text
+
+
+def test_softmax_tail_is_a_natural_end():
+    g = G()
+    g.op("Softmax", [g.linear(g.op("Relu", [g.linear("x", 8, 16, name="a0")]), 16, 4, name="a1")], name="sm",
+         outputs=["y"])
+    plan = find_chains(g.model([("x", ["B", 8])], [("y", ["B", 4])]))
+    assert [c.widths for c in plan.chains] == [(8, 16, 4)]
+    assert plan.refusals == []  # no layer after it: nothing was split
 
 
 def test_transa_gemm_refused_in_plan():

@@ -64,13 +64,42 @@ def subst(e: Expr, x: Expr) -> Expr:
 
 _UNARY = {"Sigmoid": "sigmoid", "Tanh": "tanh", "Erf": "erf", "Sin": "sin", "Cos": "cos", "Exp": "exp",
           "Log": "log", "Abs": "abs", "Neg": "neg", "Sqrt": "sqrt", "Reciprocal": "reciprocal",
-          "Softplus": "softplus"}
+          "Softplus": "softplus", "Sinh": "sinh", "Cosh": "cosh", "Tan": "tan", "Asin": "asin", "Acos": "acos",
+          "Atan": "atan", "Asinh": "asinh", "Acosh": "acosh", "Atanh": "atanh", "Floor": "floor", "Ceil": "ceil",
+          "Round": "round", "Sign": "sign"}
 _BINARY = {"Add": "add", "Sub": "sub", "Mul": "mul", "Div": "div", "Pow": "pow",
            "Greater": "gt", "Less": "lt", "GreaterOrEqual": "ge", "LessOrEqual": "le"}
-_VARIADIC = {"Max": "max", "Min": "min"}
+_VARIADIC = {"Max": "max", "Min": "min", "Sum": "add"}
 ELEMENTWISE_OPS = (set(_UNARY) | set(_BINARY) | set(_VARIADIC) |
                    {"Relu", "LeakyRelu", "Gelu", "Elu", "Selu", "Celu", "HardSigmoid", "HardSwish", "Mish",
-                    "Clip", "Where", "Softsign", "ThresholdedRelu", "Identity", "Dropout", "Cast", "PRelu"})
+                    "Clip", "Where", "Softsign", "ThresholdedRelu", "Identity", "Dropout", "Cast", "PRelu",
+                    "Shrink", "Swish", "CastLike"})
+
+# Ops that are not elementwise, with why (after the op's name), for the reason a chain ends at one.
+_ROW_NORMS = ("LayerNormalization", "RMSNormalization", "SimplifiedLayerNormalization", "SkipLayerNormalization",
+              "SkipSimplifiedLayerNormalization", "GroupNormalization", "InstanceNormalization",
+              "MeanVarianceNormalization", "LpNormalization")
+_REDUCTIONS = ("ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL1", "ReduceL2",
+               "ReduceLogSum", "ReduceLogSumExp", "ReduceSumSquare", "ArgMax", "ArgMin", "TopK", "CumSum")
+_LAYOUT = ("Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze", "Expand", "Tile", "Pad")
+_NOT_ELEMENTWISE = {
+    **{op: "is a normalisation across the row, not elementwise" for op in _ROW_NORMS},
+    **{op: "normalises across the row, not elementwise" for op in ("Softmax", "LogSoftmax", "Hardmax")},
+    **{op: "is a reduction across elements, not elementwise" for op in _REDUCTIONS},
+    **{op: "changes the tensor's shape or layout, not elementwise" for op in _LAYOUT},
+    **{op: "selects part of the tensor, not elementwise" for op in ("Slice", "Gather", "GatherElements", "GatherND")},
+    "Split": "cuts the row into pieces (torch chunk/split), not elementwise",
+    "Concat": "joins the value with other tensors, not elementwise",
+}
+
+
+def unsupported(node: onnx.NodeProto) -> str:
+    """Why `node`, an op the recogniser does not know, cannot join an activation."""
+    if node.domain in ("", "ai.onnx") and node.op_type in _NOT_ELEMENTWISE:
+        return f"{node.op_type} {_NOT_ELEMENTWISE[node.op_type]}"
+    if node.domain not in ("", "ai.onnx"):
+        return f"{node.op_type} of domain '{node.domain}' is not a supported elementwise op"
+    return f"{node.op_type} is not a supported elementwise op"
 
 
 _NARROW_FLOATS = (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
@@ -125,6 +154,18 @@ def _attr(node, name, default=None):
     return default
 
 
+def _check_float_cast(ctx: _Ctx, what: str, src_name: str, to: int | None, cast: str) -> None:
+    """Raise unless casting `src_name` to element type `to` leaves the chain's fp32 value unchanged."""
+    src = ctx.ix.types.get(src_name)
+    if to not in FLOAT_TYPES:
+        raise ActivationRefusal(f"{what}: {cast} to {elem_name(to)} (only casts to float types are elementwise no-ops)")
+    if src is not None and src not in FLOAT_TYPES and src != onnx.TensorProto.BOOL:
+        raise ActivationRefusal(f"{what}: {cast} from {elem_name(src)}")
+    if to in _NARROW_FLOATS and ctx.value_type not in _NARROW_FLOATS and src not in _NARROW_FLOATS:
+        # In a float32 chain this rounds to 16 bits: the kernels (fp32 epilogue) would not round.
+        raise ActivationRefusal(f"{what}: {cast} to {elem_name(to)} rounds the float32 value")
+
+
 def node_expr(ctx: _Ctx, i: int) -> Expr:
     """The expression of node i's (first) output in terms of its operands, or raise ActivationRefusal."""
     ix = ctx.ix
@@ -132,7 +173,7 @@ def node_expr(ctx: _Ctx, i: int) -> Expr:
     what = ix.describe(i)
     op = node.op_type
     if node.domain not in ("", "ai.onnx") or op not in ELEMENTWISE_OPS:
-        raise ActivationRefusal(f"{what}: {op} is not a supported elementwise op")
+        raise ActivationRefusal(f"{what}: {unsupported(node)}")
     ins = list(node.input)
     extra_outs = [o for o in node.output[1:] if o]
     if op == "Dropout":
@@ -148,15 +189,14 @@ def node_expr(ctx: _Ctx, i: int) -> Expr:
     if op == "Identity":
         return ctx.operand(ins[0], what)
     if op == "Cast":
-        to = _attr(node, "to")
-        src = ix.types.get(ins[0])
-        if to not in FLOAT_TYPES:
-            raise ActivationRefusal(f"{what}: Cast to {elem_name(to)} (only casts to float types are elementwise no-ops)")
-        if src is not None and src not in FLOAT_TYPES and src != onnx.TensorProto.BOOL:
-            raise ActivationRefusal(f"{what}: Cast from {elem_name(src)}")
-        if to in _NARROW_FLOATS and ctx.value_type not in _NARROW_FLOATS and src not in _NARROW_FLOATS:
-            # In a float32 chain this rounds to 16 bits: the kernels (fp32 epilogue) would not round.
-            raise ActivationRefusal(f"{what}: Cast to {elem_name(to)} rounds the float32 value")
+        _check_float_cast(ctx, what, ins[0], _attr(node, "to"), "Cast")
+        return ctx.operand(ins[0], what)
+    if op == "CastLike":
+        # Only the target's element type matters (onnx's function bodies cast their constants to the
+        # input's type this way): a CastLike to the chain's own type is the identity.
+        if len(ins) < 2 or not ins[1]:
+            raise ActivationRefusal(f"{what}: CastLike without a target input")
+        _check_float_cast(ctx, what, ins[0], ix.types.get(ins[1]), "CastLike")
         return ctx.operand(ins[0], what)
     if op in _UNARY:
         return Op(_UNARY[op], (ctx.operand(ins[0], what),))
@@ -198,6 +238,10 @@ def node_expr(ctx: _Ctx, i: int) -> Expr:
         return subst(ex.hard_swish(), x)
     if op == "Mish":
         return subst(ex.mish(), x)
+    if op == "Swish":
+        return subst(ex.swish(float(_attr(node, "alpha", 1.0))), x)
+    if op == "Shrink":
+        return subst(ex.shrink(float(_attr(node, "lambd", 0.5)), float(_attr(node, "bias", 0.0))), x)
     if op == "Softsign":
         return x / (Const(1.0) + Op("abs", (x,)))
     if op == "ThresholdedRelu":

@@ -95,6 +95,18 @@ class _Layer:
     prev: int | None = None
 
 
+def _feeding_a_layer(ix: GraphIndex) -> set[str]:
+    """The tensors some Gemm/MatMul depends on. A chain that ends at one of them was split (by a
+    LayerNorm, a Split, ...), and says why; one that ends before the graph's tail (a Softmax) was not.
+    One pass over the nodes in reverse (ONNX graphs are topologically sorted; if one is not, only a
+    reason goes missing)."""
+    feeds: set[str] = set()
+    for n in reversed(ix.graph.node):
+        if (n.op_type in LINEAR_OPS and n.domain in ("", "ai.onnx")) or any(o in feeds for o in n.output if o):
+            feeds.update(i for i in n.input if i)
+    return feeds
+
+
 def find_chains(model: onnx.ModelProto) -> FusionPlan:
     ix = GraphIndex(model)
     plan = FusionPlan()
@@ -114,6 +126,7 @@ def find_chains(model: onnx.ModelProto) -> FusionPlan:
                           "only float32/float16 are fused")
             continue
         layers[i] = _Layer(i, lin, match_activation(ix, lin.output, lin.out_features))
+    feeds_layer = _feeding_a_layer(ix)
     # A bias Add is never another layer's start; make sure no node is claimed twice.
     by_input_node = {l.start: l for l in layers.values()}
     ends: dict[int, str] = {}
@@ -138,10 +151,10 @@ def find_chains(model: onnx.ModelProto) -> FusionPlan:
                 continue
             l.next, nxt.prev = u, l.start
             continue
-        if u in l.act.rejected and ix.node(u).op_type in ELEMENTWISE_OPS:
-            ends[l.start] = f"feeds {l.act.rejected[u]}"
-        elif u in refused:
+        if u in refused:
             ends[l.start] = f"feeds {ix.describe(u)}, which is not fused"
+        elif u in l.act.rejected and (ix.node(u).op_type in ELEMENTWISE_OPS or t in feeds_layer):
+            ends[l.start] = f"feeds {l.act.rejected[u]}"
     for l in sorted(layers.values(), key=lambda l: l.start):
         if l.prev is not None:
             continue

@@ -30,7 +30,9 @@ FUNCTION_MIN_IR = 3  # checker and onnxruntime 1.31 accept model-local functions
 
 _UNARY_OPS = {"neg": "Neg", "abs": "Abs", "exp": "Exp", "log": "Log", "sqrt": "Sqrt", "tanh": "Tanh",
               "erf": "Erf", "sin": "Sin", "cos": "Cos", "sigmoid": "Sigmoid", "softplus": "Softplus",
-              "reciprocal": "Reciprocal"}
+              "reciprocal": "Reciprocal", "sinh": "Sinh", "cosh": "Cosh", "tan": "Tan", "asin": "Asin",
+              "acos": "Acos", "atan": "Atan", "asinh": "Asinh", "acosh": "Acosh", "atanh": "Atanh",
+              "floor": "Floor", "ceil": "Ceil", "round": "Round", "sign": "Sign"}
 _BINARY_OPS = {"add": "Add", "sub": "Sub", "mul": "Mul", "div": "Div", "max": "Max", "min": "Min",
                "pow": "Pow"}
 _CMP_OPS = {"gt": "Greater", "lt": "Less", "ge": "GreaterOrEqual", "le": "LessOrEqual"}
