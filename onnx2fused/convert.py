@@ -275,7 +275,10 @@ def convert(input_path, output_path=None, precision: str = AUTO, validate: bool 
                                      cases, vacuous, user_inputs, round_dir, say,
                                      dict(atol=atol, rtol=rtol, save_inputs=save_inputs, save_outputs=save_outputs))
             report = built.validation
-            moving = [k for k in (report.chain_failures if (report and auto) else [])
+            # Only the CUDA kernels compute at the chain's precision: a failure on the CPU EP (whose
+            # kernels compute in fp32 whatever the label) is no reason to move a chain up.
+            on_gpu = report is not None and report.provider == "CUDAExecutionProvider"
+            moving = [k for k in (report.chain_failures if (on_gpu and auto) else [])
                       if next_precision(choices[k].precision)]
             if not moving:
                 break

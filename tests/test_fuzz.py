@@ -192,7 +192,9 @@ def _opset(rng, m):
 
 
 OPS = ["Relu", "Tanh", "Sigmoid", "Gemm", "MatMul", "Add", "Mul", "Gelu", "Erf", "Softmax", "Identity", "NoSuchOp",
-       "Elu", "LeakyRelu", "HardSwish", "Mish", "Softplus", "Div", "Transpose", "Reshape"]
+       "Elu", "LeakyRelu", "HardSwish", "Mish", "Softplus", "Div", "Transpose", "Reshape",
+       # issue 14: ops that fuse now (CastLike reads only its second input's type) or end a chain with a reason
+       "Shrink", "Swish", "CastLike", "Round", "Sign", "Sinh", "Sum", "LayerNormalization", "Split"]
 
 
 def _op_types(rng, m):

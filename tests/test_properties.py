@@ -23,10 +23,21 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from onnx2fused.build import build_plugin
-from onnx_builders import CONTINUOUS_ACTS as ACTS
-from onnx_builders import G, assert_close, fuse, plugin_session, run
+from onnx_builders import CONTINUOUS_ACTS, G, assert_close, fuse, plugin_session, run
 
 MAX_EXAMPLES = int(os.environ.get("ONNX2FUSED_PROPERTY_EXAMPLES", "10"))
+
+# Continuous forms of the ops issue 14 added (at opset 17; the steps and Swish are checked exactly in
+# test_split_reasons.py), drawn like the others.
+ACTS = {
+    **CONTINUOUS_ACTS,
+    "atan": lambda g, x, n: g.op("Atan", [x]),
+    "asinh": lambda g, x, n: g.op("Asinh", [x]),
+    "sinh_tanh": lambda g, x, n: g.op("Sinh", [g.op("Tanh", [x])]),
+    "soft_shrink": lambda g, x, n: g.op("Shrink", [x], lambd=0.5, bias=0.5),
+    "castlike_scale_sum": lambda g, x, n: g.op("Sum", [x, g.op("Mul", [
+        x, g.op("CastLike", [g.init(np.float32(0.5)), x])])]),
+}
 
 
 FORMS_2D = ("gemm", "gemm_plain", "gemm_attrs", "matmul", "matmul_left", "matmul_nobias")

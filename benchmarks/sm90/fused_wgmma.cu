@@ -107,7 +107,12 @@ struct Mlp {
   __host__ __device__ static constexpr int chunks(int l) { return N(l) / NC(l); }
   // Swizzle atom of layer l's K-major tile: its row (one n) holds 128, 64 or 32 bytes of k.
   __host__ __device__ static constexpr int atom_bytes(int l) { return K(l) % 64 == 0 ? 128 : K(l) % 32 == 0 ? 64 : 32; }
-  __host__ __device__ static constexpr int chunk_bytes(int l) { return NC(l) * K(l) * 2; }
+  // A chunk = the NC x K weight tile, then an NC x 16 "bias tile" (32-byte swizzle) whose k = 0, 1 rows
+  // hold the fp32 bias split into two fp16 terms (hi + lo): one extra k-step with a constant A of ones
+  // in k = 0, 1 starts the accumulators at the bias, exact to ~2^-22 relative, so the epilogue has no
+  // bias add and no bias loads. Chunks are 1024-aligned.
+  __host__ __device__ static constexpr int main_bytes(int l) { return NC(l) * K(l) * 2; }
+  __host__ __device__ static constexpr int chunk_bytes(int l) { return round_up(main_bytes(l) + NC(l) * 32, 1024); }
   // Byte offset of layer l's first chunk in the weight image (layers 1024-aligned: the 128B swizzle
   // repeats every 1024 bytes and is applied to absolute shared-memory addresses).
   __host__ __device__ static constexpr int layer_off(int l) {
@@ -123,18 +128,10 @@ struct Mlp {
     return round_up(m, 1024);
   }
   static constexpr int kSlotBytes = kStreamed ? slot_bytes() : 0;
-  __host__ __device__ static constexpr int bias_off(int l) {  // in floats
-    int o = 0;
-    for (int i = 0; i < l; ++i) o += N(i);
-    return o;
-  }
-  static constexpr int kBiasFloats = bias_off(L);
-  // Shared memory: [resident weights][ring slots][bias fp32][aux fp32 (per-activation constant per
-  // column)][mbarriers], plus 1 KB of slack to align the base to 1024.
+  // Shared memory: [resident weights][ring slots][mbarriers][release counters], plus 1 KB of slack to
+  // align the base to 1024.
   static constexpr int kRingOff = kResBytes;
-  static constexpr int kBiasOff = kRingOff + kStages * kSlotBytes;
-  static constexpr int kAuxOff = kBiasOff + kBiasFloats * 4;
-  static constexpr int kBarOff = round_up(kAuxOff + kBiasFloats * 4, 8);  // wbar, full[kStages]
+  static constexpr int kBarOff = kRingOff + kStages * kSlotBytes;  // wbar, full[kStages]
   static constexpr int kCntOff = kBarOff + (1 + kStages) * 8;              // uint32 release counters[kStages]
   static constexpr int kSmemBytes = kCntOff + kStages * 4 + 1024;
   static constexpr int kPF = PF;
@@ -192,20 +189,31 @@ __host__ __device__ constexpr uint32_t tile_offset(int n, int k, int nc, int ato
   const int kb = 2 * k;
   return uint32_t((n % 8) * atom_bytes + (n / 8) * 8 * atom_bytes + kb % atom_bytes + (kb / atom_bytes) * (nc / 8) * 8 * atom_bytes);
 }
-// The matrix descriptor of wgmma's B operand for k-step ks of a chunk whose first byte is at shared
-// address `chunk_addr` (PTX ISA "matrix descriptor": bits 0-13 start address >> 4, 16-29 leading
-// byte offset >> 4 (unused by swizzled K-major layouts: 1 by convention, as CuTe sets it), 32-45
-// stride byte offset >> 4 (8-row group to the next along N), 49-51 base offset (0: atoms aligned),
-// 62-63 swizzle mode (1: 128B, 2: 64B, 3: 32B)). k-step ks starts 32 bytes further along k; past an
-// atom row it continues in the next K atom (NC/8 atoms on). Within an atom the start moves by 32-byte
-// steps and the hardware applies the XOR swizzle to the resulting addresses, as CuTe's descriptor
-// iterator does.
-__host__ __device__ constexpr uint64_t make_desc(uint32_t chunk_addr, int ks, int nc, int atom_bytes) {
+// The matrix descriptor of wgmma's B operand (PTX ISA "matrix descriptor": bits 0-13 start address
+// >> 4, 16-29 leading byte offset >> 4 (unused by swizzled K-major layouts: 1 by convention, as CuTe
+// sets it), 32-45 stride byte offset >> 4 (8-row group to the next along N), 49-51 base offset (0:
+// atoms aligned), 62-63 swizzle mode (1: 128B, 2: 64B, 3: 32B)).
+// High word: SBO and mode, a function of the swizzle width only.
+__host__ __device__ constexpr uint32_t desc_hi(int atom_bytes) {
+  return uint32_t((8 * atom_bytes) >> 4) | (uint32_t(atom_bytes == 128 ? 1 : atom_bytes == 64 ? 2 : 3) << 30);
+}
+// Byte offset of k-step ks inside a tile: 32 bytes further along k; past an atom row it continues in
+// the next K atom (NC/8 atoms on). Within an atom the start moves by 32-byte steps and the hardware
+// applies the XOR swizzle to the resulting addresses, as CuTe's descriptor iterator does.
+__host__ __device__ constexpr uint32_t kstep_off(int ks, int nc, int atom_bytes) {
   const int kb = 32 * ks;
-  const uint32_t off = uint32_t(kb % atom_bytes + (kb / atom_bytes) * (nc / 8) * 8 * atom_bytes);
-  const uint64_t mode = atom_bytes == 128 ? 1 : atom_bytes == 64 ? 2 : 3;
-  return uint64_t(((chunk_addr + off) & 0x3FFFF) >> 4) | (uint64_t(1) << 16) |
-         (uint64_t((8 * atom_bytes) >> 4) << 32) | (mode << 62);
+  return uint32_t(kb % atom_bytes + (kb / atom_bytes) * (nc / 8) * 8 * atom_bytes);
+}
+// Reference form: the descriptor of k-step ks of a tile at shared address `tile_addr`.
+__host__ __device__ constexpr uint64_t make_desc(uint32_t tile_addr, int ks, int nc, int atom_bytes) {
+  return (uint64_t(desc_hi(atom_bytes)) << 32) | (((tile_addr + kstep_off(ks, nc, atom_bytes)) & 0x3FFFF) >> 4) |
+         (uint32_t(1) << 16);
+}
+// Kernel form: lo0 = (base >> 4) | (1 << 16) once per kernel (base: the 1024-aligned shared memory);
+// then a descriptor is one add of a (mostly compile-time) offset. Equal to make_desc(base + rel, ...)
+// while base + rel < 2^18 (all of shared memory); the CuTe cross-check compares both.
+__host__ __device__ __forceinline__ uint64_t desc_at(uint32_t lo0, uint32_t rel, int atom_bytes) {
+  return (uint64_t(desc_hi(atom_bytes)) << 32) | uint64_t(lo0 + (rel >> 4));
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -319,17 +327,16 @@ __device__ __forceinline__ float tanh_approx(float x) {
 }
 
 // ----------------------------------------------------------------------------------------------
-// Activations on the accumulator v (bias not yet added) of a column with bias b and aux constant c
-// (per column, precomputed in shared memory at kernel start, see aux_of). Each returns the fp32
-// activation; the caller rounds pairs to fp16 (one cvt per two elements).
+// Activations of the accumulator v (bias included: see chunk_bytes), in fp32; pairs are rounded to
+// fp16 with one cvt (two elements).
 // ----------------------------------------------------------------------------------------------
 // GELU (erf form), the existing template's MUFU-free odd polynomial (|gelu error| <= 1.2e-5 |x|):
 //   gelu(x) = x * (1/2 + z Q(z^2)),  z = clamp(x/sqrt2, -3, 3).
-// The clamp and the scale are one saturating FMA on s = clamp(x/(6 sqrt2) + 1/2, 0, 1) with the bias
-// folded into its constant (c = b/(6 sqrt2) + 1/2), and z = 6 s - 3: 14 FMA-pipe instructions.
+// Clamp and scale are one saturating FMA, s = clamp(x/(6 sqrt2) + 1/2, 0, 1), and z = 6 s - 3:
+// 13 FMA-pipe instructions per element.
 constexpr float kGeluS = 0.70710678118654752f / 6.0f;
-__device__ __forceinline__ float gelu_poly(float v, float b, float c) {
-  const float s = __saturatef(fmaf(v, kGeluS, c));
+__device__ __forceinline__ float gelu_poly(float x) {
+  const float s = __saturatef(fmaf(x, kGeluS, 0.5f));
   const float z = fmaf(s, 6.0f, -3.0f), u = z * z;
   float q = fmaf(u, 2.037283408640178e-08f, -9.724752771944623e-07f);
   q = fmaf(u, q, 2.0531200789264403e-05f);
@@ -339,58 +346,44 @@ __device__ __forceinline__ float gelu_poly(float v, float b, float c) {
   q = fmaf(u, q, 0.05553976818919182f);
   q = fmaf(u, q, -0.18765749037265778f);
   q = fmaf(u, q, 0.5641342401504517f);
-  return (v + b) * fmaf(z, q, 0.5f);
+  return x * fmaf(z, q, 0.5f);
 }
-// SiLU x * sigmoid(x) with sigmoid = 1 / (1 + 2^(-x log2 e)) on the special-function unit (ex2.approx,
-// rcp.approx: ~2 ulp fp32 each). c = -b log2(e) folds the bias into the exponent's FMA.
+// SiLU x * sigmoid(x), sigmoid = 1 / (1 + 2^(-x log2 e)) on the special-function unit (ex2.approx,
+// rcp.approx: ~2 ulp fp32 each; x -> -inf: 2^inf = inf, rcp(inf) = 0, silu = -0).
 // With O2F_SILU_TANH=1: sigmoid(x) = (1 + tanh(x/2)) / 2, one MUFU op instead of two:
 // silu = h + h tanh(h), h = x/2 (tanh.approx.f32: rel. error ~2^-11, about fp16's half step).
-constexpr float kLog2e = 1.4426950408889634f;
-__device__ __forceinline__ float silu_fast(float v, float b, float c) {
+__device__ __forceinline__ float silu_fast(float x) {
 #if defined(O2F_SILU_TANH) && O2F_SILU_TANH
-  const float h = fmaf(v, 0.5f, c);  // c = b/2
+  const float h = 0.5f * x;
   return fmaf(h, tanh_approx(h), h);
 #else
-  const float e = ex2_approx(fmaf(v, -kLog2e, c));
-  return (v + b) * rcp_approx(1.0f + e);
+  return x * rcp_approx(1.0f + ex2_approx(x * -1.4426950408889634f));  // 2^(-x log2 e) = e^-x
 #endif
-}
-// Host: the aux constant of a column for the activation.
-static float aux_of(Act a, float b) {
-  switch (a) {
-    case Act::Gelu: return b * kGeluS + 0.5f;
-#if defined(O2F_SILU_TANH) && O2F_SILU_TANH
-    case Act::Silu: return 0.5f * b;
-#else
-    case Act::Silu: return -b * kLog2e;
-#endif
-    default: return 0.0f;
-  }
 }
 
-// Two adjacent columns (bias b0/b1, aux c0/c1) of an accumulator pair -> one packed fp16x2 register.
+// Two adjacent columns of an accumulator pair -> one packed fp16x2 register of the next A fragment.
 template <Act A>
-__device__ __forceinline__ uint32_t act_pack(float v0, float v1, float b0, float b1, float c0, float c1) {
+__device__ __forceinline__ uint32_t act_pack(float v0, float v1) {
   if constexpr (A == Act::Relu) {
     // relu commutes with rounding to fp16: round first, then one packed max for two elements.
-    const uint32_t h = pack_half2(v0 + b0, v1 + b1);
+    const uint32_t h = pack_half2(v0, v1);
     __half2 r = __hmax2(*reinterpret_cast<const __half2*>(&h), __float2half2_rn(0.0f));
     return *reinterpret_cast<uint32_t*>(&r);
   } else if constexpr (A == Act::Gelu) {
-    return pack_half2(gelu_poly(v0, b0, c0), gelu_poly(v1, b1, c1));
+    return pack_half2(gelu_poly(v0), gelu_poly(v1));
   } else if constexpr (A == Act::Silu) {
-    return pack_half2(silu_fast(v0, b0, c0), silu_fast(v1, b1, c1));
+    return pack_half2(silu_fast(v0), silu_fast(v1));
   } else if constexpr (A == Act::Tanh) {
 #if defined(O2F_TANH_F16X2) && O2F_TANH_F16X2
     // round the pre-activation to fp16, one MUFU op for two elements
-    uint32_t h = pack_half2(v0 + b0, v1 + b1), r;
+    uint32_t h = pack_half2(v0, v1), r;
     asm("tanh.approx.f16x2 %0, %1;\n" : "=r"(r) : "r"(h));
     return r;
 #else
-    return pack_half2(tanh_approx(v0 + b0), tanh_approx(v1 + b1));
+    return pack_half2(tanh_approx(v0), tanh_approx(v1));
 #endif
   } else {
-    return pack_half2(v0 + b0, v1 + b1);
+    return pack_half2(v0, v1);
   }
 }
 
@@ -400,8 +393,8 @@ __device__ __forceinline__ uint32_t act_pack(float v0, float v1, float b0, float
 // Per-thread context of a consumer warpgroup.
 struct Ctx {
   uint32_t smem;      // shared address of the (1024-aligned) dynamic shared memory
-  const float* bias;  // shared: padded biases of all layers
-  const float* aux;   // shared: per-column activation constants
+  uint32_t lo0;       // descriptor low word of that address: (smem >> 4) | (1 << 16)
+  uint32_t ones;      // fp16x2 (1, 1) for lanes with t = 0, else 0: the bias k-step's A fragment
   float* y;
   long long rows;
   long long row0;     // this thread's first row (tile*64 + 16*warp + lane/4); the second is row0 + 8
@@ -436,16 +429,16 @@ __device__ __forceinline__ void ring_fill(uint32_t smem, const unsigned char* wi
 
 template <class C>
 struct Fused {
-  // Shared address of chunk c of layer l, waiting for it first if it is streamed.
+  // Offset (from the shared memory base) of chunk c of layer l, waiting for it first if it is streamed.
   template <int l>
   static __device__ __forceinline__ uint32_t acquire(int c, Ctx& x) {
     if constexpr (l < C::kResLayers) {
-      return x.smem + C::layer_off(l) + c * C::chunk_bytes(l);
+      return C::layer_off(l) + c * C::chunk_bytes(l);
     } else {
       const uint32_t stage = x.acq % C::kStages, phase = (x.acq / C::kStages) & 1;
       ++x.acq;
       mbar_wait(x.smem + C::kBarOff + 8 * (1 + stage), phase);  // full[stage]
-      return x.smem + C::kRingOff + stage * C::kSlotBytes;
+      return C::kRingOff + stage * C::kSlotBytes;
     }
   }
   // After this warp's wgmmas reading a streamed chunk completed (wgmma.wait_group): count the warp
@@ -469,18 +462,22 @@ struct Fused {
   static __device__ __forceinline__ void issue(int c, const uint32_t (&a)[KT][4], float (&d)[C::NC(l) / 2], Ctx& x) {
     constexpr int NC = C::NC(l);
     static_assert(KT * 16 == C::K(l), "A fragment covers the layer's K");
-    const uint32_t addr = acquire<l>(c, x);
+    const uint32_t rel = acquire<l>(c, x);
 #pragma unroll
     for (int i = 0; i < NC / 2; ++i) fence_reg(d[i]);
     // Required before a wgmma reads registers written by ordinary instructions (A: the previous
     // layer's epilogue; D: read by the previous chunk's epilogue).
     wgmma_fence();
+    // The bias k-step first (scale-d = 0): D = ones(k=0,1) x (b_hi; b_lo) = bias.
+    const uint32_t ab[4] = {x.ones, x.ones, 0u, 0u};
+    wgmma_rs<NC>(ab, desc_at(x.lo0, rel + C::main_bytes(l), 32), d, false);
 #pragma unroll
-    for (int ks = 0; ks < KT; ++ks) wgmma_rs<NC>(a[ks], make_desc(addr, ks, NC, C::atom_bytes(l)), d, ks > 0);
+    for (int ks = 0; ks < KT; ++ks)
+      wgmma_rs<NC>(a[ks], desc_at(x.lo0, rel + kstep_off(ks, NC, C::atom_bytes(l)), C::atom_bytes(l)), d, true);
     wgmma_commit();
   }
 
-  // Epilogue of chunk c of a hidden layer: bias + activation, rounded and packed into the next layer's
+  // Epilogue of chunk c of a hidden layer: activation (bias already in), rounded and packed into the next layer's
   // A fragments. Accumulator d[4j+e] of n8 block j holds (row g + 8*(e/2), column 8j + 2t + e%2); the
   // A fragment of k-step kt is {(g, 16kt+2t..+1), (g+8, same), (g, 16kt+8+2t..+1), (g+8, same)}, so
   // n8 blocks 2kt and 2kt+1 of this layer become k-step kt of the next with no data movement.
@@ -490,18 +487,13 @@ struct Fused {
     constexpr int NC = C::NC(l);
 #pragma unroll
     for (int j = 0; j < NC / 8; ++j) {
-      const int col = c * NC + 8 * j + x.t2;
-      const float2 b = *reinterpret_cast<const float2*>(x.bias + C::bias_off(l) + col);
-      float2 cc = make_float2(0.f, 0.f);
-      if constexpr (C::kAct == Act::Gelu || C::kAct == Act::Silu)
-        cc = *reinterpret_cast<const float2*>(x.aux + C::bias_off(l) + col);
       const int jj = c * (NC / 8) + j;  // n8 block within the layer
-      an[jj / 2][(jj % 2) * 2 + 0] = act_pack<C::kAct>(d[4 * j + 0], d[4 * j + 1], b.x, b.y, cc.x, cc.y);
-      an[jj / 2][(jj % 2) * 2 + 1] = act_pack<C::kAct>(d[4 * j + 2], d[4 * j + 3], b.x, b.y, cc.x, cc.y);
+      an[jj / 2][(jj % 2) * 2 + 0] = act_pack<C::kAct>(d[4 * j + 0], d[4 * j + 1]);
+      an[jj / 2][(jj % 2) * 2 + 1] = act_pack<C::kAct>(d[4 * j + 2], d[4 * j + 3]);
     }
   }
 
-  // Epilogue of chunk c of the last layer: bias, fp32 streaming stores of the real columns and rows.
+  // Epilogue of chunk c of the last layer: fp32 streaming stores of the real columns and rows.
   template <int l>
   static __device__ __forceinline__ void epilogue_out(int c, const float (&d)[C::NC(l) / 2], const Ctx& x) {
     constexpr int NC = C::NC(l), NO = C::NOUT;
@@ -509,13 +501,12 @@ struct Fused {
     for (int j = 0; j < NC / 8; ++j) {
       const int col = c * NC + 8 * j + x.t2;
       if (c * NC + 8 * j >= NO) continue;  // a padding-only n8 block (compile-time)
-      const float2 b = *reinterpret_cast<const float2*>(x.bias + C::bias_off(l) + col);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const long long r = x.row0 + 8 * h;
         if (r >= x.rows) continue;
         float* p = x.y + r * NO + col;
-        const float v0 = d[4 * j + 2 * h] + b.x, v1 = d[4 * j + 2 * h + 1] + b.y;
+        const float v0 = d[4 * j + 2 * h], v1 = d[4 * j + 2 * h + 1];
         if constexpr (NO % 2 == 0) {
           if (col < NO) st_stream2(p, v0, v1);  // col even, NO even: col+1 < NO too; 8-byte aligned
         } else {
@@ -596,16 +587,13 @@ struct Fused {
 
 template <class C>
 __global__ void __launch_bounds__(C::kThreads, 1)
-    fused_mlp_kernel(const float* __restrict__ xin, float* __restrict__ y, long long rows, const __half* __restrict__ wimg,
-                     const float* __restrict__ bias_g, const float* __restrict__ aux_g) {
+    fused_mlp_kernel(const float* __restrict__ xin, float* __restrict__ y, long long rows, const __half* __restrict__ wimg) {
   using F = Fused<C>;
   extern __shared__ unsigned char smem_raw[];
   // Swizzle atoms need 1024-byte alignment (the hardware swizzles absolute addresses).
   const uint32_t raw = smem_u32(smem_raw);
   const uint32_t base = (raw + 1023u) & ~1023u;
   unsigned char* smem = smem_raw + (base - raw);
-  float* bias_s = reinterpret_cast<float*>(smem + C::kBiasOff);
-  float* aux_s = reinterpret_cast<float*>(smem + C::kAuxOff);
   const uint32_t wbar = base + C::kBarOff;  // resident weights loaded
   const int tid = threadIdx.x;
 
@@ -617,11 +605,7 @@ __global__ void __launch_bounds__(C::kThreads, 1)
     }
     mbar_init_fence();
   }
-  for (int i = tid; i < C::kBiasFloats; i += blockDim.x) {
-    bias_s[i] = bias_g[i];
-    aux_s[i] = aux_g[i];
-  }
-  __syncthreads();  // barriers initialised, bias visible
+  __syncthreads();  // barriers initialised
   if (tid == 0 && C::kResBytes > 0) {
     // The resident part of the image, once per CTA (bulk copies are async-proxy writes, which wgmma,
     // also async proxy, reads after the mbarrier wait: no fence.proxy.async needed).
@@ -647,8 +631,8 @@ __global__ void __launch_bounds__(C::kThreads, 1)
   const int wtid = tid & 127, warp = wtid >> 5, lane = tid & 31;
   Ctx x;
   x.smem = base;
-  x.bias = bias_s;
-  x.aux = aux_s;
+  x.lo0 = (base >> 4) | (1u << 16);
+  x.ones = (lane & 3) == 0 ? 0x3C003C00u : 0u;  // fp16 1.0 = 0x3C00, in k = 0 and 1 (t = 0 holds k = 0, 1)
   x.y = y;
   x.rows = rows;
   x.t2 = 2 * (lane & 3);
@@ -692,37 +676,66 @@ __global__ void __launch_bounds__(C::kThreads, 1)
 // ----------------------------------------------------------------------------------------------
 // Host side: packing, launch.
 // ----------------------------------------------------------------------------------------------
-// W[l] is the layer's real [K][N] weight (MatMul layout: y = x @ W), fp32.
+// W[l] is the layer's real [K][N] weight (MatMul layout: y = x @ W), B[l] its bias, fp32.
+// Value of the fp16 image at (layer l, padded column gn, padded k), k >= K(l) meaning the bias tile's
+// k - K(l): row 0 = fp16(b), row 1 = fp16(b - fp16(b)), the rest 0.
 template <class C>
-static void pack_image(const std::vector<std::vector<float>>& W, std::vector<__half>& img) {
+static float image_value(const std::vector<std::vector<float>>& W, const std::vector<std::vector<float>>& B, int l, int gn, int k) {
+  const int Kr = C::kW[l], Nr = C::kW[l + 1];
+  if (gn >= Nr) return 0.0f;
+  if (k < C::K(l)) return k < Kr ? __half2float(__float2half_rn(W[l][(size_t)k * Nr + gn])) : 0.0f;
+  const float b = B[l][gn], hi = __half2float(__float2half_rn(b));
+  if (k == C::K(l)) return hi;
+  if (k == C::K(l) + 1) return __half2float(__float2half_rn(b - hi));
+  return 0.0f;
+}
+template <class C>
+static void pack_image(const std::vector<std::vector<float>>& W, const std::vector<std::vector<float>>& B,
+                       std::vector<__half>& img) {
   img.assign(C::kImgBytes / 2, __float2half(0.0f));
   for (int l = 0; l < C::L; ++l) {
-    const int Kr = C::kW[l], Nr = C::kW[l + 1], NC = C::NC(l), ab = C::atom_bytes(l);
-    for (int c = 0; c < C::chunks(l); ++c)
-      for (int n = 0; n < NC; ++n)
-        for (int k = 0; k < C::K(l); ++k) {
-          const int gn = c * NC + n;
-          const float v = (k < Kr && gn < Nr) ? W[l][(size_t)k * Nr + gn] : 0.0f;
-          const uint32_t b = C::layer_off(l) + c * C::chunk_bytes(l) + swizzle_bytes(tile_offset(n, k, NC, ab), ab);
-          img[b / 2] = __float2half_rn(v);
-        }
+    const int NC = C::NC(l), ab = C::atom_bytes(l);
+    for (int c = 0; c < C::chunks(l); ++c) {
+      const uint32_t chunk = C::layer_off(l) + c * C::chunk_bytes(l);
+      for (int n = 0; n < NC; ++n) {
+        for (int k = 0; k < C::K(l); ++k)
+          img[(chunk + swizzle_bytes(tile_offset(n, k, NC, ab), ab)) / 2] = __float2half_rn(image_value<C>(W, B, l, c * NC + n, k));
+        for (int k = 0; k < 16; ++k)
+          img[(chunk + C::main_bytes(l) + swizzle_bytes(tile_offset(n, k, NC, 32), 32)) / 2] =
+              __float2half_rn(image_value<C>(W, B, l, c * NC + n, C::K(l) + k));
+      }
+    }
   }
 }
 
-// Emulates, on the host, the addresses wgmma computes from our descriptors (PTX ISA canonical K-major
-// layouts: row n of an 8-row group at n%8 * swizzle-width bytes, groups SBO apart, 16 k values
-// contiguous, then the swizzle XOR on the address) and checks that every (k, n) of every k-step of
-// every chunk reads W[k][n]. This checks the image packing against the descriptor encoding.
+// Emulates, on the host, the addresses wgmma computes from the kernel's descriptors (PTX ISA canonical
+// K-major layouts: row n of an 8-row group at n%8 * swizzle-width bytes, groups SBO apart, 16 k values
+// contiguous, then the swizzle XOR on the address) and checks that every (k, n) of every k-step (the
+// bias step included) of every chunk reads the right weight. Also checks desc_at == make_desc.
 template <class C>
-static int host_descriptor_check(const std::vector<std::vector<float>>& W, const std::vector<__half>& img) {
+static int host_descriptor_check(const std::vector<std::vector<float>>& W, const std::vector<std::vector<float>>& B,
+                                 const std::vector<__half>& img) {
   int bad = 0;
   const uint32_t fake_base = 0x400;  // any 1024-aligned shared address
+  const uint32_t lo0 = (fake_base >> 4) | (1u << 16);
+  int streamed = 0;
   for (int l = 0; l < C::L; ++l) {
-    const int Kr = C::kW[l], Nr = C::kW[l + 1], NC = C::NC(l), ab = C::atom_bytes(l);
-    for (int c = 0; c < C::chunks(l); ++c)
-      for (int ks = 0; ks < C::K(l) / 16; ++ks) {
-        const uint32_t chunk = fake_base + C::layer_off(l) + c * C::chunk_bytes(l);
-        const uint64_t desc = make_desc(chunk, ks, NC, ab);
+    const int NC = C::NC(l), ab = C::atom_bytes(l), KT = C::K(l) / 16;
+    for (int c = 0; c < C::chunks(l); ++c) {
+      // Where the chunk sits in shared memory (resident: its image offset; streamed: a ring slot)
+      // and in the image.
+      const uint32_t image_chunk = C::layer_off(l) + c * C::chunk_bytes(l);
+      const uint32_t chunk = l < C::kResLayers ? image_chunk : C::kRingOff + (streamed++ % (C::kStages > 0 ? C::kStages : 1)) * C::kSlotBytes;
+      for (int ks = 0; ks <= KT; ++ks) {  // ks == KT: the bias tile
+        const bool bias = ks == KT;
+        const uint32_t rel = bias ? chunk + C::main_bytes(l) : chunk + kstep_off(ks, NC, ab);
+        const uint64_t desc = desc_at(lo0, rel, bias ? 32 : ab);
+        const uint64_t ref = bias ? make_desc(fake_base + chunk + C::main_bytes(l), 0, NC, 32) : make_desc(fake_base + chunk, ks, NC, ab);
+        if (desc != ref) {
+          if (bad < 5) printf("    host descriptor check: layer %d chunk %d ks %d: desc_at 0x%016llx != make_desc 0x%016llx\n", l, c, ks,
+                              (unsigned long long)desc, (unsigned long long)ref);
+          ++bad;
+        }
         const uint32_t start = uint32_t(desc & 0x3FFF) << 4, sbo = uint32_t((desc >> 32) & 0x3FFF) << 4;
         const int mode = int(desc >> 62);
         const int width = mode == 1 ? 128 : mode == 2 ? 64 : 32;
@@ -730,9 +743,14 @@ static int host_descriptor_check(const std::vector<std::vector<float>>& W, const
         for (int n = 0; n < NC; ++n)
           for (int kk = 0; kk < 16; ++kk) {
             const uint32_t addr = swizzle_bytes(start + (n % 8) * width + (n / 8) * sbo + 2 * kk, width);
-            const int k = 16 * ks + kk, gn = c * NC + n;
-            const float want = (k < Kr && gn < Nr) ? __half2float(__float2half_rn(W[l][(size_t)k * Nr + gn])) : 0.0f;
-            const float got = __half2float(img[(addr - fake_base) / 2]);
+            const float want = image_value<C>(W, B, l, c * NC + n, 16 * ks + kk);
+            const uint32_t in_chunk = addr - fake_base - chunk;
+            if (in_chunk >= uint32_t(C::chunk_bytes(l))) {
+              if (bad < 5) printf("    host descriptor check: layer %d chunk %d ks %d n %d k %d reads outside the chunk\n", l, c, ks, n, kk);
+              ++bad;
+              continue;
+            }
+            const float got = __half2float(img[(image_chunk + in_chunk) / 2]);
             if (got != want) {
               if (bad < 5)
                 printf("    host descriptor check: layer %d chunk %d ks %d n %d k %d reads %g, want %g\n", l, c, ks, n, kk, got, want);
@@ -740,12 +758,14 @@ static int host_descriptor_check(const std::vector<std::vector<float>>& W, const
             }
           }
       }
+    }
   }
   return bad;
 }
 
-// Cross-check of our descriptors against CuTe's (tile_to_shape(GMMA::Layout_K_SW*_Atom<half>),
-// partition_fragment_B of the RS atom of the chunk's N) on the device, for the same shared address.
+// Cross-check of the kernel's descriptors (desc_at) and make_desc against CuTe's
+// (tile_to_shape(GMMA::Layout_K_SW*_Atom<half>), partition_fragment_B of the RS atom of the chunk's N)
+// on the device, for the same shared address.
 template <int NC, int K, int AB>
 __global__ void cute_desc_check_kernel(unsigned long long* out) {
   using namespace cute;
@@ -760,37 +780,43 @@ __global__ void cute_desc_check_kernel(unsigned long long* out) {
   auto thr = mma.get_slice(threadIdx.x);
   Tensor tB = thr.partition_fragment_B(sB);
   if (threadIdx.x == 0) {
+    const uint32_t a = smem_u32(p), lo0 = (a >> 4) | (1u << 16);
     for (int ks = 0; ks < K / 16; ++ks) {
-      out[2 * ks] = tB(0, 0, ks).desc_;
-      out[2 * ks + 1] = make_desc(smem_u32(p), ks, NC, AB);
+      out[3 * ks] = tB(0, 0, ks).desc_;
+      out[3 * ks + 1] = make_desc(a, ks, NC, AB);
+      out[3 * ks + 2] = desc_at(lo0, kstep_off(ks, NC, AB), AB);
     }
   }
+}
+template <int NC, int K, int AB>
+static int cute_check_one(int l, const char* what) {
+  unsigned long long* d;
+  CK(cudaMalloc(&d, sizeof(unsigned long long) * 3 * (K / 16)));
+  const int smem = NC * K * 2 + 1024;
+  CK(cudaFuncSetAttribute(cute_desc_check_kernel<NC, K, AB>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  cute_desc_check_kernel<NC, K, AB><<<1, 128, smem>>>(d);
+  CK(cudaGetLastError());
+  CK(cudaDeviceSynchronize());
+  std::vector<unsigned long long> h(3 * (K / 16));
+  CK(cudaMemcpy(h.data(), d, h.size() * sizeof(h[0]), cudaMemcpyDeviceToHost));
+  CK(cudaFree(d));
+  int bad = 0;
+  for (int ks = 0; ks < K / 16; ++ks)
+    if (h[3 * ks] != h[3 * ks + 1] || h[3 * ks] != h[3 * ks + 2]) {
+      if (bad < 4)
+        printf("    CuTe descriptor mismatch: layer %d %s (NC %d K %d swizzle %dB) ks %d: cute 0x%016llx make_desc 0x%016llx kernel 0x%016llx\n",
+               l, what, NC, K, AB, ks, h[3 * ks], h[3 * ks + 1], h[3 * ks + 2]);
+      ++bad;
+    }
+  return bad;
 }
 template <class C, int l = 0>
 static int cute_descriptor_check() {
   if constexpr (l == C::L) {
     return 0;
   } else {
-    constexpr int NC = C::NC(l), K = C::K(l), AB = C::atom_bytes(l);
-    unsigned long long* d;
-    CK(cudaMalloc(&d, sizeof(unsigned long long) * 2 * (K / 16)));
-    const int smem = NC * K * 2 + 1024;
-    CK(cudaFuncSetAttribute(cute_desc_check_kernel<NC, K, AB>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    cute_desc_check_kernel<NC, K, AB><<<1, 128, smem>>>(d);
-    CK(cudaGetLastError());
-    CK(cudaDeviceSynchronize());
-    std::vector<unsigned long long> h(2 * (K / 16));
-    CK(cudaMemcpy(h.data(), d, h.size() * sizeof(h[0]), cudaMemcpyDeviceToHost));
-    CK(cudaFree(d));
-    int bad = 0;
-    for (int ks = 0; ks < K / 16; ++ks)
-      if (h[2 * ks] != h[2 * ks + 1]) {
-        if (bad < 4)
-          printf("    CuTe descriptor mismatch: layer %d (NC %d K %d swizzle %dB) ks %d: cute 0x%016llx ours 0x%016llx\n", l, NC,
-                 K, AB, ks, h[2 * ks], h[2 * ks + 1]);
-        ++bad;
-      }
-    return bad + cute_descriptor_check<C, l + 1>();
+    return cute_check_one<C::NC(l), C::K(l), C::atom_bytes(l)>(l, "weights") + cute_check_one<C::NC(l), 16, 32>(l, "bias tile") +
+           cute_descriptor_check<C, l + 1>();
   }
 }
 
@@ -801,10 +827,9 @@ static int grid_for(long long rows, int num_sms) {
   return int(std::min<long long>(units, num_sms));
 }
 template <class C>
-static void launch_fused(const float* x, float* y, long long rows, const __half* img, const float* bias, const float* aux,
-                         int num_sms, cudaStream_t s) {
+static void launch_fused(const float* x, float* y, long long rows, const __half* img, int num_sms, cudaStream_t s) {
   if (rows <= 0) return;  // nothing to do; launching a 0-block grid is an error
-  fused_mlp_kernel<C><<<grid_for<C>(rows, num_sms), C::kThreads, C::kSmemBytes, s>>>(x, y, rows, img, bias, aux);
+  fused_mlp_kernel<C><<<grid_for<C>(rows, num_sms), C::kThreads, C::kSmemBytes, s>>>(x, y, rows, img);
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -953,7 +978,7 @@ static Result run_case(const char* name, long long full_batch, double target_ms)
   std::mt19937_64 rng(1234 + C::L * 7 + C::K0);
   std::normal_distribution<float> nd(0.0f, 1.0f);
   std::vector<std::vector<float>> W(C::L), B(C::L);
-  std::vector<float> w16_all, bias_pad(C::kBiasFloats, 0.0f), aux_pad(C::kBiasFloats, 0.0f), bias_all;
+  std::vector<float> w16_all, bias_all;
   std::vector<int> widths(C::kW, C::kW + C::L + 1);
   for (int l = 0; l < C::L; ++l) {
     const int K = C::kW[l], N = C::kW[l + 1];
@@ -962,15 +987,11 @@ static Result run_case(const char* name, long long full_batch, double target_ms)
     for (auto& v : W[l]) v = nd(rng) / sqrtf((float)K);
     for (auto& v : B[l]) v = 0.1f * nd(rng);
     for (auto v : W[l]) w16_all.push_back(__half2float(__float2half_rn(v)));
-    for (int n = 0; n < N; ++n) {
-      bias_pad[C::bias_off(l) + n] = B[l][n];
-      aux_pad[C::bias_off(l) + n] = aux_of(C::kAct, B[l][n]);
-      bias_all.push_back(B[l][n]);
-    }
+    for (int n = 0; n < N; ++n) bias_all.push_back(B[l][n]);
   }
   std::vector<__half> img;
-  pack_image<C>(W, img);
-  const int hbad = host_descriptor_check<C>(W, img);
+  pack_image<C>(W, B, img);
+  const int hbad = host_descriptor_check<C>(W, B, img);
   printf("  host descriptor/image emulation check: %s\n", hbad ? "FAILED" : "ok");
   const int cbad = cute_descriptor_check<C>();
   printf("  descriptor cross-check vs CuTe (partition_fragment_B): %s\n", cbad ? "MISMATCH" : "ok");
@@ -996,7 +1017,7 @@ static Result run_case(const char* name, long long full_batch, double target_ms)
   // Device buffers.
   const long long max_rows = std::max<long long>(full_batch, 1000003);
   const long long guard = 64;  // poisoned rows after the batch: must stay untouched
-  float *x, *y, *yref, *w16_d, *bias_d, *bias_pad_d, *aux_d;
+  float *x, *y, *yref, *w16_d, *bias_d;
   int* widths_d;
   __half* img_d;
   CK(cudaMalloc(&x, sizeof(float) * max_rows * C::K0));
@@ -1004,14 +1025,10 @@ static Result run_case(const char* name, long long full_batch, double target_ms)
   CK(cudaMalloc(&yref, sizeof(float) * max_rows * C::NOUT));
   CK(cudaMalloc(&w16_d, sizeof(float) * w16_all.size()));
   CK(cudaMalloc(&bias_d, sizeof(float) * bias_all.size()));
-  CK(cudaMalloc(&bias_pad_d, sizeof(float) * C::kBiasFloats));
-  CK(cudaMalloc(&aux_d, sizeof(float) * C::kBiasFloats));
   CK(cudaMalloc(&widths_d, sizeof(int) * widths.size()));
   CK(cudaMalloc(&img_d, C::kImgBytes));
   CK(cudaMemcpy(w16_d, w16_all.data(), sizeof(float) * w16_all.size(), cudaMemcpyHostToDevice));
   CK(cudaMemcpy(bias_d, bias_all.data(), sizeof(float) * bias_all.size(), cudaMemcpyHostToDevice));
-  CK(cudaMemcpy(bias_pad_d, bias_pad.data(), sizeof(float) * C::kBiasFloats, cudaMemcpyHostToDevice));
-  CK(cudaMemcpy(aux_d, aux_pad.data(), sizeof(float) * C::kBiasFloats, cudaMemcpyHostToDevice));
   CK(cudaMemcpy(widths_d, widths.data(), sizeof(int) * widths.size(), cudaMemcpyHostToDevice));
   CK(cudaMemcpy(img_d, img.data(), C::kImgBytes, cudaMemcpyHostToDevice));
   fill_normal<<<4 * g_num_sms, 256>>>(x, max_rows * C::K0, 0xC0FFEEull + C::K0);
@@ -1025,7 +1042,7 @@ static Result run_case(const char* name, long long full_batch, double target_ms)
     const size_t n = (size_t)rows * C::NOUT, ng = (size_t)(rows + guard) * C::NOUT;
     CK(cudaMemset(y, 0xFF, sizeof(float) * ng));  // NaN poison, batch and guard rows
     CK(cudaMemset(yref, 0, sizeof(float) * std::max<size_t>(n, 1)));
-    launch_fused<C>(x, y, rows, img_d, bias_pad_d, aux_d, g_num_sms, 0);
+    launch_fused<C>(x, y, rows, img_d, g_num_sms, 0);
     CK(cudaGetLastError());
     CK(cudaDeviceSynchronize());
     if (rows > 0) {
@@ -1090,13 +1107,13 @@ static Result run_case(const char* name, long long full_batch, double target_ms)
   cudaEvent_t e0, e1;
   CK(cudaEventCreate(&e0));
   CK(cudaEventCreate(&e1));
-  for (int i = 0; i < 5; ++i) launch_fused<C>(x, y, full_batch, img_d, bias_pad_d, aux_d, g_num_sms, 0);
+  for (int i = 0; i < 5; ++i) launch_fused<C>(x, y, full_batch, img_d, g_num_sms, 0);
   CK(cudaGetLastError());
   CK(cudaDeviceSynchronize());
   std::vector<float> times;
   for (int i = 0; i < 50; ++i) {
     CK(cudaEventRecord(e0));
-    launch_fused<C>(x, y, full_batch, img_d, bias_pad_d, aux_d, g_num_sms, 0);
+    launch_fused<C>(x, y, full_batch, img_d, g_num_sms, 0);
     CK(cudaEventRecord(e1));
     CK(cudaEventSynchronize(e1));
     float ms;
@@ -1124,8 +1141,6 @@ static Result run_case(const char* name, long long full_batch, double target_ms)
   CK(cudaFree(yref));
   CK(cudaFree(w16_d));
   CK(cudaFree(bias_d));
-  CK(cudaFree(bias_pad_d));
-  CK(cudaFree(aux_d));
   CK(cudaFree(widths_d));
   CK(cudaFree(img_d));
   return res;
@@ -1154,6 +1169,14 @@ int main(int argc, char** argv) {
   cudaDeviceGetAttribute(&bus, cudaDevAttrGlobalMemoryBusWidth, dev);
   printf("device: %s, sm_%d%d, %d SMs, %.0f MHz max SM clock, %zu KB smem/block opt-in, %d-bit bus\n", g_prop.name, g_prop.major,
          g_prop.minor, g_num_sms, clk_khz / 1e3, g_prop.sharedMemPerBlockOptin / 1024, bus);
+#if !defined(O2F_SILU_TANH)
+#define O2F_SILU_TANH 0
+#endif
+#if !defined(O2F_TANH_F16X2)
+#define O2F_TANH_F16X2 0
+#endif
+  printf("activation options: O2F_SILU_TANH=%d (silu via 1 tanh.approx instead of ex2+rcp), O2F_TANH_F16X2=%d (tanh.approx.f16x2)\n",
+         O2F_SILU_TANH, O2F_TANH_F16X2);
   if (g_prop.major != 9) {
     printf("this prototype needs an sm_90 (Hopper) GPU; wgmma does not exist elsewhere\n");
     return 1;

@@ -11,8 +11,11 @@ and then t = f(v) elementwise, with f an `expr.Expr` built node by node:
 
     Relu(a) -> max(a, 0)        Sigmoid(a) -> sigmoid(a)      Mul(a, b) -> a * b      ...
     Gelu(a) -> gelu_erf[x := a] Mish(a) -> mish[x := a]       Clip(a, lo, hi) -> min(max(a, lo), hi)
+    Shrink(a) -> shrink[x := a] Swish(a) -> swish[x := a]     Round(a) -> round(a) (half to even)
     Identity / Dropout (inference) / Cast between float types -> a  (not a Cast that rounds a float32
                                                                       value to float16/bfloat16)
+    CastLike(a, t) with t of a float type -> a, by the same rule (onnx's function bodies, such as the
+                                          expanded Elu, cast each constant like the input)
     a constant c of shape [1, ..., 1, N] -> Chan(c) (c[col] for output column col), or Const when all
     its values are equal; a bool constant (a Where condition) -> 1.0 / 0.0
 
@@ -21,7 +24,8 @@ With no such nodes, f = x (`expr.identity()`). The tree is finally normalised to
 small, large (up to 1e30: near FLT_MAX the order of multiplications decides overflow), infinite and
 signed values, so kernel names read well.
 
-Each consumer that could not join A is recorded with a one-line reason (`Activation.rejected`).
+Each consumer that could not join A is recorded with a one-line reason (`Activation.rejected`); for a
+known op that is not elementwise (LayerNormalization, Softmax, Split, ...) the reason says what it does.
 """
 from __future__ import annotations
 

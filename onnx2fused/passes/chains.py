@@ -8,7 +8,11 @@ activation's output t_i
     has the width L_{i+1} expects (N_i == K_{i+1}).
 
 Otherwise the chain ends at t_i. A chain of one layer is still a chain. Every Gemm/MatMul that ends up
-in no chain, and every chain end that stopped something fusable, gets a one-line `Refusal`.
+in no chain, and every chain end that stopped something fusable, gets a one-line `Refusal`: a second
+consumer, a graph output, a width mismatch, an elementwise op that cannot join the activation, and any
+op at all (LayerNormalization, Split, Softmax, ...) where another Gemm/MatMul follows, so that every
+split of what could have been one chain says why. A chain that ends in the graph's tail (a Softmax
+over the logits) is not a split and gets none.
 """
 from __future__ import annotations
 
