@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -23,8 +24,10 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from onnx2fused import codegen  # noqa: E402
 from onnx2fused import expr as ex  # noqa: E402
-from onnx2fused import cuda_plan  # noqa: E402
+from onnx2fused.plan.choose import make_plan  # noqa: E402
+from onnx2fused.plan.options import PlanOptions, ResidentOptions, StreamedOptions  # noqa: E402
 from onnx2fused.spec import LayerSpec, MLPSpec  # noqa: E402
 
 BW = 3.0e12       # measured device-to-device copy, bytes/s (read + write)
@@ -55,38 +58,36 @@ CASES = {
     "sdf": (mlp([3, 128, 128, 128, 128, 1], ex.tanh()), 65536),
 }
 
-# Alternatives of the default plan, timed beside it: case -> (base case, make_plan options).
+# Alternatives of the default plan, timed beside it: case -> (base case, the designs' overrides).
 VARIANTS = {
-    "nerf64_noprefetch": ("nerf64", {"prefetch": False}),
-    "nerf64_w16": ("nerf64", {"warp_choices": (16,)}),
-    "nerf64_smem": ("nerf64", {"register_activations": False}),
-    "w128gelu_noprefetch": ("w128gelu", {"prefetch": False}),
-    "w128gelu_w16": ("w128gelu", {"warp_choices": (16,)}),
-    "w128gelu_w8": ("w128gelu", {"warp_choices": (8,)}),
-    "w128gelu_smem": ("w128gelu", {"register_activations": False}),
+    "nerf64_noprefetch": ("nerf64", ResidentOptions(prefetch=False)),
+    "nerf64_w16": ("nerf64", ResidentOptions(warp_choices=(16,))),
+    "nerf64_smem": ("nerf64", ResidentOptions(register_activations=False)),
+    "w128gelu_noprefetch": ("w128gelu", ResidentOptions(prefetch=False)),
+    "w128gelu_w16": ("w128gelu", ResidentOptions(warp_choices=(16,))),
+    "w128gelu_w8": ("w128gelu", ResidentOptions(warp_choices=(8,))),
+    "w128gelu_smem": ("w128gelu", ResidentOptions(register_activations=False)),
     # streamed: 64-row tiles of 32-deep chunks fit two blocks per SM, so one block's epilogue can
     # overlap the other's tensor-core work
-    "w256silu_kc32_bm64": ("w256silu", {"streamed_kc_max": 32, "streamed_tall_rows": (64,), "streamed_stages_choices": (2,)}),
+    "w256silu_kc32_bm64": ("w256silu", StreamedOptions(kc_max=32, tall_rows=(64,), stages_choices=(2,))),
 }
 
 
-def all_cases() -> dict:
-    cases = {name: (spec, batch, {}) for name, (spec, batch) in CASES.items()}
-    for name, (base, options) in VARIANTS.items():
-        cases[name] = (CASES[base][0], CASES[base][1], options)
+def all_cases(base: PlanOptions) -> dict:
+    """name -> (spec, batch, plan options): the cases with `base`, the variants with their overrides."""
+    cases = {name: (spec, batch, base) for name, (spec, batch) in CASES.items()}
+    for name, (case, override) in VARIANTS.items():   # an override times its own design, whatever the cost model says
+        design = "resident" if isinstance(override, ResidentOptions) else "streamed"
+        cases[name] = (CASES[case][0], CASES[case][1], replace(base, design=design, **{design: override}))
     return cases
 
 
-def render(spec: MLPSpec, options: dict) -> str:
-    import jinja2
-    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(ROOT / "templates")),
-                             undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
-    return env.get_template("cuda_kernel.cu.j2").render(**cuda_plan.template_params(spec, **options))
-
-
-def compile_case(name: str, spec: MLPSpec, options: dict, out: Path, arch: str) -> Path:
-    src = out / f"{name}.cu"
-    src.write_text(render(spec, options))
+def compile_case(name: str, spec: MLPSpec, options: PlanOptions, out: Path, arch: str) -> Path:
+    folder = out / name   # the kernel's source and the headers it includes
+    folder.mkdir(parents=True, exist_ok=True)
+    for file, text in codegen.cuda_sources(make_plan(spec, options)).items():
+        (folder / file).write_text(text)
+    src = folder / f"{spec.name}_cuda.cu"
     lib = out / f"lib{name}.so"
     cmd = ["nvcc", "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-lineinfo",
            f"-gencode=arch=compute_{arch},code=sm_{arch}", "-Xptxas", "-v", str(src), "-o", str(lib)]
@@ -202,7 +203,7 @@ def main():
     out = Path(a.out) / "kernels"
     out.mkdir(parents=True, exist_ok=True)
     rows = []
-    cases = {n: c for n, c in all_cases().items() if not a.only or n in a.only}
+    cases = {n: c for n, c in all_cases(PlanOptions.from_env()).items() if not a.only or n in a.only}
     t0 = time.time()
     # nvcc runs are independent: compile every case at once, then check and time one by one.
     with concurrent.futures.ThreadPoolExecutor(max(1, (os.cpu_count() or 2) // 2)) as pool:
@@ -222,7 +223,7 @@ def main():
             check(c.run(x, y), "run")
             torch.cuda.synchronize()
             continue
-        plan = "fp32" if spec.precision == "fp32" else cuda_plan.make_plan(spec, **options).describe()
+        plan = "fp32" if spec.precision == "fp32" else make_plan(spec, options).describe()
         try:
             errs = [c.check(b) for b in (0, 1, 127, 129, 1000, min(batch, 70001))]
             err = max(errs)

@@ -22,8 +22,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from onnx2fused import passes, wide_plan, wide_tune  # noqa: E402
+from onnx2fused import passes, wide_tune  # noqa: E402
 from onnx2fused.build import build_plugin  # noqa: E402
+from onnx2fused.plan.choose import make_plan  # noqa: E402
+from onnx2fused.plan.options import PlanOptions  # noqa: E402
+from onnx2fused.plan.wide import with_kernels  # noqa: E402
 from onnx2fused.headers import default_cache_dir  # noqa: E402
 from onnx2fused.loader import load_model  # noqa: E402
 from wide_cases import CASES, build_model  # noqa: E402
@@ -55,19 +58,23 @@ def main():
         for name, spec in specs.items():
             print(name, spec.name)
         return
-    specs = {name: s for name, s in specs.items() if wide_tune.wide_plan_of(s) is not None or print(
-        f"{name}: not a wide plan, nothing to tune")}
+    options = PlanOptions.from_env()
+    plans = {name: make_plan(s, options) for name, s in specs.items()}
+    tuning = {name: with_kernels(p, tuning=True) for name, p in plans.items() if p.design == "wide"
+              or print(f"{name}: not a wide plan, nothing to tune")}
+    specs = {name: specs[name] for name in tuning}
 
-    def tuning_library(spec) -> Path:
+    def tuning_library(name) -> Path:
+        spec = specs[name]
         lib = Path(a.prebuilt) / f"lib{spec.name}.so" if a.prebuilt else None
         if lib is None or not lib.is_file():
             lib = build_plugin([spec], with_cuda=True, cache_dir=cache, cpu_enabled={spec.name: False},
-                               wide_options={spec.name: {"tuning": True}}, progress=print).path
+                               plans={spec.name: tuning[name]}, progress=print).path
         return lib
     with ThreadPoolExecutor(len(specs) or 1) as pool:   # nvcc jobs of all cases at once; timing one by one
-        libs = dict(zip(specs, pool.map(tuning_library, specs.values())))
+        libs = dict(zip(specs, pool.map(tuning_library, specs)))
     for name, spec in specs.items():
-        record = wide_tune.run_tuning(libs[name], wide_plan.make_wide_plan(spec, tuning=True), a.reps)
+        record = wide_tune.run_tuning(libs[name], tuning[name], a.reps)
         if gpu:
             wide_tune.store_record(cache, spec, gpu, record)   # where convert looks for it
         else:

@@ -38,7 +38,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from onnx2fused import bench  # noqa: E402
-from onnx2fused.wide_plan import SM80_ENV, TAIL_ENV  # noqa: E402
+from onnx2fused.plan.options import DESIGN_ENV, TAIL_ENV  # noqa: E402
+from onnx2fused.plan.wide import SM80_ENV  # noqa: E402
 
 # name: (widths, activation, input shape with the batch first, batch, targets {variant: speed-up})
 CASES = {
@@ -184,7 +185,7 @@ def main(argv=None) -> int:
                     help="off: no segmented wide plans (every layer a GEMM; sets ONNX2FUSED_WIDE_TAIL), to compare")
     args = ap.parse_args(argv)
     if args.design:
-        os.environ["ONNX2FUSED_CUDA_DESIGN"] = args.design
+        os.environ[DESIGN_ENV] = args.design   # read by convert, the entry point
     if args.tail:
         os.environ[TAIL_ENV] = args.tail
     names = [c.strip() for c in args.cases.split(",") if c.strip()]

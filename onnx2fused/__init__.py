@@ -1,5 +1,5 @@
 """onnx2fused: fuse the MLP chains of an ONNX model into generated CUDA/C++ kernels for ONNX Runtime."""
-__version__ = "0.1.0"
+from ._version import __version__
 
 from .errors import BuildError, ConversionError, ValidationError  # noqa: E402
 from .convert import ConversionResult, InspectResult, convert, inspect  # noqa: E402  (rebinds the name `convert`)

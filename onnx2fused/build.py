@@ -28,10 +28,12 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Callable
 
-from . import __version__
+from ._version import __version__
 from .codegen import render
 from .errors import BuildError, ConversionError
 from .headers import default_cache_dir, find_cutlass_headers, locate_ort_headers, needs_cutlass
+from .plan.choose import make_plans
+from .plan.options import PlanOptions
 from .resources import ort_plugin_dir
 
 VERSION = 1  # bump when the build recipe changes in a way the key does not see
@@ -50,7 +52,7 @@ class BuiltLibrary:
     build_seconds: float   # 0.0 on a cache hit
     key: str = ""
     with_cuda: bool = False
-    wide_options: dict = field(default_factory=dict)  # {spec name: the wide kernels' choices} (wide_tune.py)
+    plans: dict = field(default_factory=dict)  # {spec name: the CUDA plan the library was rendered from}
 
 
 # ------------------------------------------------------------------------------------------ tools
@@ -162,7 +164,7 @@ WIDE_SM90A_DEFINE = "-DONNX2FUSED_WIDE_SM90A"
 
 
 def wide_nvcc_flags(flags: list[str]) -> list[str]:
-    """nvcc flags for a wide-design source (one that includes CUTLASS; wide_plan.py): its Hopper kernels
+    """nvcc flags for a wide-design source (one that includes CUTLASS; plan/wide.py): its Hopper kernels
     (CUTLASS 3.x, wgmma + TMA) need the arch-specific target sm_90a, so the sm_90 gencode becomes
     sm_90a for these sources only (sm_90a SASS runs on compute capability 9.0 only, as sm_90 SASS
     does, so nothing is lost), and ONNX2FUSED_WIDE_SM90A tells their host code the kernels exist.
@@ -244,11 +246,12 @@ def _compile(args: list[str], cwd: Path) -> tuple[int, str]:
 
 # ------------------------------------------------------------------------------------------ build
 def build_plugin(specs, with_cuda: bool | None = None, cache_dir=None, cpu_enabled=None,
-                 progress: Callable[[str], None] | None = None, wide_options: dict | None = None,
+                 progress: Callable[[str], None] | None = None, plans: dict | None = None,
                  tune: bool = False) -> BuiltLibrary:
-    """Build (or find in the cache) the plugin library of `specs`. `wide_options`: {spec name:
-    wide_plan.make_wide_plan options}; None: wide_tune.resolve finds them (the kernel choices this GPU
-    has in the cache; with `tune`, a fresh search where none is cached)."""
+    """Build (or find in the cache) the plugin library of `specs`. `plans`: {spec name: CUDA plan}
+    (plan.choose.make_plans); None: planned here with the environment's options (an entry point too).
+    wide_tune.resolve gives the wide plans the kernel choices this GPU has in the cache (with `tune`, a
+    fresh search where none is cached)."""
     say = progress or (lambda msg: None)
     nvcc = find_nvcc()
     if with_cuda is None:
@@ -258,18 +261,19 @@ def build_plugin(specs, with_cuda: bool | None = None, cache_dir=None, cpu_enabl
     cache = (Path(cache_dir).expanduser() if cache_dir else default_cache_dir()).resolve()  # compilers run in a temp cwd
     _ensure_writable(cache)
 
-    if wide_options is None:
-        wide_options = {}
-        if with_cuda:
-            from . import wide_tune
+    plans = dict(plans or {})
+    if with_cuda:
+        from . import wide_tune
+        if not plans:
+            plans = make_plans(specs, PlanOptions.from_env())
 
-            def build_tuning(tune_specs, **kw):
-                return build_plugin(tune_specs, with_cuda=True, cache_dir=cache, progress=say, **kw)
-            wide_options = wide_tune.resolve(specs, cache, build_tuning, say, tune=tune)
+        def build_tuning(tune_specs, **kw):
+            return build_plugin(tune_specs, with_cuda=True, cache_dir=cache, progress=say, **kw)
+        plans = wide_tune.resolve(plans, cache, build_tuning, say, tune=tune)
 
-    sources = dict(render(list(specs), with_cuda, cpu_enabled, wide_options))
+    sources = dict(render(list(specs), with_cuda, cpu_enabled, plans))
     lib = compile_library(sources, with_cuda, cache, say)
-    return BuiltLibrary(lib.path, lib.sources_dir, lib.cache_hit, lib.build_seconds, lib.key, with_cuda, wide_options)
+    return BuiltLibrary(lib.path, lib.sources_dir, lib.cache_hit, lib.build_seconds, lib.key, with_cuda, plans)
 
 
 def plugin_sources(with_cuda: bool) -> dict[str, str]:

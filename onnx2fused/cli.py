@@ -19,7 +19,7 @@ import os
 import sys
 import warnings
 
-from . import __version__
+from ._version import __version__
 from .errors import ConversionError
 
 PROG = "onnx2fused"

@@ -1,8 +1,9 @@
-"""Render the C++/CUDA sources of a plugin library from the specs: a pure function of its arguments.
+"""Render the C++/CUDA sources of a plugin library from the specs and their plans: a pure function of
+its arguments (planning happens before: plan/choose.py).
 
-    render(specs, with_cuda) -> {filename: text}
+    render(specs, with_cuda, cpu_enabled, plans) -> {filename: text}
       <name>_cpu.cc   per spec   templates/cpu_kernel.cc.j2   (S_cpu)
-      <name>_cuda.cu  per spec   templates/cuda_kernel.cu.j2  (S_cuda_*; when with_cuda)
+      <name>_cuda.cu  per spec   the template of the plan's design (S_cuda_*; when with_cuda)
       registry.cc                templates/registry.cc.j2     (the KernelEntry table ort_plugin registers)
 
 Templates hold placeholders and simple loops only; every number and string is computed here and passed
@@ -17,15 +18,22 @@ from functools import lru_cache
 
 import jinja2
 
-from . import __version__
 from . import expr as ex
+from ._version import __version__
+from .cuda_params import fp32_params, fused_params
 from .errors import ConversionError
+from .plan.protocol import Plan
 from .resources import templates_dir
 from .spec import MLPSpec
+from .wide_params import tail_symbol, wide_params
 
 CPU_TEMPLATE = "cpu_kernel.cc.j2"
-CUDA_TEMPLATE = "cuda_kernel.cu.j2"
 REGISTRY_TEMPLATE = "registry.cc.j2"
+# the CUDA template of each design (a wide plan's tuning build: WIDE_TUNE_TEMPLATE)
+CUDA_TEMPLATES = {"resident": "cuda_resident.cu.j2", "streamed": "cuda_streamed.cu.j2", "fp32": "cuda_fp32.cu.j2",
+                  "wide": "cuda_wide.cu.j2"}
+WIDE_TUNE_TEMPLATE = "cuda_wide_tune.cu.j2"
+_HEADER_INCLUDE = re.compile(r'^#include "(o2f_\w+\.cuh)"$', re.M)
 
 # CPU micro-kernel shapes: rows x vectors of accumulators (AVX2: 16 ymm, AVX-512: 32 zmm registers).
 MR_AVX2, NV_AVX2 = 6, 2
@@ -139,15 +147,21 @@ def cpu_params(spec: MLPSpec) -> dict:
     }
 
 
-def cuda_params(spec: MLPSpec, wide_options: dict | None = None) -> dict:
-    """`wide_options`: the wide design's make_wide_plan options (kernel choices, the tuning build)."""
-    try:
-        from . import cuda_plan
-    except ImportError as e:
-        raise ConversionError("CUDA code generation needs onnx2fused.cuda_plan, which is missing "
-                              f"({e}); build with with_cuda=False") from e
-    params = dict(cuda_plan.template_params(spec, **{f"wide_{k}": v for k, v in (wide_options or {}).items()}))
-    return _common_params(params, spec)
+def cuda_template(plan: Plan) -> str:
+    """The template of the plan's design."""
+    return WIDE_TUNE_TEMPLATE if plan.design == "wide" and plan.tuning else CUDA_TEMPLATES[plan.design]
+
+
+def cuda_params(plan: Plan) -> dict:
+    """The parameters of the plan's template (cuda_template)."""
+    if plan.design == "wide":
+        params = wide_params(plan)
+    elif plan.design == "fp32":
+        params = fp32_params(plan)
+    else:
+        params = fused_params(plan)
+    params["template"] = cuda_template(plan)
+    return _common_params(params, plan.spec)
 
 
 def _common_params(params: dict, spec: MLPSpec) -> dict:
@@ -157,32 +171,43 @@ def _common_params(params: dict, spec: MLPSpec) -> dict:
     return params
 
 
-def tail_params(spec: MLPSpec, tail: dict) -> dict:
-    """The fused kernel's template parameters for a segmented wide plan's tail (layers tail["start"]:
-    on the fp16 hidden tensor), under the tail's own symbol: the registry never lists it, the wide
-    source calls it."""
-    from . import cuda_plan, wide_plan
-    t_spec = wide_plan.tail_spec(spec, tail["start"])
-    params = dict(cuda_plan.template_params(t_spec, wide_allowed=False))
-    params["sym"] = tail["sym"]
-    return _common_params(params, t_spec)
+def cuda_sources(plan: Plan) -> dict[str, str]:
+    """The CUDA translation units of one spec: `<name>_cuda.cu`, and for a segmented wide plan its fused
+    tail `<name>_tail_cuda.cu` (the tail's plan under the tail's own symbol)."""
+    files = {f"{plan.spec.name}_cuda.cu": _render(cuda_template(plan), cuda_params(plan))}
+    tail = plan.tail if plan.design == "wide" else None
+    if tail is not None:
+        params = cuda_params(tail)
+        params["sym"] = tail_symbol(plan.spec)
+        files[f"{params['sym']}_cuda.cu"] = _render(cuda_template(tail), params)
+    return _with_headers(files)
 
 
-def registry_params(specs: list[MLPSpec], with_cuda: bool, cpu_enabled: dict[str, bool]) -> dict:
+def _with_headers(files: dict[str, str]) -> dict[str, str]:
+    """`files` and the static headers (templates/o2f_*.cuh) they include, by name: a library's sources
+    are then complete, and the build keys and compiles them like any other source."""
+    out, todo = dict(files), list(files.values())
+    while todo:
+        for name in _HEADER_INCLUDE.findall(todo.pop()):
+            if name not in out:
+                path = templates_dir() / name
+                try:
+                    out[name] = path.read_text()
+                except OSError as e:
+                    raise ConversionError(f"header {name} is missing from {templates_dir()}") from e
+                todo.append(out[name])
+    return out
+
+
+def registry_params(specs: list[MLPSpec], with_cuda: bool, cpu_enabled: dict[str, bool],
+                    plans: dict[str, Plan] | None = None) -> dict:
     kernels = []
     for spec in specs:
         name = _check_name(spec)
         has_cpu = cpu_enabled.get(name, True)
-        # The wide design's cuda_run writes scratch regions of the workspace: the plugin then orders runs
-        # on different streams. Only the wide plan has design "wide"; a spec without a tensor-core plan
-        # (fp32, or a plan that fails) renders as before, with 0.
-        uses_scratch = 0
-        if with_cuda:
-            try:
-                from . import cuda_plan
-                uses_scratch = int(getattr(cuda_plan.make_plan(spec), "design", "") == "wide")
-            except Exception:  # noqa: BLE001 - no plan: the CUDA-core or failing kernel has no scratch
-                pass
+        # A kernel whose cuda_run writes scratch regions of the workspace (the wide design): the plugin then
+        # orders runs on different streams.
+        uses_scratch = int(_plan_of(plans, spec).uses_scratch) if with_cuda else 0
         kernels.append({
             "name": name,
             "num_layers": len(spec.layers),
@@ -200,11 +225,18 @@ def registry_params(specs: list[MLPSpec], with_cuda: bool, cpu_enabled: dict[str
     return {"version": __version__, "with_cuda": with_cuda, "kernels": kernels}
 
 
+def _plan_of(plans: dict[str, Plan] | None, spec: MLPSpec) -> Plan:
+    plan = (plans or {}).get(spec.name)
+    if plan is None:
+        raise ConversionError(f"no CUDA plan was given for {spec.name}: plan the specs first "
+                              "(plan.choose.make_plans) or render with with_cuda=False")
+    return plan
+
+
 def render(specs: list[MLPSpec], with_cuda: bool, cpu_enabled: dict[str, bool] | None = None,
-           wide_options: dict[str, dict] | None = None) -> dict[str, str]:
+           plans: dict[str, Plan] | None = None) -> dict[str, str]:
     """Sources of one plugin library: {filename: text}. Pure: same arguments, same text.
-    `wide_options`: {spec name: wide_plan.make_wide_plan options} (wide_tune.py's kernel choices)."""
-    wide_options = dict(wide_options or {})
+    `plans`: {spec name: its CUDA plan} (plan.choose.make_plans), needed with CUDA."""
     cpu_enabled = dict(cpu_enabled or {})
     unique: dict[str, MLPSpec] = {}
     for spec in specs:
@@ -217,10 +249,6 @@ def render(specs: list[MLPSpec], with_cuda: bool, cpu_enabled: dict[str, bool] |
         if cpu_enabled.get(spec.name, True):
             files[f"{spec.name}_cpu.cc"] = _render(CPU_TEMPLATE, cpu_params(spec))
         if with_cuda:
-            # the plan names its template when it is not the fused kernel's
-            params = cuda_params(spec, wide_options.get(spec.name))
-            files[f"{spec.name}_cuda.cu"] = _render(params.get("template", CUDA_TEMPLATE), params)
-            if params.get("tail"):   # a segmented wide plan: its fused tail is a translation unit of its own
-                files[f"{params['tail']['sym']}_cuda.cu"] = _render(CUDA_TEMPLATE, tail_params(spec, params["tail"]))
-    files["registry.cc"] = _render(REGISTRY_TEMPLATE, registry_params(specs, with_cuda, cpu_enabled))
+            files.update(cuda_sources(_plan_of(plans, spec)))
+    files["registry.cc"] = _render(REGISTRY_TEMPLATE, registry_params(specs, with_cuda, cpu_enabled, plans))
     return files

@@ -21,13 +21,15 @@ import onnx
 
 from types import SimpleNamespace
 
-from . import cuda_plan
 from .cpu_policy import cpu_kernel_wins
 from .build import build_plugin, find_nvcc
 from .errors import ConversionError
 from .loader import load_model
 from .passes import find_chains, rewrite
 from .passes.activations import describe_expr
+from .plan.choose import make_plan
+from .plan.options import PlanOptions
+from .plan.protocol import Plan
 from .precision import PrecisionChoice, choose_precision, next_precision
 from .spec import PRECISIONS, SpecError
 from . import validate as val
@@ -115,21 +117,29 @@ def initial_precisions(model, chains, cases, with_cuda: bool, say) -> list[Preci
                              tolerances=val.TOLERANCES) for c in chains]
 
 
-def plan_text(spec, wide_options: dict | None = None, with_cuda: bool = True) -> str:
-    """The CUDA plan and the CPU decision of a spec, as the report and `inspect` show them
-    (`wide_options`: the wide design's kernel choices, wide_tune.py; `with_cuda` False: a CPU-only
-    library, which has no GPU plan to show)."""
+def plan_specs(specs, options: PlanOptions) -> tuple[dict[str, Plan], dict[str, str]]:
+    """Each distinct spec planned once: ({name: plan}, {name: why no design can run it})."""
+    plans, errors = {}, {}
+    for s in specs:
+        if s.name in plans or s.name in errors:
+            continue
+        try:
+            plans[s.name] = make_plan(s, options)
+        except SpecError as e:
+            errors[s.name] = str(e)
+    return plans, errors
+
+
+def plan_text(spec, plan: Plan | None, error: str = "", with_cuda: bool = True) -> str:
+    """The CUDA plan and the CPU decision of a spec, as the report and `inspect` show them (`error`:
+    why there is no plan; `with_cuda` False: a CPU-only library, which has no GPU plan to show)."""
     cpu = cpu_kernel_wins(spec)[1]
     if not with_cuda:
         return f"CPU: {cpu}; no GPU kernels (CPU-only library)"
-    if spec.precision == "fp32":
-        return f"GPU: CUDA cores, fp32; CPU: {cpu}"
-    try:
-        plan = cuda_plan.make_plan(spec, **{f"wide_{k}": v for k, v in (wide_options or {}).items()})
-    except SpecError as e:
-        return f"GPU: no tensor-core plan: {e}; CPU: {cpu}"
+    if plan is None:
+        return f"GPU: no tensor-core plan: {error}; CPU: {cpu}"
     text = plan.describe()
-    if getattr(plan, "design", "") == "wide" and plan.tuned_on:
+    if plan.design == "wide" and plan.tuned_on:
         text += f" [{plan.choice_text()}]"
     return f"GPU: {text}; CPU: {cpu}"
 
@@ -199,7 +209,7 @@ def convert(input_path, output_path=None, precision: str = AUTO, validate: bool 
             force: bool = False, cache_dir=None, with_cuda: bool | None = None,
             progress: Callable[[str], None] | None = None, tune: bool = False, *, atol: float | None = None,
             rtol: float | None = None, input_shapes: dict | None = None, save_inputs=None,
-            save_outputs=None) -> ConversionResult:
+            save_outputs=None, plan_options: PlanOptions | None = None) -> ConversionResult:
     """Fuse the MLP chains of `input_path` into one custom op each; write `output_path` and its plugin.
 
     precision: auto (default: per chain, the fastest of fp16, bf16, tf32, fp32 whose numerics pass; see
@@ -212,11 +222,13 @@ def convert(input_path, output_path=None, precision: str = AUTO, validate: bool 
     missing one is 0) instead of the precision's tolerance. input_shapes: {input name: shape} of the random
     validation inputs (instead of batches 1, 37, 256). save_inputs/save_outputs: .npz paths for the
     validation input sets and the reference (and fused) outputs (validate.save_arrays; written whenever
-    validation ran, also when it fails).
+    validation ran, also when it fails). plan_options: how the CUDA kernels are planned (None: from the
+    environment, PlanOptions.from_env).
     """
     t0 = time.monotonic()
     say = progress or (lambda msg: None)
     check_precision(precision)
+    options = plan_options or PlanOptions.from_env()
     inp = Path(input_path)
     out = Path(output_path) if output_path is not None else default_output(inp)
     _check_paths(inp, out)
@@ -259,7 +271,7 @@ def convert(input_path, output_path=None, precision: str = AUTO, validate: bool 
             # (it is mapped), and dlopen would hand back the first one loaded from the same path
             round_dir = tmpdir / f"round{attempt}"
             round_dir.mkdir()
-            built = _build_and_check(model, inp, out, plan, choices, with_cuda, cache_dir, tune, validate,
+            built = _build_and_check(model, inp, out, plan, choices, with_cuda, options, cache_dir, tune, validate,
                                      cases, vacuous, user_inputs, round_dir, say,
                                      dict(atol=atol, rtol=rtol, save_inputs=save_inputs, save_outputs=save_outputs))
             report = built.validation
@@ -280,7 +292,7 @@ def convert(input_path, output_path=None, precision: str = AUTO, validate: bool 
         specs, lib, data, tmp_model, tmp_lib, lib_name = built.specs, built.lib, built.data, built.model, built.lib_copy, built.lib_name
         result.chains = [ChainReport(k, s.name, list(s.widths), [describe_expr(a) for a in c.activations],
                                      s.precision, s.io_dtype,
-                                     plan_text(s, lib.wide_options.get(s.name), with_cuda=with_cuda),
+                                     plan_text(s, lib.plans.get(s.name), with_cuda=with_cuda),
                                      c.input, c.output, choices[k].why)
                          for k, (c, s) in enumerate(zip(plan.chains, specs))]
         result.cached_library, result.build_seconds = str(lib.path), built.build_seconds
@@ -320,19 +332,25 @@ class _Built:
     validation: val.ValidationReport | None
 
 
-def _build_and_check(model, inp: Path, out: Path, plan, choices, with_cuda, cache_dir, tune, validate, cases,
-                     vacuous, user_inputs, tmpdir: Path, say, checks: dict | None = None) -> _Built:
-    """One round: specs at the chosen precisions -> library (units cached: a chain moved to another
-    precision recompiles only its own) -> fused model written into `tmpdir` -> validation."""
+def _build_and_check(model, inp: Path, out: Path, plan, choices, with_cuda, options: PlanOptions, cache_dir, tune,
+                     validate, cases, vacuous, user_inputs, tmpdir: Path, say, checks: dict | None = None) -> _Built:
+    """One round: specs at the chosen precisions -> CUDA plans (each spec planned once) -> library (units
+    cached: a chain moved to another precision recompiles only its own) -> fused model written into
+    `tmpdir` -> validation."""
     try:
         specs = [c.to_spec(ch.precision) for c, ch in zip(plan.chains, choices)]
     except SpecError as e:
         raise ConversionError(str(e)) from None
     unique = list({s.name: s for s in specs}.values())
+    plans = {}
+    if with_cuda:
+        plans, plan_errors = plan_specs(unique, options)
+        if plan_errors:
+            raise ConversionError(next(iter(plan_errors.values())))
     say(f"building the plugin for {len(unique)} kernel(s) ({', '.join(s.precision for s in specs)})")
     cpu_enabled = {s.name: cpu_kernel_wins(s)[0] for s in unique}
     lib = build_plugin(unique, with_cuda=with_cuda, cache_dir=cache_dir, cpu_enabled=cpu_enabled, progress=say,
-                       tune=tune)
+                       tune=tune, plans=plans)
     if lib.cache_hit:
         say(f"plugin found in the build cache: {lib.path}")
 
@@ -518,14 +536,15 @@ class InspectResult:
         return "\n".join(lines)
 
 
-def inspect(input_path, precision: str = AUTO, cache_dir=None) -> InspectResult:
+def inspect(input_path, precision: str = AUTO, cache_dir=None, plan_options: PlanOptions | None = None) -> InspectResult:
     """The chains `convert` would fuse (with the precision automatic precision would give each, and its
     reason, or `precision` for all; the CUDA plan at that precision, with the wide kernels tuned for this
     GPU when the build cache holds them) and why other layers are not. On a fused model: the precision
     and reason convert recorded for each chain."""
     from .build import default_cache_dir
-    from .wide_tune import cached_options
+    from .wide_tune import cached_plan
     cache = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+    options = plan_options or PlanOptions.from_env()
     check_precision(precision)
     model = load_model(input_path)
     plan = find_chains(model)
@@ -549,7 +568,10 @@ def inspect(input_path, precision: str = AUTO, cache_dir=None) -> InspectResult:
             s = c.to_spec(ch.precision)
         except SpecError as e:
             raise ConversionError(str(e)) from None
+        plans, errors = plan_specs([s], options)
+        p = plans.get(s.name)
         res.chains.append(ChainReport(k, s.name, list(s.widths), [describe_expr(a) for a in c.activations],
-                                      s.precision, s.io_dtype, plan_text(s, cached_options(s, cache)),
+                                      s.precision, s.io_dtype,
+                                      plan_text(s, cached_plan(p, cache) if p else None, errors.get(s.name, "")),
                                       c.input, c.output, ch.why))
     return res

@@ -1,11 +1,11 @@
 """Per-GPU kernel selection for the wide design: the "small search over tile shapes when the plugin is
 built for a GPU that is present", cached per spec and GPU.
 
-When build.py builds a library with a wide chain (wide_plan.py) and the first visible GPU runs the Hopper
+When a library with a wide chain (plan/wide.py) is built and the first visible GPU runs the Hopper
 kernels (compute capability 9.0), `resolve` first builds a *tuning library* of that chain: the same
-source with every configuration of wide_plan.SM90_KERNELS and an exported entry,
+source with every configuration of plan.sm90.SM90_KERNELS and an exported entry,
 `<name>_cuda_tune`, which, for each layer's GEMM and each row bucket, runs every candidate
-(wide_plan.sm90_candidates: kernel configuration x stream-K decomposition) on pseudo-random data,
+(sm90.sm90_candidates: kernel configuration x stream-K decomposition) on pseudo-random data,
 rejects one whose output differs from the default kernel's, and times the rest with CUDA events.
 The fastest (kept only when it beats the default by MIN_GAIN, so noise never swaps kernels) becomes
 that GEMM's choice for that bucket; the final library instantiates only the chosen kernels.
@@ -13,7 +13,7 @@ that GEMM's choice for that bucket; the final library instantiates only the chos
 The choice is stored in <cache>/tune/<spec>-<gpu>.json and reused by every later build of the same
 spec on the same GPU model (no tuning build then). Without a GPU, on other GPUs, with
 $ONNX2FUSED_TUNE=0, or when tuning fails (it never fails the build: it reports and keeps the default),
-the library uses wide_plan.DEFAULT_CHOICE.
+the library uses sm90.DEFAULT_CHOICE.
 """
 from __future__ import annotations
 
@@ -26,7 +26,10 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Callable
 
-from . import wide_plan
+from .plan import sm90
+from .plan.cost import NOMINAL_ROWS
+from .plan.protocol import Plan
+from .plan.wide import WidePlan, with_kernels
 from .spec import MLPSpec, SpecError
 
 TUNE_ENV = "ONNX2FUSED_TUNE"     # "0": never tune (default kernels); anything else: tune when possible
@@ -74,51 +77,45 @@ def tunable_gpu() -> Gpu | None:
     return gpu if gpu is not None and gpu.cc == 90 else None
 
 
-def wide_plan_of(spec: MLPSpec) -> wide_plan.WidePlan | None:
-    from . import cuda_plan
-    if spec.precision not in cuda_plan.ELEM_BYTES:
-        return None
-    try:
-        plan = cuda_plan.make_plan(spec)
-    except SpecError:
-        return None
-    return plan if getattr(plan, "design", "") == "wide" else None
-
-
 def cache_file(cache: Path, spec: MLPSpec, gpu: Gpu) -> Path:
     slug = re.sub(r"[^A-Za-z0-9]+", "-", gpu.name).strip("-") or "gpu"
     return Path(cache) / "tune" / f"{spec.name}-{slug}-sm{gpu.cc}.json"
 
 
-def _options(plan: wide_plan.WidePlan, record: dict, gpu: Gpu) -> dict | None:
-    """make_wide_plan's options from a cache record, or None when it does not fit this plan."""
+def _tuned_plan(plan: WidePlan, record: dict, gpu: Gpu) -> WidePlan | None:
+    """`plan` with the kernel choices of a cache record, or None when the record does not fit it."""
     try:
         if record.get("format") != TUNE_FORMAT or record.get("gpu") != gpu.name or \
                 tuple(record["buckets"]) != plan.buckets:
             return None
-        choices = tuple(tuple(wide_plan.Sm90Choice(int(k), str(m), int(s)) for k, m, s in per)
+        choices = tuple(tuple(sm90.Sm90Choice(int(k), str(m), int(s)) for k, m, s in per)
                         for per in record["choices"])
         chain_block = int(record.get("chain_block") or 0)
-        wide_plan.make_wide_plan(plan.spec, choices=choices, chain_block=chain_block)   # validates every entry
+        return with_kernels(plan, choices=choices, tuned_on=gpu.name, chain_block=chain_block)  # validates them
     except (KeyError, TypeError, ValueError, SpecError):
         return None
-    return {"choices": choices, "tuned_on": gpu.name, "chain_block": chain_block}
 
 
-def cached_options(spec: MLPSpec, cache: Path) -> dict | None:
-    """The stored choice of `spec` for the current GPU, if any (what `inspect` shows)."""
-    gpu, plan = tunable_gpu(), wide_plan_of(spec)
-    if gpu is None or plan is None:
-        return None
-    return _stored_options(plan, cache, gpu)
+def _tunable(plan: Plan) -> bool:
+    """A wide plan with default kernels (not a tuning build, no choices given) and a GEMM the Hopper
+    kernels can run."""
+    return plan.design == "wide" and not plan.tuning and not plan.tuned_on and any(g.sm90 for g in plan.gemms)
 
 
-def _stored_options(plan: wide_plan.WidePlan, cache: Path, gpu: Gpu) -> dict | None:
+def cached_plan(plan: Plan, cache: Path) -> Plan:
+    """`plan` with the kernel choices stored for the current GPU, if any (what `inspect` shows)."""
+    gpu = tunable_gpu()
+    if gpu is None or not _tunable(plan):
+        return plan
+    return _stored_plan(plan, cache, gpu) or plan
+
+
+def _stored_plan(plan: WidePlan, cache: Path, gpu: Gpu) -> WidePlan | None:
     try:
         record = json.loads(cache_file(cache, plan.spec, gpu).read_text())
     except (OSError, ValueError):
         return None
-    return _options(plan, record, gpu) if isinstance(record, dict) else None
+    return _tuned_plan(plan, record, gpu) if isinstance(record, dict) else None
 
 
 def store_record(cache: Path, spec: MLPSpec, gpu: Gpu, record: dict) -> Path:
@@ -136,13 +133,13 @@ class TuneError(RuntimeError):
     pass
 
 
-def run_tuning(library: Path, plan: wide_plan.WidePlan, reps: int = REPS) -> dict:
+def run_tuning(library: Path, plan: WidePlan, reps: int = REPS) -> dict:
     """Calls the tuning library's entry; returns the cache record (choices and every time measured)."""
     lib = ctypes.CDLL(str(library))
     fn = getattr(lib, f"{plan.spec.name}_cuda_tune")
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_int)] + [ctypes.POINTER(ctypes.c_float)] * 3
-    candidates = wide_plan.sm90_candidates()
+    candidates = sm90.sm90_candidates()
     n = len(plan.gemms) * len(plan.buckets)
     index, ms, default_ms = (ctypes.c_int * n)(), (ctypes.c_float * n)(), (ctypes.c_float * n)()
     every = (ctypes.c_float * (n * len(candidates)))()
@@ -157,7 +154,7 @@ def run_tuning(library: Path, plan: wide_plan.WidePlan, reps: int = REPS) -> dic
         per, per_t = [], []
         for b in range(nb):
             i, t, t0 = index[g * nb + b], ms[g * nb + b], default_ms[g * nb + b]
-            best = candidates[i] if 0 <= i < len(candidates) and t < t0 * (1 - MIN_GAIN) else wide_plan.DEFAULT_CHOICE
+            best = candidates[i] if 0 <= i < len(candidates) and t < t0 * (1 - MIN_GAIN) else sm90.DEFAULT_CHOICE
             per.append(best)
             all_t = every[(g * nb + b) * len(candidates):(g * nb + b + 1) * len(candidates)]
             per_t.append({"rows": plan.buckets[b], "choice": best.label, "ms": round(min(t, t0) if i >= 0 else t0, 5),
@@ -172,7 +169,7 @@ def run_tuning(library: Path, plan: wide_plan.WidePlan, reps: int = REPS) -> dic
             "chain_block": chain_block, "passes": passes}
 
 
-def _time_passes(lib, plan: wide_plan.WidePlan, index: list[list[int]], reps: int) -> tuple[int, dict]:
+def _time_passes(lib, plan: WidePlan, index: list[list[int]], reps: int) -> tuple[int, dict]:
     """The pass size (rows per trip through the chain) to use: the whole row block, or a smaller pass
     whose hidden activations stay in L2 between the GEMMs when that measures faster by MIN_GAIN.
     Times every size in PASS_ROWS below the row block, at NOMINAL_ROWS rows (or the row block)."""
@@ -181,7 +178,7 @@ def _time_passes(lib, plan: wide_plan.WidePlan, index: list[list[int]], reps: in
     fn.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int64, ctypes.c_int, ctypes.c_int,
                    ctypes.POINTER(ctypes.c_float)]
     flat = (ctypes.c_int * (len(index) * len(plan.buckets)))(*[i for per in index for i in per])
-    rows = min(wide_plan.NOMINAL_ROWS, plan.row_block)
+    rows = min(NOMINAL_ROWS, plan.row_block)
     times = {}
     for block in [plan.row_block] + [b for b in PASS_ROWS if b < rows]:
         ms = ctypes.c_float()
@@ -194,28 +191,29 @@ def _time_passes(lib, plan: wide_plan.WidePlan, index: list[list[int]], reps: in
     return chosen, {"rows": rows, "ms": {str(b): t for b, t in times.items()}}
 
 
-def resolve(specs, cache: Path, build: Callable, say: Callable[[str], None], tune: bool = False) -> dict[str, dict]:
-    """{spec name: make_wide_plan options} for the wide specs among `specs`: the cached choice for this
-    GPU, else, with `tune`, a fresh tuning run (`build(specs, wide_options=..., cpu_enabled=...)` builds
-    the tuning library), else nothing (the default kernels). The search costs minutes of nvcc and GPU
-    time per chain, so convert runs it only on request (`--tune`, or `onnx2fused tune`)."""
+def resolve(plans: dict[str, Plan], cache: Path, build: Callable, say: Callable[[str], None],
+            tune: bool = False) -> dict[str, Plan]:
+    """`plans` ({spec name: plan}) with the Hopper kernel choices of this GPU in the wide ones: the cached
+    choice, else, with `tune`, a fresh tuning run (`build(specs, plans=..., cpu_enabled=...)` builds the
+    tuning library), else the plan as it is (the default kernels). The search costs minutes of nvcc and
+    GPU time per chain, so convert runs it only on request (`--tune`, or `onnx2fused tune`)."""
     gpu = tunable_gpu()
+    out = dict(plans)
     if gpu is None:
-        return {}
-    out: dict[str, dict] = {}
-    for spec in {s.name: s for s in specs}.values():
-        plan = wide_plan_of(spec)
-        if plan is None or not any(g.sm90 for g in plan.gemms):
+        return out
+    for name, plan in plans.items():
+        if not _tunable(plan):
             continue
-        cached = _stored_options(plan, cache, gpu)
+        cached = _stored_plan(plan, cache, gpu)
         if cached:
-            out[spec.name] = cached
+            out[name] = cached
             continue
         if not tune:
             continue
+        spec = plan.spec
         say(f"tuning the Hopper GEMM kernels of {spec.name} on {gpu.name} (once per spec and GPU model)")
         try:
-            lib = build([spec], wide_options={spec.name: {"tuning": True}}, cpu_enabled={spec.name: False})
+            lib = build([spec], plans={spec.name: with_kernels(plan, tuning=True)}, cpu_enabled={spec.name: False})
             record = run_tuning(lib.path, plan)
         except Exception as e:  # noqa: BLE001 - tuning is an optimisation: report, keep the defaults
             say(f"tuning {spec.name} failed ({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
@@ -225,9 +223,9 @@ def resolve(specs, cache: Path, build: Callable, say: Callable[[str], None], tun
             store_record(cache, spec, gpu, record)
         except OSError as e:
             say(f"cannot store the tuning result in {cache_file(cache, spec, gpu)}: {e}")
-        options = _options(plan, record, gpu)
-        if options:
-            out[spec.name] = options
+        tuned = _tuned_plan(plan, record, gpu)
+        if tuned:
+            out[name] = tuned
             say("tuned: " + "; ".join(f"layer {g}: " + ", ".join(f"{t['rows']} rows {t['choice']} {t['ms'] * 1e3:.0f} us"
                                                                    f" (default {t['default_ms'] * 1e3:.0f})" for t in per)
                                       for g, per in enumerate(record["timings"])))

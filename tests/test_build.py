@@ -77,8 +77,8 @@ def test_corrupt_library_is_detected_and_rebuilt(tmp_path):
 def test_failed_compile_leaves_no_entry_and_names_the_log(tmp_path, monkeypatch):
     real = build_mod.render
 
-    def broken(specs, with_cuda, cpu_enabled=None, wide_options=None):
-        files = real(specs, with_cuda, cpu_enabled, wide_options)
+    def broken(specs, with_cuda, cpu_enabled=None, plans=None):
+        files = real(specs, with_cuda, cpu_enabled, plans)
         files[f"{SPEC.name}_cpu.cc"] += "\nthis is not C++;\n"
         return files
 

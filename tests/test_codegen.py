@@ -105,10 +105,35 @@ def test_row_block_is_a_multiple_of_both_micro_kernels():
 
 
 def test_render_with_cuda_adds_one_cu_per_spec():
-    pytest.importorskip("onnx2fused.cuda_plan")
+    from onnx2fused.plan.choose import make_plans
     s = mlp([32, 64, 16], [ex.relu(), ex.identity()], precision="fp32")  # the CUDA-core kernel
-    files = codegen.render([s], with_cuda=True)
+    files = codegen.render([s], with_cuda=True, plans=make_plans([s]))
     assert f"{s.name}_cuda.cu" in files
     reg = files["registry.cc"]
     for fn in ("_cuda_workspace_bytes", "_cuda_pack", "_cuda_run"):
         assert f"&{s.name}{fn}" in reg
+
+
+@pytest.mark.parametrize("widths,precision,design", [
+    ([32, 64, 64, 16], "fp16", "resident"), ([256, 256, 256, 256, 256], "fp16", "streamed"),
+    ([32, 64, 16], "fp32", "fp32"), ([512, 256, 64, 1], "fp16", "wide"),   # wide with a fused tail
+])
+def test_cuda_sources_carry_the_headers_they_include(widths, precision, design):
+    """One template per design; its static device code comes as templates/o2f_*.cuh headers, which
+    render returns beside the sources: a library's sources are complete (the build keys and copies them)."""
+    import re
+
+    from onnx2fused.plan.choose import make_plans
+    from onnx2fused.plan.options import PlanOptions
+    s = mlp(widths, [ex.relu()] * (len(widths) - 2) + [ex.identity()], precision=precision)
+    plans = make_plans([s], PlanOptions(design=design if design != "fp32" else "auto"))
+    assert plans[s.name].design == design
+    files = codegen.render([s], True, plans=plans)
+    first = files[f"{s.name}_cuda.cu"].splitlines()[0]
+    assert first.endswith(f"templates/{codegen.cuda_template(plans[s.name])}: do not edit.")
+    headers = {n for n in files if n.endswith(".cuh")}
+    assert headers and all(n.startswith("o2f_") for n in headers)
+    for name, text in files.items():
+        for inc in re.findall(r'^#include "([^"/]+\.cuh)"$', text, re.M):   # ort_plugin/'s come with the build
+            assert inc in files, f"{name} includes {inc}, which render did not return"
+    assert "227 * 1024" not in "".join(t for n, t in files.items() if n.endswith(".cuh"))

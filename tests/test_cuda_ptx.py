@@ -8,9 +8,12 @@ import subprocess
 import numpy as np
 import pytest
 
-from onnx2fused import codegen, cuda_plan
+from onnx2fused import codegen
 from onnx2fused import expr as ex
+from onnx2fused.plan import choose
+from onnx2fused.plan.options import PlanOptions, WideOptions
 from onnx2fused.spec import LayerSpec, MLPSpec
+from onnx2fused.wide_params import tail_symbol
 
 pytestmark = pytest.mark.cuda_build
 NVCC = shutil.which("nvcc")
@@ -27,6 +30,17 @@ def _prelu(n):
     """PRelu with a slope per channel (a constant array in the generated code)."""
     slope = ex.Chan(tuple(np.linspace(0.01, 0.3, n)))
     return ex.Op("select", (ex.Op("lt", (ex.X, ex.Const(0.0))), ex.X * slope, ex.X))
+
+
+def _write_cuda(spec, tmp_path, options=PlanOptions(), wide=None):
+    """Renders `spec` with CUDA into tmp_path (its sources and the headers they include); returns the
+    text of its own `<name>_cuda.cu` and that file's path."""
+    plans = choose.make_plans([spec], options, {spec.name: wide} if wide else None)
+    files = codegen.render([spec], True, {spec.name: False}, plans)
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    name = f"{spec.name}_cuda.cu"
+    return files[name], tmp_path / name
 
 
 def _affine(n):
@@ -58,20 +72,18 @@ def test_ptx_uses_tensor_cores(spec, arch, tmp_path):
     _spec([64, 320, 512, 64], "bf16", ex.relu()),         # two wide layers: only the second pairs
     _spec([64, 512, 64, 520, 9], "fp16", ex.silu()),      # two pairs sharing H; the last one into the output
 ], ids=lambda s: s.name if isinstance(s, MLPSpec) else s)
-def test_streamed_pair_ptx_uses_tensor_cores(spec, arch, tmp_path, monkeypatch):
-    monkeypatch.setenv("ONNX2FUSED_CUDA_DESIGN", "streamed")
-    assert cuda_plan.make_plan(spec).pairs
-    _check_ptx(spec, arch, tmp_path)
+def test_streamed_pair_ptx_uses_tensor_cores(spec, arch, tmp_path):
+    streamed = PlanOptions(design="streamed")
+    assert choose.make_plan(spec, streamed).pairs
+    _check_ptx(spec, arch, tmp_path, streamed)
 
 
-def _check_ptx(spec, arch, tmp_path):
-    src = next(text for name, text in codegen.render([spec], with_cuda=True).items() if name.endswith(".cu"))
-    plan = cuda_plan.make_plan(spec)
+def _check_ptx(spec, arch, tmp_path, options=PlanOptions()):
+    src, cu = _write_cuda(spec, tmp_path, options)
+    plan = choose.make_plan(spec, options)
     for i, layer in enumerate(spec.layers):  # per-channel arrays cover the padded columns the kernel computes
         for c, arr in ex.chan_arrays(layer.activation, f"kChan{i}_").items():
             assert f"__device__ const float {arr}[{plan.layers[i].np_}] = {{ {ex.c_array_values(c, plan.layers[i].np_)} }};" in src
-    cu = tmp_path / "k.cu"
-    cu.write_text(src)
     ptx = tmp_path / "k.ptx"
     r = subprocess.run([NVCC, "-ptx", "-std=c++17", f"-arch=compute_{arch}", str(cu), "-o", str(ptx)],
                        capture_output=True, text=True)
@@ -89,10 +101,8 @@ def _check_ptx(spec, arch, tmp_path):
 def test_fp32_kernel_with_per_channel_constants_compiles(tmp_path):
     """The CUDA-core (fp32) kernel: per-channel arrays of the true width, read at the row's column."""
     spec = _spec([13, 37, 5], "fp32", _prelu, _affine)
-    src = next(text for name, text in codegen.render([spec], with_cuda=True).items() if name.endswith(".cu"))
+    src, cu = _write_cuda(spec, tmp_path)
     assert "__device__ const float kChan0_0[37]" in src and "__device__ const float kChan1_1[5]" in src
-    cu = tmp_path / "k.cu"
-    cu.write_text(src)
     r = subprocess.run([NVCC, "-ptx", "-std=c++17", "-arch=compute_80", str(cu), "-o", str(tmp_path / "k.ptx")],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -122,16 +132,13 @@ def _cutlass_include():
     pytest.param(MLPSpec((LayerSpec(1001, 520, True, ex.silu()), LayerSpec(520, 999, False, ex.identity())),
                          "fp16", "f16"), "90a", marks=pytest.mark.slow),  # odd widths, fp16 io, forced wide
 ], ids=lambda v: v.name if isinstance(v, MLPSpec) else v)
-def test_wide_ptx_uses_tensor_cores(spec, arch, tmp_path, monkeypatch):
+def test_wide_ptx_uses_tensor_cores(spec, arch, tmp_path):
     from onnx2fused.build import WIDE_SM90A_DEFINE
     include = _cutlass_include()
     if include is None:
         pytest.skip("no CUTLASS headers (pip install nvidia-cutlass or set ONNX2FUSED_CUTLASS_DIR)")
-    monkeypatch.setenv("ONNX2FUSED_CUDA_DESIGN", "wide")
-    src = next(text for name, text in codegen.render([spec], with_cuda=True).items() if name.endswith(".cu"))
+    src, cu = _write_cuda(spec, tmp_path, PlanOptions(design="wide"))
     assert '#include "cutlass/gemm/device/gemm.h"' in src
-    cu = tmp_path / "k.cu"
-    cu.write_text(src)
     ptx = tmp_path / "k.ptx"
     r = subprocess.run([NVCC, "-ptx", "-std=c++17", "--expt-relaxed-constexpr", f"-arch=compute_{arch}",
                         WIDE_SM90A_DEFINE, "-I", str(include), str(cu), "-o", str(ptx)], capture_output=True, text=True)
@@ -157,10 +164,10 @@ def test_wide_ptx_uses_tensor_cores(spec, arch, tmp_path, monkeypatch):
 def test_register_design_chosen_where_fragments_fit():
     """16-bit layers up to 128 wide keep hidden activations in registers; wider ones, and tf32 (whose A
     and C fragment layouts differ), keep them in shared memory."""
-    assert cuda_plan.make_plan(_spec([32, 64, 64, 16], "fp16", ex.relu())).register_activations
-    assert cuda_plan.make_plan(_spec([64, 128, 128, 64], "bf16", ex.gelu_erf())).register_activations
-    assert not cuda_plan.make_plan(_spec([64, 200, 64], "fp16", ex.relu())).register_activations
-    assert not cuda_plan.make_plan(_spec([32, 64, 64, 16], "tf32", ex.relu())).register_activations
+    assert choose.make_plan(_spec([32, 64, 64, 16], "fp16", ex.relu())).register_activations
+    assert choose.make_plan(_spec([64, 128, 128, 64], "bf16", ex.gelu_erf())).register_activations
+    assert not choose.make_plan(_spec([64, 200, 64], "fp16", ex.relu())).register_activations
+    assert not choose.make_plan(_spec([32, 64, 64, 16], "tf32", ex.relu())).register_activations
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
@@ -169,25 +176,22 @@ def test_wide_source_main_part_compiles_with_a_tf32_first_layer(tmp_path, tuning
     """Part 0 of the wide design's source (the launchers, the conversion pass, the tf32 in-place first
     layer, and in the tuning build the timing entries) compiles for sm_90a; the Hopper kernels' own
     parts are not compiled here (minutes of nvcc each: the GPU tests build them)."""
-    from onnx2fused import build, wide_plan
+    from onnx2fused import build
     from onnx2fused.headers import find_cutlass_headers
     try:
         cutlass = find_cutlass_headers()
     except Exception as e:  # noqa: BLE001 - no CUTLASS headers: nothing to compile against
         pytest.skip(str(e))
     spec = _spec([512, 256, 64, 1], "fp16", ex.relu())   # DLRM: the cost model reads x in place (tf32)
-    plan = wide_plan.make_wide_plan(spec, tuning=tuning)
+    plan = choose.wide_plan(spec, WideOptions(tuning=tuning))
     assert plan.tf32_first and plan.tail_from == 1      # and runs 256 -> 64 -> 1 as one fused tail kernel
-    files = codegen.render([spec], True, {spec.name: False}, {spec.name: {"tuning": tuning}})
-    path = tmp_path / "wide.cu"
-    path.write_text(files[f"{spec.name}_cuda.cu"])
+    _, path = _write_cuda(spec, tmp_path, wide=WideOptions(tuning=tuning))
     flags = build.wide_nvcc_flags(["-O1", "-std=c++17", "-gencode", "arch=compute_90,code=sm_90"])
     r = subprocess.run([NVCC, *flags, "-I", str(cutlass.path), "--expt-relaxed-constexpr", "-DO2F_PART=0",
                         "-c", str(path), "-o", str(tmp_path / "wide.o")], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
     # the tail is its own unit (the fused kernel's template): it defines what the wide unit calls
-    tail = tmp_path / "tail.cu"
-    tail.write_text(files[f"{wide_plan.tail_symbol(spec)}_cuda.cu"])
+    tail = tmp_path / f"{tail_symbol(spec)}_cuda.cu"
     r = subprocess.run([NVCC, "-O1", "-std=c++17", "-gencode", "arch=compute_90,code=sm_90", "-c", str(tail),
                         "-o", str(tmp_path / "tail.o")], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -196,5 +200,5 @@ def test_wide_source_main_part_compiles_with_a_tf32_first_layer(tmp_path, tuning
         def symbols(obj, kind):
             out = subprocess.run([nm, str(tmp_path / obj)], capture_output=True, text=True).stdout
             return {line.split()[-1] for line in out.splitlines() if line.split()[-2:-1] == [kind]}
-        wanted = {s for s in symbols("wide.o", "U") if s.startswith(wide_plan.tail_symbol(spec))}
+        wanted = {s for s in symbols("wide.o", "U") if s.startswith(tail_symbol(spec))}
         assert len(wanted) == 3 and wanted <= symbols("tail.o", "T")

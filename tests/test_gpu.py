@@ -154,7 +154,7 @@ def test_random_mlps_on_cuda_ep(seed, cache_dir, tmp_path):
         assert rel_l2(run_poisoned(sess, x, ref.shape), ref) <= 5e-3, f"widths {widths}"
 
 
-# Streamed FFN-shaped pairs (cuda_plan._hidden_blocks): a wide hidden layer built in column blocks
+# Streamed FFN-shaped pairs (plan/fused.py _hidden_blocks): a wide hidden layer built in column blocks
 # straight into the next layer's register accumulators, never stored whole. Forced to the streamed
 # design (the cost model may give these chains to the wide one); each chain's default plan pairs (its
 # tiles are taller so). (widths, hidden activations, precision)
@@ -173,9 +173,10 @@ PAIR_CHAINS = [
 @pytest.mark.parametrize("widths,acts,precision", PAIR_CHAINS,
                          ids=["x".join(map(str, w)) + "-" + "-".join(a) + "-" + p for w, a, p in PAIR_CHAINS])
 def test_streamed_pairs_on_cuda_ep(widths, acts, precision, cache_dir, tmp_path, monkeypatch):
-    from onnx2fused import cuda_plan, wide_plan
+    from onnx2fused.plan.choose import make_plan
+    from onnx2fused.plan.options import DESIGN_ENV, PlanOptions
     from onnx_builders import CONTINUOUS_ACTS, G
-    monkeypatch.setenv(wide_plan.DESIGN_ENV, "streamed")
+    monkeypatch.setenv(DESIGN_ENV, "streamed")   # what the build (an entry point) reads
     g = G(opset=17, seed=sum(widths))
     h = "x"
     for i, (k, n) in enumerate(zip(widths, widths[1:])):
@@ -187,8 +188,8 @@ def test_streamed_pairs_on_cuda_ep(widths, acts, precision, cache_dir, tmp_path,
     onnx.save(g.model([("x", ["B", widths[0]])], [("y", ["B", widths[-1]])]), str(src))
     chains = passes.find_chains(load_model(str(src))).chains
     assert len(chains) == 1 and len(chains[0].to_spec(precision).layers) == len(widths) - 1
-    plan = cuda_plan.make_plan(chains[0].to_spec(precision))
-    assert plan.pairs and not plan.resident, plan.describe()
+    plan = make_plan(chains[0].to_spec(precision), PlanOptions(design="streamed"))
+    assert plan.pairs and plan.design == "streamed", plan.describe()
     fused_path, lib, _ = _fuse(src, precision, cache_dir, tmp_path / "fused.onnx")
     sess = _session(fused_path, lib)
     # The launcher takes the tall variant only when its tiles fill the whole grid: the largest batch

@@ -160,12 +160,12 @@ def wide_converted(tmp_path_factory):
     """(original, fused) of an MLP forced onto the wide design (CUTLASS GEMMs, headers from nvidia-cutlass
     or ONNX2FUSED_CUTLASS_DIR): its cuda_run writes converted input and hidden activations into the
     workspace, which the plugin shares between the runs of one session."""
-    from onnx2fused import wide_plan
+    from onnx2fused.plan.options import DESIGN_ENV
     d = tmp_path_factory.mktemp("gpu-rel-wide")
     src, fused = d / "wide.onnx", d / "wide.fp16.fused.onnx"
     onnx.save(mlp([256, 768, 768, 256]), str(src))
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(wide_plan.DESIGN_ENV, "wide")
+        mp.setenv(DESIGN_ENV, "wide")
         res = onnx2fused.convert(src, fused, precision="fp16", cache_dir=d / "cache", with_cuda=True)
     assert res.with_cuda and res.validation.provider == "CUDAExecutionProvider"
     assert len(res.chains) == 1 and res.chains[0].cuda_plan.startswith("GPU: wide"), res.chains

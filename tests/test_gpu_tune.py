@@ -21,7 +21,9 @@ pytestmark = pytest.mark.gpu
 ort, torch = require_cuda()
 
 import onnx2fused  # noqa: E402
-from onnx2fused import wide_plan, wide_tune  # noqa: E402
+from onnx2fused import wide_tune  # noqa: E402
+from onnx2fused.plan.options import DESIGN_ENV  # noqa: E402
+from onnx2fused.plan.sm90 import SM90_KERNELS  # noqa: E402
 
 WIDTHS = [512, 2048, 512]
 
@@ -53,7 +55,7 @@ def tuned(tmp_path_factory):
     said: list[str] = []
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(wide_tune.TUNE_ENV, "1")
-        mp.setenv(wide_plan.DESIGN_ENV, "wide")
+        mp.setenv(DESIGN_ENV, "wide")
         report = onnx2fused.convert(str(src), str(d / "m.fused.onnx"), cache_dir=cache, progress=said.append)
         again_said: list[str] = []
         again = onnx2fused.convert(str(src), str(d / "again.fused.onnx"), cache_dir=cache, progress=again_said.append)
@@ -71,7 +73,7 @@ def test_convert_tunes_once_and_stores_the_choice(tuned):
         for t in per:
             assert t["default_ms"] > 0 and t["ms"] > 0 and t["ms"] <= t["default_ms"] * 1.0001
             timed = [v for v in t["candidates"].values() if v > 0]
-            sixteen_bit = [k for k in wide_plan.SM90_KERNELS if not k.tf32]   # fp16 input: no tf32 candidates
+            sixteen_bit = [k for k in SM90_KERNELS if not k.tf32]   # fp16 input: no tf32 candidates
             assert len(timed) >= len(sixteen_bit), t  # most candidates ran and matched the default
             assert -2 not in t["candidates"].values(), t          # none computed something else
     assert str(rec["chain_block"]) in rec["passes"]["ms"]  # the pass size is one of those timed

@@ -1,4 +1,4 @@
-"""The wide CUDA design (CUTLASS GEMM per layer, onnx2fused/wide_plan.py) on the CUDA EP, against stock
+"""The wide CUDA design (CUTLASS GEMM per layer, onnx2fused/plan/wide.py) on the CUDA EP, against stock
 ONNX Runtime in fp32 (GPU host only; CUTLASS headers from nvidia-cutlass or ONNX2FUSED_CUTLASS_DIR).
 
 Widths 512 ... 8192, several not multiples of 16 (or of 8), fp32 and fp16 model I/O, batches off every
@@ -18,7 +18,12 @@ from gpu_support import check_cuda_graph_replay, rel_l2, require_cuda, run_poiso
 pytestmark = pytest.mark.gpu
 ort, torch = require_cuda()
 
-from onnx2fused import build, cuda_plan, passes, wide_plan  # noqa: E402
+from onnx2fused import build, passes  # noqa: E402
+from onnx2fused.plan import wide  # noqa: E402
+from onnx2fused.plan.choose import make_plan  # noqa: E402
+from onnx2fused.plan.options import DESIGN_ENV, PlanOptions, WideOptions  # noqa: E402
+
+WIDE = PlanOptions(design="wide")
 from onnx2fused.loader import load_model  # noqa: E402
 
 TOL = {"fp16": 2e-3, "bf16": 1e-2}
@@ -32,7 +37,7 @@ def cache_dir(tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def _force_wide(monkeypatch):
-    monkeypatch.setenv(wide_plan.DESIGN_ENV, "wide")
+    monkeypatch.setenv(DESIGN_ENV, "wide")   # for the builds that plan from the environment
 
 
 CASES = [
@@ -48,7 +53,7 @@ CASES = [
 ]
 
 
-NO_TAIL = {"512x256x64x2_relu"}   # built with every layer a GEMM (make_wide_plan's tail_from=0)
+NO_TAIL = {"512x256x64x2_relu"}   # built with every layer a GEMM (WideOptions.tail_from=0)
 
 
 def _case_id(widths, act):
@@ -91,9 +96,9 @@ def _fuse(src, precision, cache_dir, out):
     plan = passes.find_chains(model)
     assert len(plan.chains) == 1, plan.describe()
     specs = [c.to_spec(precision) for c in plan.chains]
-    cplan = cuda_plan.make_plan(specs[0])
-    assert getattr(cplan, "design", "") == "wide", cplan.describe()
-    lib = build.build_plugin(specs, with_cuda=True, cache_dir=cache_dir)
+    cplan = make_plan(specs[0], WIDE)
+    assert cplan.design == "wide", cplan.describe()
+    lib = build.build_plugin(specs, with_cuda=True, cache_dir=cache_dir, plans={specs[0].name: cplan})
     onnx.save(passes.rewrite(model, plan, specs), str(out))
     return out, lib.path, cplan
 
@@ -109,22 +114,20 @@ def shared(tmp_path_factory, cache_dir):
     src16 = d / "io16.f16.onnx"
     onnx.save(to_fp16(onnx.load(str(src32))), str(src16))
     jobs += [("io16_fp16", src16, "fp16"), ("io16_bf16", src16, "bf16")]
-    out, specs, options = {}, [], {}
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(wide_plan.DESIGN_ENV, "wide")
-        for key, src, precision in jobs:
-            model = load_model(str(src))
-            plan = passes.find_chains(model)
-            assert len(plan.chains) == 1, plan.describe()
-            spec = plan.chains[0].to_spec(precision)
-            options[spec.name] = {"tail_from": 0} if key in NO_TAIL else {}
-            cplan = cuda_plan.make_plan(spec, **{f"wide_{k}": v for k, v in options[spec.name].items()})
-            assert getattr(cplan, "design", "") == "wide", cplan.describe()
-            fused = d / f"{key}.fused.onnx"
-            onnx.save(passes.rewrite(model, plan, [spec]), str(fused))
-            specs.append(spec)
-            out[key] = (src32 if key.startswith("io16") else src, fused, cplan)
-        lib = build.build_plugin(specs, with_cuda=True, cache_dir=cache_dir, wide_options=options).path
+    out, specs, plans = {}, [], {}
+    for key, src, precision in jobs:
+        model = load_model(str(src))
+        plan = passes.find_chains(model)
+        assert len(plan.chains) == 1, plan.describe()
+        spec = plan.chains[0].to_spec(precision)
+        cplan = make_plan(spec, WIDE, WideOptions(tail_from=0) if key in NO_TAIL else None)
+        assert cplan.design == "wide", cplan.describe()
+        fused = d / f"{key}.fused.onnx"
+        onnx.save(passes.rewrite(model, plan, [spec]), str(fused))
+        specs.append(spec)
+        plans[spec.name] = cplan
+        out[key] = (src32 if key.startswith("io16") else src, fused, cplan)
+    lib = build.build_plugin(specs, with_cuda=True, cache_dir=cache_dir, plans=plans).path
     return out, lib
 
 
@@ -163,12 +166,12 @@ def test_wide_matches_stock_fp32(widths, act, shared, monkeypatch):
         ref = _reference(src, x)
         for family in KERNEL_FAMILIES if _hopper() else ("default",):
             if family == "sm80":
-                monkeypatch.setenv(wide_plan.SM80_ENV, "sm80")
+                monkeypatch.setenv(wide.SM80_ENV, "sm80")
             else:
-                monkeypatch.delenv(wide_plan.SM80_ENV, raising=False)
+                monkeypatch.delenv(wide.SM80_ENV, raising=False)
             got = run_poisoned(sess, x, ref.shape)
             assert rel_l2(got, ref) <= TOL["fp16"], f"{widths} batch {batch} {family} kernels"
-    monkeypatch.delenv(wide_plan.SM80_ENV, raising=False)
+    monkeypatch.delenv(wide.SM80_ENV, raising=False)
 
 
 def test_dlrm_cases_cover_the_segmented_plan_and_the_narrow_layer(shared):
@@ -193,14 +196,14 @@ def test_hopper_runs_the_sm90a_kernels(shared, monkeypatch):
     names = {}
     for family in KERNEL_FAMILIES:
         if family == "sm80":
-            monkeypatch.setenv(wide_plan.SM80_ENV, "sm80")
+            monkeypatch.setenv(wide.SM80_ENV, "sm80")
         else:
-            monkeypatch.delenv(wide_plan.SM80_ENV, raising=False)
+            monkeypatch.delenv(wide.SM80_ENV, raising=False)
         run_poisoned(sess, x, (4096, 768))  # warm-up outside the profile
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             run_poisoned(sess, x, (4096, 768))
         names[family] = " ".join(e.name for e in prof.events())
-    monkeypatch.delenv(wide_plan.SM80_ENV, raising=False)
+    monkeypatch.delenv(wide.SM80_ENV, raising=False)
     if not names["default"]:
         pytest.skip("the profiler recorded no CUDA kernels here (CUPTI unavailable)")
     assert "GemmUniversal" in names["default"] and "MainloopSm90TmaGmmaWarpSpecialized" in names["default"]
@@ -223,7 +226,7 @@ def test_wide_fp16_io_in_place_and_bf16(shared):
 def test_rows_past_one_row_block(cache_dir, tmp_path, monkeypatch):
     """More rows than the workspace's row block: the launcher loops over blocks on the stream. A small
     scratch budget makes the block 128 rows, so the stock CPU reference stays quick."""
-    monkeypatch.setattr(wide_plan, "SCRATCH_BUDGET", 1 << 20)
+    monkeypatch.setattr(wide, "SCRATCH_BUDGET", 1 << 20)
     widths = [1024, 2048, 1024, 520]
     src = _mlp(tmp_path / "m.onnx", widths, "relu")
     fused, lib, plan = _fuse(src, "fp16", cache_dir, tmp_path / "fused.onnx")

@@ -9,8 +9,10 @@ import subprocess
 
 import pytest
 
-from onnx2fused import codegen, cuda_plan, wide_plan
+from onnx2fused import codegen
 from onnx2fused import expr as ex
+from onnx2fused.plan.choose import make_plan, make_plans
+from onnx2fused.plan.options import PlanOptions
 from onnx2fused.resources import ort_plugin_dir
 from onnx2fused.spec import LayerSpec, MLPSpec
 
@@ -21,14 +23,10 @@ def _spec(widths, precision="fp16"):
                          for i, (a, b) in enumerate(zip(widths, widths[1:]))), precision, "f32")
 
 
-@pytest.fixture(autouse=True)
-def _auto_design(monkeypatch):
-    monkeypatch.delenv(wide_plan.DESIGN_ENV, raising=False)
-
-
-def _registry(specs, with_cuda=True) -> str:
+def _registry(specs, with_cuda=True, options=PlanOptions()) -> str:
     """The rendered registry.cc alone (what render() writes; the kernels' sources are not needed)."""
-    return codegen._render(codegen.REGISTRY_TEMPLATE, codegen.registry_params(specs, with_cuda, {}))
+    plans = make_plans(specs, options)
+    return codegen._render(codegen.REGISTRY_TEMPLATE, codegen.registry_params(specs, with_cuda, {}, plans))
 
 
 def _uses_scratch(registry: str, spec: MLPSpec) -> int:
@@ -41,18 +39,17 @@ WIDE, NARROW, FP32 = _spec([9216, 4096, 4096, 1000]), _spec([32, 64, 16]), _spec
 
 
 def test_wide_entry_uses_scratch_and_the_fused_ones_do_not():
-    assert cuda_plan.make_plan(WIDE).design == "wide" and cuda_plan.make_plan(NARROW).resident
+    assert make_plan(WIDE).design == "wide" and make_plan(NARROW).design == "resident"
     registry = _registry([WIDE, NARROW, FP32])
     assert _uses_scratch(registry, WIDE) == 1
     assert _uses_scratch(registry, NARROW) == 0
     assert _uses_scratch(registry, FP32) == 0  # CUDA-core kernel: no tensor-core plan at all
 
 
-def test_forced_wide_design_uses_scratch(monkeypatch):
+def test_forced_wide_design_uses_scratch():
     spec = _spec([256, 256, 256, 256, 256])  # the streamed kernel by the cost model
     assert _uses_scratch(_registry([spec]), spec) == 0
-    monkeypatch.setenv(wide_plan.DESIGN_ENV, "wide")
-    assert _uses_scratch(_registry([spec]), spec) == 1
+    assert _uses_scratch(_registry([spec], options=PlanOptions(design="wide")), spec) == 1
 
 
 def test_without_cuda_nothing_uses_scratch():

@@ -398,9 +398,14 @@ def test_new_ops_compile_for_the_gpu(tmp_path):
     acts = [ex.Op(op.lower(), (ex.X,)) for op in UNARY] + [ex.shrink(1.5, 0.5), ex.swish(1.7)]
     spec = MLPSpec(tuple(LayerSpec(16, 16, True, a) for a in acts) + (LayerSpec(16, 8, True, ex.identity()),),
                    "fp16", "f32")
-    src = next(text for name, text in codegen.render([spec], with_cuda=True).items() if name.endswith(".cu"))
+    from onnx2fused.plan.choose import make_plans
+    files = codegen.render([spec], True, plans=make_plans([spec]))
+    for name, text in files.items():   # the headers the source includes (o2f_*.cuh)
+        if name.endswith(".cuh"):
+            (tmp_path / name).write_text(text)
+    src = files[f"{spec.name}_cuda.cu"]
     assert "rintf(" in src and "o2f_sign(" in src
-    (tmp_path / "k.cu").write_text(src)
+    (tmp_path / "k.cu").write_text(src)   # a short name: nvcc's temporary files are named after the source
     r = subprocess.run([shutil.which("nvcc"), "-ptx", "-std=c++17", "-arch=compute_80", str(tmp_path / "k.cu"),
                         "-o", str(tmp_path / "k.ptx")], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -1,4 +1,4 @@
-"""Two-layer fusion of FFN-shaped pairs in the streamed design (cuda_plan._hidden_blocks): which pairs
+"""Two-layer fusion of FFN-shaped pairs in the streamed design (plan/fused.py _hidden_blocks): which pairs
 are fused, what that buys in tile height, the shared-memory and register accounting, and the chunk
 sequence of the generated kernel (its chunk_offset/chunk_elems compiled for the host and run over every
 id). Numerical checks need a GPU: tests/test_gpu.py::test_streamed_pairs_on_cuda_ep."""
@@ -10,9 +10,14 @@ import subprocess
 
 import pytest
 
-from onnx2fused import codegen, cuda_plan
+from onnx2fused import codegen
 from onnx2fused import expr as ex
+from onnx2fused.plan import choose, fused
+from onnx2fused.plan.options import PlanOptions, StreamedOptions
 from onnx2fused.spec import LayerSpec, MLPSpec, SpecError
+
+STREAMED = PlanOptions(design="streamed")
+PAIRED = PlanOptions(design="streamed", streamed=StreamedOptions(pair_hidden=True))
 
 CXX = shutil.which("g++") or shutil.which("c++")
 NVCC = shutil.which("nvcc")
@@ -29,7 +34,7 @@ def _id(v):
 
 
 def _plan(widths, precision="fp16", **options):
-    return cuda_plan._streamed_plan(_spec(widths, precision), cuda_plan.SMEM_LIMIT, **options)
+    return fused.streamed_plan(_spec(widths, precision), fused.SMEM_LIMIT, **options)
 
 
 # widths -> {first layer of a pair: HC}, where pairs are forced (pair_hidden=True). A pair needs layer i
@@ -66,13 +71,13 @@ def test_pairs_are_fused_where_the_rule_holds(widths, blocks, precision):
             prev = plan.layers[l.index - 1]
             assert l.n_nchunks == 1 and prev.nc % l.kc == 0 and l.kp == prev.np_
         else:
-            assert l.nc == cuda_plan._streamed_nc(l.n)
+            assert l.nc == fused._streamed_nc(l.n)
     try:  # without the pair, a wide hidden layer may leave no tile at all
         unpaired = _plan(widths, precision, pair_hidden=False)
     except SpecError:
         assert blocks
         return
-    assert unpaired.pairs == () and all(l.nc == cuda_plan._streamed_nc(l.n) for l in unpaired.layers)
+    assert unpaired.pairs == () and all(l.nc == fused._streamed_nc(l.n) for l in unpaired.layers)
     # by default, pairs only where they make the tallest tile taller (at equal tiles they only cost)
     auto = _plan(widths, precision)
     assert auto.pairs == (plan.pairs if plan.tallest_rows > unpaired.tallest_rows else ())
@@ -110,7 +115,7 @@ def test_shared_memory_and_register_accounting(widths, precision):
         plan = _plan(widths, precision, pair_hidden=True)
     except SpecError:
         return
-    eb, pad = cuda_plan.elem_bytes(plan.spec), cuda_plan.row_pad(plan.spec)
+    eb, pad = fused.elem_bytes(plan.spec), fused.row_pad(plan.spec)
     seconds = {i + 1 for i in plan.pairs}
     # A/B: the inputs of even/odd layers (which hold what the layer before wrote); H: one hidden block
     width = {"A": 0, "B": 0, "H": 0}
@@ -124,25 +129,25 @@ def test_shared_memory_and_register_accounting(widths, precision):
     slot = max(l.nc * (l.kc + pad) for l in plan.layers) * eb
     for v in plan.variants:
         rows = sum(w + pad for w in width.values() if w)
-        assert v.smem_bytes == bias + v.stages * slot + v.bm * rows * eb <= cuda_plan.SMEM_LIMIT
+        assert v.smem_bytes == bias + v.stages * slot + v.bm * rows * eb <= fused.SMEM_LIMIT
         for i in plan.pairs:  # both accumulators live at once
             t1, t2 = v.tilings[i], v.tilings[i + 1]
-            assert t1.mt * t1.nt8 * 4 + t2.mt * t2.nt8 * 4 <= cuda_plan.PAIR_ACC_MAX
+            assert t1.mt * t1.nt8 * 4 + t2.mt * t2.nt8 * 4 <= fused.PAIR_ACC_MAX
             assert 16 * t1.mt * t1.wm == v.bm and 8 * t1.nt8 * t1.wn == plan.layers[i].nc
             assert 16 * t2.mt * t2.wm == v.bm and 8 * t2.nt8 * t2.wn == plan.layers[i + 1].np_
 
 
 def test_nothing_fits_still_raises():
     with pytest.raises(SpecError, match="even a 16-row tile needs"):
-        cuda_plan._streamed_plan(_spec([256, 4096, 256]), 40 * 1024)
+        fused.streamed_plan(_spec([256, 4096, 256]), 40 * 1024)
 
 
-def test_make_plan_passes_the_option(monkeypatch):
-    monkeypatch.setenv("ONNX2FUSED_CUDA_DESIGN", "streamed")
+def test_make_plan_passes_the_option():
     spec = _spec([256, 4096, 256])
-    assert cuda_plan.make_plan(spec).pairs == (0,)
-    assert cuda_plan.make_plan(spec, streamed_pair_hidden=False).pairs == ()
-    text = cuda_plan.template_params(spec)["plan_text"]
+    assert choose.make_plan(spec, STREAMED).pairs == (0,)
+    unpaired = PlanOptions(design="streamed", streamed=StreamedOptions(pair_hidden=False))
+    assert choose.make_plan(spec, unpaired).pairs == ()
+    text = codegen.cuda_params(choose.make_plan(spec, STREAMED))["plan_text"]
     assert "hidden 4096 in 64-column blocks straight into layer 2" in text
 
 
@@ -182,16 +187,14 @@ def _host_chunk_map(src: str, total: int, tmp_path) -> list[tuple[int, int]]:
 @pytest.mark.skipif(CXX is None, reason="no C++ compiler")
 @pytest.mark.parametrize("widths,precision", [([256, 4096, 256], "fp16"), ([128, 2048, 2048, 64], "bf16"),
                                               ([64, 512, 64, 520, 9], "tf32"), ([64, 1000, 48], "fp16")], ids=_id)
-def test_generated_chunk_sequence_reads_every_packed_chunk_once(widths, precision, tmp_path, monkeypatch):
+def test_generated_chunk_sequence_reads_every_packed_chunk_once(widths, precision, tmp_path):
     """Id k of the ring's sequence must be the k-th chunk the kernel's loops consume, at its packed
     offset (pack_weights: per layer, n-chunk major, then k-chunk), and a tile's sequence covers every
     packed chunk exactly once."""
-    monkeypatch.setenv("ONNX2FUSED_CUDA_DESIGN", "streamed")
     spec = _spec(widths, precision)
-    params = cuda_plan.template_params(spec, streamed_pair_hidden=True)
-    plan = cuda_plan.make_plan(spec, streamed_pair_hidden=True)
-    assert plan.pairs and not plan.resident
-    src = codegen._env().get_template("cuda_kernel.cu.j2").render(**params)
+    plan = choose.make_plan(spec, PAIRED)
+    assert plan.pairs and plan.design == "streamed"
+    src = codegen.cuda_sources(plan)[f"{spec.name}_cuda.cu"]
     got = _host_chunk_map(src, plan.total_chunks, tmp_path)
     packed = {}
     for l in plan.layers:
@@ -206,10 +209,9 @@ def test_generated_chunk_sequence_reads_every_packed_chunk_once(widths, precisio
     assert spans[-1][0] + spans[-1][1] == plan.weight_elems
 
 
-def test_rendered_pair_uses_h_and_the_destination_shift(monkeypatch):
-    monkeypatch.setenv("ONNX2FUSED_CUDA_DESIGN", "streamed")
+def test_rendered_pair_uses_h_and_the_destination_shift():
     spec = _spec([64, 1000, 48])
-    src = codegen._env().get_template("cuda_kernel.cu.j2").render(**cuda_plan.template_params(spec))
+    src = codegen.cuda_sources(choose.make_plan(spec, STREAMED))[f"{spec.name}_cuda.cu"]
     # the hidden block goes to H at its local column; the activation sees the global column
     assert "store_hidden<0, 1000>(acc, col0, H + wm * (16 * MT) * kLdH, kLdH, lane, hb * HC);" in src
     assert "mma_tile<MT2, NT82, 4>(acc2, H + wm2 * (16 * MT2) * kLdH + j * KC2, kLdH," in src
@@ -220,17 +222,17 @@ def test_rendered_pair_uses_h_and_the_destination_shift(monkeypatch):
 @pytest.mark.cuda_build
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
 @pytest.mark.parametrize("widths,precision", [([256, 4096, 256], "fp16"), ([64, 1000, 48], "tf32")], ids=_id)
-def test_tall_pair_kernel_does_not_spill(widths, precision, tmp_path, monkeypatch):
+def test_tall_pair_kernel_does_not_spill(widths, precision, tmp_path):
     """Both accumulators of a pair live in registers (up to PAIR_ACC_MAX a lane in the tall variant):
     ptxas must keep them there on sm_90."""
-    monkeypatch.setenv("ONNX2FUSED_CUDA_DESIGN", "streamed")
     spec = _spec(widths, precision)
-    plan = cuda_plan.make_plan(spec)
+    plan = choose.make_plan(spec, STREAMED)
     assert plan.pairs and plan.variants[0].bm >= 64
-    src = next(text for name, text in codegen.render([spec], with_cuda=True).items() if name.endswith(".cu"))
-    (tmp_path / "k.cu").write_text(src)
-    r = subprocess.run([NVCC, "-cubin", "-std=c++17", "-arch=sm_90", "-Xptxas", "-v", str(tmp_path / "k.cu"),
-                        "-o", str(tmp_path / "k.cubin")], capture_output=True, text=True)
+    for name, text in codegen.render([spec], True, {spec.name: False}, {spec.name: plan}).items():
+        (tmp_path / name).write_text(text)   # the source and the headers it includes
+    r = subprocess.run([NVCC, "-cubin", "-std=c++17", "-arch=sm_90", "-Xptxas", "-v",
+                        str(tmp_path / f"{spec.name}_cuda.cu"), "-o", str(tmp_path / "k.cubin")],
+                       capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
     info = r.stdout + r.stderr
     tall = info[info.index("tall_tiles6kernel"):]

@@ -1,4 +1,4 @@
-"""The wide CUDA design's plan (onnx2fused/wide_plan.py): which design the cost model picks and why,
+"""The wide CUDA design's plan (onnx2fused/plan/wide.py): which design the cost model picks and why,
 the workspace layout (checked by a numpy emulation of the generated kernel's index math), the CUTLASS
 header discovery, and the rendered source. No GPU or nvcc needed."""
 from __future__ import annotations
@@ -6,10 +6,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from onnx2fused import build, codegen, cuda_plan, headers, wide_plan
+from onnx2fused import build, headers
 from onnx2fused import expr as ex
 from onnx2fused.errors import ConversionError
+from onnx2fused.plan import choose, cost, fused, sm90, wide
+from onnx2fused.plan.options import DESIGN_ENV, PlanOptions, WideOptions
 from onnx2fused.spec import LayerSpec, MLPSpec, SpecError
+from onnx2fused.wide_params import tail_symbol
+from plan_support import cuda_source, render_cuda
+
+WIDE = PlanOptions(design="wide")
 
 
 def _spec(widths, act=ex.relu(), precision="fp16", io="f32", last=ex.identity()):
@@ -18,15 +24,10 @@ def _spec(widths, act=ex.relu(), precision="fp16", io="f32", last=ex.identity())
                          for i, (a, b) in enumerate(zip(widths, widths[1:]))), precision, io)
 
 
-@pytest.fixture(autouse=True)
-def _auto_design(monkeypatch):
-    monkeypatch.delenv(wide_plan.DESIGN_ENV, raising=False)
-
-
 # ------------------------------------------------------------------------------------------ decisions
 def test_head_too_wide_for_streamed_goes_wide_and_says_why():
-    plan = cuda_plan.make_plan(_spec([9216, 4096, 4096, 1000]))
-    assert plan.design == "wide" and not plan.resident
+    plan = choose.make_plan(_spec([9216, 4096, 4096, 1000]))
+    assert plan.design == "wide"
     assert "streamed kernel cannot hold it" in plan.reason and "16-row tile" in plan.reason
     text = plan.describe()
     assert text.startswith("wide: 3 tensor-core GEMMs") and "conversion pass" in text
@@ -34,26 +35,26 @@ def test_head_too_wide_for_streamed_goes_wide_and_says_why():
 
 def test_ffn_goes_wide_by_the_cost_model():
     spec = _spec([768, 3072, 768], ex.gelu_erf())
-    plan = cuda_plan.make_plan(spec)
+    plan = choose.make_plan(spec)
     assert plan.design == "wide"
     assert "cost model" in plan.reason and "streamed" in plan.reason
-    assert wide_plan.estimate_wide(spec) * wide_plan.WIDE_MARGIN < wide_plan.estimate_streamed(
-        spec, cuda_plan._streamed_plan(spec, cuda_plan.SMEM_LIMIT))
+    assert cost.estimate_wide(spec) * cost.WIDE_MARGIN < cost.estimate_streamed(
+        spec, fused.streamed_plan(spec))
 
 
 def test_narrow_chains_keep_their_fused_designs():
-    assert cuda_plan.make_plan(_spec([32, 64, 64, 16])).resident
-    silu = cuda_plan.make_plan(_spec([256, 256, 256, 256, 256], ex.silu()))   # a near tie: the one fused kernel
-    assert getattr(silu, "design", "") != "wide" and not silu.resident
+    assert choose.make_plan(_spec([32, 64, 64, 16])).design == "resident"
+    silu = choose.make_plan(_spec([256, 256, 256, 256, 256], ex.silu()))   # a near tie: the one fused kernel
+    assert silu.design == "streamed"
 
 
 def test_short_gemms_are_host_bound_in_the_estimate():
     """A chain of short GEMMs costs at least the host's launches (HOST_LAUNCH_S each, measured)."""
     in_place = _spec([32, 64, 64, 16], io="f16")          # fp16 rows read in place: 3 GEMMs, no conversion
-    assert wide_plan.estimate_wide(in_place, rows=256) == pytest.approx(3 * wide_plan.HOST_LAUNCH_S)
+    assert cost.estimate_wide(in_place, rows=256) == pytest.approx(3 * cost.HOST_LAUNCH_S)
     converted = _spec([30, 64, 64, 16])                     # fp32, rows TMA cannot load: conversion + 3 GEMMs
-    assert wide_plan.estimate_wide(converted, rows=256) == pytest.approx(4 * wide_plan.HOST_LAUNCH_S)
-    assert wide_plan.estimate_wide(_spec([768, 3072, 768]), rows=16384) > 10 * 4 * wide_plan.HOST_LAUNCH_S
+    assert cost.estimate_wide(converted, rows=256) == pytest.approx(4 * cost.HOST_LAUNCH_S)
+    assert cost.estimate_wide(_spec([768, 3072, 768]), rows=16384) > 10 * 4 * cost.HOST_LAUNCH_S
 
 
 def test_memory_bound_first_layer_reads_the_fp32_input_in_place():
@@ -61,35 +62,34 @@ def test_memory_bound_first_layer_reads_the_fp32_input_in_place():
     design's default first-layer kernel is a tf32 one reading x in place, and with it the wide design
     beats the streamed kernel (measured: 0.141 vs 0.177 ms through ORT at 65536 rows, RESULTS.md)."""
     spec = _spec([512, 256, 64, 1])
-    assert wide_plan.tf32_first_wins(spec)
-    plan = cuda_plan.make_plan(spec)
+    assert cost.tf32_first_wins(spec)
+    plan = choose.make_plan(spec)
     assert plan.design == "wide" and plan.tf32_first and "cost model" in plan.reason
-    assert all(c == wide_plan.DEFAULT_TF32_CHOICE for c in plan.choices[0])
-    assert all(c == wide_plan.DEFAULT_CHOICE for per in plan.choices[1:] for c in per)
+    assert all(c == sm90.DEFAULT_TF32_CHOICE for c in plan.choices[0])
+    assert all(c == sm90.DEFAULT_CHOICE for per in plan.choices[1:] for c in per)
     assert "reads the fp32 input in place (tf32)" in plan.describe()
-    src = codegen.render([spec], with_cuda=True)[f"{spec.name}_cuda.cu"]
+    src = cuda_source(spec)
     assert "cudaError_t layer0_tf32(" in src and "pack_weights<Tf32><<<" in src
     assert "sm90::run<sm90::Tf32Coop128x256, Act0, elem_t, 8>(" in src
     # the FFN's first layer is compute bound: fp16 after the conversion pass, no fp32 weight copy
-    ffn = wide_plan.make_wide_plan(_spec([768, 3072, 768], ex.gelu_erf()))
-    assert not wide_plan.tf32_first_wins(ffn.spec) and not ffn.tf32_first
+    ffn = choose.wide_plan(_spec([768, 3072, 768], ex.gelu_erf()))
+    assert not cost.tf32_first_wins(ffn.spec) and not ffn.tf32_first
     assert ffn.w0f_offset == ffn.workspace_bytes   # no region
     # fp16 input, or rows TMA cannot load: never
-    assert not wide_plan.make_wide_plan(_spec([512, 256, 64, 1], io="f16")).tf32_first
-    assert not wide_plan.make_wide_plan(_spec([513, 256, 64, 1])).tf32_first
+    assert not choose.wide_plan(_spec([512, 256, 64, 1], io="f16")).tf32_first
+    assert not choose.wide_plan(_spec([513, 256, 64, 1])).tf32_first
 
 
 @pytest.mark.parametrize("widths,narrow", [([512, 256, 64, 1], True), ([1000, 520, 3], True),
                                            ([9216, 4096, 4096, 1000], False), ([768, 8], True), ([2048, 8], False)])
-def test_narrow_last_layers_take_the_thread_per_row_kernel(widths, narrow, monkeypatch):
+def test_narrow_last_layers_take_the_thread_per_row_kernel(widths, narrow):
     """<= 8 outputs (and weights that fit in shared memory as fp32): narrow_layer, never a tensor-core tile."""
-    monkeypatch.setenv(wide_plan.DESIGN_ENV, "wide")
     spec = _spec(widths)
-    plan = wide_plan.make_wide_plan(spec, tail_from=0)   # every layer a GEMM (no fused tail)
+    plan = choose.wide_plan(spec, WideOptions(tail_from=0))   # every layer a GEMM (no fused tail)
     last = plan.gemms[-1]
     assert last.last and last.narrow == narrow and not (last.narrow and last.sm90)
     assert all(not g.narrow for g in plan.gemms[:-1])
-    src = codegen.render([spec], True, None, {spec.name: {"tail_from": 0}})[f"{spec.name}_cuda.cu"]
+    src = cuda_source(spec, WIDE, WideOptions(tail_from=0))
     assert (f", io_t, {last.np_}, {last.kp}><<<" in src) == narrow
 
 
@@ -98,23 +98,23 @@ def test_segmented_plan_runs_narrow_trailing_layers_as_one_fused_kernel():
     rows beats two GEMM launches and the round trip of the 64-wide tensor, by the cost model; the
     FFN and the head have no such tail (their trailing layers are compute-bound GEMMs)."""
     spec = _spec([512, 256, 64, 1])
-    t_tail = wide_plan.estimate_wide(spec, wide_plan.NOMINAL_ROWS, 1, wide_plan.tail_plan(spec, 1))
-    assert t_tail < wide_plan.estimate_wide(spec)
-    plan = cuda_plan.make_plan(spec)
-    assert plan.design == "wide" and plan.tail_from == 1 == wide_plan.best_tail(spec)
+    t_tail = cost.estimate_wide(spec, cost.NOMINAL_ROWS, 1, choose.tail_plan(spec, 1))
+    assert t_tail < cost.estimate_wide(spec)
+    plan = choose.make_plan(spec)
+    assert plan.design == "wide" and plan.tail_from == 1 == choose.best_tail(spec)[0]
     assert len(plan.gemms) == 1 and not plan.gemms[0].last and plan.gemms[0].dst == "h0"
-    tail = wide_plan.tail_plan(spec, 1)
-    assert getattr(tail, "design", "") != "wide" and tail.spec.widths == (256, 64, 1) and tail.spec.io_dtype == "f16"
+    tail = choose.tail_plan(spec, 1)
+    assert tail.design in ("resident", "streamed") and tail.spec.widths == (256, 64, 1) and tail.spec.io_dtype == "f16"
     assert "segmented: layers 1..2 in one fused kernel" in plan.describe() and tail.describe() in plan.describe()
     for widths in ([768, 3072, 768], [9216, 4096, 4096, 1000]):
-        assert wide_plan.make_wide_plan(_spec(widths)).tail_from == 0
+        assert choose.wide_plan(_spec(widths)).tail_from == 0
     # where a tail cannot start: bf16 (the tail kernel reads fp16), a hidden width that is not a multiple
     # of 8 (the GEMM's padded rows would not be the tail's contiguous input)
-    assert wide_plan.tail_plan(_spec([512, 256, 64, 1], precision="bf16"), 1) is None
-    assert wide_plan.tail_plan(_spec([512, 260, 64, 1]), 1) is None
-    assert wide_plan.make_wide_plan(_spec([512, 260, 64, 1])).tail_from == 0
+    assert choose.tail_plan(_spec([512, 256, 64, 1], precision="bf16"), 1) is None
+    assert choose.tail_plan(_spec([512, 260, 64, 1]), 1) is None
+    assert choose.wide_plan(_spec([512, 260, 64, 1])).tail_from == 0
     with pytest.raises(SpecError, match="cannot run as one fused kernel"):
-        wide_plan.make_wide_plan(_spec([512, 260, 64, 1]), tail_from=1)
+        choose.wide_plan(_spec([512, 260, 64, 1]), WideOptions(tail_from=1))
 
 
 @pytest.mark.parametrize("io", ["f32", "f16"])
@@ -122,8 +122,8 @@ def test_segmented_source_calls_the_tail_it_renders(io):
     """The wide source packs and runs the tail under the tail's own symbol, which the rendered tail
     (the fused kernel's template, fp16 rows in and out) defines; the registry lists only the chain."""
     spec = _spec([512, 256, 64, 1], io=io)
-    files = codegen.render([spec], with_cuda=True)
-    sym = wide_plan.tail_symbol(spec)
+    files = render_cuda([spec])
+    sym = tail_symbol(spec)
     tail_src, wide_src = files[f"{sym}_cuda.cu"], files[f"{spec.name}_cuda.cu"]
     for fn in ("cuda_workspace_bytes", "cuda_pack", "cuda_run"):
         assert f'extern "C" int {sym}_{fn}(' in tail_src or f'extern "C" size_t {sym}_{fn}(' in tail_src
@@ -132,10 +132,10 @@ def test_segmented_source_calls_the_tail_it_renders(io):
     assert "using io_t = __half;" in tail_src or "io_t = __half" in tail_src
     assert ("widen_output<<<" in wide_src) == (io == "f32")
     assert sym not in files["registry.cc"]
-    plan = wide_plan.make_wide_plan(spec)
+    plan = choose.wide_plan(spec)
     # the region the plan reserves is exactly what the tail's own workspace function returns
-    tail = wide_plan.tail_plan(spec, 1)
-    assert plan.tail_bytes == tail.weight_elems * 2 + tail.bias_elems * 4
+    tail = choose.tail_plan(spec, 1)
+    assert plan.tail_bytes == tail.weight_elems * 2 + tail.bias_elems * 4 == tail.workspace_bytes
     assert "kBiasOffsetBytes + kBiasElems * sizeof(float)" in tail_src
 
 
@@ -143,48 +143,77 @@ def test_a_tail_after_several_gemms_reads_the_last_ones_buffer():
     """Forced to start at layer 2: two GEMMs ping-pong h0 -> h1, the tail reads h1, and its regions
     follow the others in the workspace."""
     spec = _spec([1024, 2048, 512, 64, 1])
-    plan = wide_plan.make_wide_plan(spec, tail_from=2)
+    plan = choose.wide_plan(spec, WideOptions(tail_from=2))
     assert [g.dst for g in plan.gemms] == ["h0", "h1"] and plan.h_width == 2048
-    assert plan.tail_offset >= plan.sm90_offset + wide_plan.SM90_SCRATCH and plan.tail_offset % wide_plan.REGION_ALIGN == 0
+    assert plan.tail_offset >= plan.sm90_offset + sm90.SM90_SCRATCH and plan.tail_offset % wide.REGION_ALIGN == 0
     assert plan.tail_out_offset + plan.row_block * 2 <= plan.workspace_bytes   # the fp16 output staged for y
-    src = codegen.render([spec], True, None, {spec.name: {"tail_from": 2}})[f"{spec.name}_cuda.cu"]
-    assert f"{wide_plan.tail_symbol(spec)}_cuda_run(h1, tail_out, m, ws + {plan.tail_offset}, s)" in src
-    assert f"{wide_plan.tail_symbol(spec)}_cuda_pack(w + 2, b + 2," in src
+    src = cuda_source(spec, wide=WideOptions(tail_from=2))
+    assert f"{tail_symbol(spec)}_cuda_run(h1, tail_out, m, ws + {plan.tail_offset}, s)" in src
+    assert f"{tail_symbol(spec)}_cuda_pack(w + 2, b + 2," in src
 
 
 def test_tf32_kernels_only_for_an_in_place_first_layer():
     spec = _spec([512, 256, 64, 1])
-    nb = len(wide_plan.make_wide_plan(spec).buckets)
-    tf32 = wide_plan.Sm90Choice(wide_plan.TF32_KERNELS[0])
+    nb = len(choose.wide_plan(spec).buckets)
+    tf32 = sm90.Sm90Choice(sm90.TF32_KERNELS[0])
     with pytest.raises(SpecError, match="kernel choices do not fit"):
-        wide_plan.make_wide_plan(spec, choices=[[wide_plan.DEFAULT_CHOICE] * nb, [tf32] * nb, [wide_plan.DEFAULT_CHOICE] * nb])
+        choose.wide_plan(spec, WideOptions(choices=[[sm90.DEFAULT_CHOICE] * nb, [tf32] * nb, [sm90.DEFAULT_CHOICE] * nb]))
     f16 = _spec([512, 256, 64, 1], io="f16")
     with pytest.raises(SpecError, match="kernel choices do not fit"):
-        wide_plan.make_wide_plan(f16, choices=[[tf32] * nb] + [[wide_plan.DEFAULT_CHOICE] * nb] * 2)
+        choose.wide_plan(f16, WideOptions(choices=[[tf32] * nb] + [[sm90.DEFAULT_CHOICE] * nb] * 2))
 
 
-def test_forced_design(monkeypatch):
-    monkeypatch.setenv(wide_plan.DESIGN_ENV, "wide")
-    plan = cuda_plan.make_plan(_spec([512, 256, 64, 1]))
+def test_forced_design():
+    plan = choose.make_plan(_spec([512, 256, 64, 1]), WIDE)
     assert plan.design == "wide" and "forced" in plan.reason
-    monkeypatch.setenv(wide_plan.DESIGN_ENV, "streamed")
-    assert getattr(cuda_plan.make_plan(_spec([768, 3072, 768])), "design", "") != "wide"
-    monkeypatch.setenv(wide_plan.DESIGN_ENV, "fastest")
-    with pytest.raises(SpecError, match="expected auto, wide, streamed or resident"):
-        cuda_plan.make_plan(_spec([768, 3072, 768]))
+    assert choose.make_plan(_spec([768, 3072, 768]), PlanOptions(design="streamed")).design == "streamed"
+    with pytest.raises(ConversionError, match="expected auto, wide, streamed or resident"):
+        PlanOptions(design="fastest")
+
+
+def test_options_come_from_the_environment_once():
+    """The edge reads the environment into frozen options; planning itself never looks at it."""
+    env = {DESIGN_ENV: " Wide ", "ONNX2FUSED_WIDE_TAIL": "off"}
+    options = PlanOptions.from_env(env)
+    assert options.design == "wide" and not options.wide_tail
+    assert PlanOptions.from_env({}).design == "auto" and PlanOptions.from_env({}).wide_tail
+    with pytest.raises(ConversionError, match="expected auto, wide, streamed or resident"):
+        PlanOptions.from_env({DESIGN_ENV: "fastest"})
+    # no fused tail when the options say so: every layer a GEMM
+    dlrm = _spec([512, 256, 64, 1])
+    assert choose.make_plan(dlrm).tail_from == 1 and choose.make_plan(dlrm, options).tail_from == 0
+    # a wide design the host cannot build (no CUTLASS headers) is never chosen
+    no_cutlass = PlanOptions(wide_unavailable="no CUTLASS headers found")
+    assert choose.make_plan(_spec([768, 3072, 768], ex.gelu_erf()), no_cutlass).design == "streamed"
+
+
+def test_each_spec_is_planned_once_per_render(monkeypatch):
+    """Rendering and the registry take the plans they are given: no planning inside codegen."""
+    calls = []
+    real = choose.make_plan
+    monkeypatch.setattr(choose, "make_plan", lambda *a, **k: calls.append(a[0].name) or real(*a, **k))
+    spec = _spec([512, 256, 64, 1])
+    plans = choose.make_plans([spec, spec])
+    assert calls == [spec.name]
+    from onnx2fused import codegen
+    monkeypatch.setattr(choose, "make_plan", lambda *a, **k: pytest.fail("render planned"))
+    files = codegen.render([spec], True, None, plans)
+    assert set(files) >= {f"{spec.name}_cuda.cu", f"{tail_symbol(spec)}_cuda.cu", "registry.cc"}
+    with pytest.raises(ConversionError, match="no CUDA plan was given"):
+        codegen.render([spec], True)
 
 
 def test_per_channel_activation_is_refused_with_reason():
     prelu = ex.Op("max", (ex.X, ex.Const(0.0))) + ex.Chan(tuple(range(4096))) * ex.Op("min", (ex.X, ex.Const(0.0)))
     spec = _spec([9216, 4096, 4096, 1000], prelu)
-    assert "per-channel constants" in wide_plan.wide_reason_refused(spec)
+    assert "per-channel constants" in wide.wide_reason_refused(spec)
     with pytest.raises(SpecError, match="16-row tile.*wide design cannot take it.*per-channel"):
-        cuda_plan.make_plan(spec)
+        choose.make_plan(spec)
 
 
 def test_activation_not_finite_at_zero_is_refused():
     spec = _spec([768, 3072, 768], ex.Const(1.0) / ex.X)
-    assert "not finite at 0" in wide_plan.wide_reason_refused(spec)
+    assert "not finite at 0" in wide.wide_reason_refused(spec)
 
 
 # ------------------------------------------------------------------------------------------ layout
@@ -193,14 +222,14 @@ def test_activation_not_finite_at_zero_is_refused():
                                               ([512, 256, 64, 1], "f32", True), ([512, 256, 64, 1], "f16", False),
                                               ([520, 1000], "f16", False), ([768, 3072, 768], "f32", True)])
 def test_layout_regions_are_aligned_disjoint_and_within_the_workspace(widths, io, tuning):
-    plan = wide_plan.make_wide_plan(_spec(widths, io=io), tuning=tuning)
+    plan = choose.wide_plan(_spec(widths, io=io), WideOptions(tuning=tuning))
     regions = []
     for g in plan.gemms:
         out_bytes = (2 if io == "f16" else 4) if g.last else 2
         regions += [(g.w_offset, g.np_ * g.kp * 2), (g.b_offset, g.np_ * out_bytes)]
         assert g.kp % 8 == 0 and g.np_ % g.align_out == 0
         assert g.last or g.np_ % 8 == 0
-    regions.append((plan.sm90_offset, wide_plan.SM90_SCRATCH))  # stream-K reductions of the sm90a kernels
+    regions.append((plan.sm90_offset, sm90.SM90_SCRATCH))  # stream-K reductions of the sm90a kernels
     mb = plan.row_block
     if plan.convert_input:
         regions.append((plan.xc_offset, mb * plan.gemms[0].kp * 2))
@@ -216,23 +245,23 @@ def test_layout_regions_are_aligned_disjoint_and_within_the_workspace(widths, io
         regions.append((plan.w0f_offset, plan.gemms[0].np_ * widths[0] * 4))
     regions.sort()
     for (a, n), (b, _) in zip(regions, regions[1:]):
-        assert a % wide_plan.REGION_ALIGN == 0 and a + n <= b
+        assert a % wide.REGION_ALIGN == 0 and a + n <= b
     assert regions[-1][0] + regions[-1][1] <= plan.workspace_bytes
     per_row = ((plan.gemms[0].kp * 2 if plan.convert_input else 0) + min(2, n_hidden) * plan.h_width * 2
                + (widths[-1] * 2 if plan.tail_from and io == "f32" else 0))
-    assert mb % wide_plan.ROW_QUANTUM == 0 and (mb * per_row <= wide_plan.SCRATCH_BUDGET or mb == wide_plan.ROW_QUANTUM)
+    assert mb % wide.ROW_QUANTUM == 0 and (mb * per_row <= wide.SCRATCH_BUDGET or mb == wide.ROW_QUANTUM)
     # a K of a GEMM is the padded width the previous GEMM wrote
     for a, b in zip(plan.gemms, plan.gemms[1:]):
         assert b.kp == a.np_ and b.src == a.dst
 
 
 def test_fp16_input_with_aligned_rows_is_read_in_place():
-    assert not wide_plan.make_wide_plan(_spec([768, 3072, 768], io="f16")).convert_input
-    assert wide_plan.make_wide_plan(_spec([1001, 520, 999], io="f16")).convert_input
-    assert wide_plan.make_wide_plan(_spec([768, 3072, 768], precision="bf16", io="f16")).convert_input
+    assert not choose.wide_plan(_spec([768, 3072, 768], io="f16")).convert_input
+    assert choose.wide_plan(_spec([1001, 520, 999], io="f16")).convert_input
+    assert choose.wide_plan(_spec([768, 3072, 768], precision="bf16", io="f16")).convert_input
 
 
-def _emulate(plan: wide_plan.WidePlan, x: np.ndarray, ws_w, ws_b) -> np.ndarray:
+def _emulate(plan: wide.WidePlan, x: np.ndarray, ws_w, ws_b) -> np.ndarray:
     """The generated kernel's computation, with its index math, on a byte array as the workspace."""
     spec = plan.spec
     ws = np.zeros(plan.workspace_bytes, np.uint8)
@@ -274,10 +303,10 @@ def _emulate(plan: wide_plan.WidePlan, x: np.ndarray, ws_w, ws_b) -> np.ndarray:
 
 @pytest.mark.parametrize("widths,io", [([40, 24, 17], "f32"), ([13, 9, 30, 5], "f16"), ([16, 64, 8], "f16")])
 def test_emulated_kernel_matches_fp32_reference(widths, io, monkeypatch):
-    monkeypatch.setattr(wide_plan, "SCRATCH_BUDGET", 20000)  # several row blocks, a partial last one
+    monkeypatch.setattr(wide, "SCRATCH_BUDGET", 20000)  # several row blocks, a partial last one
     spec = _spec(widths, ex.sigmoid(), io=io)                 # act(0) = 0.5: the padding must not leak
-    plan = wide_plan.make_wide_plan(spec)
-    assert plan.row_block == wide_plan.ROW_QUANTUM
+    plan = choose.wide_plan(spec)
+    assert plan.row_block == wide.ROW_QUANTUM
     rng = np.random.default_rng(0)
     ws = [rng.standard_normal((k, n)).astype(np.float32) / np.sqrt(k) for k, n in zip(widths, widths[1:])]
     bs = [rng.standard_normal(n).astype(np.float32) * 0.1 for n in widths[1:]]
@@ -306,15 +335,15 @@ def test_cutlass_dir_env(tmp_path, monkeypatch):
 
 def test_rendered_wide_source_names_the_abi_and_needs_cutlass():
     spec = _spec([9216, 4096, 4096, 1000])
-    files = codegen.render([spec], with_cuda=True)
+    files = render_cuda([spec])
     src = files[f"{spec.name}_cuda.cu"]
     assert headers.needs_cutlass(files)
     for fn in ("_cuda_workspace_bytes()", "_cuda_pack(", "_cuda_run("):
         assert f'extern "C" ' in src and f"{spec.name}{fn}" in src
-    plan = cuda_plan.make_plan(spec)
+    plan = choose.make_plan(spec)
     assert f"return kWorkspaceBytes;" in src and f"kWorkspaceBytes = {plan.workspace_bytes};" in src
     assert src.count("struct Act") == 2  # the two ReLU layers share one functor (and GEMM instantiations)
-    narrow = codegen.render([_spec([32, 64, 16])], with_cuda=True)
+    narrow = render_cuda([_spec([32, 64, 16])])
     assert not headers.needs_cutlass(narrow)
 
 
@@ -329,7 +358,7 @@ def test_rendered_wide_source_names_the_abi_and_needs_cutlass():
 ])
 def test_sm90_kernels_only_for_tma_storable_outputs(widths, io, want):
     """The sm90a epilogue stores D with TMA (16-byte multiples of row bytes); other GEMMs keep the sm80 kernel."""
-    plan = wide_plan.make_wide_plan(_spec(widths, io=io), tail_from=0)
+    plan = choose.wide_plan(_spec(widths, io=io), WideOptions(tail_from=0))
     assert [g.sm90 for g in plan.gemms] == want
     assert ("on sm_90: all as CUTLASS 3.x" if all(want) else f"on sm_90: {sum(want)} of {len(want)} as") in plan.describe()
     for g in plan.gemms:
@@ -352,8 +381,8 @@ def _sm90_bodies(src: str) -> tuple[str, str]:
 
 def test_rendered_source_has_guarded_sm90_kernels_and_per_layer_choice():
     spec = _spec([1001, 517, 999], ex.gelu_erf())
-    src = codegen.render([spec], with_cuda=True)[f"{spec.name}_cuda.cu"]
-    plan = wide_plan.make_wide_plan(spec)
+    src = cuda_source(spec)
+    plan = choose.wide_plan(spec)
     # the CUTLASS 3.x code exists only in the units that define the Hopper launchers, for sm_90a
     assert "#if defined(ONNX2FUSED_WIDE_SM90A) && (!defined(O2F_PART) || O2F_PART != 0)" in src
     inside, outside = _sm90_bodies(src)
@@ -373,8 +402,8 @@ def test_rendered_source_has_guarded_sm90_kernels_and_per_layer_choice():
     nb = len(plan.buckets)
     assert f"constexpr Choice kChoices[2][kBuckets]" in src and src.count("{ 0, 0, 1 }") >= 2 * nb
     # the device check: compute capability 9.0 only, and the run-time override for comparisons
-    assert "cc == 90" in src and f'getenv("{wide_plan.SM80_ENV}")' in src and '"sm80"' in src
-    assert f"{plan.sm90_offset}" in src and f"{wide_plan.SM90_SCRATCH}u" in src
+    assert "cc == 90" in src and f'getenv("{wide.SM80_ENV}")' in src and '"sm80"' in src
+    assert f"{plan.sm90_offset}" in src and f"{sm90.SM90_SCRATCH}u" in src
     assert "_cuda_tune" not in src  # the timing entry is the tuning build's only
     # NDEBUG before the first include: no __assertfail calls to serialize wgmma
     assert src.index("#define NDEBUG") < src.index("#include")
@@ -382,11 +411,11 @@ def test_rendered_source_has_guarded_sm90_kernels_and_per_layer_choice():
 
 def test_rendered_choices_instantiate_only_the_chosen_kernels():
     spec = _spec([9216, 4096, 4096, 1000])
-    plan = wide_plan.make_wide_plan(spec)
+    plan = choose.wide_plan(spec)
     nb = len(plan.buckets)
-    split4 = wide_plan.Sm90Choice(1, "split_k", 4)
-    choices = [[split4] + [wide_plan.DEFAULT_CHOICE] * (nb - 1)] + [[wide_plan.DEFAULT_CHOICE] * nb] * 2
-    src = codegen.render([spec], with_cuda=True, wide_options={spec.name: {"choices": choices, "tuned_on": "H"}})
+    split4 = sm90.Sm90Choice(1, "split_k", 4)
+    choices = [[split4] + [sm90.DEFAULT_CHOICE] * (nb - 1)] + [[sm90.DEFAULT_CHOICE] * nb] * 2
+    src = render_cuda([spec], wide={spec.name: WideOptions(choices=choices, tuned_on="H")})
     text = src[f"{spec.name}_cuda.cu"]
     assert build.source_parts(text) == 2  # Coop128x256 and Coop128x128, nothing else
     assert "struct Coop128x128 {" in text and "Pingpong" not in text and "Coop256x128C2" not in text
@@ -395,7 +424,7 @@ def test_rendered_choices_instantiate_only_the_chosen_kernels():
     layer1 = text[text.index("cudaError_t layer1("):text.index("cudaError_t layer2(")]
     assert "case 1:" in layer0 and "case 1:" not in layer1
     assert "#if !defined(O2F_PART) || O2F_PART == 2\ntemplate cudaError_t run<Coop128x128, Act0, elem_t, 8>(" in text
-    plan = wide_plan.make_wide_plan(spec, choices=choices, tuned_on="H")
+    plan = choose.wide_plan(spec, WideOptions(choices=choices, tuned_on="H"))
     assert "tuned on H" in plan.describe() and f"{plan.buckets[0]} rows Coop128x128/split_kx4" in plan.choice_text()
 
 
@@ -405,49 +434,49 @@ def test_each_explicit_instantiation_appears_once(io, precision, per_kernel):
     layers' activation must not instantiate the same launcher twice (a compile error)."""
     import re
     spec = _spec([512, 2048, 512], ex.relu(), precision, io, last=ex.relu())
-    src = codegen.render([spec], with_cuda=True, wide_options={spec.name: {"tuning": True}})[f"{spec.name}_cuda.cu"]
+    src = cuda_source(spec, wide=WideOptions(tuning=True))
     lines = re.findall(r"^template cudaError_t run<.*$", src, re.M)
     assert len(lines) == len(set(lines))
-    sixteen_bit = len(wide_plan.SM90_KERNELS) - len(wide_plan.TF32_KERNELS)
-    tf32 = len(wide_plan.TF32_KERNELS) if io == "f32" else 0   # the first layer's only
+    sixteen_bit = len(sm90.SM90_KERNELS) - len(sm90.TF32_KERNELS)
+    tf32 = len(sm90.TF32_KERNELS) if io == "f32" else 0   # the first layer's only
     assert len(lines) == sixteen_bit * per_kernel + tf32
 
 
 def test_tuning_build_holds_every_kernel_and_the_timing_entry():
     spec = _spec([768, 3072, 768], ex.gelu_erf())
-    text = codegen.render([spec], with_cuda=True, wide_options={spec.name: {"tuning": True}})[f"{spec.name}_cuda.cu"]
-    assert build.source_parts(text) == len(wide_plan.SM90_KERNELS)
-    for k in wide_plan.SM90_KERNELS:
+    text = cuda_source(spec, wide=WideOptions(tuning=True))
+    assert build.source_parts(text) == len(sm90.SM90_KERNELS)
+    for k in sm90.SM90_KERNELS:
         assert f"struct {k.name} {{" in text
     assert f'__attribute__((visibility("default"))) int {spec.name}_cuda_tune(' in text
     table = text[text.index("constexpr Choice kCandidates[] = {"):]
     table = table[:table.index("};")]
-    assert table.count("{ ") == len(wide_plan.sm90_candidates())
+    assert table.count("{ ") == len(sm90.sm90_candidates())
 
 
 @pytest.mark.parametrize("bad", [
-    [[wide_plan.Sm90Choice(len(wide_plan.SM90_KERNELS))] * 4] * 2,      # no such kernel
-    [[wide_plan.Sm90Choice(0, "fastest")] * 4] * 2,                      # no such mode
-    [[wide_plan.DEFAULT_CHOICE] * 3] * 2,                                # a bucket short
+    [[sm90.Sm90Choice(len(sm90.SM90_KERNELS))] * 4] * 2,      # no such kernel
+    [[sm90.Sm90Choice(0, "fastest")] * 4] * 2,                      # no such mode
+    [[sm90.DEFAULT_CHOICE] * 3] * 2,                                # a bucket short
 ])
 def test_choices_that_do_not_fit_are_refused(bad):
     spec = _spec([768, 3072, 768])
-    assert len(wide_plan.make_wide_plan(spec).buckets) == 4
+    assert len(choose.wide_plan(spec).buckets) == 4
     with pytest.raises(SpecError, match="kernel choices do not fit"):
-        wide_plan.make_wide_plan(spec, choices=bad)
+        choose.wide_plan(spec, WideOptions(choices=bad))
 
 
 def test_row_buckets_stop_at_the_row_block():
-    assert wide_plan.row_buckets(17408) == (32, 256, 2048, 16384)
-    assert wide_plan.row_buckets(4096) == (32, 256, 2048, 4096)
-    assert wide_plan.row_buckets(128) == (32, 128)
+    assert sm90.row_buckets(17408) == (32, 256, 2048, 16384)
+    assert sm90.row_buckets(4096) == (32, 256, 2048, 4096)
+    assert sm90.row_buckets(128) == (32, 128)
 
 
 def test_fp32_input_with_rows_of_8_gets_the_vectorized_conversion():
-    src = codegen.render([_spec([768, 3072, 768])], with_cuda=True)
+    src = render_cuda([_spec([768, 3072, 768])])
     text = next(t for n, t in src.items() if n.endswith(".cu"))
     assert "convert_rows_vec8<<<" in text and "convert_rows<<<" in text  # vector path + unaligned fallback
-    odd = next(t for n, t in codegen.render([_spec([1001, 520, 999])], with_cuda=True).items() if n.endswith(".cu"))
+    odd = next(t for n, t in render_cuda([_spec([1001, 520, 999])]).items() if n.endswith(".cu"))
     assert "convert_rows_vec8" not in odd and "convert_rows<<<" in odd
 
 

@@ -8,8 +8,10 @@ import json
 
 import pytest
 
-from onnx2fused import codegen, wide_plan, wide_tune
+from onnx2fused import codegen, wide_tune
 from onnx2fused import expr as ex
+from onnx2fused.plan import sm90
+from onnx2fused.plan.choose import make_plan, make_plans
 from onnx2fused.spec import LayerSpec, MLPSpec
 
 H100 = wide_tune.Gpu("NVIDIA H100 80GB HBM3", 90)
@@ -24,6 +26,10 @@ FFN = _spec([768, 3072, 768])
 NARROW = _spec([32, 64, 16])   # the resident design: nothing to tune
 
 
+def _plans(*specs):
+    return make_plans(specs or [FFN])
+
+
 class FakeTuning:
     """Stands in for build + the library's timing entry: candidate `fast` takes `ms`, the default 1.0."""
 
@@ -36,21 +42,20 @@ class FakeTuning:
 
     def run(self, library, plan, reps=wide_tune.REPS):
         nb = len(plan.buckets)
-        cand = wide_plan.sm90_candidates()[self.fast]
-        best = cand if self.ms < 1.0 * (1 - wide_tune.MIN_GAIN) else wide_plan.DEFAULT_CHOICE
+        cand = sm90.sm90_candidates()[self.fast]
+        best = cand if self.ms < 1.0 * (1 - wide_tune.MIN_GAIN) else sm90.DEFAULT_CHOICE
         return {"format": wide_tune.TUNE_FORMAT, "spec": plan.spec.name, "buckets": list(plan.buckets),
                 "choices": [[[best.kernel, best.mode, best.splits]] * nb for _ in plan.gemms],
                 "timings": [[{"rows": b, "choice": best.label, "ms": min(self.ms, 1.0), "default_ms": 1.0,
                               "fastest": cand.label} for b in plan.buckets] for _ in plan.gemms]}
 
 
-COOP128_DP = wide_plan.sm90_candidates().index(wide_plan.Sm90Choice(1, "data_parallel"))  # Coop128x128, data-parallel
+COOP128_DP = sm90.sm90_candidates().index(sm90.Sm90Choice(1, "data_parallel"))  # Coop128x128, data-parallel
 
 
 @pytest.fixture
 def gpu(monkeypatch):
     monkeypatch.delenv(wide_tune.TUNE_ENV, raising=False)
-    monkeypatch.delenv(wide_plan.DESIGN_ENV, raising=False)
     monkeypatch.setattr(wide_tune, "current_gpu", lambda: H100)
 
 
@@ -58,49 +63,54 @@ def test_tunes_once_per_spec_and_gpu_then_reads_the_cache(tmp_path, gpu, monkeyp
     fake = FakeTuning(fast=COOP128_DP, ms=0.5)
     monkeypatch.setattr(wide_tune, "run_tuning", fake.run)
     said = []
-    out = wide_tune.resolve([FFN, NARROW], tmp_path, fake.build, said.append, tune=True)
-    assert list(out) == [FFN.name] and fake.builds == [([FFN.name], {"wide_options": {FFN.name: {"tuning": True}},
-                                                                      "cpu_enabled": {FFN.name: False}})]
-    chosen = wide_plan.sm90_candidates()[COOP128_DP]
-    assert all(c == chosen for per in out[FFN.name]["choices"] for c in per)
-    assert out[FFN.name]["tuned_on"] == H100.name
+    plans = _plans(FFN, NARROW)
+    out = wide_tune.resolve(plans, tmp_path, fake.build, said.append, tune=True)
+    assert [n for n in out if out[n] != plans[n]] == [FFN.name] and out[NARROW.name] is plans[NARROW.name]
+    assert [(names, sorted(kw)) for names, kw in fake.builds] == [([FFN.name], ["cpu_enabled", "plans"])]
+    built = fake.builds[0][1]
+    assert built["cpu_enabled"] == {FFN.name: False} and built["plans"][FFN.name].tuning
+    chosen = sm90.sm90_candidates()[COOP128_DP]
+    assert all(c == chosen for per in out[FFN.name].choices for c in per)
+    assert out[FFN.name].tuned_on == H100.name
     record = json.loads(wide_tune.cache_file(tmp_path, FFN, H100).read_text())
     assert record["gpu"] == H100.name and record["spec"] == FFN.name
     assert any("tuning the Hopper GEMM kernels" in s for s in said) and any(s.startswith("tuned: ") for s in said)
     # a second build of the same spec on the same GPU model: no tuning build, the same choice
-    again = wide_tune.resolve([FFN], tmp_path, fake.build, said.append, tune=True)
-    assert again == out and len(fake.builds) == 1
+    again = wide_tune.resolve(_plans(FFN), tmp_path, fake.build, said.append, tune=True)
+    assert again[FFN.name] == out[FFN.name] and len(fake.builds) == 1
     # the rendered library instantiates the chosen kernel only, and inspect's text says where it was tuned
-    src = codegen.render([FFN], True, wide_options=out)[f"{FFN.name}_cuda.cu"]
+    src = codegen.render([FFN], True, plans=out)[f"{FFN.name}_cuda.cu"]
     assert "struct Coop128x128 {" in src and "struct Coop128x256 {" not in src
-    plan = wide_plan.make_wide_plan(FFN, **out[FFN.name])
+    plan = out[FFN.name]
     assert f"tuned on {H100.name}" in plan.describe() and "16384 rows Coop128x128/data_parallel" in plan.choice_text()
-    assert wide_tune.cached_options(FFN, tmp_path) == out[FFN.name]
+    assert wide_tune.cached_plan(make_plan(FFN), tmp_path) == out[FFN.name]
 
 
 def test_no_search_unless_asked_only_the_cached_choice(tmp_path, gpu, monkeypatch):
     """convert's default: the search is off the critical path; a choice cached by an earlier --tune is used."""
     fake = FakeTuning(fast=COOP128_DP, ms=0.5)
     monkeypatch.setattr(wide_tune, "run_tuning", fake.run)
-    assert wide_tune.resolve([FFN], tmp_path, fake.build, lambda s: None) == {} and not fake.builds
-    tuned = wide_tune.resolve([FFN], tmp_path, fake.build, lambda s: None, tune=True)
-    assert wide_tune.resolve([FFN], tmp_path, fake.build, lambda s: None) == tuned and len(fake.builds) == 1
+    plans = _plans()
+    assert wide_tune.resolve(plans, tmp_path, fake.build, lambda s: None) == plans and not fake.builds
+    tuned = wide_tune.resolve(plans, tmp_path, fake.build, lambda s: None, tune=True)
+    assert tuned != plans and tuned[FFN.name].tuned_on
+    assert wide_tune.resolve(plans, tmp_path, fake.build, lambda s: None) == tuned and len(fake.builds) == 1
 
 
 def test_noise_keeps_the_default(tmp_path, gpu, monkeypatch):
     fake = FakeTuning(fast=3, ms=0.99)   # 1% faster: within MIN_GAIN
     monkeypatch.setattr(wide_tune, "run_tuning", fake.run)
-    out = wide_tune.resolve([FFN], tmp_path, fake.build, lambda s: None, tune=True)
-    assert all(c == wide_plan.DEFAULT_CHOICE for per in out[FFN.name]["choices"] for c in per)
+    out = wide_tune.resolve(_plans(), tmp_path, fake.build, lambda s: None, tune=True)
+    assert all(c == sm90.DEFAULT_CHOICE for per in out[FFN.name].choices for c in per)
 
 
 def test_another_gpu_model_tunes_again(tmp_path, gpu, monkeypatch):
     fake = FakeTuning(fast=COOP128_DP, ms=0.5)
     monkeypatch.setattr(wide_tune, "run_tuning", fake.run)
-    wide_tune.resolve([FFN], tmp_path, fake.build, lambda s: None, tune=True)
+    wide_tune.resolve(_plans(), tmp_path, fake.build, lambda s: None, tune=True)
     monkeypatch.setattr(wide_tune, "current_gpu", lambda: wide_tune.Gpu("NVIDIA H200", 90))
-    assert wide_tune.cached_options(FFN, tmp_path) is None
-    wide_tune.resolve([FFN], tmp_path, fake.build, lambda s: None, tune=True)
+    assert wide_tune.cached_plan(make_plan(FFN), tmp_path) == make_plan(FFN)   # nothing stored for this one
+    wide_tune.resolve(_plans(), tmp_path, fake.build, lambda s: None, tune=True)
     assert len(fake.builds) == 2 and len(list((tmp_path / "tune").iterdir())) == 2
 
 
@@ -112,14 +122,14 @@ def test_no_tuning_without_a_hopper_gpu_or_when_disabled(tmp_path, monkeypatch, 
     else:
         monkeypatch.setenv(wide_tune.TUNE_ENV, env)
     fake = FakeTuning(fast=COOP128_DP, ms=0.5)
-    assert wide_tune.resolve([FFN], tmp_path, fake.build, lambda s: None, tune=True) == {} and not fake.builds
+    assert wide_tune.resolve(_plans(), tmp_path, fake.build, lambda s: None, tune=True) == _plans() and not fake.builds
 
 
 def test_a_failed_tuning_build_keeps_the_defaults_and_says_why(tmp_path, gpu):
     def broken_build(specs, **kw):
         raise RuntimeError("compiling the plugin failed (stub)\nmore lines")
     said = []
-    assert wide_tune.resolve([FFN], tmp_path, broken_build, said.append, tune=True) == {}
+    assert wide_tune.resolve(_plans(), tmp_path, broken_build, said.append, tune=True) == _plans()
     assert any("failed (compiling the plugin failed (stub)); using the default kernels" in s for s in said)
     assert not (tmp_path / "tune").exists()
 
@@ -135,10 +145,10 @@ def test_a_stale_or_corrupt_cache_entry_is_ignored_and_replaced(tmp_path, gpu, m
     path = wide_tune.cache_file(tmp_path, FFN, H100)
     path.parent.mkdir(parents=True)
     path.write_text(corrupt)
-    assert wide_tune.cached_options(FFN, tmp_path) is None
+    assert wide_tune.cached_plan(make_plan(FFN), tmp_path) == make_plan(FFN)
     fake = FakeTuning(fast=COOP128_DP, ms=0.5)
     monkeypatch.setattr(wide_tune, "run_tuning", fake.run)
-    assert wide_tune.resolve([FFN], tmp_path, fake.build, lambda s: None, tune=True)[FFN.name]
+    assert wide_tune.resolve(_plans(), tmp_path, fake.build, lambda s: None, tune=True)[FFN.name].tuned_on
     assert json.loads(path.read_text())["spec"] == FFN.name
 
 
@@ -166,7 +176,7 @@ def test_inspect_shows_the_kernels_tuned_for_this_gpu(tmp_path, gpu, monkeypatch
     path = tmp_path / "ffn.onnx"
     onnx.save(mlp([768, 3072, 768]), str(path))
     spec = passes.find_chains(load_model(str(path))).chains[0].to_spec("fp16")
-    assert wide_tune.wide_plan_of(spec) is not None
+    assert make_plan(spec).design == "wide"
 
     def inspect_text():
         assert cli.main(["inspect", str(path), "--cache-dir", str(tmp_path / "cache")]) == 0
@@ -174,6 +184,6 @@ def test_inspect_shows_the_kernels_tuned_for_this_gpu(tmp_path, gpu, monkeypatch
     assert "default kernels (not tuned)" in inspect_text()
     fake = FakeTuning(fast=COOP128_DP, ms=0.5)
     monkeypatch.setattr(wide_tune, "run_tuning", fake.run)
-    wide_tune.resolve([spec], tmp_path / "cache", fake.build, lambda s: None, tune=True)
+    wide_tune.resolve(make_plans([spec]), tmp_path / "cache", fake.build, lambda s: None, tune=True)
     text = inspect_text()
     assert f"kernels tuned on {H100.name}" in text and "16384 rows Coop128x128/data_parallel" in text

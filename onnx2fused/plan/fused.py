@@ -1,4 +1,6 @@
-"""Tile and shared-memory plan of the fused CUDA kernel for one MLPSpec.
+"""The fused CUDA kernels (one kernel runs the whole chain): the tensor-core designs' tile and
+shared-memory plans for one MLPSpec (`FusedPlan`: resident or streamed) and the fp32 CUDA-core kernel's
+(`Fp32Plan`). Which design a spec gets is plan/choose.py's decision.
 
 Weights are pre-packed once per session (S_cuda_pack) into "chunks": a chunk is NC output columns x
 KC input features of one layer, stored n-major with a row stride of KC+8 halves (the 16 bytes of
@@ -37,8 +39,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from . import expr as ex
-from .spec import MLPSpec, SpecError
+from ..spec import MLPSpec, SpecError
+from .padding import round_up
 
 SMEM_LIMIT = 227 * 1024   # dynamic shared memory a block may use on sm_90 (sm_80: 163 KB)
 KC_MAX = 64               # input features per chunk
@@ -57,10 +59,6 @@ def row_pad(spec: MLPSpec) -> int:
     """Padding elements at the end of each chunk/tile row: 16 bytes, so the 8 rows one ldmatrix reads
     fall in distinct shared-memory banks."""
     return 16 // elem_bytes(spec)
-
-
-def round_up(v: int, m: int) -> int:
-    return (v + m - 1) // m * m
 
 
 @dataclass(frozen=True)
@@ -114,7 +112,8 @@ class Variant:
 
 
 @dataclass(frozen=True)
-class CudaPlan:
+class FusedPlan:
+    """A tensor-core plan of the fused kernel: templates/cuda_resident.cu.j2 or cuda_streamed.cu.j2."""
     spec: MLPSpec
     layers: tuple[LayerPlan, ...]
     resident: bool
@@ -130,6 +129,21 @@ class CudaPlan:
     width_b: int = 0
     variants: tuple[Variant, ...] = field(default_factory=tuple)
     pairs: tuple[int, ...] = ()  # first layers i of the fused (i, i+1) pairs; H is BM x hidden_ld (+ pad)
+    smem_limit: int = SMEM_LIMIT  # the shared memory a block may use, which the plan was made to fit
+
+    @property
+    def design(self) -> str:
+        return "resident" if self.resident else "streamed"
+
+    @property
+    def uses_scratch(self) -> bool:
+        """The kernel only reads its workspace (the packed weights): runs on any streams may overlap."""
+        return False
+
+    @property
+    def workspace_bytes(self) -> int:
+        """The packed weights (compute type) then the biases (fp32): S_cuda_workspace_bytes()."""
+        return self.weight_elems * elem_bytes(self.spec) + self.bias_elems * 4
 
     @property
     def weight_elems(self) -> int:
@@ -215,9 +229,9 @@ def _fragment_registers(layers: list[LayerPlan], mt: int) -> int:
     return max(mt * (l.np_ // 2 + (l.kp // 4 if l.index else 0)) for l in layers)
 
 
-def _resident_plan(spec: MLPSpec, smem_limit: int, mt: int | None = None,
-                   warp_choices: tuple[int, ...] | None = None, prefetch: bool = True,
-                   register_activations: bool | None = None) -> CudaPlan | None:
+def resident_plan(spec: MLPSpec, smem_limit: int = SMEM_LIMIT, mt: int | None = None,
+                  warp_choices: tuple[int, ...] | None = None, prefetch: bool = True,
+                  register_activations: bool | None = None) -> FusedPlan | None:
     """All weights in shared memory. With 16-bit operands and layers up to 128 wide, the register
     design: a layer's accumulator fragments, after bias and activation, are packed in registers into
     exactly the A fragments of the next layer's mma.sync (m16n8k16's C and A layouts agree), so hidden
@@ -264,9 +278,9 @@ def _resident_plan(spec: MLPSpec, smem_limit: int, mt: int | None = None,
     if best is None:
         return None
     _, warps, smem, mt = best
-    return CudaPlan(spec, tuple(layers), True, warps=warps, mt=mt, act_ld=act_ld, smem_bytes=smem,
-                    prefetch_vectors=_prefetch_vectors(spec, 16 * mt) if prefetch else 0,
-                    register_activations=register_activations)
+    return FusedPlan(spec, tuple(layers), True, warps=warps, mt=mt, act_ld=act_ld, smem_bytes=smem,
+                     prefetch_vectors=_prefetch_vectors(spec, 16 * mt) if prefetch else 0,
+                     register_activations=register_activations, smem_limit=smem_limit)
 
 
 PREFETCH_VECTORS_MAX = 8  # 16-byte registers per lane for the next tile's input (32 registers)
@@ -332,8 +346,9 @@ def _variant_tilings(layers: list[LayerPlan], pairs: tuple[int, ...], bm: int, w
     return tuple(tilings)
 
 
-def _streamed_plan(spec: MLPSpec, smem_limit: int, kc_max: int = KC_MAX, tall_rows: tuple[int, ...] = (128, 64),
-                   stages_choices: tuple[int, ...] = (3, 2), pair_hidden: bool | None = None) -> CudaPlan:
+def streamed_plan(spec: MLPSpec, smem_limit: int = SMEM_LIMIT, kc_max: int = KC_MAX,
+                  tall_rows: tuple[int, ...] = (128, 64), stages_choices: tuple[int, ...] = (3, 2),
+                  pair_hidden: bool | None = None) -> FusedPlan:
     """`pair_hidden`: fuse the FFN-shaped pairs (see _hidden_blocks) wherever they exist (True), never
     (False: every layer's output in the A/B buffers), or (None, the default) where that makes the
     tallest tile taller. At equal tiles the pair only costs: its hidden blocks (64/128 columns) take
@@ -360,7 +375,7 @@ def _streamed_plan(spec: MLPSpec, smem_limit: int, kc_max: int = KC_MAX, tall_ro
 
 
 def _streamed_build(spec: MLPSpec, smem_limit: int, blocks: dict[int, int], kc_max: int,
-                    tall_rows: tuple[int, ...], stages_choices: tuple[int, ...]) -> CudaPlan:
+                    tall_rows: tuple[int, ...], stages_choices: tuple[int, ...]) -> FusedPlan:
     """The streamed plan with the pairs of `blocks` ({i: HC}, _hidden_blocks) fused."""
     layers = _layer_plans(spec, _streamed_nc, kc_max, blocks)
     pairs = tuple(sorted(blocks))
@@ -391,104 +406,24 @@ def _streamed_build(spec: MLPSpec, smem_limit: int, blocks: dict[int, int], kc_m
                         f"(over {smem_limit // 1024} KB); use --precision fp32 or split the chain")
     if len(variants) == 2 and variants[0].bm == variants[1].bm:
         variants = variants[:1]
-    return CudaPlan(spec, tuple(layers), False, width_a=wa, width_b=wb, variants=tuple(variants), pairs=pairs)
+    return FusedPlan(spec, tuple(layers), False, width_a=wa, width_b=wb, variants=tuple(variants), pairs=pairs,
+                     smem_limit=smem_limit)
 
 
-def make_plan(spec: MLPSpec, smem_limit: int = SMEM_LIMIT, **options) -> CudaPlan:
-    """`options` override the designs' heuristics, for benchmarks/kernel_check.py, which times the
-    alternatives: the resident design's (mt, warp_choices, prefetch, register_activations), with a
-    `streamed_` prefix, the streamed design's (kc_max, tall_rows, stages_choices, pair_hidden), and with a `wide_`
-    prefix the wide design's (choices, tuning, tuned_on: wide_plan.make_wide_plan)."""
-    streamed_options = {k[len("streamed_"):]: v for k, v in options.items() if k.startswith("streamed_")}
-    wide_options = {k[len("wide_"):]: v for k, v in options.items() if k.startswith("wide_")}
-    resident_options = {k: v for k, v in options.items() if not k.startswith(("streamed_", "wide_"))}
-    if spec.precision not in ELEM_BYTES:
-        raise SpecError(f"{spec.precision} has no tensor-core plan (it runs on the CUDA-core kernel)")
-    from . import wide_plan  # the third design (CUTLASS GEMMs per layer) and the cost model that picks
-    try:
-        streamed, streamed_error = _streamed_plan(spec, smem_limit, **streamed_options), None
-    except SpecError as e:
-        streamed, streamed_error = None, e
-    return wide_plan.choose_plan(spec, _resident_plan(spec, smem_limit, **resident_options), streamed,
-                                 streamed_error, wide_options)
+@dataclass(frozen=True)
+class Fp32Plan:
+    """precision=fp32: one thread a row on CUDA cores, exact (templates/cuda_fp32.cu.j2). Nothing to tile:
+    the workspace holds each layer's fp32 weights then its bias."""
+    spec: MLPSpec
+
+    design = "fp32"
+    uses_scratch = False
+
+    @property
+    def workspace_bytes(self) -> int:
+        return sum(l.in_features * l.out_features + l.out_features for l in self.spec.layers) * 4
+
+    def describe(self) -> str:
+        return "CUDA cores, fp32"
 
 
-def _layer_params(spec: MLPSpec, plan: CudaPlan) -> list[dict]:
-    out = []
-    for l in plan.layers:
-        # A pair's first layer writes H instead of dst; its second reads H instead of src.
-        src = "H" if l.index - 1 in plan.pairs else "A" if (plan.resident or l.index % 2 == 0) else "B"
-        dst = "H" if l.index in plan.pairs else "A" if (plan.resident or l.index % 2 == 1) else "B"
-        out.append({
-            "index": l.index, "k": l.k, "n": l.n, "kc": l.kc, "nc": l.nc, "kp": l.kp, "np": l.np_,
-            "n_kchunks": l.n_kchunks, "n_nchunks": l.n_nchunks, "n_chunks": l.n_chunks,
-            "chunk_elems": l.chunk_elems, "chunk_first": l.chunk_first, "chunk_end": l.chunk_first + l.n_chunks,
-            "w_offset": l.w_offset, "b_offset": l.b_offset, "src": src, "dst": dst,
-            "last": l.index == len(plan.layers) - 1,
-            "pair_first": l.index in plan.pairs, "pair_second": l.index - 1 in plan.pairs,
-        })
-    return out
-
-
-def _act_params(spec: MLPSpec, padded_widths: list[int]) -> list[dict]:
-    """Each layer's activation code, and its per-channel constant arrays sized to the columns the kernel
-    computes (`padded_widths`). Hidden layers of the tensor-core kernel round their activations to
-    fp16/bf16/tf32 at once: they use the fast intrinsic forms. The last layer (written in the io type) and
-    fp32 keep libm's."""
-    out = []
-    for i, (l, size) in enumerate(zip(spec.layers, padded_widths)):
-        arrays = ex.chan_arrays(l.activation, f"kChan{i}_")
-        fast = spec.precision in ELEM_BYTES and i < len(spec.layers) - 1
-        chans = [{"name": name, "size": size, "init": ex.c_array_values(c, size)} for c, name in arrays.items()]
-        out.append({"index": i, "chans": chans,
-                    "code": ex.render_c(l.activation, "v", fast=fast, col="col", arrays=arrays,
-                                        load="__ldg(&{array}[{col}])")})
-    return out
-
-
-def template_params(spec: MLPSpec, **plan_options) -> dict:
-    """The flat dict templates/cuda_kernel.cu.j2 is rendered with (`plan_options`: see make_plan)."""
-    params = {
-        "sym": spec.name,
-        "io_half": spec.io_dtype == "f16",
-        "num_layers": len(spec.layers),
-        "prelude": ex.C_PRELUDE,
-        "widths": list(spec.widths),
-        "describe": spec.describe(),
-        "tensor_cores": spec.precision in ELEM_BYTES,
-        "precision": spec.precision,
-        "bf16": spec.precision == "bf16",
-        "acts": _act_params(spec, [l.out_features for l in spec.layers]),
-        "fp32_layers": [{"index": i, "k": l.in_features, "n": l.out_features, "last": i == len(spec.layers) - 1}
-                        for i, l in enumerate(spec.layers)],
-        "max_width": max(spec.widths),
-    }
-    if not params["tensor_cores"]:
-        params["plan_text"] = "CUDA cores, fp32"
-        return params
-    plan = make_plan(spec, **plan_options)
-    if getattr(plan, "design", "") == "wide":
-        from . import wide_plan
-        return {**params, **wide_plan.template_params(plan, _act_params(spec, [g.np_ for g in plan.gemms]))}
-    params.update({
-        "plan_text": plan.describe(),
-        "resident": plan.resident,
-        "pad": row_pad(spec),
-        "k_step": 32 // elem_bytes(spec),  # features per mma.sync: m16n8k16 (fp16/bf16), m16n8k8 (tf32)
-        "weight_elems": plan.weight_elems,
-        "bias_elems": plan.bias_elems,
-        "slot_elems": plan.slot_elems,
-        "total_chunks": plan.total_chunks,
-        "layers": _layer_params(spec, plan),
-        "acts": _act_params(spec, [l.np_ for l in plan.layers]),  # padded columns run the activation too
-        "warps": plan.warps, "mt": plan.mt, "act_ld": plan.act_ld, "smem_bytes": plan.smem_bytes,
-        "prefetch_vectors": plan.prefetch_vectors,
-        "register_activations": plan.register_activations,
-        "width_a": plan.width_a, "width_b": plan.width_b, "hidden_ld": plan.hidden_ld,
-        "variants": [
-            {"name": v.name, "bm": v.bm, "warps": v.warps, "stages": v.stages, "smem_bytes": v.smem_bytes,
-             "tilings": [{"wm": t.wm, "wn": t.wn, "mt": t.mt, "nt8": t.nt8} for t in v.tilings]}
-            for v in plan.variants
-        ],
-    })
-    return params

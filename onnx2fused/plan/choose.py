@@ -1,0 +1,147 @@
+"""Which design runs a spec, and its plan: the only module that knows every design.
+
+    make_plan(spec, options, wide) -> Plan      resident where it exists (narrow chains: one kernel,
+                                                weights on chip), else the faster of streamed and wide by
+                                                the cost model at cost.NOMINAL_ROWS rows; fp32: CUDA cores
+
+`options.design` forces a design where it is possible (experiments and tests). The wide design's
+segmentation is searched here: a fused tail (resident or streamed) for narrow trailing layers where the
+cost model finds it faster (`best_tail`).
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ..spec import MLPSpec, SpecError
+from . import cost, fused, wide
+from .options import DESIGN_ENV, PlanOptions, WideOptions
+from .padding import ALIGN
+from .protocol import Plan
+
+DEFAULT_OPTIONS = PlanOptions()
+
+
+def make_plans(specs, options: PlanOptions = DEFAULT_OPTIONS,
+               wide_options: dict[str, WideOptions] | None = None) -> dict[str, Plan]:
+    """{spec name: plan} for the distinct specs of `specs`; `wide_options`: per spec name."""
+    wide_options = wide_options or {}
+    out: dict[str, Plan] = {}
+    for spec in specs:
+        if spec.name not in out:
+            out[spec.name] = make_plan(spec, options, wide_options.get(spec.name))
+    return out
+
+
+def make_plan(spec: MLPSpec, options: PlanOptions = DEFAULT_OPTIONS, wide_options: WideOptions | None = None) -> Plan:
+    """The plan of `spec`. `wide_options`: the wide design's kernel choices, tuning build or fixed
+    segmentation, when the wide design is taken. SpecError when no design can run the spec."""
+    if spec.precision == "fp32":
+        return fused.Fp32Plan(spec)
+    if spec.precision not in fused.ELEM_BYTES:
+        raise SpecError(f"{spec.precision} has no CUDA plan")
+    wide_options = wide_options or WideOptions()
+    smem = options.smem_limit or fused.SMEM_LIMIT
+    resident = fused.resident_plan(spec, smem, **options.resident.given())
+    try:
+        streamed, streamed_error = fused.streamed_plan(spec, smem, **options.streamed.given()), None
+    except SpecError as e:
+        streamed, streamed_error = None, e
+    wide_why = wide.wide_reason_refused(spec) or options.wide_unavailable or None
+    forced = options.design
+    if forced == "resident" and resident is not None:
+        return resident
+    if forced == "streamed" and streamed is not None:
+        return streamed
+    if forced == "wide" and wide_why is None:
+        return wide_plan(spec, wide_options, options, f"forced by {DESIGN_ENV}=wide")
+    if resident is not None:
+        return resident
+    if streamed is None:
+        if wide_why is not None:
+            raise SpecError(f"{streamed_error}; the wide design cannot take it either: {wide_why}")
+        return wide_plan(spec, wide_options, options,
+                         f"chosen because the streamed kernel cannot hold it ({_short(streamed_error)})")
+    if wide_why is not None:
+        return streamed
+    start = wide_options.tail_from
+    if start is None:   # the cost model's split, searched once: the wide plan takes it as it is
+        start, t_wide, tail = best_tail(spec, options)
+    else:
+        tail = tail_plan(spec, start, options) if start else None
+        t_wide = cost.estimate_wide(spec, cost.NOMINAL_ROWS, start, tail)
+    t_streamed = cost.estimate_streamed(spec, streamed)
+    if t_wide * cost.WIDE_MARGIN < t_streamed:
+        return _wide_layout(spec, wide_options, f"chosen by the cost model at {cost.NOMINAL_ROWS} rows: "
+                                                f"~{_us(t_wide)} vs ~{_us(t_streamed)} streamed", start, tail)
+    return streamed
+
+
+def wide_plan(spec: MLPSpec, wide_options: WideOptions | None = None, options: PlanOptions = DEFAULT_OPTIONS,
+              reason: str = "") -> wide.WidePlan:
+    """The wide design's plan of `spec`, whatever the cost model would pick: the fused tail the cost
+    model prefers unless `wide_options.tail_from` fixes it. SpecError where the design cannot take it."""
+    wide_options = wide_options or WideOptions()
+    why = wide.wide_reason_refused(spec)
+    if why:
+        raise SpecError(f"{spec.describe()}: no wide plan: {why}")
+    start = wide_options.tail_from
+    if start is None:
+        start, _, tail = best_tail(spec, options)
+    else:
+        tail = tail_plan(spec, start, options) if start else None
+    return _wide_layout(spec, wide_options, reason, start, tail)
+
+
+def _wide_layout(spec: MLPSpec, w: WideOptions, reason: str, start: int, tail) -> wide.WidePlan:
+    return wide.make_wide_plan(spec, reason, tail_from=start, tail=tail, choices=w.choices, tuning=w.tuning,
+                               tuned_on=w.tuned_on, chain_block=w.chain_block)
+
+
+# ------------------------------------------------------------------------------------------ segments
+def tail_spec(spec: MLPSpec, start: int) -> MLPSpec:
+    """Layers [start:] as a chain of their own, fp16 in and out: the fused kernel that finishes a
+    segmented plan reads the hidden tensor the last GEMM wrote and writes 16-bit rows."""
+    return MLPSpec(spec.layers[start:], "fp16", "f16")
+
+
+def tail_plan(spec: MLPSpec, start: int, options: PlanOptions = DEFAULT_OPTIONS):
+    """The fused kernel (resident or streamed, never wide) for layers [start:], or None where a tail
+    cannot start there: fp16 chains only (the hidden tensor is fp16), a hidden width that is a multiple
+    of ALIGN (the GEMM writes rows of exactly that stride, the tail reads them contiguously). The tail
+    takes the design heuristics' own choices; `options.design` may still force resident or streamed."""
+    if spec.precision != "fp16" or not 0 < start < len(spec.layers) or spec.layers[start].in_features % ALIGN:
+        return None
+    t_spec = tail_spec(spec, start)
+    resident = fused.resident_plan(t_spec)
+    try:
+        streamed = fused.streamed_plan(t_spec)
+    except SpecError:
+        streamed = None
+    if options.design == "streamed" and streamed is not None:
+        return streamed
+    return resident if resident is not None else streamed
+
+
+def best_tail(spec: MLPSpec, options: PlanOptions = DEFAULT_OPTIONS,
+              rows: int = cost.NOMINAL_ROWS) -> tuple[int, float, Plan | None]:
+    """The first layer of the fused tail the cost model prefers (0: every layer a GEMM), the wide
+    design's estimate with it (seconds), and the tail's plan. A tail replaces the GEMMs of narrow
+    trailing layers (DLRM's 256 -> 64 -> 1: two launches and a round trip of the 64-wide tensor) by one
+    pass over the hidden rows. None searched where `options.wide_tail` is off."""
+    best, best_t, best_plan = 0, cost.estimate_wide(spec, rows), None
+    if not options.wide_tail:
+        return best, best_t, best_plan
+    for start in range(1, len(spec.layers)):
+        plan = tail_plan(spec, start, options)
+        if plan is not None and (t := cost.estimate_wide(spec, rows, start, plan)) < best_t:
+            best, best_t, best_plan = start, t, plan
+    return best, best_t, best_plan
+
+
+def _us(s: float) -> str:
+    return f"{s * 1e6:.0f} us"
+
+
+def _short(err) -> str:
+    text = str(err)
+    return text.split(": ", 1)[1] if ": " in text else text

@@ -1,0 +1,113 @@
+"""The cost model that picks a design: seconds at NOMINAL_ROWS rows from a roofline with a fixed
+efficiency per design, calibrated on the H100 (benchmarks/RESULTS.md, fourth run): the tuned GEMMs'
+efficiency, a kernel's fixed GPU time and a CUTLASS launch's host time (a chain of short GEMMs is host
+bound). Plans come in as arguments; this module imports neither design.
+"""
+from __future__ import annotations
+
+from ..spec import MLPSpec
+from .padding import ALIGN, round_up
+
+# H100 SXM figures: NOTES.md measured 665 TFLOP/s fp16 matmul, 3.0 TB/s copy.
+NOMINAL_ROWS = 16384            # the batch the compile-time decision is made for
+TC_FLOPS = 660e12
+HBM_BPS = 3.0e12
+L2_BPS = 8.0e12                 # streamed weights are re-read from L2 once per row tile
+LAUNCH_S = 3e-6                 # a kernel's fixed GPU time (prologue, pipeline fill, tail)
+HOST_LAUNCH_S = 8e-6            # a CUTLASS GEMM's host-side setup + launch: back to back, the tuning runs
+                                # time the smallest GEMMs at >= 8 us; a chain of short GEMMs is host bound
+WIDE_GEMM_EFF = 0.78            # the tuned CUTLASS 3.x GEMMs, fraction of TC_FLOPS: measured on the H100
+                                # (RESULTS.md): FFN 768->3072 GELU 0.78, 3072->768 1.0, head 9216->4096 0.97
+TF32_FLOPS = TC_FLOPS / 2       # tf32 wgmma: half the fp16 rate
+# Streamed kernel, 128-row tiles: 183 TFLOP/s measured on silu (RESULTS.md, kernel only); shorter tiles
+# re-read each weight chunk for fewer rows: x sqrt(bm/128) fits mnist's 32-row tiles (108 TFLOP/s).
+STREAMED_EFF_128 = 0.28
+WIDE_MARGIN = 1.25              # wide replaces a working streamed plan only when estimated this much faster
+                                # (the estimates are rooflines: keep near-ties on the single fused kernel)
+
+
+def converts_input(spec: MLPSpec) -> bool:
+    """Whether the wide design's 16-bit path needs the conversion pass (WidePlan.convert_input): not for
+    fp16 rows of an fp16 chain whose width is already a multiple of ALIGN (the GEMM reads them in place)."""
+    k0 = spec.layers[0].in_features
+    return not (spec.io_dtype == "f16" and spec.precision == "fp16" and round_up(k0, ALIGN) == k0)
+
+
+def tf32_eligible(spec: MLPSpec) -> bool:
+    """fp32 input rows that TMA can load in place (16-byte multiples)."""
+    return spec.io_dtype == "f32" and spec.layers[0].in_features % 4 == 0
+
+
+def _gemm_seconds(rows: int, k: int, n: int, a_bytes: int, w_bytes: int, out_bytes: int, rate: float) -> float:
+    flops = 2.0 * rows * k * n
+    traffic = rows * k * a_bytes + k * n * w_bytes + rows * n * out_bytes
+    return max(flops / (rate * WIDE_GEMM_EFF), traffic / HBM_BPS) + LAUNCH_S
+
+
+def _first_layer_seconds(spec: MLPSpec, rows: int, tf32: bool) -> float:
+    """Layer 0 from the io-type input: a tf32 GEMM on it in place, or the conversion pass + fp16 GEMM."""
+    l, io = spec.layers[0], 2 if spec.io_dtype == "f16" else 4
+    last = len(spec.layers) == 1
+    n = l.out_features if last else round_up(l.out_features, ALIGN)
+    out = io if last else 2
+    if tf32:
+        return _gemm_seconds(rows, l.in_features, n, 4, 4, out, TF32_FLOPS)
+    k = round_up(l.in_features, ALIGN)
+    conversion = (rows * l.in_features * io + rows * k * 2) / HBM_BPS + LAUNCH_S if converts_input(spec) else 0.0
+    return conversion + _gemm_seconds(rows, k, n, 2, 2, out, TC_FLOPS)
+
+
+def tf32_first_wins(spec: MLPSpec, rows: int = NOMINAL_ROWS) -> bool:
+    """Whether reading the fp32 input in place (tf32 first GEMM) beats converting it first: the memory-
+    bound first layers (DLRM's 512 -> 256: the conversion pass costs more than the GEMM)."""
+    return _first_layer_seconds(spec, rows, True) < _first_layer_seconds(spec, rows, False)
+
+
+def _tail_seconds(spec: MLPSpec, tail, rows: int) -> float:
+    """A segmented plan's fused tail (`tail`: its resident or streamed plan, on 16-bit rows): one pass
+    over the fp16 hidden rows (the streamed estimate for a streamed plan; a resident one at the streamed
+    kernel's efficiency too: conservative), and the pass widening its 16-bit output into an fp32 y."""
+    t_spec = tail.spec
+    if tail.design == "resident":
+        compute = t_spec.flops_per_row * rows / (TC_FLOPS * STREAMED_EFF_128)
+        t = max(compute, rows * (t_spec.widths[0] + t_spec.widths[-1]) * 2 / HBM_BPS) + LAUNCH_S
+    else:
+        t = estimate_streamed(t_spec, tail, rows)
+    if spec.io_dtype != "f16":
+        t += rows * t_spec.widths[-1] * (2 + 4) / HBM_BPS + LAUNCH_S
+    return t
+
+
+def estimate_wide(spec: MLPSpec, rows: int = NOMINAL_ROWS, tail_from: int = 0, tail=None) -> float:
+    """Seconds: each GEMM at max(compute, HBM traffic) plus its fixed GPU time, the first layer as the
+    cheaper of the tf32 in-place read and the conversion pass (where the tf32 kernels apply); at least
+    the host's time to launch them all. `tail_from` > 0: layers from there run as the fused tail
+    (`tail`: its plan)."""
+    io = 2 if spec.io_dtype == "f16" else 4
+    n_gemms = tail_from or len(spec.layers)
+    first = _first_layer_seconds(spec, rows, False)
+    launches = len(spec.layers) + converts_input(spec)   # one kernel per layer, and the conversion pass
+    if tf32_eligible(spec) and _first_layer_seconds(spec, rows, True) < first:
+        first, launches = _first_layer_seconds(spec, rows, True), len(spec.layers)
+    t = first
+    if tail_from:
+        t += _tail_seconds(spec, tail, rows)
+        launches -= len(spec.layers) - tail_from - 1 - (io != 2)   # one kernel (and the widening pass)
+    for i, l in enumerate(spec.layers[1:n_gemms], start=1):
+        last = i == len(spec.layers) - 1
+        k, n = round_up(l.in_features, ALIGN), l.out_features if last else round_up(l.out_features, ALIGN)
+        t += _gemm_seconds(rows, k, n, 2, 2, io if last else 2, TC_FLOPS)
+    return max(t, launches * HOST_LAUNCH_S)   # the GPU's time, or the host's when the kernels are short
+
+
+def estimate_streamed(spec: MLPSpec, streamed_plan, rows: int = NOMINAL_ROWS) -> float:
+    """Seconds of the streamed kernel: its tallest tile sets the tensor-core efficiency (short tiles
+    re-read every weight chunk per few rows: shared-memory bound) and the L2 weight traffic."""
+    io = 2 if spec.io_dtype == "f16" else 4
+    bm = max(v.bm for v in streamed_plan.variants)
+    eff = STREAMED_EFF_128 * min(1.0, bm / 128) ** 0.5
+    weight_bytes = streamed_plan.weight_elems * 2
+    compute = spec.flops_per_row * rows / (TC_FLOPS * eff)
+    l2 = -(-rows // bm) * weight_bytes / L2_BPS
+    hbm = rows * (spec.widths[0] + spec.widths[-1]) * io / HBM_BPS
+    return max(compute, l2, hbm) + LAUNCH_S

@@ -1,0 +1,115 @@
+"""The Hopper (sm_90a) GEMM kernels the wide design can instantiate, and the choices among them.
+
+A `Sm90Kernel` is a CUTLASS 3.x kernel configuration (TMA loads, wgmma): a schedule, a CTA tile and a
+cluster; its C++ name is made from those (`Coop128x256`, `Pingpong64x128C4`, `Tf32Coop128x256`). A
+`Sm90Choice` is one of them plus the stream-K scheduler's run-time decomposition (heuristic, data-parallel,
+split-K with S splits, stream-K). A wide GEMM has one choice per row bucket (ROW_BUCKETS: a call takes the
+bucket nearest its rows on a log scale), because the best kernel for 256 rows is not the best for 16384.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Stream-K partial-tile reductions of the sm90 kernels (fp32 128x256 tiles, 128 KiB each; CUTLASS sizes it
+# per problem and SM count: ~100 partials for 132 SMs; split-K 8 of the head's 256 x 4096 layers in 128 x
+# 128 tiles: 64 tiles x 8 partials of 64 KiB). Larger needs fall back to data-parallel tiles.
+SM90_SCRATCH = 48 << 20
+K_TILE_BYTES = 128   # a CTA tile's K depth in bytes of one operand row: 64 fp16/bf16 elements, 32 fp32 (tf32)
+
+
+@dataclass(frozen=True)
+class Sm90Kernel:
+    """A CUTLASS 3.x sm_90a GEMM kernel configuration (TMA loads, wgmma). Cooperative: two consumer
+    warpgroups share one CTA tile, with the stream-K tile scheduler (any decomposition at run time).
+    Ping-pong: each consumer warpgroup owns a tile, so one's epilogue overlaps the other's main loop;
+    it has the persistent data-parallel scheduler only. Pipeline stages: CUTLASS fills the shared
+    memory the epilogue leaves. Each one costs about a minute of nvcc per (activation, output type)."""
+    schedule: str                 # "cooperative" | "pingpong"
+    tile_mn: tuple[int, int]      # CTA tile M, N (K: K_TILE_BYTES of the operand type)
+    cluster: tuple[int, int]      # CTAs per cluster along M, N (TMA multicast of the shared operand)
+    tf32: bool = False            # fp32 operands on tf32 wgmma: the first layer reads the fp32 input in
+                                  # place (the conversion pass fused into its loads); first layers only
+
+    @property
+    def name(self) -> str:
+        """The C++ struct name: [Tf32]Coop|Pingpong<M>x<N>[C<cluster>]."""
+        cm, cn = self.cluster
+        cluster = "" if (cm, cn) == (1, 1) else f"C{cm}" if cn == 1 else f"C{cm}x{cn}"
+        schedule = "Coop" if self.schedule == "cooperative" else "Pingpong"
+        return f"{'Tf32' if self.tf32 else ''}{schedule}{self.tile_mn[0]}x{self.tile_mn[1]}{cluster}"
+
+    @property
+    def tile(self) -> tuple[int, int, int]:
+        """CTA tile M, N, K."""
+        return (*self.tile_mn, K_TILE_BYTES // (4 if self.tf32 else 2))
+
+    @property
+    def stream_k(self) -> bool:
+        return self.schedule == "cooperative"
+
+
+SM90_KERNELS: tuple[Sm90Kernel, ...] = (
+    Sm90Kernel("cooperative", (128, 256), (1, 1)),
+    Sm90Kernel("cooperative", (128, 128), (1, 1)),
+    Sm90Kernel("pingpong", (128, 128), (1, 1)),
+    Sm90Kernel("pingpong", (64, 128), (1, 1)),      # few rows: more, shorter tiles
+    Sm90Kernel("cooperative", (256, 128), (1, 1)),  # few rows, split-K: A read once
+    Sm90Kernel("pingpong", (128, 128), (2, 1)),     # B multicast to 2 row tiles
+    Sm90Kernel("pingpong", (128, 64), (1, 1)),      # narrow layers (DLRM's 256 -> 64)
+    # Few rows (the head's 256): every row tile re-reads the weights from L2, and the GEMM is L2-bound.
+    # A cluster along M multicasts each weight tile to all of its row tiles (4 x 64 = 256 rows: once).
+    Sm90Kernel("pingpong", (64, 128), (4, 1)),
+    Sm90Kernel("pingpong", (128, 64), (2, 1)),
+    Sm90Kernel("cooperative", (128, 256), (1, 1), tf32=True),
+    Sm90Kernel("pingpong", (128, 128), (1, 1), tf32=True),
+)
+TF32_KERNELS = tuple(i for i, k in enumerate(SM90_KERNELS) if k.tf32)
+
+# The stream-K scheduler's decompositions (CUTLASS DecompositionMode, same order as its enum).
+MODES = ("heuristic", "split_k", "stream_k", "data_parallel")
+
+
+@dataclass(frozen=True)
+class Sm90Choice:
+    kernel: int           # index into SM90_KERNELS
+    mode: str = "heuristic"
+    splits: int = 1       # split_k only
+
+    @property
+    def label(self) -> str:
+        k = SM90_KERNELS[self.kernel].name
+        if not SM90_KERNELS[self.kernel].stream_k:
+            return k
+        return f"{k}/{self.mode}" + (f"x{self.splits}" if self.mode == "split_k" else "")
+
+    def fits(self, first_layer_tf32: bool) -> bool:
+        """A known kernel and mode; a tf32 kernel only where the layer may read fp32 in place."""
+        return (0 <= self.kernel < len(SM90_KERNELS) and self.mode in MODES and self.splits >= 1
+                and (first_layer_tf32 or not SM90_KERNELS[self.kernel].tf32))
+
+
+DEFAULT_CHOICE = Sm90Choice(0, "heuristic")
+DEFAULT_TF32_CHOICE = Sm90Choice(TF32_KERNELS[0], "heuristic")   # a first layer the cost model reads in place
+ROW_BUCKETS = (32, 256, 2048, 16384)   # rows the choices are made (and tuned) for; calls take the nearest
+# (32: GEMV-like calls, where one row tile leaves most SMs idle unless split-K fills them)
+
+
+def sm90_candidates() -> tuple[Sm90Choice, ...]:
+    """Everything the tuning build times per GEMM and bucket (tf32 ones on an in-place first layer only)."""
+    out = []
+    for i, k in enumerate(SM90_KERNELS):
+        if k.stream_k:
+            out += [Sm90Choice(i, "heuristic"), Sm90Choice(i, "data_parallel"), Sm90Choice(i, "stream_k"),
+                    Sm90Choice(i, "split_k", 2), Sm90Choice(i, "split_k", 4),
+                    # few rows, long K (the head's 256 rows through K = 4096: 16 output tiles of the
+                    # 4096 -> 1000 layer for 132 SMs): deeper splits fill the GPU
+                    Sm90Choice(i, "split_k", 8), Sm90Choice(i, "split_k", 16)]
+        else:
+            out.append(Sm90Choice(i, "data_parallel"))
+    return tuple(out)
+
+
+def row_buckets(row_block: int) -> tuple[int, ...]:
+    """ROW_BUCKETS up to the plan's row block (a call never has more rows per GEMM than that)."""
+    top = min(row_block, ROW_BUCKETS[-1])
+    return tuple(b for b in ROW_BUCKETS if b < top) + (top,)

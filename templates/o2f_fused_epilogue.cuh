@@ -1,0 +1,67 @@
+// o2f_fused_epilogue.cuh: the tensor-core kernels' accumulator start (bias) and epilogues (hidden
+// layer into shared memory, last layer to global memory). Static device code included inside the
+// generated kernel's anonymous namespace, after elem_t, io_t, act<L>, store2 and the o2f_fused_io helpers.
+#pragma once
+// Accumulators start at the bias (`bias` at the layer's first column, `col0` the warp's first
+// column), which saves the epilogue an add per element.
+template <int MT, int NT8>
+__device__ __forceinline__ void init_acc(float (&acc)[MT][NT8][4], int col0, const float* bias, int lane) {
+  const int t2 = 2 * (lane & 3);
+#pragma unroll
+  for (int j = 0; j < NT8; ++j) {
+    const float2 b = *reinterpret_cast<const float2*>(bias + col0 + j * 8 + t2);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      acc[mt][j][0] = b.x; acc[mt][j][1] = b.y; acc[mt][j][2] = b.x; acc[mt][j][3] = b.y;
+    }
+  }
+}
+
+// Hidden layer epilogue: activation in fp32 of the accumulators (bias included), rounded into the
+// activation buffer (`dst` at the warp's first row, `col0` the warp's first column). Columns >= N are
+// written as zeros: they are the padded features of the next layer. `col0` is the layer's own column
+// (per-channel constants, padding); column c lands in dst's column c - dst_col0 (nonzero for a fused
+// pair's hidden block, whose buffer H holds only the block's columns).
+template <int L, int N, int MT, int NT8>
+__device__ __forceinline__ void store_hidden(const float (&acc)[MT][NT8][4], int col0, elem_t* dst, int ldd, int lane,
+                                             int dst_col0 = 0) {
+  const int g = lane >> 2, t2 = 2 * (lane & 3);
+  const bool padded = col0 + 8 * NT8 > N;  // only the tile holding the last true column masks
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int j = 0; j < NT8; ++j)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int col = col0 + j * 8 + t2;
+        float v0 = act<L>(acc[mt][j][2 * h], col);
+        float v1 = act<L>(acc[mt][j][2 * h + 1], col + 1);
+        if (padded) {
+          if (col >= N) v0 = 0.0f;
+          if (col + 1 >= N) v1 = 0.0f;
+        }
+        store2(dst + (mt * 16 + g + 8 * h) * ldd + (col - dst_col0), v0, v1);
+      }
+}
+
+// Last layer epilogue: activation, converted to the output type, straight to global memory.
+template <int L, int N, int MT, int NT8>
+__device__ __forceinline__ void store_output(const float (&acc)[MT][NT8][4], int col0, io_t* __restrict__ y,
+                                             int64_t rows, int64_t row0, int lane) {
+  const int g = lane >> 2, t2 = 2 * (lane & 3);
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int j = 0; j < NT8; ++j)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int col = col0 + j * 8 + t2;
+        const int64_t row = row0 + mt * 16 + g + 8 * h;
+        if (row >= rows || col >= N) continue;
+        const float v0 = act<L>(acc[mt][j][2 * h], col);
+        const float v1 = act<L>(acc[mt][j][2 * h + 1], col + 1);
+        io_t* out = y + row * N + col;
+        if (N % 2 == 0) o2f_store2(out, v0, v1);
+        else { o2f_store(out, v0); if (col + 1 < N) o2f_store(out + 1, v1); }
+      }
+}
