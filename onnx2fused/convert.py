@@ -286,7 +286,8 @@ def convert(input_path, output_path=None, precision: str = AUTO, validate: bool 
                 old, new = choices[k].precision, next_precision(choices[k].precision)
                 e = report.chain_errors[k] if k < len(report.chain_errors) and report.chain_errors[k] else None
                 detail = f"rel. L2 {e.rel_l2:.2g} on {report.provider}" if e else f"validation on {report.provider}"
-                choices[k] = PrecisionChoice(new, f"{old} failed ({detail}); " + choices[k].why)
+                choices[k] = PrecisionChoice(new, f"{old} failed ({detail}); " + choices[k].why,
+                                             noise=choices[k].noise)
                 say(f"chain {k}: {old} failed validation ({detail}); rebuilding it in {new}")
 
         specs, lib, data, tmp_model, tmp_lib, lib_name = built.specs, built.lib, built.data, built.model, built.lib_copy, built.lib_name
@@ -376,7 +377,7 @@ def _build_and_check(model, inp: Path, out: Path, plan, choices, with_cuda, opti
         report = val.validate(str(inp), tmp_model, tmp_lib, specs[0].precision, original_model=model,
                               chains=plan.chains, with_cuda=lib.with_cuda, user_inputs=user_inputs,
                               progress=say, chain_precisions=[s.precision for s in specs], cases=cases,
-                              vacuous=vacuous, **(checks or {}))
+                              vacuous=vacuous, chain_noise=[c.noise for c in choices], **(checks or {}))
     return _Built(specs, lib, lib.build_seconds, data, tmp_model, tmp_lib, lib_name, report)
 
 

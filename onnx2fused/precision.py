@@ -33,10 +33,17 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import expr as ex
+from .validate import FP16_MAX, NOISE_FACTOR
 
 LADDER = ("fp16", "bf16", "tf32", "fp32")
-MARGIN = 0.5
-FP16_MAX = 65504.0
+# The modelled error must stay within MARGIN x the tolerance: the model rounds exactly as the kernels do
+# and differs only in summation order and the kernels' activation approximations (~1e-5 relative), so a
+# small margin suffices; the real validation has the last word on a GPU host.
+MARGIN = 0.8
+# A chain that amplifies rounding (a SIREN's sin(30 x)) differs from stock ORT by more than fp32's 1e-5
+# even when computed exactly in fp32: stock's own fp32 result is that far from the float64-accumulated
+# one. Such a chain is held to NOISE_FACTOR x that distance where it exceeds its precision's tolerance
+# (validate.py applies the same rule to the real kernels).
 
 
 @dataclass
@@ -44,6 +51,12 @@ class PrecisionChoice:
     precision: str
     why: str                                  # one line: why this one (and why not the faster ones)
     errors: dict[str, float] | None = None    # modelled rel L2 per precision tried
+    noise: float = 0.0                        # stock fp32 vs float64-accumulated fp32: the chain's conditioning
+
+    def tolerance(self, tolerances: dict[str, float]) -> float:
+        """What validation holds this chain to: its precision's tolerance, or more for an ill-conditioned
+        chain (NOISE_FACTOR x its own fp32 noise)."""
+        return max(tolerances[self.precision], NOISE_FACTOR * self.noise)
 
 
 def next_precision(precision: str) -> str | None:
@@ -132,10 +145,14 @@ def choose_precision(layers, inputs: list[np.ndarray], outputs: list[np.ndarray]
     MARGIN x its tolerance (and, for fp16 with `range_check`, whose stored values stay finite)."""
     errors: dict[str, float] = {}
     refused: list[str] = []
+    noise = max((rel_l2(model_chain(layers, x, "fp32").output, y) for x, y in zip(inputs, outputs)), default=0.0)
+    ill = NOISE_FACTOR * noise > tolerances["fp32"]
+    note = (f"; ill-conditioned: stock fp32 itself is {noise:.2g} from the float64-accumulated result, "
+            f"so validation allows {NOISE_FACTOR:g}x that") if ill else ""
     for p in LADDER[LADDER.index(start):]:
         if p == "fp32":
-            why = "exact (CUDA cores)" + (f"; {'; '.join(refused)}" if refused else "")
-            return PrecisionChoice("fp32", why, errors)
+            why = "exact (CUDA cores)" + (f"; {'; '.join(refused)}" if refused else "") + note
+            return PrecisionChoice("fp32", why, errors, noise)
         runs = [model_chain(layers, x, p) for x in inputs]
         err = max((rel_l2(r.output, y) for r, y in zip(runs, outputs)), default=0.0)
         errors[p] = err
@@ -143,10 +160,10 @@ def choose_precision(layers, inputs: list[np.ndarray], outputs: list[np.ndarray]
         if p == "fp16" and range_check and peak > FP16_MAX:
             refused.append(f"fp16: intermediate values reach {peak:.4g} > {FP16_MAX:g} (overflow)")
             continue
-        limit = MARGIN * tolerances[p]
+        limit = MARGIN * max(tolerances[p], NOISE_FACTOR * noise)
         if err <= limit:
-            why = f"modelled rel. L2 {err:.2g} <= {limit:.2g}" + (f"; {'; '.join(refused)}" if refused else "")
-            return PrecisionChoice(p, why, errors)
+            why = f"modelled rel. L2 {err:.2g} <= {limit:.2g}" + (f"; {'; '.join(refused)}" if refused else "") + note
+            return PrecisionChoice(p, why, errors, noise)
         refused.append(f"{p}: modelled rel. L2 {_fmt(err)} > {limit:.2g}")
     raise AssertionError("the ladder ends with fp32")  # pragma: no cover
 
