@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from onnx2fused import passes, wide_tune  # noqa: E402
-from onnx2fused.build import build_plugin  # noqa: E402
+from onnx2fused.library import build_plugin  # noqa: E402
 from onnx2fused.plan.choose import make_plan  # noqa: E402
 from onnx2fused.plan.options import PlanOptions  # noqa: E402
 from onnx2fused.plan.wide import with_kernels  # noqa: E402

@@ -1,13 +1,16 @@
-"""Compile rendered sources + ort_plugin/ into one ONNX Runtime custom-op library, cached.
+"""Compile sources into one ONNX Runtime custom-op library, cached. Only compiles: what the sources are
+(rendering, planning, kernel tuning) is decided before (library.py, convert.py).
 
-    build_plugin(specs) -> BuiltLibrary(path=<cache>/<key>/libonnx2fused_<key>.so, sources_dir, cache_hit, ...)
+    compile(sources, with_cuda) -> BuiltLibrary(path=<cache>/<key>/libonnx2fused_<key>.so, sources_dir, cache_hit, ...)
 
-The cache is content-addressed: key = sha256 of every source, every flag (with -march=native resolved),
-the compiler versions, the ONNX Runtime header version and VERSION. An entry `<cache>/<key>/` holds the
-library, the sources it was built from (`sources/`) and a manifest with the library's sha256, which is
-checked on every hit (a truncated or corrupt library is rebuilt). Builds happen in a temp folder inside
-the cache and are moved into place with one atomic rename, under an flock per key, so concurrent
-builders never see a half-written entry. A failed compile leaves no entry, writes the compiler output to
+`sources` are the generated files ({name: text}); the hand-written ort_plugin/ files are added here.
+Each translation unit's object is cached on its own (<cache>/objects/<key>.o, key = sha256 of its source,
+every header, its flags, the compiler versions, the ONNX Runtime header version and VERSION), and the
+library entry `<cache>/<key>/` (key = the objects' keys and the link line) holds the library, the
+sources it was built from (`sources/`) and a manifest with the library's sha256, which is checked on
+every hit (a truncated or corrupt library is rebuilt). Builds happen in a temp folder inside the cache
+and are moved into place with one atomic rename, under an flock per key, so concurrent builders never
+see a half-written entry. A failed compile leaves no entry, writes the compiler output to
 `<cache>/failed/<key>/build.log` and raises BuildError naming it.
 """
 from __future__ import annotations
@@ -29,11 +32,8 @@ from pathlib import Path
 from typing import Callable
 
 from ._version import __version__
-from .codegen import render
 from .errors import BuildError, ConversionError
 from .headers import default_cache_dir, find_cutlass_headers, locate_ort_headers, needs_cutlass
-from .plan.choose import make_plans
-from .plan.options import PlanOptions
 from .resources import ort_plugin_dir
 
 VERSION = 1  # bump when the build recipe changes in a way the key does not see
@@ -245,37 +245,6 @@ def _compile(args: list[str], cwd: Path) -> tuple[int, str]:
 
 
 # ------------------------------------------------------------------------------------------ build
-def build_plugin(specs, with_cuda: bool | None = None, cache_dir=None, cpu_enabled=None,
-                 progress: Callable[[str], None] | None = None, plans: dict | None = None,
-                 tune: bool = False) -> BuiltLibrary:
-    """Build (or find in the cache) the plugin library of `specs`. `plans`: {spec name: CUDA plan}
-    (plan.choose.make_plans); None: planned here with the environment's options (an entry point too).
-    wide_tune.resolve gives the wide plans the kernel choices this GPU has in the cache (with `tune`, a
-    fresh search where none is cached)."""
-    say = progress or (lambda msg: None)
-    nvcc = find_nvcc()
-    if with_cuda is None:
-        with_cuda = nvcc is not None
-    if with_cuda and not nvcc:
-        raise ConversionError("CUDA kernels need nvcc: put it on PATH or set CUDA_HOME, or build with with_cuda=False")
-    cache = (Path(cache_dir).expanduser() if cache_dir else default_cache_dir()).resolve()  # compilers run in a temp cwd
-    _ensure_writable(cache)
-
-    plans = dict(plans or {})
-    if with_cuda:
-        from . import wide_tune
-        if not plans:
-            plans = make_plans(specs, PlanOptions.from_env())
-
-        def build_tuning(tune_specs, **kw):
-            return build_plugin(tune_specs, with_cuda=True, cache_dir=cache, progress=say, **kw)
-        plans = wide_tune.resolve(plans, cache, build_tuning, say, tune=tune)
-
-    sources = dict(render(list(specs), with_cuda, cpu_enabled, plans))
-    lib = compile_library(sources, with_cuda, cache, say)
-    return BuiltLibrary(lib.path, lib.sources_dir, lib.cache_hit, lib.build_seconds, lib.key, with_cuda, plans)
-
-
 def plugin_sources(with_cuda: bool) -> dict[str, str]:
     """The hand-written ort_plugin/ files compiled into every library (CUDA ones only with CUDA)."""
     kinds = (".cc", ".h", ".cu") if with_cuda else (".cc", ".h")
@@ -295,8 +264,15 @@ class _Job:
         return [a.format(src=src, inc=inc, obj=obj) for a in self.args]
 
 
-def compile_library(sources: dict[str, str], with_cuda: bool, cache: Path,
-                    say: Callable[[str], None] | None = None) -> BuiltLibrary:
+def cache_folder(cache_dir=None) -> Path:
+    """The build cache, absolute (compilers run in a temp cwd), created and checked writable."""
+    cache = (Path(cache_dir).expanduser() if cache_dir else default_cache_dir()).resolve()
+    _ensure_writable(cache)
+    return cache
+
+
+def compile(sources: dict[str, str], with_cuda: bool, cache_dir=None,
+            say: Callable[[str], None] | None = None) -> BuiltLibrary:
     """Compile `sources` (generated, plus ort_plugin/ added here) into one library in the cache.
 
     Each translation unit's object is cached on its own under <cache>/objects/, keyed by its source,
@@ -305,6 +281,7 @@ def compile_library(sources: dict[str, str], with_cuda: bool, cache: Path,
     then links.
     """
     say = say or (lambda msg: None)
+    cache = cache_folder(cache_dir)
     nvcc = find_nvcc() if with_cuda else None
     if with_cuda and not nvcc:
         raise ConversionError("CUDA kernels need nvcc: put it on PATH or set CUDA_HOME, or build with with_cuda=False")

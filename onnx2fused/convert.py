@@ -22,7 +22,8 @@ import onnx
 from types import SimpleNamespace
 
 from .cpu_policy import cpu_kernel_wins
-from .build import build_plugin, find_nvcc
+from .build import find_nvcc
+from .library import build_plugin
 from .errors import ConversionError
 from .loader import load_model
 from .passes import find_chains, rewrite

@@ -13,7 +13,8 @@ import pytest
 
 from onnx2fused import build as build_mod
 from onnx2fused import expr as ex
-from onnx2fused.build import BuiltLibrary, build_plugin, find_nvcc
+from onnx2fused.build import BuiltLibrary, find_nvcc
+from onnx2fused.library import build_plugin
 from onnx2fused.errors import BuildError, ConversionError
 from onnx2fused.spec import LayerSpec, MLPSpec
 
@@ -75,14 +76,15 @@ def test_corrupt_library_is_detected_and_rebuilt(tmp_path):
 
 
 def test_failed_compile_leaves_no_entry_and_names_the_log(tmp_path, monkeypatch):
-    real = build_mod.render
+    from onnx2fused import library
+    real = library.render
 
     def broken(specs, with_cuda, cpu_enabled=None, plans=None):
         files = real(specs, with_cuda, cpu_enabled, plans)
         files[f"{SPEC.name}_cpu.cc"] += "\nthis is not C++;\n"
         return files
 
-    monkeypatch.setattr(build_mod, "render", broken)
+    monkeypatch.setattr(library, "render", broken)
     with pytest.raises(BuildError) as err:
         build_plugin([SPEC], with_cuda=False, cache_dir=tmp_path)
     log = Path(str(err.value).split(" is in ")[-1].strip())
@@ -120,7 +122,7 @@ def test_concurrent_builds_from_two_processes_give_one_library(tmp_path):
         import sys
         sys.path.insert(0, {str(REPO)!r})
         from onnx2fused import expr as ex
-        from onnx2fused.build import build_plugin
+        from onnx2fused.library import build_plugin
         from onnx2fused.spec import LayerSpec, MLPSpec
         spec = MLPSpec((LayerSpec(8, 24, True, ex.relu()), LayerSpec(24, 3, False, ex.identity())), io_dtype="f32")
         lib = build_plugin([spec], with_cuda=False, cache_dir=sys.argv[1])

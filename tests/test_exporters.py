@@ -292,7 +292,7 @@ def test_residual_layernorm_concat_and_second_consumer_pieces():
 
 @pytest.fixture(scope="module")
 def residual_plugin(tmp_path_factory):
-    from onnx2fused.build import build_plugin
+    from onnx2fused.library import build_plugin
     m = residual_model()
     plan, specs, r = fuse(m)
     lib = build_plugin(specs, with_cuda=False, cache_dir=tmp_path_factory.mktemp("cache"))

@@ -19,7 +19,7 @@ from gpu_support import check_cuda_graph_replay, rel_l2, require_cuda, run_poiso
 pytestmark = pytest.mark.gpu
 ort, torch = require_cuda()
 
-from onnx2fused import build, passes  # noqa: E402
+from onnx2fused import build, library, passes  # noqa: E402
 from onnx2fused.loader import load_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -38,7 +38,7 @@ def _fuse(path: Path, precision: str, cache_dir: Path, out: Path) -> tuple[Path,
     plan = passes.find_chains(model)
     assert plan.chains, f"nothing fused in {path.name}: {plan.describe()}"
     specs = [c.to_spec(precision) for c in plan.chains]
-    lib = build.build_plugin(specs, with_cuda=True, cache_dir=cache_dir)
+    lib = library.build_plugin(specs, with_cuda=True, cache_dir=cache_dir)
     fused = passes.rewrite(model, plan, specs)
     onnx.save(fused, str(out))
     return out, lib.path, fused

@@ -23,7 +23,7 @@ from gpu_support import rel_l2, require_cuda, run_poisoned  # noqa: E402
 pytestmark = pytest.mark.gpu
 ort, torch = require_cuda()
 
-from onnx2fused import build  # noqa: E402
+from onnx2fused import build, library  # noqa: E402
 from onnx_builders import CONTINUOUS_ACTS, OTHER_ACTS, STEP_ACTS, G, fuse, run  # noqa: E402
 
 NARROW = (20, 48, 48, 7)      # resident plan; odd last width
@@ -72,7 +72,7 @@ def fused_cases(tmp_path_factory):
         del fused.functions[:]  # no stock-op fallback: the CUDA kernel must run the node
         models[case] = (m, fused)
         specs += s
-    lib = build.build_plugin(specs, with_cuda=True, cache_dir=tmp_path_factory.mktemp("gpu_act_cache"))
+    lib = library.build_plugin(specs, with_cuda=True, cache_dir=tmp_path_factory.mktemp("gpu_act_cache"))
     return models, lib.path
 
 

@@ -18,7 +18,7 @@ from gpu_support import check_cuda_graph_replay, rel_l2, require_cuda, run_poiso
 pytestmark = pytest.mark.gpu
 ort, torch = require_cuda()
 
-from onnx2fused import build, passes  # noqa: E402
+from onnx2fused import build, library, passes  # noqa: E402
 from onnx2fused.plan import wide  # noqa: E402
 from onnx2fused.plan.choose import make_plan  # noqa: E402
 from onnx2fused.plan.options import DESIGN_ENV, PlanOptions, WideOptions  # noqa: E402
@@ -98,7 +98,7 @@ def _fuse(src, precision, cache_dir, out):
     specs = [c.to_spec(precision) for c in plan.chains]
     cplan = make_plan(specs[0], WIDE)
     assert cplan.design == "wide", cplan.describe()
-    lib = build.build_plugin(specs, with_cuda=True, cache_dir=cache_dir, plans={specs[0].name: cplan})
+    lib = library.build_plugin(specs, with_cuda=True, cache_dir=cache_dir, plans={specs[0].name: cplan})
     onnx.save(passes.rewrite(model, plan, specs), str(out))
     return out, lib.path, cplan
 
@@ -127,7 +127,7 @@ def shared(tmp_path_factory, cache_dir):
         specs.append(spec)
         plans[spec.name] = cplan
         out[key] = (src32 if key.startswith("io16") else src, fused, cplan)
-    lib = build.build_plugin(specs, with_cuda=True, cache_dir=cache_dir, plans=plans).path
+    lib = library.build_plugin(specs, with_cuda=True, cache_dir=cache_dir, plans=plans).path
     return out, lib
 
 

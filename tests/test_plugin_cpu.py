@@ -9,7 +9,7 @@ ort = pytest.importorskip("onnxruntime")
 from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
 from onnx2fused import expr as ex  # noqa: E402
-from onnx2fused.build import build_plugin  # noqa: E402
+from onnx2fused.library import build_plugin  # noqa: E402
 from onnx2fused.spec import LayerSpec, MLPSpec  # noqa: E402
 from thread_support import run_threads  # noqa: E402
 

@@ -22,7 +22,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from onnx2fused.build import build_plugin
+from onnx2fused.library import build_plugin
 from onnx_builders import CONTINUOUS_ACTS, G, assert_close, fuse, plugin_session, run
 
 MAX_EXAMPLES = int(os.environ.get("ONNX2FUSED_PROPERTY_EXAMPLES", "10"))

@@ -21,7 +21,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from onnx2fused import codegen
 from onnx2fused import expr as ex
-from onnx2fused.build import build_plugin
+from onnx2fused.library import build_plugin
 from onnx2fused.passes import find_chains
 from onnx2fused.spec import LayerSpec, MLPSpec
 from onnx_builders import G, assert_close, fuse, plugin_session, run

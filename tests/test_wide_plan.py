@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from onnx2fused import build, headers
+from onnx2fused import build, headers, library
 from onnx2fused import expr as ex
 from onnx2fused.errors import ConversionError
 from onnx2fused.plan import choose, cost, fused, sm90, wide
@@ -514,7 +514,7 @@ def test_build_compiles_only_the_wide_source_for_sm90a(tmp_path, monkeypatch):
     wide, narrow = _spec([9216, 4096, 4096, 1000]), _spec([32, 64, 16])
     try:
         with pytest.raises(BuildError):
-            build.build_plugin([wide, narrow], with_cuda=True, cache_dir=tmp_path)
+            library.build_plugin([wide, narrow], with_cuda=True, cache_dir=tmp_path)
     except ConversionError as e:  # no ONNX Runtime headers to be found offline
         pytest.skip(str(e))
     by_source = {Path(a[a.index("-c") + 1]).name: a for a in calls if "-c" in a}

@@ -1,0 +1,47 @@
+"""The plugin library of some specs: plans (with this GPU's tuned wide kernels) -> sources -> compile.
+
+    build_plugin(specs) -> build.BuiltLibrary (with .plans)
+
+The one place that puts the three steps together, for convert, the kernel search's tuning libraries
+(wide_tune.py), the tests and the benchmarks: plan.choose plans (unless given), wide_tune.resolve gives
+the wide plans the kernel choices cached for this GPU (with `tune`, a fresh search where none is cached),
+codegen.render writes the sources, build.compile compiles them.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Callable
+
+from . import build, wide_tune
+from .codegen import render
+from .errors import ConversionError
+from .plan.choose import make_plans
+from .plan.options import PlanOptions
+
+
+def resolve_with_cuda(with_cuda: bool | None) -> bool:
+    """None: CUDA kernels when nvcc is found."""
+    nvcc = build.find_nvcc()
+    if with_cuda and not nvcc:
+        raise ConversionError("CUDA kernels need nvcc: put it on PATH or set CUDA_HOME, or build with with_cuda=False")
+    return nvcc is not None if with_cuda is None else with_cuda
+
+
+def build_plugin(specs, with_cuda: bool | None = None, cache_dir=None, cpu_enabled=None,
+                 progress: Callable[[str], None] | None = None, plans: dict | None = None,
+                 tune: bool = False) -> build.BuiltLibrary:
+    """Build (or find in the cache) the plugin library of `specs`. `plans`: {spec name: CUDA plan}
+    (plan.choose.make_plans); None: planned here with the environment's options."""
+    say = progress or (lambda msg: None)
+    with_cuda = resolve_with_cuda(with_cuda)
+    cache = build.cache_folder(cache_dir)
+    plans = dict(plans or {})
+    if with_cuda:
+        if not plans:
+            plans = make_plans(specs, PlanOptions.from_env())
+
+        def build_tuning(tune_specs, **kw):
+            return build_plugin(tune_specs, with_cuda=True, cache_dir=cache, progress=say, **kw)
+        plans = wide_tune.resolve(plans, cache, build_tuning, say, tune=tune)
+    sources = render(list(specs), with_cuda, cpu_enabled, plans)
+    return replace(build.compile(sources, with_cuda, cache, say), plans=plans)
