@@ -17,6 +17,7 @@ PRECISIONS = ("fp16", "bf16", "tf32", "fp32")
 IO_DTYPES = ("f32", "f16")
 DOMAIN = "onnx2fused"
 OP_PREFIX = "FusedMLP"
+MAX_NAME = 96     # longer names (deep chains of many activations) are shortened to widths + layer count + hash
 SPEC_VERSION = 1  # bump when the meaning of a spec (and so of every generated kernel) changes
 
 
@@ -93,5 +94,8 @@ class MLPSpec:
             acts += "_nobias" if not any(l.has_bias for l in self.layers) else "_somebias"
         digest = hashlib.sha256(self.key_text().encode()).hexdigest()[:8]
         name = f"{OP_PREFIX}_{widths}_{acts}_{self.precision}_{self.io_dtype}_{digest}"
+        if len(name) > MAX_NAME:  # deep chains: the name is also file names (`<name>_cuda.cu`, nvcc's temps)
+            name = (f"{OP_PREFIX}_{self.widths[0]}to{self.widths[-1]}_{len(self.layers)}layers_"
+                    f"{self.precision}_{self.io_dtype}_{digest}")
         assert name.isidentifier(), name  # it is a C symbol prefix
         return name

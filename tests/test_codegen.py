@@ -137,3 +137,16 @@ def test_cuda_sources_carry_the_headers_they_include(widths, precision, design):
         for inc in re.findall(r'^#include "([^"/]+\.cuh)"$', text, re.M):   # ort_plugin/'s come with the build
             assert inc in files, f"{name} includes {inc}, which render did not return"
     assert "227 * 1024" not in "".join(t for n, t in files.items() if n.endswith(".cuh"))
+
+
+def test_deep_chain_names_stay_short_and_unique():
+    """A chain of many different activations: its name (also file and symbol names) stays short enough for
+    nvcc's temporary files, and two such chains that differ only in one activation keep distinct names."""
+    acts = [ex.relu(), ex.tanh(), ex.sigmoid(), ex.silu(), ex.sin(), ex.softplus(), ex.mish(), ex.elu()] * 5
+    layers = tuple(LayerSpec(32, 32, True, a) for a in acts)
+    deep = MLPSpec(layers)
+    other = MLPSpec(layers[:-1] + (LayerSpec(32, 32, True, ex.relu()),))
+    assert len(deep.name) <= 96 and deep.name.isidentifier() and "40layers" in deep.name
+    assert deep.name != other.name
+    short = MLPSpec(layers[:2])
+    assert short.name.startswith("FusedMLP_32x32x32_relu_tanh_")  # short chains keep the readable form
