@@ -149,12 +149,17 @@ def _check_docker(words: list[str], cwd: Path) -> None:
 
 def _run_onnx2fused(cmd: str, words: list[str], cwd: Path, env) -> None:
     gpu_bench_here = len(words) > 1 and words[1] == "bench" and "--cpu" not in words and not _has_gpu()
+    tune_without_gpu = len(words) > 1 and words[1] == "tune" and not _has_gpu()
     if len(words) > 1 and words[1] == "bench":
         extra = ["--out", "bench_out", "--batches", "1024", "--reps", "3", "--no-torch"]
         cmd = " ".join([shlex.join(words)] + extra)
     p = subprocess.run(["bash", "-c", cmd], cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
     if gpu_bench_here:   # nothing can run: a non-zero exit that says why
         assert p.returncode == 2 and "no GPU" in p.stderr, (p.returncode, p.stderr[-3000:])
+        return
+    if tune_without_gpu:   # the search needs a Hopper GPU: a non-zero exit that says so
+        assert p.returncode == 2 and "nothing to tune" in p.stderr and "Hopper" in p.stderr, \
+            (p.returncode, p.stderr[-3000:])
         return
     assert p.returncode == 0, f"`{cmd}` exited {p.returncode}:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
     if words[1] == "bench":
