@@ -167,7 +167,7 @@ def test_forced_design():
     plan = choose.make_plan(_spec([512, 256, 64, 1]), WIDE)
     assert plan.design == "wide" and "forced" in plan.reason
     assert choose.make_plan(_spec([768, 3072, 768]), PlanOptions(design="streamed")).design == "streamed"
-    with pytest.raises(ConversionError, match="expected auto, wide, streamed or resident"):
+    with pytest.raises(ConversionError, match="expected auto, wide, streamed, resident or wgmma"):
         PlanOptions(design="fastest")
 
 
@@ -177,7 +177,7 @@ def test_options_come_from_the_environment_once():
     options = PlanOptions.from_env(env)
     assert options.design == "wide" and not options.wide_tail
     assert PlanOptions.from_env({}).design == "auto" and PlanOptions.from_env({}).wide_tail
-    with pytest.raises(ConversionError, match="expected auto, wide, streamed or resident"):
+    with pytest.raises(ConversionError, match="expected auto, wide, streamed, resident or wgmma"):
         PlanOptions.from_env({DESIGN_ENV: "fastest"})
     # no fused tail when the options say so: every layer a GEMM
     dlrm = _spec([512, 256, 64, 1])
