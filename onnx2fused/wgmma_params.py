@@ -38,7 +38,10 @@ def _blocks(l: WgmmaLayer, c: int, last: bool) -> list[dict]:
         col = 8 * jj
         if last and col >= l.n:
             continue
-        out.append({"col": col, "d": [4 * j, 4 * j + 1, 4 * j + 2, 4 * j + 3],
+        # hidden padding columns are written as zeros (whatever the activation gives at 0: the next layer's
+        # padded weights are zeros, and 0 * inf would not be)
+        pad = "all" if col >= l.n else "part" if col + 8 > l.n else "none"
+        out.append({"col": col, "d": [4 * j, 4 * j + 1, 4 * j + 2, 4 * j + 3], "pad": pad,
                     "kt": jj // 2, "reg": 2 * (jj % 2), "reg_hi": 2 * (jj % 2) + 1})
     return out
 

@@ -16,7 +16,7 @@ from dataclasses import replace
 
 from ..spec import MLPSpec, SpecError
 from . import cost, fused, wgmma, wide
-from .options import DESIGN_ENV, PlanOptions, WideOptions
+from .options import DESIGN_ENV, WGMMA_ENV, PlanOptions, WideOptions
 from .padding import ALIGN
 from .protocol import Plan
 
@@ -88,6 +88,18 @@ def wgmma_refused(spec: MLPSpec, options: PlanOptions = DEFAULT_OPTIONS) -> str 
     if spec.precision not in fused.ELEM_BYTES:
         return f"{spec.precision} has no tensor-core kernel"
     return wgmma.wgmma_reason_refused(spec, options.smem_limit or fused.SMEM_LIMIT)
+
+
+def wgmma_note(spec: MLPSpec, plan: Plan) -> str:
+    """Why a tensor-core plan of another design is not the wgmma one ("" for wgmma and fp32 plans): for
+    the report and `inspect`."""
+    if plan.design in ("wgmma", "fp32"):
+        return ""
+    why = wgmma_refused(spec)
+    if why is None and not cost.wgmma_wins(spec):
+        why = (f"fewer than {cost.WGMMA_MIN_WIDE_LAYERS} layers of >= {cost.WGMMA_MIN_WIDTH} outputs "
+               "(mma.sync is as fast there)")
+    return f"Hopper wgmma not used: {why or f'switched off ({WGMMA_ENV}=off or {DESIGN_ENV} forced another design)'}"
 
 
 def _wgmma(spec: MLPSpec, fallback, smem: int, forced: bool) -> wgmma.WgmmaPlan | None:
