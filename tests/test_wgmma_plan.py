@@ -126,7 +126,9 @@ def test_rendering_is_deterministic_and_complete(spec):
 
 def test_odd_widths_are_padded_and_chunked():
     plan = choose.make_plan(_spec([30, 80, 176, 7], ex.sigmoid(), io="f16"), WGMMA)
-    assert [(l.kp, l.np_, l.nc, l.atom) for l in plan.layers] == [(32, 80, 40, 64), (80, 176, 16, 32), (176, 8, 8, 32)]
+    # 80 = 2 x 40; 176 would be 11 chunks of 16: padded to 192 = 3 x 64
+    assert [(l.kp, l.np_, l.nc, l.atom) for l in plan.layers] == [(32, 80, 40, 64), (80, 192, 64, 32), (192, 8, 8, 128)]
+    assert [(l.np_, l.nc) for l in choose.make_plan(_spec([64, 200, 64]), WGMMA).layers] == [(256, 64), (64, 64)]
 
 
 def _swizzle(b, atom):

@@ -52,7 +52,7 @@ class WgmmaLayer:
     n: int            # true output features
     kp: int           # padded K (multiple of 16: wgmma's k)
     np_: int          # padded N: multiple of 16 (hidden: the next layer's K), of 8 for the last layer
-    nc: int           # chunk width (divides np_, multiple of 8, <= CHUNK_MAX)
+    nc: int           # chunk width (divides np_, multiple of 8, <= CHUNK_MAX; _chunk_width)
     atom: int         # swizzle atom row in bytes: 128, 64 or 32 (the largest that divides 2*kp)
     offset: int       # bytes: the layer's first chunk in the image (LAYER_ALIGN-aligned)
     bias_offset: int  # floats: the layer's padded bias in the bias array
@@ -126,9 +126,16 @@ class WgmmaPlan:
                 f"({self.fallback.describe()}){why}")
 
 
-def _chunk_width(np_: int) -> int:
-    """The widest multiple of 8 up to CHUNK_MAX that divides the padded width."""
-    return next(c for c in range(min(np_, CHUNK_MAX), 7, -8) if np_ % c == 0)
+CHUNK_MIN = 32            # narrower chunks (many commit groups of little work each) are padded away
+
+
+def _chunk_width(np_: int) -> tuple[int, int]:
+    """(padded width, chunk width): the widest multiple of 8 up to CHUNK_MAX that divides the padded width;
+    where that is under CHUNK_MIN (208: 13 chunks of 16), the width padded to CHUNK_MAX instead."""
+    nc = next(c for c in range(min(np_, CHUNK_MAX), 7, -8) if np_ % c == 0)
+    if nc < CHUNK_MIN and np_ > CHUNK_MAX:
+        return round_up(np_, CHUNK_MAX), CHUNK_MAX
+    return np_, nc
 
 
 def _layers(spec: MLPSpec) -> list[WgmmaLayer]:
@@ -136,9 +143,9 @@ def _layers(spec: MLPSpec) -> list[WgmmaLayer]:
     last = len(spec.layers) - 1
     kp = round_up(spec.layers[0].in_features, 16)
     for i, l in enumerate(spec.layers):
-        np_ = round_up(l.out_features, 8 if i == last else 16)
+        np_, nc = _chunk_width(round_up(l.out_features, 8 if i == last else 16))
         atom = 128 if kp % 64 == 0 else 64 if kp % 32 == 0 else 32
-        layer = WgmmaLayer(i, l.in_features, l.out_features, kp, np_, _chunk_width(np_), atom, off, boff)
+        layer = WgmmaLayer(i, l.in_features, l.out_features, kp, np_, nc, atom, off, boff)
         out.append(layer)
         off = round_up(off + layer.chunks * layer.chunk_bytes, LAYER_ALIGN)
         boff += np_
