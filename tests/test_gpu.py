@@ -233,7 +233,7 @@ def test_wgmma_zoo_on_cuda_ep(name, kind, io, cache_dir, tmp_path):
         pytest.skip(f"no chain of {name} takes the wgmma design: "
                     + "; ".join(p.describe() for p in plans.values()))
     assert all(s.io_dtype == io for s in specs)
-    lib = build.build_plugin(specs, with_cuda=True, cache_dir=cache_dir, plans=plans)
+    lib = library.build_plugin(specs, with_cuda=True, cache_dir=cache_dir, plans=plans)
     fused_path = tmp_path / "fused.onnx"
     onnx.save(passes.rewrite(model, chain_plan, specs), str(fused_path))
     sess = _session(fused_path, lib.path)
