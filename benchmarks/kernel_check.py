@@ -24,7 +24,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from onnx2fused import codegen  # noqa: E402
+from onnx2fused import build, codegen  # noqa: E402
 from onnx2fused import expr as ex  # noqa: E402
 from onnx2fused.plan.choose import make_plan  # noqa: E402
 from onnx2fused.plan.options import PlanOptions, ResidentOptions, StreamedOptions  # noqa: E402
@@ -83,14 +83,18 @@ def all_cases(base: PlanOptions) -> dict:
 
 
 def compile_case(name: str, spec: MLPSpec, options: PlanOptions, out: Path, arch: str) -> Path:
-    folder = out / name   # the kernel's source and the headers it includes
+    folder = out / name   # the kernel's sources and the headers they include
     folder.mkdir(parents=True, exist_ok=True)
-    for file, text in codegen.cuda_sources(make_plan(spec, options)).items():
+    sources = codegen.cuda_sources(make_plan(spec, options))
+    for file, text in sources.items():
         (folder / file).write_text(text)
-    src = folder / f"{spec.name}_cuda.cu"
+    units = [folder / f for f in sorted(sources) if f.endswith(".cu")]   # a wgmma plan: its mma.sync fallback too
     lib = out / f"lib{name}.so"
-    cmd = ["nvcc", "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-lineinfo",
-           f"-gencode=arch=compute_{arch},code=sm_{arch}", "-Xptxas", "-v", str(src), "-o", str(lib)]
+    gencode = ["-gencode", f"arch=compute_{arch},code=sm_{arch}"]
+    if any(build.needs_sm90a(t) for t in sources.values()):   # the wgmma design: sm_90a, as build.py compiles it
+        gencode = build.sm90a_nvcc_flags(gencode)
+    cmd = ["nvcc", "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-lineinfo", *gencode,
+           "-Xptxas", "-v", *map(str, units), "-o", str(lib)]
     r = subprocess.run(cmd, capture_output=True, text=True)
     (out / f"{name}.ptxas.txt").write_text(r.stdout + r.stderr)
     if r.returncode:

@@ -7,7 +7,7 @@
 The cases: every zoo model (models/zoo.json, both exports) at every precision, and the specs of the
 planning and codegen tests (test_wide_plan, test_streamed_pairs, test_cuda_ptx, test_codegen,
 test_registry_scratch, test_wide_tune), each with the CUDA design the cost model picks and with every
-design forced (resident, streamed, wide, wide without a fused tail), CPU-only, the wide design's tuning
+design forced (resident, streamed, wide, wide without a fused tail, wgmma), CPU-only, the wide design's tuning
 build and tuned kernel choices. A case whose planning fails writes ERROR (the message) instead.
 
 It is the check that a refactoring of planning or templates changes no generated source: render before,
@@ -41,6 +41,7 @@ DESIGNS = {  # case suffix -> the plan options
     "streamed": PlanOptions(design="streamed"),
     "wide": PlanOptions(design="wide"),
     "wide_notail": PlanOptions(design="wide", wide_tail=False),
+    "wgmma": PlanOptions(design="wgmma"),
 }
 
 

@@ -161,6 +161,23 @@ def nvcc_flags() -> list[str]:
 
 
 WIDE_SM90A_DEFINE = "-DONNX2FUSED_WIDE_SM90A"
+SM90A_DEFINE = "-DONNX2FUSED_SM90A"     # a source marked `// onnx2fused-arch: sm_90a` has its sm_90a kernel
+_SM90A_MARK = re.compile(r"^// onnx2fused-arch: sm_90a$", re.M)
+
+
+def needs_sm90a(text: str) -> bool:
+    """Whether a generated source asks for sm_90a in place of sm_90 (templates/cuda_wgmma.cu.j2: wgmma)."""
+    return bool(_SM90A_MARK.search(text))
+
+
+def sm90a_nvcc_flags(flags: list[str]) -> list[str]:
+    """nvcc flags for a source marked sm_90a (the wgmma design): the gencodes of wide_nvcc_flags (sm_90
+    becomes sm_90a; other archs keep theirs and run the source's fallback), and ONNX2FUSED_SM90A, which
+    tells its host code that the Hopper kernel was compiled."""
+    out = wide_nvcc_flags(flags)
+    if WIDE_SM90A_DEFINE not in out:
+        return out
+    return [SM90A_DEFINE if f == WIDE_SM90A_DEFINE else f for f in out]
 
 
 def wide_nvcc_flags(flags: list[str]) -> list[str]:
@@ -380,7 +397,8 @@ def _jobs(sources: dict[str, str], cxx: str, nvcc: str | None, host_flags: list[
         src = "{src}/" + name
         if name.endswith(".cu"):
             # wide-design sources (they include CUTLASS) get sm_90a instead of sm_90: see wide_nvcc_flags
-            flags = wide_nvcc_flags(cu_flags) if needs_cutlass({name: sources[name]}) else cu_flags
+            flags = (wide_nvcc_flags(cu_flags) if needs_cutlass({name: sources[name]}) else
+                     sm90a_nvcc_flags(cu_flags) if needs_sm90a(sources[name]) else cu_flags)
             parts = source_parts(sources[name])
             if parts is None:
                 add(name, name, [nvcc, *flags, *includes, "-c", src, "-o", "{obj}"])

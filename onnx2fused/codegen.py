@@ -25,13 +25,14 @@ from .errors import ConversionError
 from .plan.protocol import Plan
 from .resources import templates_dir
 from .spec import MLPSpec
+from .wgmma_params import fallback_symbol, wgmma_params
 from .wide_params import tail_symbol, wide_params
 
 CPU_TEMPLATE = "cpu_kernel.cc.j2"
 REGISTRY_TEMPLATE = "registry.cc.j2"
 # the CUDA template of each design (a wide plan's tuning build: WIDE_TUNE_TEMPLATE)
 CUDA_TEMPLATES = {"resident": "cuda_resident.cu.j2", "streamed": "cuda_streamed.cu.j2", "fp32": "cuda_fp32.cu.j2",
-                  "wide": "cuda_wide.cu.j2"}
+                  "wide": "cuda_wide.cu.j2", "wgmma": "cuda_wgmma.cu.j2"}
 WIDE_TUNE_TEMPLATE = "cuda_wide_tune.cu.j2"
 _HEADER_INCLUDE = re.compile(r'^#include "(o2f_\w+\.cuh)"$', re.M)
 
@@ -158,6 +159,8 @@ def cuda_params(plan: Plan) -> dict:
         params = wide_params(plan)
     elif plan.design == "fp32":
         params = fp32_params(plan)
+    elif plan.design == "wgmma":
+        params = wgmma_params(plan)
     else:
         params = fused_params(plan)
     params["template"] = cuda_template(plan)
@@ -173,13 +176,18 @@ def _common_params(params: dict, spec: MLPSpec) -> dict:
 
 def cuda_sources(plan: Plan) -> dict[str, str]:
     """The CUDA translation units of one spec: `<name>_cuda.cu`, and for a segmented wide plan its fused
-    tail `<name>_tail_cuda.cu` (the tail's plan under the tail's own symbol)."""
+    tail `<name>_tail_cuda.cu` (the tail's plan under the tail's own symbol); for a wgmma plan its mma.sync
+    fallback for the other GPUs, `<name>_mma_cuda.cu` (the fallback plan under its own symbol)."""
     files = {f"{plan.spec.name}_cuda.cu": _render(cuda_template(plan), cuda_params(plan))}
     tail = plan.tail if plan.design == "wide" else None
     if tail is not None:
         params = cuda_params(tail)
         params["sym"] = tail_symbol(plan.spec)
         files[f"{params['sym']}_cuda.cu"] = _render(cuda_template(tail), params)
+    if plan.design == "wgmma":
+        params = cuda_params(plan.fallback)
+        params["sym"] = fallback_symbol(plan.spec)
+        files[f"{params['sym']}_cuda.cu"] = _render(cuda_template(plan.fallback), params)
     return _with_headers(files)
 
 

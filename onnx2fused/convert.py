@@ -28,7 +28,7 @@ from .errors import ConversionError
 from .loader import load_model
 from .passes import find_chains, rewrite
 from .passes.activations import describe_expr
-from .plan.choose import make_plan
+from .plan.choose import make_plan, wgmma_note
 from .plan.options import PlanOptions
 from .plan.protocol import Plan
 from .precision import PrecisionChoice, choose_precision, next_precision
@@ -142,7 +142,8 @@ def plan_text(spec, plan: Plan | None, error: str = "", with_cuda: bool = True) 
     text = plan.describe()
     if plan.design == "wide" and plan.tuned_on:
         text += f" [{plan.choice_text()}]"
-    return f"GPU: {text}; CPU: {cpu}"
+    note = wgmma_note(spec, plan)
+    return f"GPU: {text}{'; ' + note if note else ''}; CPU: {cpu}"
 
 
 def default_output(input_path) -> Path:

@@ -32,7 +32,10 @@ def _prelu(n):
     return ex.Op("select", (ex.Op("lt", (ex.X, ex.Const(0.0))), ex.X * slope, ex.X))
 
 
-def _write_cuda(spec, tmp_path, options=PlanOptions(), wide=None):
+MMA_SYNC = PlanOptions(wgmma=False)   # the mma.sync designs (auto picks wgmma for some of these chains on Hopper)
+
+
+def _write_cuda(spec, tmp_path, options=MMA_SYNC, wide=None):
     """Renders `spec` with CUDA into tmp_path (its sources and the headers they include); returns the
     text of its own `<name>_cuda.cu` and that file's path."""
     plans = choose.make_plans([spec], options, {spec.name: wide} if wide else None)
@@ -73,12 +76,12 @@ def test_ptx_uses_tensor_cores(spec, arch, tmp_path):
     _spec([64, 512, 64, 520, 9], "fp16", ex.silu()),      # two pairs sharing H; the last one into the output
 ], ids=lambda s: s.name if isinstance(s, MLPSpec) else s)
 def test_streamed_pair_ptx_uses_tensor_cores(spec, arch, tmp_path):
-    streamed = PlanOptions(design="streamed")
+    streamed = PlanOptions(design="streamed", wgmma=False)
     assert choose.make_plan(spec, streamed).pairs
     _check_ptx(spec, arch, tmp_path, streamed)
 
 
-def _check_ptx(spec, arch, tmp_path, options=PlanOptions()):
+def _check_ptx(spec, arch, tmp_path, options=MMA_SYNC):
     src, cu = _write_cuda(spec, tmp_path, options)
     plan = choose.make_plan(spec, options)
     for i, layer in enumerate(spec.layers):  # per-channel arrays cover the padded columns the kernel computes
@@ -164,10 +167,10 @@ def test_wide_ptx_uses_tensor_cores(spec, arch, tmp_path):
 def test_register_design_chosen_where_fragments_fit():
     """16-bit layers up to 128 wide keep hidden activations in registers; wider ones, and tf32 (whose A
     and C fragment layouts differ), keep them in shared memory."""
-    assert choose.make_plan(_spec([32, 64, 64, 16], "fp16", ex.relu())).register_activations
-    assert choose.make_plan(_spec([64, 128, 128, 64], "bf16", ex.gelu_erf())).register_activations
-    assert not choose.make_plan(_spec([64, 200, 64], "fp16", ex.relu())).register_activations
-    assert not choose.make_plan(_spec([32, 64, 64, 16], "tf32", ex.relu())).register_activations
+    assert choose.make_plan(_spec([32, 64, 64, 16], "fp16", ex.relu()), MMA_SYNC).register_activations
+    assert choose.make_plan(_spec([64, 128, 128, 64], "bf16", ex.gelu_erf()), MMA_SYNC).register_activations
+    assert not choose.make_plan(_spec([64, 200, 64], "fp16", ex.relu()), MMA_SYNC).register_activations
+    assert not choose.make_plan(_spec([32, 64, 64, 16], "tf32", ex.relu()), MMA_SYNC).register_activations
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")

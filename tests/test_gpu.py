@@ -203,3 +203,49 @@ def test_streamed_pairs_on_cuda_ep(widths, acts, precision, cache_dir, tmp_path,
         ref = _reference(src, x)
         err = rel_l2(run_poisoned(sess, x, ref.shape), ref)
         assert err <= TOL[precision], f"{plan.describe()}: batch {batch}, rel L2 {err:.2e}"
+
+
+# The Hopper wgmma design (issue 15; plan/wgmma.py), forced: on compute capability 9.0 its sm_90a kernel
+# runs, elsewhere the same library's mma.sync fallback (both are checked, whichever GPU this is). Every zoo
+# model with a chain the design takes, fp32 and fp16 I/O (the fp16 model from bench.to_fp16), against
+# stock ORT on the fp32 model with NaN-poisoned outputs; batches 0, 1, 37 and 1000003 (a partial 64-row
+# tile, more tiles than the persistent grid holds).
+WGMMA_IO = [(name, kind, io) for name, kind in ZOO_FILES for io in ("f32", "f16")]
+
+
+@pytest.mark.parametrize("name,kind,io", WGMMA_IO, ids=[f"{n}-{k}-{io}" for n, k, io in WGMMA_IO])
+def test_wgmma_zoo_on_cuda_ep(name, kind, io, cache_dir, tmp_path):
+    from onnx2fused.bench import to_fp16
+    from onnx2fused.plan.choose import make_plans
+    from onnx2fused.plan.options import PlanOptions
+    entry = next(m for m in ZOO["models"] if m["name"] == name)
+    src = ROOT / "models" / entry["files"][kind]["file"]
+    model_path = src
+    if io == "f16":
+        model_path = tmp_path / "io16.onnx"
+        onnx.save(to_fp16(onnx.load(str(src))), str(model_path))
+    model = load_model(str(model_path))
+    chain_plan = passes.find_chains(model)
+    specs = [c.to_spec("fp16") for c in chain_plan.chains]
+    plans = make_plans(specs, PlanOptions(design="wgmma"))
+    taken = [p for p in plans.values() if p.design == "wgmma"]
+    if not taken:
+        pytest.skip(f"no chain of {name} takes the wgmma design: "
+                    + "; ".join(p.describe() for p in plans.values()))
+    assert all(s.io_dtype == io for s in specs)
+    lib = library.build_plugin(specs, with_cuda=True, cache_dir=cache_dir, plans=plans)
+    fused_path = tmp_path / "fused.onnx"
+    onnx.save(passes.rewrite(model, chain_plan, specs), str(fused_path))
+    sess = _session(fused_path, lib.path)
+    hopper = torch.cuda.get_device_capability(0) == (9, 0)
+    dtype = np.float16 if io == "f16" else np.float32
+    tol = TOL["fp16"] if io == "f32" else 4e-3    # fp16 input and output rounding on top
+    rng = np.random.default_rng(15)
+    for batch in (1, 37, 1000003):
+        x = rng.standard_normal(_shape(entry, batch)).astype(np.float32)
+        ref = _reference(src, x)
+        got = run_poisoned(sess, x.astype(dtype), ref.shape)
+        err = rel_l2(got, ref)
+        assert err <= tol, f"{name}/{kind} io {io} batch {batch}: rel L2 {err:.2e} ({'sm_90a wgmma' if hopper else 'fallback'}: {taken[0].describe()})"
+    empty = sess.run(None, {sess.get_inputs()[0].name: np.zeros(_shape(entry, 0), dtype)})[0]
+    assert empty.shape[0] == 0

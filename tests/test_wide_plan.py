@@ -43,7 +43,9 @@ def test_ffn_goes_wide_by_the_cost_model():
 
 
 def test_narrow_chains_keep_their_fused_designs():
-    assert choose.make_plan(_spec([32, 64, 64, 16])).design == "resident"
+    narrow = choose.make_plan(_spec([32, 64, 64, 16]))          # Hopper: wgmma, other GPUs: resident
+    assert narrow.design == "wgmma" and narrow.fallback.design == "resident"
+    assert choose.make_plan(_spec([32, 64, 64, 16]), PlanOptions(wgmma=False)).design == "resident"
     silu = choose.make_plan(_spec([256, 256, 256, 256, 256], ex.silu()))   # a near tie: the one fused kernel
     assert silu.design == "streamed"
 
@@ -167,7 +169,7 @@ def test_forced_design():
     plan = choose.make_plan(_spec([512, 256, 64, 1]), WIDE)
     assert plan.design == "wide" and "forced" in plan.reason
     assert choose.make_plan(_spec([768, 3072, 768]), PlanOptions(design="streamed")).design == "streamed"
-    with pytest.raises(ConversionError, match="expected auto, wide, streamed or resident"):
+    with pytest.raises(ConversionError, match="expected auto, wide, streamed, resident or wgmma"):
         PlanOptions(design="fastest")
 
 
@@ -177,7 +179,7 @@ def test_options_come_from_the_environment_once():
     options = PlanOptions.from_env(env)
     assert options.design == "wide" and not options.wide_tail
     assert PlanOptions.from_env({}).design == "auto" and PlanOptions.from_env({}).wide_tail
-    with pytest.raises(ConversionError, match="expected auto, wide, streamed or resident"):
+    with pytest.raises(ConversionError, match="expected auto, wide, streamed, resident or wgmma"):
         PlanOptions.from_env({DESIGN_ENV: "fastest"})
     # no fused tail when the options say so: every layer a GEMM
     dlrm = _spec([512, 256, 64, 1])

@@ -801,8 +801,12 @@ static int cute_check_one(int l, const char* what) {
   CK(cudaMemcpy(h.data(), d, h.size() * sizeof(h[0]), cudaMemcpyDeviceToHost));
   CK(cudaFree(d));
   int bad = 0;
+  // With one 8-row group along N (NC == 8) the stride byte offset (bits 32-45) is never applied: CuTe
+  // writes 0 there (the stride of a size-1 mode), ours 8 * atom bytes. Both address the same bytes (the
+  // H100 run of 85fa28c computed sdf's N=8 last layer correctly with ours), so the field is not compared.
+  const unsigned long long mask = NC == 8 ? ~(0x3FFFull << 32) : ~0ull;
   for (int ks = 0; ks < K / 16; ++ks)
-    if (h[3 * ks] != h[3 * ks + 1] || h[3 * ks] != h[3 * ks + 2]) {
+    if ((h[3 * ks] & mask) != (h[3 * ks + 1] & mask) || (h[3 * ks] & mask) != (h[3 * ks + 2] & mask)) {
       if (bad < 4)
         printf("    CuTe descriptor mismatch: layer %d %s (NC %d K %d swizzle %dB) ks %d: cute 0x%016llx make_desc 0x%016llx kernel 0x%016llx\n",
                l, what, NC, K, AB, ks, h[3 * ks], h[3 * ks + 1], h[3 * ks + 2]);

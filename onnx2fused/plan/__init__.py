@@ -5,6 +5,7 @@
     fused.py     the fused kernels: resident and streamed (FusedPlan), fp32 on CUDA cores (Fp32Plan)
     wide.py      the wide design: one CUTLASS GEMM per layer (WidePlan)
     sm90.py      the Hopper GEMM kernel catalogue and the per-bucket kernel choices
+    wgmma.py     the Hopper fused kernel on warpgroup MMA (WgmmaPlan), with its mma.sync fallback plan
     cost.py      the cost model (rooflines calibrated on an H100)
     choose.py    make_plan: the only module that imports every design
     padding.py   round_up, ALIGN

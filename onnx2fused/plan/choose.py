@@ -1,6 +1,8 @@
 """Which design runs a spec, and its plan: the only module that knows every design.
 
-    make_plan(spec, options, wide) -> Plan      resident where it exists (narrow chains: one kernel,
+    make_plan(spec, options, wide) -> Plan      wgmma where it applies and cost.wgmma_wins (Hopper; the
+                                                library keeps the resident/streamed kernel for other GPUs),
+                                                else resident where it exists (narrow chains: one kernel,
                                                 weights on chip), else the faster of streamed and wide by
                                                 the cost model at cost.NOMINAL_ROWS rows; fp32: CUDA cores
 
@@ -13,8 +15,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..spec import MLPSpec, SpecError
-from . import cost, fused, wide
-from .options import DESIGN_ENV, PlanOptions, WideOptions
+from . import cost, fused, wgmma, wide
+from .options import DESIGN_ENV, WGMMA_ENV, PlanOptions, WideOptions
 from .padding import ALIGN
 from .protocol import Plan
 
@@ -48,6 +50,11 @@ def make_plan(spec: MLPSpec, options: PlanOptions = DEFAULT_OPTIONS, wide_option
         streamed, streamed_error = None, e
     wide_why = wide.wide_reason_refused(spec) or options.wide_unavailable or None
     forced = options.design
+    fallback = resident if resident is not None else streamed   # the wgmma plan's kernel for other GPUs
+    if forced == "wgmma" or (forced == "auto" and options.wgmma):
+        plan = _wgmma(spec, fallback, smem, forced == "wgmma")
+        if plan is not None:
+            return plan
     if forced == "resident" and resident is not None:
         return resident
     if forced == "streamed" and streamed is not None:
@@ -74,6 +81,39 @@ def make_plan(spec: MLPSpec, options: PlanOptions = DEFAULT_OPTIONS, wide_option
         return _wide_layout(spec, wide_options, f"chosen by the cost model at {cost.NOMINAL_ROWS} rows: "
                                                 f"~{_us(t_wide)} vs ~{_us(t_streamed)} streamed", start, tail)
     return streamed
+
+
+def wgmma_refused(spec: MLPSpec, options: PlanOptions = DEFAULT_OPTIONS) -> str | None:
+    """Why the wgmma design cannot run `spec` (None: it can), for `inspect` and the tests."""
+    if spec.precision not in fused.ELEM_BYTES:
+        return f"{spec.precision} has no tensor-core kernel"
+    return wgmma.wgmma_reason_refused(spec, options.smem_limit or fused.SMEM_LIMIT)
+
+
+def wgmma_note(spec: MLPSpec, plan: Plan) -> str:
+    """Why a tensor-core plan of another design is not the wgmma one ("" for wgmma and fp32 plans): for
+    the report and `inspect`."""
+    if plan.design in ("wgmma", "fp32"):
+        return ""
+    why = wgmma_refused(spec)
+    if why is None and not cost.wgmma_wins(spec):
+        why = (f"fewer than {cost.WGMMA_MIN_WIDE_LAYERS} layers of >= {cost.WGMMA_MIN_WIDTH} outputs "
+               "(mma.sync is as fast there)")
+    return f"Hopper wgmma not used: {why or f'switched off ({WGMMA_ENV}=off or {DESIGN_ENV} forced another design)'}"
+
+
+def _wgmma(spec: MLPSpec, fallback, smem: int, forced: bool) -> wgmma.WgmmaPlan | None:
+    """The wgmma plan where the design applies and (unless forced) the cost model prefers it."""
+    if fallback is None or wgmma.wgmma_reason_refused(spec, smem) is not None:
+        return None
+    if forced:
+        reason = f"forced by {DESIGN_ENV}=wgmma"
+    elif cost.wgmma_wins(spec):
+        reason = (f"chosen: {sum(l.out_features >= cost.WGMMA_MIN_WIDTH for l in spec.layers)} layers of >= "
+                  f"{cost.WGMMA_MIN_WIDTH} outputs, where wgmma beat mma.sync on the H100")
+    else:
+        return None
+    return wgmma.make_wgmma_plan(spec, fallback, reason, smem)
 
 
 def wide_plan(spec: MLPSpec, wide_options: WideOptions | None = None, options: PlanOptions = DEFAULT_OPTIONS,

@@ -111,3 +111,18 @@ def estimate_streamed(spec: MLPSpec, streamed_plan, rows: int = NOMINAL_ROWS) ->
     l2 = -(-rows // bm) * weight_bytes / L2_BPS
     hbm = rows * (spec.widths[0] + spec.widths[-1]) * io / HBM_BPS
     return max(compute, l2, hbm) + LAUNCH_S
+
+
+# The wgmma design (plan/wgmma.py) against the mma.sync fused kernels, measured on the H100 (kernel only,
+# fp32 io; benchmarks/sm90/NOTES.md, h100-run1): nerf 32->64x4->16 ReLU 2^21 rows 0.172 vs 0.192 ms,
+# gelu 64->128x4->64 2^20 0.532 vs 0.70, sdf 3->128x4->1 Tanh 2^20 0.196 vs 0.657, silu 256x4 2^18
+# (streamed weights) 0.472 vs 0.695. It wins wherever the tensor work matters: taken for chains with at
+# least WGMMA_MIN_WIDE_LAYERS layers of at least WGMMA_MIN_WIDTH outputs. It only runs on compute
+# capability 9.0; the library keeps the mma.sync kernel for the other GPUs, so taking it costs nothing there.
+WGMMA_MIN_WIDTH = 64
+WGMMA_MIN_WIDE_LAYERS = 2
+
+
+def wgmma_wins(spec: MLPSpec) -> bool:
+    """Whether the wgmma kernel is expected to beat the mma.sync fused kernels on an H100."""
+    return sum(l.out_features >= WGMMA_MIN_WIDTH for l in spec.layers) >= WGMMA_MIN_WIDE_LAYERS

@@ -4,7 +4,9 @@
 and benchmark scripts); everything below them takes the options as an argument, so a plan is a function
 of (spec, options) only:
 
-  ONNX2FUSED_CUDA_DESIGN  = auto | resident | streamed | wide: force a design where it is possible
+  ONNX2FUSED_CUDA_DESIGN  = auto | resident | streamed | wide | wgmma: force a design where it is possible
+                            (resident, streamed or wide forced: never wgmma)
+  ONNX2FUSED_WGMMA        = off: auto never picks the Hopper wgmma design (plan/wgmma.py)
   ONNX2FUSED_WIDE_TAIL    = off: no segmented wide plans (every layer a GEMM), for comparisons
   (and whether the CUTLASS headers the wide design compiles against can be found)
 
@@ -22,7 +24,8 @@ from ..errors import ConversionError
 
 DESIGN_ENV = "ONNX2FUSED_CUDA_DESIGN"
 TAIL_ENV = "ONNX2FUSED_WIDE_TAIL"
-DESIGNS = ("auto", "wide", "streamed", "resident")
+WGMMA_ENV = "ONNX2FUSED_WGMMA"
+DESIGNS = ("auto", "wide", "streamed", "resident", "wgmma")
 
 
 def _given(options) -> dict:
@@ -69,13 +72,14 @@ class PlanOptions:
     design: str = "auto"           # DESIGNS: a design to force where it is possible
     wide_tail: bool = True         # segmented wide plans allowed (a fused kernel for narrow trailing layers)
     wide_unavailable: str = ""     # why the wide design cannot be built here ("": it can)
+    wgmma: bool = True             # auto may pick the wgmma design (forcing it works either way)
     smem_limit: int | None = None  # shared memory a block may use (None: fused.SMEM_LIMIT, sm_90)
     resident: ResidentOptions = field(default_factory=ResidentOptions)
     streamed: StreamedOptions = field(default_factory=StreamedOptions)
 
     def __post_init__(self):
         if self.design not in DESIGNS:
-            raise ConversionError(f"{DESIGN_ENV}={self.design!r}: expected auto, wide, streamed or resident")
+            raise ConversionError(f"{DESIGN_ENV}={self.design!r}: expected auto, wide, streamed, resident or wgmma")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> PlanOptions:
@@ -83,6 +87,7 @@ class PlanOptions:
         env = os.environ if environ is None else environ
         return cls(design=env.get(DESIGN_ENV, "auto").strip().lower() or "auto",
                    wide_tail=env.get(TAIL_ENV, "auto").strip().lower() != "off",
+                   wgmma=env.get(WGMMA_ENV, "auto").strip().lower() not in ("off", "0", "no", "false"),
                    wide_unavailable=_cutlass_missing())
 
 

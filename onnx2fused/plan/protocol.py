@@ -8,7 +8,7 @@ from ..spec import MLPSpec
 
 class Plan(Protocol):
     """The CUDA kernel plan of one spec. Designs: "resident" and "streamed" (fused.FusedPlan), "fp32"
-    (fused.Fp32Plan), "wide" (wide.WidePlan); each has its own template."""
+    (fused.Fp32Plan), "wide" (wide.WidePlan), "wgmma" (wgmma.WgmmaPlan); each has its own template."""
 
     @property
     def spec(self) -> MLPSpec: ...

@@ -1,0 +1,210 @@
+"""The Hopper fused kernel on warpgroup MMA (`WgmmaPlan`, design "wgmma"; templates/cuda_wgmma.cu.j2).
+
+Issue 15; the prototype and its H100 measurements: benchmarks/sm90/ (fused_wgmma.cu, NOTES.md).
+
+  * A CTA is NWG warpgroups (128 threads each), persistent; a warpgroup owns a 64-row tile at a time.
+  * Every layer is `wgmma.mma_async.m64nNCk16.f32.f16.f16` with A FROM REGISTERS: a layer's fp32
+    accumulators, after bias + activation, are rounded to fp16 and are, register for register, the next
+    layer's A fragments (the m64nN accumulator and m64k16 A layouts agree per warp, as mma.sync's do), so
+    hidden activations never leave the registers.
+  * All weights are resident in shared memory (fp16, zero-padded) in the canonical K-major swizzled
+    layout that wgmma reads through a matrix descriptor: packed once per session into an "image" in the
+    workspace and copied verbatim per CTA with cp.async.bulk (completion on an mbarrier). Chains whose
+    image does not fit are refused (the prototype's streamed ring is not carried over yet).
+  * A layer's N columns run as chunks of NC <= CHUNK_MAX columns, each its own commit group, with two
+    accumulator buffers: the epilogue of chunk c runs while the tensor core computes chunk c+1.
+  * Bias: fp32 in shared memory, added in the epilogue (the form the H100 run verified).
+  * The input tile is read straight from global memory into the A-fragment pattern (the next tile's
+    first `prefetch` k-steps in registers while the current one computes); outputs are streaming stores.
+
+The generated source holds this kernel (sm_90a only) and dispatches at run time: compute capability 9.0
+with the sm_90a kernel compiled in runs it, every other GPU the `fallback` plan's mma.sync kernel (the
+resident or streamed design, rendered as a second translation unit under its own symbol).
+
+Everything the template prints is computed here or in wgmma_params.py: padded widths, chunk widths,
+swizzle widths, descriptor words, image offsets, warpgroups, prefetch depth, shared-memory bytes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..spec import MLPSpec, SpecError
+from .padding import round_up
+
+ROWS = 64                 # rows of a warpgroup's tile (wgmma's M)
+CHUNK_MAX = 64            # widest chunk: two m64n64 fp32 accumulator buffers = 64 registers a thread
+WIDTH_MAX = 256           # widest layer: its A fragments (K/4 registers) and the next layer's (N/4)
+LAYER_ALIGN = 1024        # a layer's first chunk: the 128-byte swizzle pattern repeats every 1024 bytes
+SLACK = 1024              # dynamic shared memory is aligned up to 1024 in the kernel
+BULK_PIECE = 32768        # bytes per cp.async.bulk of the weight image
+# Registers a thread may hold with NWG warpgroups on one SM (65536 / (128 NWG), at most 255), best first:
+# 4 warpgroups (nerf: 86 registers), 3 (gelu 129-167, sdf 123-130), 2.
+REGISTER_CAPS = ((4, 128), (3, 168), (2, 255))
+REGISTER_OVERHEAD = 24    # addressing, loop state, bias pair, activation temporaries (fit to the H100 build)
+PREFETCH_MAX = 4          # k-steps of the next tile's input held in registers (8 registers each)
+SMEM_LIMIT = 227 * 1024   # dynamic shared memory a CTA may use on sm_90
+
+
+@dataclass(frozen=True)
+class WgmmaLayer:
+    index: int
+    k: int            # true input features
+    n: int            # true output features
+    kp: int           # padded K (multiple of 16: wgmma's k)
+    np_: int          # padded N: multiple of 16 (hidden: the next layer's K), of 8 for the last layer
+    nc: int           # chunk width (divides np_, multiple of 8, <= CHUNK_MAX; _chunk_width)
+    atom: int         # swizzle atom row in bytes: 128, 64 or 32 (the largest that divides 2*kp)
+    offset: int       # bytes: the layer's first chunk in the image (LAYER_ALIGN-aligned)
+    bias_offset: int  # floats: the layer's padded bias in the bias array
+
+    @property
+    def chunks(self) -> int:
+        return self.np_ // self.nc
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self.nc * self.kp * 2
+
+    @property
+    def k_steps(self) -> int:
+        return self.kp // 16
+
+    def kstep_offset(self, ks: int) -> int:
+        """Bytes from a chunk's start to k-step ks's first row: 32 bytes on along k; past an atom row the
+        next K atom, NC/8 atoms (of 8 rows) on."""
+        kb = 32 * ks
+        return kb % self.atom + (kb // self.atom) * (self.nc // 8) * 8 * self.atom
+
+    @property
+    def desc_hi(self) -> int:
+        """The descriptor's high word: stride byte offset (8 rows of atoms) >> 4, swizzle mode in bits 62-63
+        (1: 128 B, 2: 64 B, 3: 32 B). Base offset 0 (atoms aligned)."""
+        return (8 * self.atom) >> 4 | {128: 1, 64: 2, 32: 3}[self.atom] << 30
+
+
+@dataclass(frozen=True)
+class WgmmaPlan:
+    """The wgmma design's plan: templates/cuda_wgmma.cu.j2, with `fallback` (resident or streamed) for
+    GPUs other than compute capability 9.0."""
+    spec: MLPSpec
+    layers: tuple[WgmmaLayer, ...]
+    nwg: int                  # warpgroups per CTA
+    prefetch: int             # k-steps of the next tile's input prefetched into registers
+    registers: int            # the estimate that chose nwg and prefetch
+    image_bytes: int          # the resident weight image (fp16, swizzled)
+    bias_floats: int
+    smem_bytes: int           # dynamic shared memory of the kernel (image, bias, mbarrier, alignment slack)
+    fallback: object          # the resident or streamed plan (plan.fused.FusedPlan)
+    fallback_bytes: int       # its workspace, then (LAYER_ALIGN-aligned) the image and the bias
+    reason: str = ""
+
+    design = "wgmma"
+    uses_scratch = False      # the kernels only read their packed weights
+
+    @property
+    def image_offset(self) -> int:
+        return round_up(self.fallback_bytes, LAYER_ALIGN)
+
+    @property
+    def bias_offset(self) -> int:
+        return self.image_offset + self.image_bytes
+
+    @property
+    def workspace_bytes(self) -> int:
+        return self.bias_offset + self.bias_floats * 4
+
+    @property
+    def threads(self) -> int:
+        return self.nwg * 128
+
+    def describe(self) -> str:
+        chunks = ", ".join(f"{l.chunks}x{l.nc}" for l in self.layers)
+        why = f"; {self.reason}" if self.reason else ""
+        return (f"wgmma (sm_90a): {self.nwg} warpgroups x 64 rows, activations in registers, weights resident "
+                f"({self.image_bytes // 1024} KB fp16 image, {self.smem_bytes // 1024} KB smem), chunks {chunks}, "
+                f"input prefetch {self.prefetch} k-steps; other GPUs: {self.fallback.design} "
+                f"({self.fallback.describe()}){why}")
+
+
+CHUNK_MIN = 32            # narrower chunks (many commit groups of little work each) are padded away
+
+
+def _chunk_width(np_: int) -> tuple[int, int]:
+    """(padded width, chunk width): the widest multiple of 8 up to CHUNK_MAX that divides the padded width;
+    where that is under CHUNK_MIN (208: 13 chunks of 16), the width padded to CHUNK_MAX instead."""
+    nc = next(c for c in range(min(np_, CHUNK_MAX), 7, -8) if np_ % c == 0)
+    if nc < CHUNK_MIN and np_ > CHUNK_MAX:
+        return round_up(np_, CHUNK_MAX), CHUNK_MAX
+    return np_, nc
+
+
+def _layers(spec: MLPSpec) -> list[WgmmaLayer]:
+    out, off, boff = [], 0, 0
+    last = len(spec.layers) - 1
+    kp = round_up(spec.layers[0].in_features, 16)
+    for i, l in enumerate(spec.layers):
+        np_, nc = _chunk_width(round_up(l.out_features, 8 if i == last else 16))
+        atom = 128 if kp % 64 == 0 else 64 if kp % 32 == 0 else 32
+        layer = WgmmaLayer(i, l.in_features, l.out_features, kp, np_, nc, atom, off, boff)
+        out.append(layer)
+        off = round_up(off + layer.chunks * layer.chunk_bytes, LAYER_ALIGN)
+        boff += np_
+        kp = np_
+    return out
+
+
+CHUNK_REGISTERS = 4       # per chunk past the two buffers: ptxas holds more across a long unrolled chunk
+                          # schedule (30 -> 80 -> 176 -> 7, 11 chunks of 16: ~40 registers over the count)
+
+
+def _registers(layers: list[WgmmaLayer]) -> int:
+    """Registers a thread holds at the busiest layer: its A fragments (kp/4), the next layer's (np/4; none
+    after the last), one or two accumulator buffers of nc/2, and CHUNK_REGISTERS per further chunk."""
+    return max(l.kp // 4 + (l.np_ // 4 if l.index < len(layers) - 1 else 0) + l.nc // 2 * min(2, l.chunks)
+               + CHUNK_REGISTERS * max(0, l.chunks - 2) for l in layers)
+
+
+def wgmma_reason_refused(spec: MLPSpec, smem_limit: int = SMEM_LIMIT) -> str | None:
+    """Why the wgmma design cannot run this spec, or None."""
+    if spec.precision != "fp16":
+        return (f"{spec.precision} operands: the wgmma kernel is fp16 only (the bf16 variant has not been "
+                "checked on a GPU yet)")
+    for i, l in enumerate(spec.layers):
+        if max(l.in_features, l.out_features) > WIDTH_MAX:
+            return f"layer {i} is {l.in_features} -> {l.out_features}: the wgmma kernel takes layers up to {WIDTH_MAX} wide"
+    layers = _layers(spec)
+    smem = _smem(layers)
+    if smem > smem_limit:
+        image = smem - sum(l.np_ for l in layers) * 4 - 8 - SLACK
+        return (f"its padded fp16 weights are {image // 1024} KB ({smem // 1024} KB of shared memory with the biases, "
+                f"over {smem_limit // 1024} KB): the wgmma kernel keeps every layer resident")
+    regs = _registers(layers) + REGISTER_OVERHEAD
+    if regs > REGISTER_CAPS[-1][1]:
+        return f"its fragments need ~{regs} registers a thread (over {REGISTER_CAPS[-1][1]})"
+    return None
+
+
+def _smem(layers: list[WgmmaLayer]) -> int:
+    last = layers[-1]
+    image = round_up(last.offset + last.chunks * last.chunk_bytes, LAYER_ALIGN)
+    return image + sum(l.np_ for l in layers) * 4 + 8 + SLACK
+
+
+def make_wgmma_plan(spec: MLPSpec, fallback, reason: str = "", smem_limit: int = SMEM_LIMIT) -> WgmmaPlan:
+    """The wgmma plan of `spec`, with `fallback` (its resident or streamed plan) for other GPUs. SpecError
+    where the design cannot take it."""
+    why = wgmma_reason_refused(spec, smem_limit)
+    if why:
+        raise SpecError(f"{spec.describe()}: no wgmma plan: {why}")
+    if fallback is None:
+        raise SpecError(f"{spec.describe()}: no wgmma plan: no mma.sync plan for the other GPUs")
+    layers = _layers(spec)
+    base = _registers(layers) + REGISTER_OVERHEAD
+    nwg, cap = next((n, c) for n, c in REGISTER_CAPS if base <= c)
+    k0_steps = layers[0].k_steps
+    prefetch = max(0, min(k0_steps, PREFETCH_MAX, (cap - base) // 8))
+    last = layers[-1]
+    image = round_up(last.offset + last.chunks * last.chunk_bytes, LAYER_ALIGN)
+    bias = sum(l.np_ for l in layers)
+    return WgmmaPlan(spec, tuple(layers), nwg, prefetch, base + 8 * prefetch, image, bias, _smem(layers),
+                     fallback, fallback.workspace_bytes, reason)

@@ -1,0 +1,99 @@
+"""The wgmma design's template parameters (templates/cuda_wgmma.cu.j2) from a WgmmaPlan, and the symbol of
+its mma.sync fallback unit. Every number the template prints is computed here or in the plan: descriptor
+words and offsets, the chunk schedule, fragment indices, columns; the template only places them.
+"""
+from __future__ import annotations
+
+from .cuda_params import act_params, spec_params
+from .plan.wgmma import BULK_PIECE, WgmmaLayer, WgmmaPlan
+from .spec import MLPSpec
+
+
+def fallback_symbol(spec: MLPSpec) -> str:
+    """The extern "C" prefix of the mma.sync kernel that a wgmma library runs on GPUs other than 9.0."""
+    return f"{spec.name}_mma"
+
+
+def _schedule(l: WgmmaLayer) -> list[dict]:
+    """Chunk c's accumulators live in buffer c % 2. Chunks 0 and 1 are issued first; then, per chunk c:
+    wait until at most one group is in flight (c's is done, c+1's may run), its epilogue, and chunk c+2
+    issued into the buffer just freed."""
+    steps = [{"op": "issue", "chunk": c, "buf": c % 2} for c in range(min(2, l.chunks))]
+    for c in range(l.chunks):
+        steps.append({"op": "wait", "pending": 1 if c + 1 < l.chunks else 0, "buf": c % 2})
+        steps.append({"op": "epilogue", "chunk": c, "buf": c % 2})
+        if c + 2 < l.chunks:
+            steps.append({"op": "issue", "chunk": c + 2, "buf": c % 2})
+    return steps
+
+
+def _blocks(l: WgmmaLayer, c: int, last: bool) -> list[dict]:
+    """The n8 blocks of chunk c: accumulators d[4j..4j+3] hold (row g, col, col+1) and (row g+8, col,
+    col+1), col = the block's first column + 2*(lane%4). Block jj of a hidden layer is k-step jj/2 of the
+    next layer, registers 2*(jj%2) (rows g) and 2*(jj%2)+1 (rows g+8). A last layer's blocks past the true
+    width are left out."""
+    out = []
+    for j in range(l.nc // 8):
+        jj = c * (l.nc // 8) + j
+        col = 8 * jj
+        if last and col >= l.n:
+            continue
+        # hidden padding columns are written as zeros (whatever the activation gives at 0: the next layer's
+        # padded weights are zeros, and 0 * inf would not be)
+        pad = "all" if col >= l.n else "part" if col + 8 > l.n else "none"
+        out.append({"col": col, "d": [4 * j, 4 * j + 1, 4 * j + 2, 4 * j + 3], "pad": pad,
+                    "kt": jj // 2, "reg": 2 * (jj % 2), "reg_hi": 2 * (jj % 2) + 1})
+    return out
+
+
+def _layer_params(plan: WgmmaPlan) -> list[dict]:
+    out = []
+    n = len(plan.layers)
+    for l in plan.layers:
+        last = l.index == n - 1
+        chunks = []
+        for c in range(l.chunks):
+            start = l.offset + c * l.chunk_bytes
+            chunks.append({
+                "index": c,
+                # descriptor low word = lo0 + (shared offset >> 4); scale-d 0 on the first k-step (no bias:
+                # the epilogue adds it), 1 after
+                "ksteps": [{"ks": ks, "lo": (start + l.kstep_offset(ks)) >> 4, "scale": int(ks > 0)}
+                           for ks in range(l.k_steps)],
+                "blocks": _blocks(l, c, last),
+            })
+        out.append({
+            "index": l.index, "k": l.k, "n": l.n, "kp": l.kp, "np": l.np_, "nc": l.nc, "acc": l.nc // 2,
+            "chunks": chunks, "n_chunks": l.chunks, "atom": l.atom, "desc_hi": f"0x{l.desc_hi:08X}u",
+            "k_steps": l.k_steps, "next_k_steps": l.np_ // 16, "offset": l.offset, "chunk_bytes": l.chunk_bytes,
+            "bias_offset": l.bias_offset, "last": last, "next": l.index + 1, "steps": _schedule(l),
+        })
+    return out
+
+
+def wgmma_params(plan: WgmmaPlan) -> dict:
+    spec = plan.spec
+    params = spec_params(spec)
+    pieces = [{"offset": o, "bytes": min(BULK_PIECE, plan.image_bytes - o)}
+              for o in range(0, plan.image_bytes, BULK_PIECE)]
+    params.update({
+        "plan_text": plan.describe(),
+        "layers": _layer_params(plan),
+        "acts": act_params(spec, [l.np_ for l in plan.layers]),   # padded columns run the activation too
+        "nwg": plan.nwg, "threads": plan.threads, "prefetch": plan.prefetch,
+        "prefetch_regs": max(plan.prefetch, 1),
+        "rest_steps": plan.layers[0].k_steps - plan.prefetch,   # k-steps of the input loaded per tile
+        "rest_regs": max(plan.layers[0].k_steps - plan.prefetch, 1),
+        "k0": spec.layers[0].in_features, "k_steps0": plan.layers[0].k_steps, "n_out": spec.layers[-1].out_features,
+        "image_bytes": plan.image_bytes, "bias_floats": plan.bias_floats, "smem_bytes": plan.smem_bytes,
+        "bias_smem_offset": plan.image_bytes, "bar_smem_offset": plan.image_bytes + plan.bias_floats * 4,
+        "pieces": pieces,
+        "image_offset": plan.image_offset, "bias_offset": plan.bias_offset,
+        "workspace_bytes": plan.workspace_bytes, "fallback_bytes": plan.fallback_bytes,
+        "fallback": fallback_symbol(spec), "fallback_design": plan.fallback.design,
+        "pack_layers": [{"index": l.index, "k": l.k, "n": l.n, "kp": l.kp, "np": l.np_, "nc": l.nc, "atom": l.atom,
+                         "offset": l.offset, "chunk_bytes": l.chunk_bytes, "bias_offset": l.bias_offset,
+                         "elems": l.np_ * l.kp}
+                        for l in plan.layers],
+    })
+    return params

@@ -1,0 +1,133 @@
+// o2f_wgmma.cuh: the wgmma design's device helpers (templates/cuda_wgmma.cu.j2): mbarrier and bulk-copy
+// PTX, wgmma fences and waits, fragment packing, streaming input loads and output stores of io_t.
+// Static device code for sm_90a only (included under O2F_WGMMA_DEVICE), inside the generated source's
+// anonymous namespace, after io_t.
+#pragma once
+__device__ __forceinline__ uint32_t smem_u32(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+// Makes the initialised barrier visible to the async proxy (the bulk copies complete on it).
+__device__ __forceinline__ void mbar_init_fence() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done;
+  do {
+    asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+                 : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+  } while (!done);
+}
+// Bulk global -> shared copy (async proxy, like TMA, without a tensor map), completing on an mbarrier.
+__device__ __forceinline__ void bulk_g2s(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+               ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
+// Pins registers at this point of the instruction stream (CuTe's warpgroup_fence_operand): reads of an
+// accumulator stay below the wait that makes it valid, writes of an operand above the wgmma that reads it.
+template <int R>
+__device__ __forceinline__ void fence_acc(float (&d)[R]) {
+#pragma unroll
+  for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+template <int KT>
+__device__ __forceinline__ void fence_frag(uint32_t (&a)[KT][4]) {
+#pragma unroll
+  for (int k = 0; k < KT; ++k)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(a[k][i])::"memory");
+}
+// A descriptor from its high word (stride byte offset, swizzle mode) and low word (start address >> 4,
+// leading byte offset 1).
+__device__ __forceinline__ uint64_t wdesc(uint32_t hi, uint32_t lo) { return (static_cast<uint64_t>(hi) << 32) | lo; }
+
+// Two fp32 values -> one fp16x2 register, the first (lower column) in the low half, as A fragments want.
+__device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
+  uint32_t r;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+// Streaming accesses: the input is read once (no L1 allocation), the output written once.
+__device__ __forceinline__ float2 o2f_ld2(const float* p) {
+  float2 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ float2 o2f_ld2(const __half* p) {
+  uint32_t r;
+  asm volatile("ld.global.nc.L1::no_allocate.b32 %0, [%1];\n" : "=r"(r) : "l"(p));
+  return __half22float2(*reinterpret_cast<const __half2*>(&r));
+}
+__device__ __forceinline__ float o2f_ld1(const float* p) {
+  float v;
+  asm volatile("ld.global.nc.L1::no_allocate.f32 %0, [%1];\n" : "=f"(v) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ float o2f_ld1(const __half* p) {
+  unsigned short r;
+  asm volatile("ld.global.nc.L1::no_allocate.b16 %0, [%1];\n" : "=h"(r) : "l"(p));
+  return __half2float(__ushort_as_half(r));
+}
+__device__ __forceinline__ void o2f_st2(float* p, float a, float b) {
+  asm volatile("st.global.cs.v2.f32 [%0], {%1, %2};\n" ::"l"(p), "f"(a), "f"(b) : "memory");
+}
+__device__ __forceinline__ void o2f_st2(__half* p, float a, float b) {
+  __half2 h = __floats2half2_rn(a, b);
+  asm volatile("st.global.cs.b32 [%0], %1;\n" ::"l"(p), "r"(*reinterpret_cast<uint32_t*>(&h)) : "memory");
+}
+__device__ __forceinline__ void o2f_st1(float* p, float a) { asm volatile("st.global.cs.f32 [%0], %1;\n" ::"l"(p), "f"(a) : "memory"); }
+__device__ __forceinline__ void o2f_st1(__half* p, float a) {
+  asm volatile("st.global.cs.b16 [%0], %1;\n" ::"l"(p), "h"(__half_as_ushort(__float2half_rn(a))) : "memory");
+}
+
+// The 8 input values of k-step ks for rows r0 and r0 + 8 in the A-fragment pattern: (r0, c..c+1),
+// (r0+8, c..c+1), (r0, c+8..c+9), (r0+8, c+8..c+9), c = 16 ks + t2. Zeros past the batch and past K0.
+// `vec`: x is aligned to two elements (pairs are loaded as one access when K0 is even).
+template <int K0>
+__device__ __forceinline__ void load_ks(float (&v)[8], const io_t* __restrict__ x, int64_t rows, int64_t r0, int ks,
+                                        int t2, int vec) {
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const int64_t r = r0 + 8 * (q & 1);
+    const int col = 16 * ks + t2 + 8 * (q >> 1);
+    float2 w = make_float2(0.0f, 0.0f);
+    if (r < rows) {
+      const io_t* p = x + r * K0 + col;
+      if (K0 % 2 == 0 && vec) {
+        if (K0 % 16 == 0 || col < K0) w = o2f_ld2(p);
+      } else {
+        if (col < K0) w.x = o2f_ld1(p);
+        if (col + 1 < K0) w.y = o2f_ld1(p + 1);
+      }
+    }
+    v[2 * q] = w.x;
+    v[2 * q + 1] = w.y;
+  }
+}
+__device__ __forceinline__ void to_a(uint32_t (&a)[4], const float (&v)[8]) {
+  a[0] = pack_half2(v[0], v[1]);
+  a[1] = pack_half2(v[2], v[3]);
+  a[2] = pack_half2(v[4], v[5]);
+  a[3] = pack_half2(v[6], v[7]);
+}
+
+// Row r, columns col and col + 1 of the NO-wide output (only those that exist).
+template <int NO>
+__device__ __forceinline__ void store_out(io_t* __restrict__ y, int64_t rows, int64_t r, int col, float v0, float v1, int vec) {
+  if (r >= rows) return;
+  io_t* p = y + r * NO + col;
+  if (NO % 2 == 0 && vec) {
+    if (col < NO) o2f_st2(p, v0, v1);   // col even, NO even: col + 1 < NO too
+  } else {
+    if (col < NO) o2f_st1(p, v0);
+    if (col + 1 < NO) o2f_st1(p + 1, v1);
+  }
+}

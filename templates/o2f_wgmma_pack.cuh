@@ -1,0 +1,32 @@
+// o2f_wgmma_pack.cuh: packing of the wgmma design's weight image and bias (templates/cuda_wgmma.cu.j2).
+// Static code for every arch (the pack entry runs on any GPU), included inside the generated source's
+// anonymous namespace.
+//
+// The image of one layer: chunks of NC output columns, each an NC x KP tile, K-major (row n holds the
+// column's KP features, contiguous), tiled by swizzle atoms of 8 rows x ATOM bytes: atoms follow each
+// other along N first (8 rows at a time), then along K (NC/8 atoms on): CuTe's
+// tile_to_shape(GMMA::Layout_K_SW{128,64,32}_Atom<half>, (NC, KP)). The 16-byte column inside an atom row
+// is XORed with the row (Swizzle<3|2|1,4,3> on byte offsets; chunks start at multiples of the pattern's
+// period, so relative offsets swizzle as the absolute shared-memory addresses the hardware sees).
+#pragma once
+__device__ __forceinline__ unsigned wgmma_swizzle(unsigned b, int atom) {
+  return b ^ (((b >> 7) & static_cast<unsigned>(atom / 16 - 1)) << 4);
+}
+
+// W [K, N] fp32 (y = x @ W) -> the layer's chunks at `img` (zeroed before: padding stays 0), one thread per
+// padded (n, k).
+__global__ void wgmma_pack_layer(const float* __restrict__ w, unsigned char* __restrict__ img, int K, int N, int KP,
+                                 int NP, int NC, int atom, int chunk_bytes) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= NP * KP) return;
+  const int n = i / KP, k = i - n * KP;
+  const int c = n / NC, nn = n - c * NC, kb = 2 * k;
+  const unsigned off = static_cast<unsigned>((nn % 8) * atom + (nn / 8) * 8 * atom + kb % atom + (kb / atom) * (NC / 8) * 8 * atom);
+  const float v = (n < N && k < K) ? w[static_cast<int64_t>(k) * N + n] : 0.0f;
+  *reinterpret_cast<__half*>(img + static_cast<int64_t>(c) * chunk_bytes + wgmma_swizzle(off, atom)) = __float2half_rn(v);
+}
+
+__global__ void wgmma_pack_bias(const float* __restrict__ b, float* __restrict__ dst, int N, int NP) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < NP) dst[i] = i < N ? b[i] : 0.0f;
+}

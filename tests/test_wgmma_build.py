@@ -1,0 +1,83 @@
+"""The wgmma design's source compiles as build.py compiles it (sm_80 + sm_90a, ONNX2FUSED_SM90A), uses
+warpgroup MMA on sm_90a (PTX; SASS HGMMA where cuobjdump exists), nothing on sm_80, and ptxas spills
+nothing. Two nvcc compiles; no GPU needed. Numerical checks: tests/test_gpu.py::test_wgmma_zoo_on_cuda_ep."""
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+from onnx2fused import build, codegen
+from onnx2fused import expr as ex
+from onnx2fused.plan import choose
+from onnx2fused.plan.options import PlanOptions
+from onnx2fused.spec import LayerSpec, MLPSpec
+from onnx2fused.wgmma_params import fallback_symbol
+
+pytestmark = pytest.mark.cuda_build
+NVCC = shutil.which("nvcc")
+GENCODES = ["-gencode", "arch=compute_80,code=sm_80", "-gencode", "arch=compute_90,code=sm_90",
+            "-gencode", "arch=compute_90,code=compute_90"]   # what nvcc_flags gives for the default archs 80,90
+
+
+def _prelu(n):
+    slope = ex.Chan(tuple(np.linspace(0.01, 0.3, n)))
+    return ex.Op("select", (ex.Op("lt", (ex.X, ex.Const(0.0))), ex.X * slope, ex.X))
+
+
+SDF_F16 = MLPSpec(tuple(LayerSpec(a, b, True, ex.tanh() if b != 1 else ex.identity())
+                        for a, b in ((3, 128), (128, 128), (128, 128), (128, 128), (128, 1))), "fp16", "f16")
+# every swizzle width (K 32, 80, 176), partial padding blocks, per-channel constants, an odd last width
+ODD = MLPSpec((LayerSpec(30, 80, True, _prelu(80)), LayerSpec(80, 176, True, ex.gelu_erf()),
+               LayerSpec(176, 7, True, ex.sigmoid())), "fp16", "f32")
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+@pytest.mark.parametrize("spec,with_sm80", [(SDF_F16, True), (ODD, False)], ids=["sdf_f16", "odd_widths"])
+def test_wgmma_source_compiles_to_hgmma_without_spills(spec, with_sm80, tmp_path):
+    plan = choose.make_plan(spec, PlanOptions(design="wgmma"))
+    assert plan.design == "wgmma"
+    files = codegen.render([spec], True, {spec.name: False}, {spec.name: plan})
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    src = files[f"{spec.name}_cuda.cu"]
+    assert build.needs_sm90a(src)
+    (tmp_path / "k.cu").write_text(src)   # a short name for nvcc's kept files
+    gencodes = GENCODES if with_sm80 else ["-gencode", "arch=compute_90,code=sm_90"]
+    flags = build.sm90a_nvcc_flags(["-O3", "-std=c++17", *gencodes])
+    assert build.SM90A_DEFINE in flags and "arch=compute_90a,code=sm_90a" in flags
+    keep = tmp_path / "keep"
+    keep.mkdir()
+    r = subprocess.run([NVCC, *flags, "-Xptxas", "-v", "--keep", "--keep-dir", str(keep), "-I", str(tmp_path),
+                        "-c", str(tmp_path / "k.cu"), "-o", str(tmp_path / "k.o")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    log = r.stdout + r.stderr
+    # ptxas on the sm_90a kernel: no spills, no wgmma serialisation (C7512)
+    entry = re.search(r"Compiling entry function '\S*fused_wgmma\S*' for 'sm_90a'(.*?)Compile time", log, re.S)
+    assert entry, log[-3000:]
+    assert "0 bytes spill stores, 0 bytes spill loads" in entry.group(1) and "0 bytes stack frame" in entry.group(1)
+    assert "C7512" not in log and "serializ" not in log.lower(), log[-3000:]
+    regs = int(re.search(r"Used (\d+) registers", entry.group(1)).group(1))
+    assert regs <= dict(((4, 128), (3, 168), (2, 255)))[plan.nwg]
+    ptx90 = next((keep / n for n in ("k.compute_90a.ptx", "k.ptx") if (keep / n).exists())).read_text()
+    n_wgmma = sum(l.chunks * l.k_steps for l in plan.layers)
+    assert ptx90.count("wgmma.mma_async.sync.aligned.m64n") == n_wgmma
+    assert "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes" in ptx90
+    assert "__assertfail" not in ptx90
+    if with_sm80:   # the sm_80 code has the packing kernels and an empty wgmma kernel
+        ptx80 = (keep / "k.compute_80.ptx").read_text()
+        assert "wgmma" not in ptx80.replace("wgmma_pack", "").replace("fused_wgmma", "")
+    cuobjdump = shutil.which("cuobjdump")
+    if cuobjdump:
+        sass = subprocess.run([cuobjdump, "-sass", str(tmp_path / "k.o")], capture_output=True, text=True).stdout
+        assert sass.count("HGMMA") >= n_wgmma
+    # the fallback unit (the resident kernel under its own symbol) compiles for the other GPUs
+    if with_sm80:
+        fb = tmp_path / f"{fallback_symbol(spec)}_cuda.cu"
+        r = subprocess.run([NVCC, "-O1", "-std=c++17", "-arch=compute_80", "-ptx", "-I", str(tmp_path), str(fb),
+                            "-o", str(tmp_path / "fb.ptx")], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in (tmp_path / "fb.ptx").read_text()

@@ -1,0 +1,204 @@
+"""The Hopper wgmma design (issue 15; plan/wgmma.py, templates/cuda_wgmma.cu.j2) on the host: when the plan
+takes it and why not, its numbers, the rendered sources (deterministic, complete, the mma.sync fallback
+unit beside), the descriptors against the packing (emulated as the hardware reads them), the build flags.
+Numerical checks need an H100: tests/test_gpu.py::test_wgmma_zoo_on_cuda_ep; compile checks:
+tests/test_wgmma_build.py."""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from onnx2fused import build, codegen
+from onnx2fused import expr as ex
+from onnx2fused.plan import choose, cost, wgmma
+from onnx2fused.plan.options import DESIGN_ENV, WGMMA_ENV, PlanOptions
+from onnx2fused.convert import plan_text
+from onnx2fused.spec import LayerSpec, MLPSpec
+from onnx2fused.wgmma_params import fallback_symbol, wgmma_params
+
+
+def _spec(widths, act=ex.relu(), precision="fp16", io="f32", last=None):
+    n = len(widths) - 1
+    return MLPSpec(tuple(LayerSpec(a, b, True, act if i < n - 1 else (last or ex.identity()))
+                         for i, (a, b) in enumerate(zip(widths, widths[1:]))), precision, io)
+
+
+# the issue's cases (benchmarks/sm90: measured on an H100 with the prototype)
+NERF = _spec([32, 64, 64, 64, 64, 16])
+GELU = _spec([64, 128, 128, 128, 128, 64], ex.gelu_erf())
+SILU = _spec([256, 256, 256, 256, 256], ex.silu())
+SDF = _spec([3, 128, 128, 128, 128, 1], ex.tanh())
+WGMMA = PlanOptions(design="wgmma")
+
+
+@pytest.mark.parametrize("spec,nwg,prefetch,chunks", [
+    (NERF, 4, 2, (64, 64, 64, 64, 16)),
+    (GELU, 3, 2, (64, 64, 64, 64, 64)),
+    (SDF, 3, 1, (64, 64, 64, 64, 8)),
+    (_spec([3, 128, 128, 128, 128, 1], ex.tanh(), io="f16"), 3, 1, (64, 64, 64, 64, 8)),
+], ids=["nerf", "gelu", "sdf", "sdf_f16"])
+def test_issue_cases_take_wgmma_with_the_prototype_shapes(spec, nwg, prefetch, chunks):
+    plan = choose.make_plan(spec)
+    assert plan.design == "wgmma" and "chosen" in plan.reason
+    assert (plan.nwg, plan.prefetch, tuple(l.nc for l in plan.layers)) == (nwg, prefetch, chunks)
+    assert plan.fallback.design == "resident" and plan.uses_scratch is False
+    assert plan.smem_bytes <= wgmma.SMEM_LIMIT and plan.image_bytes % wgmma.LAYER_ALIGN == 0
+    assert plan.registers <= dict(wgmma.REGISTER_CAPS)[plan.nwg]
+    # workspace: [the fallback's packed weights][image (1024-aligned)][bias]
+    assert plan.image_offset >= plan.fallback.workspace_bytes and plan.image_offset % 1024 == 0
+    assert plan.workspace_bytes == plan.image_offset + plan.image_bytes + 4 * sum(l.np_ for l in plan.layers)
+    text = plan.describe()
+    assert text.startswith("wgmma (sm_90a)") and "other GPUs: resident" in text
+
+
+def test_silu_256_is_refused_its_weights_do_not_stay_resident():
+    why = choose.wgmma_refused(SILU)
+    assert "512 KB" in why and "resident" in why
+    assert choose.make_plan(SILU).design == "streamed" and choose.make_plan(SILU, WGMMA).design == "streamed"
+
+
+@pytest.mark.parametrize("spec,words", [
+    (_spec([64, 128, 64], precision="bf16"), "fp16 only"),
+    (_spec([64, 128, 64], precision="tf32"), "fp16 only"),
+    (_spec([64, 300, 64]), "up to 256"),
+    (_spec([64, 128, 64], precision="fp32"), "no tensor-core kernel"),
+])
+def test_refusal_reasons(spec, words):
+    assert words in choose.wgmma_refused(spec)
+    assert choose.make_plan(spec, WGMMA).design != "wgmma"   # forced where possible only
+
+
+def test_cost_rule_and_the_switches():
+    narrow = _spec([32, 64, 16])                              # one layer of >= 64 outputs: mma.sync
+    assert not cost.wgmma_wins(narrow) and choose.make_plan(narrow).design == "resident"
+    forced = choose.make_plan(narrow, WGMMA)
+    assert forced.design == "wgmma" and DESIGN_ENV in forced.reason
+    assert choose.make_plan(NERF, PlanOptions(wgmma=False)).design == "resident"
+    for other in ("resident", "streamed", "wide"):            # forcing another design forbids wgmma
+        assert choose.make_plan(NERF, PlanOptions(design=other)).design != "wgmma"
+    assert PlanOptions.from_env({DESIGN_ENV: "wgmma"}).design == "wgmma"
+    assert PlanOptions.from_env({WGMMA_ENV: "off"}).wgmma is False
+    assert PlanOptions.from_env({}).wgmma is True
+
+
+def test_plan_text_says_why_not_wgmma():
+    assert "Hopper wgmma not used: fewer than 2 layers" in plan_text(_spec([32, 64, 16]), choose.make_plan(_spec([32, 64, 16])))
+    assert "Hopper wgmma not used" in plan_text(SILU, choose.make_plan(SILU))
+    text = plan_text(NERF, choose.make_plan(NERF))
+    assert "GPU: wgmma (sm_90a)" in text and "not used" not in text
+
+
+def _render(spec, options=PlanOptions()):
+    plans = choose.make_plans([spec], options)
+    return codegen.render([spec], True, plans=plans), plans[spec.name]
+
+
+@pytest.mark.parametrize("spec", [NERF, GELU, SDF, _spec([3, 128, 128, 128, 128, 1], ex.tanh(), io="f16"),
+                                  _spec([30, 80, 176, 7], ex.sigmoid(), io="f16", last=ex.relu())],
+                         ids=["nerf", "gelu", "sdf", "sdf_f16", "odd_widths"])
+def test_rendering_is_deterministic_and_complete(spec):
+    files, plan = _render(spec, WGMMA)
+    again, _ = _render(spec, WGMMA)
+    assert files == again
+    name, fb = spec.name, fallback_symbol(spec)
+    src = files[f"{name}_cuda.cu"]
+    for fname, text in files.items():   # the rendered ones (static headers hold asm operand lists like {%0, %1})
+        if not fname.endswith(".cuh"):
+            assert not re.search(r"\{\{|\}\}|\{%|%\}|\{#|#\}", text), f"jinja leftovers in {fname}"
+    assert src.splitlines()[1] == "// onnx2fused-arch: sm_90a" and build.needs_sm90a(src)
+    assert not build.needs_sm90a(files[f"{fb}_cuda.cu"])
+    for header in ("o2f_wgmma.cuh", "o2f_wgmma_ops.cuh", "o2f_wgmma_pack.cuh"):
+        assert header in files
+    # the entry points, and the fallback's, which this unit calls on other GPUs
+    for fn in ("cuda_workspace_bytes", "cuda_pack", "cuda_run"):
+        assert f'extern "C" ' in src and f" {name}_{fn}(" in src
+        assert f" {fb}_{fn}(" in src and f" {fb}_{fn}(" in files[f"{fb}_cuda.cu"]
+    assert f"return {plan.workspace_bytes}; }}" in src
+    assert f"{fb}_cuda_workspace_bytes() != {plan.fallback.workspace_bytes}" in src
+    # the fallback unit is the fallback plan's own source under the other symbol
+    alone = codegen.render([spec], True, plans={name: plan.fallback})[f"{name}_cuda.cu"]
+    assert files[f"{fb}_cuda.cu"] == alone.replace(f"{name}_cuda_", f"{fb}_cuda_")
+    # one wgmma per chunk and k-step
+    assert src.count("Wgmma<") == sum(l.chunks * l.k_steps for l in plan.layers)
+
+
+def test_odd_widths_are_padded_and_chunked():
+    plan = choose.make_plan(_spec([30, 80, 176, 7], ex.sigmoid(), io="f16"), WGMMA)
+    # 80 = 2 x 40; 176 would be 11 chunks of 16: padded to 192 = 3 x 64
+    assert [(l.kp, l.np_, l.nc, l.atom) for l in plan.layers] == [(32, 80, 40, 64), (80, 192, 64, 32), (192, 8, 8, 128)]
+    assert [(l.np_, l.nc) for l in choose.make_plan(_spec([64, 200, 64]), WGMMA).layers] == [(256, 64), (64, 64)]
+
+
+def _swizzle(b, atom):
+    return b ^ (((b >> 7) & (atom // 16 - 1)) << 4)
+
+
+def _pack_address(l, n, k):
+    """Where templates/o2f_wgmma_pack.cuh writes (n, k) of layer l, from the shared-memory base."""
+    c, nn, kb = n // l.nc, n % l.nc, 2 * k
+    off = (nn % 8) * l.atom + (nn // 8) * 8 * l.atom + kb % l.atom + (kb // l.atom) * (l.nc // 8) * 8 * l.atom
+    return l.offset + c * l.chunk_bytes + _swizzle(off, l.atom)
+
+
+@pytest.mark.parametrize("spec", [NERF, GELU, SDF, _spec([30, 80, 176, 7], ex.sigmoid())],
+                         ids=["nerf", "gelu", "sdf", "odd_widths"])
+def test_descriptors_read_what_the_packing_wrote(spec):
+    """Emulates the addresses wgmma computes from each printed descriptor (PTX ISA canonical K-major
+    layouts: row n at (n % 8) * swizzle width + (n / 8) * stride byte offset, 16 k values contiguous from
+    the start address, then the swizzle XOR on the address) and checks every (n, k) of every k-step of
+    every chunk against the packing's address of that weight."""
+    plan = choose.make_plan(spec, WGMMA)
+    params = wgmma_params(plan)
+    for l, lp in zip(plan.layers, params["layers"]):
+        hi = int(lp["desc_hi"].rstrip("u"), 16)
+        sbo, mode = (hi & 0x3FFF) << 4, hi >> 30
+        width = {1: 128, 2: 64, 3: 32}[mode]
+        assert width == l.atom and (hi >> 17) & 7 == 0     # base offset 0
+        for c, cp in enumerate(lp["chunks"]):
+            assert [k["scale"] for k in cp["ksteps"]] == [0] + [1] * (l.k_steps - 1)
+            for kp in cp["ksteps"]:
+                start = kp["lo"] << 4
+                for n in range(l.nc):
+                    for kk in range(16):
+                        got = _swizzle(start + (n % 8) * width + (n // 8) * sbo + 2 * kk, width)
+                        assert got == _pack_address(l, c * l.nc + n, 16 * kp["ks"] + kk)
+    # the image fits and its layers do not overlap
+    ends = [l.offset + l.chunks * l.chunk_bytes for l in plan.layers]
+    assert all(e <= nxt.offset for e, nxt in zip(ends, plan.layers[1:])) and ends[-1] <= plan.image_bytes
+
+
+def test_fragment_mapping_covers_every_next_layer_register_once():
+    plan = choose.make_plan(GELU)
+    for lp, nxt in zip(wgmma_params(plan)["layers"][:-1], plan.layers[1:]):
+        regs = sorted((b["kt"], r) for c in lp["chunks"] for b in c["blocks"] for r in (b["reg"], b["reg_hi"]))
+        assert regs == [(kt, r) for kt in range(nxt.k_steps) for r in range(4)]
+
+
+def test_last_layer_padding_blocks_are_left_out():
+    plan = choose.make_plan(SDF)     # N = 1: one n8 block of the 8-wide chunk, its first column only real
+    last = wgmma_params(plan)["layers"][-1]
+    assert [b["col"] for c in last["chunks"] for b in c["blocks"]] == [0]
+    assert "store_out<kNOut>" in _render(SDF)[0][f"{SDF.name}_cuda.cu"]
+
+
+def test_build_flags_for_the_sm90a_unit():
+    flags = ["-O3", "-gencode", "arch=compute_80,code=sm_80", "-gencode", "arch=compute_90,code=sm_90",
+             "-gencode", "arch=compute_90,code=compute_90"]
+    out = build.sm90a_nvcc_flags(flags)
+    assert "arch=compute_90a,code=sm_90a" in out and "arch=compute_80,code=sm_80" in out
+    assert build.SM90A_DEFINE in out and build.WIDE_SM90A_DEFINE not in out
+    only80 = ["-O3", "-gencode", "arch=compute_80,code=sm_80", "-gencode", "arch=compute_80,code=compute_80"]
+    assert build.sm90a_nvcc_flags(only80) == only80            # no Hopper: the fallback alone, no define
+
+
+def test_per_channel_constants_are_sized_to_the_padded_columns():
+    slope = ex.Chan(tuple(np.linspace(0.01, 0.3, 50)))
+    prelu = ex.Op("select", (ex.Op("lt", (ex.X, ex.Const(0.0))), ex.X * slope, ex.X))
+    spec = MLPSpec((LayerSpec(32, 50, True, prelu), LayerSpec(50, 50, True, prelu), LayerSpec(50, 7, True, ex.identity())),
+                   "fp16", "f32")
+    files, plan = _render(spec, WGMMA)
+    assert plan.design == "wgmma"
+    src = files[f"{spec.name}_cuda.cu"]
+    assert f"__device__ const float kChan0_0[64] = {{ {ex.c_array_values(slope, 64)} }};" in src
