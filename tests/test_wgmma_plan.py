@@ -31,6 +31,7 @@ GELU = _spec([64, 128, 128, 128, 128, 64], ex.gelu_erf())
 SILU = _spec([256, 256, 256, 256, 256], ex.silu())
 SDF = _spec([3, 128, 128, 128, 128, 1], ex.tanh())
 WGMMA = PlanOptions(design="wgmma")
+AUTO_WGMMA = PlanOptions(wgmma=True)     # auto, with the opt-in
 
 
 @pytest.mark.parametrize("spec,nwg,prefetch,chunks", [
@@ -40,7 +41,7 @@ WGMMA = PlanOptions(design="wgmma")
     (_spec([3, 128, 128, 128, 128, 1], ex.tanh(), io="f16"), 3, 1, (64, 64, 64, 64, 8)),
 ], ids=["nerf", "gelu", "sdf", "sdf_f16"])
 def test_issue_cases_take_wgmma_with_the_prototype_shapes(spec, nwg, prefetch, chunks):
-    plan = choose.make_plan(spec)
+    plan = choose.make_plan(spec, AUTO_WGMMA)
     assert plan.design == "wgmma" and "chosen" in plan.reason
     assert (plan.nwg, plan.prefetch, tuple(l.nc for l in plan.layers)) == (nwg, prefetch, chunks)
     assert plan.fallback.design == "resident" and plan.uses_scratch is False
@@ -76,21 +77,25 @@ def test_cost_rule_and_the_switches():
     forced = choose.make_plan(narrow, WGMMA)
     assert forced.design == "wgmma" and DESIGN_ENV in forced.reason
     assert choose.make_plan(NERF, PlanOptions(wgmma=False)).design == "resident"
+    assert choose.make_plan(NERF).design == "resident"       # opt-in: the default options never pick it
+    assert choose.make_plan(NERF, AUTO_WGMMA).design == "wgmma"
     for other in ("resident", "streamed", "wide"):            # forcing another design forbids wgmma
         assert choose.make_plan(NERF, PlanOptions(design=other)).design != "wgmma"
     assert PlanOptions.from_env({DESIGN_ENV: "wgmma"}).design == "wgmma"
     assert PlanOptions.from_env({WGMMA_ENV: "off"}).wgmma is False
-    assert PlanOptions.from_env({}).wgmma is True
+    assert PlanOptions.from_env({}).wgmma is False
+    assert PlanOptions.from_env({WGMMA_ENV: "on"}).wgmma is True
 
 
 def test_plan_text_says_why_not_wgmma():
     assert "Hopper wgmma not used: fewer than 2 layers" in plan_text(_spec([32, 64, 16]), choose.make_plan(_spec([32, 64, 16])))
     assert "Hopper wgmma not used" in plan_text(SILU, choose.make_plan(SILU))
-    text = plan_text(NERF, choose.make_plan(NERF))
+    assert "ONNX2FUSED_WGMMA=on opts in" in plan_text(NERF, choose.make_plan(NERF))
+    text = plan_text(NERF, choose.make_plan(NERF, AUTO_WGMMA))
     assert "GPU: wgmma (sm_90a)" in text and "not used" not in text
 
 
-def _render(spec, options=PlanOptions()):
+def _render(spec, options=AUTO_WGMMA):
     plans = choose.make_plans([spec], options)
     return codegen.render([spec], True, plans=plans), plans[spec.name]
 
@@ -170,14 +175,14 @@ def test_descriptors_read_what_the_packing_wrote(spec):
 
 
 def test_fragment_mapping_covers_every_next_layer_register_once():
-    plan = choose.make_plan(GELU)
+    plan = choose.make_plan(GELU, AUTO_WGMMA)
     for lp, nxt in zip(wgmma_params(plan)["layers"][:-1], plan.layers[1:]):
         regs = sorted((b["kt"], r) for c in lp["chunks"] for b in c["blocks"] for r in (b["reg"], b["reg_hi"]))
         assert regs == [(kt, r) for kt in range(nxt.k_steps) for r in range(4)]
 
 
 def test_last_layer_padding_blocks_are_left_out():
-    plan = choose.make_plan(SDF)     # N = 1: one n8 block of the 8-wide chunk, its first column only real
+    plan = choose.make_plan(SDF, AUTO_WGMMA)     # N = 1: one n8 block of the 8-wide chunk, its first column only real
     last = wgmma_params(plan)["layers"][-1]
     assert [b["col"] for c in last["chunks"] for b in c["blocks"]] == [0]
     assert "store_out<kNOut>" in _render(SDF)[0][f"{SDF.name}_cuda.cu"]

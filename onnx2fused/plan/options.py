@@ -6,7 +6,9 @@ of (spec, options) only:
 
   ONNX2FUSED_CUDA_DESIGN  = auto | resident | streamed | wide | wgmma: force a design where it is possible
                             (resident, streamed or wide forced: never wgmma)
-  ONNX2FUSED_WGMMA        = off: auto never picks the Hopper wgmma design (plan/wgmma.py)
+  ONNX2FUSED_WGMMA        = on: auto may pick the Hopper wgmma design (plan/wgmma.py) where the cost model
+                            prefers it; off by default until the GPU tests pass on every zoo model
+                            (benchmarks/RESULTS.md, seventh run: sdf fails there)
   ONNX2FUSED_WIDE_TAIL    = off: no segmented wide plans (every layer a GEMM), for comparisons
   (and whether the CUTLASS headers the wide design compiles against can be found)
 
@@ -72,7 +74,7 @@ class PlanOptions:
     design: str = "auto"           # DESIGNS: a design to force where it is possible
     wide_tail: bool = True         # segmented wide plans allowed (a fused kernel for narrow trailing layers)
     wide_unavailable: str = ""     # why the wide design cannot be built here ("": it can)
-    wgmma: bool = True             # auto may pick the wgmma design (forcing it works either way)
+    wgmma: bool = False            # auto may pick the wgmma design (opt-in; forcing it works either way)
     smem_limit: int | None = None  # shared memory a block may use (None: fused.SMEM_LIMIT, sm_90)
     resident: ResidentOptions = field(default_factory=ResidentOptions)
     streamed: StreamedOptions = field(default_factory=StreamedOptions)
@@ -87,7 +89,7 @@ class PlanOptions:
         env = os.environ if environ is None else environ
         return cls(design=env.get(DESIGN_ENV, "auto").strip().lower() or "auto",
                    wide_tail=env.get(TAIL_ENV, "auto").strip().lower() != "off",
-                   wgmma=env.get(WGMMA_ENV, "auto").strip().lower() not in ("off", "0", "no", "false"),
+                   wgmma=env.get(WGMMA_ENV, "off").strip().lower() in ("on", "1", "yes", "true"),
                    wide_unavailable=_cutlass_missing())
 
 
