@@ -19,7 +19,6 @@ from typing import Callable
 
 import onnx
 
-from types import SimpleNamespace
 
 from .cpu_policy import cpu_kernel_wins
 from .build import find_nvcc
@@ -31,7 +30,7 @@ from .passes.activations import describe_expr
 from .plan.choose import make_plan, wgmma_note
 from .plan.options import PlanOptions
 from .plan.protocol import Plan
-from .precision import PrecisionChoice, choose_precision, next_precision
+from .precision import PrecisionChoice, chain_layers, choose_precision, next_precision
 from .spec import PRECISIONS, SpecError
 from . import validate as val
 
@@ -91,12 +90,6 @@ def check_precision(precision: str) -> str:
     return precision
 
 
-def _model_layers(chain) -> list[SimpleNamespace]:
-    """A chain's layers as the numerics model reads them (weight [K, N], bias, activation)."""
-    return [SimpleNamespace(weight=l.linear.weight, bias=l.linear.bias, activation=l.activation)
-            for l in chain.layers]
-
-
 def initial_precisions(model, chains, cases, with_cuda: bool, say) -> list[PrecisionChoice]:
     """Automatic precision before any build: the numerics model (precision.py) on the reference tensors
     of each chain. A CPU-only library computes in fp32 whatever the label: every chain gets fp16, the
@@ -114,7 +107,7 @@ def initial_precisions(model, chains, cases, with_cuda: bool, say) -> list[Preci
     except Exception as e:  # noqa: BLE001 - the model runs (cases exist) but not with its intermediates read out
         return [PrecisionChoice("fp16", f"default: the chains' tensors could not be read on stock ORT "
                                         f"({val._one_line(e)})") for _ in chains]
-    return [choose_precision(_model_layers(c), ref[c.input], ref[c.output], range_check=True,
+    return [choose_precision(chain_layers(c), ref[c.input], ref[c.output], range_check=True,
                              tolerances=val.TOLERANCES) for c in chains]
 
 

@@ -29,6 +29,7 @@ label, so every chain keeps the cheapest label, fp16, with no range check.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -99,6 +100,12 @@ class ChainRun:
     """The modelled chain output and the largest |value| stored in 16 bits (fp16 range check)."""
     output: np.ndarray
     peak_stored: float
+
+
+def chain_layers(chain) -> list[SimpleNamespace]:
+    """A found chain's layers (passes.find_chains) as model_chain reads them (weight [K, N], bias, activation)."""
+    return [SimpleNamespace(weight=l.linear.weight, bias=l.linear.bias, activation=l.activation)
+            for l in chain.layers]
 
 
 def model_chain(layers, x: np.ndarray, precision: str) -> ChainRun:

@@ -8,7 +8,7 @@ of (spec, options) only:
                             (resident, streamed or wide forced: never wgmma)
   ONNX2FUSED_WGMMA        = on: auto may pick the Hopper wgmma design (plan/wgmma.py) where the cost model
                             prefers it; off by default until the GPU tests pass on every zoo model
-                            (benchmarks/RESULTS.md, seventh run: sdf fails there)
+                            with it (benchmarks/RESULTS.md, seventh run)
   ONNX2FUSED_WIDE_TAIL    = off: no segmented wide plans (every layer a GEMM), for comparisons
   (and whether the CUTLASS headers the wide design compiles against can be found)
 
