@@ -113,13 +113,14 @@ def estimate_streamed(spec: MLPSpec, streamed_plan, rows: int = NOMINAL_ROWS) ->
     return max(compute, l2, hbm) + LAUNCH_S
 
 
-# The wgmma design (plan/wgmma.py) against the mma.sync fused kernels, measured on the H100 (kernel only,
-# fp32 io; benchmarks/sm90/NOTES.md, h100-run1): nerf 32->64x4->16 ReLU 2^21 rows 0.172 vs 0.192 ms,
-# gelu 64->128x4->64 2^20 0.532 vs 0.70, sdf 3->128x4->1 Tanh 2^20 0.196 vs 0.657, silu 256x4 2^18
-# (streamed weights) 0.472 vs 0.695. It wins wherever the tensor work matters: taken for chains with at
-# least WGMMA_MIN_WIDE_LAYERS layers of at least WGMMA_MIN_WIDTH outputs. It only runs on compute
-# capability 9.0; the library keeps the mma.sync kernel for the other GPUs, so taking it costs nothing there.
-WGMMA_MIN_WIDTH = 64
+# The wgmma design (plan/wgmma.py) against the mma.sync fused kernels on the H100. The standalone
+# prototype, kernel only (benchmarks/sm90/NOTES.md, h100-run1): nerf 32->64x4->16 ReLU 2^21 rows 0.172 vs
+# 0.192 ms, gelu 64->128x4->64 2^20 0.532 vs 0.70, sdf 3->128x4->1 Tanh 2^20 0.196 vs 0.657. The integrated
+# design through ORT (benchmarks/RESULTS.md, seventh run): gelu 0.598 vs 0.760, sdf 0.489 vs 0.704, but
+# nerf 0.214 vs 0.199 (64-wide layers: too little tensor work per epilogue to pay for the chunked
+# schedule). So: chains with at least WGMMA_MIN_WIDE_LAYERS layers of at least WGMMA_MIN_WIDTH outputs. It
+# only runs on compute capability 9.0; the library keeps the mma.sync kernel for the other GPUs.
+WGMMA_MIN_WIDTH = 128
 WGMMA_MIN_WIDE_LAYERS = 2
 
 
