@@ -17,7 +17,7 @@ import hashlib
 from . import expr as ex
 from .cuda_params import act_params, spec_params
 from .plan.sm90 import DEFAULT_CHOICE, MODES, SM90_KERNELS, SM90_SCRATCH, Sm90Choice, sm90_candidates
-from .plan.wide import LAUNCH_CACHE_ENV, SM80_ENV, TILE_TABLE, WidePlan
+from .plan.wide import LAUNCH_CACHE_ENV, SM80_ENV, TILE_TABLE, WidePlan, sm80_tiles
 from .spec import MLPSpec
 
 
@@ -70,13 +70,9 @@ def instance_params(config: str, elem: str, out: str, align: int, act_code: str)
                        "bk": kernel.tile[2], "cm": kernel.cluster[0], "cn": kernel.cluster[1],
                        "sm90_scratch": SM90_SCRATCH})
     else:
-        tiles: dict = {}
-        for arch in sorted(TILE_TABLE):
-            for t in TILE_TABLE[arch]:
-                tiles.setdefault(t)
         params.update({
             "tiles": [{"name": t.name, "bm": t.bm, "bn": t.bn, "bk": t.bk, "wm": t.wm, "wn": t.wn, "wk": t.wk,
-                       "stages": t.stages} for t in tiles],
+                       "stages": t.stages} for t in sm80_tiles()],
             # arch major -> tile names; the launcher takes the entry of the largest arch <= the device's
             "arch_tiles": [{"major": arch // 10, "large": TILE_TABLE[arch][0].name, "small": TILE_TABLE[arch][1].name}
                            for arch in sorted(TILE_TABLE, reverse=True)],

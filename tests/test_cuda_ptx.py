@@ -10,7 +10,7 @@ import pytest
 
 from onnx2fused import codegen
 from onnx2fused import expr as ex
-from onnx2fused.plan import choose
+from onnx2fused.plan import choose, sm90
 from onnx2fused.plan.options import PlanOptions, WideOptions
 from onnx2fused.spec import LayerSpec, MLPSpec
 from onnx2fused.wide_params import tail_symbol
@@ -172,10 +172,11 @@ def test_register_design_chosen_where_fragments_fit():
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
 @pytest.mark.parametrize("tuning", [False, True])
-def test_wide_source_main_part_compiles_with_a_tf32_first_layer(tmp_path, tuning):
-    """Part 0 of the wide design's source (the launchers, the conversion pass, the tf32 in-place first
-    layer, and in the tuning build the timing entries) compiles for sm_90a; the Hopper kernels' own
-    parts are not compiled here (minutes of nvcc each: the GPU tests build them)."""
+def test_wide_source_main_unit_compiles_with_a_tf32_first_layer(tmp_path, tuning):
+    """The wide design's chain unit (the launchers, the conversion pass, the tf32 in-place first layer,
+    and in the tuning build the timing entries) compiles for sm_90a; the CUTLASS kernel instances are
+    their own units, not compiled here but one small one (minutes of nvcc each for the Hopper ones:
+    the GPU tests build them)."""
     from onnx2fused import build
     from onnx2fused.headers import find_cutlass_headers
     try:
@@ -187,7 +188,7 @@ def test_wide_source_main_part_compiles_with_a_tf32_first_layer(tmp_path, tuning
     assert plan.tf32_first and plan.tail_from == 1      # and runs 256 -> 64 -> 1 as one fused tail kernel
     _, path = _write_cuda(spec, tmp_path, wide=WideOptions(tuning=tuning))
     flags = build.wide_nvcc_flags(["-O1", "-std=c++17", "-gencode", "arch=compute_90,code=sm_90"])
-    r = subprocess.run([NVCC, *flags, "-I", str(cutlass.path), "--expt-relaxed-constexpr", "-DO2F_PART=0",
+    r = subprocess.run([NVCC, *flags, "-I", str(cutlass.path), "--expt-relaxed-constexpr",
                         "-c", str(path), "-o", str(tmp_path / "wide.o")], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
     # the tail is its own unit (the fused kernel's template): it defines what the wide unit calls
@@ -202,3 +203,16 @@ def test_wide_source_main_part_compiles_with_a_tf32_first_layer(tmp_path, tuning
             return {line.split()[-1] for line in out.splitlines() if line.split()[-2:-1] == [kind]}
         wanted = {s for s in symbols("wide.o", "U") if s.startswith(tail_symbol(spec))}
         assert len(wanted) == 3 and wanted <= symbols("tail.o", "T")
+        # the kernel instances it calls: one launcher each, named after a rendered instance unit
+        insts = sorted(f.name[:-3] for f in tmp_path.glob("o2f_inst_*.cu"))
+        calls = {s for s in symbols("wide.o", "U") if "o2f_inst_" in s}
+        assert len(insts) == (len(sm90.SM90_KERNELS) + 1 if tuning else 2)  # every kernel / the tf32 default; sm80
+        assert sorted(next(i for i in insts if i in s) for s in calls) == insts
+        if not tuning:  # one real instance unit (the sm80 one, for sm_80 only: the cheapest) defines its launcher
+            sm80 = next(i for i in insts if "_Sm80" in i)
+            r = subprocess.run([NVCC, "-O1", "-std=c++17", "-gencode", "arch=compute_80,code=sm_80",
+                                *build.wide_nvcc_flags([]), "-I", str(cutlass.path), "--expt-relaxed-constexpr",
+                                "-c", str(tmp_path / f"{sm80}.cu"), "-o", str(tmp_path / "inst.o")],
+                               capture_output=True, text=True)
+            assert r.returncode == 0, r.stderr[-3000:]
+            assert {s for s in calls if sm80 in s} <= symbols("inst.o", "T")
