@@ -27,6 +27,7 @@ HOOKS = {
     "bench": "time stock ONNX Runtime vs the fused model",
     "doctor": "toolchain, headers, GPU and ONNX Runtime providers",
     "export-triton": "write a Triton Inference Server model repository for a (fused) model",
+    "tune": "search the wide design's Hopper GEMM kernels for a model on this GPU, once (convert reuses them)",
 }
 # command name -> module name, for command names that are not valid module names
 HOOK_MODULES = {"export-triton": "triton"}

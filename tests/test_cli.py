@@ -356,3 +356,15 @@ def test_input_shapes_and_saved_arrays(tmp_path, cache):
     p = cli("convert", src, "--cpu-only", "--cache-dir", cache, "--precision", "fp16", "-q", "--json",
             "-o", tmp_path / "b.fused.onnx", "--input-shapes", "x:[3,32]", "--input-shapes", "x:[3,32]")
     assert json.loads(p.stdout)["validation"]["cases"] == ["random x[3, 32]"]
+
+
+def test_tune_without_a_hopper_gpu_says_why(tmp_path):
+    """`onnx2fused tune` is the kernel search as a step of its own; where it cannot run it says why (exit 2)
+    and writes nothing."""
+    src = tmp_path / "m.onnx"
+    shutil.copyfile(Path(__file__).resolve().parent.parent / "models" / "mnist.opset17.onnx", src)
+    for env in ({"CUDA_VISIBLE_DEVICES": ""}, {"ONNX2FUSED_TUNE": "0"}):
+        p = run_cli("tune", src, "--cache-dir", tmp_path / "cache", env_extra=env)
+        assert p.returncode == 2 and p.stderr.startswith("onnx2fused: error: nothing to tune"), p.stderr
+        assert len(p.stderr.strip().splitlines()) == 1
+    assert sorted(x.name for x in tmp_path.iterdir() if x.name != "cache") == ["m.onnx"]

@@ -56,7 +56,8 @@ def tuned(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(wide_tune.TUNE_ENV, "1")
         mp.setenv(DESIGN_ENV, "wide")
-        report = onnx2fused.convert(str(src), str(d / "m.fused.onnx"), cache_dir=cache, progress=said.append)
+        report = onnx2fused.convert(str(src), str(d / "m.fused.onnx"), cache_dir=cache, progress=said.append,
+                                    tune=True)  # the search runs only on request (`--tune`, `onnx2fused tune`)
         again_said: list[str] = []
         again = onnx2fused.convert(str(src), str(d / "again.fused.onnx"), cache_dir=cache, progress=again_said.append)
     return gpu, cache, src, d / "m.fused.onnx", report, said, again, again_said
