@@ -122,9 +122,11 @@ def _cutlass_include():
         return None
 
 
-# arch "90a": what build.py's wide_nvcc_flags compile for Hopper (CUTLASS 3.x wgmma + TMA kernels next to
-# the 2.x ones); "80" with the same define: the sm90 kernels' bodies compile to nothing there. One sm_90a
-# compile runs in CI (~1.5 min on 2 cores); the second one is `slow`.
+# arch "90a": what build.py compiles for Hopper (wide_nvcc_flags: the CUTLASS 2.x kernel instances for
+# sm_90a; sm90a_nvcc_flags: the CUTLASS 3.x wgmma + TMA instances for sm_90a alone); "80": the 2.x instance
+# with the same define. The GEMMs are in the kernel instance units (o2f_inst_*.cu): each case compiles its
+# first layer's (the sm80 one, and for 90a the Hopper one). One sm_90a case runs in CI (~1.5 min on 2
+# cores); the second one is `slow`.
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
 @pytest.mark.parametrize("spec,arch", [
     (_spec([768, 3072, 768], "fp16", ex.gelu_erf()), "90a"),               # FFN: wide by the cost model
@@ -133,18 +135,29 @@ def _cutlass_include():
                          "fp16", "f16"), "90a", marks=pytest.mark.slow),  # odd widths, fp16 io, forced wide
 ], ids=lambda v: v.name if isinstance(v, MLPSpec) else v)
 def test_wide_ptx_uses_tensor_cores(spec, arch, tmp_path):
-    from onnx2fused.build import WIDE_SM90A_DEFINE
+    from onnx2fused.build import WIDE_SM90A_DEFINE, sm90a_only
     include = _cutlass_include()
     if include is None:
         pytest.skip("no CUTLASS headers (pip install nvidia-cutlass or set ONNX2FUSED_CUTLASS_DIR)")
     src, cu = _write_cuda(spec, tmp_path, PlanOptions(design="wide"))
-    assert '#include "cutlass/gemm/device/gemm.h"' in src
-    ptx = tmp_path / "k.ptx"
-    r = subprocess.run([NVCC, "-ptx", "-std=c++17", "--expt-relaxed-constexpr", f"-arch=compute_{arch}",
-                        WIDE_SM90A_DEFINE, "-I", str(include), str(cu), "-o", str(ptx)], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-3000:]
-    text = ptx.read_text()
     dtype = "bf16" if spec.precision == "bf16" else "f16"
+    layer0 = src[src.index("cudaError_t layer0("):src.index("cudaError_t layer1(")]
+    insts = {p.name[:-3]: p for p in tmp_path.glob("o2f_inst_*.cu")}
+    called = [name for name in insts if f"{name}::run(" in layer0]   # layer 0's instances
+    sm80 = [insts[n] for n in called if not sm90a_only(insts[n].read_text())]
+    hopper = [insts[n] for n in called if sm90a_only(insts[n].read_text())]
+    assert len(sm80) == 1 and len(hopper) == 1 and f"_{dtype}_{dtype}_a8_" in sm80[0].name
+    assert '#include "cutlass/gemm/device/gemm.h"' in sm80[0].read_text() and '#include "cutlass/' not in \
+        src.replace('#include "cutlass/cutlass.h"', "").replace('#include "cutlass/numeric_types.h"', "").replace(
+            '#include "cutlass/array.h"', "")  # the chain's unit: CUTLASS's types only, no GEMM
+    text = ""
+    for unit in sm80 + (hopper if arch == "90a" else []):
+        ptx = tmp_path / (unit.name + ".ptx")
+        r = subprocess.run([NVCC, "-ptx", "-std=c++17", "--expt-relaxed-constexpr", f"-arch=compute_{arch}",
+                            WIDE_SM90A_DEFINE, "-I", str(include), str(unit), "-o", str(ptx)],
+                           capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr[-3000:]
+        text += ptx.read_text()
     # the CUTLASS 2.x kernels are in every arch's code (other GPUs, untileable outputs, the sm80 override)
     assert f"mma.sync.aligned.m16n8k16.row.col.f32.{dtype}.{dtype}.f32" in text
     assert "ldmatrix.sync.aligned" in text and "cp.async.cg.shared.global" in text
