@@ -92,7 +92,7 @@ def compile_case(name: str, spec: MLPSpec, options: PlanOptions, out: Path, arch
     lib = out / f"lib{name}.so"
     gencode = ["-gencode", f"arch=compute_{arch},code=sm_{arch}"]
     if any(build.needs_sm90a(t) for t in sources.values()):   # the wgmma design: sm_90a, as build.py compiles it
-        gencode = build.sm90a_nvcc_flags(gencode)
+        gencode = build.wgmma_nvcc_flags(gencode)
     cmd = ["nvcc", "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-lineinfo", *gencode,
            "-Xptxas", "-v", *map(str, units), "-o", str(lib)]
     r = subprocess.run(cmd, capture_output=True, text=True)

@@ -5,7 +5,9 @@
 
 `sources` are the generated files ({name: text}); the hand-written ort_plugin/ files are added here.
 Each translation unit's object is cached on its own (<cache>/objects/<key>.o, key = sha256 of its source,
-every header, its flags, the compiler versions, the ONNX Runtime header version and VERSION), and the
+the headers among `sources` it includes, its flags, the compiler versions, the ONNX Runtime header version
+and VERSION: a unit whose text names no chain, such as a wide design's CUTLASS kernel instance, is one
+object for every library that includes it), and the
 library entry `<cache>/<key>/` (key = the objects' keys and the link line) holds the library, the
 sources it was built from (`sources/`) and a manifest with the library's sha256, which is checked on
 every hit (a truncated or corrupt library is rebuilt). Builds happen in a temp folder inside the cache
@@ -170,7 +172,7 @@ def needs_sm90a(text: str) -> bool:
     return bool(_SM90A_MARK.search(text))
 
 
-def sm90a_nvcc_flags(flags: list[str]) -> list[str]:
+def wgmma_nvcc_flags(flags: list[str]) -> list[str]:
     """nvcc flags for a source marked sm_90a (the wgmma design): the gencodes of wide_nvcc_flags (sm_90
     becomes sm_90a; other archs keep theirs and run the source's fallback), and ONNX2FUSED_SM90A, which
     tells its host code that the Hopper kernel was compiled."""
@@ -203,14 +205,50 @@ def wide_nvcc_flags(flags: list[str]) -> list[str]:
     return out + ([WIDE_SM90A_DEFINE] if sm90a else [])
 
 
-_PARTS = re.compile(r"^// onnx2fused-parts: (\d+)$", re.M)
+SM90A_GENCODE = "arch=compute_90a,code=sm_90a"
+_SM90A_ONLY = re.compile(r"^// onnx2fused-arch: sm90a$", re.M)
 
 
-def source_parts(text: str) -> int | None:
-    """How many extra translation units a generated source splits into (templates/cuda_wide.cu.j2's
-    `onnx2fused-parts` line: each Hopper kernel configuration compiles on its own), or None."""
-    m = _PARTS.search(text)
-    return int(m.group(1)) if m else None
+def sm90a_only(text: str) -> bool:
+    """Whether a generated source holds Hopper kernels only (templates/cuda_wide_instance.cu.j2's
+    `onnx2fused-arch: sm90a` line): it runs on compute capability 9.0 only, so it compiles for sm_90a only."""
+    return bool(_SM90A_ONLY.search(text))
+
+
+def sm90a_nvcc_flags(flags: list[str]) -> list[str]:
+    """nvcc flags for a source of Hopper kernels only: wide_nvcc_flags with the sm_90a gencode alone (the
+    other archs' passes would compile its kernels to nothing, CUTLASS's arch guards, at the full cost of
+    CUTLASS 3.x's front end each). No sm_90a in the list: wide_nvcc_flags (the unit compiles empty)."""
+    wide = wide_nvcc_flags(flags)
+    if SM90A_GENCODE not in wide:
+        return wide
+    out, i = [], 0
+    while i < len(wide):
+        if wide[i] == "-gencode" and i + 1 < len(wide):
+            if wide[i + 1] == SM90A_GENCODE:
+                out += wide[i:i + 2]
+            i += 2
+            continue
+        out.append(wide[i])
+        i += 1
+    return out
+
+
+_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"', re.M)
+
+
+def included_sources(name: str, sources: dict[str, str]) -> list[str]:
+    """The files of `sources` that `name` includes (`#include "..."`, transitively, whatever the
+    preprocessor conditions around them), sorted: with the unit's own text, all of `sources` its object
+    can depend on."""
+    seen: set[str] = set()
+    todo = [name]
+    while todo:
+        for inc in _INCLUDE.findall(sources[todo.pop()]):
+            if inc in sources and inc not in seen and inc != name:
+                seen.add(inc)
+                todo.append(inc)
+    return sorted(seen)
 
 
 # ------------------------------------------------------------------------------------------ cache
@@ -270,7 +308,7 @@ def plugin_sources(with_cuda: bool) -> dict[str, str]:
 
 @dataclass(frozen=True)
 class _Job:
-    """One translation unit: `name` (the source, or `<source>.p<k>` for a part), its compile command
+    """One translation unit: `name` (the source), its compile command
     with the placeholders {src} (sources folder), {inc} (ORT headers) and {obj} (the object written), and
     the key of its object in the cache (everything that can change the object, never a temp path)."""
     name: str
@@ -293,9 +331,9 @@ def compile(sources: dict[str, str], with_cuda: bool, cache_dir=None,
     """Compile `sources` (generated, plus ort_plugin/ added here) into one library in the cache.
 
     Each translation unit's object is cached on its own under <cache>/objects/, keyed by its source,
-    every header it can include, its flags and the compiler: a library that shares units with an earlier
-    one (another precision of one chain, an unchanged registry's neighbours) compiles only what differs,
-    then links.
+    the headers of `sources` it includes, its flags and the compiler: a library that shares units with an
+    earlier one (another precision of one chain, an unchanged registry's neighbours, the CUTLASS kernel
+    instances of another model's wide chains) compiles only what differs, then links.
     """
     say = say or (lambda msg: None)
     cache = cache_folder(cache_dir)
@@ -314,8 +352,6 @@ def compile(sources: dict[str, str], with_cuda: bool, cache_dir=None,
     host_flags = cpu_host_flags() + (["-DONNX2FUSED_WITH_CUDA"] if with_cuda else [])
     cu_flags = nvcc_flags() + ["-DONNX2FUSED_WITH_CUDA"] if with_cuda else []
     cutlass = find_cutlass_headers() if with_cuda and needs_cutlass(sources) else None  # wide design only
-    if cutlass:
-        cu_flags += ["-I", str(cutlass.path), "--expt-relaxed-constexpr"]
     toolchain = {
         "version": VERSION,
         "onnx2fused": __version__,
@@ -323,11 +359,9 @@ def compile(sources: dict[str, str], with_cuda: bool, cache_dir=None,
         "cxx": compiler_version(cxx),
         "nvcc": compiler_version(nvcc) if with_cuda else "",
         "ort_headers": headers.version,
-        "cutlass": cutlass.version if cutlass else "",
-        # every header a unit may include: a change to one recompiles every unit (they are few and small)
-        "headers": {n: _sha(t) for n, t in sorted(sources.items()) if not n.endswith((".cc", ".cu"))},
     }
-    jobs = _jobs(sources, cxx, nvcc, host_flags, cu_flags, set(plugin) if with_cuda else set(), toolchain)
+    jobs = _jobs(sources, cxx, nvcc, host_flags, cu_flags, set(plugin) if with_cuda else set(), toolchain,
+                 cutlass)
     link = _link_args(cxx, nvcc, with_cuda)
     key = _sha(json.dumps({"version": VERSION, "objects": sorted(j.key for j in jobs), "link": link}))[:16]
     entry = cache / key
@@ -383,35 +417,42 @@ def _sha(text: str) -> str:
 
 
 def _jobs(sources: dict[str, str], cxx: str, nvcc: str | None, host_flags: list[str], cu_flags: list[str],
-          nvcc_hosted: set[str], toolchain: dict) -> list[_Job]:
-    """The translation units of `sources`, each with its command and object key."""
+          nvcc_hosted: set[str], toolchain: dict, cutlass=None) -> list[_Job]:
+    """The translation units of `sources`, each with its command and object key: the toolchain, the
+    command, the unit's text and the texts of the headers of `sources` it includes (included_sources;
+    not the library's other files), and CUTLASS's version where it includes CUTLASS."""
     includes = ["-I", "{src}", "-I", "{inc}"]
     out = []
 
-    def add(name: str, source: str, args: list[str]):
-        key = _sha(json.dumps({"toolchain": toolchain, "args": args, "source": source,
-                               "text": _sha(sources[source])}, sort_keys=True))
+    def add(name: str, args: list[str], extra: dict | None = None):
+        key = _sha(json.dumps({"toolchain": toolchain, "args": args, "source": name, "text": _sha(sources[name]),
+                               "headers": {h: _sha(sources[h]) for h in included_sources(name, sources)},
+                               **(extra or {})}, sort_keys=True))
         out.append(_Job(name, tuple(args), key))
 
     for name in sorted(sources):
         src = "{src}/" + name
         if name.endswith(".cu"):
-            # wide-design sources (they include CUTLASS) get sm_90a instead of sm_90: see wide_nvcc_flags
-            flags = (wide_nvcc_flags(cu_flags) if needs_cutlass({name: sources[name]}) else
-                     sm90a_nvcc_flags(cu_flags) if needs_sm90a(sources[name]) else cu_flags)
-            parts = source_parts(sources[name])
-            if parts is None:
-                add(name, name, [nvcc, *flags, *includes, "-c", src, "-o", "{obj}"])
-            for p in range(parts + 1 if parts is not None else 0):  # one unit per part, built in parallel
-                add(f"{name}.p{p}", name, [nvcc, *flags, f"-DO2F_PART={p}", *includes, "-c", src, "-o", "{obj}"])
+            if cutlass and needs_cutlass({name: sources[name]}):
+                # wide-design sources get sm_90a instead of sm_90 (wide_nvcc_flags); a unit of Hopper kernels
+                # only (a CUTLASS 3.x kernel instance) sm_90a alone
+                flags = sm90a_nvcc_flags(cu_flags) if sm90a_only(sources[name]) else wide_nvcc_flags(cu_flags)
+                flags += ["-I", str(cutlass.path), "--expt-relaxed-constexpr"]
+                add(name, [nvcc, *flags, *includes, "-c", src, "-o", "{obj}"], {"cutlass": cutlass.version})
+            elif needs_sm90a(sources[name]):    # the wgmma design: sm_90a in place of sm_90 (wgmma_nvcc_flags)
+                add(name, [nvcc, *wgmma_nvcc_flags(cu_flags), *includes, "-c", src, "-o", "{obj}"])
+            else:
+                add(name, [nvcc, *cu_flags, *includes, "-c", src, "-o", "{obj}"])
         elif name.endswith(".cc"):
             if name in nvcc_hosted:  # hand-written host code that calls the CUDA runtime: nvcc knows its headers
                 xflags = ",".join(f for f in host_flags if f != "-pthread")
-                add(name, name, [nvcc, "-std=c++17", "-O3", "-Xcompiler", xflags, "-DONNX2FUSED_WITH_CUDA",
-                                 *includes, "-c", src, "-o", "{obj}"])
+                add(name, [nvcc, "-std=c++17", "-O3", "-Xcompiler", xflags, "-DONNX2FUSED_WITH_CUDA",
+                           *includes, "-c", src, "-o", "{obj}"])
             else:
-                add(name, name, [cxx, *host_flags, *includes, "-c", src, "-o", "{obj}"])
-    return out
+                add(name, [cxx, *host_flags, *includes, "-c", src, "-o", "{obj}"])
+    # the longest first (CUTLASS 3.x instances, then other CUTLASS units): the pool then ends together
+    return sorted(out, key=lambda j: (0 if sm90a_only(sources[j.name]) else 1 if needs_cutlass({j.name: sources[j.name]})
+                                      and j.name.endswith(".cu") else 2, j.name))
 
 
 def _link_args(cxx: str, nvcc: str | None, with_cuda: bool) -> list[str]:

@@ -4,6 +4,8 @@ its arguments (planning happens before: plan/choose.py).
     render(specs, with_cuda, cpu_enabled, plans) -> {filename: text}
       <name>_cpu.cc   per spec   templates/cpu_kernel.cc.j2   (S_cpu)
       <name>_cuda.cu  per spec   the template of the plan's design (S_cuda_*; when with_cuda)
+      o2f_inst_*.cu   per CUTLASS kernel instance a wide plan runs (templates/cuda_wide_instance.cu.j2,
+                      wide_params.wide_instances: no chain in its text, shared by every chain that runs it)
       registry.cc                templates/registry.cc.j2     (the KernelEntry table ort_plugin registers)
 
 Templates hold placeholders and simple loops only; every number and string is computed here and passed
@@ -26,7 +28,7 @@ from .plan.protocol import Plan
 from .resources import templates_dir
 from .spec import MLPSpec
 from .wgmma_params import fallback_symbol, wgmma_params
-from .wide_params import tail_symbol, wide_params
+from .wide_params import tail_symbol, wide_instances, wide_params
 
 CPU_TEMPLATE = "cpu_kernel.cc.j2"
 REGISTRY_TEMPLATE = "registry.cc.j2"
@@ -175,10 +177,14 @@ def _common_params(params: dict, spec: MLPSpec) -> dict:
 
 
 def cuda_sources(plan: Plan) -> dict[str, str]:
-    """The CUDA translation units of one spec: `<name>_cuda.cu`, and for a segmented wide plan its fused
-    tail `<name>_tail_cuda.cu` (the tail's plan under the tail's own symbol); for a wgmma plan its mma.sync
+    """The CUDA translation units of one spec: `<name>_cuda.cu`; for a wide plan the CUTLASS kernel
+    instances it runs (`o2f_inst_*.cu`, one unit each) and, when segmented, its fused tail
+    `<name>_tail_cuda.cu` (the tail's plan under the tail's own symbol); for a wgmma plan its mma.sync
     fallback for the other GPUs, `<name>_mma_cuda.cu` (the fallback plan under its own symbol)."""
     files = {f"{plan.spec.name}_cuda.cu": _render(cuda_template(plan), cuda_params(plan))}
+    if plan.design == "wide":
+        for file, params in wide_instances(plan).items():
+            files[file] = _render(params["template"], params)
     tail = plan.tail if plan.design == "wide" else None
     if tail is not None:
         params = cuda_params(tail)
@@ -257,6 +263,9 @@ def render(specs: list[MLPSpec], with_cuda: bool, cpu_enabled: dict[str, bool] |
         if cpu_enabled.get(spec.name, True):
             files[f"{spec.name}_cpu.cc"] = _render(CPU_TEMPLATE, cpu_params(spec))
         if with_cuda:
-            files.update(cuda_sources(_plan_of(plans, spec)))
+            for file, text in cuda_sources(_plan_of(plans, spec)).items():
+                # shared files (headers, kernel instances) are one text whichever spec renders them
+                if files.setdefault(file, text) != text:
+                    raise ConversionError(f"two chains render different texts for {file}")
     files["registry.cc"] = _render(REGISTRY_TEMPLATE, registry_params(specs, with_cuda, cpu_enabled, plans))
     return files

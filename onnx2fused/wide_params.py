@@ -1,25 +1,124 @@
-"""The flat parameter dict of the wide design's templates (cuda_wide.cu.j2, cuda_wide_tune.cu.j2), from
-a wide plan: every number, name and launch expression the templates print.
+"""The flat parameter dicts of the wide design's templates, from a wide plan: every number, name and launch
+expression the templates print.
+
+    wide_params(plan)      cuda_wide.cu.j2 / cuda_wide_tune.cu.j2: the chain's unit (<chain>_cuda.cu)
+    wide_instances(plan)   cuda_wide_instance.cu.j2: one unit per CUTLASS kernel instance the chain runs
+
+A kernel instance is a GEMM kernel configuration (a Hopper one of plan.sm90.SM90_KERNELS, or the CUTLASS
+2.x sm80 kernels over plan.wide.TILE_TABLE), its element types and its epilogue (bias + the activation's
+code), and nothing of a chain: its file name, namespace and text are made from those only
+(`o2f_inst_<config>_<operand>_<output>_a<alignment>_<sha256 of the epilogue>[:12]`), so layers and
+libraries that run the same instance render the same file, and build.py compiles it once.
 """
 from __future__ import annotations
 
+import hashlib
+
+from . import expr as ex
 from .cuda_params import act_params, spec_params
 from .plan.sm90 import DEFAULT_CHOICE, MODES, SM90_KERNELS, SM90_SCRATCH, Sm90Choice, sm90_candidates
-from .plan.wide import LAUNCH_CACHE_ENV, SM80_ENV, TILE_TABLE, WidePlan
+from .plan.wide import LAUNCH_CACHE_ENV, SM80_ENV, TILE_TABLE, WidePlan, sm80_tiles
 from .spec import MLPSpec
 
 
+INSTANCE_TEMPLATE = "cuda_wide_instance.cu.j2"
+INSTANCE_PREFIX = "o2f_inst_"
+# the C++ element types and their tokens in instance names
+_TYPE_TOKEN = {"cutlass::half_t": "f16", "cutlass::bfloat16_t": "bf16", "float": "f32"}
+
+
+def _elem_type(spec: MLPSpec) -> str:
+    return "cutlass::bfloat16_t" if spec.precision == "bf16" else "cutlass::half_t"
+
+
+def _out_type(spec: MLPSpec, last: bool) -> str:
+    return ("cutlass::half_t" if spec.io_dtype == "f16" else "float") if last else _elem_type(spec)
+
+
+def _sm80_config() -> str:
+    """The sm80 kernels' configuration name: the tile table's tiles (the launcher picks among them at run time)."""
+    table = ";".join(f"{arch}:{t.name}" for arch in sorted(TILE_TABLE) for t in TILE_TABLE[arch])
+    return "Sm80T" + hashlib.sha256(table.encode()).hexdigest()[:6]
+
+
+def epilogue_text(act_code: str) -> str:
+    """What an instance's epilogue computes (its name's hash is of this): D = act(acc + bias[n]) in fp32,
+    bias always present (zeros where the layer has none), act the activation's CUDA code of `v`."""
+    return f"D = act(acc + bias[n]), fp32; act(v) = {act_code}"
+
+
+def instance_params(config: str, elem: str, out: str, align: int, act_code: str) -> dict:
+    """One kernel instance's parameters (cuda_wide_instance.cu.j2): `config` a Hopper kernel's name
+    (plan.sm90.Sm90Kernel.name) or the sm80 kernels' (_sm80_config), `elem` the 16-bit operand type (a
+    tf32 kernel's operands are fp32), `out` the output and bias type, `align` the epilogue's elements
+    per access, `act_code` the activation (expr.render_c of `v`)."""
+    kernel = next((k for k in SM90_KERNELS if k.name == config), None)
+    sm90 = kernel is not None
+    operand = "float" if sm90 and kernel.tf32 else elem
+    epi = epilogue_text(act_code)
+    name = (f"{INSTANCE_PREFIX}{config}_{_TYPE_TOKEN[operand]}_{_TYPE_TOKEN[out]}_a{align}_"
+            f"{hashlib.sha256(epi.encode()).hexdigest()[:12]}")
+    family = "CUTLASS 3.x sm_90a" if sm90 else "CUTLASS 2.x sm80 mma.sync"
+    params = {
+        "template": INSTANCE_TEMPLATE, "name": name, "file": f"{name}.cu", "sm90": sm90, "config": config,
+        "elem": elem, "out": out, "align": align, "act_code": act_code, "prelude": ex.C_PRELUDE,
+        "describe": (f"{config} ({family}), {_TYPE_TOKEN[operand]} operands, {_TYPE_TOKEN[out]} output, "
+                     f"alignment {align}, epilogue {epi}"),
+    }
+    if sm90:
+        params.update({"tf32": kernel.tf32, "coop": kernel.stream_k, "bm": kernel.tile[0], "bn": kernel.tile[1],
+                       "bk": kernel.tile[2], "cm": kernel.cluster[0], "cn": kernel.cluster[1],
+                       "sm90_scratch": SM90_SCRATCH})
+    else:
+        params.update({
+            "tiles": [{"name": t.name, "bm": t.bm, "bn": t.bn, "bk": t.bk, "wm": t.wm, "wn": t.wn, "wk": t.wk,
+                       "stages": t.stages} for t in sm80_tiles()],
+            # arch major -> tile names; the launcher takes the entry of the largest arch <= the device's
+            "arch_tiles": [{"major": arch // 10, "large": TILE_TABLE[arch][0].name, "small": TILE_TABLE[arch][1].name}
+                           for arch in sorted(TILE_TABLE, reverse=True)],
+        })
+    return params
+
+
+def _gemm_instances(plan: WidePlan) -> list[dict]:
+    """Per GEMM: its sm80 instance (None for a narrow layer), and (kernel index, instance) of each Hopper
+    kernel its dispatch holds (16-bit ones; for layer 0, the tf32 ones of layer0_tf32 as well)."""
+    spec = plan.spec
+    acts = act_params(spec, [g.np_ for g in plan.gemms])
+    elem = _elem_type(spec)
+    out = []
+    for g, per in zip(plan.gemms, plan.choices):
+        o, code = _out_type(spec, g.last), acts[g.index]["code"]
+        chosen = [i for i in plan.sm90_kernels if plan.tuning or any(c.kernel == i for c in per)]
+        sm90 = [(i, instance_params(SM90_KERNELS[i].name, elem, o, g.align_out, code))
+                for i in chosen if g.sm90 and not SM90_KERNELS[i].tf32]
+        tf32 = [(i, instance_params(SM90_KERNELS[i].name, elem, o, g.align_out, code))
+                for i in plan.sm90_kernels if SM90_KERNELS[i].tf32 and g.index == 0 and plan.tf32_first and g.sm90]
+        out.append({"sm80": None if g.narrow else instance_params(_sm80_config(), elem, o, g.align_out, code),
+                    "sm90": sm90, "tf32": tf32})
+    return out
+
+
+def wide_instances(plan: WidePlan) -> dict[str, dict]:
+    """The kernel instances the chain's unit calls: {file name: instance_params}, each once."""
+    found: dict[str, dict] = {}
+    for per in _gemm_instances(plan):
+        for p in ([per["sm80"]] if per["sm80"] else []) + [p for _, p in per["sm90"] + per["tf32"]]:
+            found.setdefault(p["file"], p)
+    return dict(sorted(found.items()))
+
+
 def wide_params(plan: WidePlan) -> dict:
-    """The wide template's parameters. Layers with the same activation code share one functor, hence
-    one GEMM instantiation per (functor, output type, alignment, tile): less to compile."""
+    """The wide template's parameters. Layers with the same activation code share one functor (the
+    narrow last layer's); the GEMMs run kernel instances (wide_instances), one per (configuration,
+    types, epilogue), declared here and rendered on their own."""
     spec = plan.spec
     acts = act_params(spec, [g.np_ for g in plan.gemms])
     functors: dict[str, str] = {}
     for a in acts:
         functors.setdefault(a["code"], f"Act{len(functors)}")
     act_of = [functors[a["code"]] for a in acts]
-    large = {arch: TILE_TABLE[arch][0].name for arch in TILE_TABLE}
-    small = {arch: TILE_TABLE[arch][1].name for arch in TILE_TABLE}
+    insts = _gemm_instances(plan)
     return {
         **spec_params(spec),
         "plan_text": plan.describe(),
@@ -30,17 +129,13 @@ def wide_params(plan: WidePlan) -> dict:
         "convert_input": plan.convert_input,
         "xc_offset": plan.xc_offset,
         "sm90_offset": plan.sm90_offset, "sm90_scratch": SM90_SCRATCH,
-        **_sm90_params(plan, act_of),
+        **_sm90_params(plan),
+        "instances": list(wide_instances(plan).values()),
         "sm80_env": SM80_ENV,
         "launch_cache_env": LAUNCH_CACHE_ENV,
         "h0_offset": plan.h_offsets[0], "h1_offset": plan.h_offsets[1],
         "h_width": plan.h_width,
         "workspace_bytes": plan.workspace_bytes,
-        "tiles": [{"name": t.name, "bm": t.bm, "bn": t.bn, "bk": t.bk, "wm": t.wm, "wn": t.wn, "wk": t.wk,
-                   "stages": t.stages} for t in plan.tiles],
-        # arch major -> tile names; the launcher takes the entry of the largest arch <= the device's
-        "arch_tiles": [{"major": arch // 10, "large": large[arch], "small": small[arch]}
-                       for arch in sorted(TILE_TABLE, reverse=True)],
         "act_functors": [{"name": name, "code": code} for code, name in functors.items()],
         "gemms": [{"index": g.index, "act": act_of[g.index], "k": g.k, "n": g.n, "kp": g.kp, "np": g.np_, "last": g.last,
                    "align": g.align_out, "w_offset": g.w_offset, "b_offset": g.b_offset,
@@ -50,14 +145,15 @@ def wide_params(plan: WidePlan) -> dict:
                    "w_expr": f"reinterpret_cast<const elem_t*>(ws + {g.w_offset})",
                    "tail_expr": (f"reinterpret_cast<const {'io_t' if g.last else 'elem_t'}*>(ws + {g.b_offset}), "
                                  + (f"static_cast<io_t*>(y) + r0 * {g.n}, {g.n}" if g.last else f"{g.dst}, {g.np_}")),
-                   # the 16-bit kernels its dispatch switch holds; tf32 ones go to layer0_tf32
-                   "kernels": sorted(i for i in plan.sm90_kernels if not SM90_KERNELS[i].tf32
-                                     and (plan.tuning or any(c.kernel == i for c in per)))}
-                  for g, per in zip(plan.gemms, plan.choices)],
+                   # its sm80 instance, and the 16-bit Hopper kernels its dispatch switch holds (tf32 ones
+                   # go to layer0_tf32)
+                   "sm80_inst": ins["sm80"]["name"] if ins["sm80"] else None,
+                   "sm90_cases": [{"kernel": i, "inst": p["name"]} for i, p in ins["sm90"]]}
+                  for g, per, ins in zip(plan.gemms, plan.choices, insts)],
         "tail": _tail_params(plan),
         "tf32_first": plan.tf32_first,
         "w0f_offset": plan.w0f_offset,
-        "tf32_kernels": [i for i in plan.sm90_kernels if SM90_KERNELS[i].tf32],
+        "tf32_cases": [{"kernel": i, "inst": p["name"]} for i, p in insts[0]["tf32"]],
         "is_tf32": [int(k.tf32) for k in SM90_KERNELS],
     }
 
@@ -77,27 +173,10 @@ def _tail_params(plan: WidePlan) -> dict | None:
             "stage": plan.spec.io_dtype != "f16", "out_offset": plan.tail_out_offset}
 
 
-def _sm90_params(plan: WidePlan, act_of: list[str]) -> dict:
-    """The Hopper kernels the library instantiates: one translation unit ("part") per kernel, holding
-    its explicit instantiations for every (activation, output type, alignment) of a GEMM that may run
-    it; part 0 is everything else (build.py compiles each part with -DO2F_PART=p, in parallel)."""
-    kernels = []
-    # the C++ output type: io_t and elem_t are one type for fp16 kernels on fp16 I/O, and an explicit
-    # instantiation may appear only once
-    same = plan.spec.io_dtype == "f16" and plan.spec.precision == "fp16"
-    for part, i in enumerate(plan.sm90_kernels, start=1):
-        k = SM90_KERNELS[i]
-        uses = {(act_of[g.index], "io_t" if g.last and not same else "elem_t", g.align_out)
-                for g, per in zip(plan.gemms, plan.choices)
-                if g.sm90 and (g.index == 0 or not k.tf32) and (plan.tuning or any(c.kernel == i for c in per))}
-        kernels.append({"index": i, "name": k.name, "part": part, "coop": k.stream_k, "tf32": k.tf32,
-                        "bm": k.tile[0], "bn": k.tile[1], "bk": k.tile[2], "cm": k.cluster[0], "cn": k.cluster[1],
-                        "uses": [{"act": a, "out": o, "align": al} for a, o, al in sorted(uses)]})
+def _sm90_params(plan: WidePlan) -> dict:
+    """The Hopper kernel choices' parameters (row buckets, modes, candidates)."""
     b = plan.buckets
     return {
-        "sm90_kernels": kernels,
-        "parts": len(kernels),
-        "units": len(kernels) + 1,   # translation units: part 0 and one per kernel
         "buckets": list(b),
         # a call of m rows takes the first bucket whose upper bound (geometric mean with the next) >= m
         "bucket_bounds": [int((lo * hi) ** 0.5) for lo, hi in zip(b, b[1:])],

@@ -1,5 +1,6 @@
 // o2f_wide_sm80_gemm.cuh: the wide design's CUTLASS 2.x GEMM (sm80 mma.sync) with a bias + activation
-// epilogue, and its launch. Static code included inside the generated source's namespace o2f_<chain>, after elem_t.
+// epilogue, and its launch. Static code included inside a kernel instance unit's namespace o2f_inst_*
+// (templates/cuda_wide_instance.cu.j2), after elem_t.
 #pragma once
 // y = Act(a @ w + bias): A row-major [M, K] activations, B the packed weights, n-major [N][K] (column-
 // major K x N: both operands K-contiguous, the layout mma.sync wants), D row-major [M, N] in `Out`.

@@ -1,6 +1,6 @@
 // o2f_wide_sm90_gemm.cuh: the wide design's CUTLASS 3.x Hopper GEMM (TMA + wgmma, collective builders),
-// its strides, and the relaunch cache of an identical call. Static code included inside the generated source's namespace o2f_<chain>::sm90 (CuTe
-// units only), after DeviceInfo and Choice.
+// its strides, and the relaunch cache of an identical call. Static code included inside a Hopper kernel
+// instance unit's namespace o2f_inst_* (templates/cuda_wide_instance.cu.j2).
 #pragma once
 // Same operands as LayerGemm (A row-major [M, K], weights n-major = column-major K x N, D row-major),
 // no C operand (ElementC void: nothing is read), D = Act(acc + bias[n]) by the predefined fusion

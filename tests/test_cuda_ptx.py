@@ -10,7 +10,7 @@ import pytest
 
 from onnx2fused import codegen
 from onnx2fused import expr as ex
-from onnx2fused.plan import choose
+from onnx2fused.plan import choose, sm90
 from onnx2fused.plan.options import PlanOptions, WideOptions
 from onnx2fused.spec import LayerSpec, MLPSpec
 from onnx2fused.wide_params import tail_symbol
@@ -125,9 +125,11 @@ def _cutlass_include():
         return None
 
 
-# arch "90a": what build.py's wide_nvcc_flags compile for Hopper (CUTLASS 3.x wgmma + TMA kernels next to
-# the 2.x ones); "80" with the same define: the sm90 kernels' bodies compile to nothing there. One sm_90a
-# compile runs in CI (~1.5 min on 2 cores); the second one is `slow`.
+# arch "90a": what build.py compiles for Hopper (wide_nvcc_flags: the CUTLASS 2.x kernel instances for
+# sm_90a; sm90a_nvcc_flags: the CUTLASS 3.x wgmma + TMA instances for sm_90a alone); "80": the 2.x instance
+# with the same define. The GEMMs are in the kernel instance units (o2f_inst_*.cu): each case compiles its
+# first layer's (the sm80 one, and for 90a the Hopper one). One sm_90a case runs in CI (~1.5 min on 2
+# cores); the second one is `slow`.
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
 @pytest.mark.parametrize("spec,arch", [
     (_spec([768, 3072, 768], "fp16", ex.gelu_erf()), "90a"),               # FFN: wide by the cost model
@@ -136,18 +138,29 @@ def _cutlass_include():
                          "fp16", "f16"), "90a", marks=pytest.mark.slow),  # odd widths, fp16 io, forced wide
 ], ids=lambda v: v.name if isinstance(v, MLPSpec) else v)
 def test_wide_ptx_uses_tensor_cores(spec, arch, tmp_path):
-    from onnx2fused.build import WIDE_SM90A_DEFINE
+    from onnx2fused.build import WIDE_SM90A_DEFINE, sm90a_only
     include = _cutlass_include()
     if include is None:
         pytest.skip("no CUTLASS headers (pip install nvidia-cutlass or set ONNX2FUSED_CUTLASS_DIR)")
     src, cu = _write_cuda(spec, tmp_path, PlanOptions(design="wide"))
-    assert '#include "cutlass/gemm/device/gemm.h"' in src
-    ptx = tmp_path / "k.ptx"
-    r = subprocess.run([NVCC, "-ptx", "-std=c++17", "--expt-relaxed-constexpr", f"-arch=compute_{arch}",
-                        WIDE_SM90A_DEFINE, "-I", str(include), str(cu), "-o", str(ptx)], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-3000:]
-    text = ptx.read_text()
     dtype = "bf16" if spec.precision == "bf16" else "f16"
+    layer0 = src[src.index("cudaError_t layer0("):src.index("cudaError_t layer1(")]
+    insts = {p.name[:-3]: p for p in tmp_path.glob("o2f_inst_*.cu")}
+    called = [name for name in insts if f"{name}::run(" in layer0]   # layer 0's instances
+    sm80 = [insts[n] for n in called if not sm90a_only(insts[n].read_text())]
+    hopper = [insts[n] for n in called if sm90a_only(insts[n].read_text())]
+    assert len(sm80) == 1 and len(hopper) == 1 and f"_{dtype}_{dtype}_a8_" in sm80[0].name
+    assert '#include "cutlass/gemm/device/gemm.h"' in sm80[0].read_text() and '#include "cutlass/' not in \
+        src.replace('#include "cutlass/cutlass.h"', "").replace('#include "cutlass/numeric_types.h"', "").replace(
+            '#include "cutlass/array.h"', "")  # the chain's unit: CUTLASS's types only, no GEMM
+    text = ""
+    for unit in sm80 + (hopper if arch == "90a" else []):
+        ptx = tmp_path / (unit.name + ".ptx")
+        r = subprocess.run([NVCC, "-ptx", "-std=c++17", "--expt-relaxed-constexpr", f"-arch=compute_{arch}",
+                            WIDE_SM90A_DEFINE, "-I", str(include), str(unit), "-o", str(ptx)],
+                           capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr[-3000:]
+        text += ptx.read_text()
     # the CUTLASS 2.x kernels are in every arch's code (other GPUs, untileable outputs, the sm80 override)
     assert f"mma.sync.aligned.m16n8k16.row.col.f32.{dtype}.{dtype}.f32" in text
     assert "ldmatrix.sync.aligned" in text and "cp.async.cg.shared.global" in text
@@ -175,10 +188,11 @@ def test_register_design_chosen_where_fragments_fit():
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
 @pytest.mark.parametrize("tuning", [False, True])
-def test_wide_source_main_part_compiles_with_a_tf32_first_layer(tmp_path, tuning):
-    """Part 0 of the wide design's source (the launchers, the conversion pass, the tf32 in-place first
-    layer, and in the tuning build the timing entries) compiles for sm_90a; the Hopper kernels' own
-    parts are not compiled here (minutes of nvcc each: the GPU tests build them)."""
+def test_wide_source_main_unit_compiles_with_a_tf32_first_layer(tmp_path, tuning):
+    """The wide design's chain unit (the launchers, the conversion pass, the tf32 in-place first layer,
+    and in the tuning build the timing entries) compiles for sm_90a; the CUTLASS kernel instances are
+    their own units, not compiled here but one small one (minutes of nvcc each for the Hopper ones:
+    the GPU tests build them)."""
     from onnx2fused import build
     from onnx2fused.headers import find_cutlass_headers
     try:
@@ -190,7 +204,7 @@ def test_wide_source_main_part_compiles_with_a_tf32_first_layer(tmp_path, tuning
     assert plan.tf32_first and plan.tail_from == 1      # and runs 256 -> 64 -> 1 as one fused tail kernel
     _, path = _write_cuda(spec, tmp_path, wide=WideOptions(tuning=tuning))
     flags = build.wide_nvcc_flags(["-O1", "-std=c++17", "-gencode", "arch=compute_90,code=sm_90"])
-    r = subprocess.run([NVCC, *flags, "-I", str(cutlass.path), "--expt-relaxed-constexpr", "-DO2F_PART=0",
+    r = subprocess.run([NVCC, *flags, "-I", str(cutlass.path), "--expt-relaxed-constexpr",
                         "-c", str(path), "-o", str(tmp_path / "wide.o")], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
     # the tail is its own unit (the fused kernel's template): it defines what the wide unit calls
@@ -205,3 +219,16 @@ def test_wide_source_main_part_compiles_with_a_tf32_first_layer(tmp_path, tuning
             return {line.split()[-1] for line in out.splitlines() if line.split()[-2:-1] == [kind]}
         wanted = {s for s in symbols("wide.o", "U") if s.startswith(tail_symbol(spec))}
         assert len(wanted) == 3 and wanted <= symbols("tail.o", "T")
+        # the kernel instances it calls: one launcher each, named after a rendered instance unit
+        insts = sorted(f.name[:-3] for f in tmp_path.glob("o2f_inst_*.cu"))
+        calls = {s for s in symbols("wide.o", "U") if "o2f_inst_" in s}
+        assert len(insts) == (len(sm90.SM90_KERNELS) + 1 if tuning else 2)  # every kernel / the tf32 default; sm80
+        assert sorted(next(i for i in insts if i in s) for s in calls) == insts
+        if not tuning:  # one real instance unit (the sm80 one, for sm_80 only: the cheapest) defines its launcher
+            sm80 = next(i for i in insts if "_Sm80" in i)
+            r = subprocess.run([NVCC, "-O1", "-std=c++17", "-gencode", "arch=compute_80,code=sm_80",
+                                *build.wide_nvcc_flags([]), "-I", str(cutlass.path), "--expt-relaxed-constexpr",
+                                "-c", str(tmp_path / f"{sm80}.cu"), "-o", str(tmp_path / "inst.o")],
+                               capture_output=True, text=True)
+            assert r.returncode == 0, r.stderr[-3000:]
+            assert {s for s in calls if sm80 in s} <= symbols("inst.o", "T")

@@ -47,7 +47,7 @@ def test_wgmma_source_compiles_to_hgmma_without_spills(spec, with_sm80, tmp_path
     assert build.needs_sm90a(src)
     (tmp_path / "k.cu").write_text(src)   # a short name for nvcc's kept files
     gencodes = GENCODES if with_sm80 else ["-gencode", "arch=compute_90,code=sm_90"]
-    flags = build.sm90a_nvcc_flags(["-O3", "-std=c++17", *gencodes])
+    flags = build.wgmma_nvcc_flags(["-O3", "-std=c++17", *gencodes])
     assert build.SM90A_DEFINE in flags and "arch=compute_90a,code=sm_90a" in flags
     keep = tmp_path / "keep"
     keep.mkdir()

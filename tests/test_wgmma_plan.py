@@ -193,11 +193,11 @@ def test_last_layer_padding_blocks_are_left_out():
 def test_build_flags_for_the_sm90a_unit():
     flags = ["-O3", "-gencode", "arch=compute_80,code=sm_80", "-gencode", "arch=compute_90,code=sm_90",
              "-gencode", "arch=compute_90,code=compute_90"]
-    out = build.sm90a_nvcc_flags(flags)
+    out = build.wgmma_nvcc_flags(flags)
     assert "arch=compute_90a,code=sm_90a" in out and "arch=compute_80,code=sm_80" in out
     assert build.SM90A_DEFINE in out and build.WIDE_SM90A_DEFINE not in out
     only80 = ["-O3", "-gencode", "arch=compute_80,code=sm_80", "-gencode", "arch=compute_80,code=compute_80"]
-    assert build.sm90a_nvcc_flags(only80) == only80            # no Hopper: the fallback alone, no define
+    assert build.wgmma_nvcc_flags(only80) == only80            # no Hopper: the fallback alone, no define
 
 
 def test_per_channel_constants_are_sized_to_the_padded_columns():

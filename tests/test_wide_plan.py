@@ -3,10 +3,13 @@ the workspace layout (checked by a numpy emulation of the generated kernel's ind
 header discovery, and the rendered source. No GPU or nvcc needed."""
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 import pytest
 
-from onnx2fused import build, headers, library
+from onnx2fused import build, headers, library, wide_params
+from onnx2fused.cuda_params import act_params
 from onnx2fused import expr as ex
 from onnx2fused.errors import ConversionError
 from onnx2fused.plan import choose, cost, fused, sm90, wide
@@ -72,7 +75,8 @@ def test_memory_bound_first_layer_reads_the_fp32_input_in_place():
     assert "reads the fp32 input in place (tf32)" in plan.describe()
     src = cuda_source(spec)
     assert "cudaError_t layer0_tf32(" in src and "pack_weights<Tf32><<<" in src
-    assert "sm90::run<sm90::Tf32Coop128x256, Act0, elem_t, 8>(" in src
+    tf32 = src[src.index("cudaError_t layer0_tf32("):]
+    assert "return o2f_inst_Tf32Coop128x256_f32_f16_a8_" in tf32[:tf32.index("\n}\n")]
     # the FFN's first layer is compute bound: fp16 after the conversion pass, no fp32 weight copy
     ffn = choose.wide_plan(_spec([768, 3072, 768], ex.gelu_erf()))
     assert not cost.tf32_first_wins(ffn.spec) and not ffn.tf32_first
@@ -344,9 +348,48 @@ def test_rendered_wide_source_names_the_abi_and_needs_cutlass():
         assert f'extern "C" ' in src and f"{spec.name}{fn}" in src
     plan = choose.make_plan(spec)
     assert f"return kWorkspaceBytes;" in src and f"kWorkspaceBytes = {plan.workspace_bytes};" in src
-    assert src.count("struct Act") == 2  # the two ReLU layers share one functor (and GEMM instantiations)
+    assert src.count("struct Act") == 2  # the two ReLU layers share one functor
+    # and one kernel instance each of the sm80 and the Hopper kernels; the last layer (identity, fp32
+    # output) its own two: four instance units, each declared by the chain's unit and called by name
+    insts = _instances(files)
+    assert len(insts) == 4 and sum(f.startswith("o2f_inst_Coop128x256_f16_f16_a8_") for f in insts) == 1
+    for f in insts:
+        assert f"namespace {f[:-3]} {{" in src and f"{f[:-3]}::run(" in src
+    assert "cutlass/gemm/device/gemm.h" not in src and "LayerGemm" not in src  # no GEMM in the chain's unit
     narrow = render_cuda([_spec([32, 64, 16])])
-    assert not headers.needs_cutlass(narrow)
+    assert not headers.needs_cutlass(narrow) and not _instances(narrow)
+
+
+def _instances(files: dict[str, str]) -> dict[str, str]:
+    """The kernel instance units among rendered files."""
+    return {n: t for n, t in files.items() if n.startswith("o2f_inst_") and n.endswith(".cu")}
+
+
+def test_kernel_instances_are_named_and_shaped_by_configuration_types_and_epilogue_only():
+    """Two different chains with a layer of the same kernel configuration, types and activation render
+    the same instance file, byte for byte, whose text names neither chain: build.py compiles it once."""
+    a = _spec([9216, 4096, 4096, 1000])                      # ReLU hidden layers, fp16, fp32 io
+    b = _spec([768, 2048, 1024, 512, 256], ex.relu(), last=ex.sigmoid())   # other widths, depth, last layer
+    fa, fb = render_cuda([a]), render_cuda([b])
+    shared = sorted(set(_instances(fa)) & set(_instances(fb)))
+    relu = [n for n in shared if "_f16_f16_a8_" in n]
+    assert {n.split("_")[2] for n in relu} == {"Coop128x256", wide_params._sm80_config()}, shared
+    for n in shared:
+        assert fa[n] == fb[n]
+        for spec in (a, b):
+            assert spec.name not in fa[n] and str(spec.widths[0]) not in n
+    # the name: configuration, operand and output types, alignment, the epilogue's hash
+    code = act_params(a, [g.np_ for g in choose.wide_plan(a).gemms])[0]["code"]
+    digest = hashlib.sha256(wide_params.epilogue_text(code).encode()).hexdigest()[:12]
+    assert f"o2f_inst_Coop128x256_f16_f16_a8_{digest}.cu" in shared
+    # another activation, output type or precision is another instance
+    assert not set(_instances(render_cuda([_spec([9216, 4096, 4096, 1000], ex.gelu_erf())]))) & set(
+        n for n in _instances(fa) if "_f16_f16_" in n)
+    bf = _instances(render_cuda([_spec([9216, 4096, 4096, 1000], precision="bf16")]))
+    assert all("_bf16_" in n for n in bf) and not set(bf) & set(_instances(fa))
+    # one library of both: each shared instance once
+    both = render_cuda([a, b])
+    assert set(_instances(both)) == set(_instances(fa)) | set(_instances(fb))
 
 
 # ------------------------------------------------------------------------------------------ Hopper (sm_90a)
@@ -370,42 +413,35 @@ def test_sm90_kernels_only_for_tma_storable_outputs(widths, io, want):
             assert g.align_out * out_bytes == 16
 
 
-def _sm90_bodies(src: str) -> tuple[str, str]:
-    """(the text inside `#if O2F_SM90_BODIES` blocks, the text outside them)."""
-    pieces = src.split("#if O2F_SM90_BODIES")
-    inside, outside = [], [pieces[0]]
-    for p in pieces[1:]:
-        end = p.index("#endif  // O2F_SM90_BODIES") if "#endif  // O2F_SM90_BODIES" in p else p.index("#endif")
-        inside.append(p[:end])
-        outside.append(p[end:])
-    return "".join(inside), "".join(outside)
-
-
 def test_rendered_source_has_guarded_sm90_kernels_and_per_layer_choice():
     spec = _spec([1001, 517, 999], ex.gelu_erf())
-    src = cuda_source(spec)
+    files = render_cuda([spec])
+    src = files[f"{spec.name}_cuda.cu"]
     plan = choose.wide_plan(spec)
-    # the CUTLASS 3.x code exists only in the units that define the Hopper launchers, for sm_90a
-    assert "#if defined(ONNX2FUSED_WIDE_SM90A) && (!defined(O2F_PART) || O2F_PART != 0)" in src
-    inside, outside = _sm90_bodies(src)
+    insts = _instances(files)
+    hopper = {n: t for n, t in insts.items() if build.sm90a_only(t)}
+    # the default: kernel 0 only, for layer 0 (hidden, 520 wide); layer 1 (999 fp32 columns) may not take it
+    assert plan.sm90_kernels == (0,) and len(hopper) == 1
+    (h_name, h_text), = hopper.items()
+    assert h_name.startswith("o2f_inst_Coop128x256_f16_f16_a8_")
+    # the CUTLASS 3.x code exists only in the Hopper instance, compiled for sm_90a
+    assert "#if defined(ONNX2FUSED_WIDE_SM90A)" in h_text and h_text.rstrip().endswith("#endif  // ONNX2FUSED_WIDE_SM90A")
     for needle in ("KernelTmaWarpSpecializedCooperative", "TmaWarpSpecializedCooperative", "StreamKScheduler",
                    "LinCombPerColBiasEltAct", "cutlass::arch::Sm90", "cute::Int<128>, cute::Int<256>, cute::Int<64>",
                    '#include "cutlass/gemm/collective/collective_builder.hpp"'):
-        assert needle in inside and needle not in outside, needle
-    # the default: kernel 0 only, one part, its explicit instantiation for layer 0 in part 1
-    assert build.source_parts(src) == 1 and plan.sm90_kernels == (0,)
-    assert "#if !defined(O2F_PART) || O2F_PART == 1\ntemplate cudaError_t run<Coop128x256, Act0, elem_t, 8>(" in src
-    # layer 0 (hidden, 520 wide) may take the sm90a kernel; layer 1 (999 fp32 columns) may not
+        assert needle in h_text and needle not in src, needle
+        assert all(needle not in t for n, t in insts.items() if n != h_name), needle
     layer0 = src[src.index("cudaError_t layer0("):src.index("cudaError_t layer1(")]
     layer1 = src[src.index("cudaError_t layer1("):src.index("constexpr int kBuckets")]
-    assert "sm90::run<sm90::Coop128x256, Act0, elem_t, 8>(" in layer0 and "sm90::run" not in layer1
-    assert "run_sm80<Act1, io_t, 1>(" in layer1
+    assert f"{h_name[:-3]}::run(dev, c, m, 520, 1008," in layer0 and "o2f_inst_Coop" not in layer1
+    sm80_1 = f"o2f_inst_{wide_params._sm80_config()}_f16_f32_a1_"
+    assert sm80_1 in layer1 and f"{sm80_1}" in "".join(insts) and "::run(dev, m, 999, 520," in layer1
     # one choice per layer and row bucket, the default everywhere
     nb = len(plan.buckets)
     assert f"constexpr Choice kChoices[2][kBuckets]" in src and src.count("{ 0, 0, 1 }") >= 2 * nb
     # the device check: compute capability 9.0 only, and the run-time override for comparisons
     assert "cc == 90" in src and f'getenv("{wide.SM80_ENV}")' in src and '"sm80"' in src
-    assert f"{plan.sm90_offset}" in src and f"{sm90.SM90_SCRATCH}u" in src
+    assert f"{plan.sm90_offset}" in src and f"{sm90.SM90_SCRATCH}u" in h_text
     assert "_cuda_tune" not in src  # the timing entry is the tuning build's only
     # NDEBUG before the first include: no __assertfail calls to serialize wgmma
     assert src.index("#define NDEBUG") < src.index("#include")
@@ -419,37 +455,39 @@ def test_rendered_choices_instantiate_only_the_chosen_kernels():
     choices = [[split4] + [sm90.DEFAULT_CHOICE] * (nb - 1)] + [[sm90.DEFAULT_CHOICE] * nb] * 2
     src = render_cuda([spec], wide={spec.name: WideOptions(choices=choices, tuned_on="H")})
     text = src[f"{spec.name}_cuda.cu"]
-    assert build.source_parts(text) == 2  # Coop128x256 and Coop128x128, nothing else
-    assert "struct Coop128x128 {" in text and "Pingpong" not in text and "Coop256x128C2" not in text
+    hopper = sorted(n.split("_")[2] for n, t in _instances(src).items() if build.sm90a_only(t))
+    assert hopper == ["Coop128x128", "Coop128x256", "Coop128x256"]  # Coop128x256: the ReLU layers and the last
     assert "{ 1, 1, 4 }" in text  # kernel 1, split_k (MODES index 1), 4 splits
     layer0 = text[text.index("cudaError_t layer0("):text.index("cudaError_t layer1(")]
     layer1 = text[text.index("cudaError_t layer1("):text.index("cudaError_t layer2(")]
     assert "case 1:" in layer0 and "case 1:" not in layer1
-    assert "#if !defined(O2F_PART) || O2F_PART == 2\ntemplate cudaError_t run<Coop128x128, Act0, elem_t, 8>(" in text
+    assert "o2f_inst_Coop128x128_f16_f16_a8_" in layer0 and "o2f_inst_Coop128x128" not in layer1
     plan = choose.wide_plan(spec, WideOptions(choices=choices, tuned_on="H"))
     assert "tuned on H" in plan.describe() and f"{plan.buckets[0]} rows Coop128x128/split_kx4" in plan.choice_text()
 
 
 @pytest.mark.parametrize("io,precision,per_kernel", [("f16", "fp16", 1), ("f16", "bf16", 2), ("f32", "fp16", 2)])
-def test_each_explicit_instantiation_appears_once(io, precision, per_kernel):
+def test_each_kernel_instance_appears_once(io, precision, per_kernel):
     """fp16 I/O of an fp16 kernel: io_t and elem_t are one C++ type, so a last layer with the hidden
-    layers' activation must not instantiate the same launcher twice (a compile error)."""
+    layers' activation runs the hidden layers' instances (one unit, one launcher declaration)."""
     import re
     spec = _spec([512, 2048, 512], ex.relu(), precision, io, last=ex.relu())
-    src = cuda_source(spec, wide=WideOptions(tuning=True))
-    lines = re.findall(r"^template cudaError_t run<.*$", src, re.M)
-    assert len(lines) == len(set(lines))
+    files = render_cuda([spec], wide={spec.name: WideOptions(tuning=True)})
+    src = files[f"{spec.name}_cuda.cu"]
+    hopper = [n for n, t in _instances(files).items() if build.sm90a_only(t)]
     sixteen_bit = len(sm90.SM90_KERNELS) - len(sm90.TF32_KERNELS)
     tf32 = len(sm90.TF32_KERNELS) if io == "f32" else 0   # the first layer's only
-    assert len(lines) == sixteen_bit * per_kernel + tf32
+    assert len(hopper) == sixteen_bit * per_kernel + tf32
+    declared = re.findall(r"^namespace (o2f_inst_\w+) \{", src, re.M)
+    assert len(declared) == len(set(declared)) == len(_instances(files))
 
 
 def test_tuning_build_holds_every_kernel_and_the_timing_entry():
     spec = _spec([768, 3072, 768], ex.gelu_erf())
-    text = cuda_source(spec, wide=WideOptions(tuning=True))
-    assert build.source_parts(text) == len(sm90.SM90_KERNELS)
-    for k in sm90.SM90_KERNELS:
-        assert f"struct {k.name} {{" in text
+    files = render_cuda([spec], wide={spec.name: WideOptions(tuning=True)})
+    text = files[f"{spec.name}_cuda.cu"]
+    hopper = {n.split("_")[2] for n, t in _instances(files).items() if build.sm90a_only(t)}
+    assert hopper == {k.name for k in sm90.SM90_KERNELS}   # the tf32 ones too: an fp32 input TMA can load
     assert f'__attribute__((visibility("default"))) int {spec.name}_cuda_tune(' in text
     table = text[text.index("constexpr Choice kCandidates[] = {"):]
     table = table[:table.index("};")]
@@ -493,19 +531,36 @@ def test_wide_nvcc_flags_turn_sm90_into_sm90a_only():
     assert build.wide_nvcc_flags(["-gencode", "arch=compute_90a,code=sm_90a"])[-1] == build.WIDE_SM90A_DEFINE
 
 
-def test_build_compiles_only_the_wide_source_for_sm90a(tmp_path, monkeypatch):
-    """build_plugin's per-source nvcc lines (the compiler is stubbed: nothing is compiled): the wide
-    design's source gets sm_90a and the define, a fused-kernel source beside it keeps sm_90."""
+def _stub_build_env(monkeypatch):
+    """nvcc and g++ on PATH (their --version enters the cache key), ONNX Runtime headers where offline
+    tests find them, archs 80,90 and no tuning build."""
     import shutil
     from pathlib import Path
-    from onnx2fused.errors import BuildError
     if not (shutil.which("nvcc") and shutil.which("g++")):
         pytest.skip("needs nvcc and g++ on PATH (their --version enters the cache key)")
     deps = Path(__file__).resolve().parent.parent / ".deps" / "ort-headers"
     if (deps / "onnxruntime_cxx_api.h").is_file():
         monkeypatch.setenv("ONNXRUNTIME_INCLUDE_DIR", str(deps))
     monkeypatch.setenv("ONNX2FUSED_CUDA_ARCHS", "80,90")
+    monkeypatch.setenv("ONNX2FUSED_CUDA_PTX", "auto")
     monkeypatch.setenv("ONNX2FUSED_TUNE", "0")  # a GPU host would first build the tuning library
+
+
+def _compiled_source(args) -> str:
+    from pathlib import Path
+    return Path(args[args.index("-c") + 1]).name
+
+
+def _gencodes(args) -> list[str]:
+    return [args[i + 1] for i, a in enumerate(args) if a == "-gencode"]
+
+
+def test_build_compiles_only_the_wide_sources_for_sm90a(tmp_path, monkeypatch):
+    """build_plugin's per-source nvcc lines (the compiler is stubbed: nothing is compiled): the wide
+    design's unit and its sm80 kernel instances get sm_80 and sm_90a with the define, its Hopper kernel
+    instances sm_90a alone, a fused-kernel source beside it keeps sm_90."""
+    from onnx2fused.errors import BuildError
+    _stub_build_env(monkeypatch)
     calls = []
 
     def fake_compile(args, cwd):
@@ -519,14 +574,65 @@ def test_build_compiles_only_the_wide_source_for_sm90a(tmp_path, monkeypatch):
             library.build_plugin([wide, narrow], with_cuda=True, cache_dir=tmp_path)
     except ConversionError as e:  # no ONNX Runtime headers to be found offline
         pytest.skip(str(e))
-    by_source = {Path(a[a.index("-c") + 1]).name: a for a in calls if "-c" in a}
+    by_source = {_compiled_source(a): a for a in calls if "-c" in a}
+    assert len(by_source) == len([a for a in calls if "-c" in a])  # each unit once
     wide_cmd, narrow_cmd = by_source[f"{wide.name}_cuda.cu"], by_source[f"{narrow.name}_cuda.cu"]
-    assert "arch=compute_90a,code=sm_90a" in wide_cmd and build.WIDE_SM90A_DEFINE in wide_cmd
-    assert "arch=compute_80,code=sm_80" in wide_cmd and "arch=compute_90,code=sm_90" not in wide_cmd
+    sm80_sm90a = ["arch=compute_80,code=sm_80", "arch=compute_90a,code=sm_90a", "arch=compute_80,code=compute_80"]
+    assert _gencodes(wide_cmd) == sm80_sm90a and build.WIDE_SM90A_DEFINE in wide_cmd
     assert "arch=compute_90,code=sm_90" in narrow_cmd and build.WIDE_SM90A_DEFINE not in narrow_cmd
-    # the wide source compiles as its parts (each Hopper kernel configuration on its own), the other whole
-    def part_flags(source):
-        return sorted(f for a in calls if "-c" in a and Path(a[a.index("-c") + 1]).name == source
-                      for f in a if f.startswith("-DO2F_PART=") or f == "-c")
-    assert part_flags(f"{wide.name}_cuda.cu") == ["-DO2F_PART=0", "-DO2F_PART=1", "-c", "-c"]  # the default kernel
-    assert part_flags(f"{narrow.name}_cuda.cu") == ["-c"]
+    assert "--expt-relaxed-constexpr" in wide_cmd and "--expt-relaxed-constexpr" not in narrow_cmd
+    insts = {n: a for n, a in by_source.items() if n.startswith("o2f_inst_")}
+    hopper = {n for n in insts if n.split("_")[2] in {k.name for k in sm90.SM90_KERNELS}}
+    assert len(insts) == 4 and len(hopper) == 2   # sm80 and Hopper: the ReLU layers', the last layer's
+    for n, a in insts.items():
+        assert build.WIDE_SM90A_DEFINE in a and "--expt-relaxed-constexpr" in a
+        assert _gencodes(a) == (["arch=compute_90a,code=sm_90a"] if n in hopper else sm80_sm90a), n
+    # no parts: one command per unit
+    assert not any(f.startswith("-DO2F_PART") for a in calls for f in a)
+
+
+def test_kernel_instances_compile_once_across_libraries(tmp_path, monkeypatch):
+    """Two models whose wide chains share kernel instances, built into one cache (the compiler is stubbed:
+    it writes empty objects and libraries): the second build compiles only its new units, and the shared
+    instances' objects are linked from the object cache."""
+    from pathlib import Path
+    _stub_build_env(monkeypatch)
+    compiled = []
+
+    def fake_compile(args, cwd):
+        out = Path(args[args.index("-o") + 1])
+        out.write_bytes(b"stub " + " ".join(args).encode())
+        if "-c" in args:
+            compiled.append(_compiled_source(args))
+        return 0, ""
+
+    monkeypatch.setattr(build, "_compile", fake_compile)
+    mnist = _spec([784, 512, 512, 10])
+    other = _spec([784, 512, 256, 10])          # other widths, same layer instances
+    gelu = _spec([784, 512, 256, 10], ex.gelu_erf())  # another hidden activation: new hidden-layer instances
+    lines = []
+    try:
+        first = library.build_plugin([mnist], with_cuda=True, cache_dir=tmp_path, progress=lines.append)
+    except ConversionError as e:  # no ONNX Runtime headers to be found offline
+        pytest.skip(str(e))
+    insts = sorted(n for n in compiled if n.startswith("o2f_inst_"))
+    assert len(insts) == len(set(insts)) == 4   # tf32 and 16-bit Hopper, two sm80 (ReLU hidden, identity last)
+    assert {f"{mnist.name}_cuda.cu", "registry.cc", "plugin.cc"} <= set(compiled)
+    assert set(_instances(_library_sources(first))) == set(insts)
+    compiled.clear()
+    second = library.build_plugin([other], with_cuda=True, cache_dir=tmp_path, progress=lines.append)
+    assert second.key != first.key
+    # every instance and the plugin from the cache: only the chain's own units and the registry compile
+    assert sorted(compiled) == sorted([f"{other.name}_cuda.cu", f"{other.name}_cpu.cc", "registry.cc"])
+    assert "compiling 3 of 8 translation units (with CUDA); 5 from the object cache" in lines
+    assert set(_instances(_library_sources(second))) == set(insts)
+    compiled.clear()
+    library.build_plugin([gelu], with_cuda=True, cache_dir=tmp_path, progress=lines.append)
+    new = sorted(n for n in compiled if n.startswith("o2f_inst_"))
+    # the GELU layers' tf32 and 16-bit Hopper and sm80 instances; the last layer's (identity) is shared
+    assert len(new) == 3 and not set(new) & set(insts) and all("_f16_a8_" in n for n in new)
+    assert "compiling 6 of 8 translation units (with CUDA); 2 from the object cache" in lines
+
+
+def _library_sources(lib) -> dict[str, str]:
+    return {p.name: p.read_text() for p in lib.sources_dir.iterdir()}

@@ -79,8 +79,9 @@ def test_tunes_once_per_spec_and_gpu_then_reads_the_cache(tmp_path, gpu, monkeyp
     again = wide_tune.resolve(_plans(FFN), tmp_path, fake.build, said.append, tune=True)
     assert again[FFN.name] == out[FFN.name] and len(fake.builds) == 1
     # the rendered library instantiates the chosen kernel only, and inspect's text says where it was tuned
-    src = codegen.render([FFN], True, plans=out)[f"{FFN.name}_cuda.cu"]
-    assert "struct Coop128x128 {" in src and "struct Coop128x256 {" not in src
+    files = codegen.render([FFN], True, plans=out)
+    assert {n.split("_")[2] for n in files if n.startswith("o2f_inst_") and "Sm80" not in n} == {"Coop128x128"}
+    assert "o2f_inst_Coop128x128_" in files[f"{FFN.name}_cuda.cu"]
     plan = out[FFN.name]
     assert f"tuned on {H100.name}" in plan.describe() and "16384 rows Coop128x128/data_parallel" in plan.choice_text()
     assert wide_tune.cached_plan(make_plan(FFN), tmp_path) == out[FFN.name]

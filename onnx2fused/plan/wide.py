@@ -49,8 +49,8 @@ anything else (other GPUs, a last layer of width 1 or 999, `$ONNX2FUSED_WIDE_KER
 time for comparisons) runs the CUTLASS 2.x kernels.
 
 Hopper kernel choice (plan/sm90.py): each GEMM has one `Sm90Choice` per row bucket. The library
-instantiates only the kernels its choices name, one translation unit per kernel (`parts`) so nvcc
-builds them in parallel. The choices are sm90.DEFAULT_CHOICE unless wide_tune.py measured better ones on
+instantiates only the kernels its choices name, each (kernel, types, epilogue) as its own translation unit
+(wide_params.wide_instances: shared by every chain and library that runs it, compiled once, in parallel). The choices are sm90.DEFAULT_CHOICE unless wide_tune.py measured better ones on
 the GPU the library is built for (a "tuning build" holds every kernel and times each candidate on each
 GEMM and bucket).
 """
@@ -99,6 +99,15 @@ TILE_TABLE: dict[int, tuple[GemmTile, GemmTile]] = {
     80: (GemmTile(128, 128, 32, 64, 64, 32, 4), GemmTile(64, 64, 64, 32, 32, 64, 4)),
     90: (GemmTile(128, 256, 32, 64, 64, 32, 3), GemmTile(64, 64, 64, 32, 32, 64, 4)),
 }
+
+
+def sm80_tiles() -> tuple[GemmTile, ...]:
+    """The distinct tiles of TILE_TABLE (the sm80 kernel instances hold them all), in a fixed order."""
+    seen: dict[GemmTile, None] = {}
+    for arch in sorted(TILE_TABLE):
+        for t in TILE_TABLE[arch]:
+            seen.setdefault(t)
+    return tuple(seen)
 
 
 NARROW_MAX = 8                  # last-layer outputs that take narrow_layer (DLRM's score, binary heads)
@@ -159,19 +168,10 @@ class WidePlan:
 
     @property
     def sm90_kernels(self) -> tuple[int, ...]:
-        """Indices into SM90_KERNELS that the library instantiates (one translation unit each)."""
+        """Indices into SM90_KERNELS that the library instantiates (a unit per GEMM output type and activation)."""
         if self.tuning:
             return tuple(i for i, k in enumerate(SM90_KERNELS) if self.tf32_first or not k.tf32)
         return tuple(sorted({c.kernel for per_gemm in self.choices for c in per_gemm}))
-
-    @property
-    def tiles(self) -> tuple[GemmTile, ...]:
-        """The distinct tiles the kernel instantiates, in a fixed order."""
-        seen: dict[GemmTile, None] = {}
-        for arch in sorted(TILE_TABLE):
-            for t in TILE_TABLE[arch]:
-                seen.setdefault(t)
-        return tuple(seen)
 
     def describe(self) -> str:
         conv = "fp32->16-bit conversion pass, " if self.convert_input else ""
