@@ -12,6 +12,8 @@
 #   benchmarks/gpu_host.sh tune [ARGS]    benchmarks/tune_wide.py: the wide kernel search, every candidate timed
 #   benchmarks/gpu_host.sh times [ARGS]   benchmarks/convert_times.py: cold and warm convert of every zoo model
 #   benchmarks/gpu_host.sh sm90           benchmarks/sm90/run.sh: the standalone wgmma fused-MLP prototype
+#   benchmarks/gpu_host.sh profile [CASES] Nsight Compute on kernel_check.py --profile (default: the four
+#                                         issue-15 cases; ONNX2FUSED_CUDA_DESIGN=wgmma for that design)
 # Kernel choices measured by an earlier call (.deps/tune/*.json, copied from $OUT/tune) seed the build
 # cache, so convert does not tune again; every call leaves the cache's choices in $OUT/tune.
 set -uo pipefail
@@ -60,6 +62,18 @@ tune)
 times)
   shift
   python3 benchmarks/convert_times.py --out "$OUT/times" "$@" 2>&1 | tail -30
+  ;;
+profile)
+  shift
+  ncu=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  [ -n "$ncu" ] || { echo "gpu_host.sh profile: no ncu (Nsight Compute) on this host"; exit 2; }
+  cases=("$@"); [ ${#cases[@]} -eq 0 ] && cases=(nerf64 w128gelu w256silu sdf)
+  for c in "${cases[@]}"; do   # tensor-pipe use, stall reasons, occupancy of every kernel of one launch
+    "$ncu" --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \
+      --section Occupancy --section LaunchStats --csv --page details \
+      python3 benchmarks/kernel_check.py --only "$c" --profile --out "$OUT/kc_profile" > "$OUT/ncu_$c.csv" 2> "$OUT/ncu_$c.err"
+    echo "$c: rc $? ($(wc -l < "$OUT/ncu_$c.csv") lines)"
+  done
   ;;
 sm90)
   CUTLASS_INC=$R/.deps/cutlass/include bash benchmarks/sm90/run.sh 2>&1 | tail -60

@@ -10,6 +10,11 @@ For each model NAME this writes, next to this script (or into --out):
 and zoo.json describing every file (tests read it). Input is named "x", output "y"; the batch
 dimension is symbolic in both exports (ffn3d: batch and sequence).
 
+Gated FFN blocks (issue 16; `block` in the table and in zoo.json): swiglu is LLaMA's form, separate gate,
+up and down projections without bias, down(silu(gate(x)) * up(x)); geglu is timm's GluMlp form, one
+fc1 of 2H outputs cut with `chunk`, fc2(gelu(a) * b) (the activation on the first half). Their widths
+are K0, H, N: the hidden width H is the gated product's.
+
 Deterministic: every model is built from a fixed seed (torch.manual_seed(SEED + index)).
 A model whose export fails is recorded in zoo.json under "failed" and skipped.
 
@@ -57,7 +62,41 @@ def model_table():
                        feature_shape=[16], sample_lead=[4]),
         "ffn3d": dict(widths=[64, 256, 64], activation="Gelu", bias=True,
                       feature_shape=[64], sample_lead=[2, 8]),
+        "swiglu": dict(widths=[64, 256, 64], activation="Silu", bias=False,
+                       feature_shape=[64], sample_lead=[4], block="swiglu"),
+        "geglu": dict(widths=[64, 128, 64], activation="Gelu", bias=True,
+                      feature_shape=[64], sample_lead=[4], block="geglu"),
     }
+
+
+def _gated(block: str, widths, act, bias: bool):
+    import torch.nn as nn
+
+    k, h, n = widths
+
+    class SwiGLU(nn.Module):  # LLaMA's FFN
+        def __init__(self):
+            super().__init__()
+            self.gate = nn.Linear(k, h, bias=bias)
+            self.up = nn.Linear(k, h, bias=bias)
+            self.down = nn.Linear(h, n, bias=bias)
+            self.act = act()
+
+        def forward(self, x):
+            return self.down(self.act(self.gate(x)) * self.up(x))
+
+    class GluMlp(nn.Module):  # timm's GluMlp, activation on the first half
+        def __init__(self):
+            super().__init__()
+            self.fc1 = nn.Linear(k, 2 * h, bias=bias)
+            self.fc2 = nn.Linear(h, n, bias=bias)
+            self.act = act()
+
+        def forward(self, x):
+            a, b = self.fc1(x).chunk(2, dim=-1)
+            return self.fc2(self.act(a) * b)
+
+    return {"swiglu": SwiGLU, "geglu": GluMlp}[block]()
 
 
 def build_module(name: str, index: int):
@@ -67,7 +106,10 @@ def build_module(name: str, index: int):
     acts = {"Relu": nn.ReLU, "Tanh": nn.Tanh, "Gelu": nn.GELU, "Silu": nn.SiLU}
     info = model_table()[name]
     torch.manual_seed(SEED + index)
-    m = _mlp(info["widths"], acts[info["activation"]], bias=info["bias"])
+    if "block" in info:
+        m = _gated(info["block"], info["widths"], acts[info["activation"]], info["bias"])
+    else:
+        m = _mlp(info["widths"], acts[info["activation"]], bias=info["bias"])
     m.eval()
     return m
 
@@ -193,6 +235,7 @@ def main(argv=None) -> int:
             bias=info["bias"],
             seed=SEED + index,
             files=files,
+            **({"block": info["block"]} if "block" in info else {}),
         ))
 
     old_path = out / "zoo.json"

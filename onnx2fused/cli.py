@@ -185,6 +185,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     i.add_argument("--precision", choices=["auto", "fp16", "bf16", "tf32", "fp32"], default="auto",
                    help="precision of the plan shown (default auto: what convert would choose per chain)")
     i.add_argument("--json", action="store_true", help="print JSON")
+    i.add_argument("--cpu-only", action="store_true",
+                   help="show what convert --cpu-only would fuse (gated layers fuse only without CUDA)")
     i.add_argument("--cache-dir", metavar="DIR", help="build cache whose tuned wide kernels to show "
                                                      "(default $ONNX2FUSED_CACHE or ~/.cache/onnx2fused)")
 
@@ -233,7 +235,8 @@ def _convert(args) -> int:
 
 def _inspect(args) -> int:
     from .convert import inspect
-    result = inspect(args.input, precision=args.precision, cache_dir=args.cache_dir)
+    result = inspect(args.input, precision=args.precision, cache_dir=args.cache_dir,
+                     with_cuda=False if args.cpu_only else None)
     if args.json:
         print(json.dumps(result.to_dict(), indent=1))
     else:

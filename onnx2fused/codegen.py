@@ -125,6 +125,7 @@ def cpu_params(spec: MLPSpec) -> dict:
             "k": layer.in_features,
             "n": layer.out_features,
             "bias": "true" if layer.has_bias else "false",
+            "kernel": "gated_layer" if layer.gated else "layer",  # gated: n is H, W is [K, 2H]
             "act_c": ex.render_c(layer.activation, "v", col="col", arrays=arrays),
             # The CPU kernel applies the activation to true columns only: arrays of N entries.
             "chans": chan_array_params(arrays, layer.out_features),
@@ -146,6 +147,7 @@ def cpu_params(spec: MLPSpec) -> dict:
         "mr_avx2": MR_AVX2, "nv_avx2": NV_AVX2,
         "mr_avx512": MR_AVX512, "nv_avx512": NV_AVX512,
         "last_buffer": "bufA" if last_src == "bufB" else "bufB",
+        "any_gated": spec.has_gated,
         "layers": layers,
     }
 
@@ -235,6 +237,9 @@ def registry_params(specs: list[MLPSpec], with_cuda: bool, cpu_enabled: dict[str
             "cuda_pack_fn": f"&{name}_cuda_pack" if with_cuda else "nullptr",
             "cuda_run_fn": f"&{name}_cuda_run" if with_cuda else "nullptr",
             "cuda_uses_scratch": uses_scratch,
+            # a gated layer's weight is [K, 2N]: the plugin checks (and feeds the stock body) that shape;
+            # '' (plain chains): the registry leaves the field out, so their sources do not change
+            "weight_cols": ", ".join(str(l.weight_columns) for l in spec.layers) if spec.has_gated else "",
         })
     return {"version": __version__, "with_cuda": with_cuda, "kernels": kernels}
 

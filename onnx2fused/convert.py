@@ -22,11 +22,10 @@ import onnx
 
 from .cpu_policy import cpu_kernel_wins
 from .build import find_nvcc
-from .library import build_plugin
+from .library import build_plugin, gated_refusal
 from .errors import ConversionError
 from .loader import load_model
 from .passes import find_chains, rewrite
-from .passes.activations import describe_expr
 from .plan.choose import make_plan, wgmma_note
 from .plan.options import PlanOptions
 from .plan.protocol import Plan
@@ -232,7 +231,9 @@ def convert(input_path, output_path=None, precision: str = AUTO, validate: bool 
     model = load_model(inp)
     user_inputs = val.load_user_inputs(inputs, model) if (inputs is not None and validate) else None
     shapes = val.check_input_shapes(input_shapes, model) if input_shapes else None
-    plan = find_chains(model)
+    if with_cuda is None:
+        with_cuda = find_nvcc() is not None
+    plan = find_chains(model, gated_refused=gated_refusal(with_cuda))
     result = ConversionResult(str(inp), str(out), precision, refusals=[r.reason for r in plan.refusals])
 
     tmpdir = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
@@ -246,8 +247,6 @@ def convert(input_path, output_path=None, precision: str = AUTO, validate: bool 
             result.seconds = time.monotonic() - t0
             return result
 
-        if with_cuda is None:
-            with_cuda = find_nvcc() is not None
         auto = precision == AUTO
         cases = vacuous = None
         if validate or auto:
@@ -286,7 +285,7 @@ def convert(input_path, output_path=None, precision: str = AUTO, validate: bool 
                 say(f"chain {k}: {old} failed validation ({detail}); rebuilding it in {new}")
 
         specs, lib, data, tmp_model, tmp_lib, lib_name = built.specs, built.lib, built.data, built.model, built.lib_copy, built.lib_name
-        result.chains = [ChainReport(k, s.name, list(s.widths), [describe_expr(a) for a in c.activations],
+        result.chains = [ChainReport(k, s.name, list(s.widths), c.activation_labels(),
                                      s.precision, s.io_dtype,
                                      plan_text(s, lib.plans.get(s.name), with_cuda=with_cuda),
                                      c.input, c.output, choices[k].why)
@@ -532,18 +531,22 @@ class InspectResult:
         return "\n".join(lines)
 
 
-def inspect(input_path, precision: str = AUTO, cache_dir=None, plan_options: PlanOptions | None = None) -> InspectResult:
+def inspect(input_path, precision: str = AUTO, cache_dir=None, plan_options: PlanOptions | None = None,
+            with_cuda: bool | None = None) -> InspectResult:
     """The chains `convert` would fuse (with the precision automatic precision would give each, and its
     reason, or `precision` for all; the CUDA plan at that precision, with the wide kernels tuned for this
     GPU when the build cache holds them) and why other layers are not. On a fused model: the precision
-    and reason convert recorded for each chain."""
+    and reason convert recorded for each chain. `with_cuda`: the library convert would build (None: with
+    CUDA when nvcc is found), which decides whether gated layers fuse (library.gated_refusal)."""
     from .build import default_cache_dir
     from .wide_tune import cached_plan
     cache = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
     options = plan_options or PlanOptions.from_env()
     check_precision(precision)
     model = load_model(input_path)
-    plan = find_chains(model)
+    if with_cuda is None:
+        with_cuda = find_nvcc() is not None
+    plan = find_chains(model, gated_refused=gated_refusal(with_cuda))
     res = InspectResult(str(input_path), refusals=[r.reason for r in plan.refusals], plan=plan.describe())
     recorded = {p.key: p.value for p in model.metadata_props}.get(CHAINS_KEY)
     if recorded:
@@ -566,7 +569,7 @@ def inspect(input_path, precision: str = AUTO, cache_dir=None, plan_options: Pla
             raise ConversionError(str(e)) from None
         plans, errors = plan_specs([s], options)
         p = plans.get(s.name)
-        res.chains.append(ChainReport(k, s.name, list(s.widths), [describe_expr(a) for a in c.activations],
+        res.chains.append(ChainReport(k, s.name, list(s.widths), c.activation_labels(),
                                       s.precision, s.io_dtype,
                                       plan_text(s, cached_plan(p, cache) if p else None, errors.get(s.name, "")),
                                       c.input, c.output, ch.why))

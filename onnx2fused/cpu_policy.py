@@ -39,7 +39,8 @@ SCALAR_OPS = {"pow": "powf", "sin": "sinf", "cos": "cosf", "tan": "tanf", "sinh"
 
 
 def weight_bytes(spec: MLPSpec) -> int:
-    return sum(4 * l.in_features * l.out_features for l in spec.layers)
+    """fp32 weight bytes the kernel streams per row block: a gated layer's GEMM is 2N wide (gate and up)."""
+    return sum(4 * l.in_features * l.weight_columns for l in spec.layers)
 
 
 def scalar_ops(e: ex.Expr) -> list[str]:

@@ -17,6 +17,7 @@ from .codegen import render
 from .errors import ConversionError
 from .plan.choose import make_plans
 from .plan.options import PlanOptions
+from .spec import GATED_NO_CUDA
 
 
 def resolve_with_cuda(with_cuda: bool | None) -> bool:
@@ -25,6 +26,16 @@ def resolve_with_cuda(with_cuda: bool | None) -> bool:
     if with_cuda and not nvcc:
         raise ConversionError("CUDA kernels need nvcc: put it on PATH or set CUDA_HOME, or build with with_cuda=False")
     return nvcc is not None if with_cuda is None else with_cuda
+
+
+def gated_refusal(with_cuda: bool) -> str | None:
+    """Whether a library fuses gated layers (SwiGLU/GeGLU, passes/gated.py): None, it does; else why not,
+    as `passes.find_chains(model, gated_refused=...)` takes it. The one place this is decided.
+
+    Only the CPU kernel computes gated layers. A library with CUDA kernels must not hold such a chain as
+    one op: the CUDA EP would find no kernel for it and run the whole block on the CPU EP, with copies
+    each way. There the chain is split where it was before (its linear layers fuse on their own)."""
+    return GATED_NO_CUDA if with_cuda else None
 
 
 def build_plugin(specs, with_cuda: bool | None = None, cache_dir=None, cpu_enabled=None,

@@ -5,6 +5,10 @@ generated kernels, the build-cache key component and the test id: two chains wit
 one kernel. It reads like `FusedMLP_32x64x64x16_relu2_id_fp16_f32_1a2b3c4d`: the widths, the
 activation of each layer (runs of equal activations are written `nameN`, `id` is none), the compute precision, the
 input/output element type, and a hash of everything (activations' full expressions included).
+
+A gated layer (SwiGLU, GeGLU: `act(x Wg + bg) * (x Wu + bu)`, H outputs) is written `g` + its gate's
+activation (`gsilu`, `ggelu_erf`); its weight is one [K, 2H] matrix, gate columns first, and its bias 2H
+long. Only gated layers add to `key_text`, so every non-gated spec keeps its name.
 """
 from __future__ import annotations
 
@@ -21,6 +25,11 @@ MAX_NAME = 96     # longer names (deep chains of many activations) are shortened
 SPEC_VERSION = 1  # bump when the meaning of a spec (and so of every generated kernel) changes
 
 
+# Why a library with CUDA kernels does not fuse gated layers (library.gated_refusal decides; plan.choose
+# refuses a gated spec with it too).
+GATED_NO_CUDA = "gated layer: no CUDA kernel yet (CPU-only libraries fuse it)"
+
+
 class SpecError(ValueError):
     """A chain that cannot be described or built as asked; the message names the way out."""
 
@@ -30,7 +39,13 @@ class LayerSpec:
     in_features: int
     out_features: int
     has_bias: bool
-    activation: ex.Expr  # applied to (x @ W + b) elementwise, in fp32
+    activation: ex.Expr  # applied to (x @ W + b) elementwise, in fp32; gated: to the gate half only
+    gated: bool = False  # y = act(x @ W[:, :N] + b[:N]) * (x @ W[:, N:] + b[N:]), W [K, 2N]
+
+    @property
+    def weight_columns(self) -> int:
+        """Columns of the layer's weight matrix (and length of its bias): 2N for a gated layer."""
+        return 2 * self.out_features if self.gated else self.out_features
 
 
 @dataclass(frozen=True)
@@ -59,15 +74,19 @@ class MLPSpec:
 
     @property
     def activation_names(self) -> tuple[str, ...]:
-        return tuple(ex.short_name(l.activation) for l in self.layers)
+        return tuple(("g" if l.gated else "") + ex.short_name(l.activation) for l in self.layers)
+
+    @property
+    def has_gated(self) -> bool:
+        return any(l.gated for l in self.layers)
 
     @property
     def flops_per_row(self) -> int:
-        return sum(2 * l.in_features * l.out_features for l in self.layers)
+        return sum(2 * l.in_features * l.weight_columns for l in self.layers)
 
     @property
     def num_parameters(self) -> int:
-        return sum(l.in_features * l.out_features + (l.out_features if l.has_bias else 0) for l in self.layers)
+        return sum(l.in_features * l.weight_columns + (l.weight_columns if l.has_bias else 0) for l in self.layers)
 
     def describe(self) -> str:
         acts = ", ".join(self.activation_names)
@@ -77,7 +96,8 @@ class MLPSpec:
         """Everything that shapes the generated code, as canonical text."""
         parts = [f"v{SPEC_VERSION}", self.precision, self.io_dtype]
         for l in self.layers:
-            parts.append(f"{l.in_features}x{l.out_features}:{int(l.has_bias)}:{ex.to_text(l.activation)}")
+            parts.append(f"{l.in_features}x{l.out_features}:{int(l.has_bias)}:{ex.to_text(l.activation)}"
+                         + (":gated" if l.gated else ""))
         return "|".join(parts)
 
     @property

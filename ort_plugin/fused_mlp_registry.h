@@ -29,6 +29,8 @@ struct KernelEntry {
   CudaRunFn cuda_run;
   int cuda_uses_scratch;          // 1: cuda_run also writes the workspace (scratch), so runs on different
                                   // streams must not overlap; 0: it only reads the packed weights
+  const int64_t* weight_cols = nullptr;  // num_layers values: columns of W_i and length of B_i (2 N_i for a
+                                         // gated layer); nullptr: N_i for every layer (no gated layer)
 };
 
 // Defined by the generated registry.cc.

@@ -8,7 +8,8 @@
 //     and no longer inlines the model-local function, so a CPU-EP node without a CPU kernel fails to
 //     load ("Could not find an implementation"; docs/DESIGN.md, "The CPU path").
 //   - a CUDA-EP op when the library is built with -DONNX2FUSED_WITH_CUDA.
-// Inputs: X [..., K0] (float32 or float16), then W_i [K_i, N_i] and B_i [N_i] (float32) per layer.
+// Inputs: X [..., K0] (float32 or float16), then W_i [K_i, N_i] and B_i [N_i] (float32) per layer
+// ([K_i, 2 N_i] and [2 N_i] for a gated layer: KernelEntry::weight_cols).
 // Output: Y [..., N_last], the element type of X. Bad inputs give an ORT error naming the expected shape.
 #define ORT_API_MANUAL_INIT
 #include "onnxruntime_cxx_api.h"
@@ -62,6 +63,9 @@ const char* TypeName(ONNXTensorElementDataType t) {
   }
 }
 
+// Columns of layer i's weight W_i (and length of its bias B_i): 2 N_i for a gated layer.
+int64_t WeightCols(const KernelEntry& e, int i) { return e.weight_cols ? e.weight_cols[i] : e.widths[i + 1]; }
+
 ONNXTensorElementDataType IoType(const KernelEntry& e) {
   return e.io_is_half ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
 }
@@ -102,7 +106,7 @@ OrtStatusPtr Prepare(const KernelEntry& e, Ort::KernelContext& ctx, Call& call) 
   call.w.resize(L);
   call.b.resize(L);
   for (int i = 0; i < L; ++i) {
-    const int64_t K = e.widths[i], N = e.widths[i + 1];
+    const int64_t K = e.widths[i], N = WeightCols(e, i);  // N: W_i's columns
     Ort::ConstValue W = ctx.GetInput(1 + 2 * i), B = ctx.GetInput(2 + 2 * i);
     auto winfo = W.GetTensorTypeAndShapeInfo();
     auto binfo = B.GetTensorTypeAndShapeInfo();
@@ -288,7 +292,7 @@ struct StockCpuKernel {
     char* x = const_cast<char*>(static_cast<const char*>(call.x)) + r0 * K0 * elem;
     ins.push_back(Ort::Value::CreateTensor(cpu, x, n * K0 * elem, xshape, 2, io));
     for (int i = 0; i < L; ++i) {
-      int64_t wshape[2] = {e->widths[i], e->widths[i + 1]}, bshape[1] = {e->widths[i + 1]};
+      int64_t wshape[2] = {e->widths[i], WeightCols(*e, i)}, bshape[1] = {WeightCols(*e, i)};
       ins.push_back(Ort::Value::CreateTensor<float>(cpu, const_cast<float*>(call.w[i]),
                                                    static_cast<size_t>(wshape[0] * wshape[1]), wshape, 2));
       ins.push_back(Ort::Value::CreateTensor<float>(cpu, const_cast<float*>(call.b[i]),

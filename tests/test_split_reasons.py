@@ -23,7 +23,7 @@ from onnx2fused import codegen
 from onnx2fused import expr as ex
 from onnx2fused.library import build_plugin
 from onnx2fused.passes import find_chains
-from onnx2fused.spec import LayerSpec, MLPSpec
+from onnx2fused.spec import GATED_NO_CUDA, LayerSpec, MLPSpec
 from onnx_builders import G, assert_close, fuse, plugin_session, run
 
 
@@ -101,7 +101,9 @@ def test_custom_domain_op_says_why():
 
 
 def test_torch_chunk_split_says_why(tmp_path):
-    """torch's dynamo exporter writes `chunk` as a Split of the layer's output."""
+    """torch's dynamo exporter writes `chunk` as a Split of the layer's output. p * sigmoid(q) of its two
+    halves is a gated layer (issue 16): one chain for a CPU-only library; a library with CUDA kernels
+    splits it at the Split and says why (test_passes_gated.py has the rest)."""
     torch = pytest.importorskip("torch")
 
     class GLU(torch.nn.Module):
@@ -120,11 +122,12 @@ def test_torch_chunk_split_says_why(tmp_path):
                           dynamic_shapes=({0: torch.export.Dim("B")},), input_names=["x"], output_names=["y"])
     m = onnx.load(str(path))
     plan = find_chains(m)
+    assert [c.activation_labels() for c in plan.chains] == [["gated sigmoid", "id"]] and plan.refusals == []
+    plan = find_chains(m, gated_refused=GATED_NO_CUDA)
     split = next(n for n in m.graph.node if n.op_type == "Split")
     (reason,) = [r.reason for r in plan.refusals]
     assert reason.startswith("chain 0 ends: output of layer 1 (")
-    assert reason.endswith(f"feeds Split '{split.name}': Split cuts the row into pieces (torch chunk/split), "
-                           "not elementwise")
+    assert reason.endswith(f"feeds Split '{split.name}': {GATED_NO_CUDA}")
 
 
 # -- the ops that split before and fuse now ---------------------------------------------------------------

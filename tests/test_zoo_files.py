@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MODELS = ROOT / "models"
 ZOO_JSON = MODELS / "zoo.json"
 EXPORTERS = ("dynamo", "opset17")
-REQUIRED = ("nerf", "sdf", "gelu", "silu", "mnist", "nobias", "ffn3d")
+REQUIRED = ("nerf", "sdf", "gelu", "silu", "mnist", "nobias", "ffn3d", "swiglu", "geglu")
 
 
 def _zoo():
@@ -45,6 +45,19 @@ def _entry(name):
 
 def _path(name, kind):
     return MODELS / _entry(name)["files"][kind]["file"]
+
+
+def _layer_shapes(e) -> list[tuple[int, int]]:
+    """The (in, out) of each weight matrix the file holds: a gated block (issue 16) has a gate and an up
+    projection of H outputs each (swiglu), or one of 2H (geglu, cut in two with chunk), then the down one."""
+    w = e["widths"]
+    block = e.get("block")
+    if block == "swiglu":
+        return [(w[0], w[1]), (w[0], w[1]), (w[1], w[2])]
+    if block == "geglu":
+        return [(w[0], 2 * w[1]), (w[1], w[2])]
+    assert block is None, f"unknown block {block!r}"
+    return list(zip(w[:-1], w[1:]))
 
 
 def _input(entry, batch=5, seed=0):
@@ -96,11 +109,11 @@ def test_file_loads_and_checks(name, kind):
     # the weights in the file are the widths in the manifest (either layout: Gemm transB or MatMul)
     init = {t.name: t for t in model.graph.initializer}
     mats = sorted(tuple(sorted(t.dims)) for t in init.values() if len(t.dims) == 2)
-    want = sorted(tuple(sorted(p)) for p in zip(e["widths"][:-1], e["widths"][1:]))
+    want = sorted(tuple(sorted(p)) for p in _layer_shapes(e))
     assert mats == want
     vecs = sorted(t.dims[0] for t in init.values() if len(t.dims) == 1 and t.dims[0] > 1)
     if e["bias"]:
-        assert sorted(n for n in e["widths"][1:] if n > 1) == vecs
+        assert sorted(n for _, n in _layer_shapes(e) if n > 1) == vecs
     for t in init.values():
         assert t.data_location == onnx.TensorProto.DEFAULT  # onnx.load resolved external data
         assert onnx.numpy_helper.to_array(t).size == int(np.prod(t.dims))

@@ -242,6 +242,9 @@ def zoo_torch_module(torch, model: Path, entry: dict):
     when it matches the widths (exact), else random (timing does not depend on the values).
     Returns (module, note)."""
     nn = torch.nn
+    if entry.get("block"):  # a gated FFN (issue 16) is not a Sequential: the builder's own module is
+        raise ValueError(f"the zoo's {entry['block']} block is no nn.Sequential; give "
+                         f"--torch-module with the module (models/build_zoo.py builds it)")
     widths, acts = entry["widths"], list(entry.get("activations") or [])
     if len(acts) < len(widths) - 2:
         acts += [entry.get("activation", "Relu")] * (len(widths) - 2 - len(acts))

@@ -1,6 +1,7 @@
 """Graph passes: find MLP chains in an ONNX model and replace each by one fused custom node.
 
-    find_chains(model) -> FusionPlan          (linear layers + activations -> maximal chains, refusals)
+    find_chains(model) -> FusionPlan          (linear layers + activations (+ gated layers, gated.py)
+                                               -> maximal chains, refusals)
     rewrite(model, plan, specs) -> ModelProto (one onnx2fused node per chain + fallback functions)
 """
 from .activations import Activation, ActivationRefusal, match_activation

@@ -13,6 +13,11 @@ consumer, a graph output, a width mismatch, an elementwise op that cannot join t
 op at all (LayerNormalization, Split, Softmax, ...) where another Gemm/MatMul follows, so that every
 split of what could have been one chain says why. A chain that ends in the graph's tail (a Softmax
 over the logits) is not a split and gets none.
+
+A gated layer (see `gated`: f(x Wg) * (x Wu), or a 2H-wide layer cut in two halves) is one layer of H
+outputs here; it continues from the layer whose output is exactly what its linear layers read (both of
+them, in the two-layer form). With `gated_refused` (a reason: the library has no kernel for gated layers)
+its parts stay separate chains and the layers that feed its Mul or cut end with that reason.
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ from .. import expr as ex
 from ..spec import LayerSpec, MLPSpec
 from .activations import ELEMENTWISE_OPS, Activation, describe_expr, match_activation
 from .constants import GraphIndex, elem_name
+from .gated import fed_node, find_gated
 from .linear import LINEAR_OPS, LinearLayer, LinearRefusal, match_linear
 
 IO_TYPES = {onnx.TensorProto.FLOAT: "f32", onnx.TensorProto.FLOAT16: "f16"}
@@ -35,9 +41,14 @@ class ChainLayer:
     activation: ex.Expr
     activation_nodes: list[str]
     output: str = ""  # the tensor after the activation ('' = the linear layer's output)
+    gated: bool = False  # linear holds [Wg | Wu] (2H columns); activation is the gate's; output H wide
 
     def __post_init__(self):
         self.output = self.output or self.linear.output
+
+    @property
+    def out_features(self) -> int:
+        return self.linear.out_features // 2 if self.gated else self.linear.out_features
 
 
 @dataclass
@@ -50,18 +61,23 @@ class Chain:
 
     @property
     def widths(self) -> tuple[int, ...]:
-        return (self.layers[0].linear.in_features,) + tuple(l.linear.out_features for l in self.layers)
+        return (self.layers[0].linear.in_features,) + tuple(l.out_features for l in self.layers)
 
     @property
     def activations(self) -> list[ex.Expr]:
         return [l.activation for l in self.layers]
 
     def to_spec(self, precision: str = "fp16") -> MLPSpec:
-        return MLPSpec(tuple(LayerSpec(l.linear.in_features, l.linear.out_features, l.linear.has_bias, l.activation)
+        return MLPSpec(tuple(LayerSpec(l.linear.in_features, l.out_features, l.linear.has_bias, l.activation,
+                                       gated=l.gated)
                              for l in self.layers), precision=precision, io_dtype=self.input_dtype)
 
+    def activation_labels(self) -> list[str]:
+        """Each layer's activation as reports print it (`gated silu`: a gated layer's gate activation)."""
+        return [("gated " if l.gated else "") + describe_expr(l.activation) for l in self.layers]
+
     def describe(self) -> str:
-        acts = ", ".join(describe_expr(a) for a in self.activations)
+        acts = ", ".join(self.activation_labels())
         return (f"'{self.input}' -> '{self.output}': widths {' -> '.join(map(str, self.widths))}, "
                 f"activations [{acts}], {self.input_dtype}, {len(self.nodes)} nodes")
 
@@ -97,6 +113,15 @@ class _Layer:
     act: Activation
     next: int | None = None
     prev: int | None = None
+    gated: bool = False
+    entries: tuple[int, ...] = ()  # the nodes that read the input ((start,) for a plain layer)
+
+    def __post_init__(self):
+        self.entries = self.entries or (self.start,)
+
+    @property
+    def out_features(self) -> int:
+        return self.linear.out_features // 2 if self.gated else self.linear.out_features
 
 
 def _feeding_a_layer(ix: GraphIndex) -> set[str]:
@@ -111,7 +136,9 @@ def _feeding_a_layer(ix: GraphIndex) -> set[str]:
     return feeds
 
 
-def find_chains(model: onnx.ModelProto) -> FusionPlan:
+def find_chains(model: onnx.ModelProto, gated_refused: str | None = None) -> FusionPlan:
+    """The chains of `model` and why the rest is not fused. `gated_refused`: None, gated layers fuse;
+    else the reason they do not (library.gated_refusal: a library with CUDA kernels)."""
     ix = GraphIndex(model)
     plan = FusionPlan()
     layers: dict[int, _Layer] = {}
@@ -131,15 +158,36 @@ def find_chains(model: onnx.ModelProto) -> FusionPlan:
             continue
         layers[i] = _Layer(i, lin, match_activation(ix, lin.output, lin.out_features))
     feeds_layer = _feeding_a_layer(ix)
+    gated, gated_reasons = find_gated(ix, layers)
+    for g in gated:
+        if gated_refused is not None:
+            for s in g.layers:
+                gated_reasons[s] = f"feeds {ix.describe(fed_node(ix, layers[s].act.output))}: {gated_refused}"
+            continue
+        for s in g.layers:
+            del layers[s]
+        start = min(g.entries)
+        layers[start] = _Layer(start, g.linear, g.activation, gated=True, entries=tuple(g.entries))
     # A bias Add is never another layer's start; make sure no node is claimed twice.
-    by_input_node = {l.start: l for l in layers.values()}
+    by_entries = {frozenset(l.entries): l for l in layers.values()}
     ends: dict[int, str] = {}
-    for l in layers.values():
+    for l in sorted(layers.values(), key=lambda l: l.start):
         t = l.act.output
         users = ix.users(t)
         if t in ix.graph_outputs:
             if users:
                 ends[l.start] = "is also a graph output"
+            continue
+        nxt = by_entries.get(frozenset(users))
+        if nxt is not None and nxt.linear.input == t:
+            if nxt.linear.in_features != l.out_features:
+                ends[l.start] = (f"has {l.out_features} features but {ix.describe(users[0])} takes "
+                                 f"{nxt.linear.in_features}")
+                continue
+            l.next, nxt.prev = nxt.start, l.start
+            continue
+        if l.start in gated_reasons:
+            ends[l.start] = gated_reasons[l.start]
             continue
         if len(users) != 1:
             if len(users) > 1:
@@ -147,14 +195,6 @@ def find_chains(model: onnx.ModelProto) -> FusionPlan:
                 ends[l.start] = f"has {len(users)} consumers ({names})"
             continue
         u = users[0]
-        nxt = by_input_node.get(u)
-        if nxt is not None and nxt.linear.input == t:
-            if nxt.linear.in_features != l.linear.out_features:
-                ends[l.start] = (f"has {l.linear.out_features} features but {ix.describe(u)} takes "
-                                 f"{nxt.linear.in_features}")
-                continue
-            l.next, nxt.prev = u, l.start
-            continue
         if u in refused:
             ends[l.start] = f"feeds {ix.describe(u)}, which is not fused"
         elif u in l.act.rejected and (ix.node(u).op_type in ELEMENTWISE_OPS or t in feeds_layer):
@@ -176,7 +216,7 @@ def find_chains(model: onnx.ModelProto) -> FusionPlan:
             continue
         idx = sorted(j for s in seq for j in s.linear.node_indices + s.act.node_indices)
         chain = Chain(first.input, out_t,
-                      [ChainLayer(s.linear, s.act.expr, list(s.act.nodes), s.act.output) for s in seq],
+                      [ChainLayer(s.linear, s.act.expr, list(s.act.nodes), s.act.output, s.gated) for s in seq],
                       [ix.keys[j] for j in idx], IO_TYPES[in_type])
         plan.chains.append(chain)
         last = seq[-1]

@@ -5,7 +5,9 @@ For a chain x -> f_1(x W_1 + b_1) -> ... -> y found by `find_chains` and its spe
     nodes(chain)  ->  y = onnx2fused.S(x, W_1, B_1, ..., W_n, B_n; widths, activations)
     function onnx2fused.S(X, W_1, B_1, ...) := Y = f_n(... f_1(Cast_f32(X) @ W_1 + B_1) ... @ W_n + B_n)
 
-with W_i float32 [K_i, N_i] and B_i float32 [N_i] (zeros without a bias) as new initializers, the
+with W_i float32 [K_i, N_i] and B_i float32 [N_i] (zeros without a bias) as new initializers (a gated
+layer: [K_i, 2 N_i] and [2 N_i], gate columns first, and in the function f_i(Slice(h, 0, N_i)) *
+Slice(h, N_i, 2 N_i) of h = . W_i + B_i), the
 activations emitted from their `expr` trees with stock ops (Relu-free: max/min/where/... exactly as
 the tree says, so the fallback computes what the kernels compute). The fused node sits where the
 chain's last node was; all other nodes are kept byte for byte; initializers and folded constant
@@ -124,13 +126,25 @@ def make_fallback_function(spec: MLPSpec, opset: int) -> onnx.FunctionProto:
     for i, layer in enumerate(spec.layers):
         m = em.node("MatMul", [h, f"W{i}"])
         a = em.node("Add", [m, f"B{i}"])
-        h = em.emit(layer.activation, a)
+        if layer.gated:
+            n_out = layer.out_features
+            gate = em.emit(layer.activation, _last_axis_slice(em, a, 0, n_out))
+            h = em.node("Mul", [gate, _last_axis_slice(em, a, n_out, 2 * n_out)])
+        else:
+            h = em.emit(layer.activation, a)
     if spec.io_dtype == "f16":
         em.nodes.append(helper.make_node("Cast", [h], ["Y"], name="cast_out", to=TensorProto.FLOAT16))
     else:
         em.nodes.append(helper.make_node("Identity", [h], ["Y"], name="out"))
     return helper.make_function(DOMAIN, spec.name, inputs, ["Y"], em.nodes,
                                 [helper.make_opsetid("", opset)], attributes=list(NODE_ATTRIBUTES))
+
+
+def _last_axis_slice(em: OnnxEmitter, x: str, start: int, end: int) -> str:
+    """x[..., start:end] in stock ops (Slice with input bounds: opset >= 10, which gated.py requires)."""
+    ints = [em.node("Constant", [], value=numpy_helper.from_array(np.array([v], np.int64), "value"))
+            for v in (start, end, -1)]
+    return em.node("Slice", [x] + ints)
 
 
 NODE_ATTRIBUTES = ("widths", "activations", STOCK_MODEL_ATTR)
@@ -150,8 +164,8 @@ def make_stock_model(spec: MLPSpec, opset: int, ir_version: int) -> bytes:
     io = TensorProto.FLOAT16 if spec.io_dtype == "f16" else TensorProto.FLOAT
     ins = [helper.make_tensor_value_info("X", io, ["rows", spec.widths[0]])]
     for i, layer in enumerate(spec.layers):
-        ins.append(helper.make_tensor_value_info(f"W{i}", TensorProto.FLOAT, [layer.in_features, layer.out_features]))
-        ins.append(helper.make_tensor_value_info(f"B{i}", TensorProto.FLOAT, [layer.out_features]))
+        ins.append(helper.make_tensor_value_info(f"W{i}", TensorProto.FLOAT, [layer.in_features, layer.weight_columns]))
+        ins.append(helper.make_tensor_value_info(f"B{i}", TensorProto.FLOAT, [layer.weight_columns]))
     out = helper.make_tensor_value_info("Y", io, ["rows", spec.widths[-1]])
     graph = helper.make_graph(list(fn.node), spec.name, ins, [out])
     model = helper.make_model(graph, opset_imports=list(fn.opset_import), producer_name="onnx2fused")
