@@ -74,6 +74,12 @@ class NormSpec:
             raise SpecError("an RMS norm has no bias")
 
     @property
+    def input_names(self) -> tuple[str, ...]:
+        """The fused op's inputs after the layers' W_i, B_i: the scale NS [K0], and for a layer norm its
+        bias NB [K0] too (zeros without one: LayerNormalization in the stock body takes it as it is)."""
+        return ("NS", "NB") if self.kind == "layernorm" else ("NS",)
+
+    @property
     def tag(self) -> str:
         return NORM_KINDS[self.kind][0]
 
