@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..spec import NORM_KINDS
 from .constants import GraphIndex
 
 NORM_OPS = {"LayerNormalization": "layernorm", "RMSNormalization": "rmsnorm",
@@ -35,7 +36,12 @@ DEFAULT_EPS = 1e-5  # the ONNX default of each norm op's epsilon attribute
 
 class BlockRefusal(Exception):
     """A norm or residual Add that looks like part of a transformer block and cannot be fused; the
-    message is the reason."""
+    message is the reason. `norm_input`, `label`: the tensor a refused norm reads and its kind, so that
+    a residual Add of that tensor can say why it is not the chain's either."""
+
+    def __init__(self, reason: str, norm_input: str = "", label: str = ""):
+        super().__init__(reason)
+        self.norm_input, self.label = norm_input, label
 
 
 @dataclass
@@ -50,7 +56,7 @@ class NormMatch:
 
     @property
     def label(self) -> str:
-        return "layer norm" if self.kind == "layernorm" else "RMS norm"
+        return NORM_KINDS[self.kind][1]
 
 
 @dataclass
@@ -94,6 +100,14 @@ def _only_into(ix: GraphIndex, t: str, user: int) -> None:
 # -- the norm in front --------------------------------------------------------------------------------
 
 def _norm_op(ix: GraphIndex, p: int, width: int) -> NormMatch:
+    try:
+        return _norm_op_checked(ix, p, width)
+    except BlockRefusal as r:
+        kind = NORM_OPS[ix.node(p).op_type]
+        raise BlockRefusal(str(r), ix.node(p).input[0], NORM_KINDS[kind][1]) from None
+
+
+def _norm_op_checked(ix: GraphIndex, p: int, width: int) -> NormMatch:
     n = ix.node(p)
     kind = NORM_OPS[n.op_type]
     x = n.input[0]
@@ -168,6 +182,14 @@ def _decomposed_rms(ix: GraphIndex, p: int, width: int) -> NormMatch | None:
                 break
     if scaling is None:
         return None
+    try:
+        return _rms_of(ix, p, width, weight, scaling)
+    except BlockRefusal as r:
+        raise BlockRefusal(str(r), scaling[0], NORM_KINDS["rmsnorm"][1]) from None
+
+
+def _rms_of(ix: GraphIndex, p: int, width: int, weight: str | None, scaling) -> NormMatch | None:
+    n = ix.node(p)
     x, sqrt, nodes = scaling
     add = _producer(ix, ix.node(sqrt).input[0], ("Add",))
     if add is None:
@@ -261,14 +283,12 @@ def _same_shape(ix: GraphIndex, a: str, b: str) -> bool:
     return len(sa) == len(sb) and all(u is None or v is None or u == v for u, v in zip(sa, sb))
 
 
-def _check_residual(ix: GraphIndex, add: int, other: str, out: str, block_in: str, norm: NormMatch | None,
-                    skipped_norm: NormMatch | None, k0: int, n_last: int) -> None:
+def _check_residual(ix: GraphIndex, add: int, other: str, out: str, block_in: str, skipped: BlockRefusal | None,
+                    k0: int, n_last: int) -> None:
     what = f"feeds {ix.describe(add)}, not a residual of the block"
     if other != block_in:
-        if norm is not None and other == norm.output:
-            raise BlockRefusal(f"{what}: it adds the normalised tensor '{other}', not the block's input '{block_in}'")
-        if skipped_norm is not None and other == skipped_norm.input:
-            raise BlockRefusal(f"{what}: it adds '{other}', the input of the {skipped_norm.label} in front, "
+        if skipped is not None and other == skipped.norm_input:
+            raise BlockRefusal(f"{what}: it adds '{other}', the input of the {skipped.label} in front, "
                                "which is not fused with the chain")
         raise BlockRefusal(f"{what}: it adds '{other}', not the block's input '{block_in}'")
     if k0 != n_last:
@@ -287,20 +307,19 @@ def find_block(ix: GraphIndex, first_input: str, entries: set[int], out: str, k0
     `entries`) and the residual Add behind it (its output `out`). `refused`: spec.BLOCK_NO_CUDA, when the
     library cannot fuse either (they stay stock ops and say so)."""
     block = Block()
-    skipped = None
+    skipped = None  # the refusal of a norm that is there and not taken
     try:
         norm = match_norm(ix, first_input, k0)
         if norm is not None and refused is not None:
-            skipped = norm
-            raise BlockRefusal(refused.format(what=f"{norm.label} in front"))
+            raise BlockRefusal(refused.format(what=f"{norm.label} in front"), norm.input, norm.label)
         if norm is not None:
             try:
                 _norm_feeds_only(ix, norm, entries)
-            except BlockRefusal:
-                skipped = norm
-                raise
+            except BlockRefusal as r:
+                raise BlockRefusal(str(r), norm.input, norm.label) from None
         block.norm = norm
     except BlockRefusal as r:
+        skipped = r
         p = ix.producer[first_input]
         block.start_reason = f"input '{first_input}' comes from {ix.describe(p)}: {r}"
     block_in = block.norm.input if block.norm is not None else first_input
@@ -308,11 +327,11 @@ def find_block(ix: GraphIndex, first_input: str, entries: set[int], out: str, k0
     if found is None:
         return block
     add, other = found
-    if refused is not None and other in (block_in, skipped.input if skipped is not None else block_in):
+    if refused is not None and other in (block_in, skipped.norm_input if skipped is not None else block_in):
         block.end_reason = f"feeds {ix.describe(add)}: " + refused.format(what="residual Add behind")
         return block
     try:
-        _check_residual(ix, add, other, out, block_in, block.norm, skipped, k0, n_last)
+        _check_residual(ix, add, other, out, block_in, skipped, k0, n_last)
     except BlockRefusal as r:
         block.end_reason = str(r)
         return block
