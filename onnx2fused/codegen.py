@@ -158,7 +158,8 @@ def cpu_params(spec: MLPSpec) -> dict:
 
 def c_float(v: float) -> str:
     """v as an exact C float literal (hexadecimal: no decimal rounding on either side)."""
-    return float(np.float32(v)).hex() + "f"
+    mantissa, exponent = float(np.float32(v)).hex().split("p")
+    return f"{mantissa.rstrip('0').rstrip('.')}p{exponent}f"
 
 
 def cuda_template(plan: Plan) -> str:
