@@ -153,6 +153,9 @@ def cpu_params(spec: MLPSpec) -> dict:
         "norm_eps": c_float(spec.norm.eps) if spec.norm is not None else "",
         "norm_bias": "true" if spec.norm is not None and spec.norm.has_bias else "false",
         "residual": spec.residual,
+        # fp16 I/O: ORT runs a model's LayerNormalization with its fp16 kernel, whose output is fp16 (the
+        # ops around it are cast to fp32): the kernel rounds the normalised row the same way
+        "norm_round_half": spec.io_dtype == "f16" and spec.norm is not None and spec.norm.kind == "layernorm",
     }
 
 

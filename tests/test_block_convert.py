@@ -131,3 +131,26 @@ def test_render_block_and_plain_sources():
     assert ", nullptr, 2}," in src["registry.cc"]
     text = codegen.render([rms], with_cuda=False)[f"{rms.name}_cpu.cc"]
     assert "inv * scale[k]" in text and "add_rows" not in text
+
+
+@pytest.mark.parametrize("norm", ["layernorm", "rmsnorm"])
+def test_fp16_block(norm, cache, tmp_path):
+    """A float16 model: ORT runs LayerNormalization with its fp16 kernel (output rounded to fp16) and casts
+    the ops around it to fp32; the kernel and the stock body round the normalised row the same way."""
+    g = G(opset=18, seed=13)
+    f16 = np.float16
+    if norm == "layernorm":
+        t = g.op("LayerNormalization", ["x", g.init((1 + 0.2 * g.rng.standard_normal(24)).astype(f16)),
+                                        g.init((0.3 * g.rng.standard_normal(24)).astype(f16))], axis=-1)
+    else:
+        ms = g.op("ReduceMean", [g.op("Pow", ["x", g.init(np.array(2.0, f16))]), g.init(np.array([-1], np.int64))])
+        r = g.op("Reciprocal", [g.op("Sqrt", [g.op("Add", [ms, g.init(np.array(1e-5, f16))])])])
+        t = g.op("Mul", [g.op("Mul", ["x", r]), g.init((1 + 0.2 * g.rng.standard_normal(24)).astype(f16))])
+    h = g.op("Tanh", [g.linear(t, 24, 40, kind="matmul", dtype=f16)])
+    g.op("Add", [g.linear(h, 40, 24, kind="matmul", dtype=f16), "x"], outputs=["y"])
+    src = tmp_path / "f16.onnx"
+    onnx.save(g.model([("x", ["B", 24])], [("y", ["B", 24])], elem=onnx.TensorProto.FLOAT16), str(src))
+    res = onnx2fused.convert(src, tmp_path / "f16.fused.onnx", cache_dir=cache, with_cuda=False)
+    assert "_f16_" in res.chains[0].name and res.validation.passed
+    x = np.random.default_rng(2).standard_normal((1031, 24)).astype(np.float16)
+    check_block(src, res, x, tmp_path, kernel=True, tol=1e-4)

@@ -128,6 +128,8 @@ def make_fallback_function(spec: MLPSpec, opset: int) -> onnx.FunctionProto:
     block_in = h
     if spec.norm is not None:
         h = _emit_norm(em, spec.norm, h)
+        if spec.io_dtype == "f16" and spec.norm.kind == "layernorm":  # ORT's fp16 kernel writes fp16
+            h = em.node("Cast", [em.node("Cast", [h], to=TensorProto.FLOAT16)], to=TensorProto.FLOAT)
     for i, layer in enumerate(spec.layers):
         m = em.node("MatMul", [h, f"W{i}"])
         a = em.node("Add", [m, f"B{i}"])
