@@ -22,7 +22,7 @@ import onnx
 
 from .cpu_policy import cpu_kernel_wins
 from .build import find_nvcc
-from .library import build_plugin, gated_refusal
+from .library import build_plugin, fusion_refusals
 from .errors import ConversionError
 from .loader import load_model
 from .passes import find_chains, rewrite
@@ -233,7 +233,7 @@ def convert(input_path, output_path=None, precision: str = AUTO, validate: bool 
     shapes = val.check_input_shapes(input_shapes, model) if input_shapes else None
     if with_cuda is None:
         with_cuda = find_nvcc() is not None
-    plan = find_chains(model, gated_refused=gated_refusal(with_cuda))
+    plan = find_chains(model, **fusion_refusals(with_cuda))
     result = ConversionResult(str(inp), str(out), precision, refusals=[r.reason for r in plan.refusals])
 
     tmpdir = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
@@ -537,7 +537,8 @@ def inspect(input_path, precision: str = AUTO, cache_dir=None, plan_options: Pla
     reason, or `precision` for all; the CUDA plan at that precision, with the wide kernels tuned for this
     GPU when the build cache holds them) and why other layers are not. On a fused model: the precision
     and reason convert recorded for each chain. `with_cuda`: the library convert would build (None: with
-    CUDA when nvcc is found), which decides whether gated layers fuse (library.gated_refusal)."""
+    CUDA when nvcc is found), which decides whether gated layers and transformer blocks' norms and residuals fuse
+    (library.fusion_refusals)."""
     from .build import default_cache_dir
     from .wide_tune import cached_plan
     cache = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
@@ -546,7 +547,7 @@ def inspect(input_path, precision: str = AUTO, cache_dir=None, plan_options: Pla
     model = load_model(input_path)
     if with_cuda is None:
         with_cuda = find_nvcc() is not None
-    plan = find_chains(model, gated_refused=gated_refusal(with_cuda))
+    plan = find_chains(model, **fusion_refusals(with_cuda))
     res = InspectResult(str(input_path), refusals=[r.reason for r in plan.refusals], plan=plan.describe())
     recorded = {p.key: p.value for p in model.metadata_props}.get(CHAINS_KEY)
     if recorded:
