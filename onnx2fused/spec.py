@@ -15,6 +15,12 @@ A transformer FFN block adds a prologue and an epilogue around the layers (issue
 `residual` (the block's input row added to the last layer's output). The name then reads
 `FusedMLP_64x256x64_ln_gelu_id_res_...` (`ln` / `rms` before the activations, `res` after them); both
 add to `key_text` only when present, so every other spec keeps its name and sources.
+
+`act_math` says how an fp16 chain's hidden activations are computed on the GPU: "packed" (the default:
+the pre-activations rounded to fp16 and the activation evaluated in fp16x2 arithmetic, two elements an
+instruction, where expr.PACKED_FORMS has a form for it) or "fp32" (evaluated in fp32, then rounded). A
+spec with act_math "fp32" and packable layers is written `fp16a32` and hashes differently; every other
+spec keeps its name.
 """
 from __future__ import annotations
 
@@ -24,6 +30,9 @@ from dataclasses import dataclass
 from . import expr as ex
 
 PRECISIONS = ("fp16", "bf16", "tf32", "fp32")
+# How fp16 chains' hidden activations are computed: "packed" (fp16x2 arithmetic on the rounded
+# pre-activations, expr.PACKED_FORMS, where the activation has such a form) or "fp32" (then rounded).
+ACT_MATHS = ("packed", "fp32")
 IO_DTYPES = ("f32", "f16")
 DOMAIN = "onnx2fused"
 OP_PREFIX = "FusedMLP"
@@ -98,8 +107,11 @@ class MLPSpec:
     io_dtype: str = "f32"
     norm: NormSpec | None = None  # normalise each input row before the first layer
     residual: bool = False        # add the input row to the last layer's output (needs K0 == N_last)
+    act_math: str = "packed"      # fp16 hidden layers: "packed" fp16x2 forms where one exists, or "fp32"
 
     def __post_init__(self):
+        if self.act_math not in ACT_MATHS:
+            raise SpecError(f"unknown activation arithmetic {self.act_math!r}; choose one of {', '.join(ACT_MATHS)}")
         if not self.layers:
             raise SpecError("a fused MLP needs at least one linear layer")
         if self.precision not in PRECISIONS:
@@ -115,6 +127,19 @@ class MLPSpec:
         if self.residual and self.widths[0] != self.widths[-1]:
             raise SpecError(f"a residual adds the input row to the output: widths {self.widths[0]} and "
                             f"{self.widths[-1]} differ")
+
+    @property
+    def packable_layers(self) -> frozenset[int]:
+        """Hidden layers of an fp16 chain whose activation has a packed fp16x2 form (expr.PACKED_FORMS):
+        with act_math "packed" the tensor-core kernels evaluate them on pairs of fp16 values."""
+        if self.precision != "fp16":
+            return frozenset()
+        return frozenset(i for i, l in enumerate(self.layers[:-1])
+                         if not l.gated and ex.packed_form(l.activation) is not None)
+
+    @property
+    def packed_layers(self) -> frozenset[int]:
+        return self.packable_layers if self.act_math == "packed" else frozenset()
 
     @property
     def has_block(self) -> bool:
@@ -160,6 +185,8 @@ class MLPSpec:
             parts.append(self.norm.key_text())
         if self.residual:
             parts.append("residual")
+        if self.act_math != "packed" and self.packable_layers:
+            parts.append(f"act:{self.act_math}")
         return "|".join(parts)
 
     @property
@@ -179,9 +206,10 @@ class MLPSpec:
         if self.residual:
             acts += "_res"
         digest = hashlib.sha256(self.key_text().encode()).hexdigest()[:8]
-        name = f"{OP_PREFIX}_{widths}_{acts}_{self.precision}_{self.io_dtype}_{digest}"
+        math = "a32" if self.act_math != "packed" and self.packable_layers else ""
+        name = f"{OP_PREFIX}_{widths}_{acts}_{self.precision}{math}_{self.io_dtype}_{digest}"
         if len(name) > MAX_NAME:  # deep chains: the name is also file names (`<name>_cuda.cu`, nvcc's temps)
             name = (f"{OP_PREFIX}_{self.widths[0]}to{self.widths[-1]}_{len(self.layers)}layers_"
-                    f"{self.precision}_{self.io_dtype}_{digest}")
+                    f"{self.precision}{math}_{self.io_dtype}_{digest}")
         assert name.isidentifier(), name  # it is a C symbol prefix
         return name

@@ -74,12 +74,12 @@ class Chain:
     def activations(self) -> list[ex.Expr]:
         return [l.activation for l in self.layers]
 
-    def to_spec(self, precision: str = "fp16") -> MLPSpec:
+    def to_spec(self, precision: str = "fp16", act_math: str = "packed") -> MLPSpec:
         norm = None if self.norm is None else NormSpec(self.norm.kind, self.norm.eps, self.norm.bias is not None)
         return MLPSpec(tuple(LayerSpec(l.linear.in_features, l.out_features, l.linear.has_bias, l.activation,
                                        gated=l.gated)
                              for l in self.layers), precision=precision, io_dtype=self.input_dtype,
-                       norm=norm, residual=self.residual)
+                       norm=norm, residual=self.residual, act_math=act_math)
 
     def activation_labels(self) -> list[str]:
         """Each layer's activation as reports print it (`gated silu`: a gated layer's gate activation)."""
