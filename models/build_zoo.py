@@ -15,6 +15,11 @@ up and down projections without bias, down(silu(gate(x)) * up(x)); geglu is timm
 fc1 of 2H outputs cut with `chunk`, fc2(gelu(a) * b) (the activation on the first half). Their widths
 are K0, H, N: the hidden width H is the gated product's.
 
+Transformer FFN blocks (issue 16, second stage; also `block`): preln is the pre-LN block
+x + fc2(gelu(fc1(LayerNorm(x)))); llama is LLaMA's MLP block with its hand-written RMSNorm,
+x + down(silu(gate(h)) * up(h)), h = x * rsqrt(mean(x^2) + eps) * weight. Their norms' weights (and
+LayerNorm's bias) are drawn at random, so that a fused block that dropped them could not pass.
+
 Deterministic: every model is built from a fixed seed (torch.manual_seed(SEED + index)).
 A model whose export fails is recorded in zoo.json under "failed" and skipped.
 
@@ -66,10 +71,15 @@ def model_table():
                        feature_shape=[64], sample_lead=[4], block="swiglu"),
         "geglu": dict(widths=[64, 128, 64], activation="Gelu", bias=True,
                       feature_shape=[64], sample_lead=[4], block="geglu"),
+        "preln": dict(widths=[64, 256, 64], activation="Gelu", bias=True,
+                      feature_shape=[64], sample_lead=[4], block="preln"),
+        "llama": dict(widths=[64, 128, 64], activation="Silu", bias=False,
+                      feature_shape=[64], sample_lead=[4], block="llama"),
     }
 
 
 def _gated(block: str, widths, act, bias: bool):
+    import torch
     import torch.nn as nn
 
     k, h, n = widths
@@ -96,7 +106,39 @@ def _gated(block: str, widths, act, bias: bool):
             a, b = self.fc1(x).chunk(2, dim=-1)
             return self.fc2(self.act(a) * b)
 
-    return {"swiglu": SwiGLU, "geglu": GluMlp}[block]()
+    class RMSNorm(nn.Module):  # LLaMA's, written out (not nn.RMSNorm): what the exporters see in most models
+        def __init__(self, dim, eps=1e-6):
+            super().__init__()
+            self.weight = nn.Parameter(1.0 + 0.1 * torch.randn(dim))
+            self.eps = eps
+
+        def forward(self, x):
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+    class PreLN(nn.Module):  # a pre-LN transformer's FFN sublayer
+        def __init__(self):
+            super().__init__()
+            self.norm = nn.LayerNorm(k)
+            with torch.no_grad():
+                self.norm.weight.copy_(1.0 + 0.1 * torch.randn(k))
+                self.norm.bias.copy_(0.1 * torch.randn(k))
+            self.fc1 = nn.Linear(k, h, bias=bias)
+            self.fc2 = nn.Linear(h, n, bias=bias)
+            self.act = act()
+
+        def forward(self, x):
+            return x + self.fc2(self.act(self.fc1(self.norm(x))))
+
+    class LlamaMLP(nn.Module):  # LLaMA's decoder MLP sublayer: RMSNorm, SwiGLU, residual
+        def __init__(self):
+            super().__init__()
+            self.norm = RMSNorm(k)
+            self.ffn = SwiGLU()
+
+        def forward(self, x):
+            return x + self.ffn(self.norm(x))
+
+    return {"swiglu": SwiGLU, "geglu": GluMlp, "preln": PreLN, "llama": LlamaMLP}[block]()
 
 
 def build_module(name: str, index: int):

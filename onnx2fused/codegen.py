@@ -19,6 +19,7 @@ import re
 from functools import lru_cache
 
 import jinja2
+import numpy as np
 
 from . import expr as ex
 from ._version import __version__
@@ -149,7 +150,21 @@ def cpu_params(spec: MLPSpec) -> dict:
         "last_buffer": "bufA" if last_src == "bufB" else "bufB",
         "any_gated": spec.has_gated,
         "layers": layers,
+        # a transformer block (spec.norm, spec.residual): '' / False leave the template's text as before
+        "norm": spec.norm.kind if spec.norm is not None else "",
+        "norm_eps": c_float(spec.norm.eps) if spec.norm is not None else "",
+        "norm_bias": "true" if spec.norm is not None and spec.norm.has_bias else "false",
+        "residual": spec.residual,
+        # fp16 I/O: ORT runs a model's LayerNormalization with its fp16 kernel, whose output is fp16 (the
+        # ops around it are cast to fp32): the kernel rounds the normalised row the same way
+        "norm_round_half": spec.io_dtype == "f16" and spec.norm is not None and spec.norm.kind == "layernorm",
     }
+
+
+def c_float(v: float) -> str:
+    """v as an exact C float literal (hexadecimal: no decimal rounding on either side)."""
+    mantissa, exponent = float(np.float32(v)).hex().split("p")
+    return f"{mantissa.rstrip('0').rstrip('.')}p{exponent}f"
 
 
 def cuda_template(plan: Plan) -> str:
@@ -240,6 +255,8 @@ def registry_params(specs: list[MLPSpec], with_cuda: bool, cpu_enabled: dict[str
             # a gated layer's weight is [K, 2N]: the plugin checks (and feeds the stock body) that shape;
             # '' (plain chains): the registry leaves the field out, so their sources do not change
             "weight_cols": ", ".join(str(l.weight_columns) for l in spec.layers) if spec.has_gated else "",
+            # the norm's inputs after the layers' (NS; NS, NB for a layer norm); 0: the field is left out
+            "norm_inputs": len(spec.norm.input_names) if spec.norm is not None else 0,
         })
     return {"version": __version__, "with_cuda": with_cuda, "kernels": kernels}
 

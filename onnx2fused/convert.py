@@ -22,14 +22,14 @@ import onnx
 
 from .cpu_policy import cpu_kernel_wins
 from .build import find_nvcc
-from .library import build_plugin, gated_refusal
+from .library import build_plugin, fusion_refusals
 from .errors import ConversionError
 from .loader import load_model
 from .passes import find_chains, rewrite
 from .plan.choose import make_plan, wgmma_note
 from .plan.options import PlanOptions
 from .plan.protocol import Plan
-from .precision import PrecisionChoice, chain_layers, choose_precision, next_precision
+from .precision import PrecisionChoice, chain_layers, choose_precision, next_step, step_label
 from .spec import PRECISIONS, SpecError
 from . import validate as val
 
@@ -108,6 +108,15 @@ def initial_precisions(model, chains, cases, with_cuda: bool, say) -> list[Preci
                                         f"({val._one_line(e)})") for _ in chains]
     return [choose_precision(chain_layers(c), ref[c.input], ref[c.output], range_check=True,
                              tolerances=val.TOLERANCES) for c in chains]
+
+
+def _next_step(chain, choice: PrecisionChoice) -> tuple[str, str] | None:
+    """Where a chain goes after its validation failed at `choice` (precision.next_step)."""
+    return next_step(choice.precision, choice.act_math, bool(chain.to_spec("fp16").packable_layers))
+
+
+def _step_label(chain, precision: str, act_math: str) -> str:
+    return step_label(precision, act_math, bool(chain.to_spec("fp16").packable_layers))
 
 
 def plan_specs(specs, options: PlanOptions) -> tuple[dict[str, Plan], dict[str, str]]:
@@ -233,7 +242,7 @@ def convert(input_path, output_path=None, precision: str = AUTO, validate: bool 
     shapes = val.check_input_shapes(input_shapes, model) if input_shapes else None
     if with_cuda is None:
         with_cuda = find_nvcc() is not None
-    plan = find_chains(model, gated_refused=gated_refusal(with_cuda))
+    plan = find_chains(model, **fusion_refusals(with_cuda))
     result = ConversionResult(str(inp), str(out), precision, refusals=[r.reason for r in plan.refusals])
 
     tmpdir = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
@@ -260,7 +269,7 @@ def convert(input_path, output_path=None, precision: str = AUTO, validate: bool 
         else:
             choices = [PrecisionChoice(precision, "asked for (--precision)") for _ in plan.chains]
 
-        for attempt in range(len(PRECISIONS)):
+        for attempt in range(len(PRECISIONS) + 1):   # + 1: fp16's two steps (packed, then fp32 activations)
             # each round in a folder of its own: a library that a session loaded must not be overwritten
             # (it is mapped), and dlopen would hand back the first one loaded from the same path
             round_dir = tmpdir / f"round{attempt}"
@@ -272,16 +281,20 @@ def convert(input_path, output_path=None, precision: str = AUTO, validate: bool 
             # Only the CUDA kernels compute at the chain's precision: a failure on the CPU EP (whose
             # kernels compute in fp32 whatever the label) is no reason to move a chain up.
             on_gpu = report is not None and report.provider == "CUDAExecutionProvider"
-            moving = [k for k in (report.chain_failures if (on_gpu and auto) else [])
-                      if next_precision(choices[k].precision)]
+            # auto moves a failed chain up the ladder; an explicit fp16 still moves from packed to fp32
+            # activations (the precision asked for, computed more exactly)
+            steps = {k: _next_step(plan.chains[k], choices[k]) for k in (report.chain_failures if on_gpu else [])}
+            moving = [k for k, st in steps.items() if st and (auto or st[0] == choices[k].precision)]
             if not moving:
                 break
             for k in moving:
-                old, new = choices[k].precision, next_precision(choices[k].precision)
+                old = _step_label(plan.chains[k], choices[k].precision, choices[k].act_math)
+                new_p, new_math = steps[k]
+                new = _step_label(plan.chains[k], new_p, new_math)
                 e = report.chain_errors[k] if k < len(report.chain_errors) and report.chain_errors[k] else None
                 detail = f"rel. L2 {e.rel_l2:.2g} on {report.provider}" if e else f"validation on {report.provider}"
-                choices[k] = PrecisionChoice(new, f"{old} failed ({detail}); " + choices[k].why,
-                                             noise=choices[k].noise)
+                choices[k] = PrecisionChoice(new_p, f"{old} failed ({detail}); " + choices[k].why,
+                                             noise=choices[k].noise, act_math=new_math)
                 say(f"chain {k}: {old} failed validation ({detail}); rebuilding it in {new}")
 
         specs, lib, data, tmp_model, tmp_lib, lib_name = built.specs, built.lib, built.data, built.model, built.lib_copy, built.lib_name
@@ -333,7 +346,7 @@ def _build_and_check(model, inp: Path, out: Path, plan, choices, with_cuda, opti
     cached: a chain moved to another precision recompiles only its own) -> fused model written into
     `tmpdir` -> validation."""
     try:
-        specs = [c.to_spec(ch.precision) for c, ch in zip(plan.chains, choices)]
+        specs = [c.to_spec(ch.precision, ch.act_math) for c, ch in zip(plan.chains, choices)]
     except SpecError as e:
         raise ConversionError(str(e)) from None
     unique = list({s.name: s for s in specs}.values())
@@ -537,7 +550,8 @@ def inspect(input_path, precision: str = AUTO, cache_dir=None, plan_options: Pla
     reason, or `precision` for all; the CUDA plan at that precision, with the wide kernels tuned for this
     GPU when the build cache holds them) and why other layers are not. On a fused model: the precision
     and reason convert recorded for each chain. `with_cuda`: the library convert would build (None: with
-    CUDA when nvcc is found), which decides whether gated layers fuse (library.gated_refusal)."""
+    CUDA when nvcc is found), which decides whether gated layers and transformer blocks' norms and residuals fuse
+    (library.fusion_refusals)."""
     from .build import default_cache_dir
     from .wide_tune import cached_plan
     cache = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
@@ -546,7 +560,7 @@ def inspect(input_path, precision: str = AUTO, cache_dir=None, plan_options: Pla
     model = load_model(input_path)
     if with_cuda is None:
         with_cuda = find_nvcc() is not None
-    plan = find_chains(model, gated_refused=gated_refusal(with_cuda))
+    plan = find_chains(model, **fusion_refusals(with_cuda))
     res = InspectResult(str(input_path), refusals=[r.reason for r in plan.refusals], plan=plan.describe())
     recorded = {p.key: p.value for p in model.metadata_props}.get(CHAINS_KEY)
     if recorded:
@@ -564,7 +578,7 @@ def inspect(input_path, precision: str = AUTO, cache_dir=None, plan_options: Pla
         choices = [PrecisionChoice(precision, "asked for (--precision)") for _ in plan.chains]
     for k, (c, ch) in enumerate(zip(plan.chains, choices)):
         try:
-            s = c.to_spec(ch.precision)
+            s = c.to_spec(ch.precision, ch.act_math)
         except SpecError as e:
             raise ConversionError(str(e)) from None
         plans, errors = plan_specs([s], options)

@@ -9,6 +9,10 @@ pass over memory per elementwise op):
    block streams all of the chain's weights. While they stay in a core's L2/L3 (<= MAX_WEIGHT_BYTES)
    that is cheap and fusion saves stock ORT's round trips of every intermediate tensor through memory;
    above it, MLAS's blocked GEMMs, which reuse each weight panel over many more rows, win.
+   A transformer block's norm in front and residual behind (spec.norm, spec.residual) are one pass
+   each over rows the kernel holds in cache anyway (stock ORT: a LayerNormalization or 7 RMSNorm ops
+   and an Add, each a round trip through memory); they add their K0-long parameters to the bytes and
+   never decline the kernel.
 2. Activations: the kernel's epilogue is vectorised only for activations built from ops with a
    vectorisable form in the generated code (arithmetic, compare/select, min/max, abs, sqrt, and the
    template's own exp, log, log1p, erf, tanh, hence sigmoid, softplus, GELU, SiLU, Mish, ELU). An op in
@@ -39,8 +43,10 @@ SCALAR_OPS = {"pow": "powf", "sin": "sinf", "cos": "cosf", "tan": "tanf", "sinh"
 
 
 def weight_bytes(spec: MLPSpec) -> int:
-    """fp32 weight bytes the kernel streams per row block: a gated layer's GEMM is 2N wide (gate and up)."""
-    return sum(4 * l.in_features * l.weight_columns for l in spec.layers)
+    """fp32 weight bytes the kernel streams per row block: a gated layer's GEMM is 2N wide (gate and up);
+    a norm in front adds its scale (and bias)."""
+    norm = 0 if spec.norm is None else 4 * spec.widths[0] * len(spec.norm.input_names)
+    return norm + sum(4 * l.in_features * l.weight_columns for l in spec.layers)
 
 
 def scalar_ops(e: ex.Expr) -> list[str]:
@@ -69,4 +75,7 @@ def cpu_kernel_wins(spec: MLPSpec) -> tuple[bool, str]:
             calls = ", ".join(SCALAR_OPS[s] for s in slow)
             return False, (f"stock ops on the CPU (layer {i}'s activation needs scalar {calls} per element "
                            "in the fused kernel; stock ORT vectorises it)")
-    return True, f"fused CPU kernel (weights {wb / 1024:.0f} KiB <= {MAX_WEIGHT_BYTES / 2**20:g} MiB, vectorised activations)"
+    block = ((f", {spec.norm.label} in front" if spec.norm is not None else "")
+             + (", residual behind" if spec.residual else ""))
+    return True, (f"fused CPU kernel (weights {wb / 1024:.0f} KiB <= {MAX_WEIGHT_BYTES / 2**20:g} MiB, "
+                  f"vectorised activations{block})")

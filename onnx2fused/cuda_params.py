@@ -14,15 +14,18 @@ def act_params(spec: MLPSpec, padded_widths: list[int]) -> list[dict]:
     """Each layer's activation code, and its per-channel constant arrays sized to the columns the kernel
     computes (`padded_widths`). Hidden layers of the tensor-core kernel round their activations to
     fp16/bf16/tf32 at once: they use the fast intrinsic forms. The last layer (written in the io type) and
-    fp32 keep libm's."""
+    fp32 keep libm's. `packed`: the fp16x2 function of a hidden layer whose pair of outputs is computed in
+    packed fp16 arithmetic (spec.packed_layers), else ""."""
     out = []
+    packed = spec.packed_layers
     for i, (l, size) in enumerate(zip(spec.layers, padded_widths)):
         arrays = ex.chan_arrays(l.activation, f"kChan{i}_")
         fast = spec.precision in ELEM_BYTES and i < len(spec.layers) - 1
         chans = [{"name": name, "size": size, "init": ex.c_array_values(c, size)} for c, name in arrays.items()]
         out.append({"index": i, "chans": chans,
                     "code": ex.render_c(l.activation, "v", fast=fast, col="col", arrays=arrays,
-                                        load="__ldg(&{array}[{col}])")})
+                                        load="__ldg(&{array}[{col}])"),
+                    "packed": ex.packed_form(l.activation).device if i in packed else ""})
     return out
 
 

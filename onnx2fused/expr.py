@@ -390,6 +390,54 @@ NAMED = _named()
 FAST_WHOLE[gelu_erf()] = lambda a: f"o2f_gelu_fast({a})"
 
 
+# ------------------------------------------------------------------------------ packed fp16x2 forms
+@dataclass(frozen=True)
+class PackedForm:
+    """An activation evaluated on a pair of fp16 values in fp16x2 arithmetic (templates/o2f_packed_act.cuh):
+    the tensor-core kernels' hidden layers of fp16 chains with act_math "packed". `device` names the CUDA
+    function of a __half2; `model` computes the same on float16 arrays op by op (each step rounded to fp16
+    as the hardware's HMUL2/HFMA2 round), for the numerics model in precision.py."""
+    device: str
+    model: Callable[[np.ndarray], np.ndarray]
+
+
+def _h16(v: float) -> np.float16:
+    return np.float16(v)
+
+
+def _tanh16(u: np.ndarray) -> np.ndarray:
+    with np.errstate(all="ignore"):
+        return np.tanh(u.astype(np.float32)).astype(np.float16)
+
+
+def _sigmoid16(x: np.ndarray) -> np.ndarray:
+    with np.errstate(all="ignore"):
+        return (_tanh16(x * _h16(0.5)) * _h16(0.5) + _h16(0.5)).astype(np.float16)
+
+
+def _gelu16(x: np.ndarray) -> np.ndarray:
+    with np.errstate(all="ignore"):
+        x2 = x * x
+        u = (x2 * _h16(0.7978845608 * 0.044715) + _h16(0.7978845608)) * x
+        hx = x * _h16(0.5)
+        return hx * _tanh16(u) + hx
+
+
+PACKED_FORMS: dict[Expr, PackedForm] = {
+    relu(): PackedForm("o2f_h2_relu", lambda x: np.where(np.isnan(x), x, np.maximum(x, _h16(0.0)))),
+    tanh(): PackedForm("o2f_h2_tanh", _tanh16),
+    sigmoid(): PackedForm("o2f_h2_sigmoid", _sigmoid16),
+    silu(): PackedForm("o2f_h2_silu", lambda x: (x * _sigmoid16(x)).astype(np.float16)),
+    gelu_erf(): PackedForm("o2f_h2_gelu", _gelu16),
+    gelu_tanh(): PackedForm("o2f_h2_gelu", _gelu16),
+}
+
+
+def packed_form(e: Expr) -> PackedForm | None:
+    """The fp16x2 form of activation `e`, or None (the fp32 forms then)."""
+    return PACKED_FORMS.get(e)
+
+
 @dataclass(frozen=True, eq=True)
 class _Slot(Expr):
     """Stands for any per-channel constant in the shapes of PER_CHANNEL_NAMED."""

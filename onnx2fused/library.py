@@ -17,7 +17,7 @@ from .codegen import render
 from .errors import ConversionError
 from .plan.choose import make_plans
 from .plan.options import PlanOptions
-from .spec import GATED_NO_CUDA
+from .spec import BLOCK_NO_CUDA, GATED_NO_CUDA
 
 
 def resolve_with_cuda(with_cuda: bool | None) -> bool:
@@ -36,6 +36,20 @@ def gated_refusal(with_cuda: bool) -> str | None:
     one op: the CUDA EP would find no kernel for it and run the whole block on the CPU EP, with copies
     each way. There the chain is split where it was before (its linear layers fuse on their own)."""
     return GATED_NO_CUDA if with_cuda else None
+
+
+def block_refusal(with_cuda: bool) -> str | None:
+    """The same for a transformer block's norm in front and residual Add behind (passes/block.py): None,
+    the library fuses them; else the reason (a template naming which: spec.BLOCK_NO_CUDA), as
+    `find_chains(model, block_refused=...)` takes it. Only the CPU kernel computes them; with CUDA
+    kernels they stay stock ops and the layers between them fuse as before."""
+    return BLOCK_NO_CUDA if with_cuda else None
+
+
+def fusion_refusals(with_cuda: bool) -> dict[str, str | None]:
+    """What a library with or without CUDA kernels cannot fuse, as find_chains' keyword arguments:
+    `find_chains(model, **fusion_refusals(with_cuda))` (convert, inspect)."""
+    return {"gated_refused": gated_refusal(with_cuda), "block_refused": block_refusal(with_cuda)}
 
 
 def build_plugin(specs, with_cuda: bool | None = None, cache_dir=None, cpu_enabled=None,

@@ -2,7 +2,9 @@
 
     choose_precisions(chains, reference, with_cuda) -> [PrecisionChoice]
 
-The ladder is fp16 -> bf16 -> tf32 -> fp32 (fastest first). Each chain is judged on its own: its input
+The ladder is fp16 -> bf16 -> tf32 -> fp32 (fastest first); fp16 is tried with the hidden activations
+in packed fp16x2 arithmetic first (act_math "packed", expr.PACKED_FORMS; reports say `fp16`) and then,
+where the chain has such layers, with fp32 activations (`fp16a32`). Each chain is judged on its own: its input
 and output tensors come from stock ONNX Runtime running the original model on the validation inputs
 (`reference`: tensor name -> list of arrays, one per input set), and a NUMERICS MODEL of the CUDA
 kernels computes the chain at each precision from that reference input. The first precision whose
@@ -14,6 +16,9 @@ The numerics model is what every tensor-core design does (docs/DESIGN.md):
                   products summed in fp32 from a bias-initialised accumulator, the activation in fp32,
                   each hidden activation rounded to the 16-bit type before the next layer (registers or
                   the wide design's 16-bit intermediates alike), the last layer's output in fp32;
+                  fp16 packed layers: the pre-activation rounded to fp16, the activation's packed form
+                  evaluated in float16 op by op (the wide design computes these in fp32: the model is
+                  then a little pessimistic);
     tf32          weights rounded to tf32 (cvt.rna: to nearest, ties away from zero), activations
                   carried as two tf32 terms (hi + lo), i.e. within ~2^-22 of fp32: modelled as exact;
     fp32          CUDA cores, exact.
@@ -51,8 +56,9 @@ MARGIN = 0.8
 class PrecisionChoice:
     precision: str
     why: str                                  # one line: why this one (and why not the faster ones)
-    errors: dict[str, float] | None = None    # modelled rel L2 per precision tried
+    errors: dict[str, float] | None = None    # modelled rel L2 per step tried ("fp16", "fp16a32", "bf16", ...)
     noise: float = 0.0                        # stock fp32 vs float64-accumulated fp32: the chain's conditioning
+    act_math: str = "packed"                  # fp16: hidden activations in packed fp16x2 forms, or "fp32"
 
     def tolerance(self, tolerances: dict[str, float]) -> float:
         """What validation holds this chain to: its precision's tolerance, or more for an ill-conditioned
@@ -64,6 +70,20 @@ def next_precision(precision: str) -> str | None:
     """The next slower, more exact precision of the ladder, or None after fp32."""
     i = LADDER.index(precision)
     return LADDER[i + 1] if i + 1 < len(LADDER) else None
+
+
+def next_step(precision: str, act_math: str, has_packed: bool) -> tuple[str, str] | None:
+    """The step after (precision, act_math): fp16 with packed activations -> fp16 with fp32 activations
+    (where the chain has packed layers) -> bf16 -> tf32 -> fp32; None after fp32."""
+    if precision == "fp16" and act_math == "packed" and has_packed:
+        return "fp16", "fp32"
+    p = next_precision(precision)
+    return (p, "packed") if p else None
+
+
+def step_label(precision: str, act_math: str, has_packed: bool) -> str:
+    """How reports name a step: `fp16` (packed activations where the chain has them) or `fp16a32`."""
+    return precision + ("a32" if precision == "fp16" and act_math == "fp32" and has_packed else "")
 
 
 # ------------------------------------------------------------------------------------------ rounding
@@ -104,13 +124,27 @@ class ChainRun:
 
 def chain_layers(chain) -> list[SimpleNamespace]:
     """A found chain's layers (passes.find_chains) as model_chain reads them (weight [K, N], bias, activation)."""
-    return [SimpleNamespace(weight=l.linear.weight, bias=l.linear.bias, activation=l.activation)
-            for l in chain.layers]
+    return [SimpleNamespace(weight=l.linear.weight, bias=l.linear.bias, activation=l.activation,
+                            gated=getattr(l, "gated", False)) for l in chain.layers]
 
 
-def model_chain(layers, x: np.ndarray, precision: str) -> ChainRun:
+def _packed(layers, i: int, precision: str, act_math: str) -> ex.PackedForm | None:
+    """Layer i's packed fp16x2 form where the kernel uses it (as MLPSpec.packed_layers decides)."""
+    if precision != "fp16" or act_math != "packed" or i + 1 >= len(layers) or getattr(layers[i], "gated", False):
+        return None
+    return ex.packed_form(layers[i].activation)
+
+
+def packable(layers) -> bool:
+    """Whether an fp16 chain of these layers has hidden activations with packed forms (act_math matters)."""
+    return any(_packed(layers, i, "fp16", "packed") for i in range(len(layers)))
+
+
+def model_chain(layers, x: np.ndarray, precision: str, act_math: str = "packed") -> ChainRun:
     """Run a chain's layers (objects with .weight [K, N], .bias [N] or None, .activation Expr) on the
-    rows `x` (..., K0) as the CUDA kernel at `precision` computes them."""
+    rows `x` (..., K0) as the CUDA kernel at `precision` computes them. A packed layer (fp16, act_math
+    "packed") rounds its pre-activations to fp16, which the range check then covers too, and evaluates
+    the activation's fp16x2 form op by op in float16."""
     rnd, rnd_w = ROUND_OPERAND[precision], ROUND_WEIGHT[precision]
     h = np.asarray(x, np.float32).reshape(-1, np.shape(x)[-1])
     peak = _finite_peak(h)
@@ -121,6 +155,14 @@ def model_chain(layers, x: np.ndarray, precision: str) -> ChainRun:
             acc = h.astype(np.float64) @ w
         if layer.bias is not None:
             acc += np.asarray(layer.bias, np.float64)
+        form = _packed(layers, i, precision, act_math)
+        if form is not None:
+            pre = acc.astype(np.float32)
+            peak = max(peak, _finite_peak(pre))
+            with np.errstate(all="ignore"):
+                h = form.model(pre.astype(np.float16)).astype(np.float32)
+            peak = max(peak, _finite_peak(h))
+            continue
         h = ex.evaluate(layer.activation, acc.astype(np.float32))
         if i + 1 < len(layers):
             peak = max(peak, _finite_peak(h))
@@ -156,22 +198,29 @@ def choose_precision(layers, inputs: list[np.ndarray], outputs: list[np.ndarray]
     ill = NOISE_FACTOR * noise > tolerances["fp32"]
     note = (f"; ill-conditioned: stock fp32 itself is {noise:.2g} from the float64-accumulated result, "
             f"so validation allows {NOISE_FACTOR:g}x that") if ill else ""
-    for p in LADDER[LADDER.index(start):]:
+    has_packed = packable(layers)
+    step: tuple[str, str] | None = (start, "packed")
+    while step is not None:
+        p, math = step
+        label = step_label(p, math, has_packed)
         if p == "fp32":
             why = "exact (CUDA cores)" + (f"; {'; '.join(refused)}" if refused else "") + note
             return PrecisionChoice("fp32", why, errors, noise)
-        runs = [model_chain(layers, x, p) for x in inputs]
+        step = next_step(p, math, has_packed)
+        runs = [model_chain(layers, x, p, math) for x in inputs]
         err = max((rel_l2(r.output, y) for r, y in zip(runs, outputs)), default=0.0)
-        errors[p] = err
+        errors[label] = err
         peak = max((r.peak_stored for r in runs), default=0.0)
         if p == "fp16" and range_check and peak > FP16_MAX:
-            refused.append(f"fp16: intermediate values reach {peak:.4g} > {FP16_MAX:g} (overflow)")
+            refused.append(f"{label}: intermediate values reach {peak:.4g} > {FP16_MAX:g} (overflow)")
             continue
         limit = MARGIN * max(tolerances[p], NOISE_FACTOR * noise)
         if err <= limit:
-            why = f"modelled rel. L2 {err:.2g} <= {limit:.2g}" + (f"; {'; '.join(refused)}" if refused else "") + note
-            return PrecisionChoice(p, why, errors, noise)
-        refused.append(f"{p}: modelled rel. L2 {_fmt(err)} > {limit:.2g}")
+            how = " (packed fp16 activations)" if label == "fp16" and has_packed else ""
+            why = (f"modelled rel. L2 {err:.2g} <= {limit:.2g}{how}" + (f"; {'; '.join(refused)}" if refused else "")
+                   + note)
+            return PrecisionChoice(p, why, errors, noise, math)
+        refused.append(f"{label}: modelled rel. L2 {_fmt(err)} > {limit:.2g}")
     raise AssertionError("the ladder ends with fp32")  # pragma: no cover
 
 

@@ -9,6 +9,18 @@ input/output element type, and a hash of everything (activations' full expressio
 A gated layer (SwiGLU, GeGLU: `act(x Wg + bg) * (x Wu + bu)`, H outputs) is written `g` + its gate's
 activation (`gsilu`, `ggelu_erf`); its weight is one [K, 2H] matrix, gate columns first, and its bias 2H
 long. Only gated layers add to `key_text`, so every non-gated spec keeps its name.
+
+A transformer FFN block adds a prologue and an epilogue around the layers (issue 16, second stage):
+`norm` (a `NormSpec`: LayerNormalization or RMSNorm of each input row, before the first layer) and
+`residual` (the block's input row added to the last layer's output). The name then reads
+`FusedMLP_64x256x64_ln_gelu_id_res_...` (`ln` / `rms` before the activations, `res` after them); both
+add to `key_text` only when present, so every other spec keeps its name and sources.
+
+`act_math` says how an fp16 chain's hidden activations are computed on the GPU: "packed" (the default:
+the pre-activations rounded to fp16 and the activation evaluated in fp16x2 arithmetic, two elements an
+instruction, where expr.PACKED_FORMS has a form for it) or "fp32" (evaluated in fp32, then rounded). A
+spec with act_math "fp32" and packable layers is written `fp16a32` and hashes differently; every other
+spec keeps its name.
 """
 from __future__ import annotations
 
@@ -18,6 +30,9 @@ from dataclasses import dataclass
 from . import expr as ex
 
 PRECISIONS = ("fp16", "bf16", "tf32", "fp32")
+# How fp16 chains' hidden activations are computed: "packed" (fp16x2 arithmetic on the rounded
+# pre-activations, expr.PACKED_FORMS, where the activation has such a form) or "fp32" (then rounded).
+ACT_MATHS = ("packed", "fp32")
 IO_DTYPES = ("f32", "f16")
 DOMAIN = "onnx2fused"
 OP_PREFIX = "FusedMLP"
@@ -28,6 +43,9 @@ SPEC_VERSION = 1  # bump when the meaning of a spec (and so of every generated k
 # Why a library with CUDA kernels does not fuse gated layers (library.gated_refusal decides; plan.choose
 # refuses a gated spec with it too).
 GATED_NO_CUDA = "gated layer: no CUDA kernel yet (CPU-only libraries fuse it)"
+# The same for a transformer block's prologue and epilogue (library.block_refusal); `{what}` names it.
+BLOCK_NO_CUDA = "{what}: no CUDA kernel yet (CPU-only libraries fuse it)"
+NORM_KINDS = {"layernorm": ("ln", "layer norm"), "rmsnorm": ("rms", "RMS norm")}  # kind -> (name tag, label)
 
 
 class SpecError(ValueError):
@@ -49,12 +67,51 @@ class LayerSpec:
 
 
 @dataclass(frozen=True)
+class NormSpec:
+    """A normalisation of each input row (the last axis, K0 wide), in fp32, before the first layer:
+        layernorm: (x - mean) / sqrt(mean(x^2) - mean^2 + eps) * scale + bias   (as ORT's LayerNormalization)
+        rmsnorm:   x * (1 / sqrt(mean(x^2) + eps)) * scale
+    Its scale and bias are the fused op's inputs NS, NB ([K0] each; NB zeros without a bias)."""
+    kind: str           # "layernorm" or "rmsnorm"
+    eps: float          # as the model stores it (float32)
+    has_bias: bool = False  # layernorm's beta; never for rmsnorm
+
+    def __post_init__(self):
+        if self.kind not in NORM_KINDS:
+            raise SpecError(f"unknown normalisation {self.kind!r}; choose one of {', '.join(NORM_KINDS)}")
+        if self.kind == "rmsnorm" and self.has_bias:
+            raise SpecError("an RMS norm has no bias")
+
+    @property
+    def input_names(self) -> tuple[str, ...]:
+        """The fused op's inputs after the layers' W_i, B_i: the scale NS [K0], and for a layer norm its
+        bias NB [K0] too (zeros without one: LayerNormalization in the stock body takes it as it is)."""
+        return ("NS", "NB") if self.kind == "layernorm" else ("NS",)
+
+    @property
+    def tag(self) -> str:
+        return NORM_KINDS[self.kind][0]
+
+    @property
+    def label(self) -> str:
+        return NORM_KINDS[self.kind][1]
+
+    def key_text(self) -> str:
+        return f"norm:{self.kind}:{float(self.eps).hex()}:{int(self.has_bias)}"
+
+
+@dataclass(frozen=True)
 class MLPSpec:
     layers: tuple[LayerSpec, ...]
     precision: str = "fp16"
     io_dtype: str = "f32"
+    norm: NormSpec | None = None  # normalise each input row before the first layer
+    residual: bool = False        # add the input row to the last layer's output (needs K0 == N_last)
+    act_math: str = "packed"      # fp16 hidden layers: "packed" fp16x2 forms where one exists, or "fp32"
 
     def __post_init__(self):
+        if self.act_math not in ACT_MATHS:
+            raise SpecError(f"unknown activation arithmetic {self.act_math!r}; choose one of {', '.join(ACT_MATHS)}")
         if not self.layers:
             raise SpecError("a fused MLP needs at least one linear layer")
         if self.precision not in PRECISIONS:
@@ -67,6 +124,27 @@ class MLPSpec:
         for i, layer in enumerate(self.layers):
             if layer.in_features < 1 or layer.out_features < 1:
                 raise SpecError(f"layer {i} has an empty dimension ({layer.in_features} -> {layer.out_features})")
+        if self.residual and self.widths[0] != self.widths[-1]:
+            raise SpecError(f"a residual adds the input row to the output: widths {self.widths[0]} and "
+                            f"{self.widths[-1]} differ")
+
+    @property
+    def packable_layers(self) -> frozenset[int]:
+        """Hidden layers of an fp16 chain whose activation has a packed fp16x2 form (expr.PACKED_FORMS):
+        with act_math "packed" the tensor-core kernels evaluate them on pairs of fp16 values."""
+        if self.precision != "fp16":
+            return frozenset()
+        return frozenset(i for i, l in enumerate(self.layers[:-1])
+                         if not l.gated and ex.packed_form(l.activation) is not None)
+
+    @property
+    def packed_layers(self) -> frozenset[int]:
+        return self.packable_layers if self.act_math == "packed" else frozenset()
+
+    @property
+    def has_block(self) -> bool:
+        """A norm in front or a residual behind (a transformer FFN block): CPU kernels only, for now."""
+        return self.norm is not None or self.residual
 
     @property
     def widths(self) -> tuple[int, ...]:
@@ -86,11 +164,16 @@ class MLPSpec:
 
     @property
     def num_parameters(self) -> int:
-        return sum(l.in_features * l.weight_columns + (l.weight_columns if l.has_bias else 0) for l in self.layers)
+        norm = 0 if self.norm is None else self.widths[0] * (2 if self.norm.has_bias else 1)
+        return norm + sum(l.in_features * l.weight_columns + (l.weight_columns if l.has_bias else 0)
+                          for l in self.layers)
 
     def describe(self) -> str:
         acts = ", ".join(self.activation_names)
-        return f"{' -> '.join(map(str, self.widths))} [{acts}] {self.precision}"
+        text = f"{' -> '.join(map(str, self.widths))} [{acts}] {self.precision}"
+        if self.norm is not None:
+            text = f"{self.norm.label} -> " + text
+        return text + (" + residual" if self.residual else "")
 
     def key_text(self) -> str:
         """Everything that shapes the generated code, as canonical text."""
@@ -98,6 +181,12 @@ class MLPSpec:
         for l in self.layers:
             parts.append(f"{l.in_features}x{l.out_features}:{int(l.has_bias)}:{ex.to_text(l.activation)}"
                          + (":gated" if l.gated else ""))
+        if self.norm is not None:
+            parts.append(self.norm.key_text())
+        if self.residual:
+            parts.append("residual")
+        if self.act_math != "packed" and self.packable_layers:
+            parts.append(f"act:{self.act_math}")
         return "|".join(parts)
 
     @property
@@ -112,10 +201,15 @@ class MLPSpec:
         acts = "_".join(a if n == 1 else f"{a}{n}" for a, n in runs)
         if not all(l.has_bias for l in self.layers):
             acts += "_nobias" if not any(l.has_bias for l in self.layers) else "_somebias"
+        if self.norm is not None:
+            acts = f"{self.norm.tag}_{acts}"
+        if self.residual:
+            acts += "_res"
         digest = hashlib.sha256(self.key_text().encode()).hexdigest()[:8]
-        name = f"{OP_PREFIX}_{widths}_{acts}_{self.precision}_{self.io_dtype}_{digest}"
+        math = "a32" if self.act_math != "packed" and self.packable_layers else ""
+        name = f"{OP_PREFIX}_{widths}_{acts}_{self.precision}{math}_{self.io_dtype}_{digest}"
         if len(name) > MAX_NAME:  # deep chains: the name is also file names (`<name>_cuda.cu`, nvcc's temps)
             name = (f"{OP_PREFIX}_{self.widths[0]}to{self.widths[-1]}_{len(self.layers)}layers_"
-                    f"{self.precision}_{self.io_dtype}_{digest}")
+                    f"{self.precision}{math}_{self.io_dtype}_{digest}")
         assert name.isidentifier(), name  # it is a C symbol prefix
         return name

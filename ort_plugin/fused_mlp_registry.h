@@ -8,6 +8,8 @@ namespace onnx2fused {
 
 // CPU kernel of one spec: rows x widths[0] -> rows x widths[num_layers]. x/y are float or uint16_t (fp16)
 // per io_is_half; w[i] is the [K_i, N_i] float32 weight (MatMul layout), b[i] the [N_i] float32 bias.
+// A transformer block's norm (norm_inputs > 0): w[num_layers] is its scale NS [K0], b[num_layers] its
+// bias NB [K0] (a layer norm; nullptr for an RMS norm). A residual needs nothing: the kernel adds x.
 // threads <= 1 runs on the calling thread; more splits the rows over that many std::threads.
 typedef void (*CpuFn)(const void* x, void* y, int64_t rows, const float* const* w, const float* const* b,
                       int threads);
@@ -31,6 +33,8 @@ struct KernelEntry {
                                   // streams must not overlap; 0: it only reads the packed weights
   const int64_t* weight_cols = nullptr;  // num_layers values: columns of W_i and length of B_i (2 N_i for a
                                          // gated layer); nullptr: N_i for every layer (no gated layer)
+  int norm_inputs = 0;            // inputs after the layers' W_i, B_i: 1 (RMS norm: NS [K0]), 2 (layer norm:
+                                  // NS, NB [K0]), 0 (no norm in front)
 };
 
 // Defined by the generated registry.cc.

@@ -9,7 +9,8 @@
 //     load ("Could not find an implementation"; docs/DESIGN.md, "The CPU path").
 //   - a CUDA-EP op when the library is built with -DONNX2FUSED_WITH_CUDA.
 // Inputs: X [..., K0] (float32 or float16), then W_i [K_i, N_i] and B_i [N_i] (float32) per layer
-// ([K_i, 2 N_i] and [2 N_i] for a gated layer: KernelEntry::weight_cols).
+// ([K_i, 2 N_i] and [2 N_i] for a gated layer: KernelEntry::weight_cols), then a transformer block's norm
+// parameters (KernelEntry::norm_inputs): NS [K0] (scale), and NB [K0] (bias) for a layer norm, float32.
 // Output: Y [..., N_last], the element type of X. Bad inputs give an ORT error naming the expected shape.
 #define ORT_API_MANUAL_INIT
 #include "onnxruntime_cxx_api.h"
@@ -70,7 +71,12 @@ ONNXTensorElementDataType IoType(const KernelEntry& e) {
   return e.io_is_half ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
 }
 
-// The checked inputs and the allocated output of one Compute call.
+size_t InputCount(const KernelEntry& e) { return static_cast<size_t>(1 + 2 * e.num_layers + e.norm_inputs); }
+
+const char* const kNormInputs[2] = {"NS", "NB"};  // the norm's scale and bias (layer norm), after the layers'
+
+// The checked inputs and the allocated output of one Compute call. With a norm in front, w and b hold
+// one more entry: its scale NS and its bias NB (nullptr without one), as the CPU kernel takes them.
 struct Call {
   const void* x = nullptr;
   void* y = nullptr;
@@ -82,9 +88,10 @@ struct Call {
 OrtStatusPtr Prepare(const KernelEntry& e, Ort::KernelContext& ctx, Call& call) {
   const int L = e.num_layers;
   const std::string op = std::string(kDomain) + "." + e.name;
-  if (ctx.GetInputCount() != static_cast<size_t>(1 + 2 * L)) {
+  if (ctx.GetInputCount() != InputCount(e)) {
     std::ostringstream s;
-    s << op << ": expected " << 1 + 2 * L << " inputs (X, then W_i, B_i for " << L << " layers), got "
+    s << op << ": expected " << InputCount(e) << " inputs (X, then W_i, B_i for " << L << " layers"
+      << (e.norm_inputs == 2 ? ", then NS, NB" : e.norm_inputs == 1 ? ", then NS" : "") << "), got "
       << ctx.GetInputCount();
     return Error(ORT_INVALID_ARGUMENT, s.str());
   }
@@ -125,6 +132,23 @@ OrtStatusPtr Prepare(const KernelEntry& e, Ort::KernelContext& ctx, Call& call) 
     }
     call.w[i] = W.GetTensorData<float>();
     call.b[i] = B.GetTensorData<float>();
+  }
+  if (e.norm_inputs > 0) {
+    const float* norm[2] = {nullptr, nullptr};
+    for (int j = 0; j < e.norm_inputs; ++j) {
+      Ort::ConstValue P = ctx.GetInput(1 + 2 * L + j);
+      auto pinfo = P.GetTensorTypeAndShapeInfo();
+      std::vector<int64_t> ps = pinfo.GetShape();
+      if (pinfo.GetElementType() != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT || ps != std::vector<int64_t>{K0}) {
+        std::ostringstream s;
+        s << op << ": norm input " << kNormInputs[j] << " must be float32 [" << K0 << "], got "
+          << TypeName(pinfo.GetElementType()) << " " << ShapeText(ps);
+        return Error(ORT_INVALID_ARGUMENT, s.str());
+      }
+      norm[j] = P.GetTensorData<float>();
+    }
+    call.w.push_back(norm[0]);
+    call.b.push_back(norm[1]);
   }
   int64_t rows = 1;
   for (size_t d = 0; d + 1 < xshape.size(); ++d) rows *= xshape[d];
@@ -277,6 +301,7 @@ struct StockCpuKernel {
       input_names.push_back("W" + std::to_string(i));
       input_names.push_back("B" + std::to_string(i));
     }
+    for (int j = 0; j < e->norm_inputs; ++j) input_names.push_back(kNormInputs[j]);
     for (auto& n : input_names) input_ptrs.push_back(n.c_str());
   }
 
@@ -287,7 +312,7 @@ struct StockCpuKernel {
     const ONNXTensorElementDataType io = IoType(*e);
     const int64_t K0 = e->widths[0], NL = e->widths[L];
     std::vector<Ort::Value> ins;
-    ins.reserve(1 + 2 * L);
+    ins.reserve(InputCount(*e));
     int64_t xshape[2] = {n, K0}, yshape[2] = {n, NL};
     char* x = const_cast<char*>(static_cast<const char*>(call.x)) + r0 * K0 * elem;
     ins.push_back(Ort::Value::CreateTensor(cpu, x, n * K0 * elem, xshape, 2, io));
@@ -297,6 +322,11 @@ struct StockCpuKernel {
                                                    static_cast<size_t>(wshape[0] * wshape[1]), wshape, 2));
       ins.push_back(Ort::Value::CreateTensor<float>(cpu, const_cast<float*>(call.b[i]),
                                                    static_cast<size_t>(bshape[0]), bshape, 1));
+    }
+    for (int j = 0; j < e->norm_inputs; ++j) {  // NS = w[L], NB = b[L] (Prepare)
+      int64_t pshape[1] = {K0};
+      const float* p = j == 0 ? call.w[L] : call.b[L];
+      ins.push_back(Ort::Value::CreateTensor<float>(cpu, const_cast<float*>(p), static_cast<size_t>(K0), pshape, 1));
     }
     char* y = static_cast<char*>(call.y) + r0 * NL * elem;
     Ort::Value out = Ort::Value::CreateTensor(cpu, y, n * NL * elem, yshape, 2, io);
@@ -499,7 +529,7 @@ struct FusedOp : Ort::CustomOpBase<FusedOp<Kernel>, Kernel, true> {
   }
   const char* GetName() const { return e->name; }
   const char* GetExecutionProviderType() const { return ep; }
-  size_t GetInputTypeCount() const { return static_cast<size_t>(1 + 2 * e->num_layers); }
+  size_t GetInputTypeCount() const { return InputCount(*e); }
   ONNXTensorElementDataType GetInputType(size_t i) const {
     return i == 0 ? IoType(*e) : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
   }

@@ -1,6 +1,6 @@
 // o2f_fused_epilogue.cuh: the tensor-core kernels' accumulator start (bias) and epilogues (hidden
 // layer into shared memory, last layer to global memory). Static device code included inside the
-// generated kernel's anonymous namespace, after elem_t, io_t, act<L>, store2 and the o2f_fused_io helpers.
+// generated kernel's anonymous namespace, after elem_t, io_t, act<L>, store_act2 and the o2f_fused_io helpers.
 #pragma once
 // Accumulators start at the bias (`bias` at the layer's first column, `col0` the warp's first
 // column), which saves the epilogue an add per element.
@@ -17,8 +17,9 @@ __device__ __forceinline__ void init_acc(float (&acc)[MT][NT8][4], int col0, con
   }
 }
 
-// Hidden layer epilogue: activation in fp32 of the accumulators (bias included), rounded into the
-// activation buffer (`dst` at the warp's first row, `col0` the warp's first column). Columns >= N are
+// Hidden layer epilogue: activation of the accumulators (bias included; store_act2: in fp32, or packed
+// fp16x2 where the layer has that form), rounded into the activation buffer (`dst` at the warp's first
+// row, `col0` the warp's first column). Columns >= N are
 // written as zeros: they are the padded features of the next layer. `col0` is the layer's own column
 // (per-channel constants, padding); column c lands in dst's column c - dst_col0 (nonzero for a fused
 // pair's hidden block, whose buffer H holds only the block's columns).
@@ -34,13 +35,8 @@ __device__ __forceinline__ void store_hidden(const float (&acc)[MT][NT8][4], int
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int col = col0 + j * 8 + t2;
-        float v0 = act<L>(acc[mt][j][2 * h], col);
-        float v1 = act<L>(acc[mt][j][2 * h + 1], col + 1);
-        if (padded) {
-          if (col >= N) v0 = 0.0f;
-          if (col + 1 >= N) v1 = 0.0f;
-        }
-        store2(dst + (mt * 16 + g + 8 * h) * ldd + (col - dst_col0), v0, v1);
+        store_act2<L>(dst + (mt * 16 + g + 8 * h) * ldd + (col - dst_col0), acc[mt][j][2 * h], acc[mt][j][2 * h + 1],
+                      col, N, padded);
       }
 }
 

@@ -1,6 +1,6 @@
 // o2f_register_fragments.cuh: the resident design's register path (mma_fragments, to_fragments).
 // Static device code included inside the generated kernel's anonymous namespace, after elem_t, kE, kPad,
-// act<L>, pack2, ldmatrix_x4 and mma_step (16-bit operands only).
+// act_pack_masked<L>, ldmatrix_x4 and mma_step (16-bit operands only).
 #pragma once
 // The register design. m16n8k16's accumulator fragment of two adjacent n8 tiles (lane: rows g and g+8,
 // columns 2t and 2t+1 of each) is exactly the A fragment of one k16 step of the next layer, so a
@@ -30,7 +30,8 @@ __device__ __forceinline__ void mma_fragments(float (&acc)[MT][NT8][4], const ui
 }
 
 // Hidden layer epilogue of the register design: activation of the accumulators (bias included),
-// rounded and packed into the next layer's A fragments. Columns >= N (padding) become zeros.
+// rounded and packed (act_pack: fp32 or packed fp16x2 forms) into the next layer's A fragments.
+// Columns >= N (padding) become zeros.
 template <int L, int N, int MT, int NT8>
 __device__ __forceinline__ void to_fragments(const float (&acc)[MT][NT8][4], uint32_t (&af)[MT][NT8 / 2][4],
                                              int lane) {
@@ -40,13 +41,8 @@ __device__ __forceinline__ void to_fragments(const float (&acc)[MT][NT8][4], uin
 #pragma unroll
     for (int j = 0; j < NT8; ++j) {
       const int col = j * 8 + t2;
-      float v[4];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        v[e] = act<L>(acc[mt][j][e], col + (e & 1));
-        if (j * 8 + 8 > N && col + (e & 1) >= N) v[e] = 0.0f;  // the first test is resolved at compile time
-      }
-      af[mt][j / 2][(j & 1) * 2] = pack2(v[0], v[1]);
-      af[mt][j / 2][(j & 1) * 2 + 1] = pack2(v[2], v[3]);
+      const bool mask = j * 8 + 8 > N;  // resolved at compile time
+      af[mt][j / 2][(j & 1) * 2] = act_pack_masked<L>(acc[mt][j][0], acc[mt][j][1], col, N, mask);
+      af[mt][j / 2][(j & 1) * 2 + 1] = act_pack_masked<L>(acc[mt][j][2], acc[mt][j][3], col, N, mask);
     }
 }

@@ -150,3 +150,28 @@ def test_deep_chain_names_stay_short_and_unique():
     assert deep.name != other.name
     short = MLPSpec(layers[:2])
     assert short.name.startswith("FusedMLP_32x32x32_relu_tanh_")  # short chains keep the readable form
+
+
+def test_packed_activations_only_where_they_apply():
+    """fp16 hidden layers with a packed form render it (act_math "packed", the default); the last layer,
+    bf16/tf32 and act_math "fp32" keep the fp32 forms, and only a spec that it changes is renamed."""
+    from dataclasses import replace
+
+    from onnx2fused.plan.choose import make_plans
+    from onnx2fused.plan.options import PlanOptions
+    gelu = mlp([32, 64, 64, 16], [ex.gelu_erf(), ex.silu(), ex.tanh()])
+    assert gelu.packed_layers == {0, 1}                       # the last layer writes the output in fp32
+    a32 = replace(gelu, act_math="fp32")
+    assert a32.packed_layers == frozenset() and "_fp16a32_" in a32.name and a32.name != gelu.name
+    bf16 = mlp([32, 64, 16], [ex.gelu_erf(), ex.identity()], precision="bf16")
+    assert bf16.packable_layers == frozenset() and replace(bf16, act_math="fp32").name == bf16.name
+    mish = mlp([32, 64, 16], [ex.mish(), ex.identity()])      # no packed form: act_math changes nothing
+    assert mish.packable_layers == frozenset() and replace(mish, act_math="fp32").name == mish.name
+    for design in ("resident", "wgmma"):
+        for spec, packed in ((gelu, True), (a32, False)):
+            plans = make_plans([spec], PlanOptions(design=design))
+            src = codegen.render([spec], True, plans=plans)[f"{spec.name}_cuda.cu"]
+            assert ("o2f_h2_bits(o2f_h2_gelu(" in src and "o2f_h2_bits(o2f_h2_silu(" in src) == packed, design
+            assert ("act<0>(float v, int col)" in src) == (not packed)   # a packed layer's fp32 form is not emitted
+    with pytest.raises(ValueError, match="activation arithmetic"):
+        replace(gelu, act_math="fp8")

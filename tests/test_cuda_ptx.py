@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -59,6 +60,8 @@ def _affine(n):
     _spec([300, 520, 9], "bf16", _prelu, _affine),       # per-channel, streamed (520 padded to 576 columns)
     _spec([32, 64, 64, 16], "tf32", ex.gelu_erf()),      # tf32 (m16n8k8), resident with shared-memory tiles
     _spec([256, 256, 256], "tf32", ex.silu()),           # tf32, streamed
+    _spec([32, 64, 64, 16], "fp16", ex.silu()),          # packed fp16x2 silu (tanh.approx.f16x2), registers
+    replace(_spec([32, 64, 64, 16], "fp16", ex.silu()), act_math="fp32"),   # the same in fp32 (fp16a32)
 ], ids=lambda s: s.name if isinstance(s, MLPSpec) else s)
 def test_ptx_uses_tensor_cores(spec, arch, tmp_path):
     _check_ptx(spec, arch, tmp_path)
@@ -98,6 +101,10 @@ def _check_ptx(spec, arch, tmp_path, options=MMA_SYNC):
         assert "cvt.rna.tf32.f32" in text  # operands rounded to tf32, not truncated by the tensor core
     assert "ldmatrix.sync.aligned.m8n8.x4.shared.b16" in text
     assert "cp.async" in text
+    # fp16 hidden layers with packed forms run them in fp16x2 arithmetic (act_math "packed"); act32 never
+    forms = {ex.packed_form(spec.layers[i].activation).device for i in spec.packed_layers}
+    assert ("tanh.approx.f16x2" in text) == bool(forms - {"o2f_h2_relu"})
+    assert ("max.NaN.f16x2" in text) == ("o2f_h2_relu" in forms)
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")

@@ -281,13 +281,17 @@ def test_residual_layernorm_concat_and_second_consumer_pieces():
     m = residual_model()
     plan, r = check_converted(m, {"x": rand([9, 16])}, chains=[(16, 32, 16), (16, 24), (16, 8), (32, 32), (32, 4)])
     reasons = [x.reason for x in plan.refusals]
-    assert reasons[0].startswith("chain 0 ends: output of layer 2 (") and reasons[0].endswith(
-        "feeds Add 'res0': input 'x' is neither derived from the layer output nor a constant")
+    # x + MLP(x) is a residual block (issue 16): the Add is in chain 0; the LayerNorm feeds two chains,
+    # so it is neither's prologue, and each says so
+    assert plan.chains[0].residual and plan.chains[0].input == "x"
+    assert [r for r in reasons if "LayerNormalization 'ln'" in r] == [
+        f"chain {k} starts: input '{ln}' comes from LayerNormalization 'ln': the normalised tensor '{ln}' also "
+        f"feeds Gemm '{other}'" for k, other in ((1, "s0"), (2, "m0")) for ln in [plan.chains[1].input]]
     assert "chain 1 ends: output of layer 1 ('mid') is also a graph output" in reasons
     assert any(x.startswith("chain 3 ends: output of layer 1 (") and "has 2 consumers (ReduceMean 'second_consumer', "
                "Gemm 't1')" in x for x in reasons), reasons
     kept = [n.op_type for n in r.graph.node if n.domain != DOMAIN]
-    assert kept == ["Add", "LayerNormalization", "Concat", "ReduceMean", "Add"]
+    assert kept == ["LayerNormalization", "Concat", "ReduceMean", "Add"]
 
 
 @pytest.fixture(scope="module")

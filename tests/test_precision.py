@@ -15,6 +15,7 @@ import onnx
 import pytest
 
 import onnx2fused
+from onnx2fused import expr as ex
 from onnx2fused import precision as prec
 from onnx2fused import validate as val
 
@@ -152,3 +153,67 @@ def test_an_ill_conditioned_chain_is_held_to_its_own_fp32_noise():
     assert c.tolerance(val.TOLERANCES) == pytest.approx(val.NOISE_FACTOR * c.noise)
     (plain,) = choose(mlp([32, 64, 64, 16]))
     assert plain.noise < 1e-6 and plain.tolerance(val.TOLERANCES) == val.TOLERANCES["fp16"]
+
+
+# ------------------------------------------------------------------- packed fp16x2 activations
+def _layers(widths, act, seed=0, bias_shift=0.0):
+    from types import SimpleNamespace
+    rng = np.random.default_rng(seed)
+    out = []
+    for i, (k, n) in enumerate(zip(widths, widths[1:])):
+        w = (rng.standard_normal((k, n)) / np.sqrt(k)).astype(np.float32)
+        b = (rng.standard_normal(n) * 0.1 + bias_shift).astype(np.float32)
+        out.append(SimpleNamespace(weight=w, bias=b, activation=act if i < len(widths) - 2 else ex.identity()))
+    return out
+
+
+def _exact(layers, x):
+    h = x.astype(np.float64)
+    for l in layers:
+        h = ex.evaluate(l.activation, (h @ l.weight.astype(np.float64) + l.bias).astype(np.float32)).astype(np.float64)
+    return h
+
+
+
+@pytest.mark.parametrize("act", [ex.gelu_erf(), ex.silu(), ex.tanh(), ex.sigmoid()])
+def test_packed_model_costs_a_little_more_than_rounding_and_is_chosen_first(act):
+    layers = _layers([64, 128, 128, 128, 32], act)
+    x = np.random.default_rng(1).standard_normal((2048, 64)).astype(np.float32)
+    ref = _exact(layers, x)
+    packed = prec.rel_l2(prec.model_chain(layers, x, "fp16").output, ref)
+    fp32_act = prec.rel_l2(prec.model_chain(layers, x, "fp16", "fp32").output, ref)
+    # the packed forms round the pre-activation too and compute in fp16: more error, but of the same order
+    assert fp32_act < packed < 4 * fp32_act, (packed, fp32_act)
+    choice = prec.choose_precision(layers, [x], [ref.astype(np.float32)], range_check=True,
+                                   tolerances=val.TOLERANCES)
+    assert (choice.precision, choice.act_math) == ("fp16", "packed")
+    assert "packed fp16 activations" in choice.why
+
+
+def test_packed_relu_is_exactly_fp32_relu_rounded():
+    layers = _layers([16, 64, 64, 8], ex.relu())
+    x = np.random.default_rng(2).standard_normal((512, 16)).astype(np.float32)
+    x[0, :] = np.nan   # NaN rows stay NaN (ONNX Relu keeps NaN)
+    a = prec.model_chain(layers, x, "fp16").output
+    b = prec.model_chain(layers, x, "fp16", "fp32").output
+    assert np.array_equal(a, b, equal_nan=True) and np.isnan(a[0]).all()
+
+
+def test_pre_activations_beyond_fp16_move_a_packed_chain_to_fp32_activations():
+    """silu of pre-activations near -1e5: 0 in fp32, but -inf * sigmoid(-inf) = NaN once rounded to fp16
+    first. The range check sees the packed layers' pre-activations; fp16 with fp32 activations is fine."""
+    layers = _layers([8, 32, 32, 4], ex.silu(), bias_shift=-1e5)
+    x = np.random.default_rng(3).standard_normal((256, 8)).astype(np.float32)
+    ref = _exact(layers, x).astype(np.float32)
+    assert np.isnan(prec.model_chain(layers, x, "fp16").output).any()
+    choice = prec.choose_precision(layers, [x], [ref], range_check=True, tolerances=val.TOLERANCES)
+    assert (choice.precision, choice.act_math) == ("fp16", "fp32"), choice.why
+    assert "fp16: intermediate values reach" in choice.why
+
+
+def test_steps_after_packed_fp16():
+    assert prec.next_step("fp16", "packed", True) == ("fp16", "fp32")
+    assert prec.next_step("fp16", "packed", False) == ("bf16", "packed")   # nothing packed: no second fp16 step
+    assert prec.next_step("fp16", "fp32", True) == ("bf16", "packed")
+    assert prec.next_step("fp32", "packed", True) is None
+    assert prec.step_label("fp16", "fp32", True) == "fp16a32" and prec.step_label("bf16", "fp32", True) == "bf16"

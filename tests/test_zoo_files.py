@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MODELS = ROOT / "models"
 ZOO_JSON = MODELS / "zoo.json"
 EXPORTERS = ("dynamo", "opset17")
-REQUIRED = ("nerf", "sdf", "gelu", "silu", "mnist", "nobias", "ffn3d", "swiglu", "geglu")
+REQUIRED = ("nerf", "sdf", "gelu", "silu", "mnist", "nobias", "ffn3d", "swiglu", "geglu", "preln", "llama")
 
 
 def _zoo():
@@ -52,8 +52,10 @@ def _layer_shapes(e) -> list[tuple[int, int]]:
     projection of H outputs each (swiglu), or one of 2H (geglu, cut in two with chunk), then the down one."""
     w = e["widths"]
     block = e.get("block")
-    if block == "swiglu":
+    if block in ("swiglu", "llama"):  # llama: RMSNorm, then swiglu's layers, then the residual
         return [(w[0], w[1]), (w[0], w[1]), (w[1], w[2])]
+    if block == "preln":
+        return list(zip(w[:-1], w[1:]))
     if block == "geglu":
         return [(w[0], 2 * w[1]), (w[1], w[2])]
     assert block is None, f"unknown block {block!r}"
@@ -112,8 +114,9 @@ def test_file_loads_and_checks(name, kind):
     want = sorted(tuple(sorted(p)) for p in _layer_shapes(e))
     assert mats == want
     vecs = sorted(t.dims[0] for t in init.values() if len(t.dims) == 1 and t.dims[0] > 1)
-    if e["bias"]:
-        assert sorted(n for _, n in _layer_shapes(e) if n > 1) == vecs
+    if e["bias"]:  # and a transformer block's LayerNorm weight and bias (K0 each)
+        norm = [e["widths"][0]] * 2 if e.get("block") == "preln" else []
+        assert sorted([n for _, n in _layer_shapes(e) if n > 1] + norm) == vecs
     for t in init.values():
         assert t.data_location == onnx.TensorProto.DEFAULT  # onnx.load resolved external data
         assert onnx.numpy_helper.to_array(t).size == int(np.prod(t.dims))

@@ -18,6 +18,10 @@ A gated layer (see `gated`: f(x Wg) * (x Wu), or a 2H-wide layer cut in two halv
 outputs here; it continues from the layer whose output is exactly what its linear layers read (both of
 them, in the two-layer form). With `gated_refused` (a reason: the library has no kernel for gated layers)
 its parts stay separate chains and the layers that feed its Mul or cut end with that reason.
+
+A chain then takes in a normalisation of its input in front and a residual Add of the block's input
+behind (see `block`: the transformer FFN block x + FFN(norm(x))); with `block_refused` (the library has
+no kernel for them) they stay stock ops and say why ("chain N starts: ...", "chain N ends: ...").
 """
 from __future__ import annotations
 
@@ -26,8 +30,9 @@ from dataclasses import dataclass, field
 import onnx
 
 from .. import expr as ex
-from ..spec import LayerSpec, MLPSpec
+from ..spec import LayerSpec, MLPSpec, NormSpec
 from .activations import ELEMENTWISE_OPS, Activation, describe_expr, match_activation
+from .block import NormMatch, find_block
 from .constants import GraphIndex, elem_name
 from .gated import fed_node, find_gated
 from .linear import LINEAR_OPS, LinearLayer, LinearRefusal, match_linear
@@ -58,6 +63,8 @@ class Chain:
     layers: list[ChainLayer]
     nodes: list[str]
     input_dtype: str  # 'f32' or 'f16'
+    norm: NormMatch | None = None  # normalisation of the input rows in front of the first layer
+    residual: bool = False         # the input rows added to the last layer's output (output: the Add's)
 
     @property
     def widths(self) -> tuple[int, ...]:
@@ -67,10 +74,12 @@ class Chain:
     def activations(self) -> list[ex.Expr]:
         return [l.activation for l in self.layers]
 
-    def to_spec(self, precision: str = "fp16") -> MLPSpec:
+    def to_spec(self, precision: str = "fp16", act_math: str = "packed") -> MLPSpec:
+        norm = None if self.norm is None else NormSpec(self.norm.kind, self.norm.eps, self.norm.bias is not None)
         return MLPSpec(tuple(LayerSpec(l.linear.in_features, l.out_features, l.linear.has_bias, l.activation,
                                        gated=l.gated)
-                             for l in self.layers), precision=precision, io_dtype=self.input_dtype)
+                             for l in self.layers), precision=precision, io_dtype=self.input_dtype,
+                       norm=norm, residual=self.residual, act_math=act_math)
 
     def activation_labels(self) -> list[str]:
         """Each layer's activation as reports print it (`gated silu`: a gated layer's gate activation)."""
@@ -78,8 +87,9 @@ class Chain:
 
     def describe(self) -> str:
         acts = ", ".join(self.activation_labels())
+        block = (f", {self.norm.label} in front" if self.norm is not None else "") + (", residual" if self.residual else "")
         return (f"'{self.input}' -> '{self.output}': widths {' -> '.join(map(str, self.widths))}, "
-                f"activations [{acts}], {self.input_dtype}, {len(self.nodes)} nodes")
+                f"activations [{acts}]{block}, {self.input_dtype}, {len(self.nodes)} nodes")
 
 
 @dataclass
@@ -136,9 +146,11 @@ def _feeding_a_layer(ix: GraphIndex) -> set[str]:
     return feeds
 
 
-def find_chains(model: onnx.ModelProto, gated_refused: str | None = None) -> FusionPlan:
+def find_chains(model: onnx.ModelProto, gated_refused: str | None = None,
+                block_refused: str | None = None) -> FusionPlan:
     """The chains of `model` and why the rest is not fused. `gated_refused`: None, gated layers fuse;
-    else the reason they do not (library.gated_refusal: a library with CUDA kernels)."""
+    else the reason they do not (library.gated_refusal: a library with CUDA kernels). `block_refused`:
+    the same for a norm in front and a residual behind (library.block_refusal, spec.BLOCK_NO_CUDA)."""
     ix = GraphIndex(model)
     plan = FusionPlan()
     layers: dict[int, _Layer] = {}
@@ -214,12 +226,24 @@ def find_chains(model: onnx.ModelProto, gated_refused: str | None = None) -> Fus
                 refused[s.start] = (f"{ix.describe(s.start)}: chain output '{out_t}' has element type "
                                     f"{elem_name(out_type)} but its input '{first.input}' has {elem_name(in_type)}")
             continue
-        idx = sorted(j for s in seq for j in s.linear.node_indices + s.act.node_indices)
-        chain = Chain(first.input, out_t,
-                      [ChainLayer(s.linear, s.act.expr, list(s.act.nodes), s.act.output, s.gated) for s in seq],
-                      [ix.keys[j] for j in idx], IO_TYPES[in_type])
-        plan.chains.append(chain)
         last = seq[-1]
+        block = find_block(ix, first.input, set(seq[0].entries), out_t, first.in_features, last.out_features,
+                           block_refused)
+        idx = sorted(j for s in seq for j in s.linear.node_indices + s.act.node_indices)
+        if block.norm is not None:
+            idx = sorted(idx + block.norm.node_indices)
+        if block.residual is not None:
+            idx.append(block.residual)
+            ends.pop(last.start, None)
+        elif block.end_reason:
+            ends[last.start] = block.end_reason
+        chain = Chain(block.norm.input if block.norm is not None else first.input, block.output or out_t,
+                      [ChainLayer(s.linear, s.act.expr, list(s.act.nodes), s.act.output, s.gated) for s in seq],
+                      [ix.keys[j] for j in idx], IO_TYPES[in_type], block.norm, block.residual is not None)
+        plan.chains.append(chain)
+        if block.start_reason:
+            plan.refusals.append(Refusal(ix.keys[min(first.node_indices)],
+                                         f"chain {len(plan.chains) - 1} starts: {block.start_reason}"))
         if last.start in ends:
             end_node = ix.keys[(last.act.node_indices or last.linear.node_indices)[-1]]
             plan.refusals.append(Refusal(end_node, f"chain {len(plan.chains) - 1} ends: output of layer "

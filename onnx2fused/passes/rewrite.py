@@ -9,7 +9,10 @@ with W_i float32 [K_i, N_i] and B_i float32 [N_i] (zeros without a bias) as new 
 layer: [K_i, 2 N_i] and [2 N_i], gate columns first, and in the function f_i(Slice(h, 0, N_i)) *
 Slice(h, N_i, 2 N_i) of h = . W_i + B_i), the
 activations emitted from their `expr` trees with stock ops (Relu-free: max/min/where/... exactly as
-the tree says, so the fallback computes what the kernels compute). The fused node sits where the
+the tree says, so the fallback computes what the kernels compute). A transformer block (spec.norm,
+spec.residual) adds the norm's inputs NS [K0] (and NB [K0] for a layer norm) after the layers', and in
+the function normalises Cast_f32(X) first (LayerNormalization, or the RMS norm's Pow, ReduceMean, Add,
+Sqrt, Reciprocal, Mul, Mul) and adds Cast_f32(X) to the last layer's output. The fused node sits where the
 chain's last node was; all other nodes are kept byte for byte; initializers and folded constant
 producers that only the chain used are dropped; the IR version is never raised.
 """
@@ -23,7 +26,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from .. import expr as ex
 from ..errors import ConversionError
-from ..spec import DOMAIN, MLPSpec
+from ..spec import DOMAIN, MLPSpec, NormSpec
 from .chains import FusionPlan
 from .constants import GraphIndex, node_reads
 
@@ -118,11 +121,15 @@ def default_opset(model: onnx.ModelProto) -> int:
 def make_fallback_function(spec: MLPSpec, opset: int) -> onnx.FunctionProto:
     """The stock-ONNX body of the fused op `spec.name` (float32 math, like the kernels)."""
     em = OnnxEmitter("t", opset)
-    n = len(spec.layers)
-    inputs = ["X"] + [f"{p}{i}" for i in range(n) for p in ("W", "B")]
+    inputs = op_input_names(spec)
     h = "X"
     if spec.io_dtype == "f16":
         h = em.node("Cast", [h], to=TensorProto.FLOAT)
+    block_in = h
+    if spec.norm is not None:
+        h = _emit_norm(em, spec.norm, h)
+        if spec.io_dtype == "f16" and spec.norm.kind == "layernorm":  # ORT's fp16 kernel writes fp16
+            h = em.node("Cast", [em.node("Cast", [h], to=TensorProto.FLOAT16)], to=TensorProto.FLOAT)
     for i, layer in enumerate(spec.layers):
         m = em.node("MatMul", [h, f"W{i}"])
         a = em.node("Add", [m, f"B{i}"])
@@ -132,12 +139,38 @@ def make_fallback_function(spec: MLPSpec, opset: int) -> onnx.FunctionProto:
             h = em.node("Mul", [gate, _last_axis_slice(em, a, n_out, 2 * n_out)])
         else:
             h = em.emit(layer.activation, a)
+    if spec.residual:
+        h = em.node("Add", [h, block_in])
     if spec.io_dtype == "f16":
         em.nodes.append(helper.make_node("Cast", [h], ["Y"], name="cast_out", to=TensorProto.FLOAT16))
     else:
         em.nodes.append(helper.make_node("Identity", [h], ["Y"], name="out"))
     return helper.make_function(DOMAIN, spec.name, inputs, ["Y"], em.nodes,
                                 [helper.make_opsetid("", opset)], attributes=list(NODE_ATTRIBUTES))
+
+
+def norm_input_names(spec: MLPSpec) -> list[str]:
+    return [] if spec.norm is None else list(spec.norm.input_names)
+
+
+def op_input_names(spec: MLPSpec) -> list[str]:
+    """The fused op's inputs: X, W_i, B_i of each layer, then the norm's (norm_input_names)."""
+    return ["X"] + [f"{p}{i}" for i in range(len(spec.layers)) for p in ("W", "B")] + norm_input_names(spec)
+
+
+def _emit_norm(em: OnnxEmitter, norm: NormSpec, x: str) -> str:
+    """The norm of x's rows in stock ops: LayerNormalization itself (what the model had: find_chains only
+    takes one from opset >= 17), or the RMS norm as the exporters write it, x * (1 / sqrt(mean(x^2) + eps)) * NS."""
+    if norm.kind == "layernorm":
+        return em.node("LayerNormalization", [x, "NS", "NB"], axis=-1, epsilon=float(norm.eps))
+    sq = em.node("Pow", [x, em.const(2.0)])
+    if em.opset >= 18:
+        axes = em.node("Constant", [], value=numpy_helper.from_array(np.array([-1], np.int64), "value"))
+        mean = em.node("ReduceMean", [sq, axes], keepdims=1)
+    else:
+        mean = em.node("ReduceMean", [sq], axes=[-1], keepdims=1)
+    inv = em.node("Reciprocal", [em.node("Sqrt", [em.node("Add", [mean, em.const(norm.eps)])])])
+    return em.node("Mul", [em.node("Mul", [x, inv]), "NS"])
 
 
 def _last_axis_slice(em: OnnxEmitter, x: str, start: int, end: int) -> str:
@@ -166,6 +199,8 @@ def make_stock_model(spec: MLPSpec, opset: int, ir_version: int) -> bytes:
     for i, layer in enumerate(spec.layers):
         ins.append(helper.make_tensor_value_info(f"W{i}", TensorProto.FLOAT, [layer.in_features, layer.weight_columns]))
         ins.append(helper.make_tensor_value_info(f"B{i}", TensorProto.FLOAT, [layer.weight_columns]))
+    for name in norm_input_names(spec):
+        ins.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, [spec.widths[0]]))
     out = helper.make_tensor_value_info("Y", io, ["rows", spec.widths[-1]])
     graph = helper.make_graph(list(fn.node), spec.name, ins, [out])
     model = helper.make_model(graph, opset_imports=list(fn.opset_import), producer_name="onnx2fused")
@@ -212,7 +247,8 @@ def rewrite(model: onnx.ModelProto, plan: FusionPlan, specs: list[MLPSpec]) -> o
     stock_models = {s.name: base64.b64encode(make_stock_model(s, opset, model.ir_version)).decode("ascii")
                     for s in specs}
     for k, (chain, spec) in enumerate(zip(plan.chains, specs)):
-        if tuple(spec.widths) != tuple(chain.widths) or spec.io_dtype != chain.input_dtype:
+        if (tuple(spec.widths) != tuple(chain.widths) or spec.io_dtype != chain.input_dtype
+                or (spec.norm is None) != (chain.norm is None) or spec.residual != chain.residual):
             raise ConversionError(f"spec {spec.name} does not describe chain {k} "
                                   f"(widths {chain.widths}, {chain.input_dtype})")
         try:
@@ -229,6 +265,13 @@ def rewrite(model: onnx.ModelProto, plan: FusionPlan, specs: list[MLPSpec]) -> o
                  else np.ascontiguousarray(layer.linear.bias, dtype=np.float32))
             for arr, p in ((w, "W"), (b, "B")):
                 name = _unique(f"onnx2fused_c{k}_{p}{i}", taken)
+                new_inits.append(numpy_helper.from_array(arr, name))
+                inputs.append(name)
+        if chain.norm is not None:
+            scale = np.ascontiguousarray(chain.norm.scale, dtype=np.float32)
+            bias = np.zeros_like(scale) if chain.norm.bias is None else np.ascontiguousarray(chain.norm.bias, np.float32)
+            for arr, p in zip((scale, bias), norm_input_names(spec)):
+                name = _unique(f"onnx2fused_c{k}_{p}", taken)
                 new_inits.append(numpy_helper.from_array(arr, name))
                 inputs.append(name)
         node = helper.make_node(spec.name, inputs, [chain.output], name=_unique(f"onnx2fused_chain{k}", taken),

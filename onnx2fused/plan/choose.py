@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ..spec import GATED_NO_CUDA, MLPSpec, SpecError
+from ..spec import BLOCK_NO_CUDA, GATED_NO_CUDA, MLPSpec, SpecError
 from . import cost, fused, wgmma, wide
 from .options import DESIGN_ENV, WGMMA_ENV, PlanOptions, WideOptions
 from .padding import ALIGN
@@ -39,6 +39,9 @@ def make_plan(spec: MLPSpec, options: PlanOptions = DEFAULT_OPTIONS, wide_option
     segmentation, when the wide design is taken. SpecError when no design can run the spec."""
     if spec.has_gated:  # convert never gets here (library.gated_refusal splits such chains first)
         raise SpecError(GATED_NO_CUDA)
+    if spec.has_block:  # the same (library.block_refusal keeps the norm and the residual stock ops)
+        what = f"{spec.norm.label} in front" if spec.norm is not None else "residual Add behind"
+        raise SpecError(BLOCK_NO_CUDA.format(what=what))
     if spec.precision == "fp32":
         return fused.Fp32Plan(spec)
     if spec.precision not in fused.ELEM_BYTES:

@@ -1,0 +1,342 @@
+"""Transformer FFN blocks: a normalisation in front of a chain and a residual Add behind it.
+
+    y = Add(x, L_n(... L_1(norm(x))))   ->   one fused op (MLPSpec.norm, MLPSpec.residual)
+
+where norm normalises the last (feature) axis of x, K0 wide, and is one of
+
+    LayerNormalization(x, scale[, bias]; axis=-1, epsilon)     both torch exporters' nn.LayerNorm (opset 17+)
+    RMSNormalization(x, scale; axis=-1, epsilon)               opset 23
+    SimplifiedLayerNormalization(x, scale; axis=-1, epsilon)   ONNX Runtime's RMSNorm
+    [Mul(., w)] of Mul(x, r) or Div(x, s)                      a hand-written (LLaMA) RMSNorm:
+        s = Sqrt(Add(ReduceMean(Pow(x, 2) | Mul(x, x); axes=[-1]), eps)),
+        r = Reciprocal(s) (dynamo exporter) | Div(1, s) (legacy exporter),  w a constant [K0] (optional)
+
+and the residual Add reads the last layer's output and the block's input (x; without a norm, the first
+layer's input), in either order, of the same shape. Either may come without the other.
+
+`find_block` returns what a chain takes in, and a one-line reason for each near miss: a norm of another
+axis, a normalised tensor (or a norm's intermediate) that other nodes read too, non-constant parameters,
+a residual that adds another tensor or has another width. A norm or residual Add that a library with
+CUDA kernels cannot fuse (`refused`, library.block_refusal) stays a stock op, with that reason.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..spec import NORM_KINDS
+from .constants import GraphIndex
+
+NORM_OPS = {"LayerNormalization": "layernorm", "RMSNormalization": "rmsnorm",
+            "SimplifiedLayerNormalization": "rmsnorm"}
+LAYERNORM_OPSET = 17  # the stock body runs LayerNormalization itself
+DEFAULT_EPS = 1e-5  # the ONNX default of each norm op's epsilon attribute
+
+
+class BlockRefusal(Exception):
+    """A norm or residual Add that looks like part of a transformer block and cannot be fused; the
+    message is the reason. `norm_input`, `label`: the tensor a refused norm reads and its kind, so that
+    a residual Add of that tensor can say why it is not the chain's either."""
+
+    def __init__(self, reason: str, norm_input: str = "", label: str = ""):
+        super().__init__(reason)
+        self.norm_input, self.label = norm_input, label
+
+
+@dataclass
+class NormMatch:
+    kind: str                    # "layernorm" or "rmsnorm" (spec.NORM_KINDS)
+    eps: float
+    scale: np.ndarray            # float32 [K0]
+    bias: np.ndarray | None      # float32 [K0] (layernorm only) or None
+    input: str                   # x, the tensor normalised
+    output: str                  # what the first layer reads
+    node_indices: list[int] = field(default_factory=list)
+
+    @property
+    def label(self) -> str:
+        return NORM_KINDS[self.kind][1]
+
+
+@dataclass
+class Block:
+    """What a chain takes in around its layers, and why it takes no more."""
+    norm: NormMatch | None = None
+    residual: int | None = None  # the Add node
+    output: str = ""             # the Add's output ('' without a residual)
+    start_reason: str = ""       # why the norm in front is not taken ('' = none or taken)
+    end_reason: str = ""         # why the Add behind is not taken ('' = none, or not residual-shaped)
+
+
+def _last_axis(ix: GraphIndex, t: str, axis: int) -> bool:
+    r = ix.rank(t)
+    return axis == -1 or (r is not None and axis == r - 1)
+
+
+def _vector(ix: GraphIndex, name: str, width: int, what: str, node: int) -> np.ndarray:
+    """A norm parameter as float32 [width]: a constant of `width` elements (any leading 1s) or one."""
+    c = ix.const(name)
+    if c is None:
+        raise BlockRefusal(f"{ix.describe(node)}: its {what} '{name}' is not a constant")
+    if c.dtype.kind != "f" and str(c.dtype) != "bfloat16":
+        raise BlockRefusal(f"{ix.describe(node)}: its {what} '{name}' has element type {c.dtype}")
+    if c.size == 1:
+        return np.full(width, c.reshape(()), np.float32)
+    if c.size != width or c.shape[-1] != width:
+        raise BlockRefusal(f"{ix.describe(node)}: its {what} '{name}' has shape {list(c.shape)}, not [{width}]")
+    return np.ascontiguousarray(c.reshape(width).astype(np.float32))
+
+
+def _only_into(ix: GraphIndex, t: str, user: int) -> None:
+    """A norm's intermediate value must feed only the next node of the norm."""
+    others = [u for u in ix.users(t) if u != user]
+    if t in ix.graph_outputs:
+        raise BlockRefusal(f"the RMS norm's intermediate '{t}' is also a graph output")
+    if others:
+        raise BlockRefusal(f"the RMS norm's intermediate '{t}' also feeds {ix.describe(others[0])}")
+
+
+# -- the norm in front --------------------------------------------------------------------------------
+
+def _norm_op(ix: GraphIndex, p: int, width: int) -> NormMatch:
+    try:
+        return _norm_op_checked(ix, p, width)
+    except BlockRefusal as r:
+        kind = NORM_OPS[ix.node(p).op_type]
+        raise BlockRefusal(str(r), ix.node(p).input[0], NORM_KINDS[kind][1]) from None
+
+
+def _norm_op_checked(ix: GraphIndex, p: int, width: int) -> NormMatch:
+    n = ix.node(p)
+    kind = NORM_OPS[n.op_type]
+    x = n.input[0]
+    opset = next((o.version for o in ix.model.opset_import if o.domain in ("", "ai.onnx")), 0)
+    if kind == "layernorm" and opset < LAYERNORM_OPSET:
+        raise BlockRefusal(f"{ix.describe(p)}: the model's opset {opset} has no LayerNormalization, which the "
+                           f"fused op's stock body needs (opset >= {LAYERNORM_OPSET})")
+    axis = int(ix.attr(p, "axis", -1))
+    if not _last_axis(ix, x, axis):
+        raise BlockRefusal(f"{ix.describe(p)} normalises from axis {axis}, not the last (feature) axis alone")
+    for o in n.output[1:]:
+        if o and (ix.users(o) or o in ix.graph_outputs):
+            raise BlockRefusal(f"{ix.describe(p)} also gives its statistics '{o}', which other nodes read")
+    if len(n.input) < 2 or not n.input[1]:
+        raise BlockRefusal(f"{ix.describe(p)} has no scale input")
+    scale = _vector(ix, n.input[1], width, "scale", p)
+    bias = None
+    if kind == "layernorm" and len(n.input) > 2 and n.input[2]:
+        bias = _vector(ix, n.input[2], width, "bias", p)
+    eps = float(np.float32(ix.attr(p, "epsilon", DEFAULT_EPS)))
+    return NormMatch(kind, eps, scale, bias, x, n.output[0], [p])
+
+
+def _producer(ix: GraphIndex, t: str, ops: tuple[str, ...]) -> int | None:
+    p = ix.producer.get(t)
+    if p is None:
+        return None
+    n = ix.node(p)
+    return p if n.op_type in ops and n.domain in ("", "ai.onnx") else None
+
+
+def _inv_sqrt(ix: GraphIndex, t: str) -> tuple[int, list[int]] | None:
+    """t = 1 / s with s = Sqrt(.): (the Sqrt, the nodes [Reciprocal or Div]) or None."""
+    p = _producer(ix, t, ("Reciprocal", "Div"))
+    if p is None:
+        return None
+    n = ix.node(p)
+    if n.op_type == "Div":
+        one = ix.const(n.input[0])
+        if one is None or one.size != 1 or float(one.reshape(())) != 1.0:
+            return None
+    s = _producer(ix, n.input[-1], ("Sqrt",))
+    return None if s is None else (s, [p])
+
+
+def _rms_scaling(ix: GraphIndex, i: int) -> tuple[str, int, list[int]] | None:
+    """Node i as x * (1 / s) or x / s with s a Sqrt: (x, the Sqrt, the nodes) or None."""
+    n = ix.node(i)
+    if n.domain not in ("", "ai.onnx") or len(n.input) != 2:
+        return None
+    if n.op_type == "Div":
+        s = _producer(ix, n.input[1], ("Sqrt",))
+        return None if s is None else (n.input[0], s, [i])
+    if n.op_type != "Mul":
+        return None
+    for k in (0, 1):
+        inv = _inv_sqrt(ix, n.input[1 - k])
+        if inv is not None:
+            return n.input[k], inv[0], [i] + inv[1]
+    return None
+
+
+def _decomposed_rms(ix: GraphIndex, p: int, width: int) -> NormMatch | None:
+    """The hand-written RMSNorm ending at node p (see the module docstring), or None when p is not one."""
+    n = ix.node(p)
+    weight, scaling = None, _rms_scaling(ix, p)
+    if scaling is None and n.op_type == "Mul" and len(n.input) == 2:
+        for k in (0, 1):
+            q = _producer(ix, n.input[1 - k], ("Mul", "Div"))
+            if q is not None and ix.const(n.input[k]) is not None and (s := _rms_scaling(ix, q)) is not None:
+                weight, scaling = n.input[k], s
+                break
+    if scaling is None:
+        return None
+    try:
+        return _rms_of(ix, p, width, weight, scaling)
+    except BlockRefusal as r:
+        raise BlockRefusal(str(r), scaling[0], NORM_KINDS["rmsnorm"][1]) from None
+
+
+def _rms_of(ix: GraphIndex, p: int, width: int, weight: str | None, scaling) -> NormMatch | None:
+    n = ix.node(p)
+    x, sqrt, nodes = scaling
+    add = _producer(ix, ix.node(sqrt).input[0], ("Add",))
+    if add is None:
+        return None
+    a = ix.node(add)
+    mean = next((m for m in (_producer(ix, t, ("ReduceMean",)) for t in a.input) if m is not None), None)
+    if mean is None:
+        return None
+    # From here on it is an RMS norm: every refusal says why it is not one we fuse.
+    eps_name = next(t for t in a.input if t != ix.node(mean).output[0])
+    eps = ix.const(eps_name)
+    if eps is None or eps.size != 1:
+        raise BlockRefusal(f"the RMS norm's epsilon '{eps_name}' ({ix.describe(add)}) is not a scalar constant")
+    m = ix.node(mean)
+    axes = ix.attr(mean, "axes")
+    if axes is None and len(m.input) > 1 and m.input[1]:
+        c = ix.const(m.input[1])
+        axes = None if c is None else [int(v) for v in np.asarray(c).reshape(-1)]
+    if axes is None or len(axes) != 1 or not _last_axis(ix, m.input[0], int(axes[0])):
+        raise BlockRefusal(f"{ix.describe(mean)} averages over axes {axes if axes is not None else 'all'}, "
+                           "not the last (feature) axis alone")
+    if not ix.attr(mean, "keepdims", 1):
+        raise BlockRefusal(f"{ix.describe(mean)} has keepdims=0: its mean does not broadcast over the row")
+    sq = _producer(ix, m.input[0], ("Pow", "Mul"))
+    if sq is None:
+        raise BlockRefusal(f"{ix.describe(mean)} averages '{m.input[0]}', not the square of '{x}'")
+    q = ix.node(sq)
+    if q.op_type == "Pow":
+        e = ix.const(q.input[1])
+        if q.input[0] != x or e is None or e.size != 1 or float(e.reshape(())) != 2.0:
+            raise BlockRefusal(f"{ix.describe(sq)} is not the square of '{x}' that the norm scales")
+    elif list(q.input) != [x, x]:
+        raise BlockRefusal(f"{ix.describe(sq)} is not the square of '{x}' that the norm scales")
+    chain = [sq, mean, add, sqrt] + nodes[::-1]  # producer before user
+    for a_, b_ in zip(chain, chain[1:]):
+        _only_into(ix, ix.node(a_).output[0], b_)
+    if weight is not None:
+        _only_into(ix, ix.node(nodes[0]).output[0], p)
+        scale = _vector(ix, weight, width, "weight", p)
+        chain.append(p)
+    else:
+        scale = np.ones(width, np.float32)
+    return NormMatch("rmsnorm", float(np.float32(eps.reshape(()))), scale, None, x, n.output[0], sorted(chain))
+
+
+def match_norm(ix: GraphIndex, t: str, width: int) -> NormMatch | None:
+    """The normalisation producing t (the first layer's input, `width` features), None when t is not a
+    norm's output; BlockRefusal for a norm that cannot be fused as it stands."""
+    p = ix.producer.get(t)
+    if p is None:
+        return None
+    n = ix.node(p)
+    if n.domain not in ("", "ai.onnx"):
+        return None
+    if n.op_type in NORM_OPS:
+        return _norm_op(ix, p, width)
+    if n.op_type in ("Mul", "Div"):
+        return _decomposed_rms(ix, p, width)
+    return None
+
+
+def _norm_feeds_only(ix: GraphIndex, norm: NormMatch, entries: set[int]) -> None:
+    t = norm.output
+    if t in ix.graph_outputs:
+        raise BlockRefusal(f"the normalised tensor '{t}' is also a graph output")
+    others = [u for u in ix.users(t) if u not in entries]
+    if others:
+        names = ", ".join(ix.describe(u) for u in others[:3]) + (", ..." if len(others) > 3 else "")
+        raise BlockRefusal(f"the normalised tensor '{t}' also feeds {names}")
+
+
+# -- the residual behind ------------------------------------------------------------------------------
+
+def _residual_add(ix: GraphIndex, out: str) -> tuple[int, str] | None:
+    """(the Add, its other operand) when out's only reader is an Add of out and a non-constant tensor."""
+    users = ix.users(out)
+    if out in ix.graph_outputs or len(users) != 1:
+        return None
+    a = users[0]
+    n = ix.node(a)
+    if n.op_type != "Add" or n.domain not in ("", "ai.onnx") or len(n.input) != 2 or n.input[0] == n.input[1]:
+        return None
+    other = n.input[1] if n.input[0] == out else n.input[0]
+    return None if ix.const(other) is not None else (a, other)
+
+
+def _same_shape(ix: GraphIndex, a: str, b: str) -> bool:
+    sa, sb = ix.shapes.get(a), ix.shapes.get(b)
+    if sa is None or sb is None:
+        return True  # unknown: the widths were checked; ORT checks the rest at run time
+    return len(sa) == len(sb) and all(u is None or v is None or u == v for u, v in zip(sa, sb))
+
+
+def _check_residual(ix: GraphIndex, add: int, other: str, out: str, block_in: str, skipped: BlockRefusal | None,
+                    k0: int, n_last: int) -> None:
+    what = f"feeds {ix.describe(add)}, not a residual of the block"
+    if other != block_in:
+        if skipped is not None and other == skipped.norm_input:
+            raise BlockRefusal(f"{what}: it adds '{other}', the input of the {skipped.label} in front, "
+                               "which is not fused with the chain")
+        raise BlockRefusal(f"{what}: it adds '{other}', not the block's input '{block_in}'")
+    if k0 != n_last:
+        raise BlockRefusal(f"{what}: the block's input '{block_in}' has {k0} features and its output {n_last} "
+                           "(in != out width)")
+    if not _same_shape(ix, out, block_in):
+        raise BlockRefusal(f"{what}: shapes differ ({ix.shapes.get(out)} and {ix.shapes.get(block_in)}), "
+                           "the Add broadcasts")
+
+
+# -- both ---------------------------------------------------------------------------------------------
+
+def find_block(ix: GraphIndex, first_input: str, entries: set[int], out: str, k0: int, n_last: int,
+               refused: str | None = None) -> Block:
+    """The norm in front of a chain (whose first layer's input is `first_input`, read by the nodes
+    `entries`) and the residual Add behind it (its output `out`). `refused`: spec.BLOCK_NO_CUDA, when the
+    library cannot fuse either (they stay stock ops and say so)."""
+    block = Block()
+    skipped = None  # the refusal of a norm that is there and not taken
+    try:
+        norm = match_norm(ix, first_input, k0)
+        if norm is not None and refused is not None:
+            raise BlockRefusal(refused.format(what=f"{norm.label} in front"), norm.input, norm.label)
+        if norm is not None:
+            try:
+                _norm_feeds_only(ix, norm, entries)
+            except BlockRefusal as r:
+                raise BlockRefusal(str(r), norm.input, norm.label) from None
+        block.norm = norm
+    except BlockRefusal as r:
+        skipped = r
+        p = ix.producer[first_input]
+        block.start_reason = f"input '{first_input}' comes from {ix.describe(p)}: {r}"
+    block_in = block.norm.input if block.norm is not None else first_input
+    found = _residual_add(ix, out)
+    if found is None:
+        return block
+    add, other = found
+    if refused is not None and other in (block_in, skipped.norm_input if skipped is not None else block_in):
+        block.end_reason = f"feeds {ix.describe(add)}: " + refused.format(what="residual Add behind")
+        return block
+    try:
+        _check_residual(ix, add, other, out, block_in, skipped, k0, n_last)
+    except BlockRefusal as r:
+        block.end_reason = str(r)
+        return block
+    block.residual, block.output = add, ix.node(add).output[0]
+    return block
+
+
+__all__ = ["Block", "BlockRefusal", "NormMatch", "find_block", "match_norm"]

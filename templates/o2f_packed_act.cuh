@@ -1,0 +1,35 @@
+// o2f_packed_act.cuh: activations of fp16 hidden layers in packed fp16x2 arithmetic (expr.PACKED_FORMS).
+// A hidden layer's output is rounded to fp16 for the next layer's MMA anyway; these forms round the
+// pre-activation pair first and evaluate the activation on both halves at once: HFMA2-pipe instructions
+// handle two elements each, and tanh.approx.f16x2 is one special-function (MUFU) operation for two
+// values, where fp32 tanhf costs ~2 MUFU operations and ~15 FMA-pipe instructions per element (MUFU
+// issue, 16 a clock per SM, bounded the tanh and GELU chains). The error is about 1.5-2x fp16's rounding
+// alone; the numerics model (precision.py) evaluates the same forms op by op in numpy float16, and a
+// chain that fails it gets act_math "fp32" (the fp32 forms) instead.
+// Static device code included inside the generated kernel's anonymous namespace (sm_80 or newer).
+#pragma once
+__device__ __forceinline__ uint32_t o2f_h2_bits(__half2 h) { return *reinterpret_cast<uint32_t*>(&h); }
+__device__ __forceinline__ __half2 o2f_h2_const(float v) { return __float2half2_rn(v); }
+// tanh.approx.f16x2: max relative error ~2^-10.7 (PTX ISA), about one fp16 ulp.
+__device__ __forceinline__ __half2 o2f_h2_tanh(__half2 x) {
+  uint32_t r;
+  asm("tanh.approx.f16x2 %0, %1;\n" : "=r"(r) : "r"(o2f_h2_bits(x)));
+  return *reinterpret_cast<__half2*>(&r);
+}
+// max(x, 0) with NaN kept (ONNX Relu): exact, rounding commutes with it.
+__device__ __forceinline__ __half2 o2f_h2_relu(__half2 x) { return __hmax2_nan(x, o2f_h2_const(0.0f)); }
+// sigmoid(x) = 1/2 + tanh(x/2)/2: one MUFU operation for two values instead of ex2 + rcp for each.
+__device__ __forceinline__ __half2 o2f_h2_sigmoid(__half2 x) {
+  const __half2 half = o2f_h2_const(0.5f);
+  return __hfma2(o2f_h2_tanh(__hmul2(x, half)), half, half);
+}
+__device__ __forceinline__ __half2 o2f_h2_silu(__half2 x) { return __hmul2(x, o2f_h2_sigmoid(x)); }
+// GELU in its tanh form, x/2 (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), for both GELUs: it is within
+// 4.7e-4 absolute of the erf form (the largest gap, at x = 2.7, is half of fp16's half step there). Large
+// |x| overflow x^3 to inf in fp16, where tanh saturates to +-1 and the result is x or 0 as it should be.
+__device__ __forceinline__ __half2 o2f_h2_gelu(__half2 x) {
+  const __half2 x2 = __hmul2(x, x);
+  const __half2 u = __hmul2(__hfma2(x2, o2f_h2_const(0.7978845608f * 0.044715f), o2f_h2_const(0.7978845608f)), x);
+  const __half2 hx = __hmul2(x, o2f_h2_const(0.5f));
+  return __hfma2(hx, o2f_h2_tanh(u), hx);
+}

@@ -1,0 +1,369 @@
+"""Issue 16, second stage: transformer FFN blocks. A norm in front of a chain (LayerNormalization, the
+RMSNorm ops, the hand-written RMSNorm's decomposition) and a residual Add of the block's input behind it
+are found from both torch exporters, near misses are declined with their reason, and a library with CUDA
+kernels keeps them stock ops (library.block_refusal).
+
+Graph level only, no build: the function body (the stock-op fallback) is run with stock ONNX Runtime.
+The kernels are checked in test_block_convert.py.
+"""
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from onnx2fused.library import block_refusal, fusion_refusals
+from onnx2fused.loader import load_model
+from onnx2fused.passes import find_chains
+from onnx2fused.plan.choose import make_plan
+from onnx2fused.spec import BLOCK_NO_CUDA, DOMAIN, LayerSpec, MLPSpec, NormSpec, SpecError
+from onnx2fused import expr as ex
+from onnx_builders import G, fuse, rand, run
+
+MODELS = Path(__file__).resolve().parent.parent / "models"
+ZOO = {m["name"]: m for m in json.loads((MODELS / "zoo.json").read_text())["models"]}
+K, H = 8, 12
+CUDA_NORM = BLOCK_NO_CUDA.format(what="layer norm in front")
+CUDA_RES = BLOCK_NO_CUDA.format(what="residual Add behind")
+
+
+def _layernorm(g, x, axis=-1, bias=True, name="ln"):
+    ins = [x, g.init((1 + 0.1 * g.rng.standard_normal(K)).astype(np.float32))]
+    if bias:
+        ins.append(g.init((0.1 * g.rng.standard_normal(K)).astype(np.float32)))
+    return g.op("LayerNormalization", ins, name=name, axis=axis, epsilon=1e-3)
+
+
+def _rms(g, x, form="dynamo", weight=True, axes=(-1,), exponent=2.0, swap=False):
+    """The hand-written RMSNorm's ops: Pow, ReduceMean, Add(eps), Sqrt, then Reciprocal + Mul (dynamo),
+    Div(1, .) + Mul (legacy exporter) or Div(x, .) (`div`); then Mul(weight), operands swapped with `swap`."""
+    sq = g.op("Pow", [x, g.init(np.array(exponent, np.float32))], name="pow")
+    if g.opset >= 18:
+        mean = g.op("ReduceMean", [sq, g.init(np.array(axes, np.int64))], name="mean", keepdims=1)
+    else:
+        mean = g.op("ReduceMean", [sq], name="mean", axes=list(axes), keepdims=1)
+    s = g.op("Sqrt", [g.op("Add", [mean, g.init(np.array(1e-6, np.float32))], name="add_eps")], name="sqrt")
+    if form == "div":
+        h = g.op("Div", [x, s], name="scale")
+    else:
+        r = (g.op("Reciprocal", [s], name="rsqrt") if form == "dynamo"
+             else g.op("Div", [g.init(np.array(1.0, np.float32)), s], name="rsqrt"))
+        h = g.op("Mul", [x, r], name="scale")
+    if weight:
+        w = g.init((1 + 0.1 * g.rng.standard_normal(K)).astype(np.float32))
+        h = g.op("Mul", [w, h] if swap else [h, w], name="weight")
+    return h
+
+
+def block(norm=_layernorm, residual=True, swap_add=False, out_width=K, opset=17, extra=None, add_other=None):
+    """x [B, K] -> norm -> fc1 (H) -> Relu -> fc2 (out_width) -> [+ x] -> y. `extra(g, names)` adds
+    what a near miss needs; `add_other` is what the Add adds instead of x."""
+    g = G(opset=opset, seed=5)
+    t = norm(g, "x") if norm is not None else "x"
+    h = g.op("Relu", [g.linear(t, K, H, name="fc1")], name="act")
+    y = g.linear(h, H, out_width, name="fc2")
+    outs = [("y", ["B", out_width])]
+    if residual:
+        other = add_other or "x"
+        g.op("Add", [other, y] if swap_add else [y, other], name="res", outputs=["y"])
+    else:
+        g.nodes[-1].output[0] = "y"
+    if extra is not None:
+        outs += extra(g, {"t": t})
+    return g.model([("x", ["B", K])] + ([(add_other, ["B", K])] if add_other == "z" else []), outs)
+
+
+def one_chain(m):
+    plan = find_chains(m)
+    assert len(plan.chains) == 1, plan.describe()
+    return plan, plan.chains[0]
+
+
+def check_fallback(m, rows=37, kept=()):
+    """The rewritten model (fallback function inlined by stock ORT) computes what the original does;
+    `kept`: the op types left beside the fused node."""
+    plan, specs, r = fuse(m)
+    assert [n.op_type for n in r.graph.node if n.domain != DOMAIN] == list(kept)
+    x = rand([rows, K], seed=rows, scale=2.0) + 0.5
+    ref, got = run(m, {"x": x})[0], run(r, {"x": x})[0]
+    assert np.abs(ref).max() > 0
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+    return specs[0]
+
+
+# -- what fuses -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("swap_add", [False, True], ids=["add(y,x)", "add(x,y)"])
+def test_layernorm_and_residual(swap_add):
+    m = block(swap_add=swap_add)
+    plan, c = one_chain(m)
+    assert plan.refusals == [] and c.input == "x" and c.output == "y" and c.residual
+    assert c.norm.kind == "layernorm" and c.norm.bias is not None and c.norm.eps == pytest.approx(1e-3)
+    spec = check_fallback(m)
+    assert spec.norm == NormSpec("layernorm", float(np.float32(1e-3)), True) and spec.residual
+    assert spec.name.startswith(f"FusedMLP_{K}x{H}x{K}_ln_relu_id_res_fp32_f32_")
+
+
+@pytest.mark.parametrize("form", ["dynamo", "legacy", "div"])
+@pytest.mark.parametrize("opset", [17, 18])
+@pytest.mark.parametrize("swap", [False, True])
+def test_rmsnorm_decomposed(form, opset, swap):
+    m = block(norm=lambda g, x: _rms(g, x, form=form, swap=swap), opset=opset)
+    plan, c = one_chain(m)
+    assert plan.refusals == [] and c.norm.kind == "rmsnorm" and c.residual
+    assert c.norm.eps == pytest.approx(1e-6) and c.norm.bias is None
+    spec = check_fallback(m)
+    assert "_rms_relu_id_res_" in spec.name
+
+
+def test_rmsnorm_without_weight_and_layernorm_without_bias_or_residual():
+    plan, c = one_chain(block(norm=lambda g, x: _rms(g, x, weight=False)))
+    np.testing.assert_array_equal(c.norm.scale, np.ones(K, np.float32))
+    m = block(norm=lambda g, x: _layernorm(g, x, bias=False), residual=False)
+    plan, c = one_chain(m)
+    assert c.norm.bias is None and not c.residual and c.output == "y"
+    spec = check_fallback(m)
+    assert spec.norm.has_bias is False and "_ln_relu_id_fp32" in spec.name
+
+
+@pytest.mark.parametrize("op,opset", [("RMSNormalization", 23), ("SimplifiedLayerNormalization", 17)])
+def test_rms_norm_ops(op, opset):
+    def norm(g, x):
+        return g.op(op, [x, g.init((1 + 0.1 * g.rng.standard_normal(K)).astype(np.float32))], name="rms",
+                    axis=-1, epsilon=1e-5)
+    m = block(norm=norm, opset=opset, residual=True) if op == "RMSNormalization" else None
+    if m is None:  # ORT's own op: not in the onnx schema, so the checker cannot see it
+        g = G(opset=opset, seed=5)
+        t = norm(g, "x")
+        y = g.linear(g.op("Relu", [g.linear(t, K, H)]), H, K)
+        g.op("Add", [y, "x"], outputs=["y"])
+        m = g.model([("x", ["B", K])], [("y", ["B", K])], check=False)
+        m.graph.value_info.append(onnx.helper.make_tensor_value_info(t, onnx.TensorProto.FLOAT, ["B", K]))
+    plan, c = one_chain(m)
+    assert c.norm.kind == "rmsnorm" and c.residual and plan.refusals == []
+    check_fallback(m)
+
+
+def test_residual_without_norm():
+    m = block(norm=None)
+    plan, c = one_chain(m)
+    assert c.norm is None and c.residual and plan.refusals == []
+    assert check_fallback(m).name.startswith(f"FusedMLP_{K}x{H}x{K}_relu_id_res_")
+
+
+def _zoo_model(name, kind):
+    return load_model(str(MODELS / ZOO[name]["files"][kind]["file"]))
+
+
+@pytest.mark.parametrize("kind", ["dynamo", "opset17"])
+@pytest.mark.parametrize("name,norm,labels", [("preln", "layernorm", ["gelu", "id"]),
+                                              ("llama", "rmsnorm", ["gated silu", "id"])])
+def test_zoo_blocks_from_both_exporters(name, norm, labels, kind):
+    """The whole block is one chain: norm, layers (llama's gated SwiGLU too), residual; nothing left."""
+    m = _zoo_model(name, kind)
+    plan, c = one_chain(m)
+    assert plan.refusals == []
+    assert c.norm.kind == norm and c.residual and c.activation_labels() == labels
+    assert c.input == "x" and c.output == "y" and list(c.widths) == ZOO[name]["widths"]
+    assert len(c.nodes) == len(m.graph.node) - sum(n.op_type == "Constant" for n in m.graph.node)
+
+
+def test_torch_nn_layernorm_and_rmsnorm(tmp_path):
+    """torch's own modules: nn.LayerNorm (both exporters: LayerNormalization) and nn.RMSNorm (dynamo:
+    the decomposed ops; the legacy exporter cannot export it)."""
+    torch = pytest.importorskip("torch")
+
+    class Block(torch.nn.Module):
+        def __init__(self, norm):
+            super().__init__()
+            self.norm, self.a, self.b = norm, torch.nn.Linear(K, H), torch.nn.Linear(H, K)
+
+        def forward(self, x):
+            return x + self.b(torch.relu(self.a(self.norm(x))))
+
+    cases = [(torch.nn.LayerNorm(K), True, "layernorm"), (torch.nn.LayerNorm(K), False, "layernorm"),
+             (torch.nn.RMSNorm(K, eps=1e-5), True, "rmsnorm")]
+    for i, (norm, dynamo, kind) in enumerate(cases):
+        path = tmp_path / f"b{i}.onnx"
+        kw = dict(dynamo=True, dynamic_shapes=({0: torch.export.Dim("B")},)) if dynamo else \
+            dict(dynamo=False, opset_version=17, dynamic_axes={"x": {0: "B"}})
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.onnx.export(Block(norm).eval(), (torch.randn(3, K),), str(path), input_names=["x"],
+                              output_names=["y"], verbose=False, **kw)
+        plan, c = one_chain(load_model(str(path)))
+        assert c.norm.kind == kind and c.residual and plan.refusals == [], (i, plan.describe())
+
+
+def test_llama_block_fallback_matches_stock():
+    """The rewritten LLaMA block (RMSNorm, gated layer, residual), its function body on stock ORT."""
+    for kind in ("dynamo", "opset17"):
+        m = _zoo_model("llama", kind)
+        plan, specs, r = fuse(m)
+        assert [n.domain for n in r.graph.node] == [DOMAIN]
+        x = np.random.default_rng(3).standard_normal((33, 64)).astype(np.float32)
+        ref, got = run(m, {"x": x})[0], run(r, {"x": x})[0]
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+
+
+# -- near misses, each with its reason ----------------------------------------------------------------
+
+START = "chain 0 starts: input '{t}' comes from {node}: "
+END = "chain 0 ends: output of layer 2 ('{y}') "
+
+
+def _reasons(m, **kw):
+    return [r.reason for r in find_chains(m, **kw).refusals]
+
+
+def test_norm_of_another_axis():
+    g = G(opset=17, seed=5)
+    t = _layernorm(g, "x", axis=1)
+    h = g.linear(g.op("Relu", [g.linear(t, K, H, kind="matmul")]), H, K, kind="matmul")
+    g.op("Add", [h, "x"], outputs=["y"])
+    m = g.model([("x", ["B", 3, K])], [("y", ["B", 3, K])])
+    plan = find_chains(m)
+    assert plan.chains[0].norm is None and not plan.chains[0].residual
+    t = m.graph.node[0].output[0]
+    assert [r.reason for r in plan.refusals] == [
+        START.format(t=t, node="LayerNormalization 'ln'") + "LayerNormalization 'ln' normalises from axis 1, "
+        "not the last (feature) axis alone",
+        END.format(y=plan.chains[0].output) + "feeds Add '" + m.graph.node[-1].name + "', not a residual of the "
+        f"block: it adds 'x', the input of the layer norm in front, which is not fused with the chain"]
+
+
+def test_rms_mean_over_another_axis():
+    g = G(opset=18, seed=5)
+    t = _rms(g, "x", axes=(1,))
+    g.linear(g.op("Relu", [g.linear(t, K, H, kind="matmul")]), H, 3, kind="matmul", bias=False)
+    g.nodes[-1].output[0] = "y"
+    m = g.model([("x", ["B", 3, K])], [("y", ["B", 3, 3])])
+    (reason,) = _reasons(m)
+    assert reason == START.format(t=t, node="Mul 'weight'") + "ReduceMean 'mean' averages over axes [1], " \
+                                                             "not the last (feature) axis alone"
+
+
+def test_normalised_tensor_also_feeds_another_node():
+    def extra(g, names):
+        g.op("Tanh", [names["t"]], name="side", outputs=["side"])
+        return [("side", ["B", K])]
+    m = block(extra=extra)
+    plan = find_chains(m)
+    c = plan.chains[0]
+    assert c.norm is None and c.input == m.graph.node[0].output[0]
+    assert [r.reason for r in plan.refusals] == [
+        START.format(t=c.input, node="LayerNormalization 'ln'")
+        + f"the normalised tensor '{c.input}' also feeds Tanh 'side'",
+        END.format(y=c.output) + "feeds Add 'res', not a residual of the block: it adds 'x', the input of the "
+        "layer norm in front, which is not fused with the chain"]
+
+
+def test_rms_intermediate_read_elsewhere():
+    def extra(g, names):
+        return [("sqrt_out2", ["B", 1])]
+    g = G(opset=17, seed=5)
+    t = _rms(g, "x")
+    g.linear(g.op("Relu", [g.linear(t, K, H)]), H, 3)
+    g.nodes[-1].output[0] = "y"
+    sqrt = next(n for n in g.nodes if n.op_type == "Sqrt").output[0]
+    m = g.model([("x", ["B", K])], [("y", ["B", 3]), (sqrt, ["B", 1])])
+    (reason,) = _reasons(m)
+    assert reason == START.format(t=t, node="Mul 'weight'") + f"the RMS norm's intermediate '{sqrt}' is also a graph output"
+
+
+def test_residual_adds_another_tensor_or_the_normalised_one():
+    m = block(add_other="z")
+    plan = find_chains(m)
+    assert plan.chains[0].norm is not None and not plan.chains[0].residual
+    assert [r.reason for r in plan.refusals] == [
+        END.format(y=plan.chains[0].output) + "feeds Add 'res', not a residual of the block: it adds 'z', "
+        "not the block's input 'x'"]
+    # Add(y, LN(x)): the normalised tensor feeds the Add too, so the norm stays a stock op and the
+    # chain's input is the normalised tensor, which the Add adds: a residual of that chain
+    g = G(opset=17, seed=5)
+    t = _layernorm(g, "x")
+    y = g.linear(g.op("Relu", [g.linear(t, K, H)]), H, K)
+    g.op("Add", [y, t], name="res", outputs=["y"])
+    m = g.model([("x", ["B", K])], [("y", ["B", K])])
+    plan, c = one_chain(m)
+    assert c.norm is None and c.residual and c.input == t
+    assert [r.reason for r in plan.refusals] == [
+        START.format(t=t, node="LayerNormalization 'ln'") + f"the normalised tensor '{t}' also feeds Add 'res'"]
+    check_fallback(m, kept=["LayerNormalization"])
+
+
+def test_residual_of_another_width():
+    m = block(norm=None, residual=False, out_width=1)
+    g_add = onnx.helper.make_node("Add", [m.graph.node[-1].output[0], "x"], ["sum"], name="res")
+    m.graph.node[-1].output[0] = "y1"
+    g_add.input[0] = "y1"
+    m.graph.node.append(g_add)
+    m.graph.output[0].CopyFrom(onnx.helper.make_tensor_value_info("sum", onnx.TensorProto.FLOAT, ["B", K]))
+    plan = find_chains(m)
+    assert [r.reason for r in plan.refusals] == [
+        END.format(y="y1") + "feeds Add 'res', not a residual of the block: the block's input 'x' has 8 features "
+                             "and its output 1 (in != out width)"]
+
+
+# -- a library with CUDA kernels: the norm and the Add stay stock ops ----------------------------------
+
+def test_cuda_library_keeps_norm_and_residual_stock():
+    assert block_refusal(False) is None and block_refusal(True) == BLOCK_NO_CUDA
+    assert fusion_refusals(True)["block_refused"] == BLOCK_NO_CUDA
+    m = block()
+    plan = find_chains(m, **fusion_refusals(True))
+    (c,) = plan.chains
+    assert c.norm is None and not c.residual and list(c.widths) == [K, H, K]
+    t = m.graph.node[0].output[0]
+    assert [r.reason for r in plan.refusals] == [
+        START.format(t=t, node="LayerNormalization 'ln'") + CUDA_NORM,
+        END.format(y=c.output) + "feeds Add 'res': " + CUDA_RES]
+    assert CUDA_NORM == "layer norm in front: no CUDA kernel yet (CPU-only libraries fuse it)"
+    plan, specs, r = fuse(m)
+    assert specs[0].has_block
+    kept = [n.op_type for n in fuse_with_cuda(m).graph.node if n.domain != DOMAIN]
+    assert kept == ["LayerNormalization", "Add"]
+
+
+def fuse_with_cuda(m):
+    from onnx2fused.passes import rewrite
+    plan = find_chains(m, **fusion_refusals(True))
+    return rewrite(m, plan, [c.to_spec("fp32") for c in plan.chains])
+
+
+@pytest.mark.parametrize("kind", ["dynamo", "opset17"])
+def test_cuda_library_llama_block(kind):
+    """LLaMA's block with a CUDA library: RMSNorm, the gated Mul and the residual all stay stock ops,
+    each with its reason; the linear layers fuse on their own (and run on the GPU)."""
+    m = _zoo_model("llama", kind)
+    plan = find_chains(m, **fusion_refusals(True))
+    assert [list(c.widths) for c in plan.chains] == [[64, 128], [64, 128], [128, 64]]
+    assert all(c.norm is None and not c.residual for c in plan.chains)
+    reasons = [r.reason for r in plan.refusals]
+    assert sum(r.endswith("RMS norm in front: no CUDA kernel yet (CPU-only libraries fuse it)") for r in reasons) == 2
+    assert sum("gated layer: no CUDA kernel yet" in r for r in reasons) == 2
+
+
+def test_plan_refuses_a_block_spec():
+    layers = (LayerSpec(K, H, True, ex.relu()), LayerSpec(H, K, True, ex.identity()))
+    with pytest.raises(SpecError, match="layer norm in front: no CUDA kernel yet"):
+        make_plan(MLPSpec(layers, norm=NormSpec("layernorm", 1e-5, True)))
+    with pytest.raises(SpecError, match="residual Add behind: no CUDA kernel yet"):
+        make_plan(MLPSpec(layers, residual=True))
+
+
+def test_spec_checks_and_names():
+    layers = (LayerSpec(K, H, True, ex.relu()), LayerSpec(H, 4, True, ex.identity()))
+    with pytest.raises(SpecError, match="widths 8 and 4 differ"):
+        MLPSpec(layers, residual=True)
+    with pytest.raises(SpecError, match="an RMS norm has no bias"):
+        NormSpec("rmsnorm", 1e-6, True)
+    plain = MLPSpec(layers)
+    a, b = MLPSpec(layers, norm=NormSpec("rmsnorm", 1e-6)), MLPSpec(layers, norm=NormSpec("rmsnorm", 1e-5))
+    assert "_rms_" in a.name and a.name != b.name and "norm" not in plain.key_text()
+    assert plain.describe() == "8 -> 12 -> 4 [relu, id] fp16"
+    assert a.describe() == "RMS norm -> 8 -> 12 -> 4 [relu, id] fp16"
