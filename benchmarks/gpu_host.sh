@@ -6,7 +6,7 @@
 #
 #   benchmarks/gpu_host.sh install        rebuild and install the onnxruntime-gpu wheel into /tmp/site
 #   benchmarks/gpu_host.sh test [ARGS]    the GPU-marked tests (pytest ARGS, default: all tests/test_gpu*.py)
-#   benchmarks/gpu_host.sh kernels        benchmarks/kernel_check.py (kernels alone, no ORT)
+#   benchmarks/gpu_host.sh kernels [ARGS] benchmarks/kernel_check.py (kernels alone, no ORT)
 #   benchmarks/gpu_host.sh bench          `onnx2fused bench` on the issue's four cases, then the wide cases
 #   benchmarks/gpu_host.sh wide [ARGS]    benchmarks/wide_cases.py only (issue 5's three cases)
 #   benchmarks/gpu_host.sh tune [ARGS]    benchmarks/tune_wide.py: the wide kernel search, every candidate timed
@@ -42,7 +42,8 @@ test)
   python3 -m pytest -q -m gpu -p no:cacheprovider -rs "${args[@]}" 2>&1 | tee "$OUT/pytest_gpu.txt" | tail -40
   ;;
 kernels)
-  python3 benchmarks/kernel_check.py --out "$OUT/kc" 2>&1 | grep -v '^{' | tail -30
+  shift
+  python3 benchmarks/kernel_check.py --out "$OUT/kc" "$@" 2>&1 | grep -v '^{' | tail -30
   ;;
 bench)
   for c in "nerf 2097152" "gelu 1048576" "silu 262144" "mnist 4096"; do

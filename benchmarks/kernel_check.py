@@ -56,6 +56,7 @@ CASES = {
     "odd_tf32": (mlp([3, 37, 129, 5], [ex.tanh(), ex.mish(), ex.sigmoid()], "tf32"), 100003),
     "sdf_tf32": (mlp([3, 128, 128, 128, 128, 1], ex.tanh(), "tf32"), 65536),
     "sdf": (mlp([3, 128, 128, 128, 128, 1], ex.tanh()), 65536),
+    "sdf1m": (mlp([3, 128, 128, 128, 128, 1], ex.tanh()), 2**20),   # issue 15's batch
 }
 
 # Alternatives of the default plan, timed beside it: case -> (base case, the designs' overrides).
@@ -73,12 +74,17 @@ VARIANTS = {
 }
 
 
-def all_cases(base: PlanOptions) -> dict:
-    """name -> (spec, batch, plan options): the cases with `base`, the variants with their overrides."""
+def all_cases(base: PlanOptions, a32: bool = False) -> dict:
+    """name -> (spec, batch, plan options): the cases with `base`, the variants with their overrides;
+    `a32`: beside every fp16 case with packed activations, `<case>_a32` with act_math "fp32"."""
     cases = {name: (spec, batch, base) for name, (spec, batch) in CASES.items()}
     for name, (case, override) in VARIANTS.items():   # an override times its own design, whatever the cost model says
         design = "resident" if isinstance(override, ResidentOptions) else "streamed"
         cases[name] = (CASES[case][0], CASES[case][1], replace(base, design=design, **{design: override}))
+    if a32:
+        for name, (spec, batch, opts) in list(cases.items()):
+            if spec.packed_layers:
+                cases[f"{name}_a32"] = (replace(spec, act_math="fp32"), batch, opts)
     return cases
 
 
@@ -202,12 +208,14 @@ def main():
     ap.add_argument("--no-time", action="store_true")
     ap.add_argument("--arch", default="90")
     ap.add_argument("--profile", action="store_true", help="one launch at the case's batch, no checks (for ncu)")
+    ap.add_argument("--a32", action="store_true", help="also each packed fp16 case with fp32 activations (<case>_a32)")
     a = ap.parse_args()
     import torch
     out = Path(a.out) / "kernels"
     out.mkdir(parents=True, exist_ok=True)
     rows = []
-    cases = {n: c for n, c in all_cases(PlanOptions.from_env()).items() if not a.only or n in a.only}
+    cases = {n: c for n, c in all_cases(PlanOptions.from_env(), a.a32).items()
+             if not a.only or n in a.only or (n.endswith("_a32") and n[:-4] in a.only)}
     t0 = time.time()
     # nvcc runs are independent: compile every case at once, then check and time one by one.
     with concurrent.futures.ThreadPoolExecutor(max(1, (os.cpu_count() or 2) // 2)) as pool:
