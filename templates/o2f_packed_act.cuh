@@ -16,8 +16,6 @@ __device__ __forceinline__ __half2 o2f_h2_tanh(__half2 x) {
   asm("tanh.approx.f16x2 %0, %1;\n" : "=r"(r) : "r"(o2f_h2_bits(x)));
   return *reinterpret_cast<__half2*>(&r);
 }
-// max(x, 0) with NaN kept (ONNX Relu): exact, rounding commutes with it.
-__device__ __forceinline__ __half2 o2f_h2_relu(__half2 x) { return __hmax2_nan(x, o2f_h2_const(0.0f)); }
 // sigmoid(x) = 1/2 + tanh(x/2)/2: one MUFU operation for two values instead of ex2 + rcp for each.
 __device__ __forceinline__ __half2 o2f_h2_sigmoid(__half2 x) {
   const __half2 half = o2f_h2_const(0.5f);
