@@ -22,10 +22,10 @@ import onnx
 
 from .cpu_policy import cpu_kernel_wins
 from .build import find_nvcc
-from .library import build_plugin, fusion_refusals
+from .library import build_plugin, find_fusions
 from .errors import ConversionError
 from .loader import load_model
-from .passes import find_chains, rewrite
+from .passes import rewrite
 from .plan.choose import make_plan, wgmma_note
 from .plan.options import PlanOptions
 from .plan.protocol import Plan
@@ -242,7 +242,7 @@ def convert(input_path, output_path=None, precision: str = AUTO, validate: bool 
     shapes = val.check_input_shapes(input_shapes, model) if input_shapes else None
     if with_cuda is None:
         with_cuda = find_nvcc() is not None
-    plan = find_chains(model, **fusion_refusals(with_cuda))
+    plan = find_fusions(model, with_cuda)
     result = ConversionResult(str(inp), str(out), precision, refusals=[r.reason for r in plan.refusals])
 
     tmpdir = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
@@ -560,7 +560,7 @@ def inspect(input_path, precision: str = AUTO, cache_dir=None, plan_options: Pla
     model = load_model(input_path)
     if with_cuda is None:
         with_cuda = find_nvcc() is not None
-    plan = find_chains(model, **fusion_refusals(with_cuda))
+    plan = find_fusions(model, with_cuda, options)
     res = InspectResult(str(input_path), refusals=[r.reason for r in plan.refusals], plan=plan.describe())
     recorded = {p.key: p.value for p in model.metadata_props}.get(CHAINS_KEY)
     if recorded:

@@ -42,7 +42,10 @@ def spec_params(spec: MLPSpec) -> dict:
         "precision": spec.precision,
         "bf16": spec.precision == "bf16",
         "acts": act_params(spec, [l.out_features for l in spec.layers]),
+        "any_gated": spec.has_gated,
+        # gated: W [k, 2n] (gate columns, then up), bias 2n; wcols the weight's columns
         "fp32_layers": [{"index": i, "k": l.in_features, "n": l.out_features, "last": i == len(spec.layers) - 1,
+                         "gated": l.gated, "wcols": l.weight_columns,
                          "offset": "0" if i == 0 else f"kW{i - 1} + kWsz{i - 1}"}   # its weights follow the layer before
                         for i, l in enumerate(spec.layers)],
         "max_width": max(spec.widths),
@@ -71,7 +74,9 @@ def _layer_params(plan: FusedPlan) -> list[dict]:
             "prev": l.index - 1,
             "k_steps": l.kc // k_step,        # mma steps per chunk
             "ldw": l.kc + pad,                # row stride of a packed chunk
-            "n8": l.np_ // 8, "n16": l.np_ // 16, "k16": l.kp // 16,   # n8 tiles, A fragments out, A fragments in
+            # n8 tiles (of the GEMM: a gated layer's gate and up interleaved), A fragments out, A fragments in
+            "n8": l.cols // 8, "n16": l.np_ // 16, "k16": l.kp // 16,
+            "gated": l.gated, "cols": l.cols,
             # a pair's first layer: the next layer's k-chunks per hidden block
             "block_kchunks": l.nc // plan.layers[l.index + 1].kc if l.index in plan.pairs else 0,
         })

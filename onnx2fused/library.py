@@ -15,9 +15,10 @@ from typing import Callable
 from . import build, wide_tune
 from .codegen import render
 from .errors import ConversionError
-from .plan.choose import make_plans
+from .passes import find_chains
+from .plan.choose import make_plan, make_plans
 from .plan.options import PlanOptions
-from .spec import BLOCK_NO_CUDA, GATED_NO_CUDA
+from .spec import BLOCK_NO_CUDA, GATED_NO_CUDA, SpecError
 
 
 def resolve_with_cuda(with_cuda: bool | None) -> bool:
@@ -28,14 +29,29 @@ def resolve_with_cuda(with_cuda: bool | None) -> bool:
     return nvcc is not None if with_cuda is None else with_cuda
 
 
-def gated_refusal(with_cuda: bool) -> str | None:
+def gated_refusal(with_cuda: bool, chains=(), options: PlanOptions | None = None) -> str | None:
     """Whether a library fuses gated layers (SwiGLU/GeGLU, passes/gated.py): None, it does; else why not,
     as `passes.find_chains(model, gated_refused=...)` takes it. The one place this is decided.
 
-    Only the CPU kernel computes gated layers. A library with CUDA kernels must not hold such a chain as
-    one op: the CUDA EP would find no kernel for it and run the whole block on the CPU EP, with copies
-    each way. There the chain is split where it was before (its linear layers fuse on their own)."""
-    return GATED_NO_CUDA if with_cuda else None
+    The CPU kernel and the fused CUDA kernels (resident, streamed: plan/fused.py) compute gated layers;
+    the wide design does not. A library with CUDA kernels must not hold a gated chain that no fused
+    kernel can plan: it would have no CUDA kernel, and the whole block would run on the CPU EP inside a
+    CUDA session. `chains`: the chains found with gated layers fused (passes.Chain); each gated one is
+    planned at tf32 (the largest tensor-core operands: fp16/bf16 plans need less shared memory, fp32 runs
+    on CUDA cores), and where one has no plan the model's gated layers are split, as before issue 16 (its
+    linear layers fuse on their own)."""
+    if not with_cuda:
+        return None
+    options = options or PlanOptions.from_env()
+    for chain in chains:
+        spec = chain.to_spec("tf32")
+        if not spec.has_gated:
+            continue
+        try:
+            make_plan(spec, options)
+        except (SpecError, ConversionError) as e:
+            return GATED_NO_CUDA.format(why=str(e))
+    return None
 
 
 def block_refusal(with_cuda: bool) -> str | None:
@@ -46,10 +62,22 @@ def block_refusal(with_cuda: bool) -> str | None:
     return BLOCK_NO_CUDA if with_cuda else None
 
 
-def fusion_refusals(with_cuda: bool) -> dict[str, str | None]:
+def fusion_refusals(with_cuda: bool, chains=(), options: PlanOptions | None = None) -> dict[str, str | None]:
     """What a library with or without CUDA kernels cannot fuse, as find_chains' keyword arguments:
-    `find_chains(model, **fusion_refusals(with_cuda))` (convert, inspect)."""
-    return {"gated_refused": gated_refusal(with_cuda), "block_refused": block_refusal(with_cuda)}
+    `find_chains(model, **fusion_refusals(with_cuda))`. `chains`: those found with gated layers fused
+    (gated_refusal plans them). `find_fusions` does both steps."""
+    return {"gated_refused": gated_refusal(with_cuda, chains, options), "block_refused": block_refusal(with_cuda)}
+
+
+def find_fusions(model, with_cuda: bool, options: PlanOptions | None = None):
+    """`passes.find_chains` with what this library fuses (convert, inspect): gated layers fused where the
+    fused CUDA kernels can hold every gated chain (gated_refusal), else found again with them split."""
+    plan = find_chains(model, block_refused=block_refusal(with_cuda))
+    if with_cuda and any(c.to_spec("tf32").has_gated for c in plan.chains):
+        refusals = fusion_refusals(with_cuda, plan.chains, options)
+        if refusals["gated_refused"] is not None:
+            plan = find_chains(model, **refusals)
+    return plan
 
 
 def build_plugin(specs, with_cuda: bool | None = None, cache_dir=None, cpu_enabled=None,

@@ -40,9 +40,11 @@ MAX_NAME = 96     # longer names (deep chains of many activations) are shortened
 SPEC_VERSION = 1  # bump when the meaning of a spec (and so of every generated kernel) changes
 
 
-# Why a library with CUDA kernels does not fuse gated layers (library.gated_refusal decides; plan.choose
-# refuses a gated spec with it too).
-GATED_NO_CUDA = "gated layer: no CUDA kernel yet (CPU-only libraries fuse it)"
+# Why a library with CUDA kernels does not fuse a model's gated layers (library.gated_refusal decides): a
+# gated chain no fused CUDA kernel (resident, streamed) can hold; `{why}` is the planner's reason. The wide
+# design, which takes chains too large for those, has no gated epilogue.
+GATED_NO_CUDA = ("gated layer: no fused CUDA kernel holds its chain ({why}); the wide design does not take "
+                 "gated layers (CPU-only libraries fuse it)")
 # The same for a transformer block's prologue and epilogue (library.block_refusal); `{what}` names it.
 BLOCK_NO_CUDA = "{what}: no CUDA kernel yet (CPU-only libraries fuse it)"
 NORM_KINDS = {"layernorm": ("ln", "layer norm"), "rmsnorm": ("rms", "RMS norm")}  # kind -> (name tag, label)

@@ -238,3 +238,66 @@ def test_wide_source_main_unit_compiles_with_a_tf32_first_layer(tmp_path, tuning
                                capture_output=True, text=True)
             assert r.returncode == 0, r.stderr[-3000:]
             assert {s for s in calls if sm80 in s} <= symbols("inst.o", "T")
+
+
+# ---- gated layers (SwiGLU/GeGLU, issue 16): one GEMM of 2*NP columns, gate and up interleaved in 8s ----
+def _gated_spec(widths, precision, gated_at, act=ex.silu(), io="f32"):
+    """A chain whose layers `gated_at` are gated (act(x Wg) * (x Wu)); other hidden layers ReLU, the last
+    identity unless gated."""
+    last = len(widths) - 2
+    layers = tuple(LayerSpec(a, b, True, act if i in gated_at else (ex.relu() if i < last else ex.identity()),
+                             gated=i in gated_at)
+                   for i, (a, b) in enumerate(zip(widths, widths[1:])))
+    return MLPSpec(layers, precision, io)
+
+
+GATED_CASES = [
+    (_gated_spec([64, 100, 64], "fp16", {0}), "resident"),                  # SwiGLU FFN, registers
+    (_gated_spec([64, 100, 64], "bf16", {0}, ex.gelu_erf()), "resident"),   # GeGLU, bf16
+    (_gated_spec([32, 37, 37, 5], "fp16", {0, 1}), "resident"),            # odd widths, two gated layers
+    (_gated_spec([32, 48, 37], "bf16", {1}), "resident"),                   # the last layer gated
+    (_gated_spec([48, 120, 48], "fp16", {0}), "resident"),                  # 256 GEMM columns: shared memory
+    (_gated_spec([32, 37, 37, 5], "tf32", {0}), "resident"),                # tf32 (m16n8k8)
+    (_gated_spec([256, 1000, 256], "fp16", {0}, io="f16"), "streamed"),     # FFN too big to keep: streamed
+    (_gated_spec([64, 100, 64], "bf16", {0}), "streamed"),                  # forced streamed, odd width
+    (_gated_spec([64, 300, 37], "fp16", {0, 1}), "streamed"),               # the last layer gated, odd
+    (_gated_spec([64, 100, 64], "tf32", {0}), "streamed"),                  # tf32 streamed
+]
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+@pytest.mark.parametrize("arch", ["80", "90"])
+@pytest.mark.parametrize("spec,design", GATED_CASES, ids=lambda s: s.name if isinstance(s, MLPSpec) else s)
+def test_gated_ptx_uses_tensor_cores(spec, design, arch, tmp_path):
+    options = PlanOptions(design=design, wgmma=False)
+    plan = choose.make_plan(spec, options)
+    assert plan.design == design
+    for l in plan.layers:
+        if l.gated:
+            assert l.cols == 2 * l.np_ and l.nc % 32 == 0 and l.n_nchunks * l.nc == l.cols
+    src, _ = _write_cuda(spec, tmp_path, options)
+    assert "pack_weights_gated<<<" in src and "pack_bias_gated<<<" in src
+    assert ("store_output_gated<" in src) == spec.layers[-1].gated
+    _check_ptx(spec, arch, tmp_path, options)
+
+
+def test_gated_plans_are_resident_or_streamed():
+    """Auto planning: gated chains get the mma.sync designs (wgmma and wide refuse them with a reason)."""
+    small = _gated_spec([64, 100, 64], "fp16", {0})
+    assert choose.make_plan(small, PlanOptions(wgmma=True)).design == "resident"
+    assert "gated" in choose.wgmma_refused(small)
+    big = _gated_spec([1024, 4096, 1024], "bf16", {0}, io="f16")
+    assert choose.make_plan(big).design == "streamed"
+    with pytest.raises(Exception, match="gated"):
+        choose.wide_plan(big)
+    assert choose.make_plan(_gated_spec([32, 37, 5], "fp32", {0})).design == "fp32"
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+def test_fp32_kernel_with_a_gated_layer_compiles(tmp_path):
+    spec = _gated_spec([13, 37, 5], "fp32", {0})
+    src, cu = _write_cuda(spec, tmp_path)
+    assert "act(gate) * up" in src
+    r = subprocess.run([NVCC, "-ptx", "-std=c++17", "-arch=compute_80", str(cu), "-o", str(tmp_path / "k.ptx")],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]

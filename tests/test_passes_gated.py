@@ -1,5 +1,5 @@
 """Issue 16: gated layers (SwiGLU, GeGLU) found by the pass, near misses declined with their reason, and
-the one decision that a library with CUDA kernels splits them (library.gated_refusal).
+the one decision whether a library with CUDA kernels fuses them (library.gated_refusal).
 
 Graph level only: no build. The fused kernels and the stock bodies are checked in test_gated_convert.py.
 """
@@ -7,16 +7,18 @@ from __future__ import annotations
 
 import json
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from onnx2fused import expr as ex
-from onnx2fused.library import gated_refusal
+from onnx2fused.library import find_fusions, gated_refusal
 from onnx2fused.loader import load_model
 from onnx2fused.passes import find_chains
-from onnx2fused.plan.choose import make_plan
+from onnx2fused.plan.choose import make_plan, wgmma_refused
+from onnx2fused.plan.wide import wide_reason_refused
 from onnx2fused.spec import GATED_NO_CUDA, LayerSpec, MLPSpec, SpecError
 from onnx_builders import G, fuse, run
 
@@ -277,19 +279,55 @@ def test_near_miss_says_why(name, tmp_path):
     assert res.refusals == got
 
 
-# -- a library with CUDA kernels splits them: the one decision, at the pass and the plan ------------
+# -- a library with CUDA kernels fuses them too (resident/streamed), splits them where no fused kernel can --
 
 def test_gated_refusal_is_decided_by_the_library_kind():
     assert gated_refusal(False) is None
-    assert gated_refusal(True) == GATED_NO_CUDA == "gated layer: no CUDA kernel yet (CPU-only libraries fuse it)"
+    assert gated_refusal(True) is None   # no chain that the fused CUDA kernels cannot hold
 
 
 @pytest.mark.parametrize("name", ["swiglu", "geglu"])
 @pytest.mark.parametrize("kind", ["dynamo", "opset17"])
-def test_cuda_library_splits_gated_blocks_with_the_reason(name, kind):
+def test_cuda_library_fuses_gated_blocks(name, kind):
     entry = ZOO[name]
     m = load_model(str(MODELS / entry["files"][kind]["file"]))
-    plan = find_chains(m, gated_refused=gated_refusal(True))
+    plan = find_fusions(m, True)
+    (chain,) = plan.chains
+    assert chain.activation_labels()[0].startswith("gated ")
+    for precision in ("fp16", "bf16", "tf32"):
+        assert make_plan(chain.to_spec(precision)).design in ("resident", "streamed")
+
+
+def _big_gated():
+    """x [B, 768] -> SwiGLU of 3072 -> 768: no fused CUDA kernel holds it at tf32 (the streamed design's input and
+    hidden rows do not fit shared memory; the wide design has no gated epilogue)."""
+    g = G(opset=17, seed=3)
+    k, h = 768, 3072
+    gate = g.linear("x", k, h, kind="matmul", bias=False, name="gate")
+    up = g.linear("x", k, h, kind="matmul", bias=False, name="up")
+    p = g.op("Mul", [g.op("Sigmoid", [gate]), up], name="mul")
+    g.op("Gemm", [p, g.weight(k, h), g.vec(k)], name="down", outputs=["y"], transB=1)
+    return g.model([("x", ["B", k])], [("y", ["B", k])])
+
+
+def test_cuda_library_splits_gated_chains_no_fused_kernel_holds():
+    m = _big_gated()
+    assert any(l.gated for c in find_chains(m).chains for l in c.layers)   # CPU-only: fused
+    why = gated_refusal(True, find_chains(m).chains)
+    assert why is not None and why.startswith("gated layer: no fused CUDA kernel holds its chain (")
+    plan = find_fusions(m, True)
+    assert not any(l.gated for c in plan.chains for l in c.layers)
+    reasons = [r.reason for r in plan.refusals]
+    assert reasons and all(r.endswith(": " + why) for r in reasons), reasons
+    assert all(make_plan(c.to_spec("fp16")) is not None for c in plan.chains)  # every piece has a CUDA plan
+
+
+@pytest.mark.parametrize("name", ["swiglu", "geglu"])
+def test_find_chains_splits_gated_blocks_when_refused(name):
+    entry = ZOO[name]
+    m = load_model(str(MODELS / entry["files"]["opset17"]["file"]))
+    why = GATED_NO_CUDA.format(why="test")
+    plan = find_chains(m, gated_refused=why)
     assert not any(l.gated for c in plan.chains for l in c.layers)
     k, h, n = entry["widths"]
     if name == "swiglu":   # gate, up, down: three one-layer chains, as before issue 16
@@ -297,27 +335,26 @@ def test_cuda_library_splits_gated_blocks_with_the_reason(name, kind):
     else:                  # fc1 (2H), fc2
         assert sorted(c.widths for c in plan.chains) == sorted([(k, 2 * h), (h, n)])
     reasons = [r.reason for r in plan.refusals]
-    assert reasons and all(r.endswith(": " + GATED_NO_CUDA) for r in reasons), reasons
-    specs = [c.to_spec("fp16") for c in plan.chains]
-    assert all(make_plan(s) is not None for s in specs)  # every piece has a CUDA plan
+    assert reasons and all(r.endswith(": " + why) for r in reasons), reasons
 
 
-def test_inspect_with_cuda_shows_the_split(tmp_path):
+def test_inspect_with_cuda_fuses_the_block(tmp_path):
     import onnx2fused
     res = onnx2fused.inspect(str(MODELS / ZOO["swiglu"]["files"]["opset17"]["file"]), precision="fp16",
                              with_cuda=True)
-    assert len(res.chains) == 3
-    assert any(GATED_NO_CUDA in r for r in res.refusals)
+    assert len(res.chains) == 1 and res.chains[0].activations == ["gated silu", "id"]
+    assert "streamed weights" in res.chains[0].cuda_plan   # 512 GEMM columns (gate and up of 256)
     cpu = onnx2fused.inspect(str(MODELS / ZOO["swiglu"]["files"]["opset17"]["file"]), precision="fp16",
                              with_cuda=False)
     assert len(cpu.chains) == 1 and cpu.chains[0].activations == ["gated silu", "id"]
-    assert "GPU: no tensor-core plan: " + GATED_NO_CUDA in cpu.chains[0].cuda_plan
 
 
-def test_plan_refuses_a_gated_spec():
+def test_plan_takes_a_gated_spec():
     spec = MLPSpec((LayerSpec(K, H, True, ex.silu(), gated=True), LayerSpec(H, N, True, ex.identity())))
-    with pytest.raises(SpecError, match="gated layer: no CUDA kernel yet"):
-        make_plan(spec)
+    plan = make_plan(spec)
+    assert plan.design == "resident" and plan.layers[0].gated and plan.layers[0].cols == 2 * plan.layers[0].np_
+    assert "gated" in wgmma_refused(spec) and "gated" in wide_reason_refused(replace(spec, precision="bf16"))
+
 
 
 # -- the spec --------------------------------------------------------------------------------------

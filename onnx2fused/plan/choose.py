@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ..spec import BLOCK_NO_CUDA, GATED_NO_CUDA, MLPSpec, SpecError
+from ..spec import BLOCK_NO_CUDA, MLPSpec, SpecError
 from . import cost, fused, wgmma, wide
 from .options import DESIGN_ENV, WGMMA_ENV, PlanOptions, WideOptions
 from .padding import ALIGN
@@ -37,8 +37,6 @@ def make_plans(specs, options: PlanOptions = DEFAULT_OPTIONS,
 def make_plan(spec: MLPSpec, options: PlanOptions = DEFAULT_OPTIONS, wide_options: WideOptions | None = None) -> Plan:
     """The plan of `spec`. `wide_options`: the wide design's kernel choices, tuning build or fixed
     segmentation, when the wide design is taken. SpecError when no design can run the spec."""
-    if spec.has_gated:  # convert never gets here (library.gated_refusal splits such chains first)
-        raise SpecError(GATED_NO_CUDA)
     if spec.has_block:  # the same (library.block_refusal keeps the norm and the residual stock ops)
         what = f"{spec.norm.label} in front" if spec.norm is not None else "residual Add behind"
         raise SpecError(BLOCK_NO_CUDA.format(what=what))

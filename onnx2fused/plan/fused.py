@@ -34,6 +34,14 @@ Two designs, chosen per spec:
 
 Widths are padded to the tile (K to a multiple of KC, N to a multiple of NC); padding columns of the
 activations are written as zeros, so padded weights (zeros) never multiply garbage.
+
+Gated layers (SwiGLU/GeGLU, `LayerSpec.gated`: W [K, 2N], gate columns first) are one GEMM of 2*NP
+columns (`LayerPlan.cols`; NP the padded output width) whose packed weights and bias interleave gate and
+up in blocks of 8 columns (pack time: GEMM n8 tile 2q = gate columns [8q, 8q+8), tile 2q+1 = up columns
+[8q, 8q+8)). With mma.sync's accumulator layout a lane then holds the gate and up values of the same
+output columns in acc[mt][2q] and acc[mt][2q+1]; the epilogues (templates/o2f_gated.cuh) form
+act(gate) * up there and write NP output columns. The MMA loops are the same; a chunk is NC GEMM columns
+(NC/2 output columns), a warp's n8 tiles always come in (gate, up) pairs.
 """
 from __future__ import annotations
 
@@ -74,6 +82,12 @@ class LayerPlan:
     w_offset: int     # offset of the layer's first chunk in the packed weights (elements)
     b_offset: int     # offset of the layer's bias in the packed biases (floats)
     pad: int = 8      # padding elements per chunk row (16 bytes)
+    gated: bool = False  # the GEMM computes 2*np_ columns, gate and up interleaved in 8s (nc: GEMM columns)
+
+    @property
+    def cols(self) -> int:
+        """Columns the layer's GEMM computes (packed weights, bias, accumulators): 2*np_ when gated."""
+        return 2 * self.np_ if self.gated else self.np_
 
     @property
     def n_kchunks(self) -> int:
@@ -81,7 +95,7 @@ class LayerPlan:
 
     @property
     def n_nchunks(self) -> int:
-        return self.np_ // self.nc
+        return self.cols // self.nc
 
     @property
     def n_chunks(self) -> int:
@@ -151,7 +165,7 @@ class FusedPlan:
 
     @property
     def bias_elems(self) -> int:
-        return sum(l.np_ for l in self.layers)
+        return sum(l.cols for l in self.layers)
 
     @property
     def slot_elems(self) -> int:
@@ -184,11 +198,12 @@ class FusedPlan:
 
 
 def _layer_plans(spec: MLPSpec, nc_of, kc_max: int = KC_MAX,
-                 hidden_blocks: dict[int, int] | None = None) -> list[LayerPlan]:
+                 hidden_blocks: dict[int, int] | None = None, gated_nc_of=None) -> list[LayerPlan]:
     """Chunk shapes per layer. A layer's padded input width is exactly the padded output width of the
     layer before (the columns that layer writes, zeros included), so no unwritten column is ever read.
     `hidden_blocks` {i: HC}: layer i of a fused pair is built HC columns at a time (its chunk width),
-    and layer i+1's chunk depth divides HC, so each of its k-chunks lies within one hidden block."""
+    and layer i+1's chunk depth divides HC, so each of its k-chunks lies within one hidden block.
+    A gated layer's chunk is 2 * `gated_nc_of(N)` GEMM columns (default `nc_of`): both halves."""
     hidden_blocks = hidden_blocks or {}
     plans, chunk, w_off, b_off = [], 0, 0, 0
     kp = None
@@ -200,14 +215,19 @@ def _layer_plans(spec: MLPSpec, nc_of, kc_max: int = KC_MAX,
         else:
             kc = next(c for c in (kc_max, 48, 32, 16)
                       if c <= kc_max and kp % c == 0 and (not block or block % c == 0))
-        nc = hidden_blocks.get(i) or nc_of(l.out_features)
-        p = LayerPlan(i, l.in_features, l.out_features, kc, nc, kp,
-                      round_up(l.out_features, nc), chunk, w_off, b_off, row_pad(spec))
+        if l.gated:  # chunks of NC GEMM columns: NC/2 output columns (gate and up interleaved)
+            nco = (gated_nc_of or nc_of)(l.out_features)
+            p = LayerPlan(i, l.in_features, l.out_features, kc, 2 * nco, kp,
+                          round_up(l.out_features, nco), chunk, w_off, b_off, row_pad(spec), gated=True)
+        else:
+            nc = hidden_blocks.get(i) or nc_of(l.out_features)
+            p = LayerPlan(i, l.in_features, l.out_features, kc, nc, kp,
+                          round_up(l.out_features, nc), chunk, w_off, b_off, row_pad(spec))
         kp = p.np_
         plans.append(p)
         chunk += p.n_chunks
         w_off += p.n_chunks * p.chunk_elems
-        b_off += p.np_
+        b_off += p.cols
     return plans
 
 
@@ -219,6 +239,15 @@ def _streamed_nc(n: int) -> int:
     return min((256, 192, 128), key=lambda c: (round_up(n, c) - n, -c))
 
 
+def _streamed_gated_nc(n: int) -> int:
+    """Output columns per chunk of a gated layer: its GEMM chunk (gate and up) is twice that, so at most
+    NC_STREAMED_MAX / 2."""
+    n16 = round_up(n, 16)
+    if n16 <= NC_STREAMED_MAX // 2:
+        return n16
+    return min((128, 96, 64), key=lambda c: (round_up(n, c) - n, -c))
+
+
 RESIDENT_WARPS = (16, 12, 8, 4)  # warps per block tried by the shared-memory design, best occupancy first
 REGISTER_FRAGMENTS_MAX = 96  # accumulator + operand registers per lane the register design may hold
 
@@ -226,7 +255,7 @@ REGISTER_FRAGMENTS_MAX = 96  # accumulator + operand registers per lane the regi
 def _fragment_registers(layers: list[LayerPlan], mt: int) -> int:
     """Registers per lane a warp of `mt` m16-tiles holds at once in the register design: a layer's
     fp32 accumulators (np/2 per m-tile) plus its input as packed 16-bit A fragments (kp/4)."""
-    return max(mt * (l.np_ // 2 + (l.kp // 4 if l.index else 0)) for l in layers)
+    return max(mt * (l.cols // 2 + (l.kp // 4 if l.index else 0)) for l in layers)
 
 
 def resident_plan(spec: MLPSpec, smem_limit: int = SMEM_LIMIT, mt: int | None = None,
@@ -238,7 +267,7 @@ def resident_plan(spec: MLPSpec, smem_limit: int = SMEM_LIMIT, mt: int | None = 
     activations never go through shared memory; only the input tile is staged there. Otherwise each
     warp keeps its activation tile in shared memory and overwrites it layer by layer."""
     layers = _layer_plans(spec, lambda n: round_up(n, 16))
-    widest = max(l.np_ for l in layers)
+    widest = max(l.cols for l in layers)   # accumulator columns (a gated layer's GEMM: 2x its outputs)
     if widest > RESIDENT_NP_MAX:
         return None
     if register_activations is None:
@@ -262,7 +291,7 @@ def resident_plan(spec: MLPSpec, smem_limit: int = SMEM_LIMIT, mt: int | None = 
         act_ld = layers[0].kp + row_pad(spec)
     else:
         act_ld = max([l.kp for l in layers] + [l.np_ for l in layers[:-1]]) + row_pad(spec)
-    fixed = sum(l.np_ for l in layers) * 4 + sum(l.n_chunks * l.chunk_elems for l in layers) * eb
+    fixed = sum(l.cols for l in layers) * 4 + sum(l.n_chunks * l.chunk_elems for l in layers) * eb
     best = None
     for tiles in mts:   # the first m-tile count any warp count fits
         for warps in warp_choices:
@@ -330,6 +359,8 @@ def _hidden_blocks(spec: MLPSpec) -> dict[int, int]:
     widths = [round_up(l.out_features, 16) for l in spec.layers]
     blocks = {}
     for i in range(len(widths) - 1):
+        if spec.layers[i].gated or spec.layers[i + 1].gated:  # gated layers are never paired
+            continue
         if widths[i] > NC_STREAMED_MAX and widths[i + 1] <= NC_STREAMED_MAX and i - 1 not in blocks:
             blocks[i] = 64 if widths[i + 1] > 128 else 128
     return blocks
@@ -377,14 +408,14 @@ def streamed_plan(spec: MLPSpec, smem_limit: int = SMEM_LIMIT, kc_max: int = KC_
 def _streamed_build(spec: MLPSpec, smem_limit: int, blocks: dict[int, int], kc_max: int,
                     tall_rows: tuple[int, ...], stages_choices: tuple[int, ...]) -> FusedPlan:
     """The streamed plan with the pairs of `blocks` ({i: HC}, _hidden_blocks) fused."""
-    layers = _layer_plans(spec, _streamed_nc, kc_max, blocks)
+    layers = _layer_plans(spec, _streamed_nc, kc_max, blocks, _streamed_gated_nc)
     pairs = tuple(sorted(blocks))
     # A holds the inputs of even layers, B of odd ones; a pair's second layer reads H instead.
     seconds = {i + 1 for i in pairs}
     wa = max(l.kp for l in layers[0::2] if l.index not in seconds)
     wb = max((l.kp for l in layers[1::2] if l.index not in seconds), default=0)
     hc = max((layers[i].nc for i in pairs), default=0)
-    bias = sum(l.np_ for l in layers) * 4
+    bias = sum(l.cols for l in layers) * 4
     eb, pad = elem_bytes(spec), row_pad(spec)
     slot = max(l.chunk_elems for l in layers) * eb
     row_elems = sum(w + pad for w in (wa, wb, hc) if w)  # one tile row in A, B and H
@@ -421,7 +452,7 @@ class Fp32Plan:
 
     @property
     def workspace_bytes(self) -> int:
-        return sum(l.in_features * l.out_features + l.out_features for l in self.spec.layers) * 4
+        return sum(l.in_features * l.weight_columns + l.weight_columns for l in self.spec.layers) * 4
 
     def describe(self) -> str:
         return "CUDA cores, fp32"

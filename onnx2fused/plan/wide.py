@@ -199,6 +199,8 @@ def wide_reason_refused(spec: MLPSpec) -> str | None:
     """Why the wide design cannot run this spec, or None."""
     if spec.precision not in ("fp16", "bf16"):
         return f"{spec.precision} has no tensor-core GEMM"
+    if spec.has_gated:
+        return "gated layers (SwiGLU/GeGLU) run in the fused mma.sync kernels only"
     for i, l in enumerate(spec.layers):
         if ex.chan_leaves(l.activation):
             return (f"layer {i}'s activation has per-channel constants, which the GEMM epilogue "

@@ -1,0 +1,113 @@
+"""Gated layers (SwiGLU/GeGLU, issue 16) in the fused CUDA kernels, against stock ONNX Runtime (GPU host only).
+
+The zoo's gated-only blocks (swiglu, geglu) at fp16, bf16 and tf32 in the resident and the streamed design,
+and two-linear SwiGLU chains of odd widths (padding columns of the interleaved gate/up GEMM, a gated last
+layer, two gated layers in a row), with outputs poisoned with NaN so unwritten elements show.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from gpu_support import rel_l2, require_cuda, run_poisoned  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+ort, torch = require_cuda()
+
+from onnx2fused import library, passes  # noqa: E402
+from onnx2fused.loader import load_model  # noqa: E402
+from onnx2fused.plan.choose import make_plans  # noqa: E402
+from onnx2fused.plan.options import PlanOptions  # noqa: E402
+from onnx_builders import G  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+ZOO = json.loads((ROOT / "models" / "zoo.json").read_text())
+GATED = [(m["name"], kind) for m in ZOO["models"] if m.get("block") in ("swiglu", "geglu") for kind in m["files"]]
+TOL = {"fp16": 2e-3, "bf16": 1e-2, "tf32": 1e-3}
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("gpu_gated_cache")
+
+
+def _reference(model_path, x):
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    s = ort.InferenceSession(str(model_path), so, providers=["CPUExecutionProvider"])
+    return s.run(None, {s.get_inputs()[0].name: x})[0]
+
+
+def _fused_session(model_path: Path, precision: str, design: str, cache_dir: Path, out: Path):
+    model = load_model(str(model_path))
+    plan = passes.find_chains(model, **library.fusion_refusals(True))
+    assert any(l.gated for c in plan.chains for l in c.layers), plan.describe()
+    specs = [c.to_spec(precision) for c in plan.chains]
+    plans = make_plans(specs, PlanOptions(design=design, wgmma=False))
+    if {p.design for p in plans.values()} != {design}:   # swiglu's 512 GEMM columns: too wide to keep resident
+        pytest.skip(f"{design} cannot take it: " + "; ".join(p.describe() for p in plans.values()))
+    lib = library.build_plugin(specs, with_cuda=True, cache_dir=cache_dir, plans=plans)
+    onnx.save(passes.rewrite(model, plan, specs), str(out))
+    so = ort.SessionOptions()
+    so.register_custom_ops_library(str(lib.path))
+    return ort.InferenceSession(str(out), so, providers=["CUDAExecutionProvider", "CPUExecutionProvider"])
+
+
+def _check(sess, src, k, precision, label, batches=(1, 37, 129, 4099)):
+    rng = np.random.default_rng(16)
+    for batch in batches:
+        x = rng.standard_normal((batch, k)).astype(np.float32)
+        ref = _reference(src, x)
+        err = rel_l2(run_poisoned(sess, x, ref.shape), ref)
+        assert err <= TOL[precision], f"{label} batch {batch}: rel L2 {err:.2e} > {TOL[precision]:.0e}"
+
+
+@pytest.mark.parametrize("design", ["resident", "streamed"])
+@pytest.mark.parametrize("precision", ["fp16", "bf16", "tf32"])
+@pytest.mark.parametrize("name,kind", GATED)
+def test_gated_zoo_model_on_cuda_ep(name, kind, precision, design, cache_dir, tmp_path):
+    entry = next(m for m in ZOO["models"] if m["name"] == name)
+    src = ROOT / "models" / entry["files"][kind]["file"]
+    sess = _fused_session(src, precision, design, cache_dir, tmp_path / "fused.onnx")
+    _check(sess, src, entry["feature_shape"][0], precision, f"{name}/{kind} {precision} {design}")
+
+
+def _swiglu_chain(k: int, widths: list[int], gated: set[int], seed: int = 5) -> onnx.ModelProto:
+    """x [B, k] -> layers of `widths` outputs; layer i in `gated`: silu(x Wg + bg) * (x Wu + bu) (two
+    linears on the same input), else ReLU (the last: none)."""
+    g = G(opset=17, seed=seed)
+    t, n_in = "x", k
+    for i, n in enumerate(widths):
+        last = i == len(widths) - 1
+        out = ["y"] if last else 1
+        if i in gated:
+            gate = g.linear(t, n_in, n, name=f"gate{i}")
+            up = g.linear(t, n_in, n, name=f"up{i}")
+            s = g.op("Sigmoid", [gate])
+            t = g.op("Mul", [g.op("Mul", [gate, s]), up], name=f"mul{i}", outputs=out)
+        else:
+            t = g.linear(t, n_in, n, name=f"fc{i}")
+            if not last:
+                t = g.op("Relu", [t])
+            elif out:
+                t = g.op("Identity", [t], outputs=out)
+        n_in = n
+    return g.model([("x", ["B", k])], [("y", ["B", n_in])])
+
+
+@pytest.mark.parametrize("design", ["resident", "streamed"])
+@pytest.mark.parametrize("precision", ["fp16", "bf16", "tf32"])
+@pytest.mark.parametrize("k,widths,gated", [
+    (40, [37, 5], {0}),             # odd hidden width: padding columns of the interleave
+    (64, [100, 37], {0, 1}),        # two gated layers, the last one gated and odd
+    (48, [24, 37], {1}),            # a gated last layer after a plain one
+])
+def test_gated_odd_widths(k, widths, gated, precision, design, cache_dir, tmp_path):
+    src = tmp_path / "swiglu.onnx"
+    onnx.save(_swiglu_chain(k, widths, gated), str(src))
+    sess = _fused_session(src, precision, design, cache_dir, tmp_path / "fused.onnx")
+    _check(sess, src, k, precision, f"{k}->{widths} gated {sorted(gated)} {precision} {design}")
