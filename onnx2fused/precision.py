@@ -141,8 +141,9 @@ def packable(layers) -> bool:
 
 
 def model_chain(layers, x: np.ndarray, precision: str, act_math: str = "packed") -> ChainRun:
-    """Run a chain's layers (objects with .weight [K, N], .bias [N] or None, .activation Expr) on the
-    rows `x` (..., K0) as the CUDA kernel at `precision` computes them. A packed layer (fp16, act_math
+    """Run a chain's layers (objects with .weight [K, N], .bias [N] or None, .activation Expr, and
+    optionally .gated: weight [K, 2N], act(gate) * up) on the rows `x` (..., K0) as the CUDA kernel at
+    `precision` computes them. A packed layer (fp16, act_math
     "packed") rounds its pre-activations to fp16, which the range check then covers too, and evaluates
     the activation's fp16x2 form op by op in float16."""
     rnd, rnd_w = ROUND_OPERAND[precision], ROUND_WEIGHT[precision]
@@ -163,7 +164,12 @@ def model_chain(layers, x: np.ndarray, precision: str, act_math: str = "packed")
                 h = form.model(pre.astype(np.float16)).astype(np.float32)
             peak = max(peak, _finite_peak(h))
             continue
-        h = ex.evaluate(layer.activation, acc.astype(np.float32))
+        if getattr(layer, "gated", False):   # act(gate) * up: the weight's first half of columns is the gate
+            n = acc.shape[-1] // 2
+            with np.errstate(all="ignore"):
+                h = ex.evaluate(layer.activation, acc[:, :n].astype(np.float32)) * acc[:, n:].astype(np.float32)
+        else:
+            h = ex.evaluate(layer.activation, acc.astype(np.float32))
         if i + 1 < len(layers):
             peak = max(peak, _finite_peak(h))
             h = rnd(h)

@@ -75,7 +75,9 @@ def check_defaults(src: Path, out: Path, cache, feeds_of) -> onnx2fused.Conversi
     assert all(c.precision in TOL and c.precision_why for c in res.chains)
     text = res.format()
     assert all(f"precision {c.precision}: " in text for c in res.chains)
-    tol = max(TOL[c.precision] for c in res.chains)
+    # the loosest chain precision's tolerance, or what validation allowed an ill-conditioned chain (a SIREN:
+    # NOISE_FACTOR x stock fp32's own distance from float64 accumulation)
+    tol = max(max(TOL[c.precision] for c in res.chains), res.validation.tolerance)
     feeds = feeds_of(np.random.default_rng(7))
     ref = stock(src, feeds)
     got = session(out, res.library_path, ["CUDAExecutionProvider", "CPUExecutionProvider"]).run(None, feeds)
