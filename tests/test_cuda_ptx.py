@@ -286,10 +286,13 @@ def test_gated_plans_are_resident_or_streamed():
     small = _gated_spec([64, 100, 64], "fp16", {0})
     assert choose.make_plan(small, PlanOptions(wgmma=True)).design == "resident"
     assert "gated" in choose.wgmma_refused(small)
-    big = _gated_spec([1024, 4096, 1024], "bf16", {0}, io="f16")
+    big = _gated_spec([256, 1000, 256], "fp16", {0}, io="f16")
     assert choose.make_plan(big).design == "streamed"
     with pytest.raises(Exception, match="gated"):
         choose.wide_plan(big)
+    huge = _gated_spec([1024, 4096, 1024], "bf16", {0}, io="f16")   # no fused kernel holds it, nor the wide design
+    with pytest.raises(Exception, match="16-row tile needs .* gated layers .* mma.sync kernels only"):
+        choose.make_plan(huge)
     assert choose.make_plan(_gated_spec([32, 37, 5], "fp32", {0})).design == "fp32"
 
 

@@ -31,7 +31,7 @@ GELU = _spec([64, 128, 128, 128, 128, 64], ex.gelu_erf())
 SILU = _spec([256, 256, 256, 256, 256], ex.silu())
 SDF = _spec([3, 128, 128, 128, 128, 1], ex.tanh())
 WGMMA = PlanOptions(design="wgmma")
-AUTO_WGMMA = PlanOptions(wgmma=True)     # auto, with the opt-in
+AUTO_WGMMA = PlanOptions(wgmma=True)     # auto (the default), wgmma allowed
 
 
 @pytest.mark.parametrize("spec,nwg,prefetch,chunks", [
@@ -79,20 +79,20 @@ def test_cost_rule_and_the_switches():
     forced = choose.make_plan(narrow, WGMMA)
     assert forced.design == "wgmma" and DESIGN_ENV in forced.reason
     assert choose.make_plan(NERF, PlanOptions(wgmma=False)).design == "resident"
-    assert choose.make_plan(GELU).design == "resident"       # opt-in: the default options never pick it
-    assert choose.make_plan(GELU, AUTO_WGMMA).design == "wgmma"
+    assert choose.make_plan(GELU).design == "wgmma"          # on by default
+    assert choose.make_plan(GELU, PlanOptions(wgmma=False)).design == "resident"
     for other in ("resident", "streamed", "wide"):            # forcing another design forbids wgmma
         assert choose.make_plan(NERF, PlanOptions(design=other)).design != "wgmma"
     assert PlanOptions.from_env({DESIGN_ENV: "wgmma"}).design == "wgmma"
     assert PlanOptions.from_env({WGMMA_ENV: "off"}).wgmma is False
-    assert PlanOptions.from_env({}).wgmma is False
+    assert PlanOptions.from_env({}).wgmma is True
     assert PlanOptions.from_env({WGMMA_ENV: "on"}).wgmma is True
 
 
 def test_plan_text_says_why_not_wgmma():
     assert "Hopper wgmma not used: fewer than 2 layers" in plan_text(_spec([32, 64, 16]), choose.make_plan(_spec([32, 64, 16])))
     assert "Hopper wgmma not used" in plan_text(SILU, choose.make_plan(SILU))
-    assert "ONNX2FUSED_WGMMA=on opts in" in plan_text(GELU, choose.make_plan(GELU))
+    assert "switched off (ONNX2FUSED_WGMMA=off" in plan_text(GELU, choose.make_plan(GELU, PlanOptions(wgmma=False)))
     text = plan_text(GELU, choose.make_plan(GELU, AUTO_WGMMA))
     assert "GPU: wgmma (sm_90a)" in text and "not used" not in text
 

@@ -102,7 +102,7 @@ def wgmma_note(spec: MLPSpec, plan: Plan) -> str:
     if why is None and not cost.wgmma_wins(spec):
         why = (f"fewer than {cost.WGMMA_MIN_WIDE_LAYERS} layers of >= {cost.WGMMA_MIN_WIDTH} outputs "
                "(mma.sync is as fast there)")
-    return f"Hopper wgmma not used: {why or f'not picked automatically yet ({WGMMA_ENV}=on opts in; {DESIGN_ENV}=wgmma forces it)'}"
+    return f"Hopper wgmma not used: {why or f'switched off ({WGMMA_ENV}=off; {DESIGN_ENV}=wgmma forces it)'}"
 
 
 def _wgmma(spec: MLPSpec, fallback, smem: int, forced: bool) -> wgmma.WgmmaPlan | None:

@@ -6,9 +6,8 @@ of (spec, options) only:
 
   ONNX2FUSED_CUDA_DESIGN  = auto | resident | streamed | wide | wgmma: force a design where it is possible
                             (resident, streamed or wide forced: never wgmma)
-  ONNX2FUSED_WGMMA        = on: auto may pick the Hopper wgmma design (plan/wgmma.py) where the cost model
-                            prefers it; off by default until the GPU tests pass on every zoo model
-                            with it (benchmarks/RESULTS.md, seventh run)
+  ONNX2FUSED_WGMMA        = off: auto never picks the Hopper wgmma design (plan/wgmma.py); on by default
+                            since the whole GPU suite passed with it (benchmarks/RESULTS.md, eighth run)
   ONNX2FUSED_WIDE_TAIL    = off: no segmented wide plans (every layer a GEMM), for comparisons
   (and whether the CUTLASS headers the wide design compiles against can be found)
 
@@ -74,7 +73,7 @@ class PlanOptions:
     design: str = "auto"           # DESIGNS: a design to force where it is possible
     wide_tail: bool = True         # segmented wide plans allowed (a fused kernel for narrow trailing layers)
     wide_unavailable: str = ""     # why the wide design cannot be built here ("": it can)
-    wgmma: bool = False            # auto may pick the wgmma design (opt-in; forcing it works either way)
+    wgmma: bool = True             # auto may pick the wgmma design (ONNX2FUSED_WGMMA=off: never; forcing works either way)
     smem_limit: int | None = None  # shared memory a block may use (None: fused.SMEM_LIMIT, sm_90)
     resident: ResidentOptions = field(default_factory=ResidentOptions)
     streamed: StreamedOptions = field(default_factory=StreamedOptions)
@@ -89,7 +88,7 @@ class PlanOptions:
         env = os.environ if environ is None else environ
         return cls(design=env.get(DESIGN_ENV, "auto").strip().lower() or "auto",
                    wide_tail=env.get(TAIL_ENV, "auto").strip().lower() != "off",
-                   wgmma=env.get(WGMMA_ENV, "off").strip().lower() in ("on", "1", "yes", "true"),
+                   wgmma=env.get(WGMMA_ENV, "on").strip().lower() not in ("off", "0", "no", "false"),
                    wide_unavailable=_cutlass_missing())
 
 
