@@ -18,6 +18,7 @@ import onnx2fused
 from onnx2fused import expr as ex
 from onnx2fused import precision as prec
 from onnx2fused import validate as val
+from onnx2fused.passes import find_chains
 
 from onnx_builders import G, mlp
 
@@ -59,7 +60,7 @@ def siren(exporter_scale: float = 30.0) -> onnx.ModelProto:
 
 
 def choose(model) -> list[prec.PrecisionChoice]:
-    chains = conv.find_chains(model).chains
+    chains = find_chains(model).chains
     cases, _ = val.validation_cases(model)
     return conv.initial_precisions(model, chains, cases, True, lambda s: None)
 

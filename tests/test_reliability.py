@@ -260,7 +260,7 @@ def test_fp16_range_uses_the_calibration_inputs(tmp_path, cache):
     model, target = _calibration_model()
     random_peak = max(_hidden_peak(model, f["x"]) for _, f in val.random_inputs(model))
     assert 100 < random_peak < val.FP16_WARN  # random inputs alone see no risk ...
-    chains = conv.find_chains(model).chains
+    chains = find_chains(model).chains
     cases, _ = val.validation_cases(model)
     assert [c.precision for c in conv.initial_precisions(model, chains, cases, True, lambda s: None)] == ["fp16"]
 

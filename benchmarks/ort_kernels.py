@@ -1,0 +1,71 @@
+"""Which CUDA kernels a converted model launches inside ONNX Runtime, and for how long (issue 15: where the
+time between the fused kernel alone and the same model through ORT goes).
+
+    python benchmarks/ort_kernels.py FUSED.onnx --rows N [--reps 20]
+
+Runs the fused model on the CUDA EP with IOBinding (inputs and outputs on the GPU, as `onnx2fused bench`
+does), then once more per rep under torch's profiler, which sees every kernel of the process (ORT's
+included, through CUPTI). Prints each kernel's name, launches and mean device time, and the wall time
+of one `run_with_iobinding` for comparison.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from collections import defaultdict
+
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("--rows", type=int, required=True)
+    ap.add_argument("--reps", type=int, default=20)
+    a = ap.parse_args()
+    import onnx
+    import onnxruntime as ort
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from onnx2fused.session import InferenceSession
+
+    m = onnx.load(a.model, load_external_data=False)
+    print("ops:", sorted({n.op_type for n in m.graph.node}))
+    sess = InferenceSession(a.model, providers=["CUDAExecutionProvider"])
+    binding = sess.io_binding()
+    for i in sess.get_inputs():
+        shape = [a.rows if not isinstance(d, int) else d for d in i.shape]
+        dtype = np.float16 if "float16" in i.type else np.float32
+        x = ort.OrtValue.ortvalue_from_numpy(np.random.default_rng(0).standard_normal(shape).astype(dtype), "cuda", 0)
+        binding.bind_ortvalue_input(i.name, x)
+    for o in sess.get_outputs():
+        binding.bind_output(o.name, "cuda", 0)
+    for _ in range(5):
+        sess.run_with_iobinding(binding)
+    t = []
+    for _ in range(a.reps):
+        t0 = time.perf_counter()
+        sess.run_with_iobinding(binding)
+        binding.synchronize_outputs()
+        t.append(time.perf_counter() - t0)
+    print(f"run_with_iobinding: median {1e3 * float(np.median(t)):.4f} ms over {a.reps}")
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(a.reps):
+            sess.run_with_iobinding(binding)
+        torch.cuda.synchronize()
+    stats = defaultdict(list)
+    for e in prof.events():
+        if e.device_type.name == "CUDA":
+            stats[e.name].append(e.device_time if hasattr(e, "device_time") else e.cuda_time)
+    for name, times in sorted(stats.items(), key=lambda kv: -sum(kv[1])):
+        print(f"{len(times):5d} x {np.mean(times) / 1e3:8.4f} ms  {name[:150]}")
+
+
+if __name__ == "__main__":
+    main()
