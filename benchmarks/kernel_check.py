@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 from onnx2fused import build, codegen  # noqa: E402
 from onnx2fused import expr as ex  # noqa: E402
 from onnx2fused.plan.choose import make_plan  # noqa: E402
-from onnx2fused.plan.options import PlanOptions, ResidentOptions, StreamedOptions  # noqa: E402
+from onnx2fused.plan.options import PlanOptions, ResidentOptions, StreamedOptions, WgmmaOptions  # noqa: E402
 from onnx2fused.spec import LayerSpec, MLPSpec  # noqa: E402
 
 BW = 3.0e12       # measured device-to-device copy, bytes/s (read + write)
@@ -71,6 +71,12 @@ VARIANTS = {
     # streamed: 64-row tiles of 32-deep chunks fit two blocks per SM, so one block's epilogue can
     # overlap the other's tensor-core work
     "w256silu_kc32_bm64": ("w256silu", StreamedOptions(kc_max=32, tall_rows=(64,), stages_choices=(2,))),
+    # wgmma: warpgroups a CTA against input k-steps prefetched into registers (gelu's 3 x 1 by default)
+    "w128gelu_wg2_pf4": ("w128gelu", WgmmaOptions(nwg=2, prefetch=4)),
+    "w128gelu_wg2_pf2": ("w128gelu", WgmmaOptions(nwg=2, prefetch=2)),
+    "w128gelu_wg3_pf0": ("w128gelu", WgmmaOptions(nwg=3, prefetch=0)),
+    "w128gelu_wg3_pf4": ("w128gelu", WgmmaOptions(nwg=3, prefetch=4)),
+    "sdf1m_wg2": ("sdf1m", WgmmaOptions(nwg=2)),
 }
 
 
@@ -79,6 +85,9 @@ def all_cases(base: PlanOptions, a32: bool = False) -> dict:
     `a32`: beside every fp16 case with packed activations, `<case>_a32` with act_math "fp32"."""
     cases = {name: (spec, batch, base) for name, (spec, batch) in CASES.items()}
     for name, (case, override) in VARIANTS.items():   # an override times its own design, whatever the cost model says
+        if isinstance(override, WgmmaOptions):
+            cases[name] = (CASES[case][0], CASES[case][1], replace(base, design="wgmma", wgmma_overrides=override))
+            continue
         design = "resident" if isinstance(override, ResidentOptions) else "streamed"
         cases[name] = (CASES[case][0], CASES[case][1], replace(base, design=design, **{design: override}))
     if a32:

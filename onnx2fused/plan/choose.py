@@ -55,7 +55,7 @@ def make_plan(spec: MLPSpec, options: PlanOptions = DEFAULT_OPTIONS, wide_option
     forced = options.design
     fallback = resident if resident is not None else streamed   # the wgmma plan's kernel for other GPUs
     if forced == "wgmma" or (forced == "auto" and options.wgmma):
-        plan = _wgmma(spec, fallback, smem, forced == "wgmma")
+        plan = _wgmma(spec, fallback, smem, forced == "wgmma", options.wgmma_overrides.given())
         if plan is not None:
             return plan
     if forced == "resident" and resident is not None:
@@ -105,7 +105,7 @@ def wgmma_note(spec: MLPSpec, plan: Plan) -> str:
     return f"Hopper wgmma not used: {why or f'switched off ({WGMMA_ENV}=off; {DESIGN_ENV}=wgmma forces it)'}"
 
 
-def _wgmma(spec: MLPSpec, fallback, smem: int, forced: bool) -> wgmma.WgmmaPlan | None:
+def _wgmma(spec: MLPSpec, fallback, smem: int, forced: bool, overrides: dict) -> wgmma.WgmmaPlan | None:
     """The wgmma plan where the design applies and (unless forced) the cost model prefers it."""
     if fallback is None or wgmma.wgmma_reason_refused(spec, smem) is not None:
         return None
@@ -116,7 +116,7 @@ def _wgmma(spec: MLPSpec, fallback, smem: int, forced: bool) -> wgmma.WgmmaPlan 
                   f"{cost.WGMMA_MIN_WIDTH} outputs, where wgmma beat mma.sync on the H100")
     else:
         return None
-    return wgmma.make_wgmma_plan(spec, fallback, reason, smem)
+    return wgmma.make_wgmma_plan(spec, fallback, reason, smem, **overrides)
 
 
 def wide_plan(spec: MLPSpec, wide_options: WideOptions | None = None, options: PlanOptions = DEFAULT_OPTIONS,

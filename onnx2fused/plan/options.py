@@ -59,6 +59,16 @@ class StreamedOptions:
 
 
 @dataclass(frozen=True)
+class WgmmaOptions:
+    """Overrides of the wgmma design's heuristics (wgmma.make_wgmma_plan), for benchmarks/kernel_check.py."""
+    nwg: int | None = None        # warpgroups per CTA (the register estimate must fit its cap)
+    prefetch: int | None = None   # k-steps of the next tile's input held in registers
+
+    def given(self) -> dict:
+        return _given(self)
+
+
+@dataclass(frozen=True)
 class WideOptions:
     """A wide plan's kernel choices (wide_tune.py's measured ones) and build kind, for one spec."""
     choices: tuple | None = None   # per GEMM, per row bucket, a sm90.Sm90Choice (None: the defaults)
@@ -77,6 +87,7 @@ class PlanOptions:
     smem_limit: int | None = None  # shared memory a block may use (None: fused.SMEM_LIMIT, sm_90)
     resident: ResidentOptions = field(default_factory=ResidentOptions)
     streamed: StreamedOptions = field(default_factory=StreamedOptions)
+    wgmma_overrides: WgmmaOptions = field(default_factory=WgmmaOptions)
 
     def __post_init__(self):
         if self.design not in DESIGNS:

@@ -192,9 +192,10 @@ def _smem(layers: list[WgmmaLayer]) -> int:
     return image + sum(l.np_ for l in layers) * 4 + 8 + SLACK
 
 
-def make_wgmma_plan(spec: MLPSpec, fallback, reason: str = "", smem_limit: int = SMEM_LIMIT) -> WgmmaPlan:
+def make_wgmma_plan(spec: MLPSpec, fallback, reason: str = "", smem_limit: int = SMEM_LIMIT,
+                    nwg: int | None = None, prefetch: int | None = None) -> WgmmaPlan:
     """The wgmma plan of `spec`, with `fallback` (its resident or streamed plan) for other GPUs. SpecError
-    where the design cannot take it."""
+    where the design cannot take it. `nwg`, `prefetch`: overrides of the register heuristic (benchmarks)."""
     why = wgmma_reason_refused(spec, smem_limit)
     if why:
         raise SpecError(f"{spec.describe()}: no wgmma plan: {why}")
@@ -202,9 +203,13 @@ def make_wgmma_plan(spec: MLPSpec, fallback, reason: str = "", smem_limit: int =
         raise SpecError(f"{spec.describe()}: no wgmma plan: no mma.sync plan for the other GPUs")
     layers = _layers(spec)
     base = _registers(layers) + REGISTER_OVERHEAD
-    nwg, cap = next((n, c) for n, c in REGISTER_CAPS if base <= c)
+    caps = dict(REGISTER_CAPS)
+    if nwg is not None and (nwg not in caps or base > caps[nwg]):
+        raise SpecError(f"{spec.describe()}: no wgmma plan with {nwg} warpgroups: ~{base} registers a thread")
+    nwg, cap = (nwg, caps[nwg]) if nwg is not None else next((n, c) for n, c in REGISTER_CAPS if base <= c)
     k0_steps = layers[0].k_steps
-    prefetch = max(0, min(k0_steps, PREFETCH_MAX, (cap - base) // 8))
+    auto_prefetch = max(0, min(k0_steps, PREFETCH_MAX, (cap - base) // 8))
+    prefetch = auto_prefetch if prefetch is None else max(0, min(k0_steps, prefetch))
     last = layers[-1]
     image = round_up(last.offset + last.chunks * last.chunk_bytes, LAYER_ALIGN)
     bias = sum(l.np_ for l in layers)
