@@ -77,6 +77,13 @@ VARIANTS = {
     "w128gelu_wg3_pf0": ("w128gelu", WgmmaOptions(nwg=3, prefetch=0)),
     "w128gelu_wg3_pf4": ("w128gelu", WgmmaOptions(nwg=3, prefetch=4)),
     "sdf1m_wg2": ("sdf1m", WgmmaOptions(nwg=2)),
+    # 32-column chunks: half the accumulator registers, so 4 warpgroups fit the 128-register cap
+    "w128gelu_wg4_c32": ("w128gelu", WgmmaOptions(nwg=4, prefetch=0, chunk_max=32)),
+    "w128gelu_wg3_c32": ("w128gelu", WgmmaOptions(nwg=3, chunk_max=32)),
+    "sdf1m_wg4_c32": ("sdf1m", WgmmaOptions(nwg=4, prefetch=0, chunk_max=32)),
+    "nerf64_wg": ("nerf64", WgmmaOptions()),
+    "nerf64_wg6": ("nerf64", WgmmaOptions(nwg=6, prefetch=0)),
+    "nerf64_wg5": ("nerf64", WgmmaOptions(nwg=5, prefetch=0)),
 }
 
 

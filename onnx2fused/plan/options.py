@@ -63,6 +63,7 @@ class WgmmaOptions:
     """Overrides of the wgmma design's heuristics (wgmma.make_wgmma_plan), for benchmarks/kernel_check.py."""
     nwg: int | None = None        # warpgroups per CTA (the register estimate must fit its cap)
     prefetch: int | None = None   # k-steps of the next tile's input held in registers
+    chunk_max: int | None = None  # widest chunk of a layer's columns (narrower: fewer accumulator registers)
 
     def given(self) -> dict:
         return _given(self)

@@ -40,6 +40,8 @@ BULK_PIECE = 32768        # bytes per cp.async.bulk of the weight image
 # Registers a thread may hold with NWG warpgroups on one SM (65536 / (128 NWG), at most 255), best first:
 # 4 warpgroups (nerf: 86 registers), 3 (gelu 129-167, sdf 123-130), 2.
 REGISTER_CAPS = ((4, 128), (3, 168), (2, 255))
+# More warpgroups (up to 8: 1024 threads) only on request (WgmmaOptions.nwg), until measured on a GPU.
+OVERRIDE_CAPS = {**dict(REGISTER_CAPS), 5: 96, 6: 80, 8: 64}
 REGISTER_OVERHEAD = 24    # addressing, loop state, bias pair, activation temporaries (fit to the H100 build)
 PREFETCH_MAX = 4          # k-steps of the next tile's input held in registers (8 registers each)
 SMEM_LIMIT = 227 * 1024   # dynamic shared memory a CTA may use on sm_90
@@ -129,21 +131,21 @@ class WgmmaPlan:
 CHUNK_MIN = 32            # narrower chunks (many commit groups of little work each) are padded away
 
 
-def _chunk_width(np_: int) -> tuple[int, int]:
-    """(padded width, chunk width): the widest multiple of 8 up to CHUNK_MAX that divides the padded width;
-    where that is under CHUNK_MIN (208: 13 chunks of 16), the width padded to CHUNK_MAX instead."""
-    nc = next(c for c in range(min(np_, CHUNK_MAX), 7, -8) if np_ % c == 0)
-    if nc < CHUNK_MIN and np_ > CHUNK_MAX:
-        return round_up(np_, CHUNK_MAX), CHUNK_MAX
+def _chunk_width(np_: int, chunk_max: int = CHUNK_MAX) -> tuple[int, int]:
+    """(padded width, chunk width): the widest multiple of 8 up to chunk_max that divides the padded width;
+    where that is under CHUNK_MIN (208: 13 chunks of 16), the width padded to chunk_max instead."""
+    nc = next(c for c in range(min(np_, chunk_max), 7, -8) if np_ % c == 0)
+    if nc < min(CHUNK_MIN, chunk_max) and np_ > chunk_max:
+        return round_up(np_, chunk_max), chunk_max
     return np_, nc
 
 
-def _layers(spec: MLPSpec) -> list[WgmmaLayer]:
+def _layers(spec: MLPSpec, chunk_max: int = CHUNK_MAX) -> list[WgmmaLayer]:
     out, off, boff = [], 0, 0
     last = len(spec.layers) - 1
     kp = round_up(spec.layers[0].in_features, 16)
     for i, l in enumerate(spec.layers):
-        np_, nc = _chunk_width(round_up(l.out_features, 8 if i == last else 16))
+        np_, nc = _chunk_width(round_up(l.out_features, 8 if i == last else 16), chunk_max)
         atom = 128 if kp % 64 == 0 else 64 if kp % 32 == 0 else 32
         layer = WgmmaLayer(i, l.in_features, l.out_features, kp, np_, nc, atom, off, boff)
         out.append(layer)
@@ -193,22 +195,27 @@ def _smem(layers: list[WgmmaLayer]) -> int:
 
 
 def make_wgmma_plan(spec: MLPSpec, fallback, reason: str = "", smem_limit: int = SMEM_LIMIT,
-                    nwg: int | None = None, prefetch: int | None = None) -> WgmmaPlan:
+                    nwg: int | None = None, prefetch: int | None = None, chunk_max: int | None = None) -> WgmmaPlan:
     """The wgmma plan of `spec`, with `fallback` (its resident or streamed plan) for other GPUs. SpecError
-    where the design cannot take it. `nwg`, `prefetch`: overrides of the register heuristic (benchmarks)."""
+    where the design cannot take it. `nwg`, `prefetch`, `chunk_max` (the widest chunk, a multiple of 8 up
+    to CHUNK_MAX): overrides of the heuristics (benchmarks)."""
     why = wgmma_reason_refused(spec, smem_limit)
     if why:
         raise SpecError(f"{spec.describe()}: no wgmma plan: {why}")
     if fallback is None:
         raise SpecError(f"{spec.describe()}: no wgmma plan: no mma.sync plan for the other GPUs")
-    layers = _layers(spec)
+    if chunk_max is not None and (chunk_max % 8 or not 8 <= chunk_max <= CHUNK_MAX):
+        raise SpecError(f"chunk width {chunk_max}: a multiple of 8 up to {CHUNK_MAX}")
+    layers = _layers(spec, chunk_max or CHUNK_MAX)
     base = _registers(layers) + REGISTER_OVERHEAD
-    caps = dict(REGISTER_CAPS)
-    if nwg is not None and (nwg not in caps or base > caps[nwg]):
+    caps = OVERRIDE_CAPS
+    # an override is held to the cap only where the estimate is far over: the estimate is conservative
+    # (nerf: ~88 estimated, 78 used) and __launch_bounds__ makes ptxas fit the cap (spills show in -v)
+    if nwg is not None and (nwg not in caps or base > caps[nwg] + 16):
         raise SpecError(f"{spec.describe()}: no wgmma plan with {nwg} warpgroups: ~{base} registers a thread")
     nwg, cap = (nwg, caps[nwg]) if nwg is not None else next((n, c) for n, c in REGISTER_CAPS if base <= c)
     k0_steps = layers[0].k_steps
-    auto_prefetch = max(0, min(k0_steps, PREFETCH_MAX, (cap - base) // 8))
+    auto_prefetch = max(0, min(k0_steps, PREFETCH_MAX, max(0, cap - base) // 8))
     prefetch = auto_prefetch if prefetch is None else max(0, min(k0_steps, prefetch))
     last = layers[-1]
     image = round_up(last.offset + last.chunks * last.chunk_bytes, LAYER_ALIGN)
