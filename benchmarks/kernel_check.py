@@ -112,7 +112,10 @@ def compile_case(name: str, spec: MLPSpec, options: PlanOptions, out: Path, arch
         (folder / file).write_text(text)
     units = [folder / f for f in sorted(sources) if f.endswith(".cu")]   # a wgmma plan: its mma.sync fallback too
     lib = out / f"lib{name}.so"
-    gencode = ["-gencode", f"arch=compute_{arch},code=sm_{arch}"]
+    # SASS for the arch and its PTX: a GPU of a newer arch JIT-compiles the PTX at load, so the H100 runs
+    # an sm_80 build (`--arch 80`: what an A100 would run, the mma.sync kernels, no wgmma)
+    gencode = ["-gencode", f"arch=compute_{arch},code=sm_{arch}" if arch == "90" else
+               f"arch=compute_{arch},code=[sm_{arch},compute_{arch}]"]
     if any(build.needs_sm90a(t) for t in sources.values()):   # the wgmma design: sm_90a, as build.py compiles it
         gencode = build.wgmma_nvcc_flags(gencode)
     cmd = ["nvcc", "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-lineinfo", *gencode,
@@ -222,7 +225,7 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/kcheck"))
     ap.add_argument("--only", nargs="*")
     ap.add_argument("--no-time", action="store_true")
-    ap.add_argument("--arch", default="90")
+    ap.add_argument("--arch", default="90", help="80: an sm_80 build (its PTX is JIT-compiled on a newer GPU)")
     ap.add_argument("--profile", action="store_true", help="one launch at the case's batch, no checks (for ncu)")
     ap.add_argument("--a32", action="store_true", help="also each packed fp16 case with fp32 activations (<case>_a32)")
     a = ap.parse_args()
