@@ -123,9 +123,35 @@ class ChainRun:
 
 
 def chain_layers(chain) -> list[SimpleNamespace]:
-    """A found chain's layers (passes.find_chains) as model_chain reads them (weight [K, N], bias, activation)."""
-    return [SimpleNamespace(weight=l.linear.weight, bias=l.linear.bias, activation=l.activation,
-                            gated=getattr(l, "gated", False)) for l in chain.layers]
+    """A found chain's layers (passes.find_chains) as model_chain reads them (weight [K, N], bias, activation).
+    A transformer block's norm in front and residual behind go with them (`block_of`): the chain's input is
+    then the rows before the norm and its output the residual Add's, and the model must compute both."""
+    return BlockLayers([SimpleNamespace(weight=l.linear.weight, bias=l.linear.bias, activation=l.activation,
+                                        gated=getattr(l, "gated", False)) for l in chain.layers],
+                       getattr(chain, "norm", None), bool(getattr(chain, "residual", False)))
+
+
+class BlockLayers(list):
+    """A chain's layers, with its block's norm (passes.block.NormMatch: kind, eps, scale, bias) and residual."""
+
+    def __init__(self, layers, norm=None, residual: bool = False):
+        super().__init__(layers)
+        self.norm = norm
+        self.residual = residual
+
+
+def _normalise(h: np.ndarray, norm) -> np.ndarray:
+    """The kernels' fp32 norm of each row (templates/cpu_kernel.cc.j2 normalise_rows): LayerNormalization
+    with the variance as mean(x^2) - mean^2, or the exporters' RMSNorm."""
+    h = h.astype(np.float32)
+    scale = np.asarray(norm.scale, np.float32)
+    with np.errstate(all="ignore"):
+        sumsq = np.mean(h * h, axis=-1, keepdims=True, dtype=np.float32)
+        if norm.kind == "layernorm":
+            mean = np.mean(h, axis=-1, keepdims=True, dtype=np.float32)
+            out = (h - mean) / np.sqrt(sumsq - mean * mean + np.float32(norm.eps)) * scale
+            return out + np.asarray(norm.bias, np.float32) if norm.bias is not None else out
+        return h * (np.float32(1) / np.sqrt(sumsq + np.float32(norm.eps))) * scale
 
 
 def _packed(layers, i: int, precision: str, act_math: str) -> ex.PackedForm | None:
@@ -143,11 +169,14 @@ def packable(layers) -> bool:
 def model_chain(layers, x: np.ndarray, precision: str, act_math: str = "packed") -> ChainRun:
     """Run a chain's layers (objects with .weight [K, N], .bias [N] or None, .activation Expr, and
     optionally .gated: weight [K, 2N], act(gate) * up) on the rows `x` (..., K0) as the CUDA kernel at
-    `precision` computes them. A packed layer (fp16, act_math
+    `precision` computes them; `layers` from chain_layers also carry a block's norm and residual. A packed layer (fp16, act_math
     "packed") rounds its pre-activations to fp16, which the range check then covers too, and evaluates
     the activation's fp16x2 form op by op in float16."""
     rnd, rnd_w = ROUND_OPERAND[precision], ROUND_WEIGHT[precision]
-    h = np.asarray(x, np.float32).reshape(-1, np.shape(x)[-1])
+    h = x_rows = np.asarray(x, np.float32).reshape(-1, np.shape(x)[-1])
+    norm = getattr(layers, "norm", None)
+    if norm is not None:
+        h = _normalise(h, norm)
     peak = _finite_peak(h)
     h = rnd(h)
     for i, layer in enumerate(layers):
@@ -173,6 +202,8 @@ def model_chain(layers, x: np.ndarray, precision: str, act_math: str = "packed")
         if i + 1 < len(layers):
             peak = max(peak, _finite_peak(h))
             h = rnd(h)
+    if getattr(layers, "residual", False):
+        h = h + x_rows     # in fp32, from the rows as they came in
     return ChainRun(h.reshape(*np.shape(x)[:-1], h.shape[-1]), peak)
 
 

@@ -156,6 +156,39 @@ def test_an_ill_conditioned_chain_is_held_to_its_own_fp32_noise():
     assert plain.noise < 1e-6 and plain.tolerance(val.TOLERANCES) == val.TOLERANCES["fp16"]
 
 
+@pytest.mark.parametrize("name", ["preln.opset17", "preln.dynamo", "llama.opset17", "llama.dynamo"])
+def test_a_transformer_block_is_modelled_with_its_norm_and_residual(name):
+    """A block chain's input is the rows before the norm and its output the residual Add's: the model
+    computes both, so stock fp32 agrees with it to rounding (no false "ill-conditioned", which would
+    loosen validation to 4x an error of ~1) and its fp32 run matches stock to 1e-5."""
+    from pathlib import Path
+    model = onnx.load(str(Path(__file__).resolve().parent.parent / "models" / f"{name}.onnx"))
+    (chain,) = find_chains(model).chains
+    assert chain.norm is not None and chain.residual
+    (c,) = conv.initial_precisions(model, [chain], val.validation_cases(model)[0], True, lambda s: None)
+    assert c.noise < 1e-5 and "ill-conditioned" not in c.why, c
+    assert c.precision == "fp16" and c.tolerance(val.TOLERANCES) == val.TOLERANCES["fp16"]
+
+
+def test_norm_model_matches_a_float64_layer_norm_and_rms_norm():
+    from types import SimpleNamespace
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal((50, 24)) * 3 + 1).astype(np.float32)
+    w = (rng.standard_normal((24, 24)) / 5).astype(np.float32)
+    layers = [SimpleNamespace(weight=w, bias=None, activation=ex.identity())]
+    scale, bias = rng.standard_normal(24).astype(np.float32), rng.standard_normal(24).astype(np.float32)
+    x64 = x.astype(np.float64)
+    mean, var = x64.mean(-1, keepdims=True), x64.var(-1, keepdims=True)
+    ln = (x64 - mean) / np.sqrt(var + 1e-5) * scale + bias
+    rms = x64 / np.sqrt((x64 * x64).mean(-1, keepdims=True) + 1e-6) * scale
+    for norm, want in [(SimpleNamespace(kind="layernorm", eps=1e-5, scale=scale, bias=bias), ln),
+                       (SimpleNamespace(kind="rmsnorm", eps=1e-6, scale=scale, bias=None), rms)]:
+        got = prec.model_chain(prec.BlockLayers(layers, norm, residual=True), x, "fp32").output
+        assert np.allclose(got, want @ w + x64, rtol=1e-4, atol=1e-4)
+        plain = prec.model_chain(prec.BlockLayers(layers, norm), x, "fp32").output
+        assert np.allclose(plain, want @ w, rtol=1e-4, atol=1e-4)
+
+
 # ------------------------------------------------------------------- packed fp16x2 activations
 def _layers(widths, act, seed=0, bias_shift=0.0):
     from types import SimpleNamespace
