@@ -200,6 +200,15 @@ def test_model_info_layers():
     assert bench.default_cpu_batch(bench.model_info(NERF)) == 65536
 
 
+def test_flops_count_every_row_of_a_token_batch():
+    """A ViT block's input is [batch, 197, 384]: a batch item is 197 rows through the layers."""
+    from onnx2fused.bench.models import Layer, ModelInfo
+    info = ModelInfo(ROOT, [("x", "tensor(float)", ["batch", 197, 384])], [], [Layer(384, 1536, True)])
+    assert info.rows_per_item == 197 and info.flops_per_row == 2 * 384 * 1536
+    assert ModelInfo(ROOT, [("x", "tensor(float)", ["batch", "seq", 64])], []).rows_per_item == 1
+    assert bench.model_info(NERF).rows_per_item == 1
+
+
 def test_gpu_batches_capped_to_memory():
     info = bench.model_info(ROOT / "models" / "mnist.opset17.onnx")
     kept, notes = bench.gpu_batches(info, bench.DEFAULT_GPU_BATCHES, total_mem=80 * 2 ** 30)

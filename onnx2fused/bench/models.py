@@ -41,7 +41,17 @@ class ModelInfo:
 
     @property
     def flops_per_row(self) -> int:
+        """Flops of one row of the first input's last axis through the layers."""
         return sum(2 * l.k * l.n for l in self.layers)
+
+    @property
+    def rows_per_item(self) -> int:
+        """Rows of the last axis per batch item: the first input's middle dims (197 tokens of a ViT's
+        [batch, 197, 384]; symbolic ones count as 1), for the flops of a batch."""
+        r = 1
+        for d in list(self.inputs[0][2])[1:-1] if self.inputs else []:
+            r *= d if isinstance(d, int) and d > 0 else 1
+        return r
 
     @property
     def weight_params(self) -> int:
