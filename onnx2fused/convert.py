@@ -29,7 +29,7 @@ from .passes import rewrite
 from .plan.choose import make_plan, wgmma_note
 from .plan.options import PlanOptions
 from .plan.protocol import Plan
-from .precision import PrecisionChoice, chain_layers, choose_precision, next_step, step_label
+from .precision import PrecisionChoice, chain_block, chain_layers, choose_precision, next_step, step_label
 from .spec import PRECISIONS, SpecError
 from . import validate as val
 
@@ -107,7 +107,7 @@ def initial_precisions(model, chains, cases, with_cuda: bool, say) -> list[Preci
         return [PrecisionChoice("fp16", f"default: the chains' tensors could not be read on stock ORT "
                                         f"({val._one_line(e)})") for _ in chains]
     return [choose_precision(chain_layers(c), ref[c.input], ref[c.output], range_check=True,
-                             tolerances=val.TOLERANCES) for c in chains]
+                             tolerances=val.TOLERANCES, block=chain_block(c)) for c in chains]
 
 
 def _next_step(chain, choice: PrecisionChoice) -> tuple[str, str] | None:
