@@ -551,7 +551,7 @@ def inspect(input_path, precision: str = AUTO, cache_dir=None, plan_options: Pla
     GPU when the build cache holds them) and why other layers are not. On a fused model: the precision
     and reason convert recorded for each chain. `with_cuda`: the library convert would build (None: with
     CUDA when nvcc is found), which decides whether gated layers and transformer blocks' norms and residuals fuse
-    (library.fusion_refusals)."""
+    (library.find_fusions)."""
     from .build import default_cache_dir
     from .wide_tune import cached_plan
     cache = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
