@@ -3,7 +3,8 @@ and time them with CUDA events (no ONNX Runtime involved): the fast loop for ker
 
     python benchmarks/kernel_check.py [--out DIR] [--only NAME] [--no-time]
 
-Each case prints: max rel-L2 error over the checked batch sizes, kernel time at the case's batch,
+Each case prints: max rel-L2 error over the checked batch sizes (a block with a residual: of the output
+less the input), kernel time at the case's batch,
 effective TFLOP/s and the floor (max of bytes / 3.0 TB/s and flops / 665 TFLOP/s, NOTES.md).
 """
 from __future__ import annotations
@@ -28,17 +29,21 @@ from onnx2fused import build, codegen  # noqa: E402
 from onnx2fused import expr as ex  # noqa: E402
 from onnx2fused.plan.choose import make_plan  # noqa: E402
 from onnx2fused.plan.options import PlanOptions, ResidentOptions, StreamedOptions, WgmmaOptions  # noqa: E402
-from onnx2fused.spec import LayerSpec, MLPSpec  # noqa: E402
+from onnx2fused.spec import LayerSpec, MLPSpec, NormSpec  # noqa: E402
 
 BW = 3.0e12       # measured device-to-device copy, bytes/s (read + write)
 TC = 665e12       # measured fp16 matmul rate, flop/s
 
 
-def mlp(widths, acts, precision="fp16", io="f32", bias=True):
+def mlp(widths, acts, precision="fp16", io="f32", bias=True, norm=None, residual=False, gated=()):
+    """`norm`, `residual`: a transformer block (MLPSpec.norm, .residual); `gated`: the gated layers."""
     if not isinstance(acts, (list, tuple)):
         acts = [acts] * (len(widths) - 2) + [ex.identity()]
-    layers = tuple(LayerSpec(a, b, bias, f) for a, b, f in zip(widths, widths[1:], acts))
-    return MLPSpec(layers, precision, io)
+    layers = tuple(LayerSpec(a, b, bias, f, gated=i in gated) for i, (a, b, f) in enumerate(zip(widths, widths[1:], acts)))
+    return MLPSpec(layers, precision, io, norm=norm, residual=residual)
+
+
+LN, LN_NOBIAS, RMS = NormSpec("layernorm", 1e-5, True), NormSpec("layernorm", 1e-3, False), NormSpec("rmsnorm", 1e-6)
 
 
 CASES = {
@@ -57,6 +62,21 @@ CASES = {
     "sdf_tf32": (mlp([3, 128, 128, 128, 128, 1], ex.tanh(), "tf32"), 65536),
     "sdf": (mlp([3, 128, 128, 128, 128, 1], ex.tanh()), 65536),
     "sdf1m": (mlp([3, 128, 128, 128, 128, 1], ex.tanh()), 2**20),   # issue 15's batch
+    # transformer blocks (issue 16): a norm prologue and a residual epilogue; ffn64 is preln's layers alone
+    "ffn64": (mlp([64, 256, 64], ex.gelu_erf()), 2**20),
+    "preln": (mlp([64, 256, 64], ex.gelu_erf(), norm=LN, residual=True), 2**20),
+    "preln_bf16": (mlp([64, 256, 64], ex.gelu_erf(), "bf16", norm=LN, residual=True), 2**20),
+    "preln_tf32": (mlp([64, 256, 64], ex.gelu_erf(), "tf32", norm=LN, residual=True), 2**20),
+    "preln_fp32": (mlp([64, 256, 64], ex.gelu_erf(), "fp32", norm=LN, residual=True), 65536),
+    "preln_f16io": (mlp([64, 256, 64], ex.gelu_erf(), io="f16", norm=LN, residual=True), 2**20),
+    "llama": (mlp([64, 128, 64], [ex.silu(), ex.identity()], bias=False, norm=RMS, residual=True, gated={0}), 2**20),
+    "llama_tf32": (mlp([64, 128, 64], [ex.silu(), ex.identity()], "tf32", bias=False, norm=RMS, residual=True,
+                       gated={0}), 2**20),
+    "block40": (mlp([40, 100, 40], ex.relu(), norm=LN_NOBIAS, residual=True), 100003),
+    "block72_rms": (mlp([72, 120, 72], ex.silu(), "bf16", norm=RMS, residual=True), 100003),
+    "block30_f16io": (mlp([30, 37, 30], ex.tanh(), io="f16", norm=LN, residual=False), 100003),
+    "block37_res": (mlp([37, 64, 37], ex.relu(), residual=True), 100003),
+    "block48_gres": (mlp([48, 96, 48], [ex.relu(), ex.silu()], "bf16", norm=RMS, residual=True, gated={1}), 100003),
 }
 
 # Alternatives of the default plan, timed beside it: case -> (base case, the designs' overrides).
@@ -84,7 +104,17 @@ VARIANTS = {
     "nerf64_wg": ("nerf64", WgmmaOptions()),
     "nerf64_wg6": ("nerf64", WgmmaOptions(nwg=6, prefetch=0)),
     "nerf64_wg5": ("nerf64", WgmmaOptions(nwg=5, prefetch=0)),
+    # blocks in the other fused design (an empty override forces it)
+    "preln_streamed": ("preln", StreamedOptions()),
+    "preln_tf32_streamed": ("preln_tf32", StreamedOptions()),
+    "preln_f16io_streamed": ("preln_f16io", StreamedOptions()),
+    "llama_streamed": ("llama", StreamedOptions()),
+    "block40_streamed": ("block40", StreamedOptions()),
+    "block72_rms_streamed": ("block72_rms", StreamedOptions()),
+    "block37_res_streamed": ("block37_res", StreamedOptions()),
+    "block48_gres_streamed": ("block48_gres", StreamedOptions()),
 }
+BLOCK_BATCHES = (1000003,)   # blocks: a large odd batch too (every tile and lane group, past the last row)
 
 
 def all_cases(base: PlanOptions, a32: bool = False) -> dict:
@@ -137,12 +167,29 @@ def load(spec: MLPSpec, lib: Path) -> ctypes.CDLL:
     return so
 
 
-def reference(spec: MLPSpec, ws, bs, x: np.ndarray) -> np.ndarray:
+def reference(spec: MLPSpec, ws, bs, x: np.ndarray, norm_params=()) -> np.ndarray:
+    """float64 products; activations in fp32; a block's norm (its scale, bias in `norm_params`) in float64
+    (fp16 I/O with a layer norm: rounded to fp16, as the kernels and ORT's fp16 kernel do) and its residual."""
     h = x.astype(np.float64)
+    if spec.norm is not None:
+        ms = (h * h).mean(-1, keepdims=True)
+        if spec.norm.kind == "layernorm":
+            mean = h.mean(-1, keepdims=True)
+            h = (h - mean) / np.sqrt(ms - mean * mean + spec.norm.eps) * norm_params[0]
+            if spec.norm.has_bias:
+                h = h + norm_params[1]
+            if spec.io_dtype == "f16":
+                h = h.astype(np.float16).astype(np.float64)
+        else:
+            h = h / np.sqrt(ms + spec.norm.eps) * norm_params[0]
     for l, w, b in zip(spec.layers, ws, bs):
         h = h @ w.astype(np.float64) + b.astype(np.float64)
-        h = ex.evaluate(l.activation, h.astype(np.float32)).astype(np.float64)
-    return h
+        if l.gated:   # act(gate) * up: the gate's columns first
+            n = l.out_features
+            h = ex.evaluate(l.activation, h[:, :n].astype(np.float32)).astype(np.float64) * h[:, n:]
+        else:
+            h = ex.evaluate(l.activation, h.astype(np.float32)).astype(np.float64)
+    return h + x.astype(np.float64) if spec.residual else h
 
 
 class Case:
@@ -152,15 +199,19 @@ class Case:
         self.ws, self.bs = [], []
         for l in spec.layers:
             bound = 1 / np.sqrt(l.in_features)
-            self.ws.append(rng.uniform(-bound, bound, (l.in_features, l.out_features)).astype(np.float32) * 1.7)
-            self.bs.append(rng.uniform(-bound, bound, l.out_features).astype(np.float32) if l.has_bias
-                           else np.zeros(l.out_features, np.float32))
+            cols = l.weight_columns   # a gated layer's [K, 2N]: gate columns, then up
+            self.ws.append(rng.uniform(-bound, bound, (l.in_features, cols)).astype(np.float32) * 1.7)
+            self.bs.append(rng.uniform(-bound, bound, cols).astype(np.float32) if l.has_bias
+                           else np.zeros(cols, np.float32))
+        k0 = spec.widths[0]   # a block's norm: scale NS = w[L], bias NB = b[L] (none for an RMS norm)
+        self.norm = [] if spec.norm is None else [(1 + 0.2 * rng.standard_normal(k0)).astype(np.float32),
+                                                  (0.2 * rng.standard_normal(k0)).astype(np.float32)]
         dev = torch.device("cuda")
-        self.dw = [torch.from_numpy(w).to(dev) for w in self.ws]
-        self.db = [torch.from_numpy(b).to(dev) for b in self.bs]
+        self.dw = [torch.from_numpy(w).to(dev) for w in self.ws + self.norm[:1]]
+        self.db = [torch.from_numpy(b).to(dev) for b in self.bs + self.norm[1:]]
         self.ws_buf = torch.empty(so_call(so, spec, "cuda_workspace_bytes"), dtype=torch.uint8, device=dev)
         wp = (ctypes.c_void_p * len(self.dw))(*[t.data_ptr() for t in self.dw])
-        bp = (ctypes.c_void_p * len(self.db))(*[t.data_ptr() for t in self.db])
+        bp = (ctypes.c_void_p * len(self.dw))(*[t.data_ptr() for t in self.db])   # NB nullptr for an RMS norm
         stream = torch.cuda.current_stream().cuda_stream
         check(so_call(so, spec, "cuda_pack", wp, bp, self.ws_buf.data_ptr(), stream), "pack")
         torch.cuda.synchronize()
@@ -171,20 +222,28 @@ class Case:
         return so_call(self.so, self.spec, "cuda_run", x.data_ptr(), y.data_ptr(), x.shape[0], self.ws_buf.data_ptr(), stream)
 
     def check(self, batch: int) -> float:
+        """Relative L2 error of the output; with a residual, of the output less the input (the block's
+        layers' part, which the residual would otherwise drown)."""
         torch = self.torch
         gen = torch.Generator(device="cuda").manual_seed(batch)  # the same inputs in every run
-        x = torch.randn(batch, self.spec.widths[0], device="cuda", generator=gen).to(self.io_dtype)
+        x = torch.randn(batch, self.spec.widths[0], device="cuda", generator=gen)
+        if self.spec.norm is not None:   # off-centre rows of a larger scale: a norm skipped or wrong shows
+            x = x * 2 + 0.5
+        x = x.to(self.io_dtype)
         y = torch.full((batch, self.spec.widths[-1]), float("nan"), device="cuda", dtype=self.io_dtype)
         check(self.run(x, y), "run")
         torch.cuda.synchronize()
         got = y.float().cpu().numpy().astype(np.float64)
-        ref = reference(self.spec, self.ws, self.bs, x.float().cpu().numpy())
+        xs = x.float().cpu().numpy()
+        ref = reference(self.spec, self.ws, self.bs, xs, self.norm)
         if batch == 0:
             return 0.0
         assert np.abs(ref).max() > 0, "reference is all zeros"
         if not np.isfinite(got).all():
             bad = np.argwhere(~np.isfinite(got))
             raise AssertionError(f"{self.name} batch {batch}: {len(bad)} unwritten/NaN outputs, first at {bad[:3].tolist()}")
+        if self.spec.residual:
+            got, ref = got - xs, ref - xs
         return float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
 
     def time(self, batch: int, reps: int = 200) -> float:
@@ -256,7 +315,8 @@ def main():
             continue
         plan = "fp32" if spec.precision == "fp32" else make_plan(spec, options).describe()
         try:
-            errs = [c.check(b) for b in (0, 1, 127, 129, 1000, min(batch, 70001))]
+            errs = [c.check(b) for b in (0, 1, 127, 129, 1000, min(batch, 70001))
+                    + (BLOCK_BATCHES if spec.has_block else ())]
             err = max(errs)
         except Exception as e:
             print(f"{name}: CHECK FAILED {e}", flush=True)

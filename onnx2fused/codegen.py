@@ -19,10 +19,10 @@ import re
 from functools import lru_cache
 
 import jinja2
-import numpy as np
 
 from . import expr as ex
 from ._version import __version__
+from .block_params import c_float
 from .cuda_params import fp32_params, fused_params
 from .errors import ConversionError
 from .plan.protocol import Plan
@@ -159,12 +159,6 @@ def cpu_params(spec: MLPSpec) -> dict:
         # ops around it are cast to fp32): the kernel rounds the normalised row the same way
         "norm_round_half": spec.io_dtype == "f16" and spec.norm is not None and spec.norm.kind == "layernorm",
     }
-
-
-def c_float(v: float) -> str:
-    """v as an exact C float literal (hexadecimal: no decimal rounding on either side)."""
-    mantissa, exponent = float(np.float32(v)).hex().split("p")
-    return f"{mantissa.rstrip('0').rstrip('.')}p{exponent}f"
 
 
 def cuda_template(plan: Plan) -> str:

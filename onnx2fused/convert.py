@@ -29,7 +29,7 @@ from .passes import rewrite
 from .plan.choose import make_plan, wgmma_note
 from .plan.options import PlanOptions
 from .plan.protocol import Plan
-from .precision import PrecisionChoice, chain_layers, choose_precision, next_step, step_label
+from .precision import PrecisionChoice, chain_block, chain_layers, choose_precision, next_step, step_label
 from .spec import PRECISIONS, SpecError
 from . import validate as val
 
@@ -107,7 +107,7 @@ def initial_precisions(model, chains, cases, with_cuda: bool, say) -> list[Preci
         return [PrecisionChoice("fp16", f"default: the chains' tensors could not be read on stock ORT "
                                         f"({val._one_line(e)})") for _ in chains]
     return [choose_precision(chain_layers(c), ref[c.input], ref[c.output], range_check=True,
-                             tolerances=val.TOLERANCES) for c in chains]
+                             tolerances=val.TOLERANCES, block=chain_block(c)) for c in chains]
 
 
 def _next_step(chain, choice: PrecisionChoice) -> tuple[str, str] | None:
@@ -551,7 +551,7 @@ def inspect(input_path, precision: str = AUTO, cache_dir=None, plan_options: Pla
     GPU when the build cache holds them) and why other layers are not. On a fused model: the precision
     and reason convert recorded for each chain. `with_cuda`: the library convert would build (None: with
     CUDA when nvcc is found), which decides whether gated layers and transformer blocks' norms and residuals fuse
-    (library.fusion_refusals)."""
+    (library.find_fusions)."""
     from .build import default_cache_dir
     from .wide_tune import cached_plan
     cache = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()

@@ -6,7 +6,9 @@ them. Nothing here plans: the plan comes in (plan/choose.py made it).
 from __future__ import annotations
 
 from . import expr as ex
+from .block_params import block_params
 from .plan.fused import ELEM_BYTES, Fp32Plan, FusedPlan, elem_bytes, row_pad
+from .plan.padding import NORM_ALIGN, round_up
 from .spec import MLPSpec
 
 
@@ -49,6 +51,7 @@ def spec_params(spec: MLPSpec) -> dict:
                          "offset": "0" if i == 0 else f"kW{i - 1} + kWsz{i - 1}"}   # its weights follow the layer before
                         for i, l in enumerate(spec.layers)],
         "max_width": max(spec.widths),
+        **block_params(spec),   # a transformer block's norm in front and residual behind
     }
 
 
@@ -113,6 +116,8 @@ def fused_params(plan: FusedPlan) -> dict:
         "prefetch_vectors": plan.prefetch_vectors,
         "register_activations": plan.register_activations,
         "width_a": plan.width_a, "width_b": plan.width_b, "hidden_ld": plan.hidden_ld,
+        # a block's norm scale (and bias) in the bias array, after the layers' biases
+        "norm_offset": plan.norm_offset, "norm_bias_at": plan.norm_offset + round_up(spec.widths[0], NORM_ALIGN),
         "variants": [
             {"name": v.name, "bm": v.bm, "warps": v.warps, "stages": v.stages, "smem_bytes": v.smem_bytes,
              "tilings": [_tiling_params(t) for t in v.tilings]}

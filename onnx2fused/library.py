@@ -15,8 +15,8 @@ from typing import Callable
 from . import build, wide_tune
 from .codegen import render
 from .errors import ConversionError
-from .passes import find_chains
-from .plan.choose import make_plan, make_plans
+from .passes import block_key, find_chains
+from .plan.choose import block_refused, make_plan, make_plans
 from .plan.options import PlanOptions
 from .spec import BLOCK_NO_CUDA, GATED_NO_CUDA, SpecError
 
@@ -54,30 +54,63 @@ def gated_refusal(with_cuda: bool, chains=(), options: PlanOptions | None = None
     return None
 
 
-def block_refusal(with_cuda: bool) -> str | None:
-    """The same for a transformer block's norm in front and residual Add behind (passes/block.py): None,
-    the library fuses them; else the reason (a template naming which: spec.BLOCK_NO_CUDA), as
-    `find_chains(model, block_refused=...)` takes it. Only the CPU kernel computes them; with CUDA
-    kernels they stay stock ops and the layers between them fuse as before."""
-    return BLOCK_NO_CUDA if with_cuda else None
+def block_refusal(with_cuda: bool, chains=(), options: PlanOptions | None = None) -> dict[int, str]:
+    """Which chains keep a transformer block's norm in front and residual Add behind (passes/block.py) as
+    stock ops: {passes.block_key(chain): reason} ({} where the library fuses every one), as
+    `passes.find_chains(model, block_refused=...)` takes it. The one place this is decided.
+
+    The CPU kernel and the fused CUDA kernels (resident, streamed, fp32: a norm prologue as the input rows
+    are loaded, the residual in the last layer's epilogue) compute them; the wide and wgmma designs do not.
+    A library with CUDA kernels keeps them stock for a chain (`chains`: found with blocks fused) where no
+    fused kernel plans it with them at tf32, or where its layers go to the wide design and stay there
+    (768 -> 3072 -> 768: the CUTLASS GEMMs with the norm and the Add as stock passes beat one streamed
+    kernel): plan.choose.block_refused decides. Its layers then fuse as before; one fused op without a
+    CUDA kernel would run on the CPU EP inside a CUDA session."""
+    if not with_cuda:
+        return {}
+    options = options or PlanOptions.from_env()
+    refused = {}
+    for chain in chains:
+        spec = chain.to_spec("tf32")
+        if not spec.has_block:
+            continue
+        why = block_refused(spec, options)
+        if why is not None:
+            # find_block fills in {what} (the norm or the residual); the reason's own braces are text
+            refused[block_key(chain)] = BLOCK_NO_CUDA.format(what="{what}", why=why.replace("{", "{{").replace("}", "}}"))
+    return refused
 
 
-def fusion_refusals(with_cuda: bool, chains=(), options: PlanOptions | None = None) -> dict[str, str | None]:
+def fusion_refusals(with_cuda: bool, chains=(), options: PlanOptions | None = None) -> dict:
     """What a library with or without CUDA kernels cannot fuse, as find_chains' keyword arguments:
-    `find_chains(model, **fusion_refusals(with_cuda))`. `chains`: those found with gated layers fused
-    (gated_refusal plans them). `find_fusions` does both steps."""
-    return {"gated_refused": gated_refusal(with_cuda, chains, options), "block_refused": block_refusal(with_cuda)}
+    `find_chains(model, **fusion_refusals(with_cuda, chains))`. `chains`: those found with everything
+    fused (gated_refusal and block_refusal plan them; none given: nothing is refused). `find_fusions`
+    does both steps."""
+    return {"gated_refused": gated_refusal(with_cuda, chains, options),
+            "block_refused": block_refusal(with_cuda, chains, options)}
 
 
 def find_fusions(model, with_cuda: bool, options: PlanOptions | None = None):
-    """`passes.find_chains` with what this library fuses (convert, inspect): gated layers fused where the
-    fused CUDA kernels can hold every gated chain (gated_refusal), else found again with them split."""
-    plan = find_chains(model, block_refused=block_refusal(with_cuda))
-    if with_cuda and any(c.to_spec("tf32").has_gated for c in plan.chains):
-        refusals = fusion_refusals(with_cuda, plan.chains, options)
-        if refusals["gated_refused"] is not None:
-            plan = find_chains(model, **refusals)
-    return plan
+    """`passes.find_chains` with what this library fuses (convert, inspect). With CUDA kernels: the
+    chains found with everything fused, then found again while refusals grow: the blocks no fused kernel
+    takes first (block_refusal; their layers alone may then plan), then, where one of the gated chains
+    has no plan, the gated layers split (gated_refusal). Refusals only grow, so this ends."""
+    plan = find_chains(model)
+    if not with_cuda:
+        return plan
+    options = options or PlanOptions.from_env()
+    blocks: dict[int, str] = {}
+    gated = None
+    while True:
+        more = {k: v for k, v in block_refusal(True, plan.chains, options).items() if k not in blocks}
+        if not more and gated is None and any(c.to_spec("tf32").has_gated for c in plan.chains):
+            gated = gated_refusal(True, plan.chains, options)
+            if gated is None:
+                return plan
+        elif not more:
+            return plan
+        blocks.update(more)
+        plan = find_chains(model, gated_refused=gated, block_refused=blocks)
 
 
 def build_plugin(specs, with_cuda: bool | None = None, cache_dir=None, cpu_enabled=None,

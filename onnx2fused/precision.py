@@ -122,36 +122,36 @@ class ChainRun:
     peak_stored: float
 
 
-def chain_layers(chain) -> list[SimpleNamespace]:
-    """A found chain's layers (passes.find_chains) as model_chain reads them (weight [K, N], bias, activation).
-    A transformer block's norm in front and residual behind go with them (`block_of`): the chain's input is
-    then the rows before the norm and its output the residual Add's, and the model must compute both."""
-    return BlockLayers([SimpleNamespace(weight=l.linear.weight, bias=l.linear.bias, activation=l.activation,
-                                        gated=getattr(l, "gated", False)) for l in chain.layers],
-                       getattr(chain, "norm", None), bool(getattr(chain, "residual", False)))
+def chain_block(chain) -> SimpleNamespace | None:
+    """A found chain's transformer-block parts as model_chain reads them (.norm: passes.block.NormMatch or
+    None, .residual, .half_io), or None for a chain without them."""
+    if chain.norm is None and not chain.residual:
+        return None
+    return SimpleNamespace(norm=chain.norm, residual=chain.residual, half_io=chain.input_dtype == "f16")
 
 
-class BlockLayers(list):
-    """A chain's layers, with its block's norm (passes.block.NormMatch: kind, eps, scale, bias) and residual."""
-
-    def __init__(self, layers, norm=None, residual: bool = False):
-        super().__init__(layers)
-        self.norm = norm
-        self.residual = residual
-
-
-def _normalise(h: np.ndarray, norm) -> np.ndarray:
-    """The kernels' fp32 norm of each row (templates/cpu_kernel.cc.j2 normalise_rows): LayerNormalization
-    with the variance as mean(x^2) - mean^2, or the exporters' RMSNorm."""
-    h = h.astype(np.float32)
-    scale = np.asarray(norm.scale, np.float32)
+def normalise(x: np.ndarray, norm, half_io: bool = False) -> np.ndarray:
+    """A block's norm of the rows of x (`norm`: .kind, .eps, .scale, .bias), in fp32 as the kernels compute
+    it; fp16 I/O with a layer norm rounds the result to fp16, as ORT's fp16 kernel writes it."""
+    x = np.asarray(x, np.float32)
+    k0 = x.shape[-1]
+    sumsq = (x.astype(np.float64) ** 2).sum(-1, keepdims=True).astype(np.float32)
     with np.errstate(all="ignore"):
-        sumsq = np.mean(h * h, axis=-1, keepdims=True, dtype=np.float32)
         if norm.kind == "layernorm":
-            mean = np.mean(h, axis=-1, keepdims=True, dtype=np.float32)
-            out = (h - mean) / np.sqrt(sumsq - mean * mean + np.float32(norm.eps)) * scale
-            return out + np.asarray(norm.bias, np.float32) if norm.bias is not None else out
-        return h * (np.float32(1) / np.sqrt(sumsq + np.float32(norm.eps))) * scale
+            mean = (x.astype(np.float64).sum(-1, keepdims=True) / k0).astype(np.float32)
+            denom = np.sqrt(sumsq / np.float32(k0) - mean * mean + np.float32(norm.eps))
+            h = (x - mean) / denom * np.asarray(norm.scale, np.float32)
+            if norm.bias is not None:
+                h = h + np.asarray(norm.bias, np.float32)
+            return round_fp16(h) if half_io else h.astype(np.float32)
+        inv = np.float32(1.0) / np.sqrt(sumsq / np.float32(k0) + np.float32(norm.eps))
+        return (x * inv * np.asarray(norm.scale, np.float32)).astype(np.float32)
+
+
+def chain_layers(chain) -> list[SimpleNamespace]:
+    """A found chain's layers (passes.find_chains) as model_chain reads them (weight [K, N], bias, activation)."""
+    return [SimpleNamespace(weight=l.linear.weight, bias=l.linear.bias, activation=l.activation,
+                            gated=getattr(l, "gated", False)) for l in chain.layers]
 
 
 def _packed(layers, i: int, precision: str, act_math: str) -> ex.PackedForm | None:
@@ -166,17 +166,17 @@ def packable(layers) -> bool:
     return any(_packed(layers, i, "fp16", "packed") for i in range(len(layers)))
 
 
-def model_chain(layers, x: np.ndarray, precision: str, act_math: str = "packed") -> ChainRun:
+def model_chain(layers, x: np.ndarray, precision: str, act_math: str = "packed", block=None) -> ChainRun:
     """Run a chain's layers (objects with .weight [K, N], .bias [N] or None, .activation Expr, and
     optionally .gated: weight [K, 2N], act(gate) * up) on the rows `x` (..., K0) as the CUDA kernel at
-    `precision` computes them; `layers` from chain_layers also carry a block's norm and residual. A packed layer (fp16, act_math
+    `precision` computes them. A packed layer (fp16, act_math
     "packed") rounds its pre-activations to fp16, which the range check then covers too, and evaluates
-    the activation's fp16x2 form op by op in float16."""
+    the activation's fp16x2 form op by op in float16. `block` (chain_block): a transformer block's norm
+    of the input rows in fp32 before they are rounded to the operand type, and its residual (the rows as
+    they came in) added to the last layer's fp32 output."""
     rnd, rnd_w = ROUND_OPERAND[precision], ROUND_WEIGHT[precision]
-    h = x_rows = np.asarray(x, np.float32).reshape(-1, np.shape(x)[-1])
-    norm = getattr(layers, "norm", None)
-    if norm is not None:
-        h = _normalise(h, norm)
+    x0 = np.asarray(x, np.float32).reshape(-1, np.shape(x)[-1])
+    h = x0 if block is None or block.norm is None else normalise(x0, block.norm, block.half_io)
     peak = _finite_peak(h)
     h = rnd(h)
     for i, layer in enumerate(layers):
@@ -202,8 +202,8 @@ def model_chain(layers, x: np.ndarray, precision: str, act_math: str = "packed")
         if i + 1 < len(layers):
             peak = max(peak, _finite_peak(h))
             h = rnd(h)
-    if getattr(layers, "residual", False):
-        h = h + x_rows     # in fp32, from the rows as they came in
+    if block is not None and block.residual:
+        h = h + x0
     return ChainRun(h.reshape(*np.shape(x)[:-1], h.shape[-1]), peak)
 
 
@@ -226,12 +226,14 @@ def rel_l2(got: np.ndarray, ref: np.ndarray) -> float:
 
 
 def choose_precision(layers, inputs: list[np.ndarray], outputs: list[np.ndarray], range_check: bool,
-                     tolerances: dict[str, float], start: str = "fp16") -> PrecisionChoice:
+                     tolerances: dict[str, float], start: str = "fp16", block=None) -> PrecisionChoice:
     """The first precision from `start` up the ladder whose modelled error over every input set is within
-    MARGIN x its tolerance (and, for fp16 with `range_check`, whose stored values stay finite)."""
+    MARGIN x its tolerance (and, for fp16 with `range_check`, whose stored values stay finite). `block`:
+    the chain's norm and residual (chain_block), which its input and output tensors include."""
     errors: dict[str, float] = {}
     refused: list[str] = []
-    noise = max((rel_l2(model_chain(layers, x, "fp32").output, y) for x, y in zip(inputs, outputs)), default=0.0)
+    noise = max((rel_l2(model_chain(layers, x, "fp32", block=block).output, y) for x, y in zip(inputs, outputs)),
+                default=0.0)
     ill = NOISE_FACTOR * noise > tolerances["fp32"]
     note = (f"; ill-conditioned: stock fp32 itself is {noise:.2g} from the float64-accumulated result, "
             f"so validation allows {NOISE_FACTOR:g}x that") if ill else ""
@@ -244,7 +246,7 @@ def choose_precision(layers, inputs: list[np.ndarray], outputs: list[np.ndarray]
             why = "exact (CUDA cores)" + (f"; {'; '.join(refused)}" if refused else "") + note
             return PrecisionChoice("fp32", why, errors, noise)
         step = next_step(p, math, has_packed)
-        runs = [model_chain(layers, x, p, math) for x in inputs]
+        runs = [model_chain(layers, x, p, math, block) for x in inputs]
         err = max((rel_l2(r.output, y) for r, y in zip(runs, outputs)), default=0.0)
         errors[label] = err
         peak = max((r.peak_stored for r in runs), default=0.0)

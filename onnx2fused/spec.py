@@ -45,8 +45,10 @@ SPEC_VERSION = 1  # bump when the meaning of a spec (and so of every generated k
 # design, which takes chains too large for those, has no gated epilogue.
 GATED_NO_CUDA = ("gated layer: no fused CUDA kernel holds its chain ({why}); the wide design does not take "
                  "gated layers (CPU-only libraries fuse it)")
-# The same for a transformer block's prologue and epilogue (library.block_refusal); `{what}` names it.
-BLOCK_NO_CUDA = "{what}: no CUDA kernel yet (CPU-only libraries fuse it)"
+# The same for a transformer block's prologue and epilogue (library.block_refusal): a block no fused CUDA
+# kernel (resident, streamed, fp32) takes, or whose layers the cost model gives to the wide design; `{what}`
+# names the norm or the residual, `{why}` is the planner's reason.
+BLOCK_NO_CUDA = "{what}: no fused CUDA kernel takes it: {why} (CPU-only libraries fuse it)"
 NORM_KINDS = {"layernorm": ("ln", "layer norm"), "rmsnorm": ("rms", "RMS norm")}  # kind -> (name tag, label)
 
 
@@ -145,7 +147,8 @@ class MLPSpec:
 
     @property
     def has_block(self) -> bool:
-        """A norm in front or a residual behind (a transformer FFN block): CPU kernels only, for now."""
+        """A norm in front or a residual behind (a transformer FFN block): the CPU kernel and the fused
+        CUDA kernels (resident, streamed, fp32) compute them; the wide and wgmma designs refuse them."""
         return self.norm is not None or self.residual
 
     @property

@@ -25,12 +25,10 @@ from onnx2fused.loader import load_model  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 ZOO = json.loads((ROOT / "models" / "zoo.json").read_text())
 TOL = {"fp16": 2e-3, "bf16": 1e-2, "tf32": 1e-3, "fp32": 1e-5}
-# transformer blocks with a norm or a residual (preln, llama; `block` in zoo.json) have no CUDA kernel yet
-# (issue 16): a CUDA library keeps those stock ops (test_passes_block). The gated-only blocks (swiglu,
-# geglu) run in the fused kernels (test_gpu_gated.py runs them at every precision).
-GATED_ONLY = ("swiglu", "geglu")
-ZOO_FILES = [(m["name"], kind) for m in ZOO["models"] if m.get("block", m["name"]) in GATED_ONLY
-             or "block" not in m for kind in m["files"]]
+# every zoo model: the gated blocks (swiglu, geglu) and the transformer blocks with a norm and a residual
+# (preln, llama) run in the fused kernels too (test_gpu_gated.py and test_gpu_block.py run them at every
+# precision and design)
+ZOO_FILES = [(m["name"], kind) for m in ZOO["models"] for kind in m["files"]]
 
 
 @pytest.fixture(scope="session")

@@ -34,8 +34,8 @@ from test_provider_matrix import two_chain_model  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 ZOO = json.loads((ROOT / "models" / "zoo.json").read_text())
 # every zoo model, the gated blocks (swiglu, geglu) and transformer blocks (preln, llama) included: a CUDA
-# library fuses the gated layers (resident/streamed kernels) and keeps the blocks' norms and residual Adds
-# stock ops (no CUDA kernels for them yet, issue 16), and the result must still convert and match stock
+# library fuses the gated layers and the blocks' norms and residual Adds (resident/streamed kernels), and
+# the result must convert and match stock
 ZOO_FILES = [(m, kind) for m in ZOO["models"] for kind in sorted(m["files"])]
 TOL = {"fp16": 2e-3, "bf16": 1e-2, "tf32": 1e-3, "fp32": 1e-5}
 

@@ -1,7 +1,8 @@
 """Issue 16, second stage: transformer FFN blocks. A norm in front of a chain (LayerNormalization, the
 RMSNorm ops, the hand-written RMSNorm's decomposition) and a residual Add of the block's input behind it
 are found from both torch exporters, near misses are declined with their reason, and a library with CUDA
-kernels keeps them stock ops (library.block_refusal).
+kernels fuses them where a fused kernel plans the block, else keeps them stock ops with the reason
+(library.block_refusal: a wide chain).
 
 Graph level only, no build: the function body (the stock-op fallback) is run with stock ONNX Runtime.
 The kernels are checked in test_block_convert.py.
@@ -10,16 +11,18 @@ from __future__ import annotations
 
 import json
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import onnx
 import pytest
 
-from onnx2fused.library import block_refusal, fusion_refusals
+from onnx2fused.library import block_refusal, find_fusions, fusion_refusals
 from onnx2fused.loader import load_model
-from onnx2fused.passes import find_chains
-from onnx2fused.plan.choose import make_plan
+from onnx2fused.passes import block_key, find_chains
+from onnx2fused.plan.choose import make_plan, wgmma_refused, wide_plan
+from onnx2fused.plan.options import PlanOptions
 from onnx2fused.spec import BLOCK_NO_CUDA, DOMAIN, LayerSpec, MLPSpec, NormSpec, SpecError
 from onnx2fused import expr as ex
 from onnx_builders import G, fuse, rand, run
@@ -27,8 +30,6 @@ from onnx_builders import G, fuse, rand, run
 MODELS = Path(__file__).resolve().parent.parent / "models"
 ZOO = {m["name"]: m for m in json.loads((MODELS / "zoo.json").read_text())["models"]}
 K, H = 8, 12
-CUDA_NORM = BLOCK_NO_CUDA.format(what="layer norm in front")
-CUDA_RES = BLOCK_NO_CUDA.format(what="residual Add behind")
 
 
 def _layernorm(g, x, axis=-1, bias=True, name="ln"):
@@ -309,53 +310,122 @@ def test_residual_of_another_width():
                              "and its output 1 (in != out width)"]
 
 
-# -- a library with CUDA kernels: the norm and the Add stay stock ops ----------------------------------
+# -- a library with CUDA kernels: the fused kernels take blocks, the wide design's chains keep them stock --
 
-def test_cuda_library_keeps_norm_and_residual_stock():
-    assert block_refusal(False) is None and block_refusal(True) == BLOCK_NO_CUDA
-    assert fusion_refusals(True)["block_refused"] == BLOCK_NO_CUDA
+WIDE = PlanOptions()   # the wide design available (CUTLASS headers or not on this host): the cost model decides
+
+
+def _refused(what, why):
+    return BLOCK_NO_CUDA.format(what=what, why=why)
+
+
+def test_cuda_library_fuses_norm_and_residual():
+    """The resident/streamed/fp32 kernels run the norm prologue and the residual epilogue: a CUDA library
+    fuses the whole block, as a CPU-only one does."""
     m = block()
-    plan = find_chains(m, **fusion_refusals(True))
+    plan = find_chains(m)
+    assert block_refusal(False, plan.chains) == {} and block_refusal(True, plan.chains, WIDE) == {}
+    assert fusion_refusals(True, plan.chains, WIDE) == {"gated_refused": None, "block_refused": {}}
+    plan = find_fusions(m, True, WIDE)
     (c,) = plan.chains
-    assert c.norm is None and not c.residual and list(c.widths) == [K, H, K]
-    t = m.graph.node[0].output[0]
-    assert [r.reason for r in plan.refusals] == [
-        START.format(t=t, node="LayerNormalization 'ln'") + CUDA_NORM,
-        END.format(y=c.output) + "feeds Add 'res': " + CUDA_RES]
-    assert CUDA_NORM == "layer norm in front: no CUDA kernel yet (CPU-only libraries fuse it)"
-    plan, specs, r = fuse(m)
-    assert specs[0].has_block
-    kept = [n.op_type for n in fuse_with_cuda(m).graph.node if n.domain != DOMAIN]
-    assert kept == ["LayerNormalization", "Add"]
+    assert c.norm is not None and c.residual and plan.refusals == []
+    assert make_plan(c.to_spec("fp16"), WIDE).design == "resident"
+    assert [n.domain for n in fuse_with_cuda(m).graph.node] == [DOMAIN]
+
+
+@pytest.mark.parametrize("kind", ["dynamo", "opset17"])
+@pytest.mark.parametrize("name", ["preln", "llama"])
+def test_cuda_library_zoo_blocks(name, kind):
+    """preln (LayerNorm, GELU FFN) and LLaMA's block (RMSNorm, gated SwiGLU): one chain with the norm
+    and the residual, on a CUDA library too; a fused kernel plans it at every precision."""
+    m = _zoo_model(name, kind)
+    plan = find_fusions(m, True, WIDE)
+    (c,) = plan.chains
+    assert plan.refusals == [] and c.norm is not None and c.residual
+    assert list(c.widths) == ZOO[name]["widths"]
+    for precision in ("fp16", "bf16", "tf32", "fp32"):
+        assert make_plan(c.to_spec(precision), WIDE).design in ("resident", "streamed", "fp32")
+
+
+def test_refused_block_keeps_norm_and_residual_stock():
+    """A block the library refuses (block_refused names its chain) keeps its norm and Add stock ops with
+    the reason; the layers between them fuse."""
+    m = block()
+    (chain,) = find_chains(m).chains
+    reason = BLOCK_NO_CUDA.format(what="{what}", why="a reason {with braces}".replace("{", "{{").replace("}", "}}"))
+    for refused in (reason, {block_key(chain): reason}):
+        plan = find_chains(m, block_refused=refused)
+        (c,) = plan.chains
+        assert c.norm is None and not c.residual and list(c.widths) == [K, H, K]
+        t = m.graph.node[0].output[0]
+        assert [r.reason for r in plan.refusals] == [
+            START.format(t=t, node="LayerNormalization 'ln'") + _refused("layer norm in front", "a reason {with braces}"),
+            END.format(y=c.output) + "feeds Add 'res': " + _refused("residual Add behind", "a reason {with braces}")]
+    plan = find_chains(m, block_refused={block_key(chain) + 1: reason})   # another chain's refusal
+    assert plan.chains[0].norm is not None and plan.chains[0].residual
 
 
 def fuse_with_cuda(m):
     from onnx2fused.passes import rewrite
-    plan = find_chains(m, **fusion_refusals(True))
+    plan = find_fusions(m, True, WIDE)
     return rewrite(m, plan, [c.to_spec("fp32") for c in plan.chains])
 
 
-@pytest.mark.parametrize("kind", ["dynamo", "opset17"])
-def test_cuda_library_llama_block(kind):
-    """LLaMA's block with a CUDA library: RMSNorm and the residual stay stock ops, each with its reason;
-    the gated FFN fuses as one chain (the fused CUDA kernels run gated layers)."""
-    m = _zoo_model("llama", kind)
-    plan = find_chains(m, **fusion_refusals(True))
-    assert [list(c.widths) for c in plan.chains] == [[64, 128, 64]]
-    assert plan.chains[0].activation_labels() == ["gated silu", "id"]
-    assert all(c.norm is None and not c.residual for c in plan.chains)
-    reasons = [r.reason for r in plan.refusals]
-    assert sum(r.endswith("RMS norm in front: no CUDA kernel yet (CPU-only libraries fuse it)") for r in reasons) == 1
-    assert sum(r.endswith("residual Add behind: no CUDA kernel yet (CPU-only libraries fuse it)") for r in reasons) == 1
-    assert not any("gated layer" in r for r in reasons)
+def _wide_block(k=768, h=3072):
+    """x [B, k] -> LayerNorm -> fc k -> h -> Relu -> fc h -> k -> + x: BERT-base's FFN block."""
+    g = G(opset=17, seed=9)
+    t = g.op("LayerNormalization", ["x", g.init(np.ones(k, np.float32)), g.init(np.zeros(k, np.float32))],
+             name="ln", axis=-1, epsilon=1e-5)
+    y = g.linear(g.op("Relu", [g.linear(t, k, h, name="fc1")]), h, k, name="fc2")
+    g.op("Add", [y, "x"], name="res", outputs=["y"])
+    return g.model([("x", ["B", k])], [("y", ["B", k])])
 
 
-def test_plan_refuses_a_block_spec():
+def test_cuda_library_keeps_a_wide_block_stock():
+    """768 -> 3072 -> 768: the cost model runs the layers in the wide design (CUTLASS GEMMs, which have no
+    norm prologue or residual epilogue), so a CUDA library keeps the LayerNorm and the Add stock ops and
+    says so; without the wide design (no CUTLASS headers) the streamed kernel takes the block at fp16 but
+    has no tf32 plan for it, which the reason says instead."""
+    m = _wide_block()
+    plan = find_fusions(m, True, WIDE)
+    (c,) = plan.chains
+    assert c.norm is None and not c.residual and list(c.widths) == [768, 3072, 768]
+    assert make_plan(c.to_spec("fp16"), WIDE).design == "wide"
+    start, end = (r.reason for r in plan.refusals)
+    why = ("the cost model runs its layers 768 -> 3072 -> 768 in the wide design (~",
+           "with the norm and the Add as stock ops, vs ~", "in one streamed kernel), and the wide design's "
+           "CUTLASS GEMMs have no norm prologue or residual epilogue (CPU-only libraries fuse it)")
+    assert start.startswith(START.format(t=m.graph.node[0].output[0], node="LayerNormalization 'ln'")
+                            + "layer norm in front: no fused CUDA kernel takes it: " + why[0])
+    assert end.startswith(END.format(y=c.output) + "feeds Add 'res': residual Add behind: no fused CUDA kernel "
+                                                   "takes it: " + why[0])
+    assert all(w in r for w in why for r in (start, end))
+    assert find_fusions(m, False).chains[0].residual   # CPU-only: fused
+    no_wide = PlanOptions(wide_unavailable="no CUTLASS here")
+    plan = find_fusions(m, True, no_wide)
+    assert plan.chains[0].norm is None
+    assert "tf32 + residual: even a 16-row tile needs" in plan.refusals[0].reason
+
+
+def test_forced_wide_keeps_blocks_stock():
+    m = block()
+    plan = find_fusions(m, True, PlanOptions(design="wide"))
+    assert plan.chains[0].norm is None and not plan.chains[0].residual
+    assert "run in the wide design (ONNX2FUSED_CUDA_DESIGN=wide), and the wide design's CUTLASS GEMMs have no " \
+           "norm prologue" in plan.refusals[0].reason
+
+
+def test_plan_takes_a_block_spec():
+    """make_plan plans a block in the fused kernels; the wide and wgmma designs refuse it with a reason."""
     layers = (LayerSpec(K, H, True, ex.relu()), LayerSpec(H, K, True, ex.identity()))
-    with pytest.raises(SpecError, match="layer norm in front: no CUDA kernel yet"):
-        make_plan(MLPSpec(layers, norm=NormSpec("layernorm", 1e-5, True)))
-    with pytest.raises(SpecError, match="residual Add behind: no CUDA kernel yet"):
-        make_plan(MLPSpec(layers, residual=True))
+    ln = MLPSpec(layers, norm=NormSpec("layernorm", 1e-5, True), residual=True)
+    assert make_plan(ln).design == "resident"
+    assert make_plan(replace(ln, precision="fp32")).design == "fp32"
+    assert make_plan(ln, PlanOptions(design="streamed")).design == "streamed"
+    assert make_plan(ln, PlanOptions(design="wgmma")).design == "resident"
+    assert "transformer block" in wgmma_refused(ln)
+    with pytest.raises(SpecError, match="no norm prologue or residual epilogue"):
+        wide_plan(MLPSpec(layers, residual=True))
 
 
 def test_spec_checks_and_names():

@@ -183,9 +183,11 @@ def test_norm_model_matches_a_float64_layer_norm_and_rms_norm():
     rms = x64 / np.sqrt((x64 * x64).mean(-1, keepdims=True) + 1e-6) * scale
     for norm, want in [(SimpleNamespace(kind="layernorm", eps=1e-5, scale=scale, bias=bias), ln),
                        (SimpleNamespace(kind="rmsnorm", eps=1e-6, scale=scale, bias=None), rms)]:
-        got = prec.model_chain(prec.BlockLayers(layers, norm, residual=True), x, "fp32").output
+        block = SimpleNamespace(norm=norm, residual=True, half_io=False)
+        got = prec.model_chain(layers, x, "fp32", block=block).output
         assert np.allclose(got, want @ w + x64, rtol=1e-4, atol=1e-4)
-        plain = prec.model_chain(prec.BlockLayers(layers, norm), x, "fp32").output
+        block = SimpleNamespace(norm=norm, residual=False, half_io=False)
+        plain = prec.model_chain(layers, x, "fp32", block=block).output
         assert np.allclose(plain, want @ w, rtol=1e-4, atol=1e-4)
 
 

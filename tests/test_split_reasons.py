@@ -86,12 +86,10 @@ def test_each_split_says_why(name, tmp_path):
     res = onnx2fused.inspect(str(path), precision="fp32", with_cuda=False)
     assert res.refusals == [reason]
     assert "\n  " + reason + "\n" in res.format() + "\n"
-    if name == "layernorm":  # the norm is chain 1's prologue (issue 16) where the library has no CUDA kernels
+    if name == "layernorm":  # the norm is chain 1's prologue (issue 16), with CUDA kernels too
         assert plan.chains[1].norm is not None
         res = onnx2fused.inspect(str(path), precision="fp32", with_cuda=True) if shutil.which("nvcc") else None
-        assert res is None or res.refusals == [reason, "chain 1 starts: input 'layernormalization_out5' comes from "
-                                               "LayerNormalization 'ln': layer norm in front: no CUDA kernel yet "
-                                               "(CPU-only libraries fuse it)"]
+        assert res is None or res.refusals == [reason]
 
 
 def test_custom_domain_op_says_why():

@@ -5,10 +5,10 @@
     rewrite(model, plan, specs) -> ModelProto (one onnx2fused node per chain + fallback functions)
 """
 from .activations import Activation, ActivationRefusal, match_activation
-from .chains import Chain, ChainLayer, FusionPlan, Refusal, find_chains
+from .chains import Chain, ChainLayer, FusionPlan, Refusal, block_key, find_chains
 from .linear import LinearLayer, LinearRefusal, match_linear
 from .rewrite import make_fallback_function, rewrite
 
-__all__ = ["find_chains", "rewrite", "FusionPlan", "Chain", "ChainLayer", "Refusal", "LinearLayer",
+__all__ = ["find_chains", "block_key", "rewrite", "FusionPlan", "Chain", "ChainLayer", "Refusal", "LinearLayer",
            "LinearRefusal", "match_linear", "Activation", "ActivationRefusal", "match_activation",
            "make_fallback_function"]

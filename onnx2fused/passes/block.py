@@ -17,7 +17,8 @@ layer's input), in either order, of the same shape. Either may come without the 
 `find_block` returns what a chain takes in, and a one-line reason for each near miss: a norm of another
 axis, a normalised tensor (or a norm's intermediate) that other nodes read too, non-constant parameters,
 a residual that adds another tensor or has another width. A norm or residual Add that a library with
-CUDA kernels cannot fuse (`refused`, library.block_refusal) stays a stock op, with that reason.
+CUDA kernels cannot fuse for this chain (`refused`, library.block_refusal: its layers run in the wide
+design, or no fused kernel plans it) stays a stock op, with that reason.
 """
 from __future__ import annotations
 
@@ -304,8 +305,9 @@ def _check_residual(ix: GraphIndex, add: int, other: str, out: str, block_in: st
 def find_block(ix: GraphIndex, first_input: str, entries: set[int], out: str, k0: int, n_last: int,
                refused: str | None = None) -> Block:
     """The norm in front of a chain (whose first layer's input is `first_input`, read by the nodes
-    `entries`) and the residual Add behind it (its output `out`). `refused`: spec.BLOCK_NO_CUDA, when the
-    library cannot fuse either (they stay stock ops and say so)."""
+    `entries`) and the residual Add behind it (its output `out`). `refused`: the reason, with `{what}`
+    for the norm or the residual (spec.BLOCK_NO_CUDA, library.block_refusal), when the library cannot fuse
+    this chain's (they stay stock ops and say so)."""
     block = Block()
     skipped = None  # the refusal of a norm that is there and not taken
     try:

@@ -20,12 +20,14 @@ them, in the two-layer form). With `gated_refused` (a reason: the library has no
 its parts stay separate chains and the layers that feed its Mul or cut end with that reason.
 
 A chain then takes in a normalisation of its input in front and a residual Add of the block's input
-behind (see `block`: the transformer FFN block x + FFN(norm(x))); with `block_refused` (the library has
-no kernel for them) they stay stock ops and say why ("chain N starts: ...", "chain N ends: ...").
+behind (see `block`: the transformer FFN block x + FFN(norm(x))); where `block_refused` names the chain
+(`block_key`: the library has no kernel for its block) they stay stock ops and say why ("chain N starts:
+...", "chain N ends: ...").
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Mapping
 
 import onnx
 
@@ -146,11 +148,22 @@ def _feeding_a_layer(ix: GraphIndex) -> set[str]:
     return feeds
 
 
+def block_key(chain: Chain) -> int:
+    """What names a chain across two find_chains calls on one model (library.block_refusal's keys): the
+    index of its first layer's first node."""
+    return _first_node(chain.layers[0].linear)
+
+
+def _first_node(linear: LinearLayer) -> int:
+    return min(linear.node_indices)
+
+
 def find_chains(model: onnx.ModelProto, gated_refused: str | None = None,
-                block_refused: str | None = None) -> FusionPlan:
+                block_refused: Mapping[int, str] | str | None = None) -> FusionPlan:
     """The chains of `model` and why the rest is not fused. `gated_refused`: None, gated layers fuse;
     else the reason they do not (library.gated_refusal: a library with CUDA kernels). `block_refused`:
-    the same for a norm in front and a residual behind (library.block_refusal, spec.BLOCK_NO_CUDA)."""
+    the same for a norm in front and a residual behind, per chain ({block_key: reason}, a template with
+    `{what}`: library.block_refusal, spec.BLOCK_NO_CUDA), or one reason for every chain."""
     ix = GraphIndex(model)
     plan = FusionPlan()
     layers: dict[int, _Layer] = {}
@@ -227,8 +240,10 @@ def find_chains(model: onnx.ModelProto, gated_refused: str | None = None,
                                     f"{elem_name(out_type)} but its input '{first.input}' has {elem_name(in_type)}")
             continue
         last = seq[-1]
+        refused_here = (block_refused if isinstance(block_refused, str) or block_refused is None
+                        else block_refused.get(_first_node(first)))
         block = find_block(ix, first.input, set(seq[0].entries), out_t, first.in_features, last.out_features,
-                           block_refused)
+                           refused_here)
         idx = sorted(j for s in seq for j in s.linear.node_indices + s.act.node_indices)
         if block.norm is not None:
             idx = sorted(idx + block.norm.node_indices)

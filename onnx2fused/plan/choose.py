@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ..spec import BLOCK_NO_CUDA, MLPSpec, SpecError
+from ..spec import MLPSpec, SpecError
 from . import cost, fused, wgmma, wide
 from .options import DESIGN_ENV, WGMMA_ENV, PlanOptions, WideOptions
 from .padding import ALIGN
@@ -37,9 +37,6 @@ def make_plans(specs, options: PlanOptions = DEFAULT_OPTIONS,
 def make_plan(spec: MLPSpec, options: PlanOptions = DEFAULT_OPTIONS, wide_options: WideOptions | None = None) -> Plan:
     """The plan of `spec`. `wide_options`: the wide design's kernel choices, tuning build or fixed
     segmentation, when the wide design is taken. SpecError when no design can run the spec."""
-    if spec.has_block:  # the same (library.block_refusal keeps the norm and the residual stock ops)
-        what = f"{spec.norm.label} in front" if spec.norm is not None else "residual Add behind"
-        raise SpecError(BLOCK_NO_CUDA.format(what=what))
     if spec.precision == "fp32":
         return fused.Fp32Plan(spec)
     if spec.precision not in fused.ELEM_BYTES:
@@ -84,6 +81,46 @@ def make_plan(spec: MLPSpec, options: PlanOptions = DEFAULT_OPTIONS, wide_option
         return _wide_layout(spec, wide_options, f"chosen by the cost model at {cost.NOMINAL_ROWS} rows: "
                                                 f"~{_us(t_wide)} vs ~{_us(t_streamed)} streamed", start, tail)
     return streamed
+
+
+def block_refused(spec: MLPSpec, options: PlanOptions = DEFAULT_OPTIONS) -> str | None:
+    """Why a library with CUDA kernels should keep the norm in front and the residual behind of the block
+    `spec` as stock ops (library.block_refusal), or None: a fused kernel runs them. The precision is not
+    known yet (automatic precision comes later), so
+      * where the layers alone go to the wide design at fp16 (forced, or the cost model's choice: wide and
+        wgmma refuse blocks), they stay there unless one fused kernel with the block is estimated faster
+        than the wide plan plus the norm and the Add as stock passes (768 -> 3072 -> 768 stays wide);
+      * every precision must plan with them: tf32 must (the largest operands: fp16/bf16 plans need less
+        shared memory, fp32 runs on CUDA cores)."""
+    fp16 = replace(spec, precision="fp16", act_math="packed")
+    layers = replace(fp16, norm=None, residual=False)
+    try:
+        alone = make_plan(layers, options)
+    except SpecError:
+        alone = None   # the layers alone cannot run either: their own error comes when they are planned
+    if alone is not None and alone.design == "wide":
+        widths = " -> ".join(map(str, spec.widths))
+        if options.design == "wide":
+            return f"its layers {widths} run in the wide design ({DESIGN_ENV}=wide), and {wide.WIDE_NO_BLOCK}"
+        t_wide = (cost.estimate_wide(layers, cost.NOMINAL_ROWS, alone.tail_from, alone.tail)
+                  + cost.estimate_stock_block(fp16))
+        try:
+            fused_plan = make_plan(fp16, options)
+        except SpecError:
+            fused_plan = None
+        # the block's kernel is streamed here: a resident one would have taken the layers alone too
+        if fused_plan is None or fused_plan.design != "streamed" or cost.estimate_streamed(fp16, fused_plan) > t_wide:
+            fused = (f", vs ~{_us(cost.estimate_streamed(fp16, fused_plan))} in one streamed kernel"
+                     if fused_plan is not None and fused_plan.design == "streamed" else "")
+            stock = " and ".join(w for w, on in (("the norm", spec.norm is not None), ("the Add", spec.residual)) if on)
+            return (f"the cost model runs its layers {widths} in the wide design (~{_us(t_wide)} at "
+                    f"{cost.NOMINAL_ROWS} rows with {stock} as stock ops{fused}), and "
+                    f"{wide.WIDE_NO_BLOCK}")
+    try:
+        make_plan(replace(spec, precision="tf32", act_math="packed"), options)
+    except SpecError as e:
+        return str(e)
+    return None
 
 
 def wgmma_refused(spec: MLPSpec, options: PlanOptions = DEFAULT_OPTIONS) -> str | None:

@@ -100,6 +100,18 @@ def estimate_wide(spec: MLPSpec, rows: int = NOMINAL_ROWS, tail_from: int = 0, t
     return max(t, launches * HOST_LAUNCH_S)   # the GPU's time, or the host's when the kernels are short
 
 
+def estimate_stock_block(spec: MLPSpec, rows: int = NOMINAL_ROWS) -> float:
+    """Seconds of a block's norm and residual Add as the stock ops around a wide plan (ORT's kernels,
+    memory bound): the norm reads and writes the input rows, the Add reads two tensors and writes one."""
+    io = 2 if spec.io_dtype == "f16" else 4
+    t = 0.0
+    if spec.norm is not None:
+        t += 2 * rows * spec.widths[0] * io / HBM_BPS + LAUNCH_S
+    if spec.residual:
+        t += 3 * rows * spec.widths[-1] * io / HBM_BPS + LAUNCH_S
+    return t
+
+
 def estimate_streamed(spec: MLPSpec, streamed_plan, rows: int = NOMINAL_ROWS) -> float:
     """Seconds of the streamed kernel: its tallest tile sets the tensor-core efficiency (short tiles
     re-read every weight chunk per few rows: shared-memory bound) and the L2 weight traffic."""

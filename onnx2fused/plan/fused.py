@@ -48,7 +48,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..spec import MLPSpec, SpecError
-from .padding import round_up
+from .padding import norm_floats, round_up
 
 SMEM_LIMIT = 227 * 1024   # dynamic shared memory a block may use on sm_90 (sm_80: 163 KB)
 KC_MAX = 64               # input features per chunk
@@ -165,6 +165,12 @@ class FusedPlan:
 
     @property
     def bias_elems(self) -> int:
+        """The layers' biases, then a block's norm scale (and bias): one fp32 array, copied to shared memory."""
+        return self.norm_offset + norm_floats(self.spec)
+
+    @property
+    def norm_offset(self) -> int:
+        """Where a block's norm parameters start in the bias array (after every layer's bias)."""
         return sum(l.cols for l in self.layers)
 
     @property
@@ -248,6 +254,11 @@ def _streamed_gated_nc(n: int) -> int:
     return min((128, 96, 64), key=lambda c: (round_up(n, c) - n, -c))
 
 
+def _bias_floats(spec: MLPSpec, layers: list[LayerPlan]) -> int:
+    """The fp32 array each block keeps in shared memory: the layers' biases and a block's norm parameters."""
+    return sum(l.cols for l in layers) + norm_floats(spec)
+
+
 RESIDENT_WARPS = (16, 12, 8, 4)  # warps per block tried by the shared-memory design, best occupancy first
 REGISTER_FRAGMENTS_MAX = 96  # accumulator + operand registers per lane the register design may hold
 
@@ -291,7 +302,7 @@ def resident_plan(spec: MLPSpec, smem_limit: int = SMEM_LIMIT, mt: int | None = 
         act_ld = layers[0].kp + row_pad(spec)
     else:
         act_ld = max([l.kp for l in layers] + [l.np_ for l in layers[:-1]]) + row_pad(spec)
-    fixed = sum(l.cols for l in layers) * 4 + sum(l.n_chunks * l.chunk_elems for l in layers) * eb
+    fixed = _bias_floats(spec, layers) * 4 + sum(l.n_chunks * l.chunk_elems for l in layers) * eb
     best = None
     for tiles in mts:   # the first m-tile count any warp count fits
         for warps in warp_choices:
@@ -319,7 +330,10 @@ def _prefetch_vectors(spec: MLPSpec, rows: int) -> int:
     """16-byte vectors per lane that hold a warp's next input tile (rows x K0 in the io type), or 0
     when the tile does not split evenly into whole vectors over 32 lanes or needs too many registers.
     The warp loads its next tile into these registers before computing the current one, so the
-    global-memory latency of the input overlaps the tensor-core work."""
+    global-memory latency of the input overlaps the tensor-core work. None with a block's norm in front:
+    its rows are read by groups of lanes that normalise them (norm_rows), not in this vector layout."""
+    if spec.norm is not None:
+        return 0
     io_bytes = 4 if spec.io_dtype == "f32" else 2
     k0 = spec.layers[0].in_features
     tile = rows * k0 * io_bytes
@@ -415,7 +429,7 @@ def _streamed_build(spec: MLPSpec, smem_limit: int, blocks: dict[int, int], kc_m
     wa = max(l.kp for l in layers[0::2] if l.index not in seconds)
     wb = max((l.kp for l in layers[1::2] if l.index not in seconds), default=0)
     hc = max((layers[i].nc for i in pairs), default=0)
-    bias = sum(l.cols for l in layers) * 4
+    bias = _bias_floats(spec, layers) * 4
     eb, pad = elem_bytes(spec), row_pad(spec)
     slot = max(l.chunk_elems for l in layers) * eb
     row_elems = sum(w + pad for w in (wa, wb, hc) if w)  # one tile row in A, B and H
@@ -444,7 +458,7 @@ def _streamed_build(spec: MLPSpec, smem_limit: int, blocks: dict[int, int], kc_m
 @dataclass(frozen=True)
 class Fp32Plan:
     """precision=fp32: one thread a row on CUDA cores, exact (templates/cuda_fp32.cu.j2). Nothing to tile:
-    the workspace holds each layer's fp32 weights then its bias."""
+    the workspace holds each layer's fp32 weights then its bias, then a block's norm parameters."""
     spec: MLPSpec
 
     design = "fp32"
@@ -452,7 +466,8 @@ class Fp32Plan:
 
     @property
     def workspace_bytes(self) -> int:
-        return sum(l.in_features * l.weight_columns + l.weight_columns for l in self.spec.layers) * 4
+        return (sum(l.in_features * l.weight_columns + l.weight_columns for l in self.spec.layers)
+                + norm_floats(self.spec)) * 4
 
     def describe(self) -> str:
         return "CUDA cores, fp32"

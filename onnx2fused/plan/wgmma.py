@@ -170,6 +170,8 @@ def wgmma_reason_refused(spec: MLPSpec, smem_limit: int = SMEM_LIMIT) -> str | N
     """Why the wgmma design cannot run this spec, or None."""
     if spec.has_gated:
         return "gated layers (SwiGLU/GeGLU) run in the mma.sync kernels only"
+    if spec.has_block:
+        return "a norm in front or a residual behind (transformer block) runs in the mma.sync kernels only"
     if spec.precision != "fp16":
         return (f"{spec.precision} operands: the wgmma kernel is fp16 only (the bf16 variant has not been "
                 "checked on a GPU yet)")

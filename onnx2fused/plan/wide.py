@@ -195,12 +195,20 @@ class WidePlan:
 
 
 # ------------------------------------------------------------------------------------------ refusals
+# A transformer block's norm in front / residual behind (spec.has_block): the per-layer GEMMs would need a
+# norm pass before the first and the residual in the last one's epilogue; library.block_refusal keeps them
+# stock ops for chains the cost model gives to this design.
+WIDE_NO_BLOCK = "the wide design's CUTLASS GEMMs have no norm prologue or residual epilogue"
+
+
 def wide_reason_refused(spec: MLPSpec) -> str | None:
     """Why the wide design cannot run this spec, or None."""
     if spec.precision not in ("fp16", "bf16"):
         return f"{spec.precision} has no tensor-core GEMM"
     if spec.has_gated:
         return "gated layers (SwiGLU/GeGLU) run in the fused mma.sync kernels only"
+    if spec.has_block:
+        return WIDE_NO_BLOCK
     for i, l in enumerate(spec.layers):
         if ex.chan_leaves(l.activation):
             return (f"layer {i}'s activation has per-channel constants, which the GEMM epilogue "

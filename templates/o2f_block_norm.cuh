@@ -1,0 +1,120 @@
+// o2f_block_norm.cuh: a transformer block's prologue in the tensor-core fused kernels (resident, streamed):
+// each input row normalised in fp32 while it is loaded and converted to the operand type. Static device
+// code included inside the generated kernel's anonymous namespace, only by chains with a norm in front,
+// after elem_t, to_elem, store2, the o2f_fused_io helpers and the norm's constants kNormK0 (true features),
+// kNormKP0 (padded), kNormEps, kNormLayer, kNormBias, kNormRoundHalf and kNormBiasOffset.
+//
+// The arithmetic is the CPU kernel's (templates/cpu_kernel.cc.j2, normalise_rows), which is ONNX Runtime's:
+//   layer norm: (x - mean) / sqrt(mean(x^2) - mean^2 + eps) * scale + bias     (LayerNormalization)
+//   RMS norm:   x * (1 / sqrt(mean(x^2) + eps)) * scale                        (the exporters' RMSNorm ops)
+// in fp32 with IEEE-rounded operations (no contraction into FMAs), so each value differs from the CPU
+// kernel's only by the order of the row's sums. Only the K0 true features enter the sums and the mean;
+// the padded features [K0, KP0) are written as zeros, and rows past the batch as zeros too.
+#pragma once
+
+// A row is read by a group of kNormLanes lanes (a power of two, at most a warp) in 4-element pieces: one
+// 16-byte load of fp32 rows (8 bytes of fp16 ones) when K0 % 4 == 0, and about one piece a lane, so a
+// narrow row keeps every lane busy and its sums need only log2(kNormLanes) shuffles.
+constexpr int kNormPieces = (kNormK0 + 3) / 4;
+constexpr int kNormLanes = kNormPieces >= 32 ? 32 : kNormPieces >= 16 ? 16 : kNormPieces >= 8 ? 8
+                         : kNormPieces >= 4 ? 4 : kNormPieces >= 2 ? 2 : 1;
+constexpr int kNormPer = (kNormPieces + kNormLanes - 1) / kNormLanes;   // pieces a lane reads of its row
+// Up to 8 pieces (32 registers) stay in registers between the sums and the writes; wider rows are read
+// again for the writes (from L1: the group read them a moment before).
+constexpr bool kNormHold = kNormPer <= 8;
+static_assert(kNormKP0 >= 4 * kNormPieces, "the padded width holds every piece");
+
+__device__ __forceinline__ float4 o2f_load4(const float* p) { return __ldg(reinterpret_cast<const float4*>(p)); }
+__device__ __forceinline__ float4 o2f_load4(const __half* p) {
+  const uint2 u = __ldg(reinterpret_cast<const uint2*>(p));
+  const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&u.x));
+  const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&u.y));
+  return make_float4(a.x, a.y, b.x, b.y);
+}
+
+// Features [4q, 4q + 4) of the row at `src` as floats, zeros past K0. `vec`: K0 % 4 == 0 and x aligned to
+// 4 elements, so every piece is one vector load.
+__device__ __forceinline__ float4 norm_piece(const io_t* __restrict__ src, int q, bool vec) {
+  const int c = 4 * q;
+  if (kNormK0 % 4 == 0 && vec) return o2f_load4(src + c);
+  return make_float4(o2f_load(src + c), c + 1 < kNormK0 ? o2f_load(src + c + 1) : 0.0f,
+                     c + 2 < kNormK0 ? o2f_load(src + c + 2) : 0.0f, c + 3 < kNormK0 ? o2f_load(src + c + 3) : 0.0f);
+}
+
+// One normalised value of feature `col`: `a`, `b` are the row's mean and sqrt(var + eps) (layer norm) or 0
+// and 1 / sqrt(mean(x^2) + eps) (RMS norm); `params` the norm's scale, then (kNormBias) its bias.
+__device__ __forceinline__ float norm_value(float v, int col, float a, float b, const float* params) {
+  float r;
+  if (kNormLayer) {
+    r = __fmul_rn(__fdiv_rn(__fsub_rn(v, a), b), params[col]);
+    if (kNormBias) r = __fadd_rn(r, params[kNormBiasOffset + col]);
+  } else {
+    r = __fmul_rn(__fmul_rn(v, b), params[col]);
+  }
+  // fp16 I/O with a layer norm: ORT's fp16 LayerNormalization kernel writes fp16, as the stock body does
+  return kNormRoundHalf ? __half2float(__float2half_rn(r)) : r;
+}
+
+// load_rows with the norm: rows [row0, row0 + R) of x, normalised, into `dst` (row stride ldd) as the
+// compute type, by threads `tid` of `nthreads` (whole warps); `params`: the norm's scale and bias (shared
+// memory). Groups of kNormLanes lanes take a row each, as many rows at a time as there are groups.
+template <int R>
+__device__ __forceinline__ void norm_rows(const io_t* __restrict__ x, int64_t rows, int64_t row0, elem_t* dst, int ldd,
+                                          int tid, int nthreads, const float* params) {
+  constexpr int G = kNormLanes;
+  const int lane_in_row = tid % G, groups = nthreads / G;
+  const bool vec = kNormK0 % 4 == 0 && (reinterpret_cast<uintptr_t>(x) % (4 * sizeof(io_t))) == 0;
+  for (int base = 0; base < R; base += groups) {   // one trip count for every lane: the shuffles are warp-wide
+    const int r = base + tid / G;
+    const bool live = r < R && row0 + r < rows;
+    const io_t* src = x + (row0 + r) * kNormK0;
+    float4 held[kNormHold ? kNormPer : 1];
+    float sum = 0.0f, sumsq = 0.0f;
+#pragma unroll
+    for (int p = 0; p < kNormPer; ++p) {
+      const int q = lane_in_row + p * G;
+      const float4 e = live && q < kNormPieces ? norm_piece(src, q, vec) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      sum = __fadd_rn(sum, __fadd_rn(__fadd_rn(e.x, e.y), __fadd_rn(e.z, e.w)));
+      sumsq = __fadd_rn(sumsq, __fadd_rn(__fadd_rn(__fmul_rn(e.x, e.x), __fmul_rn(e.y, e.y)),
+                                         __fadd_rn(__fmul_rn(e.z, e.z), __fmul_rn(e.w, e.w))));
+      if (kNormHold) held[kNormHold ? p : 0] = e;
+    }
+#pragma unroll
+    for (int off = G / 2; off > 0; off >>= 1) {
+      sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, off));
+      sumsq = __fadd_rn(sumsq, __shfl_xor_sync(0xffffffffu, sumsq, off));
+    }
+    if (r >= R) continue;
+    float a, b;
+    if (kNormLayer) {
+      a = __fdiv_rn(sum, static_cast<float>(kNormK0));
+      b = __fsqrt_rn(__fadd_rn(__fsub_rn(__fdiv_rn(sumsq, static_cast<float>(kNormK0)), __fmul_rn(a, a)), kNormEps));
+    } else {
+      a = 0.0f;
+      b = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(sumsq, static_cast<float>(kNormK0)), kNormEps)));
+    }
+    elem_t* d = dst + r * ldd;
+#pragma unroll
+    for (int p = 0; p < kNormPer; ++p) {
+      const int q = lane_in_row + p * G;
+      if (q >= kNormPieces) break;
+      const float4 e = kNormHold ? held[kNormHold ? p : 0]
+                                 : (live ? norm_piece(src, q, vec) : make_float4(0.0f, 0.0f, 0.0f, 0.0f));
+      const int c = 4 * q;
+      const float v0 = live ? norm_value(e.x, c, a, b, params) : 0.0f;
+      const float v1 = live && c + 1 < kNormK0 ? norm_value(e.y, c + 1, a, b, params) : 0.0f;
+      const float v2 = live && c + 2 < kNormK0 ? norm_value(e.z, c + 2, a, b, params) : 0.0f;
+      const float v3 = live && c + 3 < kNormK0 ? norm_value(e.w, c + 3, a, b, params) : 0.0f;
+      store2(d + c, v0, v1);
+      store2(d + c + 2, v2, v3);
+    }
+  }
+  // the padded features past the last piece: zeros (P: at least 1, so the division below is never by 0)
+  constexpr int P0 = 4 * kNormPieces, P = kNormKP0 > P0 ? kNormKP0 - P0 : 1;
+  if (kNormKP0 > P0) {
+    for (int i = tid; i < R * P; i += nthreads) {
+      const int r = i / P, c = P0 + (i - r * P);
+      dst[r * ldd + c] = to_elem(0.0f);
+    }
+  }
+}
