@@ -74,7 +74,7 @@ SPLITS = {
 
 
 @pytest.mark.parametrize("name", sorted(SPLITS))
-def test_each_split_says_why(name, tmp_path):
+def test_each_split_says_why(name, tmp_path, monkeypatch):
     import onnx2fused
     build, opset, reason = SPLITS[name]
     m = between(build, opset)
@@ -86,8 +86,9 @@ def test_each_split_says_why(name, tmp_path):
     res = onnx2fused.inspect(str(path), precision="fp32", with_cuda=False)
     assert res.refusals == [reason]
     assert "\n  " + reason + "\n" in res.format() + "\n"
-    if name == "layernorm":  # the norm is chain 1's prologue (issue 16), with CUDA kernels too
+    if name == "layernorm":  # the norm is chain 1's prologue (issue 16), with CUDA kernels too (when on)
         assert plan.chains[1].norm is not None
+        monkeypatch.setenv("ONNX2FUSED_CUDA_BLOCKS", "on")
         res = onnx2fused.inspect(str(path), precision="fp32", with_cuda=True) if shutil.which("nvcc") else None
         assert res is None or res.refusals == [reason]
 
