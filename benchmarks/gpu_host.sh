@@ -7,6 +7,8 @@
 #   benchmarks/gpu_host.sh install        rebuild and install the onnxruntime-gpu wheel into /tmp/site
 #   benchmarks/gpu_host.sh test [ARGS]    the GPU-marked tests (pytest ARGS, default: all tests/test_gpu*.py)
 #   benchmarks/gpu_host.sh kernels [ARGS] benchmarks/kernel_check.py (kernels alone, no ORT)
+#   benchmarks/gpu_host.sh blocks         the CUDA block kernels (issue 16; off by default until this passes):
+#                                         kernel_check's block cases, then tests/test_gpu_block.py
 #   benchmarks/gpu_host.sh bench          `onnx2fused bench` on the issue's four cases, then the wide cases
 #   benchmarks/gpu_host.sh wide [ARGS]    benchmarks/wide_cases.py only (issue 5's three cases)
 #   benchmarks/gpu_host.sh tune [ARGS]    benchmarks/tune_wide.py: the wide kernel search, every candidate timed
@@ -40,6 +42,15 @@ test)
   args=("$@")
   [ ${#args[@]} -eq 0 ] && args=(tests/test_gpu.py tests/test_gpu_activations.py tests/test_gpu_reliability.py tests/test_gpu_wide.py)
   python3 -m pytest -q -m gpu -p no:cacheprovider -rs "${args[@]}" 2>&1 | tee "$OUT/pytest_gpu.txt" | tail -40
+  ;;
+blocks)
+  # one line per case as it finishes (a time limit that cuts the run keeps what came before)
+  timeout 240 python3 benchmarks/kernel_check.py --out "$OUT/kc_blocks" --no-time --only ffn64 preln preln_streamed \
+    preln_bf16 preln_tf32 preln_fp32 preln_f16io llama llama_streamed block40 block40_streamed block72_rms \
+    block30_f16io block37_res block37_res_streamed block48_gres block48_gres_streamed 2>&1 \
+    | grep --line-buffered -o '"case": "[a-z0-9_]*"\|"relerr": [0-9.e+-]*\|.*FAILED.*\|compiled.*'
+  timeout 600 python3 -m pytest -q -m gpu -p no:cacheprovider -rs -x tests/test_gpu_block.py 2>&1 \
+    | tee "$OUT/pytest_gpu_block.txt" | tail -30
   ;;
 kernels)
   shift

@@ -114,6 +114,7 @@ VARIANTS = {
     "block37_res_streamed": ("block37_res", StreamedOptions()),
     "block48_gres_streamed": ("block48_gres", StreamedOptions()),
 }
+SAMPLE_ABOVE = 200000        # larger checks compare a sample of the rows (Case.check)
 BLOCK_BATCHES = (1000003,)   # blocks: a large odd batch too (every tile and lane group, past the last row)
 
 
@@ -235,13 +236,18 @@ class Case:
         torch.cuda.synchronize()
         got = y.float().cpu().numpy().astype(np.float64)
         xs = x.float().cpu().numpy()
-        ref = reference(self.spec, self.ws, self.bs, xs, self.norm)
         if batch == 0:
             return 0.0
-        assert np.abs(ref).max() > 0, "reference is all zeros"
-        if not np.isfinite(got).all():
+        if not np.isfinite(got).all():   # every row: the outputs were NaN-poisoned
             bad = np.argwhere(~np.isfinite(got))
             raise AssertionError(f"{self.name} batch {batch}: {len(bad)} unwritten/NaN outputs, first at {bad[:3].tolist()}")
+        if batch > SAMPLE_ABOVE:   # the float64 reference of a million rows takes ~30 s: the first and last
+            # rows (the partial tile) and every 61st between (each tile position and lane group over the run)
+            keep = np.unique(np.concatenate([np.arange(4096), np.arange(batch - 4096, batch),
+                                             np.arange(4096, batch - 4096, 61)]))
+            got, xs = got[keep], xs[keep]
+        ref = reference(self.spec, self.ws, self.bs, xs, self.norm)
+        assert np.abs(ref).max() > 0, "reference is all zeros"
         if self.spec.residual:
             got, ref = got - xs, ref - xs
         return float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
@@ -286,8 +292,7 @@ def main():
     ap.add_argument("--no-time", action="store_true")
     ap.add_argument("--arch", default="90", help="80: an sm_80 build (its PTX is JIT-compiled on a newer GPU)")
     ap.add_argument("--profile", action="store_true", help="one launch at the case's batch, no checks (for ncu)")
-    ap.add_argument("--quick", action="store_true", help="blocks: skip the 1000003-row check (its float64 "
-                    "reference takes ~30 s a case on the CPU)")
+    ap.add_argument("--quick", action="store_true", help="blocks: skip the 1000003-row check")
     ap.add_argument("--a32", action="store_true", help="also each packed fp16 case with fp32 activations (<case>_a32)")
     a = ap.parse_args()
     import torch
