@@ -81,6 +81,13 @@ def test_memory_bound_first_layer_reads_the_fp32_input_in_place():
     ffn = choose.wide_plan(_spec([768, 3072, 768], ex.gelu_erf()))
     assert not cost.tf32_first_wins(ffn.spec) and not ffn.tf32_first
     assert ffn.w0f_offset == ffn.workspace_bytes   # no region
+    # a near tie (mnist's 784 -> 512: ~1.06x) keeps the fp16 instance: the tf32 one is another ~70 s of
+    # nvcc in a cold convert; the kernel search still times it (tuning builds hold every tf32 kernel)
+    mnist = _spec([784, 512, 512, 10])
+    assert 1.0 < cost._first_layer_seconds(mnist, cost.NOMINAL_ROWS, False) / cost._first_layer_seconds(
+        mnist, cost.NOMINAL_ROWS, True) < cost.TF32_FIRST_MARGIN
+    assert not cost.tf32_first_wins(mnist) and not choose.wide_plan(mnist).tf32_first
+    assert wide.with_kernels(choose.wide_plan(mnist), tuning=True).tf32_first
     # fp16 input, or rows TMA cannot load: never
     assert not choose.wide_plan(_spec([512, 256, 64, 1], io="f16")).tf32_first
     assert not choose.wide_plan(_spec([513, 256, 64, 1])).tf32_first
@@ -616,7 +623,9 @@ def test_kernel_instances_compile_once_across_libraries(tmp_path, monkeypatch):
     except ConversionError as e:  # no ONNX Runtime headers to be found offline
         pytest.skip(str(e))
     insts = sorted(n for n in compiled if n.startswith("o2f_inst_"))
-    assert len(insts) == len(set(insts)) == 4   # tf32 and 16-bit Hopper, two sm80 (ReLU hidden, identity last)
+    # one 16-bit Hopper instance (the untuned first layer converts its fp32 rows: tf32 in place is a near
+    # tie there, cost.TF32_FIRST_MARGIN), two sm80 (ReLU hidden, identity last)
+    assert len(insts) == len(set(insts)) == 3 and not any("Tf32" in n for n in insts)
     assert {f"{mnist.name}_cuda.cu", "registry.cc", "plugin.cc"} <= set(compiled)
     assert set(_instances(_library_sources(first))) == set(insts)
     compiled.clear()
@@ -624,14 +633,14 @@ def test_kernel_instances_compile_once_across_libraries(tmp_path, monkeypatch):
     assert second.key != first.key
     # every instance and the plugin from the cache: only the chain's own units and the registry compile
     assert sorted(compiled) == sorted([f"{other.name}_cuda.cu", f"{other.name}_cpu.cc", "registry.cc"])
-    assert "compiling 3 of 8 translation units (with CUDA); 5 from the object cache" in lines
+    assert "compiling 3 of 7 translation units (with CUDA); 4 from the object cache" in lines
     assert set(_instances(_library_sources(second))) == set(insts)
     compiled.clear()
     library.build_plugin([gelu], with_cuda=True, cache_dir=tmp_path, progress=lines.append)
     new = sorted(n for n in compiled if n.startswith("o2f_inst_"))
-    # the GELU layers' tf32 and 16-bit Hopper and sm80 instances; the last layer's (identity) is shared
-    assert len(new) == 3 and not set(new) & set(insts) and all("_f16_a8_" in n for n in new)
-    assert "compiling 6 of 8 translation units (with CUDA); 2 from the object cache" in lines
+    # the GELU layers' 16-bit Hopper and sm80 instances; the last layer's (identity) is shared
+    assert len(new) == 2 and not set(new) & set(insts) and all("_f16_a8_" in n for n in new)
+    assert "compiling 5 of 7 translation units (with CUDA); 2 from the object cache" in lines
 
 
 def _library_sources(lib) -> dict[str, str]:
