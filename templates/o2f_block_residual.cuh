@@ -29,9 +29,7 @@ __device__ __forceinline__ void store_output_res(const float (&acc)[MT][NT8][4],
         const float2 r = residual_pair<N>(x, row, col);
         const float v0 = act<L>(acc[mt][j][2 * h], col) + r.x;
         const float v1 = act<L>(acc[mt][j][2 * h + 1], col + 1) + r.y;
-        io_t* out = y + row * N + col;
-        if (N % 2 == 0) o2f_store2(out, v0, v1);
-        else { o2f_store(out, v0); if (col + 1 < N) o2f_store(out + 1, v1); }
+        store_out_pair<N>(y + row * N + col, col, v0, v1);
       }
 }
 
@@ -55,8 +53,6 @@ __device__ __forceinline__ void store_output_gated_res(const float (&acc)[MT][NT
         const float2 r = residual_pair<N>(x, row, col);
         const float v0 = act<L>(acc[mt][2 * p][2 * h], col) * acc[mt][2 * p + 1][2 * h] + r.x;
         const float v1 = act<L>(acc[mt][2 * p][2 * h + 1], col + 1) * acc[mt][2 * p + 1][2 * h + 1] + r.y;
-        io_t* out = y + row * N + col;
-        if (N % 2 == 0) o2f_store2(out, v0, v1);
-        else { o2f_store(out, v0); if (col + 1 < N) o2f_store(out + 1, v1); }
+        store_out_pair<N>(y + row * N + col, col, v0, v1);
       }
 }

@@ -40,6 +40,14 @@ __device__ __forceinline__ void store_hidden(const float (&acc)[MT][NT8][4], int
       }
 }
 
+// Output columns col and col + 1 of a row (`out` points at col) in the output type: one paired store
+// where N is even (col is then even too), else one at a time, the second only inside the row.
+template <int N>
+__device__ __forceinline__ void store_out_pair(io_t* __restrict__ out, int col, float v0, float v1) {
+  if (N % 2 == 0) o2f_store2(out, v0, v1);
+  else { o2f_store(out, v0); if (col + 1 < N) o2f_store(out + 1, v1); }
+}
+
 // Last layer epilogue: activation, converted to the output type, straight to global memory.
 template <int L, int N, int MT, int NT8>
 __device__ __forceinline__ void store_output(const float (&acc)[MT][NT8][4], int col0, io_t* __restrict__ y,
@@ -56,8 +64,6 @@ __device__ __forceinline__ void store_output(const float (&acc)[MT][NT8][4], int
         if (row >= rows || col >= N) continue;
         const float v0 = act<L>(acc[mt][j][2 * h], col);
         const float v1 = act<L>(acc[mt][j][2 * h + 1], col + 1);
-        io_t* out = y + row * N + col;
-        if (N % 2 == 0) o2f_store2(out, v0, v1);
-        else { o2f_store(out, v0); if (col + 1 < N) o2f_store(out + 1, v1); }
+        store_out_pair<N>(y + row * N + col, col, v0, v1);
       }
 }

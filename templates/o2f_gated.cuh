@@ -86,8 +86,6 @@ __device__ __forceinline__ void store_output_gated(const float (&acc)[MT][NT8][4
         if (row >= rows || col >= N) continue;
         const float v0 = act<L>(acc[mt][2 * p][2 * h], col) * acc[mt][2 * p + 1][2 * h];
         const float v1 = act<L>(acc[mt][2 * p][2 * h + 1], col + 1) * acc[mt][2 * p + 1][2 * h + 1];
-        io_t* out = y + row * N + col;
-        if (N % 2 == 0) o2f_store2(out, v0, v1);
-        else { o2f_store(out, v0); if (col + 1 < N) o2f_store(out + 1, v1); }
+        store_out_pair<N>(y + row * N + col, col, v0, v1);
       }
 }
