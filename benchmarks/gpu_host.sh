@@ -7,6 +7,7 @@
 #   benchmarks/gpu_host.sh install        rebuild and install the onnxruntime-gpu wheel into /tmp/site
 #   benchmarks/gpu_host.sh test [ARGS]    the GPU-marked tests (pytest ARGS, default: all tests/test_gpu*.py)
 #   benchmarks/gpu_host.sh kernels [ARGS] benchmarks/kernel_check.py (kernels alone, no ORT)
+#   benchmarks/gpu_host.sh overhead       ORT's fixed cost per run: the issue-15 models at batch 1 and at their batch
 #   benchmarks/gpu_host.sh blocks         the CUDA block kernels (issue 16; off by default until this passes):
 #                                         kernel_check's block cases, then tests/test_gpu_block.py
 #   benchmarks/gpu_host.sh bench          `onnx2fused bench` on the issue's four cases, then the wide cases
@@ -42,6 +43,14 @@ test)
   args=("$@")
   [ ${#args[@]} -eq 0 ] && args=(tests/test_gpu.py tests/test_gpu_activations.py tests/test_gpu_reliability.py tests/test_gpu_wide.py)
   python3 -m pytest -q -m gpu -p no:cacheprovider -rs "${args[@]}" 2>&1 | tee "$OUT/pytest_gpu.txt" | tail -40
+  ;;
+overhead)
+  # batch 1: the fused op's run is ORT's own cost plus a launch; beside stock ORT's at the same batch
+  for c in "nerf 2097152" "sdf 1048576" "gelu 1048576"; do
+    set -- $c
+    python3 -m onnx2fused bench "models/$1.opset17.onnx" --batches "1,$2" --no-torch --reps 200 \
+      --out "$OUT/overhead_$1" -q 2>&1 | tail -8
+  done
   ;;
 blocks)
   # one line per case as it finishes (a time limit that cuts the run keeps what came before)
