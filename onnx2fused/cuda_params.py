@@ -8,7 +8,6 @@ from __future__ import annotations
 from . import expr as ex
 from .block_params import block_params
 from .plan.fused import ELEM_BYTES, Fp32Plan, FusedPlan, elem_bytes, row_pad
-from .plan.padding import NORM_ALIGN, round_up
 from .spec import MLPSpec
 
 
@@ -117,7 +116,7 @@ def fused_params(plan: FusedPlan) -> dict:
         "register_activations": plan.register_activations,
         "width_a": plan.width_a, "width_b": plan.width_b, "hidden_ld": plan.hidden_ld,
         # a block's norm scale (and bias) in the bias array, after the layers' biases
-        "norm_offset": plan.norm_offset, "norm_bias_at": plan.norm_offset + round_up(spec.widths[0], NORM_ALIGN),
+        "norm_offset": plan.norm_offset, "norm_bias_at": plan.norm_offset + params["norm_bias_offset"],
         "variants": [
             {"name": v.name, "bm": v.bm, "warps": v.warps, "stages": v.stages, "smem_bytes": v.smem_bytes,
              "tilings": [_tiling_params(t) for t in v.tilings]}

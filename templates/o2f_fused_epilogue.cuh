@@ -48,10 +48,17 @@ __device__ __forceinline__ void store_out_pair(io_t* __restrict__ out, int col, 
   else { o2f_store(out, v0); if (col + 1 < N) o2f_store(out + 1, v1); }
 }
 
-// Last layer epilogue: activation, converted to the output type, straight to global memory.
-template <int L, int N, int MT, int NT8>
+// What the last layer's epilogue adds to its outputs before the conversion: nothing here; a block's input
+// row with a residual behind (o2f_block_residual.cuh, Residual). kAdds false: no code at all.
+struct NoResidual {
+  static constexpr bool kAdds = false;
+  __device__ __forceinline__ float2 operator()(int64_t, int) const { return make_float2(0.0f, 0.0f); }
+};
+
+// Last layer epilogue: activation (plus `res`), converted to the output type, straight to global memory.
+template <int L, int N, int MT, int NT8, class Res = NoResidual>
 __device__ __forceinline__ void store_output(const float (&acc)[MT][NT8][4], int col0, io_t* __restrict__ y,
-                                             int64_t rows, int64_t row0, int lane) {
+                                             int64_t rows, int64_t row0, int lane, Res res = Res()) {
   const int g = lane >> 2, t2 = 2 * (lane & 3);
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
@@ -62,8 +69,13 @@ __device__ __forceinline__ void store_output(const float (&acc)[MT][NT8][4], int
         const int col = col0 + j * 8 + t2;
         const int64_t row = row0 + mt * 16 + g + 8 * h;
         if (row >= rows || col >= N) continue;
-        const float v0 = act<L>(acc[mt][j][2 * h], col);
-        const float v1 = act<L>(acc[mt][j][2 * h + 1], col + 1);
+        float v0 = act<L>(acc[mt][j][2 * h], col);
+        float v1 = act<L>(acc[mt][j][2 * h + 1], col + 1);
+        if constexpr (Res::kAdds) {
+          const float2 r = res(row, col);
+          v0 += r.x;
+          v1 += r.y;
+        }
         store_out_pair<N>(y + row * N + col, col, v0, v1);
       }
 }

@@ -68,10 +68,10 @@ __device__ __forceinline__ void store_hidden_gated(const float (&acc)[MT][NT8][4
       }
 }
 
-// store_output of a gated last layer: act(gate) * up converted to the output type, to global memory.
-template <int L, int N, int MT, int NT8>
+// store_output of a gated last layer: act(gate) * up (plus `res`) converted to the output type, to global memory.
+template <int L, int N, int MT, int NT8, class Res = NoResidual>
 __device__ __forceinline__ void store_output_gated(const float (&acc)[MT][NT8][4], int col0, io_t* __restrict__ y,
-                                                   int64_t rows, int64_t row0, int lane) {
+                                                   int64_t rows, int64_t row0, int lane, Res res = Res()) {
   static_assert(NT8 % 2 == 0, "a gated layer's n8 tiles come in (gate, up) pairs");
   const int g = lane >> 2, t2 = 2 * (lane & 3);
   const int out0 = col0 / 2;
@@ -84,8 +84,13 @@ __device__ __forceinline__ void store_output_gated(const float (&acc)[MT][NT8][4
         const int col = out0 + p * 8 + t2;
         const int64_t row = row0 + mt * 16 + g + 8 * h;
         if (row >= rows || col >= N) continue;
-        const float v0 = act<L>(acc[mt][2 * p][2 * h], col) * acc[mt][2 * p + 1][2 * h];
-        const float v1 = act<L>(acc[mt][2 * p][2 * h + 1], col + 1) * acc[mt][2 * p + 1][2 * h + 1];
+        float v0 = act<L>(acc[mt][2 * p][2 * h], col) * acc[mt][2 * p + 1][2 * h];
+        float v1 = act<L>(acc[mt][2 * p][2 * h + 1], col + 1) * acc[mt][2 * p + 1][2 * h + 1];
+        if constexpr (Res::kAdds) {
+          const float2 r = res(row, col);
+          v0 += r.x;
+          v1 += r.y;
+        }
         store_out_pair<N>(y + row * N + col, col, v0, v1);
       }
 }

@@ -1,7 +1,7 @@
 """Transformer blocks (a norm in front, a residual behind; issue 16) in the CUDA kernels, without a GPU:
 the resident, streamed and fp32 sources of block specs render and compile (nvcc, PTX for sm_80 and
 sm_90), normalise the rows as they load them (norm_rows) and add the residual in the last epilogue
-(store_output_res), keep the norm's parameters after the layers' biases (plan and kernel agree), and
+(store_output's Residual), keep the norm's parameters after the layers' biases (plan and kernel agree), and
 plain specs render none of it. A converted block with CUDA kernels is one fused op (the library's CPU
 kernel validates it on this host). The numbers: tests/test_gpu_block.py on a GPU host.
 """
@@ -98,11 +98,14 @@ def test_block_kernel_compiles_with_prologue_and_epilogue(spec, design, arch, tm
         assert ("kNormRoundHalf = true" in src) == (spec.io_dtype == "f16" and spec.norm.kind == "layernorm")
     else:
         assert "norm_rows" not in src and "o2f_block_norm.cuh" not in files
-    assert ("store_output_res<" in src or "store_output_gated_res<" in src) == spec.residual
+    # the last layer's store adds x's rows: a Residual<N> over x as its last argument
+    residual_stores = re.findall(r"store_output(_gated)?<\d+, (\d+)>\((?:acc\d?|acc2), \w+, y, rows, [^;]*, lane, "
+                                 r"Residual<(\d+)>\{x\}\);", src)
+    assert bool(residual_stores) == spec.residual
     assert ("o2f_block_residual.cuh" in files) == spec.residual
     if spec.residual:
-        assert ("store_output_gated_res<" in src) == spec.layers[-1].gated
-        assert re.search(r"store_output(_gated)?_res<\d+, \d+>\((acc\d?|acc2), \w+, y, x, rows, ", src)
+        assert all(n == width == str(spec.widths[-1]) for _, n, width in residual_stores)
+        assert all((gated == "_gated") == spec.layers[-1].gated for gated, _, _ in residual_stores)
     text = _ptx(files, spec, arch, tmp_path)
     shape, dtype = {"fp16": ("m16n8k16", "f16"), "bf16": ("m16n8k16", "bf16"), "tf32": ("m16n8k8", "tf32")}[spec.precision]
     assert f"mma.sync.aligned.{shape}.row.col.f32.{dtype}.{dtype}.f32" in text

@@ -166,7 +166,7 @@ class FusedPlan:
     @property
     def bias_elems(self) -> int:
         """The layers' biases, then a block's norm scale (and bias): one fp32 array, copied to shared memory."""
-        return self.norm_offset + norm_floats(self.spec)
+        return _bias_floats(self.spec, self.layers)
 
     @property
     def norm_offset(self) -> int:

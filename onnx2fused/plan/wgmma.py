@@ -210,15 +210,15 @@ def make_wgmma_plan(spec: MLPSpec, fallback, reason: str = "", smem_limit: int =
         raise SpecError(f"chunk width {chunk_max}: a multiple of 8 up to {CHUNK_MAX}")
     layers = _layers(spec, chunk_max or CHUNK_MAX)
     base = _registers(layers) + REGISTER_OVERHEAD
-    caps = OVERRIDE_CAPS
     # an override is held to the cap only where the estimate is far over: the estimate is conservative
     # (nerf: ~88 estimated, 78 used) and __launch_bounds__ makes ptxas fit the cap (spills show in -v)
-    if nwg is not None and (nwg not in caps or base > caps[nwg] + 16):
+    if nwg is not None and (nwg not in OVERRIDE_CAPS or base > OVERRIDE_CAPS[nwg] + 16):
         raise SpecError(f"{spec.describe()}: no wgmma plan with {nwg} warpgroups: ~{base} registers a thread")
-    nwg, cap = (nwg, caps[nwg]) if nwg is not None else next((n, c) for n, c in REGISTER_CAPS if base <= c)
+    nwg, cap = (nwg, OVERRIDE_CAPS[nwg]) if nwg is not None else next((n, c) for n, c in REGISTER_CAPS if base <= c)
     k0_steps = layers[0].k_steps
-    auto_prefetch = max(0, min(k0_steps, PREFETCH_MAX, max(0, cap - base) // 8))
-    prefetch = auto_prefetch if prefetch is None else max(0, min(k0_steps, prefetch))
+    if prefetch is None:   # the registers the cap leaves, 8 a k-step
+        prefetch = min(k0_steps, PREFETCH_MAX, max(0, cap - base) // 8)
+    prefetch = max(0, min(k0_steps, prefetch))
     last = layers[-1]
     image = round_up(last.offset + last.chunks * last.chunk_bytes, LAYER_ALIGN)
     bias = sum(l.np_ for l in layers)
