@@ -8,8 +8,8 @@
 #   benchmarks/gpu_host.sh test [ARGS]    the GPU-marked tests (pytest ARGS, default: all tests/test_gpu*.py)
 #   benchmarks/gpu_host.sh kernels [ARGS] benchmarks/kernel_check.py (kernels alone, no ORT)
 #   benchmarks/gpu_host.sh overhead       ORT's fixed cost per run: the issue-15 models at batch 1 and at their batch
-#   benchmarks/gpu_host.sh blocks         the CUDA block kernels (issue 16; off by default until this passes):
-#                                         kernel_check's block cases, then tests/test_gpu_block.py
+#   benchmarks/gpu_host.sh blocks         the CUDA block kernels alone (issue 16): kernel_check's block cases
+#   benchmarks/gpu_host.sh blocktests [ARGS] tests/test_gpu_block.py (the blocks through ORT)
 #   benchmarks/gpu_host.sh bench          `onnx2fused bench` on the issue's four cases, then the wide cases
 #   benchmarks/gpu_host.sh wide [ARGS]    benchmarks/wide_cases.py only (issue 5's three cases)
 #   benchmarks/gpu_host.sh tune [ARGS]    benchmarks/tune_wide.py: the wide kernel search, every candidate timed
@@ -22,7 +22,9 @@
 set -uo pipefail
 R=$(pwd)
 OUT=${OUT:-/tmp/o2f-out}
-export PYTHONPATH=/tmp/site:$R
+export PYTHONPATH=/tmp/site:$R:$R/.deps/pylib
+workers=()   # pytest-xdist when carried: one nvcc build per core instead of one at a time
+[ -d .deps/pylib/xdist ] && workers=(-n "${O2F_PYTEST_WORKERS:-16}")
 export ONNXRUNTIME_INCLUDE_DIR=$R/.deps/ort-headers ONNX2FUSED_CUTLASS_DIR=$R/.deps/cutlass/include
 export ONNX2FUSED_CUDA_ARCHS=${ONNX2FUSED_CUDA_ARCHS:-90} ONNX2FUSED_CACHE=${ONNX2FUSED_CACHE:-/tmp/o2f-cache}
 if compgen -G ".deps/tune/*.json" > /dev/null; then
@@ -42,7 +44,7 @@ test)
   shift
   args=("$@")
   [ ${#args[@]} -eq 0 ] && args=(tests/test_gpu.py tests/test_gpu_activations.py tests/test_gpu_reliability.py tests/test_gpu_wide.py)
-  python3 -m pytest -q -m gpu -p no:cacheprovider -rs "${args[@]}" 2>&1 | tee "$OUT/pytest_gpu.txt" | tail -40
+  python3 -m pytest -q -m gpu -p no:cacheprovider -rs "${workers[@]}" "${args[@]}" 2>&1 | tee "$OUT/pytest_gpu.txt" | tail -40
   ;;
 overhead)
   # batch 1: the fused op's run is ORT's own cost plus a launch; beside stock ORT's at the same batch
@@ -54,11 +56,15 @@ overhead)
   ;;
 blocks)
   # one line per case as it finishes (a time limit that cuts the run keeps what came before)
-  timeout 240 python3 benchmarks/kernel_check.py --out "$OUT/kc_blocks" --no-time --only ffn64 preln preln_streamed \
+  timeout 300 python3 benchmarks/kernel_check.py --out /tmp/kc_blocks --no-time --case-timeout 90 --only ffn64 preln preln_streamed \
     preln_bf16 preln_tf32 preln_fp32 preln_f16io llama llama_streamed block40 block40_streamed block72_rms \
     block30_f16io block37_res block37_res_streamed block48_gres block48_gres_streamed 2>&1 \
-    | grep --line-buffered -o '"case": "[a-z0-9_]*"\|"relerr": [0-9.e+-]*\|.*FAILED.*\|compiled.*'
-  timeout 600 python3 -m pytest -q -m gpu -p no:cacheprovider -rs -x tests/test_gpu_block.py 2>&1 \
+    | grep --line-buffered -o '"case": "[a-z0-9_]*"\|"relerr": [0-9.e+-]*\|.*FAILED.*\|.*TIMED OUT.*\|compiled.*'
+  cp /tmp/kc_blocks/kernel_check.json "$OUT/kc_blocks.json" 2>/dev/null; true   # not the libraries (MBs each)
+  ;;
+blocktests)
+  shift
+  timeout 560 python3 -m pytest -q -m gpu -p no:cacheprovider -rs "${workers[@]}" tests/test_gpu_block.py "$@" 2>&1 \
     | tee "$OUT/pytest_gpu_block.txt" | tail -30
   ;;
 kernels)

@@ -16,6 +16,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -269,6 +270,19 @@ class Case:
         return float(np.median([s.elapsed_time(e) for s, e in times]))
 
 
+def case_watchdog(name: str, seconds: float) -> threading.Timer:
+    """A timer that ends the process with the case's name when a case runs past `seconds` (0: never): a hung
+    kernel blocks the synchronising thread, so only another thread can say which case it was."""
+    def expire():
+        print(f"{name}: TIMED OUT after {seconds:.0f} s (a hung kernel, or a reference too slow)", flush=True)
+        os._exit(124)
+    timer = threading.Timer(seconds, expire)
+    timer.daemon = True
+    if seconds > 0:
+        timer.start()
+    return timer
+
+
 def so_call(so, spec, fn, *args):
     return getattr(so, f"{spec.name}_{fn}")(*args)
 
@@ -294,6 +308,8 @@ def main():
     ap.add_argument("--profile", action="store_true", help="one launch at the case's batch, no checks (for ncu)")
     ap.add_argument("--quick", action="store_true", help="blocks: skip the 1000003-row check")
     ap.add_argument("--a32", action="store_true", help="also each packed fp16 case with fp32 activations (<case>_a32)")
+    ap.add_argument("--case-timeout", type=float, default=0,
+                    help="seconds a case may take to check and time before the run stops with its name (a hung kernel)")
     a = ap.parse_args()
     import torch
     out = Path(a.out) / "kernels"
@@ -306,8 +322,11 @@ def main():
     with concurrent.futures.ThreadPoolExecutor(max(1, (os.cpu_count() or 2) // 2)) as pool:
         libs = {n: pool.submit(compile_case, n, spec, opts, out, a.arch) for n, (spec, _, opts) in cases.items()}
     print(f"compiled {len(cases)} cases in {time.time() - t0:.0f} s", flush=True)
+    watchdog = case_watchdog("", 0)
     for name, (spec, batch, options) in cases.items():
         t0 = time.time()
+        watchdog.cancel()   # the last case's, whether it ended in a row or a failure
+        watchdog = case_watchdog(name, a.case_timeout)
         try:
             so = load(spec, libs[name].result())
         except Exception as e:  # report and go on with the other cases
@@ -334,6 +353,7 @@ def main():
                    tflops=flops / (ms * 1e-3) / 1e12 if ms == ms else None, build_s=time.time() - t0)
         rows.append(row)
         print(json.dumps(row), flush=True)
+    watchdog.cancel()
     (Path(a.out) / "kernel_check.json").write_text(json.dumps(rows, indent=1))
     print(f"{'case':20} {'plan':9} {'batch':>8} {'relerr':>8} {'ms':>8} {'floor':>7} {'x floor':>7} {'TFLOP/s':>7}")
     for r in rows:
