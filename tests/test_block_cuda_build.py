@@ -160,7 +160,6 @@ def test_zoo_block_converts_with_cuda_kernels(name, tmp_path, monkeypatch):
     import onnx
     import onnx2fused
     monkeypatch.setenv("ONNX2FUSED_CUDA_ARCHS", "80")   # one architecture: a quicker build
-    monkeypatch.setenv("ONNX2FUSED_CUDA_BLOCKS", "on")  # off by default until test_gpu_block.py passes
     src = MODELS / f"{name}.opset17.onnx"
     res = onnx2fused.convert(src, tmp_path / "m.fused.onnx", precision="fp16", cache_dir=tmp_path / "cache",
                              with_cuda=True)

@@ -43,12 +43,6 @@ RUNS = [(p, d) for p in ("fp16", "bf16", "tf32") for d in DESIGNS] + [("fp32", "
 LARGE = 1000003
 
 
-@pytest.fixture(autouse=True)
-def cuda_blocks_on(monkeypatch):
-    """The block kernels are off by default (PlanOptions.cuda_blocks) until these tests pass on a GPU."""
-    monkeypatch.setenv("ONNX2FUSED_CUDA_BLOCKS", "on")
-
-
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("gpu_block_cache")
@@ -64,7 +58,7 @@ def _stock(model_path, x, providers):
 def _fuse(src: Path, precision: str, design: str, cache_dir: Path, out: Path):
     """The block converted by a library WITH CUDA kernels, `design` forced: one fused op (norm, layers and
     residual all in it). Returns (fused model path, library path, the chain)."""
-    options = PlanOptions(design="auto" if design == "fp32" else design, wgmma=False, cuda_blocks=True)
+    options = PlanOptions(design="auto" if design == "fp32" else design, wgmma=False)
     model = load_model(str(src))
     plan = library.find_fusions(model, True, options)
     (chain,) = plan.chains

@@ -312,24 +312,25 @@ def test_residual_of_another_width():
 
 # -- a library with CUDA kernels: the fused kernels take blocks, the wide design's chains keep them stock --
 
-# the wide design available (CUTLASS headers or not on this host): the cost model decides; the CUDA block
-# kernels switched on (ONNX2FUSED_CUDA_BLOCKS=on): off by default until they pass the GPU tests
-WIDE = PlanOptions(cuda_blocks=True)
+# the wide design available (CUTLASS headers or not on this host): the cost model decides
+WIDE = PlanOptions()
 
 
-def test_cuda_blocks_are_off_by_default_with_the_reason():
-    """Until the block kernels pass tests/test_gpu_block.py, a CUDA library keeps the norm and the Add
-    stock around the fused layers, and says how to switch the kernels on."""
+def test_cuda_blocks_are_on_by_default_and_can_be_switched_off_with_the_reason():
+    """The block kernels passed tests/test_gpu_block.py: a CUDA library fuses the norm and the Add by
+    default; ONNX2FUSED_CUDA_BLOCKS=off keeps them stock around the fused layers, and says so."""
     m = block()
-    assert PlanOptions.from_env({}).cuda_blocks is False
-    assert PlanOptions.from_env({"ONNX2FUSED_CUDA_BLOCKS": "on"}).cuda_blocks is True
-    plan = find_fusions(m, True, PlanOptions())
+    assert PlanOptions.from_env({}).cuda_blocks is True
+    assert PlanOptions.from_env({"ONNX2FUSED_CUDA_BLOCKS": "off"}).cuda_blocks is False
+    (fused,) = find_fusions(m, True, PlanOptions()).chains
+    assert fused.norm is not None and fused.residual
+    plan = find_fusions(m, True, PlanOptions.from_env({"ONNX2FUSED_CUDA_BLOCKS": "off"}))
     (c,) = plan.chains
     assert c.norm is None and not c.residual and list(c.widths) == [K, H, K]
     assert len(plan.refusals) == 2
-    assert all("have not passed the GPU tests yet (ONNX2FUSED_CUDA_BLOCKS=on uses them)" in r.reason
+    assert all("ONNX2FUSED_CUDA_BLOCKS=off keeps a block's norm and residual out of the CUDA kernels" in r.reason
                for r in plan.refusals)
-    assert find_fusions(m, False, PlanOptions()).chains[0].residual   # CPU-only: fused
+    assert find_fusions(m, False, PlanOptions(cuda_blocks=False)).chains[0].residual   # CPU-only: fused
 
 
 def _refused(what, why):
@@ -418,7 +419,7 @@ def test_cuda_library_keeps_a_wide_block_stock():
                                                    "takes it: " + why[0])
     assert all(w in r for w in why for r in (start, end))
     assert find_fusions(m, False).chains[0].residual   # CPU-only: fused
-    no_wide = PlanOptions(wide_unavailable="no CUTLASS here", cuda_blocks=True)
+    no_wide = PlanOptions(wide_unavailable="no CUTLASS here")
     plan = find_fusions(m, True, no_wide)
     assert plan.chains[0].norm is None
     assert "tf32 + residual: even a 16-row tile needs" in plan.refusals[0].reason
@@ -426,7 +427,7 @@ def test_cuda_library_keeps_a_wide_block_stock():
 
 def test_forced_wide_keeps_blocks_stock():
     m = block()
-    plan = find_fusions(m, True, PlanOptions(design="wide", cuda_blocks=True))
+    plan = find_fusions(m, True, PlanOptions(design="wide"))
     assert plan.chains[0].norm is None and not plan.chains[0].residual
     assert "run in the wide design (ONNX2FUSED_CUDA_DESIGN=wide), and the wide design's CUTLASS GEMMs have no " \
            "norm prologue" in plan.refusals[0].reason

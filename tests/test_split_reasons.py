@@ -86,9 +86,8 @@ def test_each_split_says_why(name, tmp_path, monkeypatch):
     res = onnx2fused.inspect(str(path), precision="fp32", with_cuda=False)
     assert res.refusals == [reason]
     assert "\n  " + reason + "\n" in res.format() + "\n"
-    if name == "layernorm":  # the norm is chain 1's prologue (issue 16), with CUDA kernels too (when on)
+    if name == "layernorm":  # the norm is chain 1's prologue (issue 16), with CUDA kernels too
         assert plan.chains[1].norm is not None
-        monkeypatch.setenv("ONNX2FUSED_CUDA_BLOCKS", "on")
         res = onnx2fused.inspect(str(path), precision="fp32", with_cuda=True) if shutil.which("nvcc") else None
         assert res is None or res.refusals == [reason]
 

@@ -93,8 +93,7 @@ def block_refused(spec: MLPSpec, options: PlanOptions = DEFAULT_OPTIONS) -> str 
       * every precision must plan with them: tf32 must (the largest operands: fp16/bf16 plans need less
         shared memory, fp32 runs on CUDA cores)."""
     if not options.cuda_blocks:
-        return (f"the CUDA kernels' norm prologue and residual epilogue have not passed the GPU tests yet "
-                f"({CUDA_BLOCKS_ENV}=on uses them)")
+        return f"{CUDA_BLOCKS_ENV}=off keeps a block's norm and residual out of the CUDA kernels"
     fp16 = replace(spec, precision="fp16", act_math="packed")
     layers = replace(fp16, norm=None, residual=False)
     try:

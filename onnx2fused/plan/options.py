@@ -9,10 +9,10 @@ of (spec, options) only:
   ONNX2FUSED_WGMMA        = off: auto never picks the Hopper wgmma design (plan/wgmma.py); on by default
                             since the whole GPU suite passed with it (benchmarks/RESULTS.md, eighth run)
   ONNX2FUSED_WIDE_TAIL    = off: no segmented wide plans (every layer a GEMM), for comparisons
-  ONNX2FUSED_CUDA_BLOCKS  = on: a library with CUDA kernels fuses a transformer block's norm and residual
-                            into its fused kernel (resident, streamed, fp32); off by default until those
-                            kernels have passed the GPU tests (tests/test_gpu_block.py): the norm and the
-                            Add stay stock ops around the fused layers, as before
+  ONNX2FUSED_CUDA_BLOCKS  = off: a library with CUDA kernels keeps a transformer block's norm and residual
+                            Add as stock ops around the fused layers; on by default: the fused kernel
+                            (resident, streamed, fp32) runs them too, since tests/test_gpu_block.py and
+                            kernel_check's block cases passed on the H100 (benchmarks/RESULTS.md)
   (and whether the CUTLASS headers the wide design compiles against can be found)
 
 The design-specific overrides (`ResidentOptions`, `StreamedOptions`) replace the heuristics of one design,
@@ -90,7 +90,7 @@ class PlanOptions:
     wide_tail: bool = True         # segmented wide plans allowed (a fused kernel for narrow trailing layers)
     wide_unavailable: str = ""     # why the wide design cannot be built here ("": it can)
     wgmma: bool = True             # auto may pick the wgmma design (ONNX2FUSED_WGMMA=off: never; forcing works either way)
-    cuda_blocks: bool = False      # CUDA libraries fuse blocks' norms and residuals (ONNX2FUSED_CUDA_BLOCKS=on)
+    cuda_blocks: bool = True       # CUDA libraries fuse blocks' norms and residuals (ONNX2FUSED_CUDA_BLOCKS=off: not)
     smem_limit: int | None = None  # shared memory a block may use (None: fused.SMEM_LIMIT, sm_90)
     resident: ResidentOptions = field(default_factory=ResidentOptions)
     streamed: StreamedOptions = field(default_factory=StreamedOptions)
@@ -107,7 +107,7 @@ class PlanOptions:
         return cls(design=env.get(DESIGN_ENV, "auto").strip().lower() or "auto",
                    wide_tail=env.get(TAIL_ENV, "auto").strip().lower() != "off",
                    wgmma=env.get(WGMMA_ENV, "on").strip().lower() not in ("off", "0", "no", "false"),
-                   cuda_blocks=env.get(CUDA_BLOCKS_ENV, "off").strip().lower() in ("on", "1", "yes", "true"),
+                   cuda_blocks=env.get(CUDA_BLOCKS_ENV, "on").strip().lower() not in ("off", "0", "no", "false"),
                    wide_unavailable=_cutlass_missing())
 
 
