@@ -11,6 +11,9 @@ Cases (issue 5 targets, H100):
 and, without targets, two FFN-shaped pairs for the streamed kernel's two-layer fusion vs the wide design:
     pair256  256 -> 4096 -> 256, GELU, input [256, 256, 256] (65536 rows)
     pair64   64 -> 1000 -> 48, GELU, batch 262144
+and issue 16's wide gated block (no bias, as LLaMA's MLP: down(silu(gate(x)) * up(x))):
+    llama7b  4096 -> SwiGLU 11008 -> 4096, batch 4096 (also --batch 1, 16, 256)   >= 1.3x ORT fp16 at 256
+             and 4096 rows, >= 1.0x at 1 and 16
 `--batch N` replaces a case's batch (N = 1: the per-run overhead of each path).
 The models are built here with onnx.helper (random weights, seed 0; the FFN as MatMul + Add with GELU in
 the erf form torch's opset-17 export writes). `--design` sets ONNX2FUSED_CUDA_DESIGN for the fused
@@ -50,6 +53,7 @@ CASES = {
     # comparison of the designs, with --design streamed / wide)
     "pair256": ([256, 4096, 256], "gelu", ["batch", 256, 256], 256, {}),
     "pair64": ([64, 1000, 48], "gelu", ["batch", 64], 262144, {}),
+    "llama7b": ([4096, 11008, 4096], "swiglu", ["batch", 4096], 4096, {"ort_fp16": 1.3}),
 }
 
 
@@ -67,12 +71,36 @@ def _gelu_nodes(x: str, prefix: str, inits: list) -> tuple[list, str]:
     return nodes, f"{prefix}_g"
 
 
+def _swiglu_nodes(x: str, k: int, n: int, i: int, rng, inits: list) -> tuple[list, str]:
+    """silu(x Wg) * (x Wu), no bias: LLaMA's gate and up projections as torch exports them (Gemm with
+    transB=1 of nn.Linear weights [N, K], Sigmoid, Mul, Mul)."""
+    nodes = []
+    for part in ("gate", "up"):
+        w = (rng.standard_normal((n, k)) / np.sqrt(k)).astype(np.float32)
+        inits.append(numpy_helper.from_array(w, f"w{i}_{part}"))
+        nodes.append(helper.make_node("Gemm", [x, f"w{i}_{part}"], [f"{part}{i}"], transB=1))
+    nodes += [helper.make_node("Sigmoid", [f"gate{i}"], [f"sig{i}"]),
+              helper.make_node("Mul", [f"gate{i}", f"sig{i}"], [f"silu{i}"]),
+              helper.make_node("Mul", [f"silu{i}", f"up{i}"], [f"glu{i}"])]
+    return nodes, f"glu{i}"
+
+
 def build_model(widths, act: str, in_shape, path: Path, seed: int = 0) -> Path:
-    """An MLP as ONNX: Gemm(transB=1) per layer on 2-D input, MatMul + Add on 3-D (as exporters write)."""
+    """An MLP as ONNX: Gemm(transB=1) per layer on 2-D input, MatMul + Add on 3-D (as exporters write);
+    act "swiglu": every hidden layer a SwiGLU pair, and no biases (2-D input only)."""
     rng = np.random.default_rng(seed)
     three_d = len(in_shape) == 3
     nodes, inits, h = [], [], "x"
     for i, (k, n) in enumerate(zip(widths, widths[1:])):
+        if act == "swiglu":
+            if i < len(widths) - 2:
+                more, h = _swiglu_nodes(h, k, n, i, rng, inits)
+                nodes += more
+            else:
+                inits.append(numpy_helper.from_array((rng.standard_normal((n, k)) / np.sqrt(k)).astype(np.float32), f"w{i}"))
+                nodes.append(helper.make_node("Gemm", [h, f"w{i}"], [f"l{i}"], transB=1))
+                h = f"l{i}"
+            continue
         w = (rng.standard_normal((k, n)) / np.sqrt(k)).astype(np.float32)  # MatMul layout [K, N]
         b = (rng.standard_normal(n) * 0.1).astype(np.float32)
         inits += [numpy_helper.from_array(w if three_d else np.ascontiguousarray(w.T), f"w{i}"),

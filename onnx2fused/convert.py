@@ -119,6 +119,29 @@ def _step_label(chain, precision: str, act_math: str) -> str:
     return step_label(precision, act_math, bool(chain.to_spec("fp16").packable_layers))
 
 
+def plannable(chain, choice: PrecisionChoice, options: PlanOptions) -> PrecisionChoice:
+    """`choice`, or the first step up the ladder from it that a CUDA design plans (automatic precision
+    only): the wide design has no tf32 GEMM, so a wide chain that fails at bf16 goes to fp32 (CUDA cores,
+    which plan every chain) rather than to a build without a plan. The reason says which were skipped."""
+    c = choice
+    while True:
+        try:
+            make_plan(chain.to_spec(c.precision, c.act_math), options)
+            return c
+        except SpecError as e:
+            step = _next_step(chain, c)
+            if step is None:
+                return c   # _build_and_check reports the planner's reason
+            label = _step_label(chain, c.precision, c.act_math)
+            c = PrecisionChoice(step[0], f"{label} has no CUDA plan ({_one_line_reason(e)}); {c.why}",
+                                noise=c.noise, act_math=step[1])
+
+
+def _one_line_reason(e: Exception) -> str:
+    text = str(e)
+    return text.split(": ", 1)[1] if ": " in text else text
+
+
 def plan_specs(specs, options: PlanOptions) -> tuple[dict[str, Plan], dict[str, str]]:
     """Each distinct spec planned once: ({name: plan}, {name: why no design can run it})."""
     plans, errors = {}, {}
@@ -266,6 +289,8 @@ def convert(input_path, output_path=None, precision: str = AUTO, validate: bool 
                     raise ConversionError(f"stock onnxruntime fails on the original model: {val._one_line(e)}") from None
         if auto:
             choices = initial_precisions(model, plan.chains, cases, with_cuda, say)
+            if with_cuda:
+                choices = [plannable(c, ch, options) for c, ch in zip(plan.chains, choices)]
         else:
             choices = [PrecisionChoice(precision, "asked for (--precision)") for _ in plan.chains]
 
@@ -295,6 +320,8 @@ def convert(input_path, output_path=None, precision: str = AUTO, validate: bool 
                 detail = f"rel. L2 {e.rel_l2:.2g} on {report.provider}" if e else f"validation on {report.provider}"
                 choices[k] = PrecisionChoice(new_p, f"{old} failed ({detail}); " + choices[k].why,
                                              noise=choices[k].noise, act_math=new_math)
+                if auto:
+                    choices[k] = plannable(plan.chains[k], choices[k], options)
                 say(f"chain {k}: {old} failed validation ({detail}); rebuilding it in {new}")
 
         specs, lib, data, tmp_model, tmp_lib, lib_name = built.specs, built.lib, built.data, built.model, built.lib_copy, built.lib_name

@@ -33,18 +33,19 @@ def gated_refusal(with_cuda: bool, chains=(), options: PlanOptions | None = None
     """Whether a library fuses gated layers (SwiGLU/GeGLU, passes/gated.py): None, it does; else why not,
     as `passes.find_chains(model, gated_refused=...)` takes it. The one place this is decided.
 
-    The CPU kernel and the fused CUDA kernels (resident, streamed: plan/fused.py) compute gated layers;
-    the wide design does not. A library with CUDA kernels must not hold a gated chain that no fused
-    kernel can plan: it would have no CUDA kernel, and the whole block would run on the CPU EP inside a
-    CUDA session. `chains`: the chains found with gated layers fused (passes.Chain); each gated one is
-    planned at tf32 (the largest tensor-core operands: fp16/bf16 plans need less shared memory, fp32 runs
-    on CUDA cores), and where one has no plan the model's gated layers are split, as before issue 16 (its
-    linear layers fuse on their own)."""
+    The CPU kernel, the fused CUDA kernels (resident, streamed: plan/fused.py) and the wide design (a GEMM
+    of gate and up columns and a glu pass: plan/wide.py) compute gated layers. A library with CUDA
+    kernels must not hold a gated chain that no CUDA design can plan: it would have no CUDA kernel, and the
+    whole block would run on the CPU EP inside a CUDA session. `chains`: the chains found with gated
+    layers fused (passes.Chain); each gated one is planned at fp16, where every chain starts (a precision
+    further up the ladder that has no plan is skipped: convert.plannable; fp32 always plans), and where
+    one has no plan (no CUTLASS headers for the wide design, and too large for the fused kernels) the
+    model's gated layers are split, as before issue 16 (its linear layers fuse on their own)."""
     if not with_cuda:
         return None
     options = options or PlanOptions.from_env()
     for chain in chains:
-        spec = chain.to_spec("tf32")
+        spec = chain.to_spec("fp16")
         if not spec.has_gated:
             continue
         try:

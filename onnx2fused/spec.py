@@ -41,10 +41,8 @@ SPEC_VERSION = 1  # bump when the meaning of a spec (and so of every generated k
 
 
 # Why a library with CUDA kernels does not fuse a model's gated layers (library.gated_refusal decides): a
-# gated chain no fused CUDA kernel (resident, streamed) can hold; `{why}` is the planner's reason. The wide
-# design, which takes chains too large for those, has no gated epilogue.
-GATED_NO_CUDA = ("gated layer: no fused CUDA kernel holds its chain ({why}); the wide design does not take "
-                 "gated layers (CPU-only libraries fuse it)")
+# gated chain no CUDA design (resident, streamed, wide) plans at fp16; `{why}` is the planner's reason.
+GATED_NO_CUDA = "gated layer: no CUDA kernel holds its chain ({why}) (CPU-only libraries fuse it)"
 # The same for a transformer block's prologue and epilogue (library.block_refusal): a block no fused CUDA
 # kernel (resident, streamed, fp32) takes, or whose layers the cost model gives to the wide design; `{what}`
 # names the norm or the residual, `{why}` is the planner's reason.

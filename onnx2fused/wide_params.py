@@ -80,6 +80,10 @@ def instance_params(config: str, elem: str, out: str, align: int, act_code: str)
     return params
 
 
+# A gated layer's GEMM writes the gate and up products as they are (its activation is the glu pass's)
+IDENTITY_CODE = ex.render_c(ex.X, "v")
+
+
 def _gemm_instances(plan: WidePlan) -> list[dict]:
     """Per GEMM: its sm80 instance (None for a narrow layer), and (kernel index, instance) of each Hopper
     kernel its dispatch holds (16-bit ones; for layer 0, the tf32 ones of layer0_tf32 as well)."""
@@ -88,7 +92,7 @@ def _gemm_instances(plan: WidePlan) -> list[dict]:
     elem = _elem_type(spec)
     out = []
     for g, per in zip(plan.gemms, plan.choices):
-        o, code = _out_type(spec, g.last), acts[g.index]["code"]
+        o, code = _out_type(spec, g.last), IDENTITY_CODE if g.gated else acts[g.index]["code"]
         chosen = [i for i in plan.sm90_kernels if plan.tuning or any(c.kernel == i for c in per)]
         sm90 = [(i, instance_params(SM90_KERNELS[i].name, elem, o, g.align_out, code))
                 for i in chosen if g.sm90 and not SM90_KERNELS[i].tf32]
@@ -135,16 +139,19 @@ def wide_params(plan: WidePlan) -> dict:
         "launch_cache_env": LAUNCH_CACHE_ENV,
         "h0_offset": plan.h_offsets[0], "h1_offset": plan.h_offsets[1],
         "h_width": plan.h_width,
+        "hg_offset": plan.hg_offset,
+        "any_gated": plan.hg_width > 0,
         "workspace_bytes": plan.workspace_bytes,
         "act_functors": [{"name": name, "code": code} for code, name in functors.items()],
         "gemms": [{"index": g.index, "act": act_of[g.index], "k": g.k, "n": g.n, "kp": g.kp, "np": g.np_, "last": g.last,
                    "align": g.align_out, "w_offset": g.w_offset, "b_offset": g.b_offset,
-                   "src": g.src, "dst": g.dst, "sm90": g.sm90, "narrow": g.narrow,
+                   "src": g.src, "dst": g.dst, "sm90": g.sm90, "narrow": g.narrow, "gated": g.gated, "half": g.half,
                    "choices": [_choice_param(c) for c in per],
                    # the launch arguments after the input (run_chain's names: ws, y, r0)
                    "w_expr": f"reinterpret_cast<const elem_t*>(ws + {g.w_offset})",
                    "tail_expr": (f"reinterpret_cast<const {'io_t' if g.last else 'elem_t'}*>(ws + {g.b_offset}), "
-                                 + (f"static_cast<io_t*>(y) + r0 * {g.n}, {g.n}" if g.last else f"{g.dst}, {g.np_}")),
+                                 + (f"static_cast<io_t*>(y) + r0 * {g.n}, {g.n}" if g.last
+                                    else f"hg, {g.np_}" if g.gated else f"{g.dst}, {g.np_}")),
                    # its sm80 instance, and the 16-bit Hopper kernels its dispatch switch holds (tf32 ones
                    # go to layer0_tf32)
                    "sm80_inst": ins["sm80"]["name"] if ins["sm80"] else None,

@@ -111,3 +111,36 @@ def test_gated_odd_widths(k, widths, gated, precision, design, cache_dir, tmp_pa
     onnx.save(_swiglu_chain(k, widths, gated), str(src))
     sess = _fused_session(src, precision, design, cache_dir, tmp_path / "fused.onnx")
     _check(sess, src, k, precision, f"{k}->{widths} gated {sorted(gated)} {precision} {design}")
+
+
+# -- the wide design: one GEMM of gate and up columns, the glu pass, the next GEMM ------------------------
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+@pytest.mark.parametrize("k,widths,gated", [
+    (256, [1000, 250], {0}),        # odd halves (padded to 1000 -> 1000, 250 out: the sm80 last GEMM)
+    (96, [520, 300, 64], {0, 1}),   # two gated layers in a row, padded halves, a plain last layer
+    (64, [256, 512, 64], {1}),      # a gated layer after a plain one (its input the first GEMM's buffer)
+])
+def test_gated_layers_in_the_wide_design(k, widths, gated, precision, cache_dir, tmp_path):
+    src = tmp_path / "swiglu.onnx"
+    onnx.save(_swiglu_chain(k, widths, gated), str(src))
+    sess = _fused_session(src, precision, "wide", cache_dir, tmp_path / "fused.onnx")
+    _check(sess, src, k, precision, f"{k}->{widths} gated {sorted(gated)} {precision} wide",
+           batches=(1, 37, 129, 4099, 70001))
+
+
+def test_big_swiglu_goes_wide_by_default_and_matches_stock(tmp_path):
+    """256 -> SwiGLU 4096 -> 256 (too wide for the fused kernels' tiles): convert() with defaults makes ONE
+    gated chain in the wide design and validates it on the CUDA EP."""
+    import onnx2fused
+    from onnx2fused.spec import DOMAIN
+    src = tmp_path / "big.onnx"
+    onnx.save(_swiglu_chain(256, [4096, 256], {0}), str(src))
+    res = onnx2fused.convert(src, tmp_path / "big.fused.onnx", cache_dir=tmp_path / "cache")
+    (chain,) = res.chains
+    assert res.refusals == [] and res.validation.provider == "CUDAExecutionProvider" and res.validation.passed
+    assert "glu pass" in chain.cuda_plan and chain.cuda_plan.startswith("GPU: wide")
+    assert [n.domain for n in onnx.load(res.output_path).graph.node] == [DOMAIN]
+    x = np.random.default_rng(7).standard_normal((3001, 256)).astype(np.float32)
+    y = onnx2fused.InferenceSession(res.output_path).run(None, {"x": x})[0]
+    assert rel_l2(y, _reference(src, x)) <= max(TOL[chain.precision], res.validation.tolerance)

@@ -18,6 +18,7 @@ from onnx2fused.library import find_fusions, gated_refusal
 from onnx2fused.loader import load_model
 from onnx2fused.passes import find_chains
 from onnx2fused.plan.choose import make_plan, wgmma_refused
+from onnx2fused.plan.options import PlanOptions
 from onnx2fused.plan.wide import wide_reason_refused
 from onnx2fused.spec import GATED_NO_CUDA, LayerSpec, MLPSpec, SpecError
 from onnx_builders import G, fuse, run
@@ -298,11 +299,15 @@ def test_cuda_library_fuses_gated_blocks(name, kind):
         assert make_plan(chain.to_spec(precision)).design in ("resident", "streamed")
 
 
+# the wide design unavailable (no CUTLASS headers on the host)
+NO_WIDE = PlanOptions(wide_unavailable="no CUTLASS headers (test)")
+
+
 def _big_gated():
-    """x [B, 768] -> SwiGLU of 3072 -> 768: no fused CUDA kernel holds it at tf32 (the streamed design's input and
-    hidden rows do not fit shared memory; the wide design has no gated epilogue)."""
+    """x [B, 256] -> SwiGLU of 4096 -> 256: no fused CUDA kernel holds it (the streamed design's 16-row tile
+    of hidden rows does not fit shared memory at fp16); the wide design does, where CUTLASS can be found."""
     g = G(opset=17, seed=3)
-    k, h = 768, 3072
+    k, h = 256, 4096
     gate = g.linear("x", k, h, kind="matmul", bias=False, name="gate")
     up = g.linear("x", k, h, kind="matmul", bias=False, name="up")
     p = g.op("Mul", [g.op("Sigmoid", [gate]), up], name="mul")
@@ -310,16 +315,39 @@ def _big_gated():
     return g.model([("x", ["B", k])], [("y", ["B", k])])
 
 
-def test_cuda_library_splits_gated_chains_no_fused_kernel_holds():
+def test_cuda_library_splits_gated_chains_no_cuda_design_holds():
+    """Without the wide design, no CUDA kernel holds the big SwiGLU: its gate, up and down split, each
+    fusing on its own, and every split says why."""
     m = _big_gated()
     assert any(l.gated for c in find_chains(m).chains for l in c.layers)   # CPU-only: fused
-    why = gated_refusal(True, find_chains(m).chains)
-    assert why is not None and why.startswith("gated layer: no fused CUDA kernel holds its chain (")
-    plan = find_fusions(m, True)
+    why = gated_refusal(True, find_chains(m).chains, NO_WIDE)
+    assert why is not None and why.startswith("gated layer: no CUDA kernel holds its chain (")
+    assert "the wide design cannot take it either: no CUTLASS headers (test)" in why
+    plan = find_fusions(m, True, NO_WIDE)
     assert not any(l.gated for c in plan.chains for l in c.layers)
     reasons = [r.reason for r in plan.refusals]
     assert reasons and all(r.endswith(": " + why) for r in reasons), reasons
-    assert all(make_plan(c.to_spec("fp16")) is not None for c in plan.chains)  # every piece has a CUDA plan
+    assert all(make_plan(c.to_spec("fp16"), NO_WIDE) is not None for c in plan.chains)  # each piece has a plan
+
+
+def test_cuda_library_fuses_big_gated_chains_in_the_wide_design():
+    """With the wide design, the big SwiGLU is ONE gated chain (LLaMA's MLP shape): a GEMM of the gate and
+    up columns, the glu pass, the down GEMM; at tf32, which no design plans, automatic precision skips to
+    fp32 (CUDA cores) instead of failing (convert.plannable)."""
+    from onnx2fused.convert import plannable
+    from onnx2fused.precision import PrecisionChoice
+    m = _big_gated()
+    wide = PlanOptions(wide_unavailable="")
+    assert gated_refusal(True, find_chains(m).chains, wide) is None
+    plan = find_fusions(m, True, wide)
+    (chain,) = plan.chains
+    assert plan.refusals == [] and chain.activation_labels()[0].startswith("gated ")
+    p = make_plan(chain.to_spec("fp16"), wide)
+    assert p.design == "wide" and [g.gated for g in p.gemms] == [True, False]
+    assert "gated layer 0 as one GEMM of gate and up columns and a glu pass" in p.describe()
+    assert plannable(chain, PrecisionChoice("bf16", "test"), wide).precision == "bf16"
+    up = plannable(chain, PrecisionChoice("tf32", "test"), wide)
+    assert up.precision == "fp32" and up.why.startswith("tf32 has no CUDA plan (") and up.why.endswith("; test")
 
 
 @pytest.mark.parametrize("name", ["swiglu", "geglu"])
@@ -353,7 +381,9 @@ def test_plan_takes_a_gated_spec():
     spec = MLPSpec((LayerSpec(K, H, True, ex.silu(), gated=True), LayerSpec(H, N, True, ex.identity())))
     plan = make_plan(spec)
     assert plan.design == "resident" and plan.layers[0].gated and plan.layers[0].cols == 2 * plan.layers[0].np_
-    assert "gated" in wgmma_refused(spec) and "gated" in wide_reason_refused(replace(spec, precision="bf16"))
+    assert "gated" in wgmma_refused(spec) and wide_reason_refused(replace(spec, precision="bf16")) is None
+    glu_head = MLPSpec((LayerSpec(K, H, True, ex.identity()), LayerSpec(H, N, True, ex.silu(), gated=True)))
+    assert "gated last layer" in wide_reason_refused(glu_head)
 
 
 

@@ -21,9 +21,11 @@ from plan_support import cuda_source, render_cuda
 WIDE = PlanOptions(design="wide")
 
 
-def _spec(widths, act=ex.relu(), precision="fp16", io="f32", last=ex.identity()):
+def _spec(widths, act=ex.relu(), precision="fp16", io="f32", last=ex.identity(), gated=()):
+    """Layers between `widths`, `act` on the hidden ones; the layers numbered in `gated` are gated
+    (act(x Wg + bg) * (x Wu + bu), W [K, 2N])."""
     n = len(widths) - 1
-    return MLPSpec(tuple(LayerSpec(a, b, True, act if i < n - 1 else last)
+    return MLPSpec(tuple(LayerSpec(a, b, True, act if i < n - 1 else last, gated=i in gated)
                          for i, (a, b) in enumerate(zip(widths, widths[1:]))), precision, io)
 
 
@@ -230,18 +232,28 @@ def test_activation_not_finite_at_zero_is_refused():
 
 
 # ------------------------------------------------------------------------------------------ layout
-@pytest.mark.parametrize("widths,io,tuning", [([768, 3072, 768], "f32", False), ([9216, 4096, 4096, 1000], "f32", False),
-                                              ([1001, 520, 999], "f16", False), ([512, 256, 64, 1], "f32", False),
-                                              ([512, 256, 64, 1], "f32", True), ([512, 256, 64, 1], "f16", False),
-                                              ([520, 1000], "f16", False), ([768, 3072, 768], "f32", True)])
-def test_layout_regions_are_aligned_disjoint_and_within_the_workspace(widths, io, tuning):
-    plan = choose.wide_plan(_spec(widths, io=io), WideOptions(tuning=tuning))
+LAYOUTS = [([768, 3072, 768], "f32", False, ()), ([9216, 4096, 4096, 1000], "f32", False, ()),
+           ([1001, 520, 999], "f16", False, ()), ([512, 256, 64, 1], "f32", False, ()),
+           ([512, 256, 64, 1], "f32", True, ()), ([512, 256, 64, 1], "f16", False, ()),
+           ([520, 1000], "f16", False, ()), ([768, 3072, 768], "f32", True, ()),
+           # gated layers: LLaMA-7B's MLP, an odd SwiGLU (padded halves), two gated layers in a row
+           ([4096, 11008, 4096], "f16", False, (0,)), ([1001, 2500, 999], "f32", False, (0,)),
+           ([768, 3000, 1000, 768], "f32", True, (0, 1))]
+
+
+@pytest.mark.parametrize("widths,io,tuning,gated", LAYOUTS)
+def test_layout_regions_are_aligned_disjoint_and_within_the_workspace(widths, io, tuning, gated):
+    plan = choose.wide_plan(_spec(widths, io=io, gated=gated), WideOptions(tuning=tuning))
     regions = []
     for g in plan.gemms:
         out_bytes = (2 if io == "f16" else 4) if g.last else 2
         regions += [(g.w_offset, g.np_ * g.kp * 2), (g.b_offset, g.np_ * out_bytes)]
         assert g.kp % 8 == 0 and g.np_ % g.align_out == 0
         assert g.last or g.np_ % 8 == 0
+        # a gated GEMM: gate and up halves of NP columns each, into the gate buffer; the glu pass's NP
+        # columns go on as the next K
+        assert g.gated == (g.index in gated) and (g.np_ == 2 * g.half if g.gated else g.half == 0)
+        assert not g.gated or (g.half == -(-g.n // 8) * 8 and g.half <= plan.h_width and g.np_ <= plan.hg_width)
     regions.append((plan.sm90_offset, sm90.SM90_SCRATCH))  # stream-K reductions of the sm90a kernels
     mb = plan.row_block
     if plan.convert_input:
@@ -249,11 +261,15 @@ def test_layout_regions_are_aligned_disjoint_and_within_the_workspace(widths, io
     n_hidden = sum(not g.last for g in plan.gemms)   # a segmented plan's GEMMs all write hidden tensors
     for i in range(min(2, n_hidden)):
         regions.append((plan.h_offsets[i], mb * plan.h_width * 2))
+    assert plan.hg_width == max((2 * g.half for g in plan.gemms if g.gated), default=0)
+    if gated:
+        regions.append((plan.hg_offset, mb * plan.hg_width * 2))
     if plan.tail_from:   # the fused tail's packed weights, and its fp16 output when y is fp32
         regions.append((plan.tail_offset, plan.tail_bytes))
         if io == "f32":
             regions.append((plan.tail_out_offset, mb * widths[-1] * 2))
-    assert plan.tf32_first == (io == "f32" and (tuning or widths[0] == 512))  # DLRM's: the cost model's choice
+    # DLRM's: the cost model's choice; never into a gated first layer
+    assert plan.tf32_first == (io == "f32" and (tuning or widths[0] == 512) and 0 not in gated)
     if plan.tf32_first:  # layer 0's weights again, fp32 [np0][k0]
         regions.append((plan.w0f_offset, plan.gemms[0].np_ * widths[0] * 4))
     regions.sort()
@@ -261,11 +277,11 @@ def test_layout_regions_are_aligned_disjoint_and_within_the_workspace(widths, io
         assert a % wide.REGION_ALIGN == 0 and a + n <= b
     assert regions[-1][0] + regions[-1][1] <= plan.workspace_bytes
     per_row = ((plan.gemms[0].kp * 2 if plan.convert_input else 0) + min(2, n_hidden) * plan.h_width * 2
-               + (widths[-1] * 2 if plan.tail_from and io == "f32" else 0))
+               + plan.hg_width * 2 + (widths[-1] * 2 if plan.tail_from and io == "f32" else 0))
     assert mb % wide.ROW_QUANTUM == 0 and (mb * per_row <= wide.SCRATCH_BUDGET or mb == wide.ROW_QUANTUM)
-    # a K of a GEMM is the padded width the previous GEMM wrote
+    # a K of a GEMM is the padded width the previous GEMM (or its glu pass) wrote
     for a, b in zip(plan.gemms, plan.gemms[1:]):
-        assert b.kp == a.np_ and b.src == a.dst
+        assert b.kp == (a.half or a.np_) and b.src == a.dst
 
 
 def test_fp16_input_with_aligned_rows_is_read_in_place():
@@ -283,13 +299,15 @@ def _emulate(plan: wide.WidePlan, x: np.ndarray, ws_w, ws_b) -> np.ndarray:
         return ws[off: off + count * np.dtype(dtype).itemsize].view(dtype)
 
     io_dt = np.float16 if spec.io_dtype == "f16" else np.float32
-    for g, w, b in zip(plan.gemms, ws_w, ws_b):  # cuda_pack
+    for g, w, b in zip(plan.gemms, ws_w, ws_b):  # cuda_pack (pack_gated_layer: gate rows, then up rows at NP)
         packed = view(g.w_offset, g.np_ * g.kp, np.float16).reshape(g.np_, g.kp)
         packed[:] = 0
-        packed[: g.n, : g.k] = w.T.astype(np.float16)
         bias = view(g.b_offset, g.np_, io_dt if g.last else np.float16)
         bias[:] = 0
-        bias[: g.n] = b
+        for part in range(2 if g.gated else 1):
+            at = part * g.half
+            packed[at: at + g.n, : g.k] = w[:, part * g.n: (part + 1) * g.n].T.astype(np.float16)
+            bias[at: at + g.n] = b[part * g.n: (part + 1) * g.n]
     rows, y = x.shape[0], np.full((x.shape[0], spec.widths[-1]), np.nan, np.float32)
     for r0 in range(0, rows, plan.row_block):  # cuda_run
         m = min(plan.row_block, rows - r0)
@@ -306,6 +324,12 @@ def _emulate(plan: wide.WidePlan, x: np.ndarray, ws_w, ws_b) -> np.ndarray:
             wt = view(g.w_offset, g.np_ * g.kp, np.float16).reshape(g.np_, g.kp)
             bias = view(g.b_offset, g.np_, io_dt if g.last else np.float16).astype(np.float32)
             acc = a.astype(np.float32) @ wt.astype(np.float32).T + bias
+            if g.gated:   # identity epilogue into the gate buffer (16 bits), then the glu pass into dst
+                hg = view(plan.hg_offset, m * g.np_, np.float16).reshape(m, g.np_)
+                hg[:] = acc
+                gate, up = hg[:, : g.half].astype(np.float32), hg[:, g.half:].astype(np.float32)
+                view(bufs[g.dst], m * g.half, np.float16).reshape(m, g.half)[:] = ex.evaluate(layer.activation, gate) * up
+                continue
             out = ex.evaluate(layer.activation, acc)
             if g.last:
                 y[r0: r0 + m] = out.astype(io_dt)
@@ -314,20 +338,25 @@ def _emulate(plan: wide.WidePlan, x: np.ndarray, ws_w, ws_b) -> np.ndarray:
     return y
 
 
-@pytest.mark.parametrize("widths,io", [([40, 24, 17], "f32"), ([13, 9, 30, 5], "f16"), ([16, 64, 8], "f16")])
-def test_emulated_kernel_matches_fp32_reference(widths, io, monkeypatch):
+@pytest.mark.parametrize("widths,io,gated", [([40, 24, 17], "f32", ()), ([13, 9, 30, 5], "f16", ()),
+                                             ([16, 64, 8], "f16", ()), ([40, 21, 17], "f32", (0,)),
+                                             ([13, 9, 30, 5], "f16", (0, 1))])
+def test_emulated_kernel_matches_fp32_reference(widths, io, gated, monkeypatch):
     monkeypatch.setattr(wide, "SCRATCH_BUDGET", 20000)  # several row blocks, a partial last one
-    spec = _spec(widths, ex.sigmoid(), io=io)                 # act(0) = 0.5: the padding must not leak
+    spec = _spec(widths, ex.sigmoid(), io=io, gated=gated)     # act(0) = 0.5: the padding must not leak
     plan = choose.wide_plan(spec)
     assert plan.row_block == wide.ROW_QUANTUM
     rng = np.random.default_rng(0)
-    ws = [rng.standard_normal((k, n)).astype(np.float32) / np.sqrt(k) for k, n in zip(widths, widths[1:])]
-    bs = [rng.standard_normal(n).astype(np.float32) * 0.1 for n in widths[1:]]
+    ws = [rng.standard_normal((l.in_features, l.weight_columns)).astype(np.float32) / np.sqrt(l.in_features)
+          for l in spec.layers]
+    bs = [rng.standard_normal(l.weight_columns).astype(np.float32) * 0.1 for l in spec.layers]
     x = rng.standard_normal((300, widths[0])).astype(np.float16 if io == "f16" else np.float32)
     got = _emulate(plan, x, ws, bs)
     ref = x.astype(np.float32)
     for layer, w, b in zip(spec.layers, ws, bs):
-        ref = ex.evaluate(layer.activation, ref @ w + b)
+        ref = ref @ w + b
+        n = layer.out_features
+        ref = ex.evaluate(layer.activation, ref[:, :n]) * ref[:, n:] if layer.gated else ex.evaluate(layer.activation, ref)
     assert np.isfinite(got).all() and np.abs(ref).max() > 0
     assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 2e-3
 
@@ -365,6 +394,30 @@ def test_rendered_wide_source_names_the_abi_and_needs_cutlass():
     assert "cutlass/gemm/device/gemm.h" not in src and "LayerGemm" not in src  # no GEMM in the chain's unit
     narrow = render_cuda([_spec([32, 64, 16])])
     assert not headers.needs_cutlass(narrow) and not _instances(narrow)
+
+
+def test_gated_layer_renders_one_gemm_of_both_halves_and_the_glu_pass():
+    """LLaMA-7B's MLP with fp16 rows: the gate and up products come from ONE GEMM of 2 x 11008 columns with
+    an identity epilogue (the same instance as the down GEMM: one Hopper instance for the whole chain),
+    the glu pass applies SiLU to the gate half and multiplies by the up half into the hidden buffer the
+    down GEMM reads, and packing splits W [K, 2N] into the two padded halves."""
+    spec = MLPSpec((LayerSpec(4096, 11008, False, ex.silu(), gated=True), LayerSpec(11008, 4096, False, ex.identity())),
+                   "fp16", "f16")
+    plan = choose.make_plan(spec)
+    files = render_cuda([spec])
+    src = files[f"{spec.name}_cuda.cu"]
+    assert plan.design == "wide" and plan.hg_width == 2 * 11008
+    assert f"reinterpret_cast<elem_t*>(ws + {plan.hg_offset});" in src
+    assert "hg, 22016, sm90_scratch, s);" in src   # layer 0 writes the gate buffer, 2 NP wide
+    act = next(line for line in src.splitlines() if "glu<" in line and "act(gate) * up -> h0" in line)
+    assert "glu<Act0<float>, 11008>(dev, hg, h0, m, s);" in act
+    assert "pack_gated_layer<elem_t>(w[0], b[0], ws, 0," in src and "4096, 11008, 4096, 11008, s);" in src
+    assert src.count("struct Act") == 2   # SiLU (the glu pass's) and the down layer's identity
+    # both GEMMs run the identity epilogue: one sm80 and one Hopper instance for the whole chain
+    identity = hashlib.sha256(wide_params.epilogue_text("v").encode()).hexdigest()[:12]
+    insts = sorted(_instances(files))
+    assert len(insts) == 2 and all(f.endswith(f"_f16_f16_a8_{identity}.cu") for f in insts), insts
+    assert insts[0].startswith("o2f_inst_Coop128x256_") and insts[1].startswith("o2f_inst_Sm80T")
 
 
 def _instances(files: dict[str, str]) -> dict[str, str]:

@@ -34,8 +34,20 @@ def converts_input(spec: MLPSpec) -> bool:
 
 
 def tf32_eligible(spec: MLPSpec) -> bool:
-    """fp32 input rows that TMA can load in place (16-byte multiples)."""
-    return spec.io_dtype == "f32" and spec.layers[0].in_features % 4 == 0
+    """fp32 input rows that TMA can load in place (16-byte multiples), into a first layer that is not
+    gated (a gated GEMM's 16-bit products feed the glu pass)."""
+    return spec.io_dtype == "f32" and spec.layers[0].in_features % 4 == 0 and not spec.layers[0].gated
+
+
+def _wide_layer_seconds(rows: int, l, k: int, last: bool, io: int, a_bytes: int = 2) -> float:
+    """One layer of the wide design on 16-bit operands: its GEMM, and for a gated layer (2 * NP columns
+    of gate and up products in 16 bits) the glu pass reading them and writing the NP-wide hidden tensor."""
+    if l.gated:
+        half = round_up(l.out_features, ALIGN)
+        glu = rows * half * 3 * 2 / HBM_BPS + LAUNCH_S
+        return _gemm_seconds(rows, k, 2 * half, a_bytes, 2, 2, TC_FLOPS) + glu
+    n = l.out_features if last else round_up(l.out_features, ALIGN)
+    return _gemm_seconds(rows, k, n, a_bytes, 2, io if last else 2, TC_FLOPS)
 
 
 def _gemm_seconds(rows: int, k: int, n: int, a_bytes: int, w_bytes: int, out_bytes: int, rate: float) -> float:
@@ -54,7 +66,7 @@ def _first_layer_seconds(spec: MLPSpec, rows: int, tf32: bool) -> float:
         return _gemm_seconds(rows, l.in_features, n, 4, 4, out, TF32_FLOPS)
     k = round_up(l.in_features, ALIGN)
     conversion = (rows * l.in_features * io + rows * k * 2) / HBM_BPS + LAUNCH_S if converts_input(spec) else 0.0
-    return conversion + _gemm_seconds(rows, k, n, 2, 2, out, TC_FLOPS)
+    return conversion + _wide_layer_seconds(rows, l, k, last, io)
 
 
 # The tf32 first layer is a CUTLASS 3.x instance of its own (~70 s of nvcc, issue 14 §5's cold convert):
@@ -94,7 +106,8 @@ def estimate_wide(spec: MLPSpec, rows: int = NOMINAL_ROWS, tail_from: int = 0, t
     io = 2 if spec.io_dtype == "f16" else 4
     n_gemms = tail_from or len(spec.layers)
     first = _first_layer_seconds(spec, rows, False)
-    launches = len(spec.layers) + converts_input(spec)   # one kernel per layer, and the conversion pass
+    # one kernel per layer (and a glu pass per gated one), and the conversion pass
+    launches = len(spec.layers) + sum(l.gated for l in spec.layers[:n_gemms]) + converts_input(spec)
     if tf32_eligible(spec) and tf32_first_wins(spec, rows):   # the plan's own choice (untuned)
         first, launches = _first_layer_seconds(spec, rows, True), len(spec.layers)
     t = first
@@ -102,9 +115,7 @@ def estimate_wide(spec: MLPSpec, rows: int = NOMINAL_ROWS, tail_from: int = 0, t
         t += _tail_seconds(spec, tail, rows)
         launches -= len(spec.layers) - tail_from - 1 - (io != 2)   # one kernel (and the widening pass)
     for i, l in enumerate(spec.layers[1:n_gemms], start=1):
-        last = i == len(spec.layers) - 1
-        k, n = round_up(l.in_features, ALIGN), l.out_features if last else round_up(l.out_features, ALIGN)
-        t += _gemm_seconds(rows, k, n, 2, 2, io if last else 2, TC_FLOPS)
+        t += _wide_layer_seconds(rows, l, round_up(l.in_features, ALIGN), i == len(spec.layers) - 1, io)
     return max(t, launches * HOST_LAUNCH_S)   # the GPU's time, or the host's when the kernels are short
 
 

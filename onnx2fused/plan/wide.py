@@ -28,6 +28,15 @@ pass when y is fp32). The cost model takes it where it wins (choose.best_tail): 
 after the tf32 first GEMM is one pass over the 256-wide rows instead of two GEMM launches and a round
 trip of the 64-wide tensor. `$ONNX2FUSED_WIDE_TAIL=off` (PlanOptions.wide_tail) turns it off.
 
+Gated layers (SwiGLU, GeGLU: act(x Wg + bg) * (x Wu + bu), W [K, 2N]): one GEMM of 2*NP columns (gate
+columns [0, NP), up columns [NP, 2NP), each half padded to ALIGN; LLaMA's 4096 -> 2 x 11008 reads x once
+for both) with an identity epilogue, into the gate buffer `hg` [MB, 2NP] of the workspace, then the glu
+pass (templates/o2f_wide_glu.cuh): h[r, j] = act(hg[r, j]) * hg[r, NP + j] in fp32, written once as the
+16-bit hidden tensor the next GEMM reads. A padded gate column holds act(0) and its up column 0, so the
+padded hidden columns are zeros. The gate and up products are rounded to 16 bits before act(g) * u, as
+stock ORT's fp16 model rounds its two GEMMs' outputs. A gated last layer is refused (the GEMM would need
+the io type's gate buffer; no exporter writes one), and a gated first layer never reads fp32 in place.
+
 Padding: K of every GEMM and the widths of the hidden tensors are rounded up to ALIGN (16-byte vectors).
 Padded weight entries and biases are zero, so a padded hidden column holds act(0), and the next layer
 multiplies it by zero weights: act(0) must be finite, which `wide_reason_refused` checks.
@@ -133,6 +142,8 @@ class WideGemm:
     sm90: bool = True  # output rows are 16-byte multiples, so the sm90a kernel's TMA store can write them
     narrow: bool = False  # a last layer of at most NARROW_MAX outputs: the template's narrow_layer kernel (a
                           # thread per row, weights in shared memory), not a tensor-core tile of mostly padding
+    gated: bool = False   # np_ = 2 * half: gate and up columns into the gate buffer, then the glu pass into dst
+    half: int = 0         # gated: the padded output width NP (the glu pass's output columns; next layer's K)
 
 
 @dataclass(frozen=True)
@@ -162,6 +173,8 @@ class WidePlan:
     tail_bytes: int = 0
     tail_out_offset: int = 0  # bytes: its 16-bit output [MB][N] when the io type is fp32 (widened into y)
     tail: object = None     # the fused tail's plan (a plan.Plan of the resident or streamed design), or None
+    hg_offset: int = 0      # bytes: the gate buffer [MB][hg_width] of the gated layers' GEMMs (16-bit)
+    hg_width: int = 0       # its row stride: the widest gated GEMM's 2 * NP (0: no gated layer)
 
     design = "wide"
     uses_scratch = True     # cuda_run writes the workspace's scratch regions: the plugin orders runs
@@ -184,7 +197,10 @@ class WidePlan:
         last = len(self.spec.layers) - 1
         tail = (f"; segmented: layers {self.tail_from}..{last} in one fused kernel on the 16-bit hidden tensor "
                 f"({self.tail.describe()})" if self.tail_from else "")
-        return (f"wide: {n} tensor-core GEMM{'s' if n > 1 else ''} with a bias+activation epilogue (on sm_90: {hopper} as CUTLASS "
+        glu = (f", gated layer{'s' if sum(g.gated for g in self.gemms) > 1 else ''} "
+               + ", ".join(str(g.index) for g in self.gemms if g.gated)
+               + " as one GEMM of gate and up columns and a glu pass" if self.hg_width else "")
+        return (f"wide: {n} tensor-core GEMM{'s' if n > 1 else ''} with a bias+activation epilogue{glu} (on sm_90: {hopper} as CUTLASS "
                 f"3.x wgmma/TMA kernels, {tuned}, the rest CUTLASS 2.x; other GPUs: CUTLASS 2.x sm80 mma.sync), "
                 f"{conv}16-bit intermediates in the workspace, {self.row_block}-row blocks{passes}{tail}; {self.reason}")
 
@@ -205,8 +221,8 @@ def wide_reason_refused(spec: MLPSpec) -> str | None:
     """Why the wide design cannot run this spec, or None."""
     if spec.precision not in ("fp16", "bf16"):
         return f"{spec.precision} has no tensor-core GEMM"
-    if spec.has_gated:
-        return "gated layers (SwiGLU/GeGLU) run in the fused mma.sync kernels only"
+    if spec.layers[-1].gated:
+        return "a gated last layer has no GEMM epilogue here (the glu pass reads 16-bit products)"
     if spec.has_block:
         return WIDE_NO_BLOCK
     for i, l in enumerate(spec.layers):
@@ -244,7 +260,8 @@ def make_wide_plan(spec: MLPSpec, reason: str = "", *, tail_from: int = 0, tail=
     layouts = []
     for i, l in enumerate(spec.layers[:n_gemms]):
         last = i == len(spec.layers) - 1
-        np_ = l.out_features if last else round_up(l.out_features, ALIGN)
+        half = round_up(l.out_features, ALIGN) if l.gated else 0
+        np_ = 2 * half if l.gated else l.out_features if last else round_up(l.out_features, ALIGN)
         out_bytes = out_bytes_last if last else 2
         align = next(a for a in (16 // out_bytes, 4, 2, 1) if np_ % a == 0)
         w_off = off
@@ -255,12 +272,13 @@ def make_wide_plan(spec: MLPSpec, reason: str = "", *, tail_from: int = 0, tail=
         dst = "y" if last else f"h{i % 2}"
         narrow = last and l.out_features <= NARROW_MAX and np_ * kp * 4 <= NARROW_SMEM
         layouts.append(WideGemm(i, l.in_features, l.out_features, kp, np_, last, align, w_off, b_off, src, dst,
-                                np_ * out_bytes % 16 == 0 and not narrow, narrow))
-        kp = np_
+                                np_ * out_bytes % 16 == 0 and not narrow, narrow, l.gated, half))
+        kp = half or np_
     n_hbuf = min(2, len(hidden))   # hidden tensors ping-pong between two buffers
     n_out = spec.layers[-1].out_features
     stage_tail = bool(tail) and spec.io_dtype != "f16"   # the tail writes fp16; a pass widens it into y
-    per_row = (kp0 * 2 if convert else 0) + n_hbuf * h_width * 2 + (n_out * 2 if stage_tail else 0)
+    hg_width = max((g.np_ for g in layouts if g.gated), default=0)
+    per_row = (kp0 * 2 if convert else 0) + (n_hbuf * h_width + hg_width) * 2 + (n_out * 2 if stage_tail else 0)
     mb = SCRATCH_BUDGET // max(per_row, 1) // ROW_QUANTUM * ROW_QUANTUM
     mb = max(ROW_QUANTUM, min(MAX_ROW_BLOCK, mb))
     sm90_off = off
@@ -272,6 +290,8 @@ def make_wide_plan(spec: MLPSpec, reason: str = "", *, tail_from: int = 0, tail=
     off = round_up(off + mb * h_width * 2, REGION_ALIGN) if n_hbuf >= 1 else off
     h1 = off
     off = round_up(off + mb * h_width * 2, REGION_ALIGN) if n_hbuf >= 2 else off
+    hg = off
+    off = round_up(off + mb * hg_width * 2, REGION_ALIGN)
     # tf32 first layer: fp32 rows TMA can load (16-byte multiples) and an output row it can store
     tf32_ok = tf32_eligible(spec) and layouts[0].sm90
     buckets = row_buckets(mb)
@@ -299,7 +319,7 @@ def make_wide_plan(spec: MLPSpec, reason: str = "", *, tail_from: int = 0, tail=
         raise SpecError(f"{spec.describe()}: a pass of {chain_block} rows does not fit the {mb}-row workspace")
     return WidePlan(spec, tuple(layouts), mb, convert, xc_off, sm90_off, (h0, h1), h_width, off, reason,
                     buckets, choices, tuning, tuned_on, tf32_first, w0f_off, chain_block or mb,
-                    tail_from, tail_off, tail_bytes, tail_out_off, tail)
+                    tail_from, tail_off, tail_bytes, tail_out_off, tail, hg, hg_width)
 
 
 def with_kernels(plan: WidePlan, choices=None, tuning: bool = False, tuned_on: str = "",
