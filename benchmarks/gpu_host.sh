@@ -10,6 +10,8 @@
 #   benchmarks/gpu_host.sh overhead       ORT's fixed cost per run: the issue-15 models at batch 1 and at their batch
 #   benchmarks/gpu_host.sh blocks         the CUDA block kernels alone (issue 16): kernel_check's block cases
 #   benchmarks/gpu_host.sh blocktests [ARGS] tests/test_gpu_block.py (the blocks through ORT)
+#   benchmarks/gpu_host.sh gatedwide [ARGS] gated layers in the wide design (issue 16): their GPU tests
+#   benchmarks/gpu_host.sh llama [BATCHES] LLaMA-7B's MLP (wide_cases.py llama7b; default 4096,256,16,1)
 #   benchmarks/gpu_host.sh bench          `onnx2fused bench` on the issue's four cases, then the wide cases
 #   benchmarks/gpu_host.sh wide [ARGS]    benchmarks/wide_cases.py only (issue 5's three cases)
 #   benchmarks/gpu_host.sh tune [ARGS]    benchmarks/tune_wide.py: the wide kernel search, every candidate timed
@@ -66,6 +68,16 @@ blocktests)
   shift
   timeout 560 python3 -m pytest -q -m gpu -p no:cacheprovider -rs "${workers[@]}" tests/test_gpu_block.py "$@" 2>&1 \
     | tee "$OUT/pytest_gpu_block.txt" | tail -30
+  ;;
+gatedwide)
+  shift
+  timeout 400 python3 -m pytest -q -m gpu -p no:cacheprovider -p no:benchmark -rs "${workers[@]}" tests/test_gpu_gated.py \
+    -k "wide or big_swiglu" "$@" 2>&1 | tee "$OUT/pytest_gpu_gated_wide.txt" | tail -20
+  ;;
+llama)
+  timeout 500 python3 benchmarks/wide_cases.py --out /tmp/wide_llama --cases llama7b --batch "${2:-4096,256,16,1}" \
+    --kernels sm90 --reps 50 2>&1 | tail -24
+  cp /tmp/wide_llama/wide_cases.json "$OUT/llama7b.json" 2>/dev/null; true
   ;;
 kernels)
   shift

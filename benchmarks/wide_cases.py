@@ -14,7 +14,8 @@ and, without targets, two FFN-shaped pairs for the streamed kernel's two-layer f
 and issue 16's wide gated block (no bias, as LLaMA's MLP: down(silu(gate(x)) * up(x))):
     llama7b  4096 -> SwiGLU 11008 -> 4096, batch 4096 (also --batch 1, 16, 256)   >= 1.3x ORT fp16 at 256
              and 4096 rows, >= 1.0x at 1 and 16
-`--batch N` replaces a case's batch (N = 1: the per-run overhead of each path).
+`--batch N[,N...]` replaces a case's batch (N = 1: the per-run overhead of each path); several batches
+time each case at each, building its models and converting once.
 The models are built here with onnx.helper (random weights, seed 0; the FFN as MatMul + Add with GELU in
 the erf form torch's opset-17 export writes). `--design` sets ONNX2FUSED_CUDA_DESIGN for the fused
 model, to compare the cost model's choice with the alternatives. `--kernels both` (default) times the
@@ -135,12 +136,21 @@ def plan_text(model: Path) -> str:
     return onnx2fused.inspect(str(model)).format()
 
 
+_MADE: dict[str, Path] = {}   # files this process made once (models, fp16 copies, fused models): other batches reuse them
+
+
+def _once(key: str, make) -> Path:
+    if key not in _MADE:
+        _MADE[key] = make()
+    return _MADE[key]
+
+
 def run_case(name: str, out_dir: Path, reps: int, warmup: int, dev, providers, kernels: str = "both",
              batch: int | None = None) -> dict:
     import onnxruntime as ort
     widths, act, in_shape, case_batch, targets = CASES[name]
     batch = batch or case_batch
-    model = build_model(widths, act, in_shape, out_dir / f"{name}.onnx")
+    model = _once(f"{name}.onnx", lambda: build_model(widths, act, in_shape, out_dir / f"{name}.onnx"))
     info = bench.model_info(model)
     rows = batch * int(np.prod([d for d in in_shape[1:-1]] or [1]))
     result = {"case": name, "widths": widths, "activation": act, "batch": batch, "rows": rows, "ms": {},
@@ -157,11 +167,11 @@ def run_case(name: str, out_dir: Path, reps: int, warmup: int, dev, providers, k
         return ort.InferenceSession(str(model), so(), providers=providers)
 
     def ort_fp16():
-        p = bench.fp16_model_file(model, out_dir / f"{name}.fp16.onnx")
+        p = _once(f"{name}.fp16.onnx", lambda: bench.fp16_model_file(model, out_dir / f"{name}.fp16.onnx"))
         return ort.InferenceSession(str(p), so(), providers=providers)
 
     def fused():
-        p, lib = bench.convert_model(model, out_dir / name, "fp16", with_cuda=True)
+        p, lib = _once(f"{name}.fused", lambda: bench.convert_model(model, out_dir / name, "fp16", with_cuda=True))
         return bench.fused_session(p, lib, so(), providers)
 
     variants = [("ort_fp32", ort_fp32, None), ("ort_fp16", ort_fp16, None)]
@@ -208,7 +218,7 @@ def main(argv=None) -> int:
                     help="force the fused model's CUDA design (sets ONNX2FUSED_CUDA_DESIGN)")
     ap.add_argument("--kernels", choices=["both", "sm90", "sm80"], default="both",
                     help="wide plans on Hopper: time the sm_90a kernels, the sm80 ones (fused_sm80), or both")
-    ap.add_argument("--batch", type=int, default=None, help="replace every case's batch (first dimension)")
+    ap.add_argument("--batch", default=None, help="replace every case's batch (first dimension): N or N,N,...")
     ap.add_argument("--tail", choices=["auto", "off"], default=None,
                     help="off: no segmented wide plans (every layer a GEMM; sets ONNX2FUSED_WIDE_TAIL), to compare")
     args = ap.parse_args(argv)
@@ -225,7 +235,9 @@ def main(argv=None) -> int:
     torch = bench._cuda_torch()
     dev = bench._Dev(torch)
     providers = bench.gpu_providers()
-    results = [run_case(n, out_dir, args.reps, args.warmup, dev, providers, args.kernels, args.batch) for n in names]
+    batches = [int(b) for b in args.batch.split(",")] if args.batch else [None]
+    results = [run_case(n, out_dir, args.reps, args.warmup, dev, providers, args.kernels, b)
+               for n in names for b in batches]
 
     print("\n| case | rows | ORT fp32 ms | ORT fp16 ms | fused ms | fused sm80 kernels ms | x fp32 | x fp16 | targets |")
     print("|---|---|---|---|---|---|---|---|---|")

@@ -281,18 +281,20 @@ def test_gated_ptx_uses_tensor_cores(spec, design, arch, tmp_path):
     _check_ptx(spec, arch, tmp_path, options)
 
 
-def test_gated_plans_are_resident_or_streamed():
-    """Auto planning: gated chains get the mma.sync designs (wgmma and wide refuse them with a reason)."""
+def test_gated_plans_are_fused_or_wide():
+    """Auto planning: gated chains get the mma.sync designs where those hold them (wgmma refuses them with a
+    reason), the wide design's gate-and-up GEMM where not, and no plan without the wide design."""
     small = _gated_spec([64, 100, 64], "fp16", {0})
     assert choose.make_plan(small, PlanOptions(wgmma=True)).design == "resident"
     assert "gated" in choose.wgmma_refused(small)
     big = _gated_spec([256, 1000, 256], "fp16", {0}, io="f16")
     assert choose.make_plan(big).design == "streamed"
-    with pytest.raises(Exception, match="gated"):
-        choose.wide_plan(big)
-    huge = _gated_spec([1024, 4096, 1024], "bf16", {0}, io="f16")   # no fused kernel holds it, nor the wide design
-    with pytest.raises(Exception, match="16-row tile needs .* gated layers .* mma.sync kernels only"):
-        choose.make_plan(huge)
+    assert [g.gated for g in choose.wide_plan(big).gemms] == [True, False]   # where forced
+    huge = _gated_spec([1024, 4096, 1024], "bf16", {0}, io="f16")   # no fused kernel holds it
+    plan = choose.make_plan(huge, PlanOptions(wide_unavailable=""))
+    assert plan.design == "wide" and "glu pass" in plan.describe()
+    with pytest.raises(Exception, match="16-row tile needs .* the wide design cannot take it either: no CUTLASS"):
+        choose.make_plan(huge, PlanOptions(wide_unavailable="no CUTLASS headers"))
     assert choose.make_plan(_gated_spec([32, 37, 5], "fp32", {0})).design == "fp32"
 
 
