@@ -12,6 +12,8 @@
 #   benchmarks/gpu_host.sh blocktests [ARGS] tests/test_gpu_block.py (the blocks through ORT)
 #   benchmarks/gpu_host.sh gatedwide [ARGS] gated layers in the wide design (issue 16): their GPU tests
 #   benchmarks/gpu_host.sh llama [BATCHES] LLaMA-7B's MLP (wide_cases.py llama7b; default 4096,256,16,1)
+#   benchmarks/gpu_host.sh gemv           the wide design's GEMV path for <= 16 rows (ONNX2FUSED_WIDE_GEMV=on,
+#                                         off by default until this passes): its GPU test, then LLaMA-7B at 1, 16
 #   benchmarks/gpu_host.sh bench          `onnx2fused bench` on the issue's four cases, then the wide cases
 #   benchmarks/gpu_host.sh wide [ARGS]    benchmarks/wide_cases.py only (issue 5's three cases)
 #   benchmarks/gpu_host.sh tune [ARGS]    benchmarks/tune_wide.py: the wide kernel search, every candidate timed
@@ -78,6 +80,13 @@ llama)
   timeout 500 python3 benchmarks/wide_cases.py --out /tmp/wide_llama --cases llama7b --batch "${2:-4096,256,16,1}" \
     --kernels sm90 --reps 50 2>&1 | tail -24
   cp /tmp/wide_llama/wide_cases.json "$OUT/llama7b.json" 2>/dev/null; true
+  ;;
+gemv)
+  timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider -p no:benchmark -rs "${workers[@]}" tests/test_gpu_wide.py \
+    -k gemv 2>&1 | tee "$OUT/pytest_gpu_gemv.txt" | tail -20
+  ONNX2FUSED_WIDE_GEMV=on timeout 280 python3 benchmarks/wide_cases.py --out /tmp/wide_gemv --cases llama7b --batch 1,16 \
+    --kernels sm90 --reps 50 2>&1 | tail -8
+  cp /tmp/wide_gemv/wide_cases.json "$OUT/llama7b_gemv.json" 2>/dev/null; true
   ;;
 kernels)
   shift

@@ -17,7 +17,7 @@ import hashlib
 from . import expr as ex
 from .cuda_params import act_params, spec_params
 from .plan.sm90 import DEFAULT_CHOICE, MODES, SM90_KERNELS, SM90_SCRATCH, Sm90Choice, sm90_candidates
-from .plan.wide import LAUNCH_CACHE_ENV, SM80_ENV, TILE_TABLE, WidePlan, sm80_tiles
+from .plan.wide import LAUNCH_CACHE_ENV, ROW_QUANTUM, SM80_ENV, TILE_TABLE, WidePlan, sm80_tiles
 from .spec import MLPSpec
 
 
@@ -129,6 +129,7 @@ def wide_params(plan: WidePlan) -> dict:
         "k0": spec.widths[0],
         "kp0": plan.gemms[0].kp,
         "row_block": plan.row_block,
+        "row_quantum": ROW_QUANTUM,
         "chain_block": plan.chain_block,
         "convert_input": plan.convert_input,
         "xc_offset": plan.xc_offset,
@@ -141,6 +142,7 @@ def wide_params(plan: WidePlan) -> dict:
         "h_width": plan.h_width,
         "hg_offset": plan.hg_offset,
         "any_gated": plan.hg_width > 0,
+        "gemv_rows": plan.gemv_rows,
         "workspace_bytes": plan.workspace_bytes,
         "act_functors": [{"name": name, "code": code} for code, name in functors.items()],
         "gemms": [{"index": g.index, "act": act_of[g.index], "k": g.k, "n": g.n, "kp": g.kp, "np": g.np_, "last": g.last,
@@ -152,6 +154,14 @@ def wide_params(plan: WidePlan) -> dict:
                    "tail_expr": (f"reinterpret_cast<const {'io_t' if g.last else 'elem_t'}*>(ws + {g.b_offset}), "
                                  + (f"static_cast<io_t*>(y) + r0 * {g.n}, {g.n}" if g.last
                                     else f"hg, {g.np_}" if g.gated else f"{g.dst}, {g.np_}")),
+                   # the GEMV path's arguments (o2f_wide_gemv.cuh's gemv): the input rows (the first
+                   # layer reads x itself: no conversion pass), and bias, output rows and columns (a gated
+                   # layer writes act(gate) * up straight into its hidden buffer: no gate buffer)
+                   "gemv_src": (f"static_cast<const io_t*>(x) + r0 * kK0, kK0, kK0" if g.index == 0
+                                else f"{g.src}, {g.kp}, {g.kp}"),
+                   "gemv_dst": (f"reinterpret_cast<const {'io_t' if g.last else 'elem_t'}*>(ws + {g.b_offset}), "
+                                + (f"static_cast<io_t*>(y) + r0 * {g.n}, {g.n}, {g.np_}" if g.last
+                                   else f"{g.dst}, {g.half}, {g.half}" if g.gated else f"{g.dst}, {g.np_}, {g.np_}")),
                    # its sm80 instance, and the 16-bit Hopper kernels its dispatch switch holds (tf32 ones
                    # go to layer0_tf32)
                    "sm80_inst": ins["sm80"]["name"] if ins["sm80"] else None,

@@ -246,3 +246,59 @@ def test_cuda_graph_replay(shared):
     sess = ort.InferenceSession(str(fused), so, providers=[("CUDAExecutionProvider", {"enable_cuda_graph": "1"}),
                                                            "CPUExecutionProvider"])
     check_cuda_graph_replay(sess, lambda x: _reference(src, x), 512, 768, 768, TOL["fp16"], replays=2)
+
+
+def _swiglu_mlp(path, k: int, hidden: int, n: int, seed: int = 6):
+    """x [B, k] -> silu(x Wg + bg) * (x Wu + bu) [B, hidden] -> Linear -> y [B, n] (a gated chain, like
+    tests/test_gpu_gated.py's)."""
+    from onnx_builders import G
+    g = G(opset=17, seed=seed)
+    gate, up = g.linear("x", k, hidden, name="gate"), g.linear("x", k, hidden, name="up")
+    h = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), up])
+    g.op("Identity", [g.linear(h, hidden, n, name="down")], outputs=["y"])
+    onnx.save(g.model([("x", ["B", k])], [("y", ["B", n])]), str(path))
+    return path
+
+
+def test_gemv_path_matches_stock(cache_dir, tmp_path, monkeypatch):
+    """ONNX2FUSED_WIDE_GEMV=on: passes of <= 16 rows run the weight-streaming GEMV kernels (1, 3 and 16 rows),
+    more rows the GEMMs (17, 300), against stock fp32 ORT with NaN-poisoned outputs: fp32 rows of odd widths
+    (scalar loads of x), a segmented plan (GEMV, then the fused tail), fp16 rows in place and rounded to bf16
+    (16-byte loads), and a gated chain (gate and up pairs straight into the hidden buffer)."""
+    from onnx2fused.bench import to_fp16
+    from onnx2fused.plan.options import WIDE_GEMV_ENV
+    monkeypatch.setenv(WIDE_GEMV_ENV, "on")
+    options = PlanOptions.from_env()
+    assert options.wide_gemv and options.design == "wide"
+    src16 = tmp_path / "io16.f16.onnx"
+    src32_16 = _mlp(tmp_path / "io16.onnx", [1024, 4096, 1024], "relu")
+    onnx.save(to_fp16(onnx.load(str(src32_16))), str(src16))
+    jobs = [("odd", _mlp(tmp_path / "odd.onnx", [1001, 517, 999], "sigmoid"), None, "fp16"),
+            ("dlrm", _mlp(tmp_path / "dlrm.onnx", [512, 256, 64, 1], "relu"), None, "fp16"),
+            ("io16_fp16", src16, src32_16, "fp16"), ("io16_bf16", src16, src32_16, "bf16"),
+            ("gated", _swiglu_mlp(tmp_path / "gated.onnx", 1000, 2500, 999), None, "fp16")]
+    specs, plans, cases = [], {}, []
+    for key, src, ref_src, precision in jobs:
+        model = load_model(str(src))
+        found = passes.find_chains(model)
+        assert len(found.chains) == 1, found.describe()
+        spec = found.chains[0].to_spec(precision)
+        plan = make_plan(spec, options)
+        assert plan.design == "wide" and plan.gemv_rows == wide.GEMV_MAX_ROWS, plan.describe()
+        assert (key == "dlrm") == bool(plan.tail_from) and (key == "gated") == any(g.gated for g in plan.gemms)
+        fused = tmp_path / f"{key}.fused.onnx"
+        onnx.save(passes.rewrite(model, found, [spec]), str(fused))
+        specs.append(spec)
+        plans[spec.name] = plan
+        cases.append((key, ref_src or src, fused, spec))
+    lib = library.build_plugin(specs, with_cuda=True, cache_dir=cache_dir, plans=plans).path
+    rng = np.random.default_rng(8)
+    for key, ref_src, fused, spec in cases:
+        sess = _session(fused, lib)
+        io_dt = np.float16 if spec.io_dtype == "f16" else np.float32
+        for batch in (1, 3, 16, 17, 300):   # <= 16: the GEMV kernels; 17 and 300: the GEMMs
+            x = rng.standard_normal((batch, spec.widths[0])).astype(io_dt)
+            ref = _reference(ref_src, x.astype(np.float32))
+            got = run_poisoned(sess, x, ref.shape).astype(np.float32)
+            err = rel_l2(got, ref)
+            assert err <= TOL[spec.precision], f"{key} batch {batch}: rel L2 {err:.2e}"

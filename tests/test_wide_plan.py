@@ -16,7 +16,7 @@ from onnx2fused.plan import choose, cost, fused, sm90, wide
 from onnx2fused.plan.options import DESIGN_ENV, PlanOptions, WideOptions
 from onnx2fused.spec import LayerSpec, MLPSpec, SpecError
 from onnx2fused.wide_params import tail_symbol
-from plan_support import cuda_source, render_cuda
+from plan_support import cuda_source, expanded, render_cuda
 
 WIDE = PlanOptions(design="wide")
 
@@ -309,8 +309,9 @@ def _emulate(plan: wide.WidePlan, x: np.ndarray, ws_w, ws_b) -> np.ndarray:
             packed[at: at + g.n, : g.k] = w[:, part * g.n: (part + 1) * g.n].T.astype(np.float16)
             bias[at: at + g.n] = b[part * g.n: (part + 1) * g.n]
     rows, y = x.shape[0], np.full((x.shape[0], spec.widths[-1]), np.nan, np.float32)
-    for r0 in range(0, rows, plan.row_block):  # cuda_run
-        m = min(plan.row_block, rows - r0)
+    step = wide.pass_rows(rows, plan.row_block)
+    for r0 in range(0, rows, step):  # cuda_run
+        m = min(step, rows - r0)
         bufs = {"h0": plan.h_offsets[0], "h1": plan.h_offsets[1], "xc": plan.xc_offset}
         if plan.convert_input:
             xc = view(plan.xc_offset, m * plan.gemms[0].kp, np.float16).reshape(m, -1)
@@ -338,19 +339,30 @@ def _emulate(plan: wide.WidePlan, x: np.ndarray, ws_w, ws_b) -> np.ndarray:
     return y
 
 
-@pytest.mark.parametrize("widths,io,gated", [([40, 24, 17], "f32", ()), ([13, 9, 30, 5], "f16", ()),
-                                             ([16, 64, 8], "f16", ()), ([40, 21, 17], "f32", (0,)),
-                                             ([13, 9, 30, 5], "f16", (0, 1))])
-def test_emulated_kernel_matches_fp32_reference(widths, io, gated, monkeypatch):
-    monkeypatch.setattr(wide, "SCRATCH_BUDGET", 20000)  # several row blocks, a partial last one
+@pytest.mark.parametrize("rows,block,want", [(4096, 1792, 1408), (1793, 1792, 1024), (1792, 1792, 1792),
+                                             (100, 1792, 128), (65536, 16384, 16384), (20000, 16384, 10112)])
+def test_passes_are_even_and_never_more_than_the_block_allows(rows, block, want):
+    step = wide.pass_rows(rows, block)
+    assert step == want and step % wide.ROW_QUANTUM == 0 and step <= block
+    assert -(-rows // step) == -(-rows // block)   # as few passes as before, of even size
+
+
+@pytest.mark.parametrize("widths,io,gated,budget,rows,block", [
+    ([40, 24, 17], "f32", (), 20000, 300, 128), ([13, 9, 30, 5], "f16", (), 20000, 300, 128),
+    ([16, 64, 8], "f16", (), 20000, 300, 128), ([40, 21, 17], "f32", (0,), 20000, 300, 128),
+    ([13, 9, 30, 5], "f16", (0, 1), 20000, 300, 128),
+    ([40, 24, 17], "f32", (), 49152, 400, 384),   # 384-row blocks: two even passes of 256 and 144 rows
+])
+def test_emulated_kernel_matches_fp32_reference(widths, io, gated, budget, rows, block, monkeypatch):
+    monkeypatch.setattr(wide, "SCRATCH_BUDGET", budget)  # several passes, a partial last one
     spec = _spec(widths, ex.sigmoid(), io=io, gated=gated)     # act(0) = 0.5: the padding must not leak
     plan = choose.wide_plan(spec)
-    assert plan.row_block == wide.ROW_QUANTUM
+    assert plan.row_block == block and wide.pass_rows(rows, block) < rows
     rng = np.random.default_rng(0)
     ws = [rng.standard_normal((l.in_features, l.weight_columns)).astype(np.float32) / np.sqrt(l.in_features)
           for l in spec.layers]
     bs = [rng.standard_normal(l.weight_columns).astype(np.float32) * 0.1 for l in spec.layers]
-    x = rng.standard_normal((300, widths[0])).astype(np.float16 if io == "f16" else np.float32)
+    x = rng.standard_normal((rows, widths[0])).astype(np.float16 if io == "f16" else np.float32)
     got = _emulate(plan, x, ws, bs)
     ref = x.astype(np.float32)
     for layer, w, b in zip(spec.layers, ws, bs):
@@ -698,3 +710,197 @@ def test_kernel_instances_compile_once_across_libraries(tmp_path, monkeypatch):
 
 def _library_sources(lib) -> dict[str, str]:
     return {p.name: p.read_text() for p in lib.sources_dir.iterdir()}
+
+
+# ------------------------------------------------------------------------------------------ GEMV path
+GEMV = PlanOptions(wide_gemv=True)
+WIDE_GEMV = PlanOptions(design="wide", wide_gemv=True)
+LLAMA = MLPSpec((LayerSpec(4096, 11008, False, ex.silu(), gated=True), LayerSpec(11008, 4096, False, ex.identity())),
+                "fp16", "f16")
+
+
+def test_gemv_path_is_an_option_from_the_environment_and_off_by_default():
+    from onnx2fused.plan.options import WIDE_GEMV_ENV
+    assert not PlanOptions().wide_gemv and not PlanOptions.from_env({}).wide_gemv
+    assert PlanOptions.from_env({WIDE_GEMV_ENV: " On "}).wide_gemv
+    assert not PlanOptions.from_env({WIDE_GEMV_ENV: "off"}).wide_gemv
+    spec = _spec([768, 3072, 768], ex.gelu_erf())
+    off, on = choose.make_plan(spec), choose.make_plan(spec, GEMV)   # the cost model's wide plan
+    assert off.design == on.design == "wide" and off.gemv_rows == 0 and on.gemv_rows == wide.GEMV_MAX_ROWS == 16
+    assert "GEMV" not in off.describe() and ", passes of <= 16 rows as weight-streaming GEMV kernels" in on.describe()
+    assert choose.wide_plan(spec, options=GEMV).gemv_rows == 16 == choose.make_plan(spec, WIDE_GEMV).gemv_rows
+    # re-planning (the tuning build, tuned choices) keeps it; it changes no workspace region
+    assert wide.with_kernels(on, tuning=True).gemv_rows == 16 and wide.with_kernels(off, tuning=True).gemv_rows == 0
+    assert on.workspace_bytes == off.workspace_bytes and on.gemms == off.gemms
+    with pytest.raises(SpecError, match="at most 16 rows"):
+        wide.make_wide_plan(spec, gemv_rows=17)
+
+
+def _gemv_branch(src: str) -> str:
+    """run_chain's GEMV branch: from `if (m <= kGemvRows) {` to the GEMMs' `} else {`."""
+    start = src.index("    if (m <= kGemvRows) {\n")
+    return src[start: src.index("    } else {  // the GEMMs", start)]
+
+
+@pytest.mark.parametrize("spec", [_spec([1001, 520, 999]), _spec([768, 3072, 768], io="f16"), LLAMA,
+                                  _spec([768, 3000, 1000, 768], ex.silu(), gated=(0, 1)),
+                                  _spec([512, 256, 64, 1]), _spec([768, 8])], ids=lambda s: s.name)
+def test_gemv_path_renders_one_launch_per_layer_and_nothing_when_off(spec):
+    """With the option: a GEMV launch per GEMM layer before the GEMM path (layer 0 reads x itself, a gated
+    layer writes its hidden buffer); without it (the default), the source is the one without the option."""
+    plan = choose.wide_plan(spec, options=GEMV)
+    files = render_cuda([spec], WIDE_GEMV)
+    src = files[f"{spec.name}_cuda.cu"]
+    off = render_cuda([spec], WIDE)
+    assert off == render_cuda([spec], PlanOptions(design="wide", wide_gemv=False))
+    raw_on, raw_off = _rendered(spec, WIDE_GEMV), _rendered(spec, WIDE)
+    assert "gemv" not in off[f"{spec.name}_cuda.cu"].lower() and "o2f_wide_gemv.cuh" not in raw_off
+    assert "constexpr int kGemvRows = 16;" in src and "o2f_wide_gemv.cuh" in raw_on
+    branch = _gemv_branch(src)
+    launches = [line.strip() for line in branch.splitlines() if "err = gemv<" in line]
+    assert len(launches) == len(plan.gemms)   # a segmented plan: its GEMM layers; the tail follows as usual
+    assert "glu<" not in branch and "convert_input(" not in branch and "hg" not in branch
+    assert launches[0].startswith("err = gemv<Act0, " + ("2" if plan.gemms[0].gated else "1")
+                                  + ">(dev, m, static_cast<const io_t*>(x) + r0 * kK0, kK0, kK0,")
+    lines = branch.splitlines()
+    for g, launch in zip(plan.gemms, launches):
+        out_line = lines[next(i for i, line in enumerate(lines) if line.strip() == launch) + 1].strip()
+        if g.gated:     # gate and up column pairs straight into the hidden buffer, half columns wide
+            assert f", {g.kp}, {g.half}," in launch and out_line.endswith(f"{g.dst}, {g.half}, {g.half}, s);")
+        elif g.last:
+            assert out_line.endswith(f"static_cast<io_t*>(y) + r0 * {g.n}, {g.n}, {g.n}, s);")
+        else:
+            assert out_line.endswith(f"{g.dst}, {g.np_}, {g.np_}, s);")
+        if g.index:
+            assert f"(dev, m, {g.src}, {g.kp}, {g.kp}, " in launch
+    if plan.tail_from:
+        run_chain = src[src.index("int run_chain("):]
+        assert run_chain.index(f"{tail_symbol(spec)}_cuda_run(") > run_chain.index("    }  // the GEMMs\n")
+    # the GEMM path is untouched: take the GEMV branch, its braces, include and plan text out, and the
+    # source is the default one
+    stripped = src.replace(branch, "").replace("    } else {  // the GEMMs (to the matching brace below)\n", "")
+    stripped = stripped.replace("    }  // the GEMMs\n", "").replace(
+        "constexpr int kGemvRows = 16;  // passes of at most this many rows run the GEMV kernels, not GEMMs\n", "")
+    stripped = stripped.replace(expanded(raw_on, "o2f_wide_gemv.cuh"), "")
+    assert stripped.replace(plan.describe(), choose.wide_plan(spec).describe()) == off[f"{spec.name}_cuda.cu"]
+
+
+def _rendered(spec, options: PlanOptions) -> dict[str, str]:
+    """codegen.render's files for `spec` planned with `options`: the sources and the static headers they
+    include, as written for nvcc."""
+    from onnx2fused import codegen
+    return codegen.render([spec], True, {spec.name: False}, choose.make_plans([spec], options))
+
+
+GEMV_BUILDS = [_spec([1001, 520, 999]),                          # fp32 rows of odd K0: scalar loads
+               _spec([768, 3072, 768], io="f16"),                 # fp16 rows read in place: 16-byte loads
+               LLAMA,                                             # gated: gate and up pairs into h0
+               _spec([768, 3072, 768], precision="bf16", io="f16")]  # fp16 rows rounded to bf16
+
+
+@pytest.mark.cuda_build
+@pytest.mark.parametrize("tuning", [False, True], ids=["build", "tuning"])
+@pytest.mark.parametrize("spec", GEMV_BUILDS, ids=lambda s: s.name)
+def test_gemv_path_chain_unit_compiles(spec, tuning, tmp_path):
+    """The chain's unit with the GEMV kernels compiles for sm_80 and sm_90a (the tuning build, which runs on
+    Hopper only, for sm_90a); the CUTLASS instance units are not compiled here (minutes each)."""
+    import shutil
+    import subprocess
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc not found")
+    try:
+        cutlass = headers.find_cutlass_headers()
+    except Exception as e:  # noqa: BLE001 - no CUTLASS headers: nothing to compile against
+        pytest.skip(str(e))
+    plan = choose.wide_plan(spec, WideOptions(tuning=tuning), GEMV)
+    from onnx2fused import codegen
+    files = codegen.render([spec], True, {spec.name: False}, {spec.name: plan})
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    unit = f"{spec.name}_cuda.cu"
+    assert "err = gemv<" in files[unit] and "o2f_wide_gemv.cuh" in files
+    archs = ["arch=compute_90a,code=sm_90a"] if tuning else ["arch=compute_80,code=sm_80", "arch=compute_90a,code=sm_90a"]
+    gencode = [f for a in archs for f in ("-gencode", a)]
+    r = subprocess.run([nvcc, "-O1", "-std=c++17", "--expt-relaxed-constexpr", *gencode, build.WIDE_SM90A_DEFINE,
+                        "-I", str(cutlass.path), "-I", str(tmp_path), "-c", str(tmp_path / unit),
+                        "-o", str(tmp_path / "chain.o")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
+def _emulate_gemv(plan: wide.WidePlan, x: np.ndarray, ws_w, ws_b) -> np.ndarray:
+    """run_chain's GEMV branch on one pass of m <= GEMV_MAX_ROWS rows, with the kernel's index math (the
+    weight rows `col` and `second + col`, the input's row stride and k < k_true guard, lane l's share of the
+    16-byte vectors l, l + 32, ..., each output's row stride), on a byte array as the workspace."""
+    spec = plan.spec
+    ws = np.zeros(plan.workspace_bytes, np.uint8)
+
+    def view(off, count, dtype):
+        return ws[off: off + count * np.dtype(dtype).itemsize].view(dtype)
+
+    io_dt = np.float16 if spec.io_dtype == "f16" else np.float32
+    for g, w, b in zip(plan.gemms, ws_w, ws_b):  # cuda_pack, as in _emulate
+        packed = view(g.w_offset, g.np_ * g.kp, np.float16).reshape(g.np_, g.kp)
+        bias = view(g.b_offset, g.np_, io_dt if g.last else np.float16)
+        for part in range(2 if g.gated else 1):
+            packed[part * g.half: part * g.half + g.n, : g.k] = w[:, part * g.n: (part + 1) * g.n].T
+            bias[part * g.half: part * g.half + g.n] = b[part * g.n: (part + 1) * g.n]
+    m, k0 = x.shape
+    assert m <= plan.gemv_rows
+    y = np.full((m, spec.widths[-1]), np.nan, np.float32)
+    bufs = {"h0": plan.h_offsets[0], "h1": plan.h_offsets[1]}
+    flat_x = x.reshape(-1)
+    for g, layer in zip(plan.gemms, spec.layers):
+        if g.index == 0:   # x itself, K0 columns a row; each element rounded as the conversion pass does
+            src, lda, k_true = flat_x, k0, k0
+        else:
+            src, lda, k_true = view(bufs[g.src], m * g.kp, np.float16), g.kp, g.kp
+        cols = np.arange(g.kp)
+        a = np.stack([np.where(cols < k_true, src[np.minimum(r * lda + cols, src.size - 1)], 0) for r in range(m)])
+        a = a.astype(np.float16).astype(np.float32)
+        weights = view(g.w_offset, g.np_ * g.kp, np.float16).astype(np.float32)
+        bias = view(g.b_offset, g.np_, io_dt if g.last else np.float16).astype(np.float32)
+        columns, second = (g.half, g.half) if g.gated else (g.np_, 0)
+        vecs = g.kp // 8
+        lane_of = np.arange(vecs) % 32
+
+        def dot(row):   # [m] sums over lanes of each lane's vectors: the butterfly's result
+            per_vec = (a * weights[row * g.kp: (row + 1) * g.kp]).reshape(m, vecs, 8).sum(-1)
+            return sum(per_vec[:, lane_of == lane].sum(-1) for lane in range(32))
+        if g.gated:
+            out_rows, ldd = view(bufs[g.dst], m * g.half, np.float16), g.half
+        elif g.last:
+            out_rows, ldd = y.reshape(-1), g.n
+        else:
+            out_rows, ldd = view(bufs[g.dst], m * g.np_, np.float16), g.np_
+        for col in range(columns):
+            if g.gated:
+                gate = (dot(col) + bias[col]).astype(np.float16).astype(np.float32)
+                up = (dot(second + col) + bias[second + col]).astype(np.float16).astype(np.float32)
+                value = ex.evaluate(layer.activation, gate) * up
+            else:
+                value = ex.evaluate(layer.activation, dot(col) + bias[col])
+            out_rows[np.arange(m) * ldd + col] = value.astype(io_dt) if g.last else value
+    return y
+
+
+@pytest.mark.parametrize("widths,io,gated,rows", [
+    ([40, 24, 17], "f32", (), 1), ([13, 9, 30, 5], "f16", (), 16), ([41, 300, 17], "f32", (0,), 5),
+    ([13, 21, 30, 5], "f16", (0, 1), 16), ([16, 64, 8], "f16", (), 3),
+])
+def test_emulated_gemv_path_matches_fp32_reference(widths, io, gated, rows):
+    spec = _spec(widths, ex.sigmoid(), io=io, gated=gated)     # act(0) = 0.5: the padding must not leak
+    plan = choose.wide_plan(spec, options=GEMV)
+    rng = np.random.default_rng(0)
+    ws = [rng.standard_normal((l.in_features, l.weight_columns)).astype(np.float32) / np.sqrt(l.in_features)
+          for l in spec.layers]
+    bs = [rng.standard_normal(l.weight_columns).astype(np.float32) * 0.1 for l in spec.layers]
+    x = rng.standard_normal((rows, widths[0])).astype(np.float16 if io == "f16" else np.float32)
+    got = _emulate_gemv(plan, x, ws, bs)
+    ref = x.astype(np.float32)
+    for layer, w, b in zip(spec.layers, ws, bs):
+        z = ref @ w + b
+        ref = (ex.evaluate(layer.activation, z[:, :layer.out_features]) * z[:, layer.out_features:]
+               if layer.gated else ex.evaluate(layer.activation, z))
+    assert np.isfinite(got).all()
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 3e-3

@@ -81,7 +81,8 @@ def make_plan(spec: MLPSpec, options: PlanOptions = DEFAULT_OPTIONS, wide_option
     t_streamed = cost.estimate_streamed(spec, streamed)
     if t_wide * cost.WIDE_MARGIN < t_streamed:
         return _wide_layout(spec, wide_options, f"chosen by the cost model at {cost.NOMINAL_ROWS} rows: "
-                                                f"~{_us(t_wide)} vs ~{_us(t_streamed)} streamed", start, tail)
+                                                f"~{_us(t_wide)} vs ~{_us(t_streamed)} streamed", start, tail,
+                            options)
     return streamed
 
 
@@ -135,9 +136,9 @@ def wgmma_refused(spec: MLPSpec, options: PlanOptions = DEFAULT_OPTIONS) -> str 
 
 
 def wgmma_note(spec: MLPSpec, plan: Plan) -> str:
-    """Why a tensor-core plan of another design is not the wgmma one ("" for wgmma and fp32 plans): for
-    the report and `inspect`."""
-    if plan.design in ("wgmma", "fp32"):
+    """Why a tensor-core plan of another design is not the wgmma one ("" for wgmma and fp32 plans, and
+    for wide plans, whose own text says which CUTLASS kernels run on Hopper): for the report and `inspect`."""
+    if plan.design in ("wgmma", "fp32", "wide"):
         return ""
     why = wgmma_refused(spec)
     if why is None and not cost.wgmma_wins(spec):
@@ -173,12 +174,14 @@ def wide_plan(spec: MLPSpec, wide_options: WideOptions | None = None, options: P
         start, _, tail = best_tail(spec, options)
     else:
         tail = tail_plan(spec, start, options) if start else None
-    return _wide_layout(spec, wide_options, reason, start, tail)
+    return _wide_layout(spec, wide_options, reason, start, tail, options)
 
 
-def _wide_layout(spec: MLPSpec, w: WideOptions, reason: str, start: int, tail) -> wide.WidePlan:
+def _wide_layout(spec: MLPSpec, w: WideOptions, reason: str, start: int, tail,
+                 options: PlanOptions = DEFAULT_OPTIONS) -> wide.WidePlan:
     return wide.make_wide_plan(spec, reason, tail_from=start, tail=tail, choices=w.choices, tuning=w.tuning,
-                               tuned_on=w.tuned_on, chain_block=w.chain_block)
+                               tuned_on=w.tuned_on, chain_block=w.chain_block,
+                               gemv_rows=wide.GEMV_MAX_ROWS if options.wide_gemv else 0)
 
 
 # ------------------------------------------------------------------------------------------ segments

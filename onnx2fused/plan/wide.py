@@ -12,7 +12,8 @@ over a generated activation functor (the layer's expr IR, render_c):
 
 The plugin gives a kernel no per-run allocator (ort_plugin/plugin.cc allocates one workspace per device,
 once), so the intermediates live in that workspace, sized for MB rows ("row block"); a call loops over
-row blocks on the stream: no cudaMalloc, no synchronisation, capturable in a CUDA graph. Runs of one
+passes of at most MB rows on the stream, of even size (pass_rows: 4096 rows in 1792-row blocks as
+1408 + 1408 + 1280): no cudaMalloc, no synchronisation, capturable in a CUDA graph. Runs of one
 kernel share the workspace: the registry marks the kernel (`uses_scratch`) and the plugin orders runs
 that come on different streams.
 
@@ -42,6 +43,19 @@ Padded weight entries and biases are zero, so a padded hidden column holds act(0
 multiplies it by zero weights: act(0) must be finite, which `wide_reason_refused` checks.
 The bias enters as CUTLASS's source operand C with a row stride of 0 (a broadcast row); it is stored in
 the GEMM's output type: fp16/bf16 for hidden layers (rounded like the weights), the io type last.
+
+GEMV path (`gemv_rows`, PlanOptions.wide_gemv, `$ONNX2FUSED_WIDE_GEMV=on`; off by default until
+tests/test_gpu_wide.py's GEMV test passes on a GPU): a pass of at most GEMV_MAX_ROWS rows (decode, small
+batches) fills few of a 128x256 tile's rows, so the tensor cores idle while every weight is read once
+anyway, and reading the weights once is the floor (LLaMA-7B's 270 MB MLP: 0.09 ms at 3 TB/s, vs 0.19 ms
+measured with the GEMMs at 1 and 16 rows, 0.15 ms for stock ORT at 1 row). Such a pass runs one
+weight-streaming kernel per layer instead (templates/o2f_wide_gemv.cuh): a warp per output column (a
+gated layer: per gate and up column pair) streams that column's contiguous n-major weights in 16-byte
+vectors and multiplies them by every row of the pass, which stays in L1/L2, accumulating in fp32. The
+first layer reads x itself, rounding each element to the compute type as the conversion pass does, and a
+gated layer writes act(gate) * up straight into its hidden buffer (no gate buffer, no glu pass): a pass
+is one launch per layer, with the same roundings as the GEMM path. A segmented plan's fused tail runs
+after them as usual.
 
 Tiles come from TILE_TABLE, keyed by arch: a "large" tile for GEMMs with enough output tiles to fill the
 GPU and a "small" one otherwise; the launcher picks per GEMM and row block at run time from the SM count.
@@ -119,11 +133,20 @@ def sm80_tiles() -> tuple[GemmTile, ...]:
     return tuple(seen)
 
 
+GEMV_MAX_ROWS = 16             # passes of at most this many rows may take the GEMV kernels (`gemv_rows`)
 NARROW_MAX = 8                  # last-layer outputs that take narrow_layer (DLRM's score, binary heads)
 NARROW_SMEM = 32 * 1024         # its weights as fp32 in shared memory
 # Run-time switches of the generated code (read by the library, not by planning):
 SM80_ENV = "ONNX2FUSED_WIDE_KERNELS"   # =sm80 at run time: sm_90 GPUs run the CUTLASS 2.x kernels too
 LAUNCH_CACHE_ENV = "ONNX2FUSED_WIDE_LAUNCH_CACHE"  # =off at run time: initialize every sm90 GEMM (comparisons)
+
+
+def pass_rows(rows: int, block: int) -> int:
+    """Rows per pass of a call of `rows` rows through the chain in passes of at most `block` rows (the
+    generated run_chain computes the same): as few passes as `block` allows, of even size rounded up to
+    ROW_QUANTUM, so 4096 rows in 1792-row blocks run as 1408 + 1408 + 1280, not 1792 + 1792 + 512."""
+    passes = -(-rows // block)
+    return min(block, -(-(-(-rows // passes)) // ROW_QUANTUM) * ROW_QUANTUM)
 
 
 @dataclass(frozen=True)
@@ -175,6 +198,7 @@ class WidePlan:
     tail: object = None     # the fused tail's plan (a plan.Plan of the resident or streamed design), or None
     hg_offset: int = 0      # bytes: the gate buffer [MB][hg_width] of the gated layers' GEMMs (16-bit)
     hg_width: int = 0       # its row stride: the widest gated GEMM's 2 * NP (0: no gated layer)
+    gemv_rows: int = 0      # passes of at most this many rows run GEMV kernels, not GEMMs (0: never)
 
     design = "wide"
     uses_scratch = True     # cuda_run writes the workspace's scratch regions: the plugin orders runs
@@ -200,9 +224,10 @@ class WidePlan:
         glu = (f", gated layer{'s' if sum(g.gated for g in self.gemms) > 1 else ''} "
                + ", ".join(str(g.index) for g in self.gemms if g.gated)
                + " as one GEMM of gate and up columns and a glu pass" if self.hg_width else "")
+        gemv = f", passes of <= {self.gemv_rows} rows as weight-streaming GEMV kernels" if self.gemv_rows else ""
         return (f"wide: {n} tensor-core GEMM{'s' if n > 1 else ''} with a bias+activation epilogue{glu} (on sm_90: {hopper} as CUTLASS "
                 f"3.x wgmma/TMA kernels, {tuned}, the rest CUTLASS 2.x; other GPUs: CUTLASS 2.x sm80 mma.sync), "
-                f"{conv}16-bit intermediates in the workspace, {self.row_block}-row blocks{passes}{tail}; {self.reason}")
+                f"{conv}16-bit intermediates in the workspace, {self.row_block}-row blocks{passes}{gemv}{tail}; {self.reason}")
 
     def choice_text(self) -> str:
         """Per GEMM, the Hopper kernel of each row bucket: `inspect` shows it."""
@@ -236,12 +261,13 @@ def wide_reason_refused(spec: MLPSpec) -> str | None:
 
 # ------------------------------------------------------------------------------------------ layout
 def make_wide_plan(spec: MLPSpec, reason: str = "", *, tail_from: int = 0, tail=None, choices=None,
-                   tuning: bool = False, tuned_on: str = "", chain_block: int = 0) -> WidePlan:
+                   tuning: bool = False, tuned_on: str = "", chain_block: int = 0, gemv_rows: int = 0) -> WidePlan:
     """The workspace layout and kernel choices of the wide design. `tail_from`: the first layer of the
     fused tail (0: every layer a GEMM), whose plan `tail` is (plan/choose.py makes it). `choices`: per
     GEMM, per row bucket, a Sm90Choice (wide_tune.py's measured ones), else the default everywhere;
     `chain_block`: rows per pass (0: the row block). `tuning`: the tuning build (all kernels, the timing
-    entries)."""
+    entries). `gemv_rows`: passes of at most that many rows run the GEMV kernels (0: none; at most
+    GEMV_MAX_ROWS, the kernels' accumulator rows)."""
     why = wide_reason_refused(spec)
     if why:
         raise SpecError(f"{spec.describe()}: no wide plan: {why}")
@@ -317,14 +343,16 @@ def make_wide_plan(spec: MLPSpec, reason: str = "", *, tail_from: int = 0, tail=
             off = round_up(off + mb * n_out * 2, REGION_ALIGN)
     if chain_block and not (0 < chain_block <= mb and chain_block % ROW_QUANTUM == 0):
         raise SpecError(f"{spec.describe()}: a pass of {chain_block} rows does not fit the {mb}-row workspace")
+    if not 0 <= gemv_rows <= GEMV_MAX_ROWS:
+        raise SpecError(f"{spec.describe()}: the GEMV kernels take at most {GEMV_MAX_ROWS} rows, not {gemv_rows}")
     return WidePlan(spec, tuple(layouts), mb, convert, xc_off, sm90_off, (h0, h1), h_width, off, reason,
                     buckets, choices, tuning, tuned_on, tf32_first, w0f_off, chain_block or mb,
-                    tail_from, tail_off, tail_bytes, tail_out_off, tail, hg, hg_width)
+                    tail_from, tail_off, tail_bytes, tail_out_off, tail, hg, hg_width, gemv_rows)
 
 
 def with_kernels(plan: WidePlan, choices=None, tuning: bool = False, tuned_on: str = "",
                  chain_block: int = 0) -> WidePlan:
     """`plan` with other kernel choices (a tuning run's), or as the tuning build: the same design
-    decision, segmentation and reason; SpecError where the choices do not fit it."""
+    decision, segmentation, GEMV path and reason; SpecError where the choices do not fit it."""
     return make_wide_plan(plan.spec, plan.reason, tail_from=plan.tail_from, tail=plan.tail, choices=choices,
-                          tuning=tuning, tuned_on=tuned_on, chain_block=chain_block)
+                          tuning=tuning, tuned_on=tuned_on, chain_block=chain_block, gemv_rows=plan.gemv_rows)
