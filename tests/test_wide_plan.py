@@ -347,6 +347,22 @@ def test_passes_are_even_and_never_more_than_the_block_allows(rows, block, want)
     assert -(-rows // step) == -(-rows // block)   # as few passes as before, of even size
 
 
+def _chain_case(spec: MLPSpec, rows: int):
+    """Random input rows, weights [K, cols] and biases of `spec`'s layers (a gated layer's gate columns
+    first), and the fp32 reference output."""
+    rng = np.random.default_rng(0)
+    ws = [rng.standard_normal((l.in_features, l.weight_columns)).astype(np.float32) / np.sqrt(l.in_features)
+          for l in spec.layers]
+    bs = [rng.standard_normal(l.weight_columns).astype(np.float32) * 0.1 for l in spec.layers]
+    x = rng.standard_normal((rows, spec.widths[0])).astype(np.float16 if spec.io_dtype == "f16" else np.float32)
+    ref = x.astype(np.float32)
+    for layer, w, b in zip(spec.layers, ws, bs):
+        z = ref @ w + b
+        n = layer.out_features
+        ref = ex.evaluate(layer.activation, z[:, :n]) * z[:, n:] if layer.gated else ex.evaluate(layer.activation, z)
+    return x, ws, bs, ref
+
+
 @pytest.mark.parametrize("widths,io,gated,budget,rows,block", [
     ([40, 24, 17], "f32", (), 20000, 300, 128), ([13, 9, 30, 5], "f16", (), 20000, 300, 128),
     ([16, 64, 8], "f16", (), 20000, 300, 128), ([40, 21, 17], "f32", (0,), 20000, 300, 128),
@@ -358,17 +374,8 @@ def test_emulated_kernel_matches_fp32_reference(widths, io, gated, budget, rows,
     spec = _spec(widths, ex.sigmoid(), io=io, gated=gated)     # act(0) = 0.5: the padding must not leak
     plan = choose.wide_plan(spec)
     assert plan.row_block == block and wide.pass_rows(rows, block) < rows
-    rng = np.random.default_rng(0)
-    ws = [rng.standard_normal((l.in_features, l.weight_columns)).astype(np.float32) / np.sqrt(l.in_features)
-          for l in spec.layers]
-    bs = [rng.standard_normal(l.weight_columns).astype(np.float32) * 0.1 for l in spec.layers]
-    x = rng.standard_normal((rows, widths[0])).astype(np.float16 if io == "f16" else np.float32)
+    x, ws, bs, ref = _chain_case(spec, rows)
     got = _emulate(plan, x, ws, bs)
-    ref = x.astype(np.float32)
-    for layer, w, b in zip(spec.layers, ws, bs):
-        ref = ref @ w + b
-        n = layer.out_features
-        ref = ex.evaluate(layer.activation, ref[:, :n]) * ref[:, n:] if layer.gated else ex.evaluate(layer.activation, ref)
     assert np.isfinite(got).all() and np.abs(ref).max() > 0
     assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 2e-3
 
@@ -891,16 +898,7 @@ def _emulate_gemv(plan: wide.WidePlan, x: np.ndarray, ws_w, ws_b) -> np.ndarray:
 def test_emulated_gemv_path_matches_fp32_reference(widths, io, gated, rows):
     spec = _spec(widths, ex.sigmoid(), io=io, gated=gated)     # act(0) = 0.5: the padding must not leak
     plan = choose.wide_plan(spec, options=GEMV)
-    rng = np.random.default_rng(0)
-    ws = [rng.standard_normal((l.in_features, l.weight_columns)).astype(np.float32) / np.sqrt(l.in_features)
-          for l in spec.layers]
-    bs = [rng.standard_normal(l.weight_columns).astype(np.float32) * 0.1 for l in spec.layers]
-    x = rng.standard_normal((rows, widths[0])).astype(np.float16 if io == "f16" else np.float32)
+    x, ws, bs, ref = _chain_case(spec, rows)
     got = _emulate_gemv(plan, x, ws, bs)
-    ref = x.astype(np.float32)
-    for layer, w, b in zip(spec.layers, ws, bs):
-        z = ref @ w + b
-        ref = (ex.evaluate(layer.activation, z[:, :layer.out_features]) * z[:, layer.out_features:]
-               if layer.gated else ex.evaluate(layer.activation, z))
     assert np.isfinite(got).all()
     assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 3e-3
