@@ -601,6 +601,8 @@ def inspect(input_path, precision: str = AUTO, cache_dir=None, plan_options: Pla
         except Exception:  # noqa: BLE001 - inspect only reads: no cases, the default precision
             cases = None
         choices = initial_precisions(model, plan.chains, cases, True, lambda msg: None) if plan.chains else []
+        if with_cuda:   # as convert starts: a step no CUDA design plans is skipped
+            choices = [plannable(c, ch, options) for c, ch in zip(plan.chains, choices)]
     else:
         choices = [PrecisionChoice(precision, "asked for (--precision)") for _ in plan.chains]
     for k, (c, ch) in enumerate(zip(plan.chains, choices)):

@@ -902,3 +902,27 @@ def test_emulated_gemv_path_matches_fp32_reference(widths, io, gated, rows):
     got = _emulate_gemv(plan, x, ws, bs)
     assert np.isfinite(got).all()
     assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 3e-3
+
+
+def test_inspect_skips_a_precision_no_design_plans(tmp_path, monkeypatch):
+    """Automatic precision on a wide chain given tf32 (which no wide GEMM computes): inspect shows what
+    convert would build, fp32 on CUDA cores, and says that tf32 was skipped and why."""
+    import importlib
+    import onnx
+    import onnx2fused
+    from onnx2fused.precision import PrecisionChoice
+    from onnx_builders import G
+    g = G(opset=17, seed=2)
+    h = g.op("Relu", [g.linear("x", 768, 3072)])
+    g.op("Identity", [g.linear(h, 3072, 768)], outputs=["y"])
+    path = tmp_path / "ffn.onnx"
+    onnx.save(g.model([("x", ["B", 768])], [("y", ["B", 768])]), str(path))
+    conv = importlib.import_module("onnx2fused.convert")   # the module: the package rebinds the name `convert`
+    monkeypatch.setattr(conv, "initial_precisions",
+                        lambda model, chains, *a: [PrecisionChoice("tf32", "the numerics model (test)") for _ in chains])
+    (chain,) = onnx2fused.inspect(str(path), plan_options=PlanOptions(wide_unavailable="", design="wide"),
+                                  with_cuda=True).chains
+    assert chain.precision == "fp32" and chain.precision_why.startswith("tf32 has no CUDA plan (")
+    assert chain.precision_why.endswith("; the numerics model (test)") and chain.cuda_plan.startswith("GPU: CUDA cores, fp32")
+    (cpu,) = onnx2fused.inspect(str(path), with_cuda=False).chains   # a CPU-only library has no CUDA plan to need
+    assert cpu.precision == "tf32"
