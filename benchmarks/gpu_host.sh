@@ -14,6 +14,8 @@
 #   benchmarks/gpu_host.sh llama [BATCHES] LLaMA-7B's MLP (wide_cases.py llama7b; default 4096,256,16,1)
 #   benchmarks/gpu_host.sh gemv           the wide design's GEMV path for <= 16 rows (ONNX2FUSED_WIDE_GEMV=on,
 #                                         off by default until this passes): its GPU test, then LLaMA-7B at 1, 16
+#   benchmarks/gpu_host.sh vit            whole ViT-tiny and ViT-small (benchmarks/vit_model.py) at batch 64:
+#                                         issue 16's end-to-end target, ORT fp32 / fp16 vs the fused model
 #   benchmarks/gpu_host.sh bench          `onnx2fused bench` on the issue's four cases, then the wide cases
 #   benchmarks/gpu_host.sh wide [ARGS]    benchmarks/wide_cases.py only (issue 5's three cases)
 #   benchmarks/gpu_host.sh tune [ARGS]    benchmarks/tune_wide.py: the wide kernel search, every candidate timed
@@ -87,6 +89,14 @@ gemv)
   ONNX2FUSED_WIDE_GEMV=on timeout 280 python3 benchmarks/wide_cases.py --out /tmp/wide_gemv --cases llama7b --batch 1,16 \
     --kernels sm90 --reps 50 2>&1 | tail -8
   cp /tmp/wide_gemv/wide_cases.json "$OUT/llama7b_gemv.json" 2>/dev/null; true
+  ;;
+vit)
+  for size in tiny small; do
+    python3 benchmarks/vit_model.py --size $size --out /tmp/vit/vit_$size.onnx > /dev/null 2>&1 || { echo "vit_$size: export failed"; continue; }
+    timeout 280 python3 -m onnx2fused bench /tmp/vit/vit_$size.onnx --batches 1,64 --no-torch --reps 50 \
+      --out /tmp/vit/bench_$size -q 2>&1 | tail -6
+    cp /tmp/vit/bench_$size/bench.json "$OUT/vit_$size.json" 2>/dev/null
+  done
   ;;
 kernels)
   shift

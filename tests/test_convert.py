@@ -197,3 +197,18 @@ def test_tf32_precision_converts_and_plans_tensor_cores(nerf, cache, tmp_path):
     assert res.validation.passed and "_tf32_" in res.format()
     r = onnx2fused.inspect(nerf, precision="tf32")
     assert "resident weights" in r.chains[0].cuda_plan and r.chains[0].precision == "tf32"
+
+
+def test_validation_sets_of_large_items_get_smaller_batches():
+    """An image model's 256-image validation set would be 38.5M floats of stock CPU inference: a set's
+    batch is cut to val.SET_ELEMENTS (a set equal to another's is dropped); small items keep the batches."""
+    from onnx import TensorProto, helper
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", 3, 224, 224])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["B", 1, 1, 1])
+    g = helper.make_graph([helper.make_node("ReduceMax", ["x"], ["y"], keepdims=1)], "img", [x], [y])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    item = 3 * 224 * 224
+    batches = [f["x"].shape[0] for _, f in val.random_inputs(m)]
+    assert batches == [1, val.SET_ELEMENTS // item] and all(b * item <= val.SET_ELEMENTS for b in batches)
+    small = mlp([8, 16, 4], act="Relu")
+    assert [f["x"].shape[0] for _, f in val.random_inputs(small)] == list(val.BATCHES)

@@ -251,3 +251,21 @@ def test_cast_that_rounds_a_float32_value_is_not_an_activation():
     m = g.model([("x", ["B", 6])], [("y", ["B", 6])], elem=onnx.TensorProto.FLOAT16)
     act = match_activation(GraphIndex(m), "x")
     assert act.output == "y" and act.expr == ex.tanh()
+
+
+def test_erf_evaluation_is_math_erf_rounded_to_float32():
+    """The numpy evaluation of erf (GELU's erf form, in the numerics model and the activation checks) is
+    vectorised, and gives math.erf's value rounded to float32 everywhere: both tails, the switch to +-1,
+    signed zeros, infinities and NaN."""
+    import math
+    from onnx2fused.expr import ERF_ONE_FROM, _erf_np
+    rng = np.random.default_rng(5)
+    x = np.concatenate([np.linspace(-8, 8, 100001), rng.standard_normal(50000) * 3,
+                        [0.0, -0.0, 1e-30, -1e-30, ERF_ONE_FROM, np.nextafter(ERF_ONE_FROM, 0), 3.83, -3.84,
+                         np.inf, -np.inf, np.nan]]).astype(np.float32)
+    got = _erf_np(x)
+    want = np.array([math.erf(float(v)) for v in x], np.float64).astype(np.float32)
+    assert got.dtype == np.float32
+    nan = np.isnan(x)
+    assert np.isnan(got[nan]).all() and np.array_equal(got[~nan], want[~nan])
+    assert np.signbit(_erf_np(np.array([-0.0], np.float32)))[0]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import onnx
@@ -254,3 +255,24 @@ def test_steps_after_packed_fp16():
     assert prec.next_step("fp16", "fp32", True) == ("bf16", "packed")
     assert prec.next_step("fp32", "packed", True) is None
     assert prec.step_label("fp16", "fp32", True) == "fp16a32" and prec.step_label("bf16", "fp32", True) == "bf16"
+
+
+def test_large_input_sets_are_modelled_on_a_sample_that_keeps_the_largest_rows():
+    """The numerics model computes at most about MODEL_ROWS rows of an input set: evenly spaced ones, and
+    the rows of largest magnitude, so an fp16 overflow that starts in one row is still found."""
+    from onnx2fused import precision as pr
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((40, 500, 16)).astype(np.float32)   # 20000 rows of 16 features
+    x[17, 123, 5] = 3e4                                         # the one row that matters for the range check
+    y = x.sum(-1, keepdims=True)
+    xs, ys = pr.model_rows(x, y)
+    assert pr.MODEL_ROWS - pr.MODEL_PEAK_ROWS <= len(xs) <= pr.MODEL_ROWS and xs.shape[1:] == (16,)
+    assert np.abs(xs).max() == 3e4 and np.allclose(ys[:, 0], xs.sum(-1))   # rows stay paired with outputs
+    small = rng.standard_normal((100, 16)).astype(np.float32)
+    assert pr.model_rows(small, small)[0].shape == (100, 16)
+    # through choose_precision: a layer whose output of that row overflows fp16 is refused fp16
+    layer = SimpleNamespace(weight=np.eye(16, dtype=np.float32) * 4, bias=None, activation=ex.identity())
+    choice = pr.choose_precision([layer, SimpleNamespace(weight=np.eye(16, dtype=np.float32), bias=None,
+                                                         activation=ex.identity())],
+                                 [x], [x * 4], True, {"fp16": 2e-3, "bf16": 1e-2, "tf32": 1e-3, "fp32": 1e-5})
+    assert choice.precision != "fp16" and "overflow" in choice.why
