@@ -220,9 +220,13 @@ struct CpuKernel {
 // The chain's stock body (MatMul, Add, the activation ops) as ONNX Runtime itself runs it, for chains
 // whose generated C++ kernel the cost model declines (cpu_policy.py: MLAS is faster there). The body
 // comes from the node's `stock_model` attribute: a serialized model, base64 (a string attribute passes
-// through C strings, and raw protobuf bytes may hold NULs). The inner session has one thread; the rows
-// are split into tasks over the outer session's thread pool (ctx.ParallelFor), so the user's thread
-// settings hold and no second pool competes for the cores.
+// through C strings, and raw protobuf bytes may hold NULs). Its weights, biases and norm parameters are
+// initializers with external data that the kernel fills at creation from the node's constant inputs
+// (AddExternalInitializers copies them in before the inner session optimises): so ORT prepacks the
+// weights for MLAS and fuses the body (BiasGelu, FusedMatMul) as it does in the original model; fed as
+// inputs on every run, they were repacked each call and made the fallback ~30% slower than stock on a
+// ViT. The inner session has one thread; the rows are split into tasks over the outer session's thread
+// pool (ctx.ParallelFor), so the user's thread settings hold and no second pool competes for the cores.
 const char* const kStockModelAttr = "stock_model";
 
 std::string Base64Decode(const std::string& in) {
@@ -270,7 +274,7 @@ struct StockTask {
 void RunStockTask(void* data, size_t task);
 
 struct StockCpuKernel {
-  static constexpr int64_t kMinRowsPerTask = 128;  // an inner Run costs ~10 us: keep tasks well above
+  static constexpr int64_t kMinRowsPerTask = 32;  // an inner Run costs ~10 us: a task of 32 rows of a ViT FFN is ~100 us
   static constexpr int64_t kMaxTasks = 64;
   const KernelEntry* e;
   Ort::Session session{nullptr};
@@ -295,13 +299,27 @@ struct StockCpuKernel {
     so.SetInterOpNumThreads(1);
     so.SetExecutionMode(ORT_SEQUENTIAL);
     so.SetLogSeverityLevel(3);
+    // The node's inputs after X (W_i, B_i, then NS, NB) are the outer model's initializers: the inner
+    // model's initializers of the same names, whose data comes from here (copied in at load).
+    std::vector<std::string> names;
+    std::vector<Ort::Value> values;
+    for (size_t k = 1; k < InputCount(*e); ++k) {
+      int is_constant = 0;
+      Ort::ConstValue v = ki.GetTensorConstantInput(k, &is_constant);
+      if (!is_constant)
+        throw std::runtime_error(std::string(kDomain) + "." + e->name + ": input " + std::to_string(k) +
+                                 " is not a constant initializer; the CPU path needs the weights constant");
+      const int layer = static_cast<int>((k - 1) / 2);
+      names.push_back(layer < e->num_layers ? ((k - 1) % 2 ? "B" : "W") + std::to_string(layer)
+                                            : std::string(kNormInputs[k - 1 - 2 * e->num_layers]));
+      auto info = v.GetTensorTypeAndShapeInfo();
+      std::vector<int64_t> shape = info.GetShape();
+      values.push_back(Ort::Value::CreateTensor<float>(cpu, const_cast<float*>(v.GetTensorData<float>()),
+                                                       info.GetElementCount(), shape.data(), shape.size()));
+    }
+    so.AddExternalInitializers(names, values);
     session = Ort::Session(InnerEnv(), model.data(), model.size(), so);
     input_names.push_back("X");
-    for (int i = 0; i < e->num_layers; ++i) {
-      input_names.push_back("W" + std::to_string(i));
-      input_names.push_back("B" + std::to_string(i));
-    }
-    for (int j = 0; j < e->norm_inputs; ++j) input_names.push_back(kNormInputs[j]);
     for (auto& n : input_names) input_ptrs.push_back(n.c_str());
   }
 
@@ -311,26 +329,12 @@ struct StockCpuKernel {
     const size_t elem = e->io_is_half ? 2 : 4;
     const ONNXTensorElementDataType io = IoType(*e);
     const int64_t K0 = e->widths[0], NL = e->widths[L];
-    std::vector<Ort::Value> ins;
-    ins.reserve(InputCount(*e));
     int64_t xshape[2] = {n, K0}, yshape[2] = {n, NL};
     char* x = const_cast<char*>(static_cast<const char*>(call.x)) + r0 * K0 * elem;
-    ins.push_back(Ort::Value::CreateTensor(cpu, x, n * K0 * elem, xshape, 2, io));
-    for (int i = 0; i < L; ++i) {
-      int64_t wshape[2] = {e->widths[i], WeightCols(*e, i)}, bshape[1] = {WeightCols(*e, i)};
-      ins.push_back(Ort::Value::CreateTensor<float>(cpu, const_cast<float*>(call.w[i]),
-                                                   static_cast<size_t>(wshape[0] * wshape[1]), wshape, 2));
-      ins.push_back(Ort::Value::CreateTensor<float>(cpu, const_cast<float*>(call.b[i]),
-                                                   static_cast<size_t>(bshape[0]), bshape, 1));
-    }
-    for (int j = 0; j < e->norm_inputs; ++j) {  // NS = w[L], NB = b[L] (Prepare)
-      int64_t pshape[1] = {K0};
-      const float* p = j == 0 ? call.w[L] : call.b[L];
-      ins.push_back(Ort::Value::CreateTensor<float>(cpu, const_cast<float*>(p), static_cast<size_t>(K0), pshape, 1));
-    }
+    Ort::Value in = Ort::Value::CreateTensor(cpu, x, n * K0 * elem, xshape, 2, io);
     char* y = static_cast<char*>(call.y) + r0 * NL * elem;
     Ort::Value out = Ort::Value::CreateTensor(cpu, y, n * NL * elem, yshape, 2, io);
-    session.Run(Ort::RunOptions{nullptr}, input_ptrs.data(), ins.data(), ins.size(), &output_name, &out, 1);
+    session.Run(Ort::RunOptions{nullptr}, input_ptrs.data(), &in, 1, &output_name, &out, 1);
   }
 
   OrtStatusPtr ComputeV2(OrtKernelContext* context) {

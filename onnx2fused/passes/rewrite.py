@@ -31,6 +31,7 @@ from .chains import FusionPlan
 from .constants import GraphIndex, node_reads
 
 STOCK_MODEL_ATTR = "stock_model"  # the node's fallback body as a serialized model, base64 (make_stock_model)
+STOCK_DATA_LOCATION = "onnx2fused:node-inputs"  # its weights' external data: the plugin fills them in
 FUNCTION_MIN_IR = 3  # checker and onnxruntime 1.31 accept model-local functions at IR 7 too (checked)
 
 _UNARY_OPS = {"neg": "Neg", "abs": "Abs", "exp": "Exp", "log": "Log", "sqrt": "Sqrt", "tanh": "Tanh",
@@ -184,27 +185,33 @@ NODE_ATTRIBUTES = ("widths", "activations", STOCK_MODEL_ATTR)
 
 
 def make_stock_model(spec: MLPSpec, opset: int, ir_version: int) -> bytes:
-    """The fallback body as a standalone model (inputs X, W_i, B_i; output Y; rows symbolic), serialized.
+    """The fallback body as a standalone model (input X, output Y; rows symbolic), serialized.
 
     The plugin's CPU kernel for a chain whose generated C++ kernel the cost model declines (cpu_policy)
     runs this model in an inner ORT session: when a library registers any kernel for an op type, ORT
     gives the node that op's schema and no longer inlines the model-local function, so a CPU-EP node
     without a registered CPU kernel would fail to load (docs/DESIGN.md, "the CPU path").
-    Weights stay inputs, not initializers: the outer model already holds them, once.
+    W_i, B_i (and NS, NB) are initializers whose data is external and never written: the plugin supplies
+    the node's constant inputs for them when it opens the session (AddExternalInitializers), so the outer
+    model holds the weights once, and the inner session optimises and prepacks them as constants.
     """
     fn = make_fallback_function(spec, opset)
-    n = len(spec.layers)
     io = TensorProto.FLOAT16 if spec.io_dtype == "f16" else TensorProto.FLOAT
-    ins = [helper.make_tensor_value_info("X", io, ["rows", spec.widths[0]])]
+    params = []
     for i, layer in enumerate(spec.layers):
-        ins.append(helper.make_tensor_value_info(f"W{i}", TensorProto.FLOAT, [layer.in_features, layer.weight_columns]))
-        ins.append(helper.make_tensor_value_info(f"B{i}", TensorProto.FLOAT, [layer.weight_columns]))
-    for name in norm_input_names(spec):
-        ins.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, [spec.widths[0]]))
+        params += [(f"W{i}", [layer.in_features, layer.weight_columns]), (f"B{i}", [layer.weight_columns])]
+    params += [(name, [spec.widths[0]]) for name in norm_input_names(spec)]
+    inits = []
+    for name, dims in params:   # float32, data supplied by the plugin (the location is never read)
+        t = TensorProto(name=name, data_type=TensorProto.FLOAT, dims=dims, data_location=TensorProto.EXTERNAL)
+        for key, value in (("location", STOCK_DATA_LOCATION), ("offset", "0"), ("length", str(4 * int(np.prod(dims))))):
+            t.external_data.add(key=key, value=value)
+        inits.append(t)
+    ins = [helper.make_tensor_value_info("X", io, ["rows", spec.widths[0]])]
     out = helper.make_tensor_value_info("Y", io, ["rows", spec.widths[-1]])
-    graph = helper.make_graph(list(fn.node), spec.name, ins, [out])
+    graph = helper.make_graph(list(fn.node), spec.name, ins, [out], initializer=inits)
     model = helper.make_model(graph, opset_imports=list(fn.opset_import), producer_name="onnx2fused")
-    model.ir_version = min(max(ir_version, 4), model.ir_version)  # weights are inputs only: IR >= 4
+    model.ir_version = min(max(ir_version, 4), model.ir_version)  # initializers that are not inputs: IR >= 4
     return model.SerializeToString()
 
 
