@@ -136,10 +136,10 @@ def plan_text(model: Path) -> str:
     return onnx2fused.inspect(str(model)).format()
 
 
-_MADE: dict[str, Path] = {}   # files this process made once (models, fp16 copies, fused models): other batches reuse them
+_MADE: dict[str, object] = {}   # what this process made once (model files, fp16 copies, fused model and library): other batches reuse them
 
 
-def _once(key: str, make) -> Path:
+def _once(key: str, make):
     if key not in _MADE:
         _MADE[key] = make()
     return _MADE[key]
