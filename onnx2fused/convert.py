@@ -26,7 +26,7 @@ from .library import build_plugin, find_fusions
 from .errors import ConversionError
 from .loader import load_model
 from .passes import rewrite
-from .plan.choose import make_plan, wgmma_note
+from .plan.choose import make_plan, short_reason, wgmma_note
 from .plan.options import PlanOptions
 from .plan.protocol import Plan
 from .precision import PrecisionChoice, chain_block, chain_layers, choose_precision, next_step, step_label
@@ -133,13 +133,8 @@ def plannable(chain, choice: PrecisionChoice, options: PlanOptions) -> Precision
             if step is None:
                 return c   # _build_and_check reports the planner's reason
             label = _step_label(chain, c.precision, c.act_math)
-            c = PrecisionChoice(step[0], f"{label} has no CUDA plan ({_one_line_reason(e)}); {c.why}",
+            c = PrecisionChoice(step[0], f"{label} has no CUDA plan ({short_reason(e)}); {c.why}",
                                 noise=c.noise, act_math=step[1])
-
-
-def _one_line_reason(e: Exception) -> str:
-    text = str(e)
-    return text.split(": ", 1)[1] if ": " in text else text
 
 
 def plan_specs(specs, options: PlanOptions) -> tuple[dict[str, Plan], dict[str, str]]:
@@ -315,13 +310,13 @@ def convert(input_path, output_path=None, precision: str = AUTO, validate: bool 
             for k in moving:
                 old = _step_label(plan.chains[k], choices[k].precision, choices[k].act_math)
                 new_p, new_math = steps[k]
-                new = _step_label(plan.chains[k], new_p, new_math)
                 e = report.chain_errors[k] if k < len(report.chain_errors) and report.chain_errors[k] else None
                 detail = f"rel. L2 {e.rel_l2:.2g} on {report.provider}" if e else f"validation on {report.provider}"
                 choices[k] = PrecisionChoice(new_p, f"{old} failed ({detail}); " + choices[k].why,
                                              noise=choices[k].noise, act_math=new_math)
                 if auto:
                     choices[k] = plannable(plan.chains[k], choices[k], options)
+                new = _step_label(plan.chains[k], choices[k].precision, choices[k].act_math)
                 say(f"chain {k}: {old} failed validation ({detail}); rebuilding it in {new}")
 
         specs, lib, data, tmp_model, tmp_lib, lib_name = built.specs, built.lib, built.data, built.model, built.lib_copy, built.lib_name

@@ -67,7 +67,7 @@ def make_plan(spec: MLPSpec, options: PlanOptions = DEFAULT_OPTIONS, wide_option
         if wide_why is not None:
             raise SpecError(f"{streamed_error}; the wide design cannot take it either: {wide_why}")
         return wide_plan(spec, wide_options, options,
-                         f"chosen because the streamed kernel cannot hold it ({_short(streamed_error)})")
+                         f"chosen because the streamed kernel cannot hold it ({short_reason(streamed_error)})")
     if wide_why is not None:
         return streamed
     if spec.has_gated:   # the gated wide plan (GEMM + glu pass) is not measured against the streamed
@@ -114,9 +114,10 @@ def block_refused(spec: MLPSpec, options: PlanOptions = DEFAULT_OPTIONS) -> str 
         except SpecError:
             fused_plan = None
         # the block's kernel is streamed here: a resident one would have taken the layers alone too
-        if fused_plan is None or fused_plan.design != "streamed" or cost.estimate_streamed(fp16, fused_plan) > t_wide:
-            fused = (f", vs ~{_us(cost.estimate_streamed(fp16, fused_plan))} in one streamed kernel"
-                     if fused_plan is not None and fused_plan.design == "streamed" else "")
+        t_fused = (cost.estimate_streamed(fp16, fused_plan)
+                   if fused_plan is not None and fused_plan.design == "streamed" else None)
+        if t_fused is None or t_fused > t_wide:
+            fused = f", vs ~{_us(t_fused)} in one streamed kernel" if t_fused is not None else ""
             stock = " and ".join(w for w, on in (("the norm", spec.norm is not None), ("the Add", spec.residual)) if on)
             return (f"the cost model runs its layers {widths} in the wide design (~{_us(t_wide)} at "
                     f"{cost.NOMINAL_ROWS} rows with {stock} as stock ops{fused}), and "
@@ -229,6 +230,7 @@ def _us(s: float) -> str:
     return f"{s * 1e6:.0f} us"
 
 
-def _short(err) -> str:
+def short_reason(err) -> str:
+    """A planner's error without its leading spec description (the text after the first ': ')."""
     text = str(err)
     return text.split(": ", 1)[1] if ": " in text else text
