@@ -155,12 +155,13 @@ def random_inputs(model: onnx.ModelProto, batches=BATCHES, seed: int = SEED,
     rng = np.random.default_rng(seed)
     ins = graph_inputs(model)
     cases, seen = [], set()
+    # elements of one batch item over the inputs the batch sizes (a set larger than SET_ELEMENTS gets a
+    # smaller batch; one that then equals another set is skipped below)
+    per_item = sum(int(np.prod(_shape(vi, 1)[1:])) for vi in ins if vi.name not in shapes)
     for b in batches:
-        set_shapes = tuple(tuple(shapes[vi.name]) if vi.name in shapes else _shape(vi, b) for vi in ins)
-        per_item = sum(int(np.prod(s[1:])) for vi, s in zip(ins, set_shapes) if vi.name not in shapes)
-        if b > 1 and per_item * b > SET_ELEMENTS:   # a smaller batch of this set (the same set as another's: skipped)
+        if b > 1 and per_item * b > SET_ELEMENTS:
             b = max(1, SET_ELEMENTS // max(per_item, 1))
-            set_shapes = tuple(tuple(shapes[vi.name]) if vi.name in shapes else _shape(vi, b) for vi in ins)
+        set_shapes = tuple(tuple(shapes[vi.name]) if vi.name in shapes else _shape(vi, b) for vi in ins)
         if set_shapes in seen:
             continue
         seen.add(set_shapes)

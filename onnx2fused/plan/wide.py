@@ -146,7 +146,7 @@ def pass_rows(rows: int, block: int) -> int:
     generated run_chain computes the same): as few passes as `block` allows, of even size rounded up to
     ROW_QUANTUM, so 4096 rows in 1792-row blocks run as 1408 + 1408 + 1280, not 1792 + 1792 + 512."""
     passes = -(-rows // block)
-    return min(block, -(-(-(-rows // passes)) // ROW_QUANTUM) * ROW_QUANTUM)
+    return min(block, round_up(-(-rows // passes), ROW_QUANTUM))
 
 
 @dataclass(frozen=True)
