@@ -278,8 +278,7 @@ struct StockCpuKernel {
   static constexpr int64_t kMaxTasks = 64;
   const KernelEntry* e;
   Ort::Session session{nullptr};
-  std::vector<std::string> input_names;
-  std::vector<const char*> input_ptrs;
+  const char* input_name = "X";   // the rows: the body's only input (its parameters are initializers)
   const char* output_name = "Y";
   Ort::MemoryInfo cpu = Ort::MemoryInfo::CreateCpu(OrtArenaAllocator, OrtMemTypeDefault);
 
@@ -319,8 +318,6 @@ struct StockCpuKernel {
     }
     so.AddExternalInitializers(names, values);
     session = Ort::Session(InnerEnv(), model.data(), model.size(), so);
-    input_names.push_back("X");
-    for (auto& n : input_names) input_ptrs.push_back(n.c_str());
   }
 
   // Rows [r0, r0 + n) of the call through the inner session, writing straight into Y.
@@ -334,7 +331,7 @@ struct StockCpuKernel {
     Ort::Value in = Ort::Value::CreateTensor(cpu, x, n * K0 * elem, xshape, 2, io);
     char* y = static_cast<char*>(call.y) + r0 * NL * elem;
     Ort::Value out = Ort::Value::CreateTensor(cpu, y, n * NL * elem, yshape, 2, io);
-    session.Run(Ort::RunOptions{nullptr}, input_ptrs.data(), &in, 1, &output_name, &out, 1);
+    session.Run(Ort::RunOptions{nullptr}, &input_name, &in, 1, &output_name, &out, 1);
   }
 
   OrtStatusPtr ComputeV2(OrtKernelContext* context) {
