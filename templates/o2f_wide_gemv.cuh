@@ -13,6 +13,7 @@
 // buffer), each output once.
 #pragma once
 #include <type_traits>
+#include "o2f_wide_half2.cuh"
 
 constexpr int kGemvWarps = 8;                  // warps (output columns at a time) per block
 constexpr int kGemvThreads = 32 * kGemvWarps;
@@ -25,17 +26,13 @@ template <typename T> struct GemvRaw;
 template <> struct GemvRaw<cutlass::half_t> { using type = __half; };
 template <> struct GemvRaw<cutlass::bfloat16_t> { using type = __nv_bfloat16; };
 
-__device__ __forceinline__ float2 gemv_float2(__half2 v) { return __half22float2(v); }
-__device__ __forceinline__ float2 gemv_float2(__nv_bfloat162 v) { return __bfloat1622float2(v); }
-
 // Eight 16-bit values (one 16-byte vector) of raw type R as floats.
 template <typename R>
 __device__ __forceinline__ void gemv_unpack8(const uint4& q, float (&v)[8]) {
-  using R2 = std::conditional_t<std::is_same<R, __half>::value, __half2, __nv_bfloat162>;
-  const R2* p = reinterpret_cast<const R2*>(&q);
+  const o2f_pair_t<R>* p = reinterpret_cast<const o2f_pair_t<R>*>(&q);
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
-    const float2 f = gemv_float2(p[j]);
+    const float2 f = o2f_float2(p[j]);
     v[2 * j] = f.x;
     v[2 * j + 1] = f.y;
   }

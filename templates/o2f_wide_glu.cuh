@@ -5,11 +5,9 @@
 // after elem_raw, DeviceInfo and the activation functors. Memory bound: it reads 4 and writes 2 bytes per
 // output column; the activation and the product are fp32, rounded to the compute type once.
 #pragma once
-#include <type_traits>
+#include "o2f_wide_half2.cuh"
 
-using elem_raw2 = std::conditional_t<std::is_same<elem_raw, __half>::value, __half2, __nv_bfloat162>;
-__device__ __forceinline__ float2 glu_float2(__half2 v) { return __half22float2(v); }
-__device__ __forceinline__ float2 glu_float2(__nv_bfloat162 v) { return __bfloat1622float2(v); }
+using elem_raw2 = o2f_pair_t<elem_raw>;
 template <typename T2> __device__ __forceinline__ T2 glu_pack2(float a, float b);
 template <> __device__ __forceinline__ __half2 glu_pack2<__half2>(float a, float b) { return __floats2half2_rn(a, b); }
 template <> __device__ __forceinline__ __nv_bfloat162 glu_pack2<__nv_bfloat162>(float a, float b) {
@@ -37,7 +35,7 @@ __global__ void glu_rows(const elem_raw* __restrict__ hg, elem_raw* __restrict__
     elem_raw2* o2 = reinterpret_cast<elem_raw2*>(&out);
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      const float2 gf = glu_float2(g2[j]), uf = glu_float2(u2[j]);
+      const float2 gf = o2f_float2(g2[j]), uf = o2f_float2(u2[j]);
       o2[j] = glu_pack2<elem_raw2>(__fmul_rn(act(gf.x), uf.x), __fmul_rn(act(gf.y), uf.y));
     }
     *reinterpret_cast<uint4*>(h + r * kHalf + c) = out;
