@@ -31,6 +31,14 @@ OUT=${OUT:-/tmp/o2f-out}
 export PYTHONPATH=/tmp/site:$R:$R/.deps/pylib
 workers=()   # pytest-xdist when carried: one nvcc build per core instead of one at a time
 [ -d .deps/pylib/xdist ] && workers=(-n "${O2F_PYTEST_WORKERS:-16}")
+# The GPU-marked tests: gpu_pytest SECONDS LOG LINES PYTEST_ARGS... (SECONDS 0: no limit; the whole output
+# in $OUT/LOG, its last LINES here; pytest-benchmark off: it only warns under xdist)
+gpu_pytest() {
+  local seconds=$1 log=$2 lines=$3
+  shift 3
+  timeout "$seconds" python3 -m pytest -q -m gpu -p no:cacheprovider -p no:benchmark -rs "${workers[@]}" "$@" 2>&1 \
+    | tee "$OUT/$log" | tail -"$lines"
+}
 export ONNXRUNTIME_INCLUDE_DIR=$R/.deps/ort-headers ONNX2FUSED_CUTLASS_DIR=$R/.deps/cutlass/include
 export ONNX2FUSED_CUDA_ARCHS=${ONNX2FUSED_CUDA_ARCHS:-90} ONNX2FUSED_CACHE=${ONNX2FUSED_CACHE:-/tmp/o2f-cache}
 if compgen -G ".deps/tune/*.json" > /dev/null; then
@@ -50,7 +58,7 @@ test)
   shift
   args=("$@")
   [ ${#args[@]} -eq 0 ] && args=(tests/test_gpu.py tests/test_gpu_activations.py tests/test_gpu_reliability.py tests/test_gpu_wide.py)
-  python3 -m pytest -q -m gpu -p no:cacheprovider -rs "${workers[@]}" "${args[@]}" 2>&1 | tee "$OUT/pytest_gpu.txt" | tail -40
+  gpu_pytest 0 pytest_gpu.txt 40 "${args[@]}"
   ;;
 overhead)
   # batch 1: the fused op's run is ORT's own cost plus a launch; beside stock ORT's at the same batch
@@ -70,13 +78,11 @@ blocks)
   ;;
 blocktests)
   shift
-  timeout 560 python3 -m pytest -q -m gpu -p no:cacheprovider -rs "${workers[@]}" tests/test_gpu_block.py "$@" 2>&1 \
-    | tee "$OUT/pytest_gpu_block.txt" | tail -30
+  gpu_pytest 560 pytest_gpu_block.txt 30 tests/test_gpu_block.py "$@"
   ;;
 gatedwide)
   shift
-  timeout 400 python3 -m pytest -q -m gpu -p no:cacheprovider -p no:benchmark -rs "${workers[@]}" tests/test_gpu_gated.py \
-    -k "wide or big_swiglu" "$@" 2>&1 | tee "$OUT/pytest_gpu_gated_wide.txt" | tail -20
+  gpu_pytest 400 pytest_gpu_gated_wide.txt 20 tests/test_gpu_gated.py -k "wide or big_swiglu" "$@"
   ;;
 llama)
   timeout 500 python3 benchmarks/wide_cases.py --out /tmp/wide_llama --cases llama7b --batch "${2:-4096,256,16,1}" \
@@ -84,8 +90,7 @@ llama)
   cp /tmp/wide_llama/wide_cases.json "$OUT/llama7b.json" 2>/dev/null; true
   ;;
 gemv)
-  timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider -p no:benchmark -rs "${workers[@]}" tests/test_gpu_wide.py \
-    -k gemv 2>&1 | tee "$OUT/pytest_gpu_gemv.txt" | tail -20
+  gpu_pytest 300 pytest_gpu_gemv.txt 20 tests/test_gpu_wide.py -k gemv
   ONNX2FUSED_WIDE_GEMV=on timeout 280 python3 benchmarks/wide_cases.py --out /tmp/wide_gemv --cases llama7b --batch 1,16 \
     --kernels sm90 --reps 50 2>&1 | tail -8
   cp /tmp/wide_gemv/wide_cases.json "$OUT/llama7b_gemv.json" 2>/dev/null; true
