@@ -12,7 +12,7 @@
 #   benchmarks/gpu_host.sh blocktests [ARGS] tests/test_gpu_block.py (the blocks through ORT)
 #   benchmarks/gpu_host.sh gatedwide [ARGS] gated layers in the wide design (issue 16): their GPU tests
 #   benchmarks/gpu_host.sh llama [BATCHES] LLaMA-7B's MLP (wide_cases.py llama7b; default 4096,256,16,1)
-#   benchmarks/gpu_host.sh gemv           the wide design's GEMV path for <= 16 rows (ONNX2FUSED_WIDE_GEMV=on,
+#   benchmarks/gpu_host.sh gemv [--no-bench] the wide design's GEMV path for <= 16 rows (ONNX2FUSED_WIDE_GEMV=on,
 #                                         off by default until this passes): its GPU test, then LLaMA-7B at 1, 16
 #   benchmarks/gpu_host.sh vit            whole ViT-tiny and ViT-small (benchmarks/vit_model.py) at batch 64:
 #                                         issue 16's end-to-end target, ORT fp32 / fp16 vs the fused model
@@ -31,13 +31,17 @@ OUT=${OUT:-/tmp/o2f-out}
 export PYTHONPATH=/tmp/site:$R:$R/.deps/pylib
 workers=()   # pytest-xdist when carried: one nvcc build per core instead of one at a time
 [ -d .deps/pylib/xdist ] && workers=(-n "${O2F_PYTEST_WORKERS:-16}")
+# pytest-timeout when carried: a test over O2F_TEST_TIMEOUT seconds fails with its stack, so a hang names
+# itself instead of eating the call's time limit
+[ -f .deps/pylib/pytest_timeout.py ] && workers+=(--timeout "${O2F_TEST_TIMEOUT:-240}")
 # The GPU-marked tests: gpu_pytest SECONDS LOG LINES PYTEST_ARGS... (SECONDS 0: no limit; the whole output
-# in $OUT/LOG, its last LINES here; pytest-benchmark off: it only warns under xdist)
+# in $OUT/LOG, its last LINES here; -v: under xdist each result is named as it finishes, so a run cut by
+# the time limit still says what failed; pytest-benchmark off: it only warns under xdist)
 gpu_pytest() {
   local seconds=$1 log=$2 lines=$3
   shift 3
-  timeout "$seconds" python3 -m pytest -q -m gpu -p no:cacheprovider -p no:benchmark -rs "${workers[@]}" "$@" 2>&1 \
-    | tee "$OUT/$log" | tail -"$lines"
+  timeout "$seconds" python3 -m pytest -v -m gpu -p no:cacheprovider -p no:benchmark -rs --tb=short "${workers[@]}" "$@" 2>&1 \
+    | tee "$OUT/$log" | grep --line-buffered -v " PASSED \| SKIPPED " | tail -"$lines"
 }
 export ONNXRUNTIME_INCLUDE_DIR=$R/.deps/ort-headers ONNX2FUSED_CUTLASS_DIR=$R/.deps/cutlass/include
 export ONNX2FUSED_CUDA_ARCHS=${ONNX2FUSED_CUDA_ARCHS:-90} ONNX2FUSED_CACHE=${ONNX2FUSED_CACHE:-/tmp/o2f-cache}
@@ -90,7 +94,8 @@ llama)
   cp /tmp/wide_llama/wide_cases.json "$OUT/llama7b.json" 2>/dev/null; true
   ;;
 gemv)
-  gpu_pytest 300 pytest_gpu_gemv.txt 20 tests/test_gpu_wide.py -k gemv
+  gpu_pytest 300 pytest_gpu_gemv.txt 30 tests/test_gpu_wide.py -k gemv
+  [ "${2:-}" = "--no-bench" ] && exit 0
   ONNX2FUSED_WIDE_GEMV=on timeout 280 python3 benchmarks/wide_cases.py --out /tmp/wide_gemv --cases llama7b --batch 1,16 \
     --kernels sm90 --reps 50 2>&1 | tail -8
   cp /tmp/wide_gemv/wide_cases.json "$OUT/llama7b_gemv.json" 2>/dev/null; true

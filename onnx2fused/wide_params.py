@@ -154,11 +154,11 @@ def wide_params(plan: WidePlan) -> dict:
                    "tail_expr": (f"reinterpret_cast<const {'io_t' if g.last else 'elem_t'}*>(ws + {g.b_offset}), "
                                  + (f"static_cast<io_t*>(y) + r0 * {g.n}, {g.n}" if g.last
                                     else f"hg, {g.np_}" if g.gated else f"{g.dst}, {g.np_}")),
-                   # the GEMV path's arguments (o2f_wide_gemv.cuh's gemv): the input rows (the first
-                   # layer reads x itself: no conversion pass), and bias, output rows and columns (a gated
-                   # layer writes act(gate) * up straight into its hidden buffer: no gate buffer)
-                   "gemv_src": (f"static_cast<const io_t*>(x) + r0 * kK0, kK0, kK0" if g.index == 0
-                                else f"{g.src}, {g.kp}, {g.kp}"),
+                   # the GEMV path's arguments (o2f_wide_gemv.cuh's gemv): the input rows and their
+                   # stride (layer 0: the converted rows, or x in place), and bias, output rows and columns
+                   # (a gated layer writes act(gate) * up straight into its hidden buffer: no gate buffer)
+                   "gemv_src": ("reinterpret_cast<const elem_t*>(static_cast<const io_t*>(x) + r0 * kK0), kK0"
+                                if g.src == "x" else f"{g.src}, {g.kp}"),
                    "gemv_dst": (f"reinterpret_cast<const {'io_t' if g.last else 'elem_t'}*>(ws + {g.b_offset}), "
                                 + (f"static_cast<io_t*>(y) + r0 * {g.n}, {g.n}, {g.np_}" if g.last
                                    else f"{g.dst}, {g.half}, {g.half}" if g.gated else f"{g.dst}, {g.np_}, {g.np_}")),

@@ -1,171 +1,149 @@
-// o2f_wide_gemv.cuh: the wide design's GEMV path (plan/wide.py): a pass of at most kGemvRows rows runs
-// each layer as one weight-streaming kernel instead of a CUTLASS GEMM, whose 128-row tiles would be mostly
-// padding while the pass's cost is reading every weight once anyway. Static code included inside the
-// generated source's namespace o2f_<chain>, after elem_t, elem_raw, io_t, DeviceInfo and kGemvRows.
+// o2f_wide_gemv.cuh: the wide design's GEMV path (plan/wide.py): a pass of at most kGemvRows (<= 16) rows
+// runs each layer as one weight-streaming kernel instead of a CUTLASS GEMM, whose 128-row tiles would be
+// mostly padding while the pass's cost is reading every weight once anyway. Static code included inside
+// the generated source's namespace o2f_<chain>, after elem_t, elem_raw, io_t, DeviceInfo and kGemvRows.
 //
-// One warp per output column (a gated layer: per gate and up column pair): the column's KP weights are
-// contiguous (n-major packing), so the lanes stream them as 16-byte vectors, 32 lanes apart, kGemvUnroll
-// vectors in flight per lane, bypassing L1 (each weight is read once); the pass's m activation rows are
-// re-read for every column and stay in L1/L2. Each lane accumulates its share of the m dot products in fp32,
-// a butterfly shuffle sums them over the warp, and lane r applies bias and activation to row r and stores
-// it. The roundings are the GEMM path's: the first layer's input to the compute type (the conversion pass),
-// a gated layer's gate and up products to 16 bits before act(gate) * up (its GEMM writes them to the gate
-// buffer), each output once.
+// The products run on the tensor cores (mma.sync m16n8k16, fp32 accumulation), the m rows padded to 16
+// with zeros in registers: the CUDA-core version (a warp per column, every activation converted to fp32
+// for every column) was bound by those conversions at 16 rows, 4x slower than the weight read.
+//
+// A block owns 16 output columns as two 8-column tiles: columns [16b, 16b + 16), or for a gated layer
+// gate columns [8b, 8b + 8) and their up columns at +second, so act(gate) * up pairs meet in one block.
+// Its 8 warps split K: warp w takes the 32-wide K chunks w, w + 8, ... Lane (g = lane / 4, q = lane % 4)
+// loads 16 bytes per chunk and tile, 8 consecutive k of weight column g (the n-major packing makes a
+// column's K contiguous; no L1 allocation, each weight is read once), and 16 bytes of activation rows g
+// and g + 8 at the same k (L1-cached: every block re-reads them). A dot product does not care which k
+// meet in which MMA step, so the lane's 8 k feed two m16n8k16 steps as they lie, and A and B agree:
+// step s, register j, element e hold k = 8q + 4s + 2j + e of the chunk for both operands.
+// The warps' accumulators meet in shared memory; a thread per output element adds bias, applies the
+// activation and stores. The roundings are the GEMM path's: a gated layer's gate and up products are
+// rounded to 16 bits before act(gate) * up (its GEMM writes them to the gate buffer), each output once.
 #pragma once
 #include <type_traits>
-#include "o2f_wide_half2.cuh"
 
-constexpr int kGemvWarps = 8;                  // warps (output columns at a time) per block
+constexpr int kGemvWarps = 8;                  // warps per block: 8-way split of K
 constexpr int kGemvThreads = 32 * kGemvWarps;
-constexpr int kGemvUnroll = 4;                 // weight vectors in flight per lane and column
-constexpr int kGemvBlocksPerSm = 16;           // grid cap: a few waves of resident blocks, then grid-stride
-static_assert(kGemvRows >= 1 && kGemvRows <= 32, "lane r stores row r of the pass");
+constexpr int kGemvChunk = 32;                 // K per warp step: 4 lanes x 8 k
+constexpr int kGemvUnroll = 4;                 // chunks in flight per warp
+constexpr int kGemvTileCols = 8;               // an m16n8k16 tile's columns
+static_assert(kGemvRows >= 1 && kGemvRows <= 16, "one m16 tile of rows");
 
-// The raw 16-bit type of a CUTLASS element type (same bits), for the vector unpacking.
-template <typename T> struct GemvRaw;
-template <> struct GemvRaw<cutlass::half_t> { using type = __half; };
-template <> struct GemvRaw<cutlass::bfloat16_t> { using type = __nv_bfloat16; };
-
-// Eight 16-bit values (one 16-byte vector) of raw type R as floats.
-template <typename R>
-__device__ __forceinline__ void gemv_unpack8(const uint4& q, float (&v)[8]) {
-  const o2f_pair_t<R>* p = reinterpret_cast<const o2f_pair_t<R>*>(&q);
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const float2 f = o2f_float2(p[j]);
-    v[2 * j] = f.x;
-    v[2 * j + 1] = f.y;
-  }
-}
-
-// v rounded to the compute type (round to nearest even), as a float: what the conversion pass writes, and
-// what a 16-bit tensor of the GEMM path holds.
+// v rounded to the compute type (round to nearest even), as a float: what a 16-bit tensor of the GEMM
+// path holds.
 __device__ __forceinline__ float gemv_round(float v) {
   if constexpr (std::is_same<elem_raw, __half>::value) return __half2float(__float2half_rn(v));
   else return __bfloat162float(__float2bfloat16_rn(v));
 }
 
 // A weight vector, read once: no L1 allocation, so the activation rows keep L1.
-__device__ __forceinline__ uint4 gemv_load_weights(const uint4* p) {
+__device__ __forceinline__ uint4 gemv_load_weights(const elem_t* p) {
   uint4 q;
   asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
                : "=r"(q.x), "=r"(q.y), "=r"(q.z), "=r"(q.w) : "l"(p));
   return q;
 }
 
-// Activations [k, k + 8) of one input row as floats, rounded to the compute type as the GEMM path's operand
-// is. kVec: one 16-byte load (two for fp32) at a 16-byte aligned k of a row of at least k + 8 columns;
-// else scalar loads, zero from column k_true on (an input row of K0 columns, K0 not a multiple of 8).
-template <typename In, bool kVec>
-__device__ __forceinline__ void gemv_load8(const In* __restrict__ row, int k, int k_true, float (&v)[8]) {
-  constexpr bool kExact = std::is_same<In, elem_t>::value;  // already the compute type: no rounding
-  if constexpr (kVec && std::is_same<In, float>::value) {
-    const float4 lo = __ldg(reinterpret_cast<const float4*>(row + k));
-    const float4 hi = __ldg(reinterpret_cast<const float4*>(row + k) + 1);
-    v[0] = lo.x; v[1] = lo.y; v[2] = lo.z; v[3] = lo.w; v[4] = hi.x; v[5] = hi.y; v[6] = hi.z; v[7] = hi.w;
-  } else if constexpr (kVec) {
-    gemv_unpack8<typename GemvRaw<In>::type>(__ldg(reinterpret_cast<const uint4*>(row + k)), v);
+// acc += A (16 x 16, rows a01 (row g) and a23 (row g + 8) as two registers each) * B (16 x 8), fp32.
+__device__ __forceinline__ void gemv_mma(float (&acc)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+  if constexpr (std::is_same<elem_raw, __half>::value) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+                 "{%8, %9}, {%0, %1, %2, %3};"
+                 : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
   } else {
-#pragma unroll
-    for (int j = 0; j < 8; ++j) v[j] = k + j < k_true ? static_cast<float>(row[k + j]) : 0.0f;
-  }
-  if constexpr (!kExact) {
-#pragma unroll
-    for (int j = 0; j < 8; ++j) v[j] = gemv_round(v[j]);
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+                 "{%8, %9}, {%0, %1, %2, %3};"
+                 : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
   }
 }
 
-// One layer on m <= kGemvRows rows: a (m rows of lda, K columns of which k_true are real), w [*][kp]
-// n-major. kCols = 1: out[r][c] = act(a[r] . w[c] + bias[c]) for c < columns. kCols = 2 (gated, second =
-// NP): out[r][c] = act(g) * u, g = a[r] . w[c] + bias[c], u = a[r] . w[second + c] + bias[second + c],
-// each rounded to the compute type. d rows are ldd apart.
-template <template <typename> class Act, int kCols, typename In, bool kVec, typename Out>
+// One layer on m <= kGemvRows rows: a [m][lda] in the compute type (rows 16-byte aligned, lda a multiple
+// of 8, columns [0, kp) real or zero padding), w [*][kp] n-major (kp a multiple of 8).
+// kGated = false: d[r][c] = act(a[r] . w[c] + bias[c]) for c < columns.
+// kGated = true: d[r][c] = act(g) * u, g = a[r] . w[c] + bias[c], u = a[r] . w[second + c] + bias[second + c],
+// both rounded to the compute type first. d rows are ldd apart.
+template <template <typename> class Act, bool kGated, typename Out>
 __global__ void __launch_bounds__(kGemvThreads)
-gemv_layer(const In* __restrict__ a, int lda, int k_true, const elem_t* __restrict__ w, int kp, int second,
+gemv_layer(const elem_t* __restrict__ a, int lda, const elem_t* __restrict__ w, int kp, int second,
            const Out* __restrict__ bias, Out* __restrict__ d, int ldd, int columns, int m) {
-  static_assert(kCols == 1 || kCols == 2, "a column, or a gate and up column pair");
-  const int lane = threadIdx.x & 31;
-  const int vecs = kp / 8;  // kp is a multiple of 8 (ALIGN)
+  __shared__ float partial[kGemvWarps][2][4][32];   // [warp][tile][accumulator][lane]: conflict-free
+  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31, g = lane / 4, q = lane % 4;
+  // The two tiles' first output columns and the weight rows lane g streams.
+  const int base = kGated ? blockIdx.x * kGemvTileCols : blockIdx.x * 2 * kGemvTileCols;
+  auto tile_col = [&](int t) { return kGated ? base : base + t * kGemvTileCols; };
+  const elem_t* wcol[2];
+  bool wok[2];
+#pragma unroll
+  for (int t = 0; t < 2; ++t) {
+    const int c = tile_col(t) + g;
+    wok[t] = c < columns;
+    wcol[t] = w + static_cast<int64_t>(wok[t] ? c + (kGated ? t * second : 0) : 0) * kp;
+  }
+  const elem_t* row_lo = a + static_cast<int64_t>(g) * lda;        // row g
+  const elem_t* row_hi = a + static_cast<int64_t>(g + 8) * lda;    // row g + 8
+  const bool lo_ok = g < m, hi_ok = g + 8 < m;
+
+  float acc[2][4] = {};
+  const int chunks = (kp + kGemvChunk - 1) / kGemvChunk;
+  for (int c0 = warp; c0 < chunks; c0 += kGemvWarps * kGemvUnroll) {
+    uint4 alo[kGemvUnroll], ahi[kGemvUnroll], b[kGemvUnroll][2];   // every load first: all in flight
+#pragma unroll
+    for (int u = 0; u < kGemvUnroll; ++u) {
+      const int chunk = c0 + u * kGemvWarps;
+      const int k = chunk * kGemvChunk + 8 * q;
+      const bool kok = chunk < chunks && k < kp;   // kp is a multiple of 8: a lane's 8 k are all in or all out
+      const uint4 zero = make_uint4(0, 0, 0, 0);
+      alo[u] = kok && lo_ok ? __ldg(reinterpret_cast<const uint4*>(row_lo + k)) : zero;
+      ahi[u] = kok && hi_ok ? __ldg(reinterpret_cast<const uint4*>(row_hi + k)) : zero;
+#pragma unroll
+      for (int t = 0; t < 2; ++t) b[u][t] = kok && wok[t] ? gemv_load_weights(wcol[t] + k) : zero;
+    }
+#pragma unroll
+    for (int u = 0; u < kGemvUnroll; ++u)
+#pragma unroll
+      for (int t = 0; t < 2; ++t) {
+        gemv_mma(acc[t], alo[u].x, ahi[u].x, alo[u].y, ahi[u].y, b[u][t].x, b[u][t].y);   // k 8q + 0..3
+        gemv_mma(acc[t], alo[u].z, ahi[u].z, alo[u].w, ahi[u].w, b[u][t].z, b[u][t].w);   // k 8q + 4..7
+      }
+  }
+#pragma unroll
+  for (int t = 0; t < 2; ++t)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) partial[warp][t][i][lane] = acc[t][i];
+  __syncthreads();
+
+  // Accumulator i of lane l holds row l / 4 + 8 (i / 2), column 2 (l % 4) + i % 2 of its tile.
   const Act<float> act;
-  for (int col = blockIdx.x * kGemvWarps + threadIdx.x / 32; col < columns; col += gridDim.x * kGemvWarps) {
-    const uint4* wrow[kCols];
+  const int e = threadIdx.x;              // one (tile, accumulator, lane) each: 2 x 4 x 32 = kGemvThreads
+  const int t = e / 128, i = (e / 32) % 4, l = e % 32;
+  if (kGated && t == 1) return;           // the up tile is read by the gate tile's thread
+  const int row = l / 4 + 8 * (i / 2), col = tile_col(t) + 2 * (l % 4) + i % 2;
+  if (row >= m || col >= columns) return;
+  float sum[2] = {0.0f, 0.0f};
 #pragma unroll
-    for (int c = 0; c < kCols; ++c)
-      wrow[c] = reinterpret_cast<const uint4*>(w + static_cast<int64_t>(col + c * second) * kp);
-    float acc[kCols][kGemvRows];
-#pragma unroll
-    for (int c = 0; c < kCols; ++c)
-#pragma unroll
-      for (int r = 0; r < kGemvRows; ++r) acc[c][r] = 0.0f;
-
-    for (int v0 = lane; v0 < vecs; v0 += 32 * kGemvUnroll) {
-      uint4 wq[kGemvUnroll][kCols];  // all loads first: kGemvUnroll * kCols vectors in flight
-#pragma unroll
-      for (int u = 0; u < kGemvUnroll; ++u)
-#pragma unroll
-        for (int c = 0; c < kCols; ++c)
-          wq[u][c] = v0 + 32 * u < vecs ? gemv_load_weights(wrow[c] + v0 + 32 * u) : make_uint4(0, 0, 0, 0);
-#pragma unroll
-      for (int u = 0; u < kGemvUnroll; ++u) {
-        const int v = v0 + 32 * u;
-        if (v >= vecs) break;
-        float wf[kCols][8];
-#pragma unroll
-        for (int c = 0; c < kCols; ++c) gemv_unpack8<elem_raw>(wq[u][c], wf[c]);
-#pragma unroll
-        for (int r = 0; r < kGemvRows; ++r) {
-          if (r >= m) break;  // uniform over the warp
-          float x[8];
-          gemv_load8<In, kVec>(a + static_cast<int64_t>(r) * lda, 8 * v, k_true, x);
-#pragma unroll
-          for (int c = 0; c < kCols; ++c)
-#pragma unroll
-            for (int j = 0; j < 8; ++j) acc[c][r] = fmaf(x[j], wf[c][j], acc[c][r]);
-        }
-      }
-    }
-
-    // Butterfly: every lane ends with the warp's sums (all lanes take part: m and col are warp-uniform).
-#pragma unroll
-    for (int r = 0; r < kGemvRows; ++r) {
-      if (r >= m) break;
-#pragma unroll
-      for (int c = 0; c < kCols; ++c)
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) acc[c][r] += __shfl_xor_sync(0xffffffffu, acc[c][r], off);
-    }
-    // Lane r stores row r: the m stores go out in one instruction, not m of lane 0's.
-#pragma unroll
-    for (int r = 0; r < kGemvRows; ++r) {
-      if (r < m && lane == r) {
-        Out* out = d + static_cast<int64_t>(r) * ldd + col;
-        if constexpr (kCols == 1) {
-          *out = Out(act(acc[0][r] + static_cast<float>(bias[col])));
-        } else {
-          const float g = gemv_round(acc[0][r] + static_cast<float>(bias[col]));
-          const float up = gemv_round(acc[1][r] + static_cast<float>(bias[second + col]));
-          *out = Out(__fmul_rn(act(g), up));
-        }
-      }
-    }
+  for (int ww = 0; ww < kGemvWarps; ++ww) {
+    sum[0] += partial[ww][t][i][l];
+    if constexpr (kGated) sum[1] += partial[ww][1][i][l];
+  }
+  Out* out = d + static_cast<int64_t>(row) * ldd + col;
+  if constexpr (kGated) {
+    const float gate = gemv_round(sum[0] + static_cast<float>(bias[col]));
+    const float up = gemv_round(sum[1] + static_cast<float>(bias[second + col]));
+    *out = Out(__fmul_rn(act(gate), up));
+  } else {
+    *out = Out(act(sum[0] + static_cast<float>(bias[col])));
   }
 }
 
-// Launches one layer: a warp per output column (`columns`: NP, or a gated layer's NP pairs). The 16-byte
-// activation loads where the rows allow them: every column of [0, kp) real (k_true == kp) and rows 16-byte
-// aligned (always for the hidden buffers; the caller's x when K0 is a multiple of 8 and its base is
-// aligned), else the scalar ones.
-template <template <typename> class Act, int kCols, typename In, typename Out>
-cudaError_t gemv(const DeviceInfo& dev, int m, const In* a, int lda, int k_true, const elem_t* w, int kp, int second,
-                 const Out* bias, Out* d, int ldd, int columns, cudaStream_t s) {
-  const int want = (columns + kGemvWarps - 1) / kGemvWarps;
-  const int blocks = want < kGemvBlocksPerSm * dev.sms ? want : kGemvBlocksPerSm * dev.sms;
-  const bool vec = k_true == kp && lda % 8 == 0 && (reinterpret_cast<uintptr_t>(a) & 15u) == 0;
-  if (vec)
-    gemv_layer<Act, kCols, In, true, Out><<<blocks, kGemvThreads, 0, s>>>(a, lda, k_true, w, kp, second, bias, d,
-                                                                        ldd, columns, m);
-  else
-    gemv_layer<Act, kCols, In, false, Out><<<blocks, kGemvThreads, 0, s>>>(a, lda, k_true, w, kp, second, bias, d,
-                                                                         ldd, columns, m);
+// Launches one layer: `columns` outputs (NP, or a gated layer's NP gate and up pairs), a block per 16
+// (gated: 8 pairs).
+template <template <typename> class Act, bool kGated, typename Out>
+cudaError_t gemv(int m, const elem_t* a, int lda, const elem_t* w, int kp, int second, const Out* bias, Out* d,
+                 int ldd, int columns, cudaStream_t s) {
+  const int per_block = kGated ? kGemvTileCols : 2 * kGemvTileCols;
+  const int blocks = (columns + per_block - 1) / per_block;
+  gemv_layer<Act, kGated, Out><<<blocks, kGemvThreads, 0, s>>>(a, lda, w, kp, second, bias, d, ldd, columns, m);
   return cudaGetLastError();
 }

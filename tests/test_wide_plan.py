@@ -4,8 +4,10 @@ header discovery, and the rendered source. No GPU or nvcc needed."""
 from __future__ import annotations
 
 import hashlib
+import re
 
 import numpy as np
+
 import pytest
 
 from onnx2fused import build, headers, library, wide_params
@@ -744,8 +746,8 @@ def test_gemv_path_is_an_option_from_the_environment_and_off_by_default():
 
 
 def _gemv_branch(src: str) -> str:
-    """run_chain's GEMV branch: from `if (m <= kGemvRows) {` to the GEMMs' `} else {`."""
-    start = src.index("    if (m <= kGemvRows) {\n")
+    """run_chain's GEMV branch: from `if (m <= kGemvRows...) {` to the GEMMs' `} else {`."""
+    start = src.index("    if (m <= kGemvRows")
     return src[start: src.index("    } else {  // the GEMMs", start)]
 
 
@@ -766,20 +768,30 @@ def test_gemv_path_renders_one_launch_per_layer_and_nothing_when_off(spec):
     branch = _gemv_branch(src)
     launches = [line.strip() for line in branch.splitlines() if "err = gemv<" in line]
     assert len(launches) == len(plan.gemms)   # a segmented plan: its GEMM layers; the tail follows as usual
-    assert "glu<" not in branch and "convert_input(" not in branch and "hg" not in branch
-    assert launches[0].startswith("err = gemv<Act0, " + ("2" if plan.gemms[0].gated else "1")
-                                  + ">(dev, m, static_cast<const io_t*>(x) + r0 * kK0, kK0, kK0,")
+    assert "glu<" not in branch and "hg" not in branch
+    # layer 0 reads the conversion pass's rows (the same pass as the GEMMs'), or x in place where aligned
+    assert ("convert_input(dev, " in branch) == plan.convert_input
+    first = launches[0][: launches[0].index(", reinterpret_cast<const elem_t*>(ws + ")]
+    kind = "true" if plan.gemms[0].gated else "false"
+    if plan.convert_input:
+        assert first == f"err = gemv<Act0, {kind}>(m, xc, {plan.gemms[0].kp}"
+        assert branch.startswith("    if (m <= kGemvRows) {\n")
+    else:
+        assert first == f"err = gemv<Act0, {kind}>(m, reinterpret_cast<const elem_t*>(static_cast<const io_t*>(x) + r0 * kK0), kK0"
+        assert branch.startswith("    if (m <= kGemvRows && aligned16(x)) {\n")
     lines = branch.splitlines()
     for g, launch in zip(plan.gemms, launches):
         out_line = lines[next(i for i, line in enumerate(lines) if line.strip() == launch) + 1].strip()
+        assert re.match(rf"err = gemv<Act\d+, {'true' if g.gated else 'false'}>\(m, ", launch)   # functors are shared
+        assert launch.endswith(f"reinterpret_cast<const elem_t*>(ws + {g.w_offset}), {g.kp}, {g.half},")
         if g.gated:     # gate and up column pairs straight into the hidden buffer, half columns wide
-            assert f", {g.kp}, {g.half}," in launch and out_line.endswith(f"{g.dst}, {g.half}, {g.half}, s);")
+            assert out_line.endswith(f"{g.dst}, {g.half}, {g.half}, s);")
         elif g.last:
             assert out_line.endswith(f"static_cast<io_t*>(y) + r0 * {g.n}, {g.n}, {g.n}, s);")
         else:
             assert out_line.endswith(f"{g.dst}, {g.np_}, {g.np_}, s);")
         if g.index:
-            assert f"(dev, m, {g.src}, {g.kp}, {g.kp}, " in launch
+            assert f"(m, {g.src}, {g.kp}, " in launch
     if plan.tail_from:
         run_chain = src[src.index("int run_chain("):]
         assert run_chain.index(f"{tail_symbol(spec)}_cuda_run(") > run_chain.index("    }  // the GEMMs\n")
@@ -835,10 +847,37 @@ def test_gemv_path_chain_unit_compiles(spec, tuning, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
 
 
+GEMV_WARPS, GEMV_CHUNK, GEMV_TILE = 8, 32, 8   # o2f_wide_gemv.cuh's kGemvWarps, kGemvChunk, kGemvTileCols
+_LANE = np.arange(32)
+_G, _Q = _LANE // 4, _LANE % 4                  # a lane's row/column group and k quarter
+
+
+def _mma_m16n8k16(a_lo, a_hi, b) -> np.ndarray:
+    """The two m16n8k16 steps of one chunk from the registers the kernel passes (each lane's three 16-byte
+    loads as 8 values: a_lo row g, a_hi row g + 8, b weight column g), placed by PTX's fragment layout
+    (A: a0 (g, 2q..), a1 (g + 8, 2q..), a2 (g, 2q + 8..), a3 (g + 8, 2q + 8..); B: b0 (2q.., n g), b1
+    (2q + 8.., n g)): the 16 x 8 product the tensor cores add, so a register wired to the wrong operand
+    slot shows as a wrong sum."""
+    out = np.zeros((16, 8), np.float32)
+    for step in range(2):            # registers .x .y (step 0), .z .w (step 1): two values each
+        A, B = np.zeros((16, 16), np.float32), np.zeros((16, 8), np.float32)
+        for j in range(2):            # the step's first register (a0/a1, b0) and second (a2/a3, b1)
+            vals = slice(4 * step + 2 * j, 4 * step + 2 * j + 2)
+            for e in range(2):
+                k = 2 * _Q + 8 * j + e
+                A[_G, k] = a_lo[:, vals][:, e]
+                A[_G + 8, k] = a_hi[:, vals][:, e]
+                B[k, _G] = b[:, vals][:, e]
+        out += A @ B
+    return out
+
+
 def _emulate_gemv(plan: wide.WidePlan, x: np.ndarray, ws_w, ws_b) -> np.ndarray:
-    """run_chain's GEMV branch on one pass of m <= GEMV_MAX_ROWS rows, with the kernel's index math (the
-    weight rows `col` and `second + col`, the input's row stride and k < k_true guard, lane l's share of the
-    16-byte vectors l, l + 32, ..., each output's row stride), on a byte array as the workspace."""
+    """run_chain's GEMV branch on one pass of m <= GEMV_MAX_ROWS rows with the kernel's index math, on a
+    byte array as the workspace: the conversion pass (or x in place), then per layer and block the two
+    8-column tiles (gated: gate columns and their up columns at + second), each warp's K chunks and each
+    lane's loads (predicated on k < kp, the row < m and the column < columns), the fragment layout of
+    the MMAs (_mma_m16n8k16), the warps' sum and each output thread's row and column."""
     spec = plan.spec
     ws = np.zeros(plan.workspace_bytes, np.uint8)
 
@@ -855,45 +894,71 @@ def _emulate_gemv(plan: wide.WidePlan, x: np.ndarray, ws_w, ws_b) -> np.ndarray:
     m, k0 = x.shape
     assert m <= plan.gemv_rows
     y = np.full((m, spec.widths[-1]), np.nan, np.float32)
-    bufs = {"h0": plan.h_offsets[0], "h1": plan.h_offsets[1]}
-    flat_x = x.reshape(-1)
+    bufs = {"h0": plan.h_offsets[0], "h1": plan.h_offsets[1], "xc": plan.xc_offset}
+    if plan.convert_input:
+        xc = view(plan.xc_offset, m * plan.gemms[0].kp, np.float16).reshape(m, -1)
+        xc[:] = 0
+        xc[:, :k0] = x
     for g, layer in zip(plan.gemms, spec.layers):
-        if g.index == 0:   # x itself, K0 columns a row; each element rounded as the conversion pass does
-            src, lda, k_true = flat_x, k0, k0
+        if g.src == "x":
+            src, lda = x.astype(np.float16).reshape(-1), k0
         else:
-            src, lda, k_true = view(bufs[g.src], m * g.kp, np.float16), g.kp, g.kp
-        cols = np.arange(g.kp)
-        a = np.stack([np.where(cols < k_true, src[np.minimum(r * lda + cols, src.size - 1)], 0) for r in range(m)])
-        a = a.astype(np.float16).astype(np.float32)
-        weights = view(g.w_offset, g.np_ * g.kp, np.float16).astype(np.float32)
+            src, lda = view(bufs[g.src], m * g.kp, np.float16), g.kp
+        weights = view(g.w_offset, g.np_ * g.kp, np.float16)
         bias = view(g.b_offset, g.np_, io_dt if g.last else np.float16).astype(np.float32)
         columns, second = (g.half, g.half) if g.gated else (g.np_, 0)
-        vecs = g.kp // 8
-        lane_of = np.arange(vecs) % 32
-
-        def dot(row):   # [m] sums over lanes of each lane's vectors: the butterfly's result
-            per_vec = (a * weights[row * g.kp: (row + 1) * g.kp]).reshape(m, vecs, 8).sum(-1)
-            return sum(per_vec[:, lane_of == lane].sum(-1) for lane in range(32))
         if g.gated:
             out_rows, ldd = view(bufs[g.dst], m * g.half, np.float16), g.half
         elif g.last:
             out_rows, ldd = y.reshape(-1), g.n
         else:
             out_rows, ldd = view(bufs[g.dst], m * g.np_, np.float16), g.np_
-        for col in range(columns):
-            if g.gated:
-                gate = (dot(col) + bias[col]).astype(np.float16).astype(np.float32)
-                up = (dot(second + col) + bias[second + col]).astype(np.float16).astype(np.float32)
-                value = ex.evaluate(layer.activation, gate) * up
-            else:
-                value = ex.evaluate(layer.activation, dot(col) + bias[col])
-            out_rows[np.arange(m) * ldd + col] = value.astype(io_dt) if g.last else value
+
+        def load(flat, start, ok):   # [32, 8] values of each lane's 16-byte load, zero where not ok
+            idx = np.where(ok, start, 0)[:, None] + np.arange(8)
+            return np.where(ok[:, None], flat[np.minimum(idx, flat.size - 1)], 0).astype(np.float32)
+
+        per_block = GEMV_TILE if g.gated else 2 * GEMV_TILE
+        chunks = -(-g.kp // GEMV_CHUNK)
+        for block in range(-(-columns // per_block)):
+            base = block * per_block
+            tile_col = [base, base if g.gated else base + GEMV_TILE]
+            wrow = [np.where(tile_col[t] + _G < columns, tile_col[t] + _G + (t * second if g.gated else 0), 0)
+                    for t in range(2)]
+            wok = [tile_col[t] + _G < columns for t in range(2)]
+            frag = np.zeros((GEMV_WARPS, 2, 4, 32), np.float32)   # partial[warp][tile][i][lane]
+            for warp in range(GEMV_WARPS):
+                for chunk in range(warp, chunks, GEMV_WARPS):
+                    k = chunk * GEMV_CHUNK + 8 * _Q
+                    kok = k < g.kp
+                    a_lo = load(src, _G * lda + k, kok & (_G < m))
+                    a_hi = load(src, (_G + 8) * lda + k, kok & (_G + 8 < m))
+                    for t in range(2):
+                        d = _mma_m16n8k16(a_lo, a_hi, load(weights, wrow[t] * g.kp + k, kok & wok[t]))
+                        for i in range(4):   # C fragment: c_i of lane l is (l/4 + 8 (i/2), 2 (l%4) + i%2)
+                            frag[warp, t, i] += d[_G + 8 * (i // 2), 2 * _Q + i % 2]
+            for e in range(2 * 4 * 32):   # the output threads
+                t, i, lane = e // 128, (e // 32) % 4, e % 32
+                if g.gated and t == 1:
+                    continue
+                row, col = lane // 4 + 8 * (i // 2), tile_col[t] + 2 * (lane % 4) + i % 2
+                if row >= m or col >= columns:
+                    continue
+                total = frag[:, t, i, lane].sum()
+                if g.gated:
+                    gate = np.float32(np.float16(total + bias[col]))
+                    up = np.float32(np.float16(frag[:, 1, i, lane].sum() + bias[second + col]))
+                    value = ex.evaluate(layer.activation, np.array([gate]))[0] * up
+                else:
+                    value = ex.evaluate(layer.activation, np.array([total + bias[col]]))[0]
+                out_rows[row * ldd + col] = value
     return y
 
 
 @pytest.mark.parametrize("widths,io,gated,rows", [
     ([40, 24, 17], "f32", (), 1), ([13, 9, 30, 5], "f16", (), 16), ([41, 300, 17], "f32", (0,), 5),
     ([13, 21, 30, 5], "f16", (0, 1), 16), ([16, 64, 8], "f16", (), 3),
+    ([600, 40, 17], "f32", (), 9),   # 19 K chunks: a warp takes chunks w, w + 8, w + 16
 ])
 def test_emulated_gemv_path_matches_fp32_reference(widths, io, gated, rows):
     spec = _spec(widths, ex.sigmoid(), io=io, gated=gated)     # act(0) = 0.5: the padding must not leak
