@@ -103,7 +103,7 @@ gemv)
 vit)
   for size in tiny small; do
     python3 benchmarks/vit_model.py --size $size --out /tmp/vit/vit_$size.onnx > /dev/null 2>&1 || { echo "vit_$size: export failed"; continue; }
-    timeout 280 python3 -m onnx2fused bench /tmp/vit/vit_$size.onnx --batches 1,64 --no-torch --reps 50 \
+    timeout 280 python3 -m onnx2fused bench /tmp/vit/vit_$size.onnx --batches 1,64 --no-torch --reps 50 --fp16-model \
       --out /tmp/vit/bench_$size -q 2>&1 | tail -6
     cp /tmp/vit/bench_$size/bench.json "$OUT/vit_$size.json" 2>/dev/null
   done

@@ -41,27 +41,33 @@ def _sm80_config() -> str:
     return "Sm80T" + hashlib.sha256(table.encode()).hexdigest()[:6]
 
 
-def epilogue_text(act_code: str) -> str:
+def epilogue_text(act_code: str, residual: bool = False) -> str:
     """What an instance's epilogue computes (its name's hash is of this): D = act(acc + bias[n]) in fp32,
-    bias always present (zeros where the layer has none), act the activation's CUDA code of `v`."""
+    bias always present (zeros where the layer has none), act the activation's CUDA code of `v`; with
+    `residual` (a block's last layer), D = act(acc + C[m, n]) with C the output rows themselves, which
+    hold x + bias when it runs."""
+    if residual:
+        return f"D = act(acc + C[m, n]), C = D's rows in place (x + bias), fp32; act(v) = {act_code}"
     return f"D = act(acc + bias[n]), fp32; act(v) = {act_code}"
 
 
-def instance_params(config: str, elem: str, out: str, align: int, act_code: str) -> dict:
+def instance_params(config: str, elem: str, out: str, align: int, act_code: str, residual: bool = False) -> dict:
     """One kernel instance's parameters (cuda_wide_instance.cu.j2): `config` a Hopper kernel's name
     (plan.sm90.Sm90Kernel.name) or the sm80 kernels' (_sm80_config), `elem` the 16-bit operand type (a
     tf32 kernel's operands are fp32), `out` the output and bias type, `align` the epilogue's elements
-    per access, `act_code` the activation (expr.render_c of `v`)."""
+    per access, `act_code` the activation (expr.render_c of `v`), `residual`: the source operand is the
+    output rows in place, not the bias (epilogue_text)."""
     kernel = next((k for k in SM90_KERNELS if k.name == config), None)
     sm90 = kernel is not None
     operand = "float" if sm90 and kernel.tf32 else elem
-    epi = epilogue_text(act_code)
+    epi = epilogue_text(act_code, residual)
     name = (f"{INSTANCE_PREFIX}{config}_{_TYPE_TOKEN[operand]}_{_TYPE_TOKEN[out]}_a{align}_"
             f"{hashlib.sha256(epi.encode()).hexdigest()[:12]}")
     family = "CUTLASS 3.x sm_90a" if sm90 else "CUTLASS 2.x sm80 mma.sync"
     params = {
         "template": INSTANCE_TEMPLATE, "name": name, "file": f"{name}.cu", "sm90": sm90, "config": config,
         "elem": elem, "out": out, "align": align, "act_code": act_code, "prelude": ex.C_PRELUDE,
+        "residual": residual,
         "describe": (f"{config} ({family}), {_TYPE_TOKEN[operand]} operands, {_TYPE_TOKEN[out]} output, "
                      f"alignment {align}, epilogue {epi}"),
     }
@@ -93,12 +99,13 @@ def _gemm_instances(plan: WidePlan) -> list[dict]:
     out = []
     for g, per in zip(plan.gemms, plan.choices):
         o, code = _out_type(spec, g.last), IDENTITY_CODE if g.gated else acts[g.index]["code"]
+        res = g.last and spec.residual   # the block's residual: the last GEMM's source operand
         chosen = [i for i in plan.sm90_kernels if plan.tuning or any(c.kernel == i for c in per)]
-        sm90 = [(i, instance_params(SM90_KERNELS[i].name, elem, o, g.align_out, code))
+        sm90 = [(i, instance_params(SM90_KERNELS[i].name, elem, o, g.align_out, code, res))
                 for i in chosen if g.sm90 and not SM90_KERNELS[i].tf32]
-        tf32 = [(i, instance_params(SM90_KERNELS[i].name, elem, o, g.align_out, code))
+        tf32 = [(i, instance_params(SM90_KERNELS[i].name, elem, o, g.align_out, code, res))
                 for i in plan.sm90_kernels if SM90_KERNELS[i].tf32 and g.index == 0 and plan.tf32_first and g.sm90]
-        out.append({"sm80": None if g.narrow else instance_params(_sm80_config(), elem, o, g.align_out, code),
+        out.append({"sm80": None if g.narrow else instance_params(_sm80_config(), elem, o, g.align_out, code, res),
                     "sm90": sm90, "tf32": tf32})
     return out
 
@@ -143,6 +150,7 @@ def wide_params(plan: WidePlan) -> dict:
         "hg_offset": plan.hg_offset,
         "any_gated": plan.hg_width > 0,
         "gemv_rows": plan.gemv_rows,
+        "norm_offset": plan.norm_offset,
         "workspace_bytes": plan.workspace_bytes,
         "act_functors": [{"name": name, "code": code} for code, name in functors.items()],
         "gemms": [{"index": g.index, "act": act_of[g.index], "k": g.k, "n": g.n, "kp": g.kp, "np": g.np_, "last": g.last,

@@ -63,8 +63,9 @@ __device__ __forceinline__ void gemv_mma(float (&acc)[4], uint32_t a0, uint32_t 
 // of 8, columns [0, kp) real or zero padding), w [*][kp] n-major (kp a multiple of 8).
 // kGated = false: d[r][c] = act(a[r] . w[c] + bias[c]) for c < columns.
 // kGated = true: d[r][c] = act(g) * u, g = a[r] . w[c] + bias[c], u = a[r] . w[second + c] + bias[second + c],
-// both rounded to the compute type first. d rows are ldd apart.
-template <template <typename> class Act, bool kGated, typename Out>
+// both rounded to the compute type first. kIntoOutput (a block's last layer): d[r][c] = act(a[r] . w[c] +
+// d[r][c]), d holding x + bias already (the residual). d rows are ldd apart.
+template <template <typename> class Act, bool kGated, bool kIntoOutput, typename Out>
 __global__ void __launch_bounds__(kGemvThreads)
 gemv_layer(const elem_t* __restrict__ a, int lda, const elem_t* __restrict__ w, int kp, int second,
            const Out* __restrict__ bias, Out* __restrict__ d, int ldd, int columns, int m) {
@@ -133,17 +134,17 @@ gemv_layer(const elem_t* __restrict__ a, int lda, const elem_t* __restrict__ w, 
     const float up = gemv_round(sum[1] + static_cast<float>(bias[second + col]));
     *out = Out(__fmul_rn(act(gate), up));
   } else {
-    *out = Out(act(sum[0] + static_cast<float>(bias[col])));
+    *out = Out(act(sum[0] + static_cast<float>(kIntoOutput ? *out : bias[col])));
   }
 }
 
 // Launches one layer: `columns` outputs (NP, or a gated layer's NP gate and up pairs), a block per 16
 // (gated: 8 pairs).
-template <template <typename> class Act, bool kGated, typename Out>
+template <template <typename> class Act, bool kGated, bool kIntoOutput = false, typename Out>
 cudaError_t gemv(int m, const elem_t* a, int lda, const elem_t* w, int kp, int second, const Out* bias, Out* d,
                  int ldd, int columns, cudaStream_t s) {
   const int per_block = kGated ? kGemvTileCols : 2 * kGemvTileCols;
   const int blocks = (columns + per_block - 1) / per_block;
-  gemv_layer<Act, kGated, Out><<<blocks, kGemvThreads, 0, s>>>(a, lda, w, kp, second, bias, d, ldd, columns, m);
+  gemv_layer<Act, kGated, kIntoOutput, Out><<<blocks, kGemvThreads, 0, s>>>(a, lda, w, kp, second, bias, d, ldd, columns, m);
   return cudaGetLastError();
 }

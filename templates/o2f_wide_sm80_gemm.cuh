@@ -16,10 +16,12 @@ using LayerGemm = cutlass::gemm::device::Gemm<
     cutlass::gemm::threadblock::GemmIdentityThreadblockSwizzle<8>,
     Tile::kStages, 8, 8>;
 
+// The source operand C: the bias as a broadcast row (stride 0), or with the instance's kResidual (a
+// block's last layer) the output rows in place, which hold x + bias: D = Act(acc + C) either way.
 template <typename G>
 cudaError_t run_gemm(int m, int n, int k, const elem_t* a, const elem_t* w, const typename G::ElementC* bias,
                      typename G::ElementC* d, int ldd, cudaStream_t s) {
-  typename G::Arguments args({m, n, k}, {a, k}, {w, k}, {bias, 0}, {d, ldd},
+  typename G::Arguments args({m, n, k}, {a, k}, {w, k}, {kResidual ? d : bias, kResidual ? ldd : 0}, {d, ldd},
                              typename G::EpilogueOutputOp::Params(1.0f, 1.0f));
   G op;
   if (G::can_implement(args) != cutlass::Status::kSuccess) return cudaErrorMisalignedAddress;

@@ -4,14 +4,19 @@
 #pragma once
 // Same operands as LayerGemm (A row-major [M, K], weights n-major = column-major K x N, D row-major),
 // no C operand (ElementC void: nothing is read), D = Act(acc + bias[n]) by the predefined fusion
-// LinCombPerColBiasEltAct (alpha 1, beta 0), which the collective builder maps onto an EVT.
+// LinCombPerColBiasEltAct (alpha 1, beta 0), which the collective builder maps onto an EVT. With the
+// instance's kResidual (a block's last layer): C = the output rows in place (x + bias, written before),
+// D = Act(acc + 1 * C) by LinCombEltAct.
 template <class Kern, template <typename> class Act, typename Out, int Align>
 struct Gemm {
-  using Fusion = cutlass::epilogue::fusion::LinCombPerColBiasEltAct<Act, Out, float, Out, Out, float, Align>;
+  using Fusion = std::conditional_t<kResidual,
+      cutlass::epilogue::fusion::LinCombEltAct<Act, Out, float, Out, float>,
+      cutlass::epilogue::fusion::LinCombPerColBiasEltAct<Act, Out, float, Out, Out, float, Align>>;
+  using ElementC = std::conditional_t<kResidual, Out, void>;
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Kern::Tile, typename Kern::Cluster,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float,
-      void, cutlass::layout::RowMajor, Align,
+      ElementC, cutlass::layout::RowMajor, Align,
       Out, cutlass::layout::RowMajor, Align,
       typename Kern::EpilogueSchedule, Fusion>::CollectiveOp;
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<

@@ -252,6 +252,20 @@ def test_table_marks_missing_values():
     assert "ORT CUDA fp32 ms (p10..p90)" in t
 
 
+def test_fp16_model_variant_is_a_column_only_when_timed():
+    """--fp16-model adds fused_fp16 (the fp16 copy, converted) and its speed-up over ORT fp16 on the same
+    copy; without it, the table is the standard one."""
+    from onnx2fused.bench.variants import GPU_VARIANTS, timed_variants
+    row = {"batch": 64, "ms": {"ort_fp16": 3.0, "fused": 4.0, "fused_fp16": 2.0}, "na": {},
+           "speedup_vs_ort_fp16": 0.75, "speedup_fp16_vs_ort_fp16": 1.5, "floor_ms": 0.1}
+    with_copy = bench.format_table({"mode": "gpu", "rows": [row], "variants": timed_variants(GPU_VARIANTS, ["fused_fp16"])})
+    header = with_copy.splitlines()[0]
+    assert "onnx2fused on the fp16 copy ms" in header and "fused fp16 copy/fp16 x" in header
+    assert "2.0000" in with_copy and "1.50" in with_copy
+    plain = bench.format_table({"mode": "gpu", "rows": [row], "variants": timed_variants(GPU_VARIANTS, ["fused"])})
+    assert "fp16 copy" not in plain and timed_variants(GPU_VARIANTS, ["fused"]) == GPU_VARIANTS
+
+
 def test_nothing_timed():
     rows = [{"batch": 8, "ms": {"ort_cpu": 1.0}, "na": {"fused_cpu": "RuntimeError: boom"}}]
     assert bench.variants.nothing_timed(rows, ["fused_cpu"]) == "fused_cpu: RuntimeError: boom"

@@ -58,7 +58,8 @@ def _stock(model_path, x, providers):
 def _fuse(src: Path, precision: str, design: str, cache_dir: Path, out: Path):
     """The block converted by a library WITH CUDA kernels, `design` forced: one fused op (norm, layers and
     residual all in it). Returns (fused model path, library path, the chain)."""
-    options = PlanOptions(design="auto" if design == "fp32" else design, wgmma=False)
+    # the wide design with its GEMV path too: a pass of <= 16 rows runs it (batch 1 below)
+    options = PlanOptions(design="auto" if design == "fp32" else design, wgmma=False, wide_gemv=design == "wide")
     model = load_model(str(src))
     plan = library.find_fusions(model, True, options)
     (chain,) = plan.chains
@@ -225,3 +226,31 @@ def test_hand_built_block_on_cuda_ep(block, precision, design, cache_dir, tmp_pa
     # the large odd batch: tall tiles, every lane group's last round past the batch (once per design)
     batches = (0, 1, 37, 129, LARGE) if precision == "fp16" else (0, 1, 37, 4099)
     check_block(src, fused, lib, chain, precision, batches, label=f"{block} {design}")
+
+
+# -- blocks in the wide design: the norm as its conversion pass, the residual as y = x + b and the last
+# GEMM's source operand (CUTLASS 2.x and 3.x epilogues, the GEMV path's last layer) -----------------------
+WIDE_BLOCKS = ["k40_ln", "k40_ln_nobias_no_residual", "k72_rms", "k72_residual_alone", "k40_rms_swiglu", "k40_ln_f16"]
+WIDE_RUNS = [(b, p) for b in WIDE_BLOCKS for p in ("fp16", "bf16")]
+
+
+@pytest.mark.parametrize("block,precision", WIDE_RUNS, ids=[f"{b}-{p}" for b, p in WIDE_RUNS])
+def test_hand_built_block_in_the_wide_design(block, precision, cache_dir, tmp_path):
+    src = tmp_path / f"{block}.onnx"
+    onnx.save(block_model(**BLOCKS[block]), str(src))
+    fused, lib, chain = _fuse(src, precision, "wide", cache_dir, tmp_path / "fused.onnx")
+    # 1 and 16 rows: the GEMV path; 17 and more the GEMMs, 70001 in several passes
+    check_block(src, fused, lib, chain, precision, (0, 1, 16, 17, 4099, 70001), label=f"{block} wide")
+
+
+def test_vit_base_block_in_the_wide_design(cache_dir, tmp_path, monkeypatch):
+    """ViT-B's block (pre-LN, 768 -> 3072 -> 768 GELU, residual) as the cost model plans it: wide, one op,
+    on both kernel families (the CUTLASS 3.x sm_90a kernels, and the 2.x ones the same library runs with
+    ONNX2FUSED_WIDE_KERNELS=sm80)."""
+    from onnx2fused.plan.wide import SM80_ENV
+    src = tmp_path / "vitb.onnx"
+    onnx.save(block_model(k=768, h=3072, norm="layernorm", act="Tanh"), str(src))
+    fused, lib, chain = _fuse(src, "fp16", "wide", cache_dir, tmp_path / "fused.onnx")
+    check_block(src, fused, lib, chain, "fp16", (1, 300, 16384), label="vit-b sm90")
+    monkeypatch.setenv(SM80_ENV, "sm80")
+    check_block(src, fused, lib, chain, "fp16", (300,), label="vit-b sm80")

@@ -23,6 +23,7 @@ from onnx2fused.loader import load_model
 from onnx2fused.passes import block_key, find_chains
 from onnx2fused.plan.choose import make_plan, wgmma_refused, wide_plan
 from onnx2fused.plan.options import PlanOptions
+from onnx2fused.plan.wide import WIDE_RESIDUAL_ACT, WIDE_RESIDUAL_NARROW
 from onnx2fused.spec import BLOCK_NO_CUDA, DOMAIN, LayerSpec, MLPSpec, NormSpec, SpecError
 from onnx2fused import expr as ex
 from onnx_builders import G, fuse, rand, run
@@ -389,35 +390,33 @@ def fuse_with_cuda(m):
     return rewrite(m, plan, [c.to_spec("fp32") for c in plan.chains])
 
 
-def _wide_block(k=768, h=3072):
-    """x [B, k] -> LayerNorm -> fc k -> h -> Relu -> fc h -> k -> + x: BERT-base's FFN block."""
+def _wide_block(k=768, h=3072, act_after_last=False):
+    """x [B, k] -> LayerNorm -> fc k -> h -> Relu -> fc h -> k [-> Relu] -> + x: BERT-base's FFN block."""
     g = G(opset=17, seed=9)
     t = g.op("LayerNormalization", ["x", g.init(np.ones(k, np.float32)), g.init(np.zeros(k, np.float32))],
              name="ln", axis=-1, epsilon=1e-5)
     y = g.linear(g.op("Relu", [g.linear(t, k, h, name="fc1")]), h, k, name="fc2")
+    if act_after_last:
+        y = g.op("Relu", [y])
     g.op("Add", [y, "x"], name="res", outputs=["y"])
     return g.model([("x", ["B", k])], [("y", ["B", k])])
 
 
-def test_cuda_library_keeps_a_wide_block_stock():
-    """768 -> 3072 -> 768: the cost model runs the layers in the wide design (CUTLASS GEMMs, which have no
-    norm prologue or residual epilogue), so a CUDA library keeps the LayerNorm and the Add stock ops and
-    says so; without the wide design (no CUTLASS headers) the streamed kernel takes the block at fp16 but
-    has no tf32 plan for it, which the reason says instead."""
+def test_cuda_library_fuses_a_wide_block():
+    """768 -> 3072 -> 768: the cost model runs the block in the wide design, whose conversion pass
+    normalises the rows and whose last GEMM takes the residual as its source operand: one chain with the
+    norm and the Add, on a CUDA library as on a CPU-only one; bf16 plans wide too and fp32 (automatic
+    precision skips tf32, which no CUDA design plans here) on CUDA cores."""
     m = _wide_block()
     plan = find_fusions(m, True, WIDE)
     (c,) = plan.chains
-    assert c.norm is None and not c.residual and list(c.widths) == [768, 3072, 768]
-    assert make_plan(c.to_spec("fp16"), WIDE).design == "wide"
-    start, end = (r.reason for r in plan.refusals)
-    why = ("the cost model runs its layers 768 -> 3072 -> 768 in the wide design (~",
-           "with the norm and the Add as stock ops, vs ~", "in one streamed kernel), and the wide design's "
-           "CUTLASS GEMMs have no norm prologue or residual epilogue (CPU-only libraries fuse it)")
-    assert start.startswith(START.format(t=m.graph.node[0].output[0], node="LayerNormalization 'ln'")
-                            + "layer norm in front: no fused CUDA kernel takes it: " + why[0])
-    assert end.startswith(END.format(y=c.output) + "feeds Add 'res': residual Add behind: no fused CUDA kernel "
-                                                   "takes it: " + why[0])
-    assert all(w in r for w in why for r in (start, end))
+    assert c.norm is not None and c.residual and plan.refusals == []
+    spec = c.to_spec("fp16")
+    wide_block = make_plan(spec, WIDE)
+    assert wide_block.design == "wide" and "a layer norm pass writing the 16-bit rows" in wide_block.describe()
+    assert "the residual as the last GEMM's source operand" in wide_block.describe()
+    assert make_plan(replace(spec, precision="bf16"), WIDE).design == "wide"
+    assert make_plan(replace(spec, precision="fp32"), WIDE).design == "fp32"
     assert find_fusions(m, False).chains[0].residual   # CPU-only: fused
     no_wide = PlanOptions(wide_unavailable="no CUTLASS here")
     plan = find_fusions(m, True, no_wide)
@@ -425,16 +424,36 @@ def test_cuda_library_keeps_a_wide_block_stock():
     assert "tf32 + residual: even a 16-row tile needs" in plan.refusals[0].reason
 
 
-def test_forced_wide_keeps_blocks_stock():
-    m = block()
+def test_cuda_library_keeps_a_wide_block_the_wide_design_cannot_take_stock():
+    """A ReLU after the last layer: the residual would enter the GEMM's epilogue before it, so the wide
+    design cannot take the block; its layers stay wide and the norm and the Add stock ops, with the reason."""
+    m = _wide_block(act_after_last=True)
+    plan = find_fusions(m, True, WIDE)
+    (c,) = plan.chains
+    assert c.norm is None and not c.residual and list(c.widths) == [768, 3072, 768]
+    start, end = (r.reason for r in plan.refusals)
+    why = ("the cost model runs its layers 768 -> 3072 -> 768 in the wide design (~",
+           "with the norm and the Add as stock ops, vs ~", f"in one streamed kernel), and {WIDE_RESIDUAL_ACT} "
+           "(CPU-only libraries fuse it)")
+    assert start.startswith(START.format(t=m.graph.node[0].output[0], node="LayerNormalization 'ln'")
+                            + "layer norm in front: no fused CUDA kernel takes it: " + why[0])
+    assert end.startswith(END.format(y=c.output) + "feeds Add 'res': residual Add behind: no fused CUDA kernel "
+                                                   "takes it: " + why[0])
+    assert all(w in r for w in why for r in (start, end))
+    assert find_fusions(m, False).chains[0].residual   # CPU-only: fused
+
+
+def test_forced_wide_takes_blocks_but_not_a_narrow_residual():
+    m = block()   # 8 -> 12 -> 8: the residual after 8 outputs has no GEMM epilogue (the narrow layer's kernel)
     plan = find_fusions(m, True, PlanOptions(design="wide"))
     assert plan.chains[0].norm is None and not plan.chains[0].residual
-    assert "run in the wide design (ONNX2FUSED_CUDA_DESIGN=wide), and the wide design's CUTLASS GEMMs have no " \
-           "norm prologue" in plan.refusals[0].reason
+    assert f"run in the wide design (ONNX2FUSED_CUDA_DESIGN=wide), and {WIDE_RESIDUAL_NARROW}" in plan.refusals[0].reason
+    (c,) = find_fusions(_wide_block(k=40, h=100), True, PlanOptions(design="wide")).chains
+    assert c.norm is not None and c.residual
 
 
 def test_plan_takes_a_block_spec():
-    """make_plan plans a block in the fused kernels; the wide and wgmma designs refuse it with a reason."""
+    """make_plan plans a block in the fused kernels and the wide design; wgmma refuses it with a reason."""
     layers = (LayerSpec(K, H, True, ex.relu()), LayerSpec(H, K, True, ex.identity()))
     ln = MLPSpec(layers, norm=NormSpec("layernorm", 1e-5, True), residual=True)
     assert make_plan(ln).design == "resident"
@@ -442,8 +461,12 @@ def test_plan_takes_a_block_spec():
     assert make_plan(ln, PlanOptions(design="streamed")).design == "streamed"
     assert make_plan(ln, PlanOptions(design="wgmma")).design == "resident"
     assert "transformer block" in wgmma_refused(ln)
-    with pytest.raises(SpecError, match="no norm prologue or residual epilogue"):
+    with pytest.raises(SpecError, match="a residual after a last layer of at most 8 outputs"):
         wide_plan(MLPSpec(layers, residual=True))
+    wide40 = (LayerSpec(40, H, True, ex.relu()), LayerSpec(H, 40, True, ex.identity()))
+    assert wide_plan(MLPSpec(wide40, norm=NormSpec("rmsnorm", 1e-6), residual=True)).norm_offset > 0
+    with pytest.raises(SpecError, match="the last layer must have none"):
+        wide_plan(MLPSpec((wide40[0], LayerSpec(H, 40, True, ex.tanh())), residual=True))
 
 
 def test_spec_checks_and_names():

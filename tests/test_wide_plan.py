@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import hashlib
 import re
+from dataclasses import replace
 
 import numpy as np
-
 import pytest
 
 from onnx2fused import build, headers, library, wide_params
@@ -15,8 +15,9 @@ from onnx2fused.cuda_params import act_params
 from onnx2fused import expr as ex
 from onnx2fused.errors import ConversionError
 from onnx2fused.plan import choose, cost, fused, sm90, wide
+from onnx2fused.plan.padding import NORM_ALIGN, round_up
 from onnx2fused.plan.options import DESIGN_ENV, PlanOptions, WideOptions
-from onnx2fused.spec import LayerSpec, MLPSpec, SpecError
+from onnx2fused.spec import LayerSpec, MLPSpec, NormSpec, SpecError
 from onnx2fused.wide_params import tail_symbol
 from plan_support import cuda_source, expanded, render_cuda
 
@@ -292,13 +293,43 @@ def test_fp16_input_with_aligned_rows_is_read_in_place():
     assert choose.wide_plan(_spec([768, 3072, 768], precision="bf16", io="f16")).convert_input
 
 
-def _emulate(plan: wide.WidePlan, x: np.ndarray, ws_w, ws_b) -> np.ndarray:
-    """The generated kernel's computation, with its index math, on a byte array as the workspace."""
+def _pack_norm(plan: wide.WidePlan, view, norm_params) -> None:
+    """cuda_pack's copy of a block's norm scale (and bias) into the workspace."""
+    k0 = plan.spec.widths[0]
+    ns, nb = norm_params
+    view(plan.norm_offset, k0, np.float32)[:] = ns
+    if nb is not None:
+        view(plan.norm_offset + round_up(k0, NORM_ALIGN) * 4, k0, np.float32)[:] = nb
+
+
+def _packed_norm(plan: wide.WidePlan, view) -> tuple[np.ndarray, np.ndarray | None]:
+    """The norm's scale and bias as the norm pass reads them from the workspace."""
+    k0 = plan.spec.widths[0]
+    bias_at = plan.norm_offset + round_up(k0, NORM_ALIGN) * 4
+    return (view(plan.norm_offset, k0, np.float32).copy(),
+            view(bias_at, k0, np.float32).copy() if plan.spec.norm.has_bias else None)
+
+
+def _normalise(spec: MLPSpec, x: np.ndarray, ns, nb) -> np.ndarray:
+    """A block's norm of each row in fp32 (ORT's LayerNormalization / the exporters' RMSNorm)."""
+    x = x.astype(np.float32)
+    if spec.norm.kind == "layernorm":
+        mean = x.mean(-1, keepdims=True)
+        out = (x - mean) / np.sqrt((x * x).mean(-1, keepdims=True) - mean * mean + spec.norm.eps) * ns
+        return out + nb if nb is not None else out
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + spec.norm.eps) * ns
+
+
+def _emulate(plan: wide.WidePlan, x: np.ndarray, ws_w, ws_b, norm_params=None) -> np.ndarray:
+    """The generated kernel's computation, with its index math, on a byte array as the workspace; a
+    block's norm (the conversion pass normalises) and residual (y = x + b_last first, then the last GEMM
+    adds its product to y in place)."""
     spec = plan.spec
     ws = np.zeros(plan.workspace_bytes, np.uint8)
 
     def view(off, count, dtype):
         return ws[off: off + count * np.dtype(dtype).itemsize].view(dtype)
+
 
     io_dt = np.float16 if spec.io_dtype == "f16" else np.float32
     for g, w, b in zip(plan.gemms, ws_w, ws_b):  # cuda_pack (pack_gated_layer: gate rows, then up rows at NP)
@@ -310,6 +341,8 @@ def _emulate(plan: wide.WidePlan, x: np.ndarray, ws_w, ws_b) -> np.ndarray:
             at = part * g.half
             packed[at: at + g.n, : g.k] = w[:, part * g.n: (part + 1) * g.n].T.astype(np.float16)
             bias[at: at + g.n] = b[part * g.n: (part + 1) * g.n]
+    if spec.norm is not None:
+        _pack_norm(plan, view, norm_params)
     rows, y = x.shape[0], np.full((x.shape[0], spec.widths[-1]), np.nan, np.float32)
     step = wide.pass_rows(rows, plan.row_block)
     for r0 in range(0, rows, step):  # cuda_run
@@ -318,7 +351,11 @@ def _emulate(plan: wide.WidePlan, x: np.ndarray, ws_w, ws_b) -> np.ndarray:
         if plan.convert_input:
             xc = view(plan.xc_offset, m * plan.gemms[0].kp, np.float16).reshape(m, -1)
             xc[:] = 0
-            xc[:, : spec.widths[0]] = x[r0: r0 + m]
+            xc[:, : spec.widths[0]] = (x[r0: r0 + m] if spec.norm is None
+                                       else _normalise(spec, x[r0: r0 + m], *_packed_norm(plan, view)))
+        if spec.residual:   # init_residual: y = x + b_last in the io type
+            b_last = view(plan.gemms[-1].b_offset, spec.widths[-1], io_dt).astype(np.float32)
+            y[r0: r0 + m] = (x[r0: r0 + m].astype(np.float32) + b_last).astype(io_dt)
         for g, layer in zip(plan.gemms, spec.layers):
             if g.src == "x":
                 a = x[r0: r0 + m].astype(np.float16)
@@ -326,7 +363,9 @@ def _emulate(plan: wide.WidePlan, x: np.ndarray, ws_w, ws_b) -> np.ndarray:
                 a = view(bufs[g.src], m * g.kp, np.float16).reshape(m, g.kp)
             wt = view(g.w_offset, g.np_ * g.kp, np.float16).reshape(g.np_, g.kp)
             bias = view(g.b_offset, g.np_, io_dt if g.last else np.float16).astype(np.float32)
-            acc = a.astype(np.float32) @ wt.astype(np.float32).T + bias
+            # the source operand C: the bias row, or for a block's last layer y's rows in place
+            source = y[r0: r0 + m] if g.last and spec.residual else bias
+            acc = a.astype(np.float32) @ wt.astype(np.float32).T + source
             if g.gated:   # identity epilogue into the gate buffer (16 bits), then the glu pass into dst
                 hg = view(plan.hg_offset, m * g.np_, np.float16).reshape(m, g.np_)
                 hg[:] = acc
@@ -363,6 +402,51 @@ def _chain_case(spec: MLPSpec, rows: int):
         n = layer.out_features
         ref = ex.evaluate(layer.activation, z[:, :n]) * z[:, n:] if layer.gated else ex.evaluate(layer.activation, z)
     return x, ws, bs, ref
+
+
+def _block_case(spec: MLPSpec, rows: int, seed: int = 1):
+    """_chain_case for a block: the norm's scale (and bias) too, and the reference with the norm in front
+    and the residual behind."""
+    x, ws, bs, _ = _chain_case(spec, rows)
+    rng = np.random.default_rng(seed)
+    k0 = spec.widths[0]
+    ns = (1 + 0.2 * rng.standard_normal(k0)).astype(np.float32) if spec.norm else None
+    nb = (0.1 * rng.standard_normal(k0)).astype(np.float32) if spec.norm and spec.norm.has_bias else None
+    ref = _normalise(spec, x, ns, nb) if spec.norm else x.astype(np.float32)
+    for layer, w, b in zip(spec.layers, ws, bs):
+        z = ref @ w + b
+        n = layer.out_features
+        ref = ex.evaluate(layer.activation, z[:, :n]) * z[:, n:] if layer.gated else ex.evaluate(layer.activation, z)
+    if spec.residual:
+        ref = ref + x.astype(np.float32)
+    return x, ws, bs, (ns, nb), ref
+
+
+BLOCKS = [  # (widths, io, gated, norm kind or None, norm bias, residual)
+    ([40, 24, 40], "f32", (), "layernorm", True, True), ([13, 30, 13], "f16", (), "rmsnorm", False, True),
+    ([40, 21, 40], "f32", (0,), "layernorm", False, True), ([24, 40, 17], "f16", (), "layernorm", True, False),
+    ([33, 48, 33], "f32", (), None, False, True),
+]
+
+
+def _block_spec(widths, io, gated, norm, norm_bias, residual, act=ex.sigmoid()):
+    base = _spec(widths, act, io=io, gated=gated)
+    return MLPSpec(base.layers, base.precision, base.io_dtype,
+                   norm=NormSpec(norm, 1e-5, norm_bias) if norm else None, residual=residual)
+
+
+@pytest.mark.parametrize("widths,io,gated,norm,norm_bias,residual", BLOCKS)
+def test_emulated_block_matches_fp32_reference(widths, io, gated, norm, norm_bias, residual, monkeypatch):
+    """A transformer block in the wide design: the norm as the conversion pass, the residual as y = x + b
+    and the last GEMM's source operand; several passes and a partial last one."""
+    monkeypatch.setattr(wide, "SCRATCH_BUDGET", 20000)
+    spec = _block_spec(widths, io, gated, norm, norm_bias, residual)
+    plan = choose.wide_plan(spec)
+    assert plan.convert_input == (norm is not None or io == "f32") and not plan.tf32_first
+    x, ws, bs, norm_params, ref = _block_case(spec, 300)
+    got = _emulate(plan, x, ws, bs, norm_params)
+    assert np.isfinite(got).all()
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 3e-3
 
 
 @pytest.mark.parametrize("widths,io,gated,budget,rows,block", [
@@ -811,10 +895,43 @@ def _rendered(spec, options: PlanOptions) -> dict[str, str]:
     return codegen.render([spec], True, {spec.name: False}, choose.make_plans([spec], options))
 
 
+def test_block_renders_the_norm_pass_the_residual_pass_and_a_residual_epilogue():
+    """A wide block: the conversion pass is the norm (norm_rows of o2f_block_norm.cuh, scale and bias
+    copied into the workspace by cuda_pack), y = x + b_last runs before each pass's layers (GEMV or GEMM),
+    and only the last GEMM's instances take the output rows as their source operand (kResidual)."""
+    spec = _block_spec([768, 3072, 768], "f32", (), "layernorm", True, True, act=ex.gelu_erf())
+    plan = choose.wide_plan(spec, options=GEMV)
+    files = _rendered(spec, WIDE_GEMV)
+    src = files[f"{spec.name}_cuda.cu"]
+    assert "o2f_block_norm.cuh" in files and "convert_rows" not in src
+    assert "norm_pass::normalise<<<" in src and f"reinterpret_cast<const float*>(ws + {plan.norm_offset})" in src
+    assert f"cudaMemcpyAsync(ws + {plan.norm_offset}, w[2]," in src
+    assert f"cudaMemcpyAsync(ws + {plan.norm_offset} + {round_up(768, NORM_ALIGN)} * sizeof(float), b[2]," in src
+    run_chain = src[src.index("int run_chain("):]
+    init = run_chain.index("init_residual<<<")
+    assert init < run_chain.index("if (m <= kGemvRows") < run_chain.index("layer0(dev")
+    assert f"reinterpret_cast<const io_raw*>(ws + {plan.gemms[-1].b_offset})" in run_chain[init:]
+    launches = [line.strip() for line in _gemv_branch(src).splitlines() if "err = gemv<" in line]
+    assert launches[0].startswith("err = gemv<Act0, false>(m, xc, 768,") and ", false, true>(m, h0, 3072," in launches[1]
+    instances = {name: text for name, text in files.items() if name.startswith(wide_params.INSTANCE_PREFIX)}
+    last = wide_params.wide_instances(plan)
+    residual = {name for name, p in last.items() if p["residual"]}
+    assert residual and residual < set(instances) and len(residual) < len(instances)
+    for name, text in instances.items():
+        assert ("constexpr bool kResidual = true;" in text) == (name in residual)
+        assert ("D = act(acc + C[m, n])" in text) == (name in residual)
+    plain = _rendered(replace(spec, norm=None, residual=False), WIDE_GEMV)   # the layers alone: none of it
+    unit = next(text for name, text in plain.items() if name.startswith("FusedMLP_") and name.endswith("_cuda.cu"))
+    assert "init_residual" not in unit and "norm_pass" not in unit and "convert_rows" in unit
+    assert not any("kResidual = true" in text for text in plain.values())
+
+
 GEMV_BUILDS = [_spec([1001, 520, 999]),                          # fp32 rows of odd K0: scalar loads
                _spec([768, 3072, 768], io="f16"),                 # fp16 rows read in place: 16-byte loads
                LLAMA,                                             # gated: gate and up pairs into h0
-               _spec([768, 3072, 768], precision="bf16", io="f16")]  # fp16 rows rounded to bf16
+               _spec([768, 3072, 768], precision="bf16", io="f16"),  # fp16 rows rounded to bf16
+               # a block: the norm pass, y = x + b, the GEMV path's last layer into y
+               _block_spec([768, 3072, 768], "f32", (), "layernorm", True, True, act=ex.gelu_erf())]
 
 
 @pytest.mark.cuda_build
@@ -872,12 +989,13 @@ def _mma_m16n8k16(a_lo, a_hi, b) -> np.ndarray:
     return out
 
 
-def _emulate_gemv(plan: wide.WidePlan, x: np.ndarray, ws_w, ws_b) -> np.ndarray:
+def _emulate_gemv(plan: wide.WidePlan, x: np.ndarray, ws_w, ws_b, norm_params=None) -> np.ndarray:
     """run_chain's GEMV branch on one pass of m <= GEMV_MAX_ROWS rows with the kernel's index math, on a
     byte array as the workspace: the conversion pass (or x in place), then per layer and block the two
     8-column tiles (gated: gate columns and their up columns at + second), each warp's K chunks and each
     lane's loads (predicated on k < kp, the row < m and the column < columns), the fragment layout of
-    the MMAs (_mma_m16n8k16), the warps' sum and each output thread's row and column."""
+    the MMAs (_mma_m16n8k16), the warps' sum and each output thread's row and column; a block's norm
+    (the conversion pass) and residual (y = x + b_last, then the last layer adds its product to y)."""
     spec = plan.spec
     ws = np.zeros(plan.workspace_bytes, np.uint8)
 
@@ -891,6 +1009,8 @@ def _emulate_gemv(plan: wide.WidePlan, x: np.ndarray, ws_w, ws_b) -> np.ndarray:
         for part in range(2 if g.gated else 1):
             packed[part * g.half: part * g.half + g.n, : g.k] = w[:, part * g.n: (part + 1) * g.n].T
             bias[part * g.half: part * g.half + g.n] = b[part * g.n: (part + 1) * g.n]
+    if spec.norm is not None:
+        _pack_norm(plan, view, norm_params)
     m, k0 = x.shape
     assert m <= plan.gemv_rows
     y = np.full((m, spec.widths[-1]), np.nan, np.float32)
@@ -898,7 +1018,9 @@ def _emulate_gemv(plan: wide.WidePlan, x: np.ndarray, ws_w, ws_b) -> np.ndarray:
     if plan.convert_input:
         xc = view(plan.xc_offset, m * plan.gemms[0].kp, np.float16).reshape(m, -1)
         xc[:] = 0
-        xc[:, :k0] = x
+        xc[:, :k0] = x if spec.norm is None else _normalise(spec, x, *_packed_norm(plan, view))
+    if spec.residual:   # init_residual
+        y[:] = (x.astype(np.float32) + view(plan.gemms[-1].b_offset, k0, io_dt).astype(np.float32)).astype(io_dt)
     for g, layer in zip(plan.gemms, spec.layers):
         if g.src == "x":
             src, lda = x.astype(np.float16).reshape(-1), k0
@@ -949,8 +1071,9 @@ def _emulate_gemv(plan: wide.WidePlan, x: np.ndarray, ws_w, ws_b) -> np.ndarray:
                     gate = np.float32(np.float16(total + bias[col]))
                     up = np.float32(np.float16(frag[:, 1, i, lane].sum() + bias[second + col]))
                     value = ex.evaluate(layer.activation, np.array([gate]))[0] * up
-                else:
-                    value = ex.evaluate(layer.activation, np.array([total + bias[col]]))[0]
+                else:   # kIntoOutput (a block's last layer): the output row holds x + b already
+                    source = out_rows[row * ldd + col] if g.last and spec.residual else bias[col]
+                    value = ex.evaluate(layer.activation, np.array([total + source]))[0]
                 out_rows[row * ldd + col] = value
     return y
 
@@ -965,6 +1088,17 @@ def test_emulated_gemv_path_matches_fp32_reference(widths, io, gated, rows):
     plan = choose.wide_plan(spec, options=GEMV)
     x, ws, bs, ref = _chain_case(spec, rows)
     got = _emulate_gemv(plan, x, ws, bs)
+    assert np.isfinite(got).all()
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 3e-3
+
+
+@pytest.mark.parametrize("widths,io,gated,norm,norm_bias,residual", BLOCKS)
+@pytest.mark.parametrize("rows", [1, 16])
+def test_emulated_gemv_path_of_a_block_matches_fp32_reference(widths, io, gated, norm, norm_bias, residual, rows):
+    spec = _block_spec(widths, io, gated, norm, norm_bias, residual)
+    plan = choose.wide_plan(spec, options=GEMV)
+    x, ws, bs, norm_params, ref = _block_case(spec, rows)
+    got = _emulate_gemv(plan, x, ws, bs, norm_params)
     assert np.isfinite(got).all()
     assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 3e-3
 

@@ -7,6 +7,8 @@ batch size of a sweep:
   ort_fp16       stock ORT CUDA EP on an fp16 copy of the model (`to_fp16`)
   fused          the model converted by `onnx2fused.convert` (validated), plugin registered
   fused_graph    the same with ORT's CUDA graphs (enable_cuda_graph=1): no per-run ORT overhead
+  fused_fp16     (--fp16-model) ort_fp16's fp16 copy, converted: for models where much of the time is
+                 outside the chains (a whole transformer), the like-for-like comparison with ort_fp16
   torch_eager    torch fp16 eager   (zoo models, or --torch-module)
   torch_compile  torch.compile fp16 (same)
 
@@ -92,6 +94,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="torch rows: 'file.py:fn' or 'pkg.mod:fn' returning an nn.Module equivalent to the "
                              "model (or naming one); default: built from models/zoo.json when it describes the model")
     parser.add_argument("--no-torch", action="store_true", help="GPU mode: skip the torch rows")
+    parser.add_argument("--fp16-model", action="store_true",
+                        help="GPU mode: also convert the fp16 copy ORT fp16 runs and time it (fused_fp16): "
+                             "every op outside the chains then runs in fp16 as in ort_fp16")
     parser.add_argument("-q", "--quiet", action="store_true",
                         help="no progress lines on stderr (build steps and each timing, with the elapsed time)")
 

@@ -24,6 +24,7 @@ DEFAULT_CPU_REPS = 15
 DEFAULT_THREADS = 2
 
 GPU_VARIANTS = ["ort_fp32", "ort_fp16", "fused", "fused_graph", "torch_eager", "torch_compile"]
+OPTIONAL_GPU_VARIANTS = ["fused_fp16"]   # --fp16-model
 CPU_VARIANTS = ["ort_cpu", "fused_cpu"]
 
 
@@ -76,6 +77,11 @@ def fused_session(path: Path, library: Path | None, so, providers):
 def _default_out(model: Path, cpu: bool) -> Path:
     stem = model.name[:-5] if model.name.endswith(".onnx") else model.name
     return Path("build") / "bench" / (stem + ("-cpu" if cpu else ""))
+
+
+def timed_variants(standard: list[str], opened: list[str]) -> list[str]:
+    """The result's variants: the standard ones, then the optional ones this run opened."""
+    return standard + [v for v in OPTIONAL_GPU_VARIANTS if v in opened]
 
 
 def _record(row: dict, name: str, ts: list[float]) -> None:
@@ -261,16 +267,23 @@ def run_gpu(args, say=None) -> int:
     def make_ort_fp32():
         return ort.InferenceSession(str(model), so(), providers=providers), None
 
+    def fp16_copy() -> Path:
+        return fp16_model_file(model, out_dir / (model.stem + ".fp16.onnx"))
+
     def make_ort_fp16():
-        p = fp16_model_file(model, out_dir / (model.stem + ".fp16.onnx"))
+        p = fp16_copy()
         return ort.InferenceSession(str(p), so(), providers=providers), f"ort_fp16 model: {p}"
 
-    def make_fused():
+    def convert_timed(src: Path, what: str):
         t0 = time.perf_counter()
-        say(f"converting {model} (CUDA and CPU kernels; build, tuning and validation)")
-        p, lib = convert_model(model, out_dir, args.precision, with_cuda=True, progress=say)
+        say(f"converting {src} (CUDA and CPU kernels; build, tuning and validation)")
+        p, lib = convert_model(src, out_dir, args.precision, with_cuda=True, progress=say)
         s = fused_session(p, lib, so(), providers)
-        return s, f"fused model: {p} (precision {args.precision}; converted and validated in {time.perf_counter() - t0:.1f} s)"
+        return s, (f"{what}: {p} (precision {args.precision}; converted and validated in "
+                   f"{time.perf_counter() - t0:.1f} s)")
+
+    def make_fused():
+        return convert_timed(model, "fused model")
 
     def make_fused_graph():
         # The same fused model with ORT's CUDA graphs: shows the op without ORT's per-run overhead.
@@ -279,11 +292,18 @@ def run_gpu(args, say=None) -> int:
         graph_providers = [(cuda[0], {**cuda[1], "enable_cuda_graph": "1"})] + rest
         return fused_session(p, lib, so(), graph_providers), "fused_graph: enable_cuda_graph=1, one graph per IOBinding"
 
+    def make_fused_fp16():
+        # The fp16 copy ORT fp16 runs, converted: every op outside the chains in fp16 as in ort_fp16
+        return convert_timed(fp16_copy(), "fused_fp16 model")
+
+    variants = [("ort_fp32", make_ort_fp32), ("ort_fp16", make_ort_fp16), ("fused", make_fused),
+                ("fused_graph", make_fused_graph)]
+    if getattr(args, "fp16_model", False):
+        variants.append(("fused_fp16", make_fused_fp16))
     rows = {b: {"batch": b, "ms": {}, "na": {}, "rep_ms": {}} for b in batches}
     out_features = {}
 
-    for name, make in (("ort_fp32", make_ort_fp32), ("ort_fp16", make_ort_fp16), ("fused", make_fused),
-                       ("fused_graph", make_fused_graph)):
+    for name, make in variants:
         say(f"{name}: opening the session")
         try:
             sess, note = make()
@@ -381,12 +401,15 @@ def run_gpu(args, say=None) -> int:
         r["speedup_vs_ort_fp16"] = s16 / f if f and s16 else None
         r["fused_tflops"] = r["flops"] / (f * 1e-3) / 1e12 if f and r["flops"] else None
         r["fused_over_floor"] = f / r["floor_ms"] if f and r["floor_ms"] else None
+        f16 = r["ms"].get("fused_fp16")
+        if f16 and s16:
+            r["speedup_fp16_vs_ort_fp16"] = s16 / f16
 
     result = {
         "mode": "gpu", "model": str(model), "device": device,
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "versions": _versions(), "commit": _git_commit(), "command": _command_line(), "argv": sys.argv[:],
-        "precision": args.precision, "reps": reps, "warmup": warmup, "variants": GPU_VARIANTS,
+        "precision": args.precision, "reps": reps, "warmup": warmup, "variants": timed_variants(GPU_VARIANTS, [n for n, _ in variants]),
         "measured": {"copy_bytes_per_s": bw, "fp16_matmul_flops_per_s": tc},
         "timing": ("CUDA events" if torch is not None else "host timers") +
                   " around each run (ORT: run_with_iobinding, synchronous; torch: forward + event sync), "
@@ -398,5 +421,5 @@ def run_gpu(args, say=None) -> int:
     for n in notes:
         print("note:", n)
     _write_outputs(result, out_dir, say)
-    why = nothing_timed(list(rows.values()), ["fused", "fused_graph"])
+    why = nothing_timed(list(rows.values()), ["fused", "fused_graph", "fused_fp16"])
     return _error(f"the fused model was not timed: {why}") if why else 0

@@ -90,11 +90,14 @@ def block_refused(spec: MLPSpec, options: PlanOptions = DEFAULT_OPTIONS) -> str 
     """Why a library with CUDA kernels should keep the norm in front and the residual behind of the block
     `spec` as stock ops (library.block_refusal), or None: a fused kernel runs them. The precision is not
     known yet (automatic precision comes later), so
-      * where the layers alone go to the wide design at fp16 (forced, or the cost model's choice: wide and
-        wgmma refuse blocks), they stay there unless one fused kernel with the block is estimated faster
-        than the wide plan plus the norm and the Add as stock passes (768 -> 3072 -> 768 stays wide);
+      * where the layers alone go to the wide design at fp16 (forced, or the cost model's choice), the wide
+        design runs the norm (as its conversion pass) and the residual (as the last GEMM's source operand)
+        too; where it cannot (a residual behind an activation, or after a narrow last layer), the layers
+        stay wide unless one fused kernel with the block is estimated faster than the wide plan plus the
+        norm and the Add as stock passes;
       * every precision must plan with them: tf32 must (the largest operands: fp16/bf16 plans need less
-        shared memory, fp32 runs on CUDA cores)."""
+        shared memory, fp32 runs on CUDA cores); for a block the wide design runs, fp32 must (automatic
+        precision skips tf32 there)."""
     if not options.cuda_blocks:
         return f"{CUDA_BLOCKS_ENV}=off keeps a block's norm and residual out of the CUDA kernels"
     fp16 = replace(spec, precision="fp16", act_math="packed")
@@ -103,10 +106,11 @@ def block_refused(spec: MLPSpec, options: PlanOptions = DEFAULT_OPTIONS) -> str 
         alone = make_plan(layers, options)
     except SpecError:
         alone = None   # the layers alone cannot run either: their own error comes when they are planned
-    if alone is not None and alone.design == "wide":
+    why_not_wide = wide.wide_reason_refused(fp16)   # None: the wide design runs the block, norm and residual
+    if alone is not None and alone.design == "wide" and why_not_wide is not None:
         widths = " -> ".join(map(str, spec.widths))
         if options.design == "wide":
-            return f"its layers {widths} run in the wide design ({DESIGN_ENV}=wide), and {wide.WIDE_NO_BLOCK}"
+            return f"its layers {widths} run in the wide design ({DESIGN_ENV}=wide), and {why_not_wide}"
         t_wide = (cost.estimate_wide(layers, cost.NOMINAL_ROWS, alone.tail_from, alone.tail)
                   + cost.estimate_stock_block(fp16))
         try:
@@ -120,12 +124,18 @@ def block_refused(spec: MLPSpec, options: PlanOptions = DEFAULT_OPTIONS) -> str 
             fused = f", vs ~{_us(t_fused)} in one streamed kernel" if t_fused is not None else ""
             stock = " and ".join(w for w, on in (("the norm", spec.norm is not None), ("the Add", spec.residual)) if on)
             return (f"the cost model runs its layers {widths} in the wide design (~{_us(t_wide)} at "
-                    f"{cost.NOMINAL_ROWS} rows with {stock} as stock ops{fused}), and "
-                    f"{wide.WIDE_NO_BLOCK}")
+                    f"{cost.NOMINAL_ROWS} rows with {stock} as stock ops{fused}), and {why_not_wide}")
     try:
         make_plan(replace(spec, precision="tf32", act_math="packed"), options)
     except SpecError as e:
-        return str(e)
+        if alone is None or alone.design != "wide" or why_not_wide is not None:
+            return str(e)
+        # a wide block: automatic precision skips tf32, which no CUDA design plans here (convert.plannable),
+        # and goes from bf16 to fp32, which must plan it
+        try:
+            make_plan(replace(spec, precision="fp32", act_math="packed"), options)
+        except SpecError as e32:
+            return str(e32)
     return None
 
 
@@ -217,7 +227,7 @@ def best_tail(spec: MLPSpec, options: PlanOptions = DEFAULT_OPTIONS,
     trailing layers (DLRM's 256 -> 64 -> 1: two launches and a round trip of the 64-wide tensor) by one
     pass over the hidden rows. None searched where `options.wide_tail` is off."""
     best, best_t, best_plan = 0, cost.estimate_wide(spec, rows), None
-    if not options.wide_tail:
+    if not options.wide_tail or spec.residual:   # a tail has no source operand for the residual
         return best, best_t, best_plan
     for start in range(1, len(spec.layers)):
         plan = tail_plan(spec, start, options)

@@ -28,15 +28,19 @@ WIDE_MARGIN = 1.25              # wide replaces a working streamed plan only whe
 
 def converts_input(spec: MLPSpec) -> bool:
     """Whether the wide design's 16-bit path needs the conversion pass (WidePlan.convert_input): not for
-    fp16 rows of an fp16 chain whose width is already a multiple of ALIGN (the GEMM reads them in place)."""
+    fp16 rows of an fp16 chain whose width is already a multiple of ALIGN (the GEMM reads them in place),
+    always for a block's norm (the pass normalises the rows it converts)."""
     k0 = spec.layers[0].in_features
-    return not (spec.io_dtype == "f16" and spec.precision == "fp16" and round_up(k0, ALIGN) == k0)
+    in_place = spec.io_dtype == "f16" and spec.precision == "fp16" and round_up(k0, ALIGN) == k0
+    return spec.norm is not None or not in_place
 
 
 def tf32_eligible(spec: MLPSpec) -> bool:
     """fp32 input rows that TMA can load in place (16-byte multiples), into a first layer that is not
-    gated (a gated GEMM's 16-bit products feed the glu pass)."""
-    return spec.io_dtype == "f32" and spec.layers[0].in_features % 4 == 0 and not spec.layers[0].gated
+    gated (a gated GEMM's 16-bit products feed the glu pass) and not behind a norm (the rows it reads are
+    the norm pass's)."""
+    return (spec.io_dtype == "f32" and spec.layers[0].in_features % 4 == 0 and not spec.layers[0].gated
+            and spec.norm is None)
 
 
 def _wide_layer_seconds(rows: int, l, k: int, last: bool, io: int, a_bytes: int = 2) -> float:
@@ -110,13 +114,24 @@ def estimate_wide(spec: MLPSpec, rows: int = NOMINAL_ROWS, tail_from: int = 0, t
     launches = len(spec.layers) + sum(l.gated for l in spec.layers[:n_gemms]) + converts_input(spec)
     if tf32_eligible(spec) and tf32_first_wins(spec, rows):   # the plan's own choice (untuned)
         first, launches = _first_layer_seconds(spec, rows, True), len(spec.layers)
-    t = first
+    t = first + _wide_residual_seconds(spec, rows)
+    launches += spec.residual
     if tail_from:
         t += _tail_seconds(spec, tail, rows)
         launches -= len(spec.layers) - tail_from - 1 - (io != 2)   # one kernel (and the widening pass)
     for i, l in enumerate(spec.layers[1:n_gemms], start=1):
         t += _wide_layer_seconds(rows, l, round_up(l.in_features, ALIGN), i == len(spec.layers) - 1, io)
     return max(t, launches * HOST_LAUNCH_S)   # the GPU's time, or the host's when the kernels are short
+
+
+def _wide_residual_seconds(spec: MLPSpec, rows: int) -> float:
+    """A block's residual in the wide design: the pass writing y = x + b (reading x), and the last GEMM's
+    epilogue reading y back as its source operand. (Its norm costs what the conversion pass it replaces
+    does: _first_layer_seconds counts that pass.)"""
+    if not spec.residual:
+        return 0.0
+    io = 2 if spec.io_dtype == "f16" else 4
+    return 3 * rows * spec.widths[-1] * io / HBM_BPS + LAUNCH_S
 
 
 def estimate_stock_block(spec: MLPSpec, rows: int = NOMINAL_ROWS) -> float:

@@ -44,18 +44,28 @@ multiplies it by zero weights: act(0) must be finite, which `wide_reason_refused
 The bias enters as CUTLASS's source operand C with a row stride of 0 (a broadcast row); it is stored in
 the GEMM's output type: fp16/bf16 for hidden layers (rounded like the weights), the io type last.
 
-GEMV path (`gemv_rows`, PlanOptions.wide_gemv, `$ONNX2FUSED_WIDE_GEMV=on`; off by default until
-tests/test_gpu_wide.py's GEMV test passes on a GPU): a pass of at most GEMV_MAX_ROWS rows (decode, small
-batches) fills few of a 128x256 tile's rows, so the tensor cores idle while every weight is read once
-anyway, and reading the weights once is the floor (LLaMA-7B's 270 MB MLP: 0.09 ms at 3 TB/s, vs 0.19 ms
-measured with the GEMMs at 1 and 16 rows, 0.15 ms for stock ORT at 1 row). Such a pass runs one
-weight-streaming kernel per layer instead (templates/o2f_wide_gemv.cuh): a warp per output column (a
-gated layer: per gate and up column pair) streams that column's contiguous n-major weights in 16-byte
-vectors and multiplies them by every row of the pass, which stays in L1/L2, accumulating in fp32. The
-first layer reads x itself, rounding each element to the compute type as the conversion pass does, and a
-gated layer writes act(gate) * up straight into its hidden buffer (no gate buffer, no glu pass): a pass
-is one launch per layer, with the same roundings as the GEMM path. A segmented plan's fused tail runs
-after them as usual.
+Transformer blocks (spec.norm, spec.residual): the conversion pass normalises each row
+(templates/o2f_block_norm.cuh's norm_rows, the fused kernels' arithmetic; the scale and bias copied into
+the workspace at `norm_offset` by cuda_pack) while it writes the 16-bit rows, and the residual enters the
+last GEMM as its source operand: a pass writes y = x + b_last (io type), then the last GEMM computes
+D = act(acc + C) with C = y in place (CUTLASS 2.x: C's row stride instead of the bias broadcast; 3.x:
+LinCombEltAct, beta 1), which is the block only for an identity last activation (wide_reason_refused).
+So the stock LayerNormalization and Add around a wide FFN disappear; a tail has no source operand, so a
+residual plan never segments.
+
+GEMV path (`gemv_rows`, PlanOptions.wide_gemv, `$ONNX2FUSED_WIDE_GEMV=on`; off by default until timed on
+a GPU): a pass of at most GEMV_MAX_ROWS rows (decode, small batches) fills few of a 128x256 tile's rows,
+so the tensor cores idle while every weight is read once anyway, and reading the weights once is the
+floor (LLaMA-7B's 270 MB MLP: 0.09 ms at 3 TB/s, vs 0.19 ms measured with the GEMMs at 1 and 16 rows,
+0.15 ms for stock ORT at 1 row). Such a pass runs one weight-streaming kernel per layer instead
+(templates/o2f_wide_gemv.cuh): mma.sync m16n8k16 with the pass's rows padded to 16 in registers; a block
+of 8 warps owns 16 output columns (a gated layer: 8 gate and up column pairs) and splits K, each lane
+streaming 16-byte vectors of its column's contiguous n-major weights (no L1 allocation) against the rows'
+16-byte vectors at the same k. The first layer reads the conversion pass's rows (or x in place), and a
+gated layer writes act(gate) * up straight into its hidden buffer (no gate buffer, no glu pass), with
+the GEMM path's roundings. A segmented plan's fused tail runs after them as usual. (A first version, a
+warp per column on the CUDA cores, converted every activation to fp32 for every column: 1.17x ORT fp16
+at LLaMA's 1 row but 0.25x at 16.)
 
 Tiles come from TILE_TABLE, keyed by arch: a "large" tile for GEMMs with enough output tiles to fill the
 GPU and a "small" one otherwise; the launcher picks per GEMM and row block at run time from the SM count.
@@ -86,7 +96,7 @@ import numpy as np
 from .. import expr as ex
 from ..spec import MLPSpec, SpecError
 from .cost import converts_input, tf32_eligible, tf32_first_wins
-from .padding import ALIGN, round_up
+from .padding import ALIGN, norm_floats, round_up
 from .sm90 import (DEFAULT_CHOICE, DEFAULT_TF32_CHOICE, ROW_BUCKETS, SM90_KERNELS, SM90_SCRATCH, Sm90Choice,
                    row_buckets)
 
@@ -199,6 +209,7 @@ class WidePlan:
     hg_offset: int = 0      # bytes: the gate buffer [MB][hg_width] of the gated layers' GEMMs (16-bit)
     hg_width: int = 0       # its row stride: the widest gated GEMM's 2 * NP (0: no gated layer)
     gemv_rows: int = 0      # passes of at most this many rows run GEMV kernels, not GEMMs (0: never)
+    norm_offset: int = 0    # bytes: a block's norm scale (and bias) as fp32 (padding.norm_floats; with spec.norm)
 
     design = "wide"
     uses_scratch = True     # cuda_run writes the workspace's scratch regions: the plugin orders runs
@@ -225,6 +236,10 @@ class WidePlan:
                + ", ".join(str(g.index) for g in self.gemms if g.gated)
                + " as one GEMM of gate and up columns and a glu pass" if self.hg_width else "")
         gemv = f", passes of <= {self.gemv_rows} rows as weight-streaming GEMV kernels" if self.gemv_rows else ""
+        if self.spec.norm is not None:   # the norm pass is the conversion pass
+            conv = f"a {self.spec.norm.label} pass writing the 16-bit rows, "
+        if self.spec.residual:
+            conv += "the residual as the last GEMM's source operand (y = x + b first), "
         return (f"wide: {n} tensor-core GEMM{'s' if n > 1 else ''} with a bias+activation epilogue{glu} (on sm_90: {hopper} as CUTLASS "
                 f"3.x wgmma/TMA kernels, {tuned}, the rest CUTLASS 2.x; other GPUs: CUTLASS 2.x sm80 mma.sync), "
                 f"{conv}16-bit intermediates in the workspace, {self.row_block}-row blocks{passes}{gemv}{tail}; {self.reason}")
@@ -236,10 +251,12 @@ class WidePlan:
 
 
 # ------------------------------------------------------------------------------------------ refusals
-# A transformer block's norm in front / residual behind (spec.has_block): the per-layer GEMMs would need a
-# norm pass before the first and the residual in the last one's epilogue; library.block_refusal keeps them
-# stock ops for chains the cost model gives to this design.
-WIDE_NO_BLOCK = "the wide design's CUTLASS GEMMs have no norm prologue or residual epilogue"
+# A transformer block's residual Add folds into the last GEMM's source operand (y = x + b first, then
+# D = acc + C in place), which adds it before the activation: only an identity last layer computes
+# act(h W + b) + x that way. A narrow last layer (its own kernel) or a fused tail has no source operand.
+WIDE_RESIDUAL_ACT = ("the residual enters the last GEMM's epilogue before its activation, so the last layer must "
+                     "have none")
+WIDE_RESIDUAL_NARROW = f"a residual after a last layer of at most {NARROW_MAX} outputs (no GEMM epilogue to take it)"
 
 
 def wide_reason_refused(spec: MLPSpec) -> str | None:
@@ -248,8 +265,10 @@ def wide_reason_refused(spec: MLPSpec) -> str | None:
         return f"{spec.precision} has no tensor-core GEMM"
     if spec.layers[-1].gated:
         return "a gated last layer has no GEMM epilogue here (the glu pass reads 16-bit products)"
-    if spec.has_block:
-        return WIDE_NO_BLOCK
+    if spec.residual and spec.layers[-1].activation != ex.identity():
+        return WIDE_RESIDUAL_ACT
+    if spec.residual and spec.layers[-1].out_features <= NARROW_MAX:
+        return WIDE_RESIDUAL_NARROW
     for i, l in enumerate(spec.layers):
         if ex.chan_leaves(l.activation):
             return (f"layer {i}'s activation has per-channel constants, which the GEMM epilogue "
@@ -273,6 +292,8 @@ def make_wide_plan(spec: MLPSpec, reason: str = "", *, tail_from: int = 0, tail=
         raise SpecError(f"{spec.describe()}: no wide plan: {why}")
     if tail_from and tail is None:
         raise SpecError(f"{spec.describe()}: layers {tail_from}.. cannot run as one fused kernel")
+    if tail_from and spec.residual:
+        raise SpecError(f"{spec.describe()}: a fused tail has no source operand to take the block's residual")
     n_gemms = tail_from or len(spec.layers)
     io_bytes = 2 if spec.io_dtype == "f16" else 4
     out_bytes_last = io_bytes
@@ -345,9 +366,11 @@ def make_wide_plan(spec: MLPSpec, reason: str = "", *, tail_from: int = 0, tail=
         raise SpecError(f"{spec.describe()}: a pass of {chain_block} rows does not fit the {mb}-row workspace")
     if not 0 <= gemv_rows <= GEMV_MAX_ROWS:
         raise SpecError(f"{spec.describe()}: the GEMV kernels take at most {GEMV_MAX_ROWS} rows, not {gemv_rows}")
+    norm_off = off
+    off = round_up(off + norm_floats(spec) * 4, REGION_ALIGN)
     return WidePlan(spec, tuple(layouts), mb, convert, xc_off, sm90_off, (h0, h1), h_width, off, reason,
                     buckets, choices, tuning, tuned_on, tf32_first, w0f_off, chain_block or mb,
-                    tail_from, tail_off, tail_bytes, tail_out_off, tail, hg, hg_width, gemv_rows)
+                    tail_from, tail_off, tail_bytes, tail_out_off, tail, hg, hg_width, gemv_rows, norm_off)
 
 
 def with_kernels(plan: WidePlan, choices=None, tuning: bool = False, tuned_on: str = "",
