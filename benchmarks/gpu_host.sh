@@ -14,6 +14,8 @@
 #   benchmarks/gpu_host.sh llama [BATCHES] LLaMA-7B's MLP (wide_cases.py llama7b; default 4096,256,16,1)
 #   benchmarks/gpu_host.sh gemv [--no-bench] the wide design's GEMV path for <= 16 rows (ONNX2FUSED_WIDE_GEMV=on,
 #                                         off by default until this passes): its GPU test, then LLaMA-7B at 1, 16
+#   benchmarks/gpu_host.sh wideblock      blocks in the wide design (norm pass, residual epilogue): their GPU tests,
+#                                         then ViT-B's pre-LN block (wide_cases.py vitb_block, 16384 rows)
 #   benchmarks/gpu_host.sh vit            whole ViT-tiny and ViT-small (benchmarks/vit_model.py) at batch 64:
 #                                         issue 16's end-to-end target, ORT fp32 / fp16 vs the fused model
 #   benchmarks/gpu_host.sh bench          `onnx2fused bench` on the issue's four cases, then the wide cases
@@ -99,6 +101,12 @@ gemv)
   ONNX2FUSED_WIDE_GEMV=on timeout 280 python3 benchmarks/wide_cases.py --out /tmp/wide_gemv --cases llama7b --batch 1,16 \
     --kernels sm90 --reps 50 2>&1 | tail -8
   cp /tmp/wide_gemv/wide_cases.json "$OUT/llama7b_gemv.json" 2>/dev/null; true
+  ;;
+wideblock)
+  # transformer blocks in the wide design (issue 16): their GPU tests, then ViT-B's block at 16384 rows
+  gpu_pytest 420 pytest_gpu_wide_block.txt 30 tests/test_gpu_block.py -k wide
+  timeout 160 python3 benchmarks/wide_cases.py --out /tmp/wide_vitb --cases vitb_block --reps 50 2>&1 | tail -6
+  cp /tmp/wide_vitb/wide_cases.json "$OUT/vitb_block.json" 2>/dev/null; true
   ;;
 vit)
   for size in tiny small; do

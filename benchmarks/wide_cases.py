@@ -14,6 +14,8 @@ and, without targets, two FFN-shaped pairs for the streamed kernel's two-layer f
 and issue 16's wide gated block (no bias, as LLaMA's MLP: down(silu(gate(x)) * up(x))):
     llama7b  4096 -> SwiGLU 11008 -> 4096, batch 4096 (also --batch 1, 16, 256)   >= 1.3x ORT fp16 at 256
              and 4096 rows, >= 1.0x at 1 and 16
+and issue 16's pre-LN transformer block (LayerNormalization, the GELU FFN, + x):
+    vitb_block  768 -> 3072 -> 768, input [64, 256, 768] (16384 rows)           >= 1.5x ORT fp16
 Every variant also runs once on the same seeded rows, untimed: the table's last column is the fused
 model's relative L2 distance from ORT fp32 on them (NaN if any output is not finite).
 `--batch N[,N...]` replaces a case's batch (N = 1: the per-run overhead of each path); several batches
@@ -57,7 +59,10 @@ CASES = {
     "pair256": ([256, 4096, 256], "gelu", ["batch", 256, 256], 256, {}),
     "pair64": ([64, 1000, 48], "gelu", ["batch", 64], 262144, {}),
     "llama7b": ([4096, 11008, 4096], "swiglu", ["batch", 4096], 4096, {"ort_fp16": 1.3}),
+    # issue 16's ViT-B / BERT-base block: pre-LN, the FFN, the residual (BLOCK_CASES), 16384 rows
+    "vitb_block": ([768, 3072, 768], "gelu", ["batch", 256, 768], 64, {"ort_fp16": 1.5}),
 }
+BLOCK_CASES = {"vitb_block"}   # a LayerNormalization in front and the residual Add of x behind
 # Targets that depend on the rows: (case, at most this many rows) -> targets. LLaMA's MLP at 1 and 16 rows
 # is bound by the weight read, where stock ORT's GEMMs are too: parity is the target there.
 FEW_ROW_TARGETS = {("llama7b", 16): {"ort_fp16": 1.0}}
@@ -92,12 +97,20 @@ def _swiglu_nodes(x: str, k: int, n: int, i: int, rng, inits: list) -> tuple[lis
     return nodes, f"glu{i}"
 
 
-def build_model(widths, act: str, in_shape, path: Path, seed: int = 0) -> Path:
+def build_model(widths, act: str, in_shape, path: Path, seed: int = 0, block: bool = False) -> Path:
     """An MLP as ONNX: Gemm(transB=1) per layer on 2-D input, MatMul + Add on 3-D (as exporters write);
-    act "swiglu": every hidden layer a SwiGLU pair, and no biases (2-D input only)."""
+    act "swiglu": every hidden layer a SwiGLU pair, and no biases (2-D input only). `block`: a
+    LayerNormalization of x in front (scale and bias near 1 and 0) and x added to the output (a pre-LN
+    transformer's FFN block)."""
     rng = np.random.default_rng(seed)
     three_d = len(in_shape) == 3
     nodes, inits, h = [], [], "x"
+    if block:
+        k = widths[0]
+        inits += [numpy_helper.from_array((1 + 0.1 * rng.standard_normal(k)).astype(np.float32), "ln_scale"),
+                  numpy_helper.from_array((0.1 * rng.standard_normal(k)).astype(np.float32), "ln_bias")]
+        nodes.append(helper.make_node("LayerNormalization", ["x", "ln_scale", "ln_bias"], ["ln"], axis=-1, epsilon=1e-5))
+        h = "ln"
     for i, (k, n) in enumerate(zip(widths, widths[1:])):
         if act == "swiglu":
             if i < len(widths) - 2:
@@ -125,7 +138,7 @@ def build_model(widths, act: str, in_shape, path: Path, seed: int = 0) -> Path:
             else:
                 more, h = _gelu_nodes(h, f"gelu{i}", inits)
                 nodes += more
-    nodes.append(helper.make_node("Identity", [h], ["y"]))
+    nodes.append(helper.make_node("Add", [h, "x"], ["y"]) if block else helper.make_node("Identity", [h], ["y"]))
     out_shape = list(in_shape[:-1]) + [widths[-1]]
     g = helper.make_graph(nodes, path.stem, [helper.make_tensor_value_info("x", TensorProto.FLOAT, in_shape)],
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, out_shape)], inits)
@@ -157,7 +170,8 @@ def run_case(name: str, out_dir: Path, reps: int, warmup: int, dev, providers, k
     widths, act, in_shape, case_batch, targets = CASES[name]
     batch = batch or case_batch
     targets = next((t for (case, most), t in FEW_ROW_TARGETS.items() if case == name and batch <= most), targets)
-    model = _once(f"{name}.onnx", lambda: build_model(widths, act, in_shape, out_dir / f"{name}.onnx"))
+    model = _once(f"{name}.onnx", lambda: build_model(widths, act, in_shape, out_dir / f"{name}.onnx",
+                                                      block=name in BLOCK_CASES))
     info = bench.model_info(model)
     rows = batch * int(np.prod([d for d in in_shape[1:-1]] or [1]))
     result = {"case": name, "widths": widths, "activation": act, "batch": batch, "rows": rows, "ms": {},

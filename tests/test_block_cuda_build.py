@@ -140,16 +140,16 @@ def test_plain_specs_render_no_block_code():
         assert "norm" not in src.lower() and "_res<" not in src and not any("o2f_block" in f for f in files)
 
 
-def test_block_plans_skip_wgmma_and_wide():
-    """The wgmma and wide designs refuse blocks with a reason; planning takes resident or streamed."""
+def test_block_plans_skip_wgmma_and_take_wide_where_forced():
+    """The wgmma design refuses blocks with a reason and planning takes resident or streamed; the wide
+    design takes the block (its norm pass and residual epilogue) where forced."""
     spec = block_spec([128, 256, 128])   # its layers alone: wgmma on Hopper (2 layers of >= 128 outputs)
     assert choose.make_plan(replace(spec, norm=None, residual=False)).design == "wgmma"
     assert choose.make_plan(spec).design == "resident"
     assert "transformer block" in choose.wgmma_refused(spec)
     assert choose.make_plan(spec, PlanOptions(design="wgmma")).design == "resident"
-    with pytest.raises(Exception, match="no norm prologue or residual epilogue"):
-        choose.wide_plan(spec)
-    assert choose.make_plan(spec, PlanOptions(design="wide")).design == "resident"
+    forced = choose.make_plan(spec, PlanOptions(design="wide"))
+    assert forced.design == "wide" and forced.convert_input and forced.norm_offset >= forced.gemms[-1].b_offset
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
