@@ -114,7 +114,7 @@ def estimate_wide(spec: MLPSpec, rows: int = NOMINAL_ROWS, tail_from: int = 0, t
     launches = len(spec.layers) + sum(l.gated for l in spec.layers[:n_gemms]) + converts_input(spec)
     if tf32_eligible(spec) and tf32_first_wins(spec, rows):   # the plan's own choice (untuned)
         first, launches = _first_layer_seconds(spec, rows, True), len(spec.layers)
-    t = first + _wide_residual_seconds(spec, rows)
+    t = first + _residual_seconds(spec, rows)
     launches += spec.residual
     if tail_from:
         t += _tail_seconds(spec, tail, rows)
@@ -124,10 +124,11 @@ def estimate_wide(spec: MLPSpec, rows: int = NOMINAL_ROWS, tail_from: int = 0, t
     return max(t, launches * HOST_LAUNCH_S)   # the GPU's time, or the host's when the kernels are short
 
 
-def _wide_residual_seconds(spec: MLPSpec, rows: int) -> float:
-    """A block's residual in the wide design: the pass writing y = x + b (reading x), and the last GEMM's
-    epilogue reading y back as its source operand. (Its norm costs what the conversion pass it replaces
-    does: _first_layer_seconds counts that pass.)"""
+def _residual_seconds(spec: MLPSpec, rows: int) -> float:
+    """A block's residual, three passes over the output rows and a launch either way: as the stock Add
+    (reads two tensors, writes one) or in the wide design (the pass writing y = x + b reads x and writes
+    y; the last GEMM's epilogue reads y back as its source operand). 0 without a residual. (The wide
+    design's norm costs what the conversion pass it replaces does: _first_layer_seconds counts that.)"""
     if not spec.residual:
         return 0.0
     io = 2 if spec.io_dtype == "f16" else 4
@@ -138,11 +139,9 @@ def estimate_stock_block(spec: MLPSpec, rows: int = NOMINAL_ROWS) -> float:
     """Seconds of a block's norm and residual Add as the stock ops around a wide plan (ORT's kernels,
     memory bound): the norm reads and writes the input rows, the Add reads two tensors and writes one."""
     io = 2 if spec.io_dtype == "f16" else 4
-    t = 0.0
+    t = _residual_seconds(spec, rows)
     if spec.norm is not None:
         t += 2 * rows * spec.widths[0] * io / HBM_BPS + LAUNCH_S
-    if spec.residual:
-        t += 3 * rows * spec.widths[-1] * io / HBM_BPS + LAUNCH_S
     return t
 
 
