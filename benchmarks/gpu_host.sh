@@ -16,6 +16,8 @@
 #                                         off by default until this passes): its GPU test, then LLaMA-7B at 1, 16
 #   benchmarks/gpu_host.sh wideblock      blocks in the wide design (norm pass, residual epilogue): their GPU tests,
 #                                         then ViT-B's pre-LN block (wide_cases.py vitb_block, 16384 rows)
+#   benchmarks/gpu_host.sh vitprof [N]    ViT-tiny fp16 (batch 64) stock vs converted, kernel by kernel (top N), and
+#                                         ViT-B's block alone, fused vs stock fp16
 #   benchmarks/gpu_host.sh vit            whole ViT-tiny and ViT-small (benchmarks/vit_model.py) at batch 64:
 #                                         issue 16's end-to-end target, ORT fp32 / fp16 vs the fused model
 #   benchmarks/gpu_host.sh bench          `onnx2fused bench` on the issue's four cases, then the wide cases
@@ -116,6 +118,22 @@ vit)
     cp /tmp/vit/bench_$size/bench.json "$OUT/vit_$size.json" 2>/dev/null
   done
   ;;
+vitprof)
+  # where ViT-tiny's time goes at batch 64: stock ORT on the fp16 copy vs that copy converted, kernel by
+  # kernel (benchmarks/ort_kernels.py); then ViT-B's block alone, fused vs stock fp16 (profile_case.py)
+  python3 benchmarks/vit_model.py --size tiny --out /tmp/vit/vit_tiny.onnx > /dev/null 2>&1 || { echo "vit export failed"; exit 1; }
+  python3 -c "
+from pathlib import Path
+from onnx2fused.bench.models import fp16_model_file
+from onnx2fused.bench.variants import convert_model
+p = fp16_model_file(Path('/tmp/vit/vit_tiny.onnx'), Path('/tmp/vit/vit_tiny.fp16.onnx'))
+print(convert_model(p, Path('/tmp/vit/fused16'), 'fp16', with_cuda=True)[0])" 2>&1 | tail -2
+  for m in /tmp/vit/vit_tiny.fp16.onnx /tmp/vit/fused16/vit_tiny.fp16.fused.onnx; do
+    echo "== $m"; timeout 120 python3 benchmarks/ort_kernels.py "$m" --rows 64 2>&1 | grep -v -i warn | head -"${2:-32}"
+  done | tee "$OUT/vit_kernels.txt"
+  timeout 200 python3 benchmarks/profile_case.py vitb_block --stock --out /tmp/prof 2>&1 | grep -v -i warn | tail -30 \
+    | tee "$OUT/vitb_block_kernels.txt"
+  ;;
 kernels)
   shift
   python3 benchmarks/kernel_check.py --out "$OUT/kc" "$@" 2>&1 | grep -v '^{' | tail -30
@@ -155,6 +173,6 @@ sm90)
   CUTLASS_INC=$R/.deps/cutlass/include bash benchmarks/sm90/run.sh 2>&1 | tail -60
   ;;
 *)
-  sed -n 2,18p "$0"; exit 2
+  sed -n 2,22p "$0"; exit 2
   ;;
 esac

@@ -63,6 +63,8 @@ def main():
     for e in prof.events():
         if e.device_type.name == "CUDA":
             stats[e.name].append(e.device_time if hasattr(e, "device_time") else e.cuda_time)
+    total = sum(sum(times) for times in stats.values()) / a.reps / 1e3
+    print(f"kernels: {total:.4f} ms of device time per run, {sum(map(len, stats.values())) // a.reps} launches")
     for name, times in sorted(stats.items(), key=lambda kv: -sum(kv[1])):
         print(f"{len(times):5d} x {np.mean(times) / 1e3:8.4f} ms  {name[:150]}")
 

@@ -1,7 +1,10 @@
 """GPU time per kernel of one fused wide case through ORT (torch's profiler sees every kernel the process
 launches): where a case's time goes, kernel by kernel.
 
-    python benchmarks/profile_case.py dlrm [--runs 20] [--out DIR]
+    python benchmarks/profile_case.py dlrm [--runs 20] [--batch N] [--stock] [--out DIR]
+
+--stock profiles stock ORT's fp16 copy of the same model beside it (bench.fp16_model_file), for the
+kernel-by-kernel comparison.
 """
 from __future__ import annotations
 
@@ -21,48 +24,61 @@ import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from onnx2fused import bench  # noqa: E402
-from wide_cases import CASES, build_model  # noqa: E402
+from wide_cases import BLOCK_CASES, CASES, build_model  # noqa: E402
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("case", choices=list(CASES))
     ap.add_argument("--runs", type=int, default=20)
+    ap.add_argument("--batch", type=int, help="the case's batch replaced")
+    ap.add_argument("--stock", action="store_true", help="also profile stock ORT on the model's fp16 copy")
     ap.add_argument("--out", default=str(ROOT / "build" / "bench" / "profile"))
     a = ap.parse_args(argv)
     widths, act, in_shape, batch, _ = CASES[a.case]
+    batch = a.batch or batch
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    model = build_model(widths, act, in_shape, out / f"{a.case}.onnx")
+    model = build_model(widths, act, in_shape, out / f"{a.case}.onnx", block=a.case in BLOCK_CASES)
     fused, lib = bench.convert_model(model, out / a.case, "fp16", with_cuda=True)
     so = ort.SessionOptions()
     so.register_custom_ops_library(str(lib))
-    sess = ort.InferenceSession(str(fused), so, providers=["CUDAExecutionProvider"])
     shape = [batch if d == "batch" else d for d in in_shape]
-    x = torch.randn(shape, device="cuda")
-    y = torch.empty(list(shape[:-1]) + [widths[-1]], device="cuda")
+    _profile(f"{a.case} fused", ort.InferenceSession(str(fused), so, providers=["CUDAExecutionProvider"]),
+             shape, widths[-1], torch.float32, a.runs)
+    if a.stock:
+        stock = bench.fp16_model_file(model, out / f"{a.case}.fp16.onnx")
+        _profile(f"{a.case} ORT fp16", ort.InferenceSession(str(stock), providers=["CUDAExecutionProvider"]),
+                 shape, widths[-1], torch.float16, a.runs)
+    return 0
+
+
+def _profile(title: str, sess, shape: list, width_out: int, dtype, runs: int) -> None:
+    """Print the GPU time per run of each kernel `sess` launches, `runs` runs under torch's profiler."""
+    np_type = np.float16 if dtype == torch.float16 else np.float32
+    x = torch.randn(shape, device="cuda").to(dtype)
+    y = torch.empty(list(shape[:-1]) + [width_out], device="cuda", dtype=dtype)
     io = sess.io_binding()
-    io.bind_input("x", "cuda", 0, np.float32, list(x.shape), x.data_ptr())
-    io.bind_output("y", "cuda", 0, np.float32, list(y.shape), y.data_ptr())
+    io.bind_input("x", "cuda", 0, np_type, list(x.shape), x.data_ptr())
+    io.bind_output("y", "cuda", 0, np_type, list(y.shape), y.data_ptr())
     for _ in range(5):
         sess.run_with_iobinding(io)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(a.runs):
+        for _ in range(runs):
             sess.run_with_iobinding(io)
         torch.cuda.synchronize()
     per = collections.defaultdict(list)
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
             per[e.name].append(e.device_time)
-    print(f"{a.case}: kernel time per run (us), {a.runs} runs")
+    print(f"{title}: kernel time per run (us), {runs} runs")
     total = 0.0
     for name, times in sorted(per.items(), key=lambda kv: -sum(kv[1])):
-        t = sum(times) / a.runs
+        t = sum(times) / runs
         total += t
-        print(f"  {t:8.1f}  x{len(times) // a.runs:<2d} {name[:110]}")
+        print(f"  {t:8.1f}  x{len(times) // runs:<2d} {name[:110]}")
     print(f"  {total:8.1f}  total")
-    return 0
 
 
 if __name__ == "__main__":

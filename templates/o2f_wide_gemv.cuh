@@ -10,22 +10,32 @@
 // A block owns 16 output columns as two 8-column tiles: columns [16b, 16b + 16), or for a gated layer
 // gate columns [8b, 8b + 8) and their up columns at +second, so act(gate) * up pairs meet in one block.
 // Its 8 warps split K: warp w takes the 32-wide K chunks w, w + 8, ... Lane (g = lane / 4, q = lane % 4)
-// loads 16 bytes per chunk and tile, 8 consecutive k of weight column g (the n-major packing makes a
-// column's K contiguous; no L1 allocation, each weight is read once), and 16 bytes of activation rows g
-// and g + 8 at the same k (L1-cached: every block re-reads them). A dot product does not care which k
-// meet in which MMA step, so the lane's 8 k feed two m16n8k16 steps as they lie, and A and B agree:
-// step s, register j, element e hold k = 8q + 4s + 2j + e of the chunk for both operands.
+// copies 16 bytes per chunk and tile, 8 consecutive k of weight column g (the n-major packing makes a
+// column's K contiguous; L2 only, each weight is read once), and 16 bytes of activation rows g and g + 8
+// at the same k (L1-cached: every block re-reads them). A dot product does not care which k meet in which
+// MMA step, so the lane's 8 k feed two m16n8k16 steps as they lie, and A and B agree: step s, register j,
+// element e hold k = 8q + 4s + 2j + e of the chunk for both operands.
+// The copies are cp.async into a ring of kGemvStages chunks per lane in shared memory, each lane reading
+// back only what it copied itself (so no barrier): a pass is bound by how many weight bytes are in flight,
+// and loads into registers (the first version, 4 chunks per warp, 2 blocks per SM) kept too few of them to
+// cover HBM's latency (2.2 TB/s on an H200's 4.8). The ring keeps kGemvStages - 1 chunks in flight per
+// warp without registers, 3 blocks per SM on Hopper.
 // The warps' accumulators meet in shared memory; a thread per output element adds bias, applies the
 // activation and stores. The roundings are the GEMM path's: a gated layer's gate and up products are
 // rounded to 16 bits before act(gate) * up (its GEMM writes them to the gate buffer), each output once.
 #pragma once
+#include <atomic>
 #include <type_traits>
 
 constexpr int kGemvWarps = 8;                  // warps per block: 8-way split of K
 constexpr int kGemvThreads = 32 * kGemvWarps;
 constexpr int kGemvChunk = 32;                 // K per warp step: 4 lanes x 8 k
-constexpr int kGemvUnroll = 4;                 // chunks in flight per warp
+constexpr int kGemvStages = 4;                 // the ring's chunks per warp: kGemvStages - 1 in flight
 constexpr int kGemvTileCols = 8;               // an m16n8k16 tile's columns
+// The ring: [warp][stage][item][lane] 16 bytes, items A row g, A row g + 8, weight tile 0, weight tile 1
+// (lane-consecutive: conflict-free). 64 KiB: dynamic shared memory, opted in per device.
+constexpr int kGemvItems = 4;
+constexpr int kGemvSmemBytes = kGemvWarps * kGemvStages * kGemvItems * 32 * 16;
 static_assert(kGemvRows >= 1 && kGemvRows <= 16, "one m16 tile of rows");
 
 // v rounded to the compute type (round to nearest even), as a float: what a 16-bit tensor of the GEMM
@@ -35,12 +45,27 @@ __device__ __forceinline__ float gemv_round(float v) {
   else return __bfloat162float(__float2bfloat16_rn(v));
 }
 
-// A weight vector, read once: no L1 allocation, so the activation rows keep L1.
-__device__ __forceinline__ uint4 gemv_load_weights(const elem_t* p) {
-  uint4 q;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(q.x), "=r"(q.y), "=r"(q.z), "=r"(q.w) : "l"(p));
-  return q;
+// 16 bytes global -> shared, asynchronously; zeros where !ok (nothing is read then). Weights (kCached
+// false) skip L1, read once; activation rows stay in L1 for the block's other warps.
+template <bool kCached>
+__device__ __forceinline__ void gemv_copy(uint4* dst, const elem_t* src, bool ok) {
+  const unsigned to = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  const int bytes = ok ? 16 : 0;
+  if constexpr (kCached)
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 16, %2;" ::"r"(to), "l"(src), "r"(bytes) : "memory");
+  else
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(to), "l"(src), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void gemv_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+// Waits until at most kPending of this thread's copy groups are still in flight.
+template <int kPending>
+__device__ __forceinline__ void gemv_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory"); }
+__device__ __forceinline__ uint4 gemv_read(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(static_cast<unsigned>(__cvta_generic_to_shared(p))) : "memory");
+  return v;
 }
 
 // acc += A (16 x 16, rows a01 (row g) and a23 (row g + 8) as two registers each) * B (16 x 8), fp32.
@@ -84,30 +109,42 @@ gemv_layer(const elem_t* __restrict__ a, int lda, const elem_t* __restrict__ w, 
   }
   const elem_t* row_lo = a + static_cast<int64_t>(g) * lda;        // row g
   const elem_t* row_hi = a + static_cast<int64_t>(g + 8) * lda;    // row g + 8
-  const bool lo_ok = g < m, hi_ok = g + 8 < m;
+  const bool lo_ok = g < m, hi_ok = g + 8 < m, hi_any = m > 8;     // hi_any: warp-uniform
+
+  extern __shared__ uint4 gemv_ring[];
+  uint4* ring = gemv_ring + warp * kGemvStages * kGemvItems * 32 + lane;
+  const int chunks = (kp + kGemvChunk - 1) / kGemvChunk;
+  const int mine = chunks > warp ? (chunks - warp + kGemvWarps - 1) / kGemvWarps : 0;   // this warp's chunks
+  // This warp's i-th chunk into stage i % kGemvStages; past the last one, an empty group (the waits count
+  // groups). kp is a multiple of 8: a lane's 8 k are all in or all out.
+  auto issue = [&](int i) {
+    if (i < mine) {
+      const int k = (warp + i * kGemvWarps) * kGemvChunk + 8 * q;
+      const bool kok = k < kp;
+      uint4* slot = ring + (i % kGemvStages) * kGemvItems * 32;
+      gemv_copy<true>(slot, kok && lo_ok ? row_lo + k : a, kok && lo_ok);
+      if (hi_any) gemv_copy<true>(slot + 32, kok && hi_ok ? row_hi + k : a, kok && hi_ok);
+#pragma unroll
+      for (int t = 0; t < 2; ++t)
+        gemv_copy<false>(slot + (2 + t) * 32, kok && wok[t] ? wcol[t] + k : w, kok && wok[t]);
+    }
+    gemv_commit();
+  };
 
   float acc[2][4] = {};
-  const int chunks = (kp + kGemvChunk - 1) / kGemvChunk;
-  for (int c0 = warp; c0 < chunks; c0 += kGemvWarps * kGemvUnroll) {
-    uint4 alo[kGemvUnroll], ahi[kGemvUnroll], b[kGemvUnroll][2];   // every load first: all in flight
 #pragma unroll
-    for (int u = 0; u < kGemvUnroll; ++u) {
-      const int chunk = c0 + u * kGemvWarps;
-      const int k = chunk * kGemvChunk + 8 * q;
-      const bool kok = chunk < chunks && k < kp;   // kp is a multiple of 8: a lane's 8 k are all in or all out
-      const uint4 zero = make_uint4(0, 0, 0, 0);
-      alo[u] = kok && lo_ok ? __ldg(reinterpret_cast<const uint4*>(row_lo + k)) : zero;
-      ahi[u] = kok && hi_ok ? __ldg(reinterpret_cast<const uint4*>(row_hi + k)) : zero;
+  for (int i = 0; i < kGemvStages - 1; ++i) issue(i);
+  for (int i = 0; i < mine; ++i) {
+    issue(i + kGemvStages - 1);        // refills the stage chunk i - 1 left (read into registers already)
+    gemv_wait<kGemvStages - 1>();      // chunk i's group is complete
+    const uint4* slot = ring + (i % kGemvStages) * kGemvItems * 32;
+    const uint4 alo = gemv_read(slot), ahi = hi_any ? gemv_read(slot + 32) : make_uint4(0, 0, 0, 0);
 #pragma unroll
-      for (int t = 0; t < 2; ++t) b[u][t] = kok && wok[t] ? gemv_load_weights(wcol[t] + k) : zero;
+    for (int t = 0; t < 2; ++t) {
+      const uint4 b = gemv_read(slot + (2 + t) * 32);
+      gemv_mma(acc[t], alo.x, ahi.x, alo.y, ahi.y, b.x, b.y);   // k 8q + 0..3
+      gemv_mma(acc[t], alo.z, ahi.z, alo.w, ahi.w, b.z, b.w);   // k 8q + 4..7
     }
-#pragma unroll
-    for (int u = 0; u < kGemvUnroll; ++u)
-#pragma unroll
-      for (int t = 0; t < 2; ++t) {
-        gemv_mma(acc[t], alo[u].x, ahi[u].x, alo[u].y, ahi[u].y, b[u][t].x, b[u][t].y);   // k 8q + 0..3
-        gemv_mma(acc[t], alo[u].z, ahi[u].z, alo[u].w, ahi[u].w, b[u][t].z, b[u][t].w);   // k 8q + 4..7
-      }
   }
 #pragma unroll
   for (int t = 0; t < 2; ++t)
@@ -145,6 +182,18 @@ cudaError_t gemv(int m, const elem_t* a, int lda, const elem_t* w, int kp, int s
                  int ldd, int columns, cudaStream_t s) {
   const int per_block = kGated ? kGemvTileCols : 2 * kGemvTileCols;
   const int blocks = (columns + per_block - 1) / per_block;
-  gemv_layer<Act, kGated, kIntoOutput, Out><<<blocks, kGemvThreads, 0, s>>>(a, lda, w, kp, second, bias, d, ldd, columns, m);
+  auto kernel = gemv_layer<Act, kGated, kIntoOutput, Out>;
+  // The ring is over 48 KiB: opted in once per device (idempotent: racing threads set the same value).
+  static std::atomic<bool> opted[64];
+  int dev = 0;
+  cudaError_t err = cudaGetDevice(&dev);
+  if (err != cudaSuccess) return err;
+  if (dev < 0 || dev >= 64) return cudaErrorInvalidDevice;
+  if (!opted[dev].load(std::memory_order_acquire)) {
+    if ((err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kGemvSmemBytes)) != cudaSuccess)
+      return err;
+    opted[dev].store(true, std::memory_order_release);
+  }
+  kernel<<<blocks, kGemvThreads, kGemvSmemBytes, s>>>(a, lda, w, kp, second, bias, d, ldd, columns, m);
   return cudaGetLastError();
 }
