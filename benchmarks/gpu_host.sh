@@ -12,8 +12,8 @@
 #   benchmarks/gpu_host.sh blocktests [ARGS] tests/test_gpu_block.py (the blocks through ORT)
 #   benchmarks/gpu_host.sh gatedwide [ARGS] gated layers in the wide design (issue 16): their GPU tests
 #   benchmarks/gpu_host.sh llama [BATCHES] LLaMA-7B's MLP (wide_cases.py llama7b; default 4096,256,16,1)
-#   benchmarks/gpu_host.sh gemv [--no-bench] the wide design's GEMV path for <= 16 rows (ONNX2FUSED_WIDE_GEMV=on,
-#                                         off by default until this passes): its GPU test, then LLaMA-7B at 1, 16
+#   benchmarks/gpu_host.sh gemv [--no-bench] the wide design's GEMV path for <= 16 rows (on by default;
+#                                         ONNX2FUSED_WIDE_GEMV=off: the GEMMs): its GPU test, then LLaMA-7B at 1, 16
 #   benchmarks/gpu_host.sh wideblock      blocks in the wide design (norm pass, residual epilogue): their GPU tests,
 #                                         then ViT-B's pre-LN block (wide_cases.py vitb_block, 16384 rows)
 #   benchmarks/gpu_host.sh vitprof [N]    ViT-tiny fp16 (batch 64) stock vs converted, kernel by kernel (top N), and

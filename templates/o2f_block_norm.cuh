@@ -55,12 +55,19 @@ __device__ __forceinline__ float norm_value(float v, int col, float a, float b, 
   return kNormRoundHalf ? __half2float(__float2half_rn(r)) : r;
 }
 
+// What norm_rows shows each piece it read besides normalising it: nothing by default; the wide design's
+// norm pass writes the residual's y = x + b from it (cuda_wide.cu.j2), so x is read once.
+struct NormNoVisit {
+  __device__ __forceinline__ void operator()(int64_t, int, const float4&) const {}
+};
+
 // load_rows with the norm: rows [row0, row0 + R) of x, normalised, into `dst` (row stride ldd) as the
 // compute type, by threads `tid` of `nthreads` (whole warps); `params`: the norm's scale and bias (shared
 // memory). Groups of kNormLanes lanes take a row each, as many rows at a time as there are groups.
-template <int R>
+// visit(row, c, e): features [c, c + 4) of each live row as read (zeros past K0).
+template <int R, class Visit = NormNoVisit>
 __device__ __forceinline__ void norm_rows(const io_t* __restrict__ x, int64_t rows, int64_t row0, elem_t* dst, int ldd,
-                                          int tid, int nthreads, const float* params) {
+                                          int tid, int nthreads, const float* params, Visit visit = Visit()) {
   constexpr int G = kNormLanes;
   const int lane_in_row = tid % G, groups = nthreads / G;
   const bool vec = kNormK0 % 4 == 0 && (reinterpret_cast<uintptr_t>(x) % (4 * sizeof(io_t))) == 0;
@@ -101,6 +108,7 @@ __device__ __forceinline__ void norm_rows(const io_t* __restrict__ x, int64_t ro
       const float4 e = kNormHold ? held[kNormHold ? p : 0]
                                  : (live ? norm_piece(src, q, vec) : make_float4(0.0f, 0.0f, 0.0f, 0.0f));
       const int c = 4 * q;
+      if (live) visit(row0 + r, c, e);
       const float v0 = live ? norm_value(e.x, c, a, b, params) : 0.0f;
       const float v1 = live && c + 1 < kNormK0 ? norm_value(e.y, c + 1, a, b, params) : 0.0f;
       const float v2 = live && c + 2 < kNormK0 ? norm_value(e.z, c + 2, a, b, params) : 0.0f;

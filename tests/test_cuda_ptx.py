@@ -171,7 +171,9 @@ def test_wide_ptx_uses_tensor_cores(spec, arch, tmp_path):
     assert f"mma.sync.aligned.m16n8k16.row.col.f32.{dtype}.{dtype}.f32" in text
     assert "ldmatrix.sync.aligned" in text and "cp.async.cg.shared.global" in text
     if arch == "90a":  # Hopper kernels: wgmma fed by TMA, TMA stores from the epilogue
-        assert f"wgmma.mma_async.sync.aligned.m64n256k16.f32.{dtype}.{dtype}" in text
+        from onnx2fused.plan import sm90
+        tile_n = sm90.SM90_KERNELS[sm90.DEFAULT_CHOICE.kernel].tile_mn[1]   # the untuned kernel's CTA tile
+        assert f"wgmma.mma_async.sync.aligned.m64n{tile_n}k16.f32.{dtype}.{dtype}" in text
         assert "cp.async.bulk.tensor.2d.shared::cluster.global" in text or "cp.async.bulk.tensor.3d" in text
         assert "cp.async.bulk.tensor" in text and ".global.shared::cta" in text
     else:

@@ -21,6 +21,10 @@ from onnx2fused.spec import LayerSpec, MLPSpec, NormSpec, SpecError
 from onnx2fused.wide_params import tail_symbol
 from plan_support import cuda_source, expanded, render_cuda
 
+# The untuned kernels' C++ names (plan/sm90.py's defaults)
+DEFAULT_KERNEL = sm90.SM90_KERNELS[sm90.DEFAULT_CHOICE.kernel].name
+DEFAULT_TF32_KERNEL = sm90.SM90_KERNELS[sm90.DEFAULT_TF32_CHOICE.kernel].name
+
 WIDE = PlanOptions(design="wide")
 
 
@@ -81,7 +85,7 @@ def test_memory_bound_first_layer_reads_the_fp32_input_in_place():
     src = cuda_source(spec)
     assert "cudaError_t layer0_tf32(" in src and "pack_weights<Tf32><<<" in src
     tf32 = src[src.index("cudaError_t layer0_tf32("):]
-    assert "return o2f_inst_Tf32Coop128x256_f32_f16_a8_" in tf32[:tf32.index("\n}\n")]
+    assert f"return o2f_inst_{DEFAULT_TF32_KERNEL}_f32_f16_a8_" in tf32[:tf32.index("\n}\n")]
     # the FFN's first layer is compute bound: fp16 after the conversion pass, no fp32 weight copy
     ffn = choose.wide_plan(_spec([768, 3072, 768], ex.gelu_erf()))
     assert not cost.tf32_first_wins(ffn.spec) and not ffn.tf32_first
@@ -493,7 +497,7 @@ def test_rendered_wide_source_names_the_abi_and_needs_cutlass():
     # and one kernel instance each of the sm80 and the Hopper kernels; the last layer (identity, fp32
     # output) its own two: four instance units, each declared by the chain's unit and called by name
     insts = _instances(files)
-    assert len(insts) == 4 and sum(f.startswith("o2f_inst_Coop128x256_f16_f16_a8_") for f in insts) == 1
+    assert len(insts) == 4 and sum(f.startswith(f"o2f_inst_{DEFAULT_KERNEL}_f16_f16_a8_") for f in insts) == 1
     for f in insts:
         assert f"namespace {f[:-3]} {{" in src and f"{f[:-3]}::run(" in src
     assert "cutlass/gemm/device/gemm.h" not in src and "LayerGemm" not in src  # no GEMM in the chain's unit
@@ -522,7 +526,7 @@ def test_gated_layer_renders_one_gemm_of_both_halves_and_the_glu_pass():
     identity = hashlib.sha256(wide_params.epilogue_text("v").encode()).hexdigest()[:12]
     insts = sorted(_instances(files))
     assert len(insts) == 2 and all(f.endswith(f"_f16_f16_a8_{identity}.cu") for f in insts), insts
-    assert insts[0].startswith("o2f_inst_Coop128x256_") and insts[1].startswith("o2f_inst_Sm80T")
+    assert insts[0].startswith(f"o2f_inst_{DEFAULT_KERNEL}_") and insts[1].startswith("o2f_inst_Sm80T")
 
 
 def _instances(files: dict[str, str]) -> dict[str, str]:
@@ -538,7 +542,7 @@ def test_kernel_instances_are_named_and_shaped_by_configuration_types_and_epilog
     fa, fb = render_cuda([a]), render_cuda([b])
     shared = sorted(set(_instances(fa)) & set(_instances(fb)))
     relu = [n for n in shared if "_f16_f16_a8_" in n]
-    assert {n.split("_")[2] for n in relu} == {"Coop128x256", wide_params._sm80_config()}, shared
+    assert {n.split("_")[2] for n in relu} == {DEFAULT_KERNEL, wide_params._sm80_config()}, shared
     for n in shared:
         assert fa[n] == fb[n]
         for spec in (a, b):
@@ -546,7 +550,7 @@ def test_kernel_instances_are_named_and_shaped_by_configuration_types_and_epilog
     # the name: configuration, operand and output types, alignment, the epilogue's hash
     code = act_params(a, [g.np_ for g in choose.wide_plan(a).gemms])[0]["code"]
     digest = hashlib.sha256(wide_params.epilogue_text(code).encode()).hexdigest()[:12]
-    assert f"o2f_inst_Coop128x256_f16_f16_a8_{digest}.cu" in shared
+    assert f"o2f_inst_{DEFAULT_KERNEL}_f16_f16_a8_{digest}.cu" in shared
     # another activation, output type or precision is another instance
     assert not set(_instances(render_cuda([_spec([9216, 4096, 4096, 1000], ex.gelu_erf())]))) & set(
         n for n in _instances(fa) if "_f16_f16_" in n)
@@ -585,14 +589,15 @@ def test_rendered_source_has_guarded_sm90_kernels_and_per_layer_choice():
     plan = choose.wide_plan(spec)
     insts = _instances(files)
     hopper = {n: t for n, t in insts.items() if build.sm90a_only(t)}
-    # the default: kernel 0 only, for layer 0 (hidden, 520 wide); layer 1 (999 fp32 columns) may not take it
-    assert plan.sm90_kernels == (0,) and len(hopper) == 1
+    # the default kernel only, for layer 0 (hidden, 520 wide); layer 1 (999 fp32 columns) may not take it
+    assert plan.sm90_kernels == (sm90.DEFAULT_CHOICE.kernel,) and len(hopper) == 1
     (h_name, h_text), = hopper.items()
-    assert h_name.startswith("o2f_inst_Coop128x256_f16_f16_a8_")
+    assert h_name.startswith(f"o2f_inst_{DEFAULT_KERNEL}_f16_f16_a8_")
     # the CUTLASS 3.x code exists only in the Hopper instance, compiled for sm_90a
     assert "#if defined(ONNX2FUSED_WIDE_SM90A)" in h_text and h_text.rstrip().endswith("#endif  // ONNX2FUSED_WIDE_SM90A")
-    for needle in ("KernelTmaWarpSpecializedCooperative", "TmaWarpSpecializedCooperative", "StreamKScheduler",
-                   "LinCombPerColBiasEltAct", "cutlass::arch::Sm90", "cute::Int<128>, cute::Int<256>, cute::Int<64>",
+    assert DEFAULT_KERNEL == "Pingpong128x128"
+    for needle in ("KernelTmaWarpSpecializedPingpong", "PersistentScheduler",
+                   "LinCombPerColBiasEltAct", "cutlass::arch::Sm90", "cute::Int<128>, cute::Int<128>, cute::Int<64>",
                    '#include "cutlass/gemm/collective/collective_builder.hpp"'):
         assert needle in h_text and needle not in src, needle
         assert all(needle not in t for n, t in insts.items() if n != h_name), needle
@@ -603,7 +608,9 @@ def test_rendered_source_has_guarded_sm90_kernels_and_per_layer_choice():
     assert sm80_1 in layer1 and f"{sm80_1}" in "".join(insts) and "::run(dev, m, 999, 520," in layer1
     # one choice per layer and row bucket, the default everywhere
     nb = len(plan.buckets)
-    assert f"constexpr Choice kChoices[2][kBuckets]" in src and src.count("{ 0, 0, 1 }") >= 2 * nb
+    default = sm90.DEFAULT_CHOICE
+    assert f"constexpr Choice kChoices[2][kBuckets]" in src
+    assert src.count(f"{{ {default.kernel}, {sm90.MODES.index(default.mode)}, 1 }}") >= 2 * nb
     # the device check: compute capability 9.0 only, and the run-time override for comparisons
     assert "cc == 90" in src and f'getenv("{wide.SM80_ENV}")' in src and '"sm80"' in src
     assert f"{plan.sm90_offset}" in src and f"{sm90.SM90_SCRATCH}u" in h_text
@@ -621,7 +628,7 @@ def test_rendered_choices_instantiate_only_the_chosen_kernels():
     src = render_cuda([spec], wide={spec.name: WideOptions(choices=choices, tuned_on="H")})
     text = src[f"{spec.name}_cuda.cu"]
     hopper = sorted(n.split("_")[2] for n, t in _instances(src).items() if build.sm90a_only(t))
-    assert hopper == ["Coop128x128", "Coop128x256", "Coop128x256"]  # Coop128x256: the ReLU layers and the last
+    assert hopper == sorted(["Coop128x128", DEFAULT_KERNEL, DEFAULT_KERNEL])  # the default: the ReLU layers and the last
     assert "{ 1, 1, 4 }" in text  # kernel 1, split_k (MODES index 1), 4 splits
     layer0 = text[text.index("cudaError_t layer0("):text.index("cudaError_t layer1(")]
     layer1 = text[text.index("cudaError_t layer1("):text.index("cudaError_t layer2(")]
@@ -812,13 +819,13 @@ LLAMA = MLPSpec((LayerSpec(4096, 11008, False, ex.silu(), gated=True), LayerSpec
                 "fp16", "f16")
 
 
-def test_gemv_path_is_an_option_from_the_environment_and_off_by_default():
+def test_gemv_path_is_on_by_default_and_off_from_the_environment():
     from onnx2fused.plan.options import WIDE_GEMV_ENV
-    assert not PlanOptions().wide_gemv and not PlanOptions.from_env({}).wide_gemv
+    assert PlanOptions().wide_gemv and PlanOptions.from_env({}).wide_gemv
     assert PlanOptions.from_env({WIDE_GEMV_ENV: " On "}).wide_gemv
-    assert not PlanOptions.from_env({WIDE_GEMV_ENV: "off"}).wide_gemv
+    assert not PlanOptions.from_env({WIDE_GEMV_ENV: " Off "}).wide_gemv
     spec = _spec([768, 3072, 768], ex.gelu_erf())
-    off, on = choose.make_plan(spec), choose.make_plan(spec, GEMV)   # the cost model's wide plan
+    off, on = choose.make_plan(spec, PlanOptions(wide_gemv=False)), choose.make_plan(spec)   # the cost model's wide plan
     assert off.design == on.design == "wide" and off.gemv_rows == 0 and on.gemv_rows == wide.GEMV_MAX_ROWS == 16
     assert "GEMV" not in off.describe() and ", passes of <= 16 rows as weight-streaming GEMV kernels" in on.describe()
     assert choose.wide_plan(spec, options=GEMV).gemv_rows == 16 == choose.make_plan(spec, WIDE_GEMV).gemv_rows
@@ -839,14 +846,15 @@ def _gemv_branch(src: str) -> str:
                                   _spec([768, 3000, 1000, 768], ex.silu(), gated=(0, 1)),
                                   _spec([512, 256, 64, 1]), _spec([768, 8])], ids=lambda s: s.name)
 def test_gemv_path_renders_one_launch_per_layer_and_nothing_when_off(spec):
-    """With the option: a GEMV launch per GEMM layer before the GEMM path (layer 0 reads x itself, a gated
-    layer writes its hidden buffer); without it (the default), the source is the one without the option."""
+    """With the option (the default): a GEMV launch per GEMM layer before the GEMM path (layer 0 reads x
+    itself, a gated layer writes its hidden buffer); without it, no trace of the GEMV kernels."""
     plan = choose.wide_plan(spec, options=GEMV)
     files = render_cuda([spec], WIDE_GEMV)
     src = files[f"{spec.name}_cuda.cu"]
-    off = render_cuda([spec], WIDE)
-    assert off == render_cuda([spec], PlanOptions(design="wide", wide_gemv=False))
-    raw_on, raw_off = _rendered(spec, WIDE_GEMV), _rendered(spec, WIDE)
+    assert files == render_cuda([spec], WIDE)   # on by default
+    no_gemv = PlanOptions(design="wide", wide_gemv=False)
+    off = render_cuda([spec], no_gemv)
+    raw_on, raw_off = _rendered(spec, WIDE_GEMV), _rendered(spec, no_gemv)
     assert "gemv" not in off[f"{spec.name}_cuda.cu"].lower() and "o2f_wide_gemv.cuh" not in raw_off
     assert "constexpr int kGemvRows = 16;" in src and "o2f_wide_gemv.cuh" in raw_on
     branch = _gemv_branch(src)
@@ -880,12 +888,13 @@ def test_gemv_path_renders_one_launch_per_layer_and_nothing_when_off(spec):
         run_chain = src[src.index("int run_chain("):]
         assert run_chain.index(f"{tail_symbol(spec)}_cuda_run(") > run_chain.index("    }  // the GEMMs\n")
     # the GEMM path is untouched: take the GEMV branch, its braces, include and plan text out, and the
-    # source is the default one
+    # source is the one without the option
     stripped = src.replace(branch, "").replace("    } else {  // the GEMMs (to the matching brace below)\n", "")
     stripped = stripped.replace("    }  // the GEMMs\n", "").replace(
         "constexpr int kGemvRows = 16;  // passes of at most this many rows run the GEMV kernels, not GEMMs\n", "")
     stripped = stripped.replace(expanded(raw_on, "o2f_wide_gemv.cuh"), "")
-    assert stripped.replace(plan.describe(), choose.wide_plan(spec).describe()) == off[f"{spec.name}_cuda.cu"]
+    assert stripped.replace(plan.describe(), choose.wide_plan(spec, options=PlanOptions(wide_gemv=False)).describe()) \
+        == off[f"{spec.name}_cuda.cu"]
 
 
 def _rendered(spec, options: PlanOptions) -> dict[str, str]:
@@ -897,8 +906,9 @@ def _rendered(spec, options: PlanOptions) -> dict[str, str]:
 
 def test_block_renders_the_norm_pass_the_residual_pass_and_a_residual_epilogue():
     """A wide block: the conversion pass is the norm (norm_rows of o2f_block_norm.cuh, scale and bias
-    copied into the workspace by cuda_pack), y = x + b_last runs before each pass's layers (GEMV or GEMM),
-    and only the last GEMM's instances take the output rows as their source operand (kResidual)."""
+    copied into the workspace by cuda_pack) and writes y = x + b_last from the rows it reads (no
+    init_residual pass), before each pass's layers (GEMV or GEMM); only the last GEMM's instances take
+    the output rows as their source operand (kResidual). Without a norm, init_residual writes y."""
     spec = _block_spec([768, 3072, 768], "f32", (), "layernorm", True, True, act=ex.gelu_erf())
     plan = choose.wide_plan(spec, options=GEMV)
     files = _rendered(spec, WIDE_GEMV)
@@ -908,9 +918,18 @@ def test_block_renders_the_norm_pass_the_residual_pass_and_a_residual_epilogue()
     assert f"cudaMemcpyAsync(ws + {plan.norm_offset}, w[2]," in src
     assert f"cudaMemcpyAsync(ws + {plan.norm_offset} + {round_up(768, NORM_ALIGN)} * sizeof(float), b[2]," in src
     run_chain = src[src.index("int run_chain("):]
-    init = run_chain.index("init_residual<<<")
-    assert init < run_chain.index("if (m <= kGemvRows") < run_chain.index("layer0(dev")
-    assert f"reinterpret_cast<const io_raw*>(ws + {plan.gemms[-1].b_offset})" in run_chain[init:]
+    assert "init_residual<<<" not in src and "ResidualInit{bias, y}" in src
+    convert = src[src.index("cudaError_t convert_input("):src.index("int run_chain(")]
+    assert f"reinterpret_cast<const io_raw*>(ws + {plan.gemms[-1].b_offset}), y);" in convert
+    # both paths (GEMV, then GEMM) convert with the pass's output rows (y) before their first layer
+    assert run_chain.index("if (m <= kGemvRows") < run_chain.index("err = convert_input(") < run_chain.index("layer0(dev")
+    assert run_chain.count("static_cast<io_raw*>(y) + r0 * kK0, s);") == 2
+    no_norm = _rendered(replace(spec, norm=None), WIDE_GEMV)   # the residual alone: its own y = x + b pass
+    unit = next(text for name, text in no_norm.items() if name.startswith("FusedMLP_") and name.endswith("_cuda.cu"))
+    chain = unit[unit.index("int run_chain("):]
+    init = chain.index("init_residual<<<")
+    assert init < chain.index("if (m <= kGemvRows") < chain.index("layer0(dev")
+    assert f"reinterpret_cast<const io_raw*>(ws + {plan.gemms[-1].b_offset})" in chain[init:]
     launches = [line.strip() for line in _gemv_branch(src).splitlines() if "err = gemv<" in line]
     assert launches[0].startswith("err = gemv<Act0, false>(m, xc, 768,") and ", false, true>(m, h0, 3072," in launches[1]
     instances = {name: text for name, text in files.items() if name.startswith(wide_params.INSTANCE_PREFIX)}

@@ -114,8 +114,8 @@ def estimate_wide(spec: MLPSpec, rows: int = NOMINAL_ROWS, tail_from: int = 0, t
     launches = len(spec.layers) + sum(l.gated for l in spec.layers[:n_gemms]) + converts_input(spec)
     if tf32_eligible(spec) and tf32_first_wins(spec, rows):   # the plan's own choice (untuned)
         first, launches = _first_layer_seconds(spec, rows, True), len(spec.layers)
-    t = first + _residual_seconds(spec, rows)
-    launches += spec.residual
+    t = first + _residual_seconds(spec, rows, in_norm_pass=spec.norm is not None)
+    launches += spec.residual and spec.norm is None
     if tail_from:
         t += _tail_seconds(spec, tail, rows)
         launches -= len(spec.layers) - tail_from - 1 - (io != 2)   # one kernel (and the widening pass)
@@ -124,14 +124,18 @@ def estimate_wide(spec: MLPSpec, rows: int = NOMINAL_ROWS, tail_from: int = 0, t
     return max(t, launches * HOST_LAUNCH_S)   # the GPU's time, or the host's when the kernels are short
 
 
-def _residual_seconds(spec: MLPSpec, rows: int) -> float:
-    """A block's residual, three passes over the output rows and a launch either way: as the stock Add
-    (reads two tensors, writes one) or in the wide design (the pass writing y = x + b reads x and writes
-    y; the last GEMM's epilogue reads y back as its source operand). 0 without a residual. (The wide
-    design's norm costs what the conversion pass it replaces does: _first_layer_seconds counts that.)"""
+def _residual_seconds(spec: MLPSpec, rows: int, in_norm_pass: bool = False) -> float:
+    """A block's residual: three passes over the output rows and a launch as the stock Add (reads two
+    tensors, writes one) or in the wide design without a norm (the pass writing y = x + b reads x and
+    writes y; the last GEMM's epilogue reads y back as its source operand). `in_norm_pass`: the wide
+    design's norm pass writes y from the x it reads anyway, so two passes and no launch. 0 without a
+    residual. (The wide design's norm costs what the conversion pass it replaces does:
+    _first_layer_seconds counts that.)"""
     if not spec.residual:
         return 0.0
     io = 2 if spec.io_dtype == "f16" else 4
+    if in_norm_pass:
+        return 2 * rows * spec.widths[-1] * io / HBM_BPS
     return 3 * rows * spec.widths[-1] * io / HBM_BPS + LAUNCH_S
 
 

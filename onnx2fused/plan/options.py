@@ -13,9 +13,10 @@ of (spec, options) only:
                             Add as stock ops around the fused layers; on by default: the fused kernel
                             (resident, streamed, fp32) runs them too, since tests/test_gpu_block.py and
                             kernel_check's block cases passed on the H100 (benchmarks/RESULTS.md)
-  ONNX2FUSED_WIDE_GEMV    = on: wide plans run passes of at most wide.GEMV_MAX_ROWS rows as weight-streaming
-                            GEMV kernels instead of CUTLASS GEMMs (plan/wide.py); off by default until
-                            tests/test_gpu_wide.py's GEMV test passes on a GPU
+  ONNX2FUSED_WIDE_GEMV    = off: wide plans run every pass as CUTLASS GEMMs; on by default: passes of at most
+                            wide.GEMV_MAX_ROWS rows run weight-streaming GEMV kernels (plan/wide.py), since
+                            they passed their GPU tests and beat ORT fp16 at LLaMA-7B's 1 and 16 rows
+                            (benchmarks/RESULTS.md, eleventh run)
   (and whether the CUTLASS headers the wide design compiles against can be found)
 
 The design-specific overrides (`ResidentOptions`, `StreamedOptions`) replace the heuristics of one design,
@@ -95,7 +96,7 @@ class PlanOptions:
     wide_unavailable: str = ""     # why the wide design cannot be built here ("": it can)
     wgmma: bool = True             # auto may pick the wgmma design (ONNX2FUSED_WGMMA=off: never; forcing works either way)
     cuda_blocks: bool = True       # CUDA libraries fuse blocks' norms and residuals (ONNX2FUSED_CUDA_BLOCKS=off: not)
-    wide_gemv: bool = False        # wide plans run passes of few rows as GEMV kernels (ONNX2FUSED_WIDE_GEMV=on)
+    wide_gemv: bool = True         # wide plans run passes of few rows as GEMV kernels (ONNX2FUSED_WIDE_GEMV=off: not)
     smem_limit: int | None = None  # shared memory a block may use (None: fused.SMEM_LIMIT, sm_90)
     resident: ResidentOptions = field(default_factory=ResidentOptions)
     streamed: StreamedOptions = field(default_factory=StreamedOptions)
@@ -113,7 +114,7 @@ class PlanOptions:
                    wide_tail=env.get(TAIL_ENV, "auto").strip().lower() != "off",
                    wgmma=env.get(WGMMA_ENV, "on").strip().lower() not in ("off", "0", "no", "false"),
                    cuda_blocks=env.get(CUDA_BLOCKS_ENV, "on").strip().lower() not in ("off", "0", "no", "false"),
-                   wide_gemv=env.get(WIDE_GEMV_ENV, "off").strip().lower() == "on",
+                   wide_gemv=env.get(WIDE_GEMV_ENV, "on").strip().lower() not in ("off", "0", "no", "false"),
                    wide_unavailable=_cutlass_missing())
 
 

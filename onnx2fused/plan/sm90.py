@@ -88,8 +88,15 @@ class Sm90Choice:
                 and (first_layer_tf32 or not SM90_KERNELS[self.kernel].tf32))
 
 
-DEFAULT_CHOICE = Sm90Choice(0, "heuristic")
-DEFAULT_TF32_CHOICE = Sm90Choice(TF32_KERNELS[0], "heuristic")   # a first layer the cost model reads in place
+# The untuned default: the 128 x 128 ping-pong kernel (one warpgroup's epilogue overlaps the other's main
+# loop; persistent data-parallel tiles). It won or came within 3% in every search measured on the H100
+# (benchmarks/RESULTS.md: FFN, head, DLRM at 256 and 16384 rows), and it has twice the tiles of the
+# 128 x 256 cooperative kernel, which was the default before: on an H200 that kernel with the stream-K
+# heuristic took 83 us for one of ViT-tiny's two FFN GEMMs (12608 rows, 192 -> 768 -> 192: one or two
+# column tiles, a few K tiles, split over the SMs), 7x stock ORT's cuBLAS GEMM, and 170 us for one of
+# ViT-B's at 16384 rows (stock: 108). One kernel per GEMM keeps the untuned build to one CUTLASS instance.
+DEFAULT_CHOICE = Sm90Choice(2, "data_parallel")
+DEFAULT_TF32_CHOICE = Sm90Choice(TF32_KERNELS[1], "data_parallel")   # a first layer read in place (tf32)
 ROW_BUCKETS = (32, 256, 2048, 16384)   # rows the choices are made (and tuned) for; calls take the nearest
 # (32: GEMV-like calls, where one row tile leaves most SMs idle unless split-K fills them)
 
