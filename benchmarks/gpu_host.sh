@@ -129,7 +129,8 @@ from onnx2fused.bench.variants import convert_model
 p = fp16_model_file(Path('/tmp/vit/vit_tiny.onnx'), Path('/tmp/vit/vit_tiny.fp16.onnx'))
 print(convert_model(p, Path('/tmp/vit/fused16'), 'fp16', with_cuda=True)[0])" 2>&1 | tail -2
   for m in /tmp/vit/vit_tiny.fp16.onnx /tmp/vit/fused16/vit_tiny.fp16.fused.onnx; do
-    echo "== $m"; timeout 120 python3 benchmarks/ort_kernels.py "$m" --rows 64 2>&1 | grep -v -i warn | head -"${2:-32}"
+    echo "== $m"; timeout 120 python3 benchmarks/ort_kernels.py "$m" --rows 64 --names "$OUT/$(basename "$m" .onnx).names.txt" 2>&1 \
+      | grep -v -i warn | head -"${2:-32}"
   done | tee "$OUT/vit_kernels.txt"
   timeout 200 python3 benchmarks/profile_case.py vitb_block --stock --out /tmp/prof 2>&1 | grep -v -i warn | tail -30 \
     | tee "$OUT/vitb_block_kernels.txt"

@@ -27,6 +27,7 @@ def main():
     ap.add_argument("model")
     ap.add_argument("--rows", type=int, required=True)
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--names", help="also write each kernel's full (mangled) name and time to this file")
     a = ap.parse_args()
     import onnx
     import onnxruntime as ort
@@ -65,8 +66,11 @@ def main():
             stats[e.name].append(e.device_time if hasattr(e, "device_time") else e.cuda_time)
     total = sum(sum(times) for times in stats.values()) / a.reps / 1e3
     print(f"kernels: {total:.4f} ms of device time per run, {sum(map(len, stats.values())) // a.reps} launches")
-    for name, times in sorted(stats.items(), key=lambda kv: -sum(kv[1])):
+    ranked = sorted(stats.items(), key=lambda kv: -sum(kv[1]))
+    for name, times in ranked:
         print(f"{len(times):5d} x {np.mean(times) / 1e3:8.4f} ms  {name[:150]}")
+    if a.names:
+        Path(a.names).write_text("".join(f"{len(t)} x {np.mean(t) / 1e3:.4f} ms\n{n}\n\n" for n, t in ranked))
 
 
 if __name__ == "__main__":

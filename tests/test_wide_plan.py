@@ -918,9 +918,9 @@ def test_block_renders_the_norm_pass_the_residual_pass_and_a_residual_epilogue()
     assert f"cudaMemcpyAsync(ws + {plan.norm_offset}, w[2]," in src
     assert f"cudaMemcpyAsync(ws + {plan.norm_offset} + {round_up(768, NORM_ALIGN)} * sizeof(float), b[2]," in src
     run_chain = src[src.index("int run_chain("):]
-    assert "init_residual<<<" not in src and "ResidualInit{bias, y}" in src
+    assert "init_residual<<<" not in src and "ResidualInit{bias, y, vec_y}" in src
     convert = src[src.index("cudaError_t convert_input("):src.index("int run_chain(")]
-    assert f"reinterpret_cast<const io_raw*>(ws + {plan.gemms[-1].b_offset}), y);" in convert
+    assert f"reinterpret_cast<const io_raw*>(ws + {plan.gemms[-1].b_offset}), y, " in convert
     # both paths (GEMV, then GEMM) convert with the pass's output rows (y) before their first layer
     assert run_chain.index("if (m <= kGemvRows") < run_chain.index("err = convert_input(") < run_chain.index("layer0(dev")
     assert run_chain.count("static_cast<io_raw*>(y) + r0 * kK0, s);") == 2
@@ -950,7 +950,8 @@ GEMV_BUILDS = [_spec([1001, 520, 999]),                          # fp32 rows of 
                LLAMA,                                             # gated: gate and up pairs into h0
                _spec([768, 3072, 768], precision="bf16", io="f16"),  # fp16 rows rounded to bf16
                # a block: the norm pass, y = x + b, the GEMV path's last layer into y
-               _block_spec([768, 3072, 768], "f32", (), "layernorm", True, True, act=ex.gelu_erf())]
+               _block_spec([768, 3072, 768], "f32", (), "layernorm", True, True, act=ex.gelu_erf()),
+               _block_spec([192, 768, 192], "f16", (), "layernorm", True, True, act=ex.gelu_erf())]  # fp16 y
 
 
 @pytest.mark.cuda_build
