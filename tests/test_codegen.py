@@ -175,3 +175,21 @@ def test_packed_activations_only_where_they_apply():
             assert ("act<0>(float v, int col)" in src) == (not packed)   # a packed layer's fp32 form is not emitted
     with pytest.raises(ValueError, match="activation arithmetic"):
         replace(gelu, act_math="fp8")
+
+
+def test_fast_division_multiplies_by_the_reciprocal_of_a_constant():
+    """Where a hidden layer's activation is rounded to 16 bits right after (fast=True), a / const becomes
+    a * (1 / const) and a / b __fdividef: no IEEE division sequence in a GEMM epilogue. The reciprocal form
+    rounds to the same fp16 value as the IEEE quotient but for rare ties, and never by more than a step."""
+    import numpy as np
+    gelu16 = (ex.X * (ex.Op("erf", (ex.X / 1.4140625,)) + 1.0)) * 0.5   # the fp16 exports' GELU
+    fast, exact = ex.render_c(gelu16, "v", fast=True), ex.render_c(gelu16, "v")
+    inv = np.float32(1.0) / np.float32(1.4140625)
+    assert "/ 1.4140625f" in exact and "/" not in fast and f"(v * {ex._f(float(inv))})" in fast
+    assert ex.render_c(ex.X / (ex.X + 1.0), "v", fast=True) == "__fdividef(v, (v + 1.0f))"
+    assert "__fdividef" not in ex.render_c(ex.X / 0.0, "v") and "/ 0.0f" in ex.render_c(ex.X / 0.0, "v")
+    v = np.random.default_rng(0).standard_normal(1 << 20).astype(np.float32) * np.float32(8)
+    by_div = (v / np.float32(1.4140625)).astype(np.float16).astype(np.float32)
+    by_mul = (v * inv).astype(np.float16).astype(np.float32)
+    step = np.spacing(np.abs(by_div).astype(np.float16)).astype(np.float32)
+    assert np.all(np.abs(by_mul - by_div) <= step) and np.mean(by_mul != by_div) < 1e-3
