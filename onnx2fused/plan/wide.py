@@ -47,7 +47,8 @@ the GEMM's output type: fp16/bf16 for hidden layers (rounded like the weights), 
 Transformer blocks (spec.norm, spec.residual): the conversion pass normalises each row
 (templates/o2f_block_norm.cuh's norm_rows, the fused kernels' arithmetic; the scale and bias copied into
 the workspace at `norm_offset` by cuda_pack) while it writes the 16-bit rows, and the residual enters the
-last GEMM as its source operand: a pass writes y = x + b_last (io type), then the last GEMM computes
+last GEMM as its source operand: y = x + b_last (io type) is written first (by the norm pass from the
+rows it reads, else by a pass of its own, init_residual), then the last GEMM computes
 D = act(acc + C) with C = y in place (CUTLASS 2.x: C's row stride instead of the bias broadcast; 3.x:
 LinCombEltAct, beta 1), which is the block only for an identity last activation (wide_reason_refused).
 So the stock LayerNormalization and Add around a wide FFN disappear; a tail has no source operand, so a
