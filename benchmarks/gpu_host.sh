@@ -27,6 +27,8 @@
 #   benchmarks/gpu_host.sh sm90           benchmarks/sm90/run.sh: the standalone wgmma fused-MLP prototype
 #   benchmarks/gpu_host.sh profile [CASES] Nsight Compute on kernel_check.py --profile (default: the four
 #                                         issue-15 cases; ONNX2FUSED_CUDA_DESIGN=wgmma for that design)
+# The device's copy of .git is the session's first: pass ONNX2FUSED_COMMIT=<the commit the tree is> in the
+# call's command so that the bench JSONs say which commit ran (onnx2fused/bench/report.py).
 # Kernel choices measured by an earlier call (.deps/tune/*.json, copied from $OUT/tune) seed the build
 # cache, so convert does not tune again; every call leaves the cache's choices in $OUT/tune.
 set -uo pipefail

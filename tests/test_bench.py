@@ -271,3 +271,17 @@ def test_nothing_timed():
     assert bench.variants.nothing_timed(rows, ["fused_cpu"]) == "fused_cpu: RuntimeError: boom"
     rows.append({"batch": 16, "ms": {"ort_cpu": 1.0, "fused_cpu": 0.5}, "na": {}})
     assert bench.variants.nothing_timed(rows, ["fused_cpu"]) is None
+
+
+def test_commit_is_the_checkout_head_unless_the_caller_says(monkeypatch):
+    """The JSON's commit: git's HEAD here (a copy of the tree with a stale .git, as on the GPU host, is
+    told its commit through ONNX2FUSED_COMMIT instead)."""
+    import subprocess
+    from onnx2fused.bench import report
+    monkeypatch.delenv(report.COMMIT_ENV, raising=False)
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(report.__file__).parent, capture_output=True,
+                          text=True)
+    if head.returncode == 0:
+        assert report._git_commit().startswith(head.stdout.strip())
+    monkeypatch.setenv(report.COMMIT_ENV, " 0123abc ")
+    assert report._git_commit() == "0123abc"

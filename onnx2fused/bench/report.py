@@ -29,7 +29,16 @@ GPU_VARIANTS = ["ort_fp32", "ort_fp16", "fused", "fused_graph", "torch_eager", "
 
 # ----------------------------------------------------------------------------------------- metadata
 
+COMMIT_ENV = "ONNX2FUSED_COMMIT"
+
+
 def _git_commit() -> str | None:
+    """HEAD of the checkout this runs from (`-dirty` with uncommitted changes), or $ONNX2FUSED_COMMIT: a
+    copy of the tree whose .git is stale (the GPU host's copy keeps the session's first one) is told
+    which commit it holds."""
+    told = os.environ.get(COMMIT_ENV, "").strip()
+    if told:
+        return told
     here = Path(__file__).resolve().parent
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10)
