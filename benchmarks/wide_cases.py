@@ -59,6 +59,9 @@ CASES = {
     "pair256": ([256, 4096, 256], "gelu", ["batch", 256, 256], 256, {}),
     "pair64": ([64, 1000, 48], "gelu", ["batch", 64], 262144, {}),
     "llama7b": ([4096, 11008, 4096], "swiglu", ["batch", 4096], 4096, {"ort_fp16": 1.3}),
+    # issue 16's small SwiGLU block at 2^18 rows (the cost model picks its design: narrow enough for the
+    # fused kernels)
+    "swiglu256": ([256, 1024, 256], "swiglu", ["batch", 256], 262144, {"ort_fp16": 3.0}),
     # issue 16's ViT-B / BERT-base block: pre-LN, the FFN, the residual (BLOCK_CASES), 16384 rows
     "vitb_block": ([768, 3072, 768], "gelu", ["batch", 256, 768], 64, {"ort_fp16": 1.5}),
 }
