@@ -29,12 +29,12 @@ from onnx2fused.plan.options import PlanOptions  # noqa: E402
 from onnx2fused.plan.wide import with_kernels  # noqa: E402
 from onnx2fused.headers import default_cache_dir  # noqa: E402
 from onnx2fused.loader import load_model  # noqa: E402
-from wide_cases import CASES, build_model  # noqa: E402
+from wide_cases import BLOCK_CASES, CASES, build_model  # noqa: E402
 
 
 def case_spec(name: str, out: Path):
     widths, act, in_shape, _, _ = CASES[name]
-    model = load_model(str(build_model(widths, act, in_shape, out / f"{name}.onnx")))
+    model = load_model(str(build_model(widths, act, in_shape, out / f"{name}.onnx", block=name in BLOCK_CASES)))
     chains = passes.find_chains(model).chains
     assert len(chains) == 1, f"{name}: {len(chains)} chains"
     return chains[0].to_spec("fp16")
