@@ -261,7 +261,8 @@ def _swiglu_mlp(path, k: int, hidden: int, n: int, seed: int = 6):
 
 
 def test_gemv_path_matches_stock(cache_dir, tmp_path, monkeypatch):
-    """ONNX2FUSED_WIDE_GEMV=on: passes of <= 16 rows run the weight-streaming GEMV kernels (1, 3 and 16 rows),
+    """ONNX2FUSED_WIDE_GEMV=on (the default, set explicitly here): passes of <= 16 rows run the
+    weight-streaming GEMV kernels (1, 3 and 16 rows),
     more rows the GEMMs (17, 300), against stock fp32 ORT with NaN-poisoned outputs: fp32 rows of odd widths
     (scalar loads of x), a segmented plan (GEMV, then the fused tail), fp16 rows in place and rounded to bf16
     (16-byte loads), and a gated chain (gate and up pairs straight into the hidden buffer)."""
