@@ -281,7 +281,7 @@ def _fast_div(e: Op, args: list[str]) -> str:
     divisor = e.args[1]
     if isinstance(divisor, Const):
         inv = np.float32(1.0) / np.float32(divisor.value)
-        if np.isfinite(inv) and inv != 0.0 and np.isfinite(np.float32(divisor.value)):
+        if np.isfinite(inv) and inv != 0.0:   # not for 0, NaN, an infinite or a subnormal-overflowing divisor
             return f"({args[0]} * {_f(float(inv))})"
     return f"__fdividef({args[0]}, {args[1]})"
 

@@ -178,21 +178,18 @@ gemv_layer(const elem_t* __restrict__ a, int lda, const elem_t* __restrict__ w, 
 // Launches one layer: `columns` outputs (NP, or a gated layer's NP gate and up pairs), a block per 16
 // (gated: 8 pairs).
 template <template <typename> class Act, bool kGated, bool kIntoOutput = false, typename Out>
-cudaError_t gemv(int m, const elem_t* a, int lda, const elem_t* w, int kp, int second, const Out* bias, Out* d,
-                 int ldd, int columns, cudaStream_t s) {
+cudaError_t gemv(const DeviceInfo& dev, int m, const elem_t* a, int lda, const elem_t* w, int kp, int second,
+                 const Out* bias, Out* d, int ldd, int columns, cudaStream_t s) {
   const int per_block = kGated ? kGemvTileCols : 2 * kGemvTileCols;
   const int blocks = (columns + per_block - 1) / per_block;
   auto kernel = gemv_layer<Act, kGated, kIntoOutput, Out>;
-  // The ring is over 48 KiB: opted in once per device (idempotent: racing threads set the same value).
+  // The ring is over 48 KiB: opted in once per device (dev.id < 64, device_info checked it; idempotent:
+  // racing threads set the same value).
   static std::atomic<bool> opted[64];
-  int dev = 0;
-  cudaError_t err = cudaGetDevice(&dev);
-  if (err != cudaSuccess) return err;
-  if (dev < 0 || dev >= 64) return cudaErrorInvalidDevice;
-  if (!opted[dev].load(std::memory_order_acquire)) {
-    if ((err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kGemvSmemBytes)) != cudaSuccess)
-      return err;
-    opted[dev].store(true, std::memory_order_release);
+  if (!opted[dev.id].load(std::memory_order_acquire)) {
+    const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kGemvSmemBytes);
+    if (err != cudaSuccess) return err;
+    opted[dev.id].store(true, std::memory_order_release);
   }
   kernel<<<blocks, kGemvThreads, kGemvSmemBytes, s>>>(a, lda, w, kp, second, bias, d, ldd, columns, m);
   return cudaGetLastError();

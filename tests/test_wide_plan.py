@@ -866,15 +866,15 @@ def test_gemv_path_renders_one_launch_per_layer_and_nothing_when_off(spec):
     first = launches[0][: launches[0].index(", reinterpret_cast<const elem_t*>(ws + ")]
     kind = "true" if plan.gemms[0].gated else "false"
     if plan.convert_input:
-        assert first == f"err = gemv<Act0, {kind}>(m, xc, {plan.gemms[0].kp}"
+        assert first == f"err = gemv<Act0, {kind}>(dev, m, xc, {plan.gemms[0].kp}"
         assert branch.startswith("    if (m <= kGemvRows) {\n")
     else:
-        assert first == f"err = gemv<Act0, {kind}>(m, reinterpret_cast<const elem_t*>(static_cast<const io_t*>(x) + r0 * kK0), kK0"
+        assert first == f"err = gemv<Act0, {kind}>(dev, m, reinterpret_cast<const elem_t*>(static_cast<const io_t*>(x) + r0 * kK0), kK0"
         assert branch.startswith("    if (m <= kGemvRows && aligned16(x)) {\n")
     lines = branch.splitlines()
     for g, launch in zip(plan.gemms, launches):
         out_line = lines[next(i for i, line in enumerate(lines) if line.strip() == launch) + 1].strip()
-        assert re.match(rf"err = gemv<Act\d+, {'true' if g.gated else 'false'}>\(m, ", launch)   # functors are shared
+        assert re.match(rf"err = gemv<Act\d+, {'true' if g.gated else 'false'}>\(dev, m, ", launch)   # functors are shared
         assert launch.endswith(f"reinterpret_cast<const elem_t*>(ws + {g.w_offset}), {g.kp}, {g.half},")
         if g.gated:     # gate and up column pairs straight into the hidden buffer, half columns wide
             assert out_line.endswith(f"{g.dst}, {g.half}, {g.half}, s);")
@@ -883,7 +883,7 @@ def test_gemv_path_renders_one_launch_per_layer_and_nothing_when_off(spec):
         else:
             assert out_line.endswith(f"{g.dst}, {g.np_}, {g.np_}, s);")
         if g.index:
-            assert f"(m, {g.src}, {g.kp}, " in launch
+            assert f"(dev, m, {g.src}, {g.kp}, " in launch
     if plan.tail_from:
         run_chain = src[src.index("int run_chain("):]
         assert run_chain.index(f"{tail_symbol(spec)}_cuda_run(") > run_chain.index("    }  // the GEMMs\n")
@@ -931,7 +931,7 @@ def test_block_renders_the_norm_pass_the_residual_pass_and_a_residual_epilogue()
     assert init < chain.index("if (m <= kGemvRows") < chain.index("layer0(dev")
     assert f"reinterpret_cast<const io_raw*>(ws + {plan.gemms[-1].b_offset})" in chain[init:]
     launches = [line.strip() for line in _gemv_branch(src).splitlines() if "err = gemv<" in line]
-    assert launches[0].startswith("err = gemv<Act0, false>(m, xc, 768,") and ", false, true>(m, h0, 3072," in launches[1]
+    assert launches[0].startswith("err = gemv<Act0, false>(dev, m, xc, 768,") and ", false, true>(dev, m, h0, 3072," in launches[1]
     instances = {name: text for name, text in files.items() if name.startswith(wide_params.INSTANCE_PREFIX)}
     last = wide_params.wide_instances(plan)
     residual = {name for name, p in last.items() if p["residual"]}

@@ -54,16 +54,17 @@ LinCombEltAct, beta 1), which is the block only for an identity last activation 
 So the stock LayerNormalization and Add around a wide FFN disappear; a tail has no source operand, so a
 residual plan never segments.
 
-GEMV path (`gemv_rows`, PlanOptions.wide_gemv; on by default, `$ONNX2FUSED_WIDE_GEMV=off` turns it off): a pass of at most GEMV_MAX_ROWS rows (decode, small batches) fills few of a 128x256 tile's rows,
-so the tensor cores idle while every weight is read once anyway, and reading the weights once is the
+GEMV path (`gemv_rows`, PlanOptions.wide_gemv; on by default, `$ONNX2FUSED_WIDE_GEMV=off` turns it off):
+a pass of at most GEMV_MAX_ROWS rows (decode, small batches) fills few of a 128-row tile's rows, so the
+tensor cores idle while every weight is read once anyway, and reading the weights once is the
 floor (LLaMA-7B's 270 MB MLP: 0.09 ms at 3 TB/s, vs 0.19 ms measured with the GEMMs at 1 and 16 rows,
 0.15 ms for stock ORT at 1 row). Such a pass runs one weight-streaming kernel per layer instead
 (templates/o2f_wide_gemv.cuh): mma.sync m16n8k16 with the pass's rows padded to 16 in registers; a block
 of 8 warps owns 16 output columns (a gated layer: 8 gate and up column pairs) and splits K, each lane
 streaming 16-byte vectors of its column's contiguous n-major weights (no L1 allocation) against the rows'
-16-byte vectors at the same k, both copied through a cp.async ring in shared memory (3 chunks in flight per
-warp without holding registers: the register-staged version read at 2.2 TB/s on an H200). The first layer reads the conversion pass's rows (or x in place), and a
-gated layer writes act(gate) * up straight into its hidden buffer (no gate buffer, no glu pass), with
+16-byte vectors at the same k, both copied through a cp.async ring in shared memory (3 chunks in flight
+per warp without holding registers: the register-staged version read at 2.2 TB/s on an H200). The first
+layer reads the conversion pass's rows (or x in place), and a gated layer writes act(gate) * up straight into its hidden buffer (no gate buffer, no glu pass), with
 the GEMM path's roundings. A segmented plan's fused tail runs after them as usual. (A first version, a
 warp per column on the CUDA cores, converted every activation to fp32 for every column: 1.17x ORT fp16
 at LLaMA's 1 row but 0.25x at 16.)
