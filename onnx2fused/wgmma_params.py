@@ -53,7 +53,9 @@ def _layer_params(plan: WgmmaPlan) -> list[dict]:
         last = l.index == n - 1
         chunks = []
         for c in range(l.chunks):
-            start = l.offset + c * l.chunk_bytes
+            # streamed: a chunk's k-steps are relative to the ring slot it was copied into (the kernel adds
+            # the slot's address); resident: to the shared-memory base
+            start = 0 if plan.streamed else l.offset + c * l.chunk_bytes
             chunks.append({
                 "index": c,
                 # descriptor low word = lo0 + (shared offset >> 4); scale-d 0 on the first k-step (no bias:
@@ -76,6 +78,9 @@ def wgmma_params(plan: WgmmaPlan) -> dict:
     params = spec_params(spec)
     pieces = [{"offset": o, "bytes": min(BULK_PIECE, plan.image_bytes - o)}
               for o in range(0, plan.image_bytes, BULK_PIECE)]
+    # shared memory: [image or ring][bias][mbarriers][release counters]
+    weights = plan.stages * plan.slot_bytes if plan.streamed else plan.image_bytes
+    bars = weights + plan.bias_floats * 4
     params.update({
         "plan_text": plan.describe(),
         "layers": _layer_params(plan),
@@ -86,8 +91,11 @@ def wgmma_params(plan: WgmmaPlan) -> dict:
         "rest_regs": max(plan.layers[0].k_steps - plan.prefetch, 1),
         "k0": spec.layers[0].in_features, "k_steps0": plan.layers[0].k_steps, "n_out": spec.layers[-1].out_features,
         "image_bytes": plan.image_bytes, "bias_floats": plan.bias_floats, "smem_bytes": plan.smem_bytes,
-        "bias_smem_offset": plan.image_bytes, "bar_smem_offset": plan.image_bytes + plan.bias_floats * 4,
+        "bias_smem_offset": weights, "bar_smem_offset": bars,
         "pieces": pieces,
+        "streamed": plan.streamed, "stages": plan.stages, "slot_bytes": plan.slot_bytes,
+        "cnt_smem_offset": bars + 8 * plan.stages,
+        "stream_chunks": [{"offset": o, "bytes": b} for o, b in plan.stream_chunks],
         "image_offset": plan.image_offset, "bias_offset": plan.bias_offset,
         "workspace_bytes": plan.workspace_bytes, "fallback_bytes": plan.fallback_bytes,
         "fallback": fallback_symbol(spec), "fallback_design": plan.fallback.design,

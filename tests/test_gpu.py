@@ -157,6 +157,41 @@ def test_random_mlps_on_cuda_ep(seed, cache_dir, tmp_path):
         assert rel_l2(run_poisoned(sess, x, ref.shape), ref) <= 5e-3, f"widths {widths}"
 
 
+
+# The wgmma design with its weights streamed through the ring (plan/wgmma.py, o2f_wgmma_ring.cuh), as auto
+# chooses it: chains whose fp16 weights do not stay resident. Odd widths (56- and 40-column chunks, 64- and
+# 128-byte swizzles, slots of unequal fills) and a NeRF-sized 8 x 256 chain (1 MB image). Batches: 0; 1
+# and 37 (one pass, the second warpgroup's rows all masked); 129 (a partial second pass); 1000003 (each
+# CTA makes ~59 passes: the ring wraps thousands of times, and its phases with it).
+RING_CHAINS = [((96, 256, 224, 256, 256, 40), "silu"), ((63,) + (256,) * 8 + (4,), "relu")]
+
+
+@pytest.mark.parametrize("widths,act", RING_CHAINS, ids=["odd_silu", "nerf8x256_relu"])
+def test_wgmma_streamed_ring_on_cuda_ep(widths, act, cache_dir, tmp_path):
+    from onnx2fused.plan.choose import make_plan
+    from onnx_builders import CONTINUOUS_ACTS, G
+    g = G(opset=17, seed=len(widths))
+    h = "x"
+    for i, (k, n) in enumerate(zip(widths, widths[1:])):
+        h = g.linear(h, k, n, name=f"fc{i}")
+        if i < len(widths) - 2:
+            h = CONTINUOUS_ACTS[act](g, h, n)
+    g.op("Identity", [h], name="sink", outputs=["y"])
+    src = tmp_path / "ring.onnx"
+    onnx.save(g.model([("x", ["B", widths[0]])], [("y", ["B", widths[-1]])]), str(src))
+    chains = passes.find_chains(load_model(str(src))).chains
+    plan = make_plan(chains[0].to_spec("fp16"))
+    assert len(chains) == 1 and plan.design == "wgmma" and plan.streamed, plan.describe()
+    fused_path, lib, _ = _fuse(src, "fp16", cache_dir, tmp_path / "fused.onnx")
+    sess = _session(fused_path, lib)
+    rng = np.random.default_rng(len(widths))
+    for batch in (1, 37, 129, 1000003):
+        x = rng.standard_normal((batch, widths[0])).astype(np.float32)
+        ref = _reference(src, x)
+        err = rel_l2(run_poisoned(sess, x, ref.shape), ref)
+        assert err <= 5e-3, f"batch {batch}: rel L2 {err:.2e} ({plan.describe()})"
+    assert sess.run(None, {"x": np.zeros((0, widths[0]), np.float32)})[0].shape == (0, widths[-1])
+
 # Streamed FFN-shaped pairs (plan/fused.py _hidden_blocks): a wide hidden layer built in column blocks
 # straight into the next layer's register accumulators, never stored whole. Forced to the streamed
 # design (the cost model may give these chains to the wide one); each chain's default plan pairs (its

@@ -33,10 +33,15 @@ SDF_F16 = MLPSpec(tuple(LayerSpec(a, b, True, ex.tanh() if b != 1 else ex.identi
 # every swizzle width (K 32, 80, 176), partial padding blocks, per-channel constants, an odd last width
 ODD = MLPSpec((LayerSpec(30, 80, True, _prelu(80)), LayerSpec(80, 176, True, ex.gelu_erf()),
                LayerSpec(176, 7, True, ex.sigmoid())), "fp16", "f32")
+# weights streamed through the ring (1.1 MB: not resident), chunks of 56 and 40 columns, 64- and 128-byte swizzles
+STREAMED = MLPSpec(tuple(LayerSpec(a, b, True, ex.silu() if i < 4 else ex.identity())
+                         for i, (a, b) in enumerate(zip((96, 256, 224, 256, 256), (256, 224, 256, 256, 40))))
+                   , "fp16", "f32")
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
-@pytest.mark.parametrize("spec,with_sm80", [(SDF_F16, True), (ODD, False)], ids=["sdf_f16", "odd_widths"])
+@pytest.mark.parametrize("spec,with_sm80", [(SDF_F16, True), (ODD, False), (STREAMED, False)],
+                         ids=["sdf_f16", "odd_widths", "streamed"])
 def test_wgmma_source_compiles_to_hgmma_without_spills(spec, with_sm80, tmp_path):
     plan = choose.make_plan(spec, PlanOptions(design="wgmma"))
     assert plan.design == "wgmma"
@@ -67,6 +72,8 @@ def test_wgmma_source_compiles_to_hgmma_without_spills(spec, with_sm80, tmp_path
     assert ptx90.count("wgmma.mma_async.sync.aligned.m64n") == n_wgmma
     assert "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes" in ptx90
     assert "__assertfail" not in ptx90
+    # streamed: the ring's slot release (acq_rel counter) and its per-slot mbarrier waits are there
+    assert ("atom.acq_rel.cta.shared::cta.add.u32" in ptx90) == plan.streamed
     # packed fp16x2 activations (sdf's tanh; ODD's gelu): one tanh.approx.f16x2 per pair of hidden values
     assert ("tanh.approx.f16x2" in ptx90) == bool(spec.packed_layers)
     if with_sm80:   # the sm_80 code has the packing kernels and an empty wgmma kernel

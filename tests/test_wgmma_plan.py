@@ -56,10 +56,28 @@ def test_issue_cases_take_wgmma_with_the_prototype_shapes(spec, nwg, prefetch, c
     assert text.startswith("wgmma (sm_90a)") and "other GPUs: resident" in text
 
 
-def test_silu_256_is_refused_its_weights_do_not_stay_resident():
-    why = choose.wgmma_refused(SILU)
-    assert "512 KB" in why and "resident" in why
-    assert choose.make_plan(SILU).design == "streamed" and choose.make_plan(SILU, WGMMA).design == "streamed"
+def test_silu_256_streams_its_weights_through_a_ring():
+    """silu's 512 KB of weights do not stay resident: they pass through a ring of 6 chunk slots."""
+    assert choose.wgmma_refused(SILU) is None
+    plan = choose.make_plan(SILU)
+    assert plan.design == "wgmma" and plan.fallback.design == "streamed"
+    assert (plan.streamed, plan.stages, plan.slot_bytes, plan.image_bytes) == (True, 6, 32768, 512 * 1024)
+    assert plan.nwg == 2 and plan.registers <= 255 and plan.smem_bytes <= wgmma.SMEM_LIMIT
+    # one (offset, bytes) per chunk of a pass, layer by layer, and they tile the image
+    chunks = plan.stream_chunks
+    assert len(chunks) == 16 and chunks[0] == (0, 32768)
+    assert all(o + b == nxt for (o, b), (nxt, _) in zip(chunks, chunks[1:])) and sum(b for _, b in chunks) == plan.image_bytes
+    assert "streamed from L2 through a ring of 6 x 32 KB slots" in plan.describe()
+    # the resident plans keep their image in shared memory
+    assert not choose.make_plan(GELU).streamed
+
+
+def test_ring_size_follows_the_shared_memory_limit():
+    """Fewer slots where less shared memory is left; refused, with the reason, where 3 do not fit."""
+    smem = lambda stages: stages * 32768 + 1024 * 4 + 8 * stages + 4 * stages + wgmma.SLACK
+    assert wgmma.make_wgmma_plan(SILU, choose.make_plan(SILU).fallback, smem_limit=smem(4)).stages == 4
+    why = wgmma.wgmma_reason_refused(SILU, smem(3) - 1)
+    assert "512 KB" in why and "ring of 3" in why and "32 KB chunks" in why
 
 
 @pytest.mark.parametrize("spec,words", [
@@ -91,7 +109,7 @@ def test_cost_rule_and_the_switches():
 
 def test_plan_text_says_why_not_wgmma():
     assert "Hopper wgmma not used: fewer than 2 layers" in plan_text(_spec([32, 64, 16]), choose.make_plan(_spec([32, 64, 16])))
-    assert "Hopper wgmma not used" in plan_text(SILU, choose.make_plan(SILU))
+    assert "Hopper wgmma not used: layer 0 is 64 -> 300" in plan_text(_spec([64, 300, 64]), choose.make_plan(_spec([64, 300, 64])))
     assert "switched off (ONNX2FUSED_WGMMA=off" in plan_text(GELU, choose.make_plan(GELU, PlanOptions(wgmma=False)))
     text = plan_text(GELU, choose.make_plan(GELU, AUTO_WGMMA))
     assert "GPU: wgmma (sm_90a)" in text and "not used" not in text
@@ -106,8 +124,8 @@ def _render(spec, options=AUTO_WGMMA):
 
 
 @pytest.mark.parametrize("spec", [NERF, GELU, SDF, _spec([3, 128, 128, 128, 128, 1], ex.tanh(), io="f16"),
-                                  _spec([30, 80, 176, 7], ex.sigmoid(), io="f16", last=ex.relu())],
-                         ids=["nerf", "gelu", "sdf", "sdf_f16", "odd_widths"])
+                                  _spec([30, 80, 176, 7], ex.sigmoid(), io="f16", last=ex.relu()), SILU],
+                         ids=["nerf", "gelu", "sdf", "sdf_f16", "odd_widths", "silu_streamed"])
 def test_rendering_is_deterministic_and_complete(spec):
     files, plan = _render(spec, WGMMA)
     again, _ = _render(spec, WGMMA)
@@ -132,6 +150,12 @@ def test_rendering_is_deterministic_and_complete(spec):
     assert files[f"{fb}_cuda.cu"] == alone.replace(f"{name}_cuda_", f"{fb}_cuda_")
     # one wgmma per chunk and k-step
     assert src.count("Wgmma<") == sum(l.chunks * l.k_steps for l in plan.layers)
+    # streamed: a ring acquire per chunk issued, a release per chunk waited for, the ring header; resident:
+    # one bulk copy of the image per CTA
+    n_chunks = sum(l.chunks for l in plan.layers)
+    assert src.count("ring.acquire()") == src.count("ring.release(lane)") == (n_chunks if plan.streamed else 0)
+    assert ("o2f_wgmma_ring.cuh" in files) == plan.streamed
+    assert ("mbar_wait(wbar, 0)" in src) != plan.streamed
 
 
 def test_odd_widths_are_padded_and_chunked():
@@ -152,13 +176,16 @@ def _pack_address(l, n, k):
     return l.offset + c * l.chunk_bytes + _swizzle(off, l.atom)
 
 
-@pytest.mark.parametrize("spec", [NERF, GELU, SDF, _spec([30, 80, 176, 7], ex.sigmoid())],
-                         ids=["nerf", "gelu", "sdf", "odd_widths"])
+@pytest.mark.parametrize("spec", [NERF, GELU, SDF, _spec([30, 80, 176, 7], ex.sigmoid()), SILU,
+                                  _spec([96, 256, 224, 256, 256, 40], ex.silu())],
+                         ids=["nerf", "gelu", "sdf", "odd_widths", "silu_streamed", "odd_streamed"])
 def test_descriptors_read_what_the_packing_wrote(spec):
     """Emulates the addresses wgmma computes from each printed descriptor (PTX ISA canonical K-major
     layouts: row n at (n % 8) * swizzle width + (n / 8) * stride byte offset, 16 k values contiguous from
     the start address, then the swizzle XOR on the address) and checks every (n, k) of every k-step of
-    every chunk against the packing's address of that weight."""
+    every chunk against the packing's address of that weight. A streamed plan's descriptors are relative
+    to the ring slot its chunk was copied into, verbatim from the chunk's bytes in the image (slots are
+    1024-aligned, so the swizzle of an address in the slot is that of the byte in the image)."""
     plan = choose.make_plan(spec, WGMMA)
     params = wgmma_params(plan)
     for l, lp in zip(plan.layers, params["layers"]):
@@ -173,6 +200,8 @@ def test_descriptors_read_what_the_packing_wrote(spec):
                 for n in range(l.nc):
                     for kk in range(16):
                         got = _swizzle(start + (n % 8) * width + (n // 8) * sbo + 2 * kk, width)
+                        if plan.streamed:    # the slot holds the chunk's bytes from its image offset on
+                            got += l.offset + c * l.chunk_bytes
                         assert got == _pack_address(l, c * l.nc + n, 16 * kp["ks"] + kk)
     # the image fits and its layers do not overlap
     ends = [l.offset + l.chunks * l.chunk_bytes for l in plan.layers]

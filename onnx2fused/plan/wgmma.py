@@ -7,10 +7,15 @@ Issue 15; the prototype and its H100 measurements: benchmarks/sm90/ (fused_wgmma
     accumulators, after bias + activation, are rounded to fp16 and are, register for register, the next
     layer's A fragments (the m64nN accumulator and m64k16 A layouts agree per warp, as mma.sync's do), so
     hidden activations never leave the registers.
-  * All weights are resident in shared memory (fp16, zero-padded) in the canonical K-major swizzled
-    layout that wgmma reads through a matrix descriptor: packed once per session into an "image" in the
-    workspace and copied verbatim per CTA with cp.async.bulk (completion on an mbarrier). Chains whose
-    image does not fit are refused (the prototype's streamed ring is not carried over yet).
+  * The weights are packed once per session into an "image" in the workspace (fp16, zero-padded, chunk by
+    chunk in the canonical K-major swizzled layout that wgmma reads through a matrix descriptor) and
+    copied verbatim with cp.async.bulk (completion on an mbarrier):
+      - resident (stages == 0): the whole image, once per CTA;
+      - streamed (stages > 0, where the image does not fit): chunk by chunk through a ring of `stages`
+        slots, the prototype's form (benchmarks/sm90/NOTES.md). Every warpgroup of a CTA runs every pass
+        over the chunks (a pass = one 64-row tile per warpgroup; rows past the batch are masked), so they
+        share the ring; the last warp to finish with a slot refills it with the chunk `stages` ahead.
+        The image is read from L2 (all CTAs read the same bytes), once per pass.
   * A layer's N columns run as chunks of NC <= CHUNK_MAX columns, each its own commit group, with two
     accumulator buffers: the epilogue of chunk c runs while the tensor core computes chunk c+1.
   * Bias: fp32 in shared memory, added in the epilogue (the form the H100 run verified).
@@ -45,6 +50,9 @@ OVERRIDE_CAPS = {**dict(REGISTER_CAPS), 5: 96, 6: 80, 8: 64}
 REGISTER_OVERHEAD = 24    # addressing, loop state, bias pair, activation temporaries (fit to the H100 build)
 PREFETCH_MAX = 4          # k-steps of the next tile's input held in registers (8 registers each)
 SMEM_LIMIT = 227 * 1024   # dynamic shared memory a CTA may use on sm_90
+STAGES_MAX = 6            # ring slots of a streamed plan (the prototype's silu: 6 x 32 KB)
+STAGES_MIN = 3            # fewer cannot overlap a chunk's copy with the two chunks in flight
+RING_REGISTERS = 8        # the ring's positions, phases and addresses (streamed plans)
 
 
 @dataclass(frozen=True)
@@ -93,12 +101,14 @@ class WgmmaPlan:
     nwg: int                  # warpgroups per CTA
     prefetch: int             # k-steps of the next tile's input prefetched into registers
     registers: int            # the estimate that chose nwg and prefetch
-    image_bytes: int          # the resident weight image (fp16, swizzled)
+    image_bytes: int          # the weight image (fp16, swizzled)
     bias_floats: int
-    smem_bytes: int           # dynamic shared memory of the kernel (image, bias, mbarrier, alignment slack)
+    smem_bytes: int           # dynamic shared memory of the kernel (image or ring, bias, mbarriers, slack)
     fallback: object          # the resident or streamed plan (plan.fused.FusedPlan)
     fallback_bytes: int       # its workspace, then (LAYER_ALIGN-aligned) the image and the bias
     reason: str = ""
+    stages: int = 0           # ring slots of streamed weights; 0: the image is resident
+    slot_bytes: int = 0       # bytes of a ring slot (the largest chunk, LAYER_ALIGN-aligned)
 
     design = "wgmma"
     uses_scratch = False      # the kernels only read their packed weights
@@ -119,11 +129,23 @@ class WgmmaPlan:
     def threads(self) -> int:
         return self.nwg * 128
 
+    @property
+    def streamed(self) -> bool:
+        return self.stages > 0
+
+    @property
+    def stream_chunks(self) -> tuple[tuple[int, int], ...]:
+        """(image offset, bytes) of every chunk of a pass, in the order the kernel consumes them."""
+        return tuple((l.offset + c * l.chunk_bytes, l.chunk_bytes) for l in self.layers for c in range(l.chunks))
+
     def describe(self) -> str:
         chunks = ", ".join(f"{l.chunks}x{l.nc}" for l in self.layers)
         why = f"; {self.reason}" if self.reason else ""
-        return (f"wgmma (sm_90a): {self.nwg} warpgroups x 64 rows, activations in registers, weights resident "
-                f"({self.image_bytes // 1024} KB fp16 image, {self.smem_bytes // 1024} KB smem), chunks {chunks}, "
+        weights = (f"weights streamed from L2 through a ring of {self.stages} x {self.slot_bytes // 1024} KB slots "
+                   f"({self.image_bytes // 1024} KB fp16 image" if self.streamed else
+                   f"weights resident ({self.image_bytes // 1024} KB fp16 image")
+        return (f"wgmma (sm_90a): {self.nwg} warpgroups x 64 rows, activations in registers, {weights}, "
+                f"{self.smem_bytes // 1024} KB smem), chunks {chunks}, "
                 f"input prefetch {self.prefetch} k-steps; other GPUs: {self.fallback.design} "
                 f"({self.fallback.describe()}){why}")
 
@@ -179,21 +201,40 @@ def wgmma_reason_refused(spec: MLPSpec, smem_limit: int = SMEM_LIMIT) -> str | N
         if max(l.in_features, l.out_features) > WIDTH_MAX:
             return f"layer {i} is {l.in_features} -> {l.out_features}: the wgmma kernel takes layers up to {WIDTH_MAX} wide"
     layers = _layers(spec)
-    smem = _smem(layers)
-    if smem > smem_limit:
-        image = smem - sum(l.np_ for l in layers) * 4 - 8 - SLACK
-        return (f"its padded fp16 weights are {image // 1024} KB ({smem // 1024} KB of shared memory with the biases, "
-                f"over {smem_limit // 1024} KB): the wgmma kernel keeps every layer resident")
-    regs = _registers(layers) + REGISTER_OVERHEAD
+    stages = _stages(layers, smem_limit)
+    if stages is None:
+        return (f"its padded fp16 weights ({_image_bytes(layers) // 1024} KB) do not stay resident in "
+                f"{smem_limit // 1024} KB of shared memory, and a ring of {STAGES_MIN} of its "
+                f"{_slot_bytes(layers) // 1024} KB chunks does not fit either")
+    regs = _registers(layers) + REGISTER_OVERHEAD + (RING_REGISTERS if stages else 0)
     if regs > REGISTER_CAPS[-1][1]:
         return f"its fragments need ~{regs} registers a thread (over {REGISTER_CAPS[-1][1]})"
     return None
 
 
-def _smem(layers: list[WgmmaLayer]) -> int:
+def _image_bytes(layers: list[WgmmaLayer]) -> int:
     last = layers[-1]
-    image = round_up(last.offset + last.chunks * last.chunk_bytes, LAYER_ALIGN)
-    return image + sum(l.np_ for l in layers) * 4 + 8 + SLACK
+    return round_up(last.offset + last.chunks * last.chunk_bytes, LAYER_ALIGN)
+
+
+def _slot_bytes(layers: list[WgmmaLayer]) -> int:
+    return round_up(max(l.chunk_bytes for l in layers), LAYER_ALIGN)
+
+
+def _smem(layers: list[WgmmaLayer], stages: int = 0) -> int:
+    """Dynamic shared memory: [image, or `stages` ring slots][bias][mbarriers: one, or one per slot]
+    [release counters: one per slot][alignment slack]."""
+    weights = stages * _slot_bytes(layers) if stages else _image_bytes(layers)
+    return weights + sum(l.np_ for l in layers) * 4 + 8 * max(1, stages) + 4 * stages + SLACK
+
+
+def _stages(layers: list[WgmmaLayer], smem_limit: int) -> int | None:
+    """0 where the image stays resident, else the most ring slots (up to STAGES_MAX) that fit; None where
+    not even STAGES_MIN do."""
+    if _smem(layers) <= smem_limit:
+        return 0
+    fits = [s for s in range(STAGES_MIN, STAGES_MAX + 1) if _smem(layers, s) <= smem_limit]
+    return fits[-1] if fits else None
 
 
 def make_wgmma_plan(spec: MLPSpec, fallback, reason: str = "", smem_limit: int = SMEM_LIMIT,
@@ -209,7 +250,10 @@ def make_wgmma_plan(spec: MLPSpec, fallback, reason: str = "", smem_limit: int =
     if chunk_max is not None and (chunk_max % 8 or not 8 <= chunk_max <= CHUNK_MAX):
         raise SpecError(f"chunk width {chunk_max}: a multiple of 8 up to {CHUNK_MAX}")
     layers = _layers(spec, chunk_max or CHUNK_MAX)
-    base = _registers(layers) + REGISTER_OVERHEAD
+    stages = _stages(layers, smem_limit)
+    if stages is None:   # a narrower chunk_max may leave too many chunks for the ring: say so
+        raise SpecError(f"{spec.describe()}: no wgmma plan with chunks of {chunk_max}: the ring does not fit")
+    base = _registers(layers) + REGISTER_OVERHEAD + (RING_REGISTERS if stages else 0)
     # an override is held to the cap only where the estimate is far over: the estimate is conservative
     # (nerf: ~88 estimated, 78 used) and __launch_bounds__ makes ptxas fit the cap (spills show in -v)
     if nwg is not None and (nwg not in OVERRIDE_CAPS or base > OVERRIDE_CAPS[nwg] + 16):
@@ -219,8 +263,7 @@ def make_wgmma_plan(spec: MLPSpec, fallback, reason: str = "", smem_limit: int =
     if prefetch is None:   # the registers the cap leaves, 8 a k-step
         prefetch = min(k0_steps, PREFETCH_MAX, max(0, cap - base) // 8)
     prefetch = max(0, min(k0_steps, prefetch))
-    last = layers[-1]
-    image = round_up(last.offset + last.chunks * last.chunk_bytes, LAYER_ALIGN)
     bias = sum(l.np_ for l in layers)
-    return WgmmaPlan(spec, tuple(layers), nwg, prefetch, base + 8 * prefetch, image, bias, _smem(layers),
-                     fallback, fallback.workspace_bytes, reason)
+    return WgmmaPlan(spec, tuple(layers), nwg, prefetch, base + 8 * prefetch, _image_bytes(layers), bias,
+                     _smem(layers, stages), fallback, fallback.workspace_bytes, reason, stages,
+                     _slot_bytes(layers) if stages else 0)
