@@ -93,7 +93,7 @@ def wgmma_params(plan: WgmmaPlan) -> dict:
         "image_bytes": plan.image_bytes, "bias_floats": plan.bias_floats, "smem_bytes": plan.smem_bytes,
         "bias_smem_offset": weights, "bar_smem_offset": bars,
         "pieces": pieces,
-        "streamed": plan.streamed, "stages": plan.stages, "slot_bytes": plan.slot_bytes,
+        "streamed": plan.streamed, "stages": plan.stages, "slot_bytes": plan.slot_bytes, "cluster": plan.cluster,
         "cnt_smem_offset": bars + 8 * plan.stages,
         "stream_chunks": [{"offset": o, "bytes": b} for o, b in plan.stream_chunks],
         "image_offset": plan.image_offset, "bias_offset": plan.bias_offset,

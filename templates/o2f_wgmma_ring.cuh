@@ -13,13 +13,45 @@
 // Bulk copies and wgmma are both async-proxy accesses, ordered here by the mbarrier (read after write)
 // and by wait_group + the counter's acq_rel (write after read): no fence.proxy.async (the prototype's
 // H100 run, and CUTLASS's TMA pipelines, do the same).
-// Static device code for sm_90a only; needs kStages, kSlotBytes, kRingChunks, kWarps and
+//
+// Clusters (kCluster > 1): the cluster's CTAs run their passes in step and hold the same chunk in the
+// same slot; CTA r copies bytes [r, r + 1) / kCluster of each chunk into that slot of every CTA
+// (multicast), and every CTA's full[s] expects the whole chunk. A slot may be refilled only when every
+// warp of every CTA is done with it, so each warp counts itself in every CTA's counter (remote atomics);
+// a CTA copies its slice when its own counter completes (kCluster * kWarps arrivals). A remote slice may
+// land before this CTA's expect_tx: the barrier's transaction count goes negative meanwhile, and its
+// phase cannot complete before the expect_tx's arrival. The cluster synchronises after the barriers are
+// initialised (remote copies and atomics target them) and before any CTA exits (remote atomics of the
+// last releases).
+// Static device code for sm_90a only; needs kStages, kSlotBytes, kRingChunks, kWarps, kCluster and
 // stream_chunk(p) (image offset and bytes of chunk p of a pass) from the generated source.
 #pragma once
 __device__ __forceinline__ uint32_t atom_add_acq_rel(uint32_t addr, uint32_t v) {
   uint32_t old;
   asm volatile("atom.acq_rel.cta.shared::cta.add.u32 %0, [%1], %2;\n" : "=r"(old) : "r"(addr), "r"(v) : "memory");
   return old;
+}
+// The same on the counter at shared address `addr` of the cluster's CTA `rank`.
+__device__ __forceinline__ uint32_t atom_add_cluster(uint32_t addr, uint32_t rank, uint32_t v) {
+  uint32_t remote, old;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(addr), "r"(rank));
+  asm volatile("atom.acq_rel.cluster.shared::cluster.add.u32 %0, [%1], %2;\n" : "=r"(old) : "r"(remote), "r"(v) : "memory");
+  return old;
+}
+// Bulk copy into the same shared offset of every CTA in `mask`, completing on each one's mbarrier there.
+__device__ __forceinline__ void bulk_g2s_multicast(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar,
+                                                   uint16_t mask) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1], %2, [%3], %4;\n"
+               ::"r"(dst), "l"(src), "r"(bytes), "r"(bar), "h"(mask) : "memory");
+}
+__device__ __forceinline__ uint32_t cluster_rank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+  return r;
+}
+// Every thread of every CTA of the cluster: what each wrote before is visible to all after.
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 }
 
 struct Ring {
@@ -28,13 +60,21 @@ struct Ring {
   uint32_t total;                // chunks this CTA consumes: its passes x kRingChunks
   uint32_t acq_stage, acq_phase; // the next chunk to acquire: its slot and the parity of its fill
   uint32_t rel, rel_stage;       // the next chunk to release (its index in the sequence) and its slot
+  uint32_t rank;                 // this CTA's rank in its cluster (0 without one)
 
-  // Copies chunk `it` of the sequence into slot `stage` (one thread).
+  // Copies chunk `it` of the sequence into slot `stage` (one thread): the whole chunk, or this CTA's
+  // slice of it into every CTA of the cluster.
   __device__ __forceinline__ void fill(uint32_t it, uint32_t stage) const {
     const uint2 c = stream_chunk(it % kRingChunks);
     const uint32_t full = bars + 8 * stage;
     mbar_expect_tx(full, c.y);
-    bulk_g2s(slots + stage * kSlotBytes, wimg + c.x, c.y, full);
+    if constexpr (kCluster == 1) {
+      bulk_g2s(slots + stage * kSlotBytes, wimg + c.x, c.y, full);
+    } else {
+      const uint32_t part = c.y / kCluster, off = rank * part;   // chunks are multiples of 256 bytes
+      bulk_g2s_multicast(slots + stage * kSlotBytes + off, wimg + c.x + off, part, full,
+                         static_cast<uint16_t>((1u << kCluster) - 1u));
+    }
   }
   // The first min(kStages, total) chunks (one thread, before any acquire).
   __device__ __forceinline__ void prime() const {
@@ -56,9 +96,17 @@ struct Ring {
     const uint32_t it = rel++, stage = rel_stage;
     if (++rel_stage == kStages) rel_stage = 0;
     __syncwarp();
-    if (lane == 0) {
+    if (lane != 0) return;
+    if constexpr (kCluster == 1) {
       const uint32_t prev = atom_add_acq_rel(cnts + 4 * stage, 1u);
       if (prev % kWarps == kWarps - 1 && it + kStages < total) fill(it + kStages, stage);
+    } else {
+#pragma unroll
+      for (uint32_t q = 0; q < kCluster; ++q) {
+        const uint32_t prev = atom_add_cluster(cnts + 4 * stage, q, 1u);
+        constexpr uint32_t kAll = kCluster * kWarps;
+        if (q == rank && prev % kAll == kAll - 1 && it + kStages < total) fill(it + kStages, stage);
+      }
     }
   }
 };

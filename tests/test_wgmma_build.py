@@ -40,7 +40,7 @@ STREAMED = MLPSpec(tuple(LayerSpec(a, b, True, ex.silu() if i < 4 else ex.identi
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
-@pytest.mark.parametrize("spec,with_sm80", [(SDF_F16, True), (ODD, False), (STREAMED, False)],
+@pytest.mark.parametrize("spec,with_sm80", [(SDF_F16, True), (ODD, False), (STREAMED, True)],
                          ids=["sdf_f16", "odd_widths", "streamed"])
 def test_wgmma_source_compiles_to_hgmma_without_spills(spec, with_sm80, tmp_path):
     plan = choose.make_plan(spec, PlanOptions(design="wgmma"))
@@ -72,8 +72,11 @@ def test_wgmma_source_compiles_to_hgmma_without_spills(spec, with_sm80, tmp_path
     assert ptx90.count("wgmma.mma_async.sync.aligned.m64n") == n_wgmma
     assert "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes" in ptx90
     assert "__assertfail" not in ptx90
-    # streamed: the ring's slot release (acq_rel counter) and its per-slot mbarrier waits are there
-    assert ("atom.acq_rel.cta.shared::cta.add.u32" in ptx90) == plan.streamed
+    # streamed: each warp counts its release in every CTA of the cluster, whose CTAs copy their slices
+    # of each chunk to all (multicast), launched as a cluster
+    assert ("atom.acq_rel.cluster.shared::cluster.add.u32" in ptx90) == plan.streamed == (plan.cluster == 2)
+    assert ("multicast::cluster" in ptx90) == plan.streamed and ("barrier.cluster.wait" in ptx90) == plan.streamed
+    assert ("cudaLaunchKernelEx" in src) == plan.streamed
     # packed fp16x2 activations (sdf's tanh; ODD's gelu): one tanh.approx.f16x2 per pair of hidden values
     assert ("tanh.approx.f16x2" in ptx90) == bool(spec.packed_layers)
     if with_sm80:   # the sm_80 code has the packing kernels and an empty wgmma kernel

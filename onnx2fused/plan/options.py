@@ -74,6 +74,7 @@ class WgmmaOptions:
     nwg: int | None = None        # warpgroups per CTA (the register estimate must fit its cap)
     prefetch: int | None = None   # k-steps of the next tile's input held in registers
     chunk_max: int | None = None  # widest chunk of a layer's columns (narrower: fewer accumulator registers)
+    cluster: int | None = None    # streamed plans: CTAs of a cluster sharing each chunk's copy (1: none)
 
     def given(self) -> dict:
         return _given(self)

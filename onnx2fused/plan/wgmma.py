@@ -15,7 +15,11 @@ Issue 15; the prototype and its H100 measurements: benchmarks/sm90/ (fused_wgmma
         slots, the prototype's form (benchmarks/sm90/NOTES.md). Every warpgroup of a CTA runs every pass
         over the chunks (a pass = one 64-row tile per warpgroup; rows past the batch are masked), so they
         share the ring; the last warp to finish with a slot refills it with the chunk `stages` ahead.
-        The image is read from L2 (all CTAs read the same bytes), once per pass.
+        The image is read from L2 (all CTAs read the same bytes), once per pass per `cluster` CTAs: the
+        CTAs of a thread-block cluster run their passes in step, and each copies 1/cluster of every chunk
+        into the slot of every CTA of the cluster (cp.async.bulk multicast), so that the L2 reads, which
+        bound the kernel without it (silu 256x4: 2.5 TB/s at 48% of the L2's throughput, tensor pipe
+        37%), are halved.
   * A layer's N columns run as chunks of NC <= CHUNK_MAX columns, each its own commit group, with two
     accumulator buffers: the epilogue of chunk c runs while the tensor core computes chunk c+1.
   * Bias: fp32 in shared memory, added in the epilogue (the form the H100 run verified).
@@ -53,6 +57,8 @@ SMEM_LIMIT = 227 * 1024   # dynamic shared memory a CTA may use on sm_90
 STAGES_MAX = 6            # ring slots of a streamed plan (the prototype's silu: 6 x 32 KB)
 STAGES_MIN = 3            # fewer cannot overlap a chunk's copy with the two chunks in flight
 RING_REGISTERS = 8        # the ring's positions, phases and addresses (streamed plans)
+CLUSTER = 2               # CTAs of a streamed plan's cluster (one copy of each chunk per cluster)
+CLUSTER_MAX = 4
 
 
 @dataclass(frozen=True)
@@ -109,6 +115,7 @@ class WgmmaPlan:
     reason: str = ""
     stages: int = 0           # ring slots of streamed weights; 0: the image is resident
     slot_bytes: int = 0       # bytes of a ring slot (the largest chunk, LAYER_ALIGN-aligned)
+    cluster: int = 1          # streamed: CTAs of a cluster, each copying 1/cluster of every chunk to all
 
     design = "wgmma"
     uses_scratch = False      # the kernels only read their packed weights
@@ -141,7 +148,8 @@ class WgmmaPlan:
     def describe(self) -> str:
         chunks = ", ".join(f"{l.chunks}x{l.nc}" for l in self.layers)
         why = f"; {self.reason}" if self.reason else ""
-        weights = (f"weights streamed from L2 through a ring of {self.stages} x {self.slot_bytes // 1024} KB slots "
+        shared = f", copied once per cluster of {self.cluster} CTAs" if self.cluster > 1 else ""
+        weights = (f"weights streamed from L2 through a ring of {self.stages} x {self.slot_bytes // 1024} KB slots{shared} "
                    f"({self.image_bytes // 1024} KB fp16 image" if self.streamed else
                    f"weights resident ({self.image_bytes // 1024} KB fp16 image")
         return (f"wgmma (sm_90a): {self.nwg} warpgroups x 64 rows, activations in registers, {weights}, "
@@ -238,10 +246,12 @@ def _stages(layers: list[WgmmaLayer], smem_limit: int) -> int | None:
 
 
 def make_wgmma_plan(spec: MLPSpec, fallback, reason: str = "", smem_limit: int = SMEM_LIMIT,
-                    nwg: int | None = None, prefetch: int | None = None, chunk_max: int | None = None) -> WgmmaPlan:
+                    nwg: int | None = None, prefetch: int | None = None, chunk_max: int | None = None,
+                    cluster: int | None = None) -> WgmmaPlan:
     """The wgmma plan of `spec`, with `fallback` (its resident or streamed plan) for other GPUs. SpecError
     where the design cannot take it. `nwg`, `prefetch`, `chunk_max` (the widest chunk, a multiple of 8 up
-    to CHUNK_MAX): overrides of the heuristics (benchmarks)."""
+    to CHUNK_MAX), `cluster` (streamed plans: 1, 2 or 4 CTAs sharing each chunk's copy): overrides of the
+    heuristics (benchmarks)."""
     why = wgmma_reason_refused(spec, smem_limit)
     if why:
         raise SpecError(f"{spec.describe()}: no wgmma plan: {why}")
@@ -263,7 +273,11 @@ def make_wgmma_plan(spec: MLPSpec, fallback, reason: str = "", smem_limit: int =
     if prefetch is None:   # the registers the cap leaves, 8 a k-step
         prefetch = min(k0_steps, PREFETCH_MAX, max(0, cap - base) // 8)
     prefetch = max(0, min(k0_steps, prefetch))
+    if cluster is not None and cluster not in (1, 2, CLUSTER_MAX):
+        raise SpecError(f"cluster of {cluster} CTAs: 1, 2 or {CLUSTER_MAX}")
+    # a chunk's slice per CTA must stay a multiple of 16 bytes (bulk copies): chunks are multiples of 256
+    cluster = (cluster or CLUSTER) if stages else 1
     bias = sum(l.np_ for l in layers)
     return WgmmaPlan(spec, tuple(layers), nwg, prefetch, base + 8 * prefetch, _image_bytes(layers), bias,
                      _smem(layers, stages), fallback, fallback.workspace_bytes, reason, stages,
-                     _slot_bytes(layers) if stages else 0)
+                     _slot_bytes(layers) if stages else 0, cluster)
