@@ -15,12 +15,13 @@
 // H100 run, and CUTLASS's TMA pipelines, do the same).
 //
 // Clusters (kCluster > 1): the cluster's CTAs run their passes in step and hold the same chunk in the
-// same slot; CTA r copies bytes [r, r + 1) / kCluster of each chunk into that slot of every CTA
+// same slot; slice q (bytes [q, q + 1) / kCluster) of each chunk is copied into that slot of every CTA
 // (multicast), and every CTA's full[s] expects the whole chunk. A slot may be refilled only when every
-// warp of every CTA is done with it, so each warp counts itself in every CTA's counter (remote atomics);
-// a CTA copies its slice when its own counter completes (kCluster * kWarps arrivals). A remote slice may
-// land before this CTA's expect_tx: the barrier's transaction count goes negative meanwhile, and its
-// phase cannot complete before the expect_tx's arrival. The cluster synchronises after the barriers are
+// warp of every CTA is done with it, so each warp counts itself in every CTA's counter (remote atomics).
+// Whichever warp completes CTA q's counter (kCluster * kWarps arrivals; it may belong to another CTA)
+// arms CTA q's full[s] for the whole chunk and copies slice q. A slice may land before the barrier is
+// armed: its transaction count goes negative meanwhile, and the phase cannot complete before the arming
+// arrival. The cluster synchronises after the barriers are
 // initialised (remote copies and atomics target them) and before any CTA exits (remote atomics of the
 // last releases).
 // Static device code for sm_90a only; needs kStages, kSlotBytes, kRingChunks, kWarps, kCluster and
@@ -37,6 +38,13 @@ __device__ __forceinline__ uint32_t atom_add_cluster(uint32_t addr, uint32_t ran
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(addr), "r"(rank));
   asm volatile("atom.acq_rel.cluster.shared::cluster.add.u32 %0, [%1], %2;\n" : "=r"(old) : "r"(remote), "r"(v) : "memory");
   return old;
+}
+// expect_tx + arrival on the mbarrier at shared address `bar` of the cluster's CTA `rank`.
+__device__ __forceinline__ void mbar_expect_tx_cluster(uint32_t bar, uint32_t rank, uint32_t bytes) {
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(bar), "r"(rank));
+  asm volatile("mbarrier.arrive.expect_tx.release.cluster.shared::cluster.b64 _, [%0], %1;\n"
+               ::"r"(remote), "r"(bytes) : "memory");
 }
 // Bulk copy into the same shared offset of every CTA in `mask`, completing on each one's mbarrier there.
 __device__ __forceinline__ void bulk_g2s_multicast(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar,
@@ -62,23 +70,24 @@ struct Ring {
   uint32_t rel, rel_stage;       // the next chunk to release (its index in the sequence) and its slot
   uint32_t rank;                 // this CTA's rank in its cluster (0 without one)
 
-  // Copies chunk `it` of the sequence into slot `stage` (one thread): the whole chunk, or this CTA's
-  // slice of it into every CTA of the cluster.
-  __device__ __forceinline__ void fill(uint32_t it, uint32_t stage) const {
+  // Copies chunk `it` of the sequence into slot `stage` (one thread): the whole chunk; or, in a cluster,
+  // arms CTA q's barrier for it and copies slice q into every CTA.
+  __device__ __forceinline__ void fill(uint32_t it, uint32_t stage, uint32_t q) const {
     const uint2 c = stream_chunk(it % kRingChunks);
     const uint32_t full = bars + 8 * stage;
-    mbar_expect_tx(full, c.y);
     if constexpr (kCluster == 1) {
+      mbar_expect_tx(full, c.y);
       bulk_g2s(slots + stage * kSlotBytes, wimg + c.x, c.y, full);
     } else {
-      const uint32_t part = c.y / kCluster, off = rank * part;   // chunks are multiples of 256 bytes
+      mbar_expect_tx_cluster(full, q, c.y);
+      const uint32_t part = c.y / kCluster, off = q * part;   // chunks are multiples of 256 bytes
       bulk_g2s_multicast(slots + stage * kSlotBytes + off, wimg + c.x + off, part, full,
                          static_cast<uint16_t>((1u << kCluster) - 1u));
     }
   }
-  // The first min(kStages, total) chunks (one thread, before any acquire).
+  // The first min(kStages, total) chunks: this CTA's barriers and slices (one thread, before any acquire).
   __device__ __forceinline__ void prime() const {
-    for (uint32_t i = 0; i < kStages && i < total; ++i) fill(i, i);
+    for (uint32_t i = 0; i < kStages && i < total; ++i) fill(i, i, rank);
   }
   // The descriptor low word (start address >> 4, leading byte offset 1) of the next chunk's slot, once
   // its copy has landed.
@@ -99,13 +108,13 @@ struct Ring {
     if (lane != 0) return;
     if constexpr (kCluster == 1) {
       const uint32_t prev = atom_add_acq_rel(cnts + 4 * stage, 1u);
-      if (prev % kWarps == kWarps - 1 && it + kStages < total) fill(it + kStages, stage);
+      if (prev % kWarps == kWarps - 1 && it + kStages < total) fill(it + kStages, stage, 0);
     } else {
 #pragma unroll
       for (uint32_t q = 0; q < kCluster; ++q) {
         const uint32_t prev = atom_add_cluster(cnts + 4 * stage, q, 1u);
         constexpr uint32_t kAll = kCluster * kWarps;
-        if (q == rank && prev % kAll == kAll - 1 && it + kStages < total) fill(it + kStages, stage);
+        if (prev % kAll == kAll - 1 && it + kStages < total) fill(it + kStages, stage, q);   // completed CTA q's count
       }
     }
   }
