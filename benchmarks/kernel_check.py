@@ -105,9 +105,9 @@ VARIANTS = {
     "nerf64_wg": ("nerf64", WgmmaOptions()),
     "nerf64_wg6": ("nerf64", WgmmaOptions(nwg=6, prefetch=0)),
     "nerf64_wg5": ("nerf64", WgmmaOptions(nwg=5, prefetch=0)),
-    # wgmma with streamed weights: each CTA copying every chunk itself (no cluster) against clusters of
-    # 2 (the default) and 4 sharing the copies; input prefetch depth
-    "w256silu_c1": ("w256silu", WgmmaOptions(cluster=1)),
+    # wgmma with streamed weights: clusters of 2 and 4 CTAs sharing each chunk's copy (multicast) against
+    # each CTA copying its own (the default); input prefetch depth
+    "w256silu_c2": ("w256silu", WgmmaOptions(cluster=2)),
     "w256silu_c4": ("w256silu", WgmmaOptions(cluster=4)),
     "w256silu_pf0": ("w256silu", WgmmaOptions(prefetch=0)),
     # blocks in the other fused design (an empty override forces it)

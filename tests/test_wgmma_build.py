@@ -13,7 +13,7 @@ import pytest
 from onnx2fused import build, codegen
 from onnx2fused import expr as ex
 from onnx2fused.plan import choose
-from onnx2fused.plan.options import PlanOptions
+from onnx2fused.plan.options import PlanOptions, WgmmaOptions
 from onnx2fused.spec import LayerSpec, MLPSpec
 from onnx2fused.wgmma_params import fallback_symbol
 
@@ -40,11 +40,13 @@ STREAMED = MLPSpec(tuple(LayerSpec(a, b, True, ex.silu() if i < 4 else ex.identi
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
-@pytest.mark.parametrize("spec,with_sm80", [(SDF_F16, True), (ODD, False), (STREAMED, True)],
-                         ids=["sdf_f16", "odd_widths", "streamed"])
-def test_wgmma_source_compiles_to_hgmma_without_spills(spec, with_sm80, tmp_path):
-    plan = choose.make_plan(spec, PlanOptions(design="wgmma"))
+@pytest.mark.parametrize("spec,with_sm80,overrides", [(SDF_F16, True, {}), (ODD, False, {}), (STREAMED, False, {}),
+                                                      (STREAMED, True, {"cluster": 2})],
+                         ids=["sdf_f16", "odd_widths", "streamed", "streamed_cluster2"])
+def test_wgmma_source_compiles_to_hgmma_without_spills(spec, with_sm80, overrides, tmp_path):
+    plan = choose.make_plan(spec, PlanOptions(design="wgmma", wgmma_overrides=WgmmaOptions(**overrides)))
     assert plan.design == "wgmma"
+    assert plan.cluster == overrides.get("cluster", 1)
     files = codegen.render([spec], True, {spec.name: False}, {spec.name: plan})
     for name, text in files.items():
         (tmp_path / name).write_text(text)
@@ -74,9 +76,10 @@ def test_wgmma_source_compiles_to_hgmma_without_spills(spec, with_sm80, tmp_path
     assert "__assertfail" not in ptx90
     # streamed: each warp counts its release in every CTA of the cluster, whose CTAs copy their slices
     # of each chunk to all (multicast), launched as a cluster
-    assert ("atom.acq_rel.cluster.shared::cluster.add.u32" in ptx90) == plan.streamed == (plan.cluster == 2)
-    assert ("multicast::cluster" in ptx90) == plan.streamed and ("barrier.cluster.wait" in ptx90) == plan.streamed
-    assert ("cudaLaunchKernelEx" in src) == plan.streamed
+    assert ("atom.acq_rel.cluster.shared::cluster.add.u32" in ptx90) == (plan.cluster > 1)
+    assert ("multicast::cluster" in ptx90) == (plan.cluster > 1) and ("barrier.cluster.wait" in ptx90) == (plan.cluster > 1)
+    assert ("cudaLaunchKernelEx" in src) == (plan.cluster > 1)
+    assert ("atom.acq_rel.cta.shared::cta.add.u32" in ptx90) == (plan.streamed and plan.cluster == 1)
     # packed fp16x2 activations (sdf's tanh; ODD's gelu): one tanh.approx.f16x2 per pair of hidden values
     assert ("tanh.approx.f16x2" in ptx90) == bool(spec.packed_layers)
     if with_sm80:   # the sm_80 code has the packing kernels and an empty wgmma kernel

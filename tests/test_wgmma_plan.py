@@ -15,7 +15,7 @@ from onnx2fused import expr as ex
 from onnx2fused.plan import choose, cost, wgmma
 from onnx2fused.plan.options import DESIGN_ENV, WGMMA_ENV, PlanOptions
 from onnx2fused.convert import plan_text
-from onnx2fused.spec import LayerSpec, MLPSpec
+from onnx2fused.spec import LayerSpec, MLPSpec, SpecError
 from onnx2fused.wgmma_params import fallback_symbol, wgmma_params
 
 
@@ -78,6 +78,19 @@ def test_ring_size_follows_the_shared_memory_limit():
     assert wgmma.make_wgmma_plan(SILU, choose.make_plan(SILU).fallback, smem_limit=smem(4)).stages == 4
     why = wgmma.wgmma_reason_refused(SILU, smem(3) - 1)
     assert "512 KB" in why and "ring of 3" in why and "32 KB chunks" in why
+
+
+def test_clusters_are_an_override_of_streamed_plans():
+    """Each CTA copies its own chunks by default (clusters sharing the copies measured slower); a cluster
+    of 2 or 4 on request, streamed plans only."""
+    fallback = choose.make_plan(SILU).fallback
+    assert choose.make_plan(SILU).cluster == 1
+    plan = wgmma.make_wgmma_plan(SILU, fallback, cluster=2)
+    assert plan.cluster == 2 and "copied once per cluster of 2 CTAs" in plan.describe()
+    assert all(b % (16 * 4) == 0 for _, b in plan.stream_chunks)   # slices of 1/4 stay multiples of 16 bytes
+    with pytest.raises(SpecError, match="1, 2 or 4"):
+        wgmma.make_wgmma_plan(SILU, fallback, cluster=3)
+    assert wgmma.make_wgmma_plan(GELU, choose.make_plan(GELU).fallback, cluster=2).cluster == 1   # resident
 
 
 @pytest.mark.parametrize("spec,words", [

@@ -15,23 +15,12 @@ Issue 15; the prototype and its H100 measurements: benchmarks/sm90/ (fused_wgmma
         slots, the prototype's form (benchmarks/sm90/NOTES.md). Every warpgroup of a CTA runs every pass
         over the chunks (a pass = one 64-row tile per warpgroup; rows past the batch are masked), so they
         share the ring; the last warp to finish with a slot refills it with the chunk `stages` ahead.
-        The image is read from L2 (all CTAs read the same bytes), once per pass per `cluster` CTAs: the
-        CTAs of a thread-block cluster run their passes in step, and each copies 1/cluster of every chunk
-        into the slot of every CTA of the cluster (cp.async.bulk multicast), so that the L2 reads, which
-        bound the kernel without it (silu 256x4: 2.5 TB/s at 48% of the L2's throughput, tensor pipe
-        37%), are halved.
-  * A layer's N columns run as chunks of NC <= CHUNK_MAX columns, each its own commit group, with two
-    accumulator buffers: the epilogue of chunk c runs while the tensor core computes chunk c+1.
-  * Bias: fp32 in shared memory, added in the epilogue (the form the H100 run verified).
-  * The input tile is read straight from global memory into the A-fragment pattern (the next tile's
-    first `prefetch` k-steps in registers while the current one computes); outputs are streaming stores.
-
-The generated source holds this kernel (sm_90a only) and dispatches at run time: compute capability 9.0
-with the sm_90a kernel compiled in runs it, every other GPU the `fallback` plan's mma.sync kernel (the
-resident or streamed design, rendered as a second translation unit under its own symbol).
-
-Everything the template prints is computed here or in wgmma_params.py: padded widths, chunk widths,
-swizzle widths, descriptor words, image offsets, warpgroups, prefetch depth, shared-memory bytes.
+        The image is read from L2 (all CTAs read the same bytes), once per pass per CTA. `cluster` > 1
+        (an override, for measurements) makes the CTAs of a thread-block cluster run their passes in step,
+        each copying 1/cluster of every chunk into the slot of every CTA of the cluster (cp.async.bulk
+        multicast): half or a quarter of the L2 reads, but on an H100 2x and 3.4x slower than a CTA
+        copying its own chunks (silu 256x4, 2^18 rows: 0.83 / 1.47 vs 0.43 ms, RESULTS.md), the refills
+        waiting for the slowest warp of the cluster.
 """
 from __future__ import annotations
 
@@ -57,7 +46,7 @@ SMEM_LIMIT = 227 * 1024   # dynamic shared memory a CTA may use on sm_90
 STAGES_MAX = 6            # ring slots of a streamed plan (the prototype's silu: 6 x 32 KB)
 STAGES_MIN = 3            # fewer cannot overlap a chunk's copy with the two chunks in flight
 RING_REGISTERS = 8        # the ring's positions, phases and addresses (streamed plans)
-CLUSTER = 2               # CTAs of a streamed plan's cluster (one copy of each chunk per cluster)
+CLUSTER = 1               # CTAs of a streamed plan's cluster: each CTA copies its own chunks (measured best)
 CLUSTER_MAX = 4
 
 
