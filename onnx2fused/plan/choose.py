@@ -70,8 +70,6 @@ def make_plan(spec: MLPSpec, options: PlanOptions = DEFAULT_OPTIONS, wide_option
                          f"chosen because the streamed kernel cannot hold it ({short_reason(streamed_error)})")
     if wide_why is not None:
         return streamed
-    if spec.has_gated:   # the gated wide plan (GEMM + glu pass) is not measured against the streamed
-        return streamed  # gated kernel yet: it takes only what the streamed kernel cannot hold, or forced
     start = wide_options.tail_from
     if start is None:   # the cost model's split, searched once: the wide plan takes it as it is
         start, t_wide, tail = best_tail(spec, options)
