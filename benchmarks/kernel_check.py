@@ -110,11 +110,6 @@ VARIANTS = {
     "w256silu_c2": ("w256silu", WgmmaOptions(cluster=2)),
     "w256silu_c4": ("w256silu", WgmmaOptions(cluster=4)),
     "w256silu_pf0": ("w256silu", WgmmaOptions(prefetch=0)),
-    # each layer's last epilogue without the next layer's first chunk on the tensor cores (the schedule
-    # before the overlap)
-    "w128gelu_seq": ("w128gelu", WgmmaOptions(overlap=False)),
-    "sdf1m_seq": ("sdf1m", WgmmaOptions(overlap=False)),
-    "w256silu_seq": ("w256silu", WgmmaOptions(overlap=False)),
     # blocks in the other fused design (an empty override forces it)
     "preln_streamed": ("preln", StreamedOptions()),
     "preln_tf32_streamed": ("preln_tf32", StreamedOptions()),

@@ -14,39 +14,16 @@ def fallback_symbol(spec: MLPSpec) -> str:
     return f"{spec.name}_mma"
 
 
-def early_ksteps(l: WgmmaLayer, nxt: WgmmaLayer | None) -> int:
-    """K-steps of the next layer's chunk 0 issued during layer l's last epilogue: those whose A fragments
-    all of l's chunks but the last have written (0 where l has one chunk or is the last layer)."""
-    if nxt is None or l.chunks < 2:
-        return 0
-    return min(nxt.k_steps, (l.chunks - 1) * l.nc // 16)
-
-
-def _schedule(layers: tuple[WgmmaLayer, ...], i: int, overlap: bool) -> list[dict]:
-    """Layer i's steps. Chunk c's accumulators live in buffer c % 2. Chunks 0 and 1 are issued first; then,
-    per chunk c: wait until at most one group is in flight (c's is done, c+1's may run), its epilogue, and
-    chunk c+2 issued into the buffer just freed. With `overlap`, after the second-to-last chunk's epilogue
-    the next layer's chunk 0 is issued on the k-steps already written (early_ksteps), so that the tensor
-    cores have it while the last chunk's epilogue runs; the last wait then leaves that group in flight, and
-    the next layer issues only the rest of its chunk 0 (same ring slot: no second acquire)."""
-    l = layers[i]
-    nxt = layers[i + 1] if i + 1 < len(layers) else None
-    early = early_ksteps(l, nxt) if overlap else 0
-    start = early_ksteps(layers[i - 1], l) if overlap and i > 0 else 0
-
-    def issue(layer: int, c: int, k0: int, k1: int, acquire: bool = True) -> dict:
-        return {"op": "issue", "layer": layer, "chunk": c, "buf": c % 2, "k0": k0, "k1": k1, "acquire": acquire}
-
-    steps = [issue(i, c, start if c == 0 else 0, l.k_steps, acquire=not (c == 0 and start))
-             for c in range(min(2, l.chunks))]
+def _schedule(l: WgmmaLayer) -> list[dict]:
+    """Chunk c's accumulators live in buffer c % 2. Chunks 0 and 1 are issued first; then, per chunk c:
+    wait until at most one group is in flight (c's is done, c+1's may run), its epilogue, and chunk c+2
+    issued into the buffer just freed."""
+    steps = [{"op": "issue", "chunk": c, "buf": c % 2} for c in range(min(2, l.chunks))]
     for c in range(l.chunks):
-        in_flight = c + 1 < l.chunks or bool(early)    # the next chunk, or the next layer's early one
-        steps.append({"op": "wait", "pending": 1 if in_flight else 0, "buf": c % 2})
+        steps.append({"op": "wait", "pending": 1 if c + 1 < l.chunks else 0, "buf": c % 2})
         steps.append({"op": "epilogue", "chunk": c, "buf": c % 2})
         if c + 2 < l.chunks:
-            steps.append(issue(i, c + 2, 0, l.k_steps))
-        if early and c == l.chunks - 2:
-            steps.append(issue(i + 1, 0, 0, early))
+            steps.append({"op": "issue", "chunk": c + 2, "buf": c % 2})
     return steps
 
 
@@ -91,8 +68,7 @@ def _layer_params(plan: WgmmaPlan) -> list[dict]:
             "index": l.index, "k": l.k, "n": l.n, "kp": l.kp, "np": l.np_, "nc": l.nc, "acc": l.nc // 2,
             "chunks": chunks, "n_chunks": l.chunks, "atom": l.atom, "desc_hi": f"0x{l.desc_hi:08X}u",
             "k_steps": l.k_steps, "next_k_steps": l.np_ // 16, "offset": l.offset, "chunk_bytes": l.chunk_bytes,
-            "bias_offset": l.bias_offset, "last": last, "next": l.index + 1,
-            "steps": _schedule(plan.layers, l.index, plan.overlap),
+            "bias_offset": l.bias_offset, "last": last, "next": l.index + 1, "steps": _schedule(l),
         })
     return out
 

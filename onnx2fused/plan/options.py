@@ -75,7 +75,6 @@ class WgmmaOptions:
     prefetch: int | None = None   # k-steps of the next tile's input held in registers
     chunk_max: int | None = None  # widest chunk of a layer's columns (narrower: fewer accumulator registers)
     cluster: int | None = None    # streamed plans: CTAs of a cluster sharing each chunk's copy (1: none)
-    overlap: bool | None = None   # the next layer's first chunk issued during a layer's last epilogue
 
     def given(self) -> dict:
         return _given(self)

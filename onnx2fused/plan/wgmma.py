@@ -105,7 +105,6 @@ class WgmmaPlan:
     stages: int = 0           # ring slots of streamed weights; 0: the image is resident
     slot_bytes: int = 0       # bytes of a ring slot (the largest chunk, LAYER_ALIGN-aligned)
     cluster: int = 1          # streamed: CTAs of a cluster, each copying 1/cluster of every chunk to all
-    overlap: bool = True      # the next layer's chunk 0 issued during a layer's last epilogue (wgmma_params)
 
     design = "wgmma"
     uses_scratch = False      # the kernels only read their packed weights
@@ -237,11 +236,11 @@ def _stages(layers: list[WgmmaLayer], smem_limit: int) -> int | None:
 
 def make_wgmma_plan(spec: MLPSpec, fallback, reason: str = "", smem_limit: int = SMEM_LIMIT,
                     nwg: int | None = None, prefetch: int | None = None, chunk_max: int | None = None,
-                    cluster: int | None = None, overlap: bool | None = None) -> WgmmaPlan:
+                    cluster: int | None = None) -> WgmmaPlan:
     """The wgmma plan of `spec`, with `fallback` (its resident or streamed plan) for other GPUs. SpecError
     where the design cannot take it. `nwg`, `prefetch`, `chunk_max` (the widest chunk, a multiple of 8 up
-    to CHUNK_MAX), `cluster` (streamed plans: 1, 2 or 4 CTAs sharing each chunk's copy), `overlap` (the
-    next layer's first chunk during a layer's last epilogue): overrides of the heuristics (benchmarks)."""
+    to CHUNK_MAX), `cluster` (streamed plans: 1, 2 or 4 CTAs sharing each chunk's copy): overrides of the
+    heuristics (benchmarks)."""
     why = wgmma_reason_refused(spec, smem_limit)
     if why:
         raise SpecError(f"{spec.describe()}: no wgmma plan: {why}")
@@ -270,4 +269,4 @@ def make_wgmma_plan(spec: MLPSpec, fallback, reason: str = "", smem_limit: int =
     bias = sum(l.np_ for l in layers)
     return WgmmaPlan(spec, tuple(layers), nwg, prefetch, base + 8 * prefetch, _image_bytes(layers), bias,
                      _smem(layers, stages), fallback, fallback.workspace_bytes, reason, stages,
-                     _slot_bytes(layers) if stages else 0, cluster, True if overlap is None else overlap)
+                     _slot_bytes(layers) if stages else 0, cluster)
