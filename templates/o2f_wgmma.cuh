@@ -54,6 +54,16 @@ __device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
   asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
   return r;
 }
+// The same in the chain's operand type (kBf16: bf16x2).
+__device__ __forceinline__ uint32_t pack_ab2(float lo, float hi) {
+  if constexpr (kBf16) {
+    uint32_t r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+  } else {
+    return pack_half2(lo, hi);
+  }
+}
 
 // Streaming accesses: the input is read once (no L1 allocation), the output written once.
 __device__ __forceinline__ float2 o2f_ld2(const float* p) {
@@ -113,10 +123,10 @@ __device__ __forceinline__ void load_ks(float (&v)[8], const io_t* __restrict__ 
   }
 }
 __device__ __forceinline__ void to_a(uint32_t (&a)[4], const float (&v)[8]) {
-  a[0] = pack_half2(v[0], v[1]);
-  a[1] = pack_half2(v[2], v[3]);
-  a[2] = pack_half2(v[4], v[5]);
-  a[3] = pack_half2(v[6], v[7]);
+  a[0] = pack_ab2(v[0], v[1]);
+  a[1] = pack_ab2(v[2], v[3]);
+  a[2] = pack_ab2(v[4], v[5]);
+  a[3] = pack_ab2(v[6], v[7]);
 }
 
 // Row r, columns col and col + 1 of the NO-wide output (only those that exist).

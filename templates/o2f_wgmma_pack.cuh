@@ -13,8 +13,12 @@ __device__ __forceinline__ unsigned wgmma_swizzle(unsigned b, int atom) {
   return b ^ (((b >> 7) & static_cast<unsigned>(atom / 16 - 1)) << 4);
 }
 
-// W [K, N] fp32 (y = x @ W) -> the layer's chunks at `img` (zeroed before: padding stays 0), one thread per
-// padded (n, k).
+__device__ __forceinline__ void wgmma_store_elem(__half* p, float v) { *p = __float2half_rn(v); }
+__device__ __forceinline__ void wgmma_store_elem(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
+
+// W [K, N] fp32 (y = x @ W) -> the layer's chunks at `img` in the operand type E (fp16 or bf16; zeroed
+// before: padding stays 0), one thread per padded (n, k).
+template <typename E>
 __global__ void wgmma_pack_layer(const float* __restrict__ w, unsigned char* __restrict__ img, int K, int N, int KP,
                                  int NP, int NC, int atom, int chunk_bytes) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
@@ -23,7 +27,7 @@ __global__ void wgmma_pack_layer(const float* __restrict__ w, unsigned char* __r
   const int c = n / NC, nn = n - c * NC, kb = 2 * k;
   const unsigned off = static_cast<unsigned>((nn % 8) * atom + (nn / 8) * 8 * atom + kb % atom + (kb / atom) * (NC / 8) * 8 * atom);
   const float v = (n < N && k < K) ? w[static_cast<int64_t>(k) * N + n] : 0.0f;
-  *reinterpret_cast<__half*>(img + static_cast<int64_t>(c) * chunk_bytes + wgmma_swizzle(off, atom)) = __float2half_rn(v);
+  wgmma_store_elem(reinterpret_cast<E*>(img + static_cast<int64_t>(c) * chunk_bytes + wgmma_swizzle(off, atom)), v);
 }
 
 __global__ void wgmma_pack_bias(const float* __restrict__ b, float* __restrict__ dst, int N, int NP) {

@@ -163,11 +163,15 @@ def test_random_mlps_on_cuda_ep(seed, cache_dir, tmp_path):
 # 128-byte swizzles, slots of unequal fills) and a NeRF-sized 8 x 256 chain (1 MB image). Batches: 0; 1
 # and 37 (one pass, the second warpgroup's rows all masked); 129 (a partial second pass); 1000003 (each
 # CTA makes ~59 passes: the ring wraps thousands of times, and its phases with it).
-RING_CHAINS = [((96, 256, 224, 256, 256, 40), "silu"), ((63,) + (256,) * 8 + (4,), "relu")]
+# bf16 operands in the same kernels (`.bf16` wgmma, bf16 image and fragments): a resident and a streamed
+# chain, validated at bf16's tolerance.
+RING_CHAINS = [((96, 256, 224, 256, 256, 40), "silu", "fp16"), ((63,) + (256,) * 8 + (4,), "relu", "fp16"),
+               ((256, 256, 256, 256, 256), "silu", "bf16"), ((64, 128, 128, 128, 128, 64), "gelu_erf_chain", "bf16")]
 
 
-@pytest.mark.parametrize("widths,act", RING_CHAINS, ids=["odd_silu", "nerf8x256_relu"])
-def test_wgmma_streamed_ring_on_cuda_ep(widths, act, cache_dir, tmp_path):
+@pytest.mark.parametrize("widths,act,precision", RING_CHAINS,
+                         ids=["odd_silu", "nerf8x256_relu", "silu256_bf16", "gelu128_bf16_resident"])
+def test_wgmma_streamed_ring_on_cuda_ep(widths, act, precision, cache_dir, tmp_path):
     from onnx2fused.plan.choose import make_plan
     from onnx_builders import CONTINUOUS_ACTS, G
     g = G(opset=17, seed=len(widths))
@@ -180,16 +184,16 @@ def test_wgmma_streamed_ring_on_cuda_ep(widths, act, cache_dir, tmp_path):
     src = tmp_path / "ring.onnx"
     onnx.save(g.model([("x", ["B", widths[0]])], [("y", ["B", widths[-1]])]), str(src))
     chains = passes.find_chains(load_model(str(src))).chains
-    plan = make_plan(chains[0].to_spec("fp16"))
-    assert len(chains) == 1 and plan.design == "wgmma" and plan.streamed, plan.describe()
-    fused_path, lib, _ = _fuse(src, "fp16", cache_dir, tmp_path / "fused.onnx")
+    plan = make_plan(chains[0].to_spec(precision))
+    assert len(chains) == 1 and plan.design == "wgmma" and plan.streamed == (max(widths) > 128), plan.describe()
+    fused_path, lib, _ = _fuse(src, precision, cache_dir, tmp_path / "fused.onnx")
     sess = _session(fused_path, lib)
     rng = np.random.default_rng(len(widths))
     for batch in (1, 37, 129, 1000003):
         x = rng.standard_normal((batch, widths[0])).astype(np.float32)
         ref = _reference(src, x)
         err = rel_l2(run_poisoned(sess, x, ref.shape), ref)
-        assert err <= 5e-3, f"batch {batch}: rel L2 {err:.2e} ({plan.describe()})"
+        assert err <= (5e-3 if precision == "fp16" else TOL["bf16"]), f"batch {batch}: rel L2 {err:.2e} ({plan.describe()})"
     assert sess.run(None, {"x": np.zeros((0, widths[0]), np.float32)})[0].shape == (0, widths[-1])
 
 # Streamed FFN-shaped pairs (plan/fused.py _hidden_blocks): a wide hidden layer built in column blocks

@@ -33,6 +33,9 @@ SDF_F16 = MLPSpec(tuple(LayerSpec(a, b, True, ex.tanh() if b != 1 else ex.identi
 # every swizzle width (K 32, 80, 176), partial padding blocks, per-channel constants, an odd last width
 ODD = MLPSpec((LayerSpec(30, 80, True, _prelu(80)), LayerSpec(80, 176, True, ex.gelu_erf()),
                LayerSpec(176, 7, True, ex.sigmoid())), "fp16", "f32")
+# bf16 operands (wgmma .bf16, cvt.rn.bf16x2 fragments, the image packed in bf16), resident
+BF16 = MLPSpec(tuple(LayerSpec(a, b, True, ex.gelu_erf() if b != 64 else ex.identity())
+                     for a, b in ((64, 128), (128, 128), (128, 64))), "bf16", "f32")
 # weights streamed through the ring (1.1 MB: not resident), chunks of 56 and 40 columns, 64- and 128-byte swizzles
 STREAMED = MLPSpec(tuple(LayerSpec(a, b, True, ex.silu() if i < 4 else ex.identity())
                          for i, (a, b) in enumerate(zip((96, 256, 224, 256, 256), (256, 224, 256, 256, 40))))
@@ -41,8 +44,8 @@ STREAMED = MLPSpec(tuple(LayerSpec(a, b, True, ex.silu() if i < 4 else ex.identi
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
 @pytest.mark.parametrize("spec,with_sm80,overrides", [(SDF_F16, True, {}), (ODD, False, {}), (STREAMED, False, {}),
-                                                      (STREAMED, True, {"cluster": 2})],
-                         ids=["sdf_f16", "odd_widths", "streamed", "streamed_cluster2"])
+                                                      (STREAMED, True, {"cluster": 2}), (BF16, False, {})],
+                         ids=["sdf_f16", "odd_widths", "streamed", "streamed_cluster2", "bf16"])
 def test_wgmma_source_compiles_to_hgmma_without_spills(spec, with_sm80, overrides, tmp_path):
     plan = choose.make_plan(spec, PlanOptions(design="wgmma", wgmma_overrides=WgmmaOptions(**overrides)))
     assert plan.design == "wgmma"
@@ -80,6 +83,10 @@ def test_wgmma_source_compiles_to_hgmma_without_spills(spec, with_sm80, override
     assert ("multicast::cluster" in ptx90) == (plan.cluster > 1) and ("barrier.cluster.wait" in ptx90) == (plan.cluster > 1)
     assert ("cudaLaunchKernelEx" in src) == (plan.cluster > 1)
     assert ("atom.acq_rel.cta.shared::cta.add.u32" in ptx90) == (plan.streamed and plan.cluster == 1)
+    # the operand type: every wgmma and every fragment conversion in it
+    ab = "bf16" if spec.precision == "bf16" else "f16"
+    assert ptx90.count(f"k16.f32.{ab}.{ab} ") == n_wgmma and (f"cvt.rn.{ab}x2.f32" in ptx90)
+    assert ("cvt.rn.f16x2.f32" in ptx90) == (ab == "f16")
     # packed fp16x2 activations (sdf's tanh; ODD's gelu): one tanh.approx.f16x2 per pair of hidden values
     assert ("tanh.approx.f16x2" in ptx90) == bool(spec.packed_layers)
     if with_sm80:   # the sm_80 code has the packing kernels and an empty wgmma kernel

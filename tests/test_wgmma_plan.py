@@ -56,6 +56,21 @@ def test_issue_cases_take_wgmma_with_the_prototype_shapes(spec, nwg, prefetch, c
     assert text.startswith("wgmma (sm_90a)") and "other GPUs: resident" in text
 
 
+def test_bf16_chains_take_wgmma_too():
+    """bf16 operands: the same plan as fp16 (2-byte elements: same chunks, descriptors, image), its fallback
+    the bf16 resident/streamed kernel; the packed fp16x2 activations do not apply (fp32 forms)."""
+    for spec in (GELU, SILU):
+        bf = _spec(spec.widths, spec.layers[0].activation, precision="bf16")
+        plan, ref = choose.make_plan(bf), choose.make_plan(spec)
+        assert plan.design == "wgmma" and plan.fallback.spec.precision == "bf16"
+        assert [(l.kp, l.np_, l.nc, l.atom, l.offset) for l in plan.layers] == \
+               [(l.kp, l.np_, l.nc, l.atom, l.offset) for l in ref.layers]
+        assert (plan.stages, plan.image_bytes) == (ref.stages, ref.image_bytes) and "bf16 image" in plan.describe()
+        src = _render(bf)[0][f"{bf.name}_cuda.cu"]
+        assert '#define O2F_WGMMA_AB "bf16"' in src and "wgmma_pack_layer<elem_t>" in src
+        assert "using elem_t = __nv_bfloat16;" in src and "o2f_h2_" not in src.split("#include \"o2f_packed_act.cuh\"")[1]
+
+
 def test_silu_256_streams_its_weights_through_a_ring():
     """silu's 512 KB of weights do not stay resident: they pass through a ring of 6 chunk slots."""
     assert choose.wgmma_refused(SILU) is None
@@ -94,8 +109,7 @@ def test_clusters_are_an_override_of_streamed_plans():
 
 
 @pytest.mark.parametrize("spec,words", [
-    (_spec([64, 128, 64], precision="bf16"), "fp16 only"),
-    (_spec([64, 128, 64], precision="tf32"), "fp16 only"),
+    (_spec([64, 128, 64], precision="tf32"), "takes fp16 and bf16"),
     (_spec([64, 300, 64]), "up to 256"),
     (_spec([64, 128, 64], precision="fp32"), "no tensor-core kernel"),
 ])

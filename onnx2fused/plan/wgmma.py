@@ -3,8 +3,9 @@
 Issue 15; the prototype and its H100 measurements: benchmarks/sm90/ (fused_wgmma.cu, NOTES.md).
 
   * A CTA is NWG warpgroups (128 threads each), persistent; a warpgroup owns a 64-row tile at a time.
-  * Every layer is `wgmma.mma_async.m64nNCk16.f32.f16.f16` with A FROM REGISTERS: a layer's fp32
-    accumulators, after bias + activation, are rounded to fp16 and are, register for register, the next
+  * Every layer is `wgmma.mma_async.m64nNCk16.f32.f16.f16` (bf16 chains: `.f32.bf16.bf16`) with A FROM
+    REGISTERS: a layer's fp32 accumulators, after bias + activation, are rounded to fp16 (bf16) and are,
+    register for register, the next
     layer's A fragments (the m64nN accumulator and m64k16 A layouts agree per warp, as mma.sync's do), so
     hidden activations never leave the registers.
   * The weights are packed once per session into an "image" in the workspace (fp16, zero-padded, chunk by
@@ -139,8 +140,8 @@ class WgmmaPlan:
         why = f"; {self.reason}" if self.reason else ""
         shared = f", copied once per cluster of {self.cluster} CTAs" if self.cluster > 1 else ""
         weights = (f"weights streamed from L2 through a ring of {self.stages} x {self.slot_bytes // 1024} KB slots{shared} "
-                   f"({self.image_bytes // 1024} KB fp16 image" if self.streamed else
-                   f"weights resident ({self.image_bytes // 1024} KB fp16 image")
+                   f"({self.image_bytes // 1024} KB {self.spec.precision} image" if self.streamed else
+                   f"weights resident ({self.image_bytes // 1024} KB {self.spec.precision} image")
         return (f"wgmma (sm_90a): {self.nwg} warpgroups x 64 rows, activations in registers, {weights}, "
                 f"{self.smem_bytes // 1024} KB smem), chunks {chunks}, "
                 f"input prefetch {self.prefetch} k-steps; other GPUs: {self.fallback.design} "
@@ -191,9 +192,9 @@ def wgmma_reason_refused(spec: MLPSpec, smem_limit: int = SMEM_LIMIT) -> str | N
         return "gated layers (SwiGLU/GeGLU) run in the mma.sync kernels only"
     if spec.has_block:
         return "a norm in front or a residual behind (transformer block) runs in the mma.sync kernels only"
-    if spec.precision != "fp16":
-        return (f"{spec.precision} operands: the wgmma kernel is fp16 only (the bf16 variant has not been "
-                "checked on a GPU yet)")
+    if spec.precision not in ("fp16", "bf16"):
+        return (f"{spec.precision} operands: the wgmma kernel takes fp16 and bf16 (tf32 would halve the k of a "
+                "wgmma and needs another fragment layout)")
     for i, l in enumerate(spec.layers):
         if max(l.in_features, l.out_features) > WIDTH_MAX:
             return f"layer {i} is {l.in_features} -> {l.out_features}: the wgmma kernel takes layers up to {WIDTH_MAX} wide"
