@@ -59,6 +59,9 @@ CASES = {
     "nobias": (mlp([16, 32, 32, 8], ex.relu(), bias=False), 1000),
     "nerf64_tf32": (mlp([32, 64, 64, 64, 64, 16], ex.relu(), "tf32"), 2**21),
     "w256silu_tf32": (mlp([256, 256, 256, 256, 256], ex.silu(), "tf32"), 2**18),
+    # bf16 operands: the wgmma kernel on Hopper (its mma.sync fallback with ONNX2FUSED_WGMMA_RUN=off)
+    "w128gelu_bf16": (mlp([64, 128, 128, 128, 128, 64], ex.gelu_erf(), "bf16"), 2**20),
+    "w256silu_bf16": (mlp([256, 256, 256, 256, 256], ex.silu(), "bf16"), 2**18),
     "odd_tf32": (mlp([3, 37, 129, 5], [ex.tanh(), ex.mish(), ex.sigmoid()], "tf32"), 100003),
     "sdf_tf32": (mlp([3, 128, 128, 128, 128, 1], ex.tanh(), "tf32"), 65536),
     "sdf": (mlp([3, 128, 128, 128, 128, 1], ex.tanh()), 65536),
