@@ -59,6 +59,7 @@ CASES = {
     "nobias": (mlp([16, 32, 32, 8], ex.relu(), bias=False), 1000),
     "nerf64_tf32": (mlp([32, 64, 64, 64, 64, 16], ex.relu(), "tf32"), 2**21),
     "w256silu_tf32": (mlp([256, 256, 256, 256, 256], ex.silu(), "tf32"), 2**18),
+    "w256silu_f16io": (mlp([256, 256, 256, 256, 256], ex.silu(), io="f16"), 2**18),   # half the input bytes
     # bf16 operands: the wgmma kernel on Hopper (its mma.sync fallback with ONNX2FUSED_WGMMA_RUN=off)
     "w128gelu_bf16": (mlp([64, 128, 128, 128, 128, 64], ex.gelu_erf(), "bf16"), 2**20),
     "w256silu_bf16": (mlp([256, 256, 256, 256, 256], ex.silu(), "bf16"), 2**18),
@@ -113,6 +114,8 @@ VARIANTS = {
     "w256silu_c2": ("w256silu", WgmmaOptions(cluster=2)),
     "w256silu_c4": ("w256silu", WgmmaOptions(cluster=4)),
     "w256silu_pf0": ("w256silu", WgmmaOptions(prefetch=0)),
+    "w256silu_st3": ("w256silu", WgmmaOptions(stages=3)),
+    "w256silu_st4": ("w256silu", WgmmaOptions(stages=4)),
     # blocks in the other fused design (an empty override forces it)
     "preln_streamed": ("preln", StreamedOptions()),
     "preln_tf32_streamed": ("preln_tf32", StreamedOptions()),

@@ -91,6 +91,9 @@ def test_ring_size_follows_the_shared_memory_limit():
     """Fewer slots where less shared memory is left; refused, with the reason, where 3 do not fit."""
     smem = lambda stages: stages * 32768 + 1024 * 4 + 8 * stages + 4 * stages + wgmma.SLACK
     assert wgmma.make_wgmma_plan(SILU, choose.make_plan(SILU).fallback, smem_limit=smem(4)).stages == 4
+    assert wgmma.make_wgmma_plan(SILU, choose.make_plan(SILU).fallback, stages=3).stages == 3   # an override
+    with pytest.raises(SpecError, match="3 to 6 fit"):
+        wgmma.make_wgmma_plan(SILU, choose.make_plan(SILU).fallback, stages=7)
     why = wgmma.wgmma_reason_refused(SILU, smem(3) - 1)
     assert "512 KB" in why and "ring of 3" in why and "32 KB chunks" in why
 

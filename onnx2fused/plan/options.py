@@ -75,6 +75,7 @@ class WgmmaOptions:
     prefetch: int | None = None   # k-steps of the next tile's input held in registers
     chunk_max: int | None = None  # widest chunk of a layer's columns (narrower: fewer accumulator registers)
     cluster: int | None = None    # streamed plans: CTAs of a cluster sharing each chunk's copy (1: none)
+    stages: int | None = None     # streamed plans: ring slots (default: as many as fit, up to 6)
 
     def given(self) -> dict:
         return _given(self)

@@ -237,11 +237,11 @@ def _stages(layers: list[WgmmaLayer], smem_limit: int) -> int | None:
 
 def make_wgmma_plan(spec: MLPSpec, fallback, reason: str = "", smem_limit: int = SMEM_LIMIT,
                     nwg: int | None = None, prefetch: int | None = None, chunk_max: int | None = None,
-                    cluster: int | None = None) -> WgmmaPlan:
+                    cluster: int | None = None, stages: int | None = None) -> WgmmaPlan:
     """The wgmma plan of `spec`, with `fallback` (its resident or streamed plan) for other GPUs. SpecError
     where the design cannot take it. `nwg`, `prefetch`, `chunk_max` (the widest chunk, a multiple of 8 up
-    to CHUNK_MAX), `cluster` (streamed plans: 1, 2 or 4 CTAs sharing each chunk's copy): overrides of the
-    heuristics (benchmarks)."""
+    to CHUNK_MAX), `cluster` (streamed plans: 1, 2 or 4 CTAs sharing each chunk's copy), `stages` (streamed
+    plans: ring slots, STAGES_MIN up to what fits): overrides of the heuristics (benchmarks)."""
     why = wgmma_reason_refused(spec, smem_limit)
     if why:
         raise SpecError(f"{spec.describe()}: no wgmma plan: {why}")
@@ -250,9 +250,12 @@ def make_wgmma_plan(spec: MLPSpec, fallback, reason: str = "", smem_limit: int =
     if chunk_max is not None and (chunk_max % 8 or not 8 <= chunk_max <= CHUNK_MAX):
         raise SpecError(f"chunk width {chunk_max}: a multiple of 8 up to {CHUNK_MAX}")
     layers = _layers(spec, chunk_max or CHUNK_MAX)
-    stages = _stages(layers, smem_limit)
-    if stages is None:   # a narrower chunk_max may leave too many chunks for the ring: say so
+    most = _stages(layers, smem_limit)
+    if most is None:   # a narrower chunk_max may leave too many chunks for the ring: say so
         raise SpecError(f"{spec.describe()}: no wgmma plan with chunks of {chunk_max}: the ring does not fit")
+    if stages is not None and most and not STAGES_MIN <= stages <= most:
+        raise SpecError(f"{spec.describe()}: a ring of {stages} slots: {STAGES_MIN} to {most} fit")
+    stages = most if stages is None or not most else stages
     base = _registers(layers) + REGISTER_OVERHEAD + (RING_REGISTERS if stages else 0)
     # an override is held to the cap only where the estimate is far over: the estimate is conservative
     # (nerf: ~88 estimated, 78 used) and __launch_bounds__ makes ptxas fit the cap (spills show in -v)
