@@ -114,7 +114,7 @@ VARIANTS = {
     "w256silu_c2": ("w256silu", WgmmaOptions(cluster=2)),
     "w256silu_c4": ("w256silu", WgmmaOptions(cluster=4)),
     "w256silu_pf0": ("w256silu", WgmmaOptions(prefetch=0)),
-    "w256silu_st3": ("w256silu", WgmmaOptions(stages=3)),
+    "w256silu_st6": ("w256silu", WgmmaOptions(stages=6)),
     "w256silu_st4": ("w256silu", WgmmaOptions(stages=4)),
     # blocks in the other fused design (an empty override forces it)
     "preln_streamed": ("preln", StreamedOptions()),

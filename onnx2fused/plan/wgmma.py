@@ -15,7 +15,8 @@ Issue 15; the prototype and its H100 measurements: benchmarks/sm90/ (fused_wgmma
       - streamed (stages > 0, where the image does not fit): chunk by chunk through a ring of `stages`
         slots, the prototype's form (benchmarks/sm90/NOTES.md). Every warpgroup of a CTA runs every pass
         over the chunks (a pass = one 64-row tile per warpgroup; rows past the batch are masked), so they
-        share the ring; the last warp to finish with a slot refills it with the chunk `stages` ahead.
+        share the ring; the last warp to finish with a slot refills it with the chunk `stages` ahead
+        (3 slots by default: deeper rings measured slower).
         The image is read from L2 (all CTAs read the same bytes), once per pass per CTA. `cluster` > 1
         (an override, for measurements) makes the CTAs of a thread-block cluster run their passes in step,
         each copying 1/cluster of every chunk into the slot of every CTA of the cluster (cp.async.bulk
@@ -44,8 +45,10 @@ OVERRIDE_CAPS = {**dict(REGISTER_CAPS), 5: 96, 6: 80, 8: 64}
 REGISTER_OVERHEAD = 24    # addressing, loop state, bias pair, activation temporaries (fit to the H100 build)
 PREFETCH_MAX = 4          # k-steps of the next tile's input held in registers (8 registers each)
 SMEM_LIMIT = 227 * 1024   # dynamic shared memory a CTA may use on sm_90
-STAGES_MAX = 6            # ring slots of a streamed plan (the prototype's silu: 6 x 32 KB)
+STAGES_MAX = 6            # ring slots of a streamed plan at most (the prototype's silu: 6 x 32 KB)
 STAGES_MIN = 3            # fewer cannot overlap a chunk's copy with the two chunks in flight
+STAGES_DEFAULT = 3        # measured best (H100, silu 256x4 at 2^18 rows: 3 slots 0.361 ms, 4 0.430, 6 0.426;
+                          # the shallow ring keeps the two warpgroups within a chunk or two of each other)
 RING_REGISTERS = 8        # the ring's positions, phases and addresses (streamed plans)
 CLUSTER = 1               # CTAs of a streamed plan's cluster: each CTA copies its own chunks (measured best)
 CLUSTER_MAX = 4
@@ -255,7 +258,7 @@ def make_wgmma_plan(spec: MLPSpec, fallback, reason: str = "", smem_limit: int =
         raise SpecError(f"{spec.describe()}: no wgmma plan with chunks of {chunk_max}: the ring does not fit")
     if stages is not None and most and not STAGES_MIN <= stages <= most:
         raise SpecError(f"{spec.describe()}: a ring of {stages} slots: {STAGES_MIN} to {most} fit")
-    stages = most if stages is None or not most else stages
+    stages = min(STAGES_DEFAULT, most) if stages is None or not most else stages
     base = _registers(layers) + REGISTER_OVERHEAD + (RING_REGISTERS if stages else 0)
     # an override is held to the cap only where the estimate is far over: the estimate is conservative
     # (nerf: ~88 estimated, 78 used) and __launch_bounds__ makes ptxas fit the cap (spills show in -v)
