@@ -116,6 +116,10 @@ VARIANTS = {
     "w256silu_pf0": ("w256silu", WgmmaOptions(prefetch=0)),
     "w256silu_st6": ("w256silu", WgmmaOptions(stages=6)),
     "w256silu_st4": ("w256silu", WgmmaOptions(stages=4)),
+    # weights that fit shared memory streamed anyway (the ring's coupling of the warpgroups)
+    "w128gelu_st3": ("w128gelu", WgmmaOptions(stages=3)),
+    "sdf1m_st3": ("sdf1m", WgmmaOptions(stages=3)),
+    "w128gelu_st6": ("w128gelu", WgmmaOptions(stages=6)),
     # blocks in the other fused design (an empty override forces it)
     "preln_streamed": ("preln", StreamedOptions()),
     "preln_tf32_streamed": ("preln_tf32", StreamedOptions()),

@@ -229,10 +229,10 @@ def _smem(layers: list[WgmmaLayer], stages: int = 0) -> int:
     return weights + sum(l.np_ for l in layers) * 4 + 8 * max(1, stages) + 4 * stages + SLACK
 
 
-def _stages(layers: list[WgmmaLayer], smem_limit: int) -> int | None:
-    """0 where the image stays resident, else the most ring slots (up to STAGES_MAX) that fit; None where
-    not even STAGES_MIN do."""
-    if _smem(layers) <= smem_limit:
+def _stages(layers: list[WgmmaLayer], smem_limit: int, resident: bool = True) -> int | None:
+    """0 where the image stays resident (and `resident`), else the most ring slots (up to STAGES_MAX) that
+    fit; None where not even STAGES_MIN do."""
+    if resident and _smem(layers) <= smem_limit:
         return 0
     fits = [s for s in range(STAGES_MIN, STAGES_MAX + 1) if _smem(layers, s) <= smem_limit]
     return fits[-1] if fits else None
@@ -243,8 +243,9 @@ def make_wgmma_plan(spec: MLPSpec, fallback, reason: str = "", smem_limit: int =
                     cluster: int | None = None, stages: int | None = None) -> WgmmaPlan:
     """The wgmma plan of `spec`, with `fallback` (its resident or streamed plan) for other GPUs. SpecError
     where the design cannot take it. `nwg`, `prefetch`, `chunk_max` (the widest chunk, a multiple of 8 up
-    to CHUNK_MAX), `cluster` (streamed plans: 1, 2 or 4 CTAs sharing each chunk's copy), `stages` (streamed
-    plans: ring slots, STAGES_MIN up to what fits): overrides of the heuristics (benchmarks)."""
+    to CHUNK_MAX), `cluster` (streamed plans: 1, 2 or 4 CTAs sharing each chunk's copy), `stages` (ring
+    slots, STAGES_MIN up to what fits; streams weights that would stay resident too): overrides of the
+    heuristics (benchmarks)."""
     why = wgmma_reason_refused(spec, smem_limit)
     if why:
         raise SpecError(f"{spec.describe()}: no wgmma plan: {why}")
@@ -256,9 +257,12 @@ def make_wgmma_plan(spec: MLPSpec, fallback, reason: str = "", smem_limit: int =
     most = _stages(layers, smem_limit)
     if most is None:   # a narrower chunk_max may leave too many chunks for the ring: say so
         raise SpecError(f"{spec.describe()}: no wgmma plan with chunks of {chunk_max}: the ring does not fit")
-    if stages is not None and most and not STAGES_MIN <= stages <= most:
-        raise SpecError(f"{spec.describe()}: a ring of {stages} slots: {STAGES_MIN} to {most} fit")
-    stages = min(STAGES_DEFAULT, most) if stages is None or not most else stages
+    if stages is not None:   # an override streams even weights that would stay resident
+        most = _stages(layers, smem_limit, resident=False) or 0
+        if not STAGES_MIN <= stages <= most:
+            raise SpecError(f"{spec.describe()}: a ring of {stages} slots: {STAGES_MIN} to {most} fit")
+    else:
+        stages = min(STAGES_DEFAULT, most) if most else 0
     base = _registers(layers) + REGISTER_OVERHEAD + (RING_REGISTERS if stages else 0)
     # an override is held to the cap only where the estimate is far over: the estimate is conservative
     # (nerf: ~88 estimated, 78 used) and __launch_bounds__ makes ptxas fit the cap (spills show in -v)
