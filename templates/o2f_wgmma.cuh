@@ -71,9 +71,11 @@ __device__ __forceinline__ float2 o2f_ld2(const float* p) {
   asm volatile("ld.global.nc.L1::no_allocate.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "l"(p));
   return v;
 }
+// fp16 rows: a k-step's two loads per row (columns 2t.. and 2t+8..) are the two halves of one 32-byte
+// sector, so the line is kept in L1 for the second (no_allocate fetched every sector twice from L2).
 __device__ __forceinline__ float2 o2f_ld2(const __half* p) {
   uint32_t r;
-  asm volatile("ld.global.nc.L1::no_allocate.b32 %0, [%1];\n" : "=r"(r) : "l"(p));
+  asm volatile("ld.global.nc.b32 %0, [%1];\n" : "=r"(r) : "l"(p));
   return __half22float2(*reinterpret_cast<const __half2*>(&r));
 }
 __device__ __forceinline__ float o2f_ld1(const float* p) {
