@@ -9,8 +9,9 @@ on ONNX Runtime's CPU EP (issue 8). Not a timed unit test but a small benchmark,
   slow phase of a shared host hits both; the statistic is median(fused) / median(original);
 - the fused model passes when that ratio is <= 1 + MARGIN. MARGIN (15%) is the run-to-run noise of a
   shared 2-core host (other processes, other pytest workers). A ratio above it is measured again, up to
-  TRIALS times, and the test fails only if every trial is above: a real regression is slower every time,
-  a burst of load on the host is not.
+  TRIALS times, PAUSE_S seconds apart, and the test fails only if every trial is above: a real regression
+  is slower every time, a burst of load on the host is not (the other xdist worker's nvcc builds last tens
+  of seconds: back-to-back trials fell inside one, sdf measured 1.61, 1.68, 1.39 under one and 0.68 alone).
 
 Where cpu_policy does not register the fused kernel, the fused model runs its stock-op fallback, which
 must then cost the same as the original; where it does, the kernel must be at least as fast. The outputs
@@ -21,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -41,7 +43,8 @@ TARGET_FLOPS = 1e9          # per stock run: ~10-30 ms on the dev host (shorter 
 MIN_ROWS, MAX_ROWS = 256, 65536
 WARMUP = 3
 REPS = 21
-TRIALS = 3
+TRIALS = 4
+PAUSE_S = 8.0               # between trials: outlast a burst of load from the other worker
 MARGIN = 0.15
 
 
@@ -120,6 +123,8 @@ def test_fused_model_is_never_slower_on_the_cpu(entry, converted, capsys):
                   f"trial {trial + 1}", end="")
         if ratio <= 1 + MARGIN:
             break
+        if trial + 1 < TRIALS:
+            time.sleep(PAUSE_S)
     assert min(ratios) <= 1 + MARGIN, (
         f"{entry['name']}: the fused model is slower than the original on the CPU in all {TRIALS} trials: "
         f"fused/original = {', '.join(f'{r:.2f}' for r in ratios)} (allowed {1 + MARGIN:.2f}; {path})")

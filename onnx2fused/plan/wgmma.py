@@ -5,12 +5,11 @@ Issue 15; the prototype and its H100 measurements: benchmarks/sm90/ (fused_wgmma
   * A CTA is NWG warpgroups (128 threads each), persistent; a warpgroup owns a 64-row tile at a time.
   * Every layer is `wgmma.mma_async.m64nNCk16.f32.f16.f16` (bf16 chains: `.f32.bf16.bf16`) with A FROM
     REGISTERS: a layer's fp32 accumulators, after bias + activation, are rounded to fp16 (bf16) and are,
-    register for register, the next
-    layer's A fragments (the m64nN accumulator and m64k16 A layouts agree per warp, as mma.sync's do), so
-    hidden activations never leave the registers.
-  * The weights are packed once per session into an "image" in the workspace (fp16, zero-padded, chunk by
-    chunk in the canonical K-major swizzled layout that wgmma reads through a matrix descriptor) and
-    copied verbatim with cp.async.bulk (completion on an mbarrier):
+    register for register, the next layer's A fragments (the m64nN accumulator and m64k16 A layouts agree
+    per warp, as mma.sync's do), so hidden activations never leave the registers.
+  * The weights are packed once per session into an "image" in the workspace (fp16 or bf16, zero-padded,
+    chunk by chunk in the canonical K-major swizzled layout that wgmma reads through a matrix descriptor)
+    and copied verbatim with cp.async.bulk (completion on an mbarrier):
       - resident (stages == 0): the whole image, once per CTA;
       - streamed (stages > 0, where the image does not fit): chunk by chunk through a ring of `stages`
         slots, the prototype's form (benchmarks/sm90/NOTES.md). Every warpgroup of a CTA runs every pass
@@ -23,6 +22,19 @@ Issue 15; the prototype and its H100 measurements: benchmarks/sm90/ (fused_wgmma
         multicast): half or a quarter of the L2 reads, but on an H100 2x and 3.4x slower than a CTA
         copying its own chunks (silu 256x4, 2^18 rows: 0.83 / 1.47 vs 0.43 ms, RESULTS.md), the refills
         waiting for the slowest warp of the cluster.
+  * A layer's N columns run as chunks of NC <= CHUNK_MAX columns, each its own commit group, with two
+    accumulator buffers: the epilogue of chunk c runs while the tensor core computes chunk c+1.
+  * Bias: fp32 in shared memory, added in the epilogue (the form the H100 run verified).
+  * The input tile is read straight from global memory into the A-fragment pattern (the next tile's
+    first `prefetch` k-steps in registers while the current one computes); outputs are streaming stores.
+
+The generated source holds this kernel (sm_90a only) and dispatches at run time: compute capability 9.0
+with the sm_90a kernel compiled in runs it, every other GPU the `fallback` plan's mma.sync kernel (the
+resident or streamed design, rendered as a second translation unit under its own symbol).
+
+Everything the template prints is computed here or in wgmma_params.py: padded widths, chunk widths,
+swizzle widths, descriptor words, image offsets, warpgroups, prefetch depth, ring slots, shared-memory
+bytes.
 """
 from __future__ import annotations
 
@@ -100,7 +112,7 @@ class WgmmaPlan:
     nwg: int                  # warpgroups per CTA
     prefetch: int             # k-steps of the next tile's input prefetched into registers
     registers: int            # the estimate that chose nwg and prefetch
-    image_bytes: int          # the weight image (fp16, swizzled)
+    image_bytes: int          # the weight image (fp16 or bf16, swizzled)
     bias_floats: int
     smem_bytes: int           # dynamic shared memory of the kernel (image or ring, bias, mbarriers, slack)
     fallback: object          # the resident or streamed plan (plan.fused.FusedPlan)
@@ -204,7 +216,7 @@ def wgmma_reason_refused(spec: MLPSpec, smem_limit: int = SMEM_LIMIT) -> str | N
     layers = _layers(spec)
     stages = _stages(layers, smem_limit)
     if stages is None:
-        return (f"its padded fp16 weights ({_image_bytes(layers) // 1024} KB) do not stay resident in "
+        return (f"its padded {spec.precision} weights ({_image_bytes(layers) // 1024} KB) do not stay resident in "
                 f"{smem_limit // 1024} KB of shared memory, and a ring of {STAGES_MIN} of its "
                 f"{_slot_bytes(layers) // 1024} KB chunks does not fit either")
     regs = _registers(layers) + REGISTER_OVERHEAD + (RING_REGISTERS if stages else 0)
