@@ -5,21 +5,22 @@ time between the fused kernel alone and the same model through ORT goes).
 
 Runs the fused model on the CUDA EP with IOBinding (inputs and outputs on the GPU, as `onnx2fused bench`
 does), then once more per rep under torch's profiler, which sees every kernel of the process (ORT's
-included, through CUPTI). Prints each kernel's name, launches and mean device time, and the wall time
-of one `run_with_iobinding` for comparison.
+included, through CUPTI: benchmarks/kernel_profile.py). Prints each kernel's device time and launches per
+run, and the wall time of one `run_with_iobinding` for comparison.
 """
 from __future__ import annotations
 
 import argparse
-import time
-from collections import defaultdict
-
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from kernel_profile import kernel_table, profiled_kernels, ranked  # noqa: E402
 
 
 def main():
@@ -31,8 +32,6 @@ def main():
     a = ap.parse_args()
     import onnx
     import onnxruntime as ort
-    import torch
-    from torch.profiler import ProfilerActivity, profile
 
     from onnx2fused.session import InferenceSession
 
@@ -56,21 +55,11 @@ def main():
         binding.synchronize_outputs()
         t.append(time.perf_counter() - t0)
     print(f"run_with_iobinding: median {1e3 * float(np.median(t)):.4f} ms over {a.reps}")
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(a.reps):
-            sess.run_with_iobinding(binding)
-        torch.cuda.synchronize()
-    stats = defaultdict(list)
-    for e in prof.events():
-        if e.device_type.name == "CUDA":
-            stats[e.name].append(e.device_time if hasattr(e, "device_time") else e.cuda_time)
-    total = sum(sum(times) for times in stats.values()) / a.reps / 1e3
-    print(f"kernels: {total:.4f} ms of device time per run, {sum(map(len, stats.values())) // a.reps} launches")
-    ranked = sorted(stats.items(), key=lambda kv: -sum(kv[1]))
-    for name, times in ranked:
-        print(f"{len(times):5d} x {np.mean(times) / 1e3:8.4f} ms  {name[:150]}")
+    per = profiled_kernels(lambda: sess.run_with_iobinding(binding), a.reps)
+    print(f"kernels (device time per run, us; {a.reps} runs):")
+    print("\n".join(kernel_table(per, a.reps, width=150)))
     if a.names:
-        Path(a.names).write_text("".join(f"{len(t)} x {np.mean(t) / 1e3:.4f} ms\n{n}\n\n" for n, t in ranked))
+        Path(a.names).write_text("".join(f"{len(t)} x {np.mean(t) / 1e3:.4f} ms\n{n}\n\n" for n, t in ranked(per)))
 
 
 if __name__ == "__main__":

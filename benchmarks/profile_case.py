@@ -9,7 +9,6 @@ kernel-by-kernel comparison.
 from __future__ import annotations
 
 import argparse
-import collections
 import sys
 from pathlib import Path
 
@@ -21,9 +20,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import onnxruntime as ort  # noqa: E402
 import torch  # noqa: E402
-from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from onnx2fused import bench  # noqa: E402
+from kernel_profile import kernel_table, profiled_kernels  # noqa: E402
 from wide_cases import BLOCK_CASES, CASES, build_model  # noqa: E402
 
 
@@ -64,21 +63,9 @@ def _profile(title: str, sess, shape: list, width_out: int, dtype, runs: int) ->
     for _ in range(5):
         sess.run_with_iobinding(io)
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(runs):
-            sess.run_with_iobinding(io)
-        torch.cuda.synchronize()
-    per = collections.defaultdict(list)
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            per[e.name].append(e.device_time)
+    per = profiled_kernels(lambda: sess.run_with_iobinding(io), runs)
     print(f"{title}: kernel time per run (us), {runs} runs")
-    total = 0.0
-    for name, times in sorted(per.items(), key=lambda kv: -sum(kv[1])):
-        t = sum(times) / runs
-        total += t
-        print(f"  {t:8.1f}  x{len(times) // runs:<2d} {name[:110]}")
-    print(f"  {total:8.1f}  total")
+    print("\n".join(kernel_table(per, runs)))
 
 
 if __name__ == "__main__":

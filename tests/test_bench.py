@@ -285,3 +285,23 @@ def test_commit_is_the_checkout_head_unless_the_caller_says(monkeypatch):
         assert report._git_commit().startswith(head.stdout.strip())
     monkeypatch.setenv(report.COMMIT_ENV, " 0123abc ")
     assert report._git_commit() == "0123abc"
+
+
+def test_kernel_profile_tables_per_run_times():
+    """benchmarks/kernel_profile.py (ort_kernels.py and profile_case.py): CUDA events only, grouped by
+    kernel, longest first, per-run µs and launches, and a total line."""
+    from types import SimpleNamespace as E
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from kernel_profile import kernel_table, kernel_times
+
+    cuda, cpu = E(name="CUDA"), E(name="CPU")
+    events = [E(name="gemm", device_type=cuda, device_time=30.0), E(name="glu", device_type=cuda, device_time=5.0),
+              E(name="gemm", device_type=cuda, device_time=34.0), E(name="glu", device_type=cuda, device_time=7.0),
+              E(name="cudaLaunchKernel", device_type=cpu, device_time=0.0),
+              E(name="old_torch", device_type=cuda, cuda_time=2.0), E(name="old_torch", device_type=cuda, cuda_time=2.0)]
+    per = kernel_times(events)
+    assert per == {"gemm": [30.0, 34.0], "glu": [5.0, 7.0], "old_torch": [2.0, 2.0]}
+    lines = kernel_table(per, runs=2, width=4)
+    assert [l.split()[0] for l in lines[:3]] == ["32.0", "6.0", "2.0"] and lines[0].endswith("gemm")
+    assert lines[2].endswith("old_") and "x1" in lines[0]
+    assert lines[-1].split()[:2] == ["40.0", "total"] and lines[-1].endswith("3 launches")
