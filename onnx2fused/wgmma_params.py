@@ -95,7 +95,7 @@ def wgmma_params(plan: WgmmaPlan) -> dict:
         "pieces": pieces,
         "streamed": plan.streamed, "stages": plan.stages, "slot_bytes": plan.slot_bytes, "cluster": plan.cluster,
         "cnt_smem_offset": bars + 8 * plan.stages,
-        "stream_chunks": [{"offset": o, "bytes": b} for o, b in plan.stream_chunks],
+        "ring_chunks": len(plan.stream_chunks),
         "image_offset": plan.image_offset, "bias_offset": plan.bias_offset,
         "workspace_bytes": plan.workspace_bytes, "fallback_bytes": plan.fallback_bytes,
         "fallback": fallback_symbol(spec), "fallback_design": plan.fallback.design,

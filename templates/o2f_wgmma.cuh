@@ -48,24 +48,18 @@ __device__ __forceinline__ void fence_frag(uint32_t (&a)[KT][4]) {
 // leading byte offset 1).
 __device__ __forceinline__ uint64_t wdesc(uint32_t hi, uint32_t lo) { return (static_cast<uint64_t>(hi) << 32) | lo; }
 
-// Two fp32 values -> one fp16x2 register, the first (lower column) in the low half, as A fragments want.
-__device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
+// Two fp32 values -> one register of the chain's operand type (fp16x2, kBf16: bf16x2), the first (lower
+// column) in the low half, as A fragments want.
+__device__ __forceinline__ uint32_t pack_ab2(float lo, float hi) {
   uint32_t r;
-  asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+  if constexpr (kBf16)
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+  else
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
   return r;
 }
-// The same in the chain's operand type (kBf16: bf16x2).
-__device__ __forceinline__ uint32_t pack_ab2(float lo, float hi) {
-  if constexpr (kBf16) {
-    uint32_t r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-  } else {
-    return pack_half2(lo, hi);
-  }
-}
 
-// Streaming accesses: the input is read once (no L1 allocation), the output written once.
+// Streaming accesses: the input is read once (fp32 rows: no L1 allocation), the output written once.
 __device__ __forceinline__ float2 o2f_ld2(const float* p) {
   float2 v;
   asm volatile("ld.global.nc.L1::no_allocate.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "l"(p));

@@ -75,7 +75,7 @@ class WgmmaOptions:
     prefetch: int | None = None   # k-steps of the next tile's input held in registers
     chunk_max: int | None = None  # widest chunk of a layer's columns (narrower: fewer accumulator registers)
     cluster: int | None = None    # streamed plans: CTAs of a cluster sharing each chunk's copy (1: none)
-    stages: int | None = None     # streamed plans: ring slots (default: as many as fit, up to 6)
+    stages: int | None = None     # ring slots (default: 3 where the weights do not fit; given: streams any plan)
 
     def given(self) -> dict:
         return _given(self)
