@@ -130,6 +130,11 @@ VARIANTS = {
     "block37_res_streamed": ("block37_res", StreamedOptions()),
     "block48_gres_streamed": ("block48_gres", StreamedOptions()),
 }
+# Experiments: a case compiled with extra macros (name -> (case, nvcc -D flags)).
+DEFINES = {
+    "w256silu_f16io_rt": ("w256silu_f16io", ("-DO2F_EXP_F16_ROUNDTRIP",)),   # fp16 input via fp32 and back
+    "w256silu_f16io_wb": ("w256silu_f16io", ("-DO2F_EXP_F16_STORE_WB",)),    # fp16 output stores without .cs
+}
 SAMPLE_ABOVE = 200000        # larger checks compare a sample of the rows (Case.check)
 BLOCK_BATCHES = (1000003,)   # blocks: a large odd batch too (every tile and lane group, past the last row)
 
@@ -144,6 +149,8 @@ def all_cases(base: PlanOptions, a32: bool = False) -> dict:
             continue
         design = "resident" if isinstance(override, ResidentOptions) else "streamed"
         cases[name] = (CASES[case][0], CASES[case][1], replace(base, design=design, **{design: override}))
+    for name, (case, _) in DEFINES.items():
+        cases[name] = (CASES[case][0], CASES[case][1], base)
     if a32:
         for name, (spec, batch, opts) in list(cases.items()):
             if spec.packed_layers:
@@ -165,7 +172,7 @@ def compile_case(name: str, spec: MLPSpec, options: PlanOptions, out: Path, arch
                f"arch=compute_{arch},code=[sm_{arch},compute_{arch}]"]
     if any(build.needs_sm90a(t) for t in sources.values()):   # the wgmma design: sm_90a, as build.py compiles it
         gencode = build.wgmma_nvcc_flags(gencode)
-    cmd = ["nvcc", "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-lineinfo", *gencode,
+    cmd = ["nvcc", "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-lineinfo", *gencode, *DEFINES.get(name, ("", ()))[1],
            "-Xptxas", "-v", *map(str, units), "-o", str(lib)]
     r = subprocess.run(cmd, capture_output=True, text=True)
     (out / f"{name}.ptxas.txt").write_text(r.stdout + r.stderr)

@@ -72,6 +72,17 @@ __device__ __forceinline__ float2 o2f_ld2(const __half* p) {
   asm volatile("ld.global.nc.b32 %0, [%1];\n" : "=r"(r) : "l"(p));
   return __half22float2(*reinterpret_cast<const __half2*>(&r));
 }
+// The raw bits of one fp16 pair / one fp16 value (the packed input path).
+__device__ __forceinline__ uint32_t o2f_ld2_raw(const void* p) {   // (void: also named, never called, for fp32 rows)
+  uint32_t r;
+  asm volatile("ld.global.nc.b32 %0, [%1];\n" : "=r"(r) : "l"(p));
+  return r;
+}
+__device__ __forceinline__ uint32_t o2f_ld1_raw(const void* p) {
+  unsigned short r;
+  asm volatile("ld.global.nc.L1::no_allocate.b16 %0, [%1];\n" : "=h"(r) : "l"(p));
+  return r;
+}
 __device__ __forceinline__ float o2f_ld1(const float* p) {
   float v;
   asm volatile("ld.global.nc.L1::no_allocate.f32 %0, [%1];\n" : "=f"(v) : "l"(p));
@@ -87,35 +98,64 @@ __device__ __forceinline__ void o2f_st2(float* p, float a, float b) {
 }
 __device__ __forceinline__ void o2f_st2(__half* p, float a, float b) {
   __half2 h = __floats2half2_rn(a, b);
+#ifdef O2F_EXP_F16_STORE_WB
+  asm volatile("st.global.b32 [%0], %1;\n" ::"l"(p), "r"(*reinterpret_cast<uint32_t*>(&h)) : "memory");
+#else
   asm volatile("st.global.cs.b32 [%0], %1;\n" ::"l"(p), "r"(*reinterpret_cast<uint32_t*>(&h)) : "memory");
+#endif
 }
 __device__ __forceinline__ void o2f_st1(float* p, float a) { asm volatile("st.global.cs.f32 [%0], %1;\n" ::"l"(p), "f"(a) : "memory"); }
 __device__ __forceinline__ void o2f_st1(__half* p, float a) {
   asm volatile("st.global.cs.b16 [%0], %1;\n" ::"l"(p), "h"(__half_as_ushort(__float2half_rn(a))) : "memory");
 }
 
-// The 8 input values of k-step ks for rows r0 and r0 + 8 in the A-fragment pattern: (r0, c..c+1),
-// (r0+8, c..c+1), (r0, c+8..c+9), (r0+8, c+8..c+9), c = 16 ks + t2. Zeros past the batch and past K0.
-// `vec`: x is aligned to two elements (pairs are loaded as one access when K0 is even).
+// fp16 rows into fp16 operands: a loaded pair already is the A fragment's register (converting to fp32
+// and back gives the same bits), so the input stays packed: half the registers, no conversions.
+#ifdef O2F_EXP_F16_ROUNDTRIP
+constexpr bool kInPacked = false;
+#else
+constexpr bool kInPacked = std::is_same<io_t, __half>::value && !kBf16;
+#endif
+using in_t = std::conditional_t<kInPacked, uint32_t, float>;
+constexpr int kInRegs = kInPacked ? 4 : 8;   // one k-step's input values for a thread's two rows
+
+// The input values of k-step ks for rows r0 and r0 + 8 in the A-fragment pattern: (r0, c..c+1),
+// (r0+8, c..c+1), (r0, c+8..c+9), (r0+8, c+8..c+9), c = 16 ks + t2: eight floats, or (kInPacked) the
+// four fp16 pairs. Zeros past the batch and past K0. `vec`: x is aligned to two elements (pairs are
+// loaded as one access when K0 is even).
 template <int K0>
-__device__ __forceinline__ void load_ks(float (&v)[8], const io_t* __restrict__ x, int64_t rows, int64_t r0, int ks,
+__device__ __forceinline__ void load_ks(in_t (&v)[kInRegs], const io_t* __restrict__ x, int64_t rows, int64_t r0, int ks,
                                         int t2, int vec) {
 #pragma unroll
   for (int q = 0; q < 4; ++q) {
     const int64_t r = r0 + 8 * (q & 1);
     const int col = 16 * ks + t2 + 8 * (q >> 1);
-    float2 w = make_float2(0.0f, 0.0f);
-    if (r < rows) {
-      const io_t* p = x + r * K0 + col;
-      if (K0 % 2 == 0 && vec) {
-        if (K0 % 16 == 0 || col < K0) w = o2f_ld2(p);
-      } else {
-        if (col < K0) w.x = o2f_ld1(p);
-        if (col + 1 < K0) w.y = o2f_ld1(p + 1);
+    if constexpr (kInPacked) {
+      uint32_t w = 0u;
+      if (r < rows) {
+        const io_t* p = x + r * K0 + col;
+        if (K0 % 2 == 0 && vec) {
+          if (K0 % 16 == 0 || col < K0) w = o2f_ld2_raw(p);
+        } else {
+          if (col < K0) w = o2f_ld1_raw(p);
+          if (col + 1 < K0) w |= o2f_ld1_raw(p + 1) << 16;
+        }
       }
+      v[q] = w;
+    } else {
+      float2 w = make_float2(0.0f, 0.0f);
+      if (r < rows) {
+        const io_t* p = x + r * K0 + col;
+        if (K0 % 2 == 0 && vec) {
+          if (K0 % 16 == 0 || col < K0) w = o2f_ld2(p);
+        } else {
+          if (col < K0) w.x = o2f_ld1(p);
+          if (col + 1 < K0) w.y = o2f_ld1(p + 1);
+        }
+      }
+      v[2 * q] = w.x;
+      v[2 * q + 1] = w.y;
     }
-    v[2 * q] = w.x;
-    v[2 * q + 1] = w.y;
   }
 }
 __device__ __forceinline__ void to_a(uint32_t (&a)[4], const float (&v)[8]) {
@@ -123,6 +163,10 @@ __device__ __forceinline__ void to_a(uint32_t (&a)[4], const float (&v)[8]) {
   a[1] = pack_ab2(v[2], v[3]);
   a[2] = pack_ab2(v[4], v[5]);
   a[3] = pack_ab2(v[6], v[7]);
+}
+__device__ __forceinline__ void to_a(uint32_t (&a)[4], const uint32_t (&v)[4]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) a[i] = v[i];
 }
 
 // Row r, columns col and col + 1 of the NO-wide output (only those that exist).
