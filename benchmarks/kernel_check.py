@@ -60,6 +60,7 @@ CASES = {
     "nerf64_tf32": (mlp([32, 64, 64, 64, 64, 16], ex.relu(), "tf32"), 2**21),
     "w256silu_tf32": (mlp([256, 256, 256, 256, 256], ex.silu(), "tf32"), 2**18),
     "w256silu_f16io": (mlp([256, 256, 256, 256, 256], ex.silu(), io="f16"), 2**18),   # half the input bytes
+    "w128gelu_f16io": (mlp([64, 128, 128, 128, 128, 64], ex.gelu_erf(), io="f16"), 2**20),
     # bf16 operands: the wgmma kernel on Hopper (its mma.sync fallback with ONNX2FUSED_WGMMA_RUN=off)
     "w128gelu_bf16": (mlp([64, 128, 128, 128, 128, 64], ex.gelu_erf(), "bf16"), 2**20),
     "w256silu_bf16": (mlp([256, 256, 256, 256, 256], ex.silu(), "bf16"), 2**18),
@@ -130,11 +131,6 @@ VARIANTS = {
     "block37_res_streamed": ("block37_res", StreamedOptions()),
     "block48_gres_streamed": ("block48_gres", StreamedOptions()),
 }
-# Experiments: a case compiled with extra macros (name -> (case, nvcc -D flags)).
-DEFINES = {
-    "w256silu_f16io_rt": ("w256silu_f16io", ("-DO2F_EXP_F16_ROUNDTRIP",)),   # fp16 input via fp32 and back
-    "w256silu_f16io_wb": ("w256silu_f16io", ("-DO2F_EXP_F16_STORE_WB",)),    # fp16 output stores without .cs
-}
 SAMPLE_ABOVE = 200000        # larger checks compare a sample of the rows (Case.check)
 BLOCK_BATCHES = (1000003,)   # blocks: a large odd batch too (every tile and lane group, past the last row)
 
@@ -149,8 +145,6 @@ def all_cases(base: PlanOptions, a32: bool = False) -> dict:
             continue
         design = "resident" if isinstance(override, ResidentOptions) else "streamed"
         cases[name] = (CASES[case][0], CASES[case][1], replace(base, design=design, **{design: override}))
-    for name, (case, _) in DEFINES.items():
-        cases[name] = (CASES[case][0], CASES[case][1], base)
     if a32:
         for name, (spec, batch, opts) in list(cases.items()):
             if spec.packed_layers:
@@ -172,7 +166,7 @@ def compile_case(name: str, spec: MLPSpec, options: PlanOptions, out: Path, arch
                f"arch=compute_{arch},code=[sm_{arch},compute_{arch}]"]
     if any(build.needs_sm90a(t) for t in sources.values()):   # the wgmma design: sm_90a, as build.py compiles it
         gencode = build.wgmma_nvcc_flags(gencode)
-    cmd = ["nvcc", "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-lineinfo", *gencode, *DEFINES.get(name, ("", ()))[1],
+    cmd = ["nvcc", "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-lineinfo", *gencode,
            "-Xptxas", "-v", *map(str, units), "-o", str(lib)]
     r = subprocess.run(cmd, capture_output=True, text=True)
     (out / f"{name}.ptxas.txt").write_text(r.stdout + r.stderr)

@@ -64,8 +64,13 @@ CASES = {
     "swiglu256": ([256, 1024, 256], "swiglu", ["batch", 256], 262144, {"ort_fp16": 3.0}),
     # issue 16's ViT-B / BERT-base block: pre-LN, the FFN, the residual (BLOCK_CASES), 16384 rows
     "vitb_block": ([768, 3072, 768], "gelu", ["batch", 256, 768], 64, {"ort_fp16": 1.5}),
+    # ViT-tiny's block (197 tokens, 12608 rows at batch 64), and both blocks with ReLU in place of GELU:
+    # what the GELU epilogue costs the first GEMM (no targets)
+    "vitt_block": ([192, 768, 192], "gelu", ["batch", 197, 192], 64, {}),
+    "vitt_block_relu": ([192, 768, 192], "relu", ["batch", 197, 192], 64, {}),
+    "vitb_block_relu": ([768, 3072, 768], "relu", ["batch", 256, 768], 64, {}),
 }
-BLOCK_CASES = {"vitb_block"}   # a LayerNormalization in front and the residual Add of x behind
+BLOCK_CASES = {"vitb_block", "vitt_block", "vitt_block_relu", "vitb_block_relu"}   # a LayerNormalization in front and the residual Add of x behind
 # Targets that depend on the rows: (case, at most this many rows) -> targets. LLaMA's MLP at 1 and 16 rows
 # is bound by the weight read, where stock ORT's GEMMs are too: parity is the target there.
 FEW_ROW_TARGETS = {("llama7b", 16): {"ort_fp16": 1.0}}

@@ -41,33 +41,37 @@ def _sm80_config() -> str:
     return "Sm80T" + hashlib.sha256(table.encode()).hexdigest()[:6]
 
 
-def epilogue_text(act_code: str, residual: bool = False) -> str:
+def epilogue_text(act_code: str, residual: bool = False, packed: str = "") -> str:
     """What an instance's epilogue computes (its name's hash is of this): D = act(acc + bias[n]) in fp32,
     bias always present (zeros where the layer has none), act the activation's CUDA code of `v`; with
     `residual` (a block's last layer), D = act(acc + C[m, n]) with C the output rows themselves, which
-    hold x + bias when it runs."""
+    hold x + bias when it runs. `packed`: the fp16x2 function that computes act instead, on pairs of
+    pre-activations rounded to fp16 (a hidden layer of spec.packed_layers)."""
+    act = f"act(v) = {packed}(fp16x2 pairs)" if packed else f"act(v) = {act_code}"
     if residual:
-        return f"D = act(acc + C[m, n]), C = D's rows in place (x + bias), fp32; act(v) = {act_code}"
-    return f"D = act(acc + bias[n]), fp32; act(v) = {act_code}"
+        return f"D = act(acc + C[m, n]), C = D's rows in place (x + bias), fp32; {act}"
+    return f"D = act(acc + bias[n]), fp32; {act}"
 
 
-def instance_params(config: str, elem: str, out: str, align: int, act_code: str, residual: bool = False) -> dict:
+def instance_params(config: str, elem: str, out: str, align: int, act_code: str, residual: bool = False,
+                    packed: str = "") -> dict:
     """One kernel instance's parameters (cuda_wide_instance.cu.j2): `config` a Hopper kernel's name
     (plan.sm90.Sm90Kernel.name) or the sm80 kernels' (_sm80_config), `elem` the 16-bit operand type (a
     tf32 kernel's operands are fp32), `out` the output and bias type, `align` the epilogue's elements
     per access, `act_code` the activation (expr.render_c of `v`), `residual`: the source operand is the
-    output rows in place, not the bias (epilogue_text)."""
+    output rows in place, not the bias (epilogue_text), `packed`: the activation's fp16x2 function where
+    the layer's activations are packed (templates/o2f_packed_act.cuh), else ""."""
     kernel = next((k for k in SM90_KERNELS if k.name == config), None)
     sm90 = kernel is not None
     operand = "float" if sm90 and kernel.tf32 else elem
-    epi = epilogue_text(act_code, residual)
+    epi = epilogue_text(act_code, residual, packed)
     name = (f"{INSTANCE_PREFIX}{config}_{_TYPE_TOKEN[operand]}_{_TYPE_TOKEN[out]}_a{align}_"
             f"{hashlib.sha256(epi.encode()).hexdigest()[:12]}")
     family = "CUTLASS 3.x sm_90a" if sm90 else "CUTLASS 2.x sm80 mma.sync"
     params = {
         "template": INSTANCE_TEMPLATE, "name": name, "file": f"{name}.cu", "sm90": sm90, "config": config,
         "elem": elem, "out": out, "align": align, "act_code": act_code, "prelude": ex.C_PRELUDE,
-        "residual": residual,
+        "residual": residual, "packed": packed,
         "describe": (f"{config} ({family}), {_TYPE_TOKEN[operand]} operands, {_TYPE_TOKEN[out]} output, "
                      f"alignment {align}, epilogue {epi}"),
     }
@@ -99,13 +103,15 @@ def _gemm_instances(plan: WidePlan) -> list[dict]:
     out = []
     for g, per in zip(plan.gemms, plan.choices):
         o, code = _out_type(spec, g.last), IDENTITY_CODE if g.gated else acts[g.index]["code"]
+        # a packed hidden layer's epilogue evaluates the fp16x2 form the numerics model judged (precision.py)
+        packed = "" if g.gated else acts[g.index]["packed"]
         res = g.last and spec.residual   # the block's residual: the last GEMM's source operand
         chosen = [i for i in plan.sm90_kernels if plan.tuning or any(c.kernel == i for c in per)]
-        sm90 = [(i, instance_params(SM90_KERNELS[i].name, elem, o, g.align_out, code, res))
+        sm90 = [(i, instance_params(SM90_KERNELS[i].name, elem, o, g.align_out, code, res, packed))
                 for i in chosen if g.sm90 and not SM90_KERNELS[i].tf32]
-        tf32 = [(i, instance_params(SM90_KERNELS[i].name, elem, o, g.align_out, code, res))
+        tf32 = [(i, instance_params(SM90_KERNELS[i].name, elem, o, g.align_out, code, res, packed))
                 for i in plan.sm90_kernels if SM90_KERNELS[i].tf32 and g.index == 0 and plan.tf32_first and g.sm90]
-        out.append({"sm80": None if g.narrow else instance_params(_sm80_config(), elem, o, g.align_out, code, res),
+        out.append({"sm80": None if g.narrow else instance_params(_sm80_config(), elem, o, g.align_out, code, res, packed),
                     "sm90": sm90, "tf32": tf32})
     return out
 

@@ -98,11 +98,7 @@ __device__ __forceinline__ void o2f_st2(float* p, float a, float b) {
 }
 __device__ __forceinline__ void o2f_st2(__half* p, float a, float b) {
   __half2 h = __floats2half2_rn(a, b);
-#ifdef O2F_EXP_F16_STORE_WB
-  asm volatile("st.global.b32 [%0], %1;\n" ::"l"(p), "r"(*reinterpret_cast<uint32_t*>(&h)) : "memory");
-#else
   asm volatile("st.global.cs.b32 [%0], %1;\n" ::"l"(p), "r"(*reinterpret_cast<uint32_t*>(&h)) : "memory");
-#endif
 }
 __device__ __forceinline__ void o2f_st1(float* p, float a) { asm volatile("st.global.cs.f32 [%0], %1;\n" ::"l"(p), "f"(a) : "memory"); }
 __device__ __forceinline__ void o2f_st1(__half* p, float a) {
@@ -111,11 +107,7 @@ __device__ __forceinline__ void o2f_st1(__half* p, float a) {
 
 // fp16 rows into fp16 operands: a loaded pair already is the A fragment's register (converting to fp32
 // and back gives the same bits), so the input stays packed: half the registers, no conversions.
-#ifdef O2F_EXP_F16_ROUNDTRIP
-constexpr bool kInPacked = false;
-#else
 constexpr bool kInPacked = std::is_same<io_t, __half>::value && !kBf16;
-#endif
 using in_t = std::conditional_t<kInPacked, uint32_t, float>;
 constexpr int kInRegs = kInPacked ? 4 : 8;   // one k-step's input values for a thread's two rows
 

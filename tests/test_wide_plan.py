@@ -564,6 +564,27 @@ def test_kernel_instances_are_named_and_shaped_by_configuration_types_and_epilog
     assert set(_instances(both)) == set(_instances(fa)) | set(_instances(fb))
 
 
+def test_packed_hidden_layers_take_the_fp16x2_form_in_the_epilogue():
+    """A hidden fp16 layer whose activation has a packed form (spec.packed_layers) evaluates that form in
+    its GEMM epilogue, as the numerics model assumes: its instances say so and hash apart from the fp32
+    form's; act_math "fp32", the last layer, bf16 and ReLU (no packed form) keep the fp32 code."""
+    def hidden(spec):
+        files = render_cuda([spec])
+        return {n: files[n] for n in _instances(files) if "_f16_f16_" in n or "_bf16_bf16_" in n}
+
+    packed = hidden(_spec([768, 3072, 768], ex.gelu_erf()))
+    assert packed and all("o2f_h2_gelu(__floats2half2_rn(a[i], a[i + 1]))" in t for t in packed.values())
+    assert all("o2f_packed_act" in t for t in packed.values())   # its header, included or expanded
+    fp32 = hidden(replace(_spec([768, 3072, 768], ex.gelu_erf()), act_math="fp32"))
+    assert fp32 and not set(fp32) & set(packed)
+    assert not any("o2f_h2_" in t for t in fp32.values())
+    for other in (_spec([768, 3072, 768], ex.gelu_erf(), precision="bf16"), _spec([768, 3072, 768], ex.relu())):
+        assert not any("o2f_h2_" in t for t in hidden(other).values())
+    # the last layer (fp32 output) never packs
+    last = render_cuda([_spec([768, 3072, 768], ex.gelu_erf(), last=ex.gelu_erf())])
+    assert not any("o2f_h2_" in last[n] for n in _instances(last) if "_f16_f32_" in n)
+
+
 # ------------------------------------------------------------------------------------------ Hopper (sm_90a)
 @pytest.mark.parametrize("widths,io,want", [
     ([768, 3072, 768], "f32", [True, True]),      # 768 fp32 = 3072-byte rows
