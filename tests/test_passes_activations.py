@@ -237,6 +237,34 @@ def test_normalise_keeps_unknown_and_distinguishes_near_misses():
     assert normalise(ex.Op("sigmoid", (ex.X,)) * ex.X) == ex.silu()
 
 
+def _gelu_graph(sqrt2: float, elem) -> onnx.ModelProto:
+    """x * (erf(x / sqrt2) + 1) * 0.5 with the constants in `elem` (as a 16-bit export stores them)."""
+    dt = np.float16 if elem == onnx.TensorProto.FLOAT16 else np.float32
+    g = G()
+    d = g.op("Div", ["x", g.const_node(np.array(sqrt2, dt))])
+    e = g.op("Add", [g.op("Erf", [d]), g.const_node(np.array(1.0, dt))])
+    g.op("Mul", [g.op("Mul", ["x", e]), g.const_node(np.array(0.5, dt))], outputs=["y"])
+    return g.model([("x", ["B", 6])], [("y", ["B", 6])], elem=elem)
+
+
+def test_16_bit_graphs_match_named_activations_within_their_constants_rounding():
+    """An fp16 export's GELU divides by fp16's sqrt(2), 1.4140625: within that rounding it is the erf GELU
+    (so the kernels' fast and packed forms apply), in an fp16 graph only; a float32 graph with the same
+    constant keeps it as written, and a 16-bit function further off a named one stays itself."""
+    half = float(np.float16(math.sqrt(2.0)))
+    assert half == 1.4140625
+    act = match_activation(GraphIndex(_gelu_graph(half, onnx.TensorProto.FLOAT16)), "x")
+    assert act.output == "y" and act.expr == ex.gelu_erf()
+    act = match_activation(GraphIndex(_gelu_graph(half, F)), "x")
+    assert act.output == "y" and act.expr != ex.gelu_erf() and describe_expr(act.expr) != "gelu"
+    assert match_activation(GraphIndex(_gelu_graph(math.sqrt(2.0), F)), "x").expr == ex.gelu_erf()
+    # hard-swish with fp16's 1/6 (0.16663): 3.7e-4 off near x = 3, beyond the tolerance
+    one_sixth = float(np.float16(1 / 6))
+    near = ex.X * ex.Op("max", (ex.Const(0.0), ex.Op("min", (ex.Const(1.0), ex.Const(one_sixth) * ex.X + ex.Const(0.5)))))
+    assert normalise(near, half=True) == near and normalise(near) == near
+    assert normalise(ex.hard_swish(), half=True) == ex.hard_swish()
+
+
 def test_cast_that_rounds_a_float32_value_is_not_an_activation():
     g = G()
     h = g.op("Cast", ["x"], name="to_half", to=onnx.TensorProto.FLOAT16)

@@ -285,24 +285,36 @@ _PROBE = _probe()
 _NAMED_VALUES = None
 
 
-def _same(a: np.ndarray, b: np.ndarray) -> bool:
+# How close a function must come to a named one to be it, on the probe set: float32 rounding of the
+# constants (|a - b| <= ATOL + RTOL |b|), and in a 16-bit graph its constants' 16-bit rounding, which
+# leaves the graph's own function a little off the named one: a GELU whose sqrt(2) is stored as fp16
+# 1.4140625 differs from the erf GELU by at most 3.1e-5, a thirtieth of the error of the fp16 arithmetic
+# that evaluates it in the graph (erf alone rounds to +-4.9e-4 there). Half an fp16 step relative
+# (2^-12) plus 6e-5 admits that and no more: a hard-swish whose 1/6 is fp16 (0.16663) stays as written.
+ATOL, RTOL = 1e-6, 2e-6
+ATOL_16, RTOL_16 = 6e-5, 2.0 ** -12
+
+
+def _same(a: np.ndarray, b: np.ndarray, atol: float = ATOL, rtol: float = RTOL) -> bool:
     both_nan = np.isnan(a) & np.isnan(b)
     fin = np.isfinite(a) & np.isfinite(b)
     with np.errstate(all="ignore"):
-        ok = both_nan | (a == b) | (fin & (np.abs(a - b) <= 1e-6 + 2e-6 * np.abs(b)))
+        ok = both_nan | (a == b) | (fin & (np.abs(a - b) <= atol + rtol * np.abs(b)))
     return bool(np.all(ok))
 
 
-def normalise(e: Expr) -> Expr:
-    """The named constructor equal to e as a function (on the probe set), else e itself."""
+def normalise(e: Expr, half: bool = False) -> Expr:
+    """The named constructor equal to e as a function (on the probe set), else e itself. `half`: e is
+    a 16-bit graph's activation, whose constants are rounded to 16 bits (ATOL_16, RTOL_16)."""
     global _NAMED_VALUES
     if e in ex.NAMED or ex.chan_leaves(e):  # per-channel trees take their names from expr.short_name
         return e
     if _NAMED_VALUES is None:
         _NAMED_VALUES = [(n, ex.evaluate(n, _PROBE)) for n in ex.NAMED]
     v = ex.evaluate(e, _PROBE)
+    atol, rtol = (ATOL_16, RTOL_16) if half else (ATOL, RTOL)
     for named, nv in _NAMED_VALUES:
-        if _same(v, nv):
+        if _same(v, nv, atol, rtol):
             return named
     return e
 
@@ -344,7 +356,7 @@ def match_activation(ix: GraphIndex, value: str, width: int | None = None) -> Ac
         anc = _ancestors(ix, t, value, in_region)
         if _closed(ix, t, value, anc):
             order = sorted(anc)
-            expr = normalise(env[t]) if order else ex.identity()
+            expr = normalise(env[t], ctx.value_type in _NARROW_FLOATS) if order else ex.identity()
             rej = {i: r for i, r in rejected.items() if any(x == t for x in ix.node(i).input)}
             # Region nodes that were left out (outside the closed set) and consume t explain the end too.
             for j in region:
