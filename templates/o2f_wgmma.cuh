@@ -65,15 +65,11 @@ __device__ __forceinline__ float2 o2f_ld2(const float* p) {
   asm volatile("ld.global.nc.L1::no_allocate.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "l"(p));
   return v;
 }
-// fp16 rows: a k-step's two loads per row (columns 2t.. and 2t+8..) are the two halves of one 32-byte
-// sector, so the line is kept in L1 for the second (no_allocate fetched every sector twice from L2).
-__device__ __forceinline__ float2 o2f_ld2(const __half* p) {
-  uint32_t r;
-  asm volatile("ld.global.nc.b32 %0, [%1];\n" : "=r"(r) : "l"(p));
-  return __half22float2(*reinterpret_cast<const __half2*>(&r));
-}
-// The raw bits of one fp16 pair / one fp16 value (the packed input path).
-__device__ __forceinline__ uint32_t o2f_ld2_raw(const void* p) {   // (void: also named, never called, for fp32 rows)
+// fp16 rows, as raw bits (the packed input path takes a pair as an A register as it is): a k-step's two
+// loads per row (columns 2t.. and 2t+8..) are the two halves of one 32-byte sector, so the line is kept
+// in L1 for the second (no_allocate fetched every sector twice from L2). (void*: also named, never
+// called, for fp32 rows.)
+__device__ __forceinline__ uint32_t o2f_ld2_raw(const void* p) {
   uint32_t r;
   asm volatile("ld.global.nc.b32 %0, [%1];\n" : "=r"(r) : "l"(p));
   return r;
@@ -83,15 +79,17 @@ __device__ __forceinline__ uint32_t o2f_ld1_raw(const void* p) {
   asm volatile("ld.global.nc.L1::no_allocate.b16 %0, [%1];\n" : "=h"(r) : "l"(p));
   return r;
 }
+__device__ __forceinline__ float2 o2f_ld2(const __half* p) {
+  const uint32_t r = o2f_ld2_raw(p);
+  return __half22float2(*reinterpret_cast<const __half2*>(&r));
+}
 __device__ __forceinline__ float o2f_ld1(const float* p) {
   float v;
   asm volatile("ld.global.nc.L1::no_allocate.f32 %0, [%1];\n" : "=f"(v) : "l"(p));
   return v;
 }
 __device__ __forceinline__ float o2f_ld1(const __half* p) {
-  unsigned short r;
-  asm volatile("ld.global.nc.L1::no_allocate.b16 %0, [%1];\n" : "=h"(r) : "l"(p));
-  return __half2float(__ushort_as_half(r));
+  return __half2float(__ushort_as_half(static_cast<unsigned short>(o2f_ld1_raw(p))));
 }
 __device__ __forceinline__ void o2f_st2(float* p, float a, float b) {
   asm volatile("st.global.cs.v2.f32 [%0], {%1, %2};\n" ::"l"(p), "f"(a), "f"(b) : "memory");
