@@ -61,6 +61,10 @@ CASES = {
     "w256silu_tf32": (mlp([256, 256, 256, 256, 256], ex.silu(), "tf32"), 2**18),
     "w256silu_f16io": (mlp([256, 256, 256, 256, 256], ex.silu(), io="f16"), 2**18),   # half the input bytes
     "w128gelu_f16io": (mlp([64, 128, 128, 128, 128, 64], ex.gelu_erf(), io="f16"), 2**20),
+    # SwiGLU pairs (silu(x Wg + bg) * (x Wu + bu)): the zoo's 64 -> 256 -> 64 shape at 2^20 rows, and a
+    # 256-wide one whose weights stream (the mma.sync kernels by the cost model; _wg: wgmma, forced)
+    "glu64": (mlp([64, 256, 64], [ex.silu(), ex.identity()], gated={0}), 2**20),
+    "glu256": (mlp([256, 256, 256], [ex.silu(), ex.identity()], gated={0}), 2**18),
     # bf16 operands: the wgmma kernel on Hopper (its mma.sync fallback with ONNX2FUSED_WGMMA_RUN=off)
     "w128gelu_bf16": (mlp([64, 128, 128, 128, 128, 64], ex.gelu_erf(), "bf16"), 2**20),
     "w256silu_bf16": (mlp([256, 256, 256, 256, 256], ex.silu(), "bf16"), 2**18),
@@ -117,6 +121,9 @@ VARIANTS = {
     "w256silu_pf0": ("w256silu", WgmmaOptions(prefetch=0)),
     "w256silu_st6": ("w256silu", WgmmaOptions(stages=6)),
     "w256silu_st4": ("w256silu", WgmmaOptions(stages=4)),
+    # gated layers in the wgmma design (forced only: not yet measured)
+    "glu64_wg": ("glu64", WgmmaOptions()),
+    "glu256_wg": ("glu256", WgmmaOptions()),
     # weights that fit shared memory streamed anyway (the ring's coupling of the warpgroups)
     "w128gelu_st3": ("w128gelu", WgmmaOptions(stages=3)),
     "sdf1m_st3": ("sdf1m", WgmmaOptions(stages=3)),

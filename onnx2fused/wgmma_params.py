@@ -46,6 +46,23 @@ def _blocks(l: WgmmaLayer, c: int, last: bool) -> list[dict]:
     return out
 
 
+def _gated_blocks(l: WgmmaLayer, c: int) -> list[dict]:
+    """The gate/up pairs of a gated layer's chunk c: interleaved n8 blocks 2m (gate) and 2m + 1 (up) of the
+    chunk hold hidden n8 block jj (its columns col..col+7) for rows g and g+8 in the same thread:
+    h = act(gate + bias) * (up + bias), written as next-layer k-step jj/2's registers as a plain block
+    jj's would be. Hidden padding columns are zeros, as in _blocks."""
+    out = []
+    for m in range(l.nc // 16):
+        b = c * (l.nc // 8) + 2 * m          # the gate block's index among the layer's interleaved blocks
+        jj = b // 2
+        col = 8 * jj
+        pad = "all" if col >= l.n else "part" if col + 8 > l.n else "none"
+        out.append({"col": col, "gcol": 8 * b, "ucol": 8 * b + 8, "pad": pad,
+                    "g": [8 * m + i for i in range(4)], "u": [8 * m + 4 + i for i in range(4)],
+                    "kt": jj // 2, "reg": 2 * (jj % 2), "reg_hi": 2 * (jj % 2) + 1})
+    return out
+
+
 def _layer_params(plan: WgmmaPlan) -> list[dict]:
     out = []
     n = len(plan.layers)
@@ -62,13 +79,21 @@ def _layer_params(plan: WgmmaPlan) -> list[dict]:
                 # the epilogue adds it), 1 after
                 "ksteps": [{"ks": ks, "lo": (start + l.kstep_offset(ks)) >> 4, "scale": int(ks > 0)}
                            for ks in range(l.k_steps)],
-                "blocks": _blocks(l, c, last),
+                "blocks": _gated_blocks(l, c) if l.gated else _blocks(l, c, last),
             })
+        steps = _schedule(l)
+        for st in steps:   # a gated layer's chunk c >= 2 waits for chunk c-2's epilogue (the template's issue)
+            st["dep"] = ""
+            if l.gated and st["op"] == "issue" and st["chunk"] >= 2:
+                regs = [f"a{l.index + 1}[{b['kt']}][{b[r]}]" for b in chunks[st["chunk"] - 2]["blocks"]
+                        if b["pad"] != "all" for r in ("reg", "reg_hi")]
+                st["dep"] = f"({' ^ '.join(regs)})" if regs else ""
         out.append({
             "index": l.index, "k": l.k, "n": l.n, "kp": l.kp, "np": l.np_, "nc": l.nc, "acc": l.nc // 2,
             "chunks": chunks, "n_chunks": l.chunks, "atom": l.atom, "desc_hi": f"0x{l.desc_hi:08X}u",
-            "k_steps": l.k_steps, "next_k_steps": l.np_ // 16, "offset": l.offset, "chunk_bytes": l.chunk_bytes,
-            "bias_offset": l.bias_offset, "last": last, "next": l.index + 1, "steps": _schedule(l),
+            "k_steps": l.k_steps, "next_k_steps": l.hidden // 16, "offset": l.offset, "chunk_bytes": l.chunk_bytes,
+            "gated": l.gated,
+            "bias_offset": l.bias_offset, "last": last, "next": l.index + 1, "steps": steps,
         })
     return out
 
@@ -99,7 +124,9 @@ def wgmma_params(plan: WgmmaPlan) -> dict:
         "image_offset": plan.image_offset, "bias_offset": plan.bias_offset,
         "workspace_bytes": plan.workspace_bytes, "fallback_bytes": plan.fallback_bytes,
         "fallback": fallback_symbol(spec), "fallback_design": plan.fallback.design,
-        "pack_layers": [{"index": l.index, "k": l.k, "n": l.n, "kp": l.kp, "np": l.np_, "nc": l.nc, "atom": l.atom,
+        # the source weight's columns (a gated layer's: gate then up, 2n) and, gated, the hidden width
+        "pack_layers": [{"index": l.index, "k": l.k, "n": 2 * l.n if l.gated else l.n, "kp": l.kp, "np": l.np_,
+                         "nc": l.nc, "atom": l.atom, "gated": l.n if l.gated else 0,
                          "offset": l.offset, "chunk_bytes": l.chunk_bytes, "bias_offset": l.bias_offset,
                          "elems": l.np_ * l.kp}
                         for l in plan.layers],

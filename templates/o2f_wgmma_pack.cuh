@@ -16,21 +16,33 @@ __device__ __forceinline__ unsigned wgmma_swizzle(unsigned b, int atom) {
 __device__ __forceinline__ void wgmma_store_elem(__half* p, float v) { *p = __float2half_rn(v); }
 __device__ __forceinline__ void wgmma_store_elem(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
 
+// Padded column n of a layer -> its column in the source weight or bias (-1: padding). Gated layers
+// (gated = the hidden width H > 0; the source has gate columns 0..H-1, then up columns H..2H-1) interleave
+// by n8 blocks: block 2m holds gate columns 8m..8m+7, block 2m+1 the up columns of the same features.
+__device__ __forceinline__ int wgmma_source_column(int n, int N, int gated) {
+  if (!gated) return n < N ? n : -1;
+  const int b = n / 8, h = 8 * (b / 2) + n % 8;
+  return h < gated ? h + (b % 2) * gated : -1;
+}
+
 // W [K, N] fp32 (y = x @ W) -> the layer's chunks at `img` in the operand type E (fp16 or bf16; zeroed
 // before: padding stays 0), one thread per padded (n, k).
 template <typename E>
 __global__ void wgmma_pack_layer(const float* __restrict__ w, unsigned char* __restrict__ img, int K, int N, int KP,
-                                 int NP, int NC, int atom, int chunk_bytes) {
+                                 int NP, int NC, int atom, int chunk_bytes, int gated) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= NP * KP) return;
   const int n = i / KP, k = i - n * KP;
+  const int src = wgmma_source_column(n, N, gated);
   const int c = n / NC, nn = n - c * NC, kb = 2 * k;
   const unsigned off = static_cast<unsigned>((nn % 8) * atom + (nn / 8) * 8 * atom + kb % atom + (kb / atom) * (NC / 8) * 8 * atom);
-  const float v = (n < N && k < K) ? w[static_cast<int64_t>(k) * N + n] : 0.0f;
+  const float v = (src >= 0 && k < K) ? w[static_cast<int64_t>(k) * N + src] : 0.0f;
   wgmma_store_elem(reinterpret_cast<E*>(img + static_cast<int64_t>(c) * chunk_bytes + wgmma_swizzle(off, atom)), v);
 }
 
-__global__ void wgmma_pack_bias(const float* __restrict__ b, float* __restrict__ dst, int N, int NP) {
+__global__ void wgmma_pack_bias(const float* __restrict__ b, float* __restrict__ dst, int N, int NP, int gated) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i < NP) dst[i] = i < N ? b[i] : 0.0f;
+  if (i >= NP) return;
+  const int src = wgmma_source_column(i, N, gated);
+  dst[i] = src >= 0 ? b[src] : 0.0f;
 }

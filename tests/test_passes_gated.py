@@ -17,7 +17,7 @@ from onnx2fused import expr as ex
 from onnx2fused.library import find_fusions, gated_refusal
 from onnx2fused.loader import load_model
 from onnx2fused.passes import find_chains
-from onnx2fused.plan.choose import make_plan, wgmma_refused
+from onnx2fused.plan.choose import make_plan, wgmma_note, wgmma_refused
 from onnx2fused.plan.options import PlanOptions
 from onnx2fused.plan.wide import wide_reason_refused
 from onnx2fused.spec import GATED_NO_CUDA, LayerSpec, MLPSpec, SpecError
@@ -381,7 +381,9 @@ def test_plan_takes_a_gated_spec():
     spec = MLPSpec((LayerSpec(K, H, True, ex.silu(), gated=True), LayerSpec(H, N, True, ex.identity())))
     plan = make_plan(spec)
     assert plan.design == "resident" and plan.layers[0].gated and plan.layers[0].cols == 2 * plan.layers[0].np_
-    assert "gated" in wgmma_refused(spec) and wide_reason_refused(replace(spec, precision="bf16")) is None
+    # wgmma: forced only, with the reason (tests/test_wgmma_plan.py)
+    assert wgmma_refused(spec) is None and "only when forced" in wgmma_note(spec, plan)
+    assert wide_reason_refused(replace(spec, precision="bf16")) is None
     glu_head = MLPSpec((LayerSpec(K, H, True, ex.identity()), LayerSpec(H, N, True, ex.silu(), gated=True)))
     assert "gated last layer" in wide_reason_refused(glu_head)
 

@@ -41,11 +41,18 @@ STREAMED = MLPSpec(tuple(LayerSpec(a, b, True, ex.silu() if i < 4 else ex.identi
                          for i, (a, b) in enumerate(zip((96, 256, 224, 256, 256), (256, 224, 256, 256, 40))))
                    , "fp16", "f32")
 
+# gated layers (SwiGLU: silu(x Wg + bg) * (x Wu + bu)): a resident one with an odd hidden width, and two
+# in a row with their weights streamed
+GATED = MLPSpec((LayerSpec(64, 200, True, ex.silu(), gated=True), LayerSpec(200, 40, True, ex.identity())), "fp16", "f32")
+GATED_STREAMED = MLPSpec((LayerSpec(256, 256, True, ex.silu(), gated=True), LayerSpec(256, 256, True, ex.gelu_erf(), gated=True),
+                          LayerSpec(256, 256, True, ex.identity())), "fp16", "f32")
+
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
 @pytest.mark.parametrize("spec,with_sm80,overrides", [(SDF_F16, True, {}), (ODD, False, {}), (STREAMED, False, {}),
-                                                      (STREAMED, True, {"cluster": 2}), (BF16, False, {})],
-                         ids=["sdf_f16", "odd_widths", "streamed", "streamed_cluster2", "bf16"])
+                                                      (STREAMED, True, {"cluster": 2}), (BF16, False, {}),
+                                                      (GATED, False, {}), (GATED_STREAMED, False, {})],
+                         ids=["sdf_f16", "odd_widths", "streamed", "streamed_cluster2", "bf16", "gated", "gated_streamed"])
 def test_wgmma_source_compiles_to_hgmma_without_spills(spec, with_sm80, overrides, tmp_path):
     plan = choose.make_plan(spec, PlanOptions(design="wgmma", wgmma_overrides=WgmmaOptions(**overrides)))
     assert plan.design == "wgmma"

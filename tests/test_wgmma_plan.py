@@ -30,6 +30,10 @@ NERF = _spec([32, 64, 64, 64, 64, 16])
 GELU = _spec([64, 128, 128, 128, 128, 64], ex.gelu_erf())
 SILU = _spec([256, 256, 256, 256, 256], ex.silu())
 SDF = _spec([3, 128, 128, 128, 128, 1], ex.tanh())
+# SwiGLU pairs: silu(x Wg + bg) * (x Wu + bu); an odd hidden width, and two gated layers in a row (streamed)
+GATED = MLPSpec((LayerSpec(64, 200, True, ex.silu(), gated=True), LayerSpec(200, 40, True, ex.identity())), "fp16", "f32")
+GATED2 = MLPSpec((LayerSpec(256, 256, True, ex.silu(), gated=True), LayerSpec(256, 256, True, ex.gelu_erf(), gated=True),
+                  LayerSpec(256, 256, True, ex.identity())), "fp16", "f32")
 WGMMA = PlanOptions(design="wgmma")
 AUTO_WGMMA = PlanOptions(wgmma=True)     # auto (the default), wgmma allowed
 
@@ -208,8 +212,9 @@ def _pack_address(l, n, k):
 
 
 @pytest.mark.parametrize("spec", [NERF, GELU, SDF, _spec([30, 80, 176, 7], ex.sigmoid()), SILU,
-                                  _spec([96, 256, 224, 256, 256, 40], ex.silu())],
-                         ids=["nerf", "gelu", "sdf", "odd_widths", "silu_streamed", "odd_streamed"])
+                                  _spec([96, 256, 224, 256, 256, 40], ex.silu()), GATED, GATED2],
+                         ids=["nerf", "gelu", "sdf", "odd_widths", "silu_streamed", "odd_streamed", "gated",
+                              "gated_streamed"])
 def test_descriptors_read_what_the_packing_wrote(spec):
     """Emulates the addresses wgmma computes from each printed descriptor (PTX ISA canonical K-major
     layouts: row n at (n % 8) * swizzle width + (n / 8) * stride byte offset, 16 k values contiguous from
@@ -244,6 +249,60 @@ def test_fragment_mapping_covers_every_next_layer_register_once():
     for lp, nxt in zip(wgmma_params(plan)["layers"][:-1], plan.layers[1:]):
         regs = sorted((b["kt"], r) for c in lp["chunks"] for b in c["blocks"] for r in (b["reg"], b["reg_hi"]))
         assert regs == [(kt, r) for kt in range(nxt.k_steps) for r in range(4)]
+
+
+def _source_column(n: int, cols: int, hidden: int) -> int:
+    """templates/o2f_wgmma_pack.cuh's wgmma_source_column: padded column n -> the source weight's column
+    (gated: gate columns 0..H-1, then up H..2H-1, interleaved by n8 blocks), -1 for padding."""
+    if not hidden:
+        return n if n < cols else -1
+    b, h = n // 8, 8 * (n // 16) + n % 8
+    return h + (b % 2) * hidden if h < hidden else -1
+
+
+@pytest.mark.parametrize("spec", [GATED, GATED2], ids=["gated", "gated_streamed"])
+def test_gated_layers_pair_each_gate_block_with_its_up_block(spec):
+    """A gated layer's packed columns interleave gate and up by n8 blocks (the packing's source columns
+    cover every gate and up column once); each epilogue block reads a gate block's accumulators and the
+    next n8 block's (its up columns) and writes one hidden n8 block; every next-layer register is written
+    once; chunk c >= 2's wgmmas depend on every register chunk c - 2's epilogue wrote."""
+    plan = choose.make_plan(spec, WGMMA)
+    assert plan.design == "wgmma" and DESIGN_ENV in plan.reason
+    params = wgmma_params(plan)
+    for l, lp, pk in zip(plan.layers, params["layers"], params["pack_layers"]):
+        if not l.gated:
+            continue
+        assert pk["gated"] == l.n and pk["n"] == 2 * l.n and l.np_ == 2 * l.hidden and l.hidden % 16 == 0
+        src = [_source_column(n, pk["n"], pk["gated"]) for n in range(l.np_)]
+        assert sorted(c for c in src if c >= 0) == list(range(2 * l.n))
+        assert all(src[n] < l.n for n in range(l.np_) if (n // 8) % 2 == 0 and src[n] >= 0)   # gate blocks
+        regs = []
+        for cp in lp["chunks"]:
+            for b in cp["blocks"]:
+                assert b["ucol"] == b["gcol"] + 8 and b["gcol"] % 16 == 0 and b["col"] == b["gcol"] // 2
+                assert src[b["gcol"]] == (b["col"] if b["col"] < l.n else -1)
+                assert src[b["ucol"]] == (l.n + b["col"] if b["col"] < l.n else -1)
+                assert len(set(b["g"] + b["u"])) == 8 and max(b["g"] + b["u"]) < lp["acc"]
+                regs += [(b["kt"], b["reg"]), (b["kt"], b["reg_hi"])]
+        assert sorted(regs) == [(kt, r) for kt in range(l.hidden // 16) for r in range(4)]
+        for st in lp["steps"]:
+            if st["op"] == "issue" and st["chunk"] >= 2:
+                want = {f"a{l.index + 1}[{b['kt']}][{b[r]}]" for b in lp["chunks"][st["chunk"] - 2]["blocks"]
+                        if b["pad"] != "all" for r in ("reg", "reg_hi")}
+                assert set(re.findall(r"a\d+\[\d+\]\[\d+\]", st["dep"])) == want
+    src = _render(spec, WGMMA)[0][f"{spec.name}_cuda.cu"]
+    assert "glu_pack" in src and "kOpaqueZero" in src and "lo_dep2" in src
+
+
+def test_gated_chains_take_wgmma_only_when_forced():
+    """Not yet measured on a GPU: the cost model never picks wgmma for a gated chain, and says so; a gated
+    last layer is refused."""
+    plan = choose.make_plan(GATED2)
+    assert plan.design != "wgmma"
+    assert "gated layers take it only when forced" in plan_text(GATED2, plan)
+    last = MLPSpec((LayerSpec(64, 128, True, ex.silu()), LayerSpec(128, 64, True, ex.silu(), gated=True)), "fp16", "f32")
+    assert "gated last layer" in choose.wgmma_refused(last)
+    assert choose.make_plan(last, WGMMA).design != "wgmma"
 
 
 def test_last_layer_padding_blocks_are_left_out():

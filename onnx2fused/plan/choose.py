@@ -150,6 +150,8 @@ def wgmma_note(spec: MLPSpec, plan: Plan) -> str:
     if plan.design in ("wgmma", "fp32", "wide"):
         return ""
     why = wgmma_refused(spec)
+    if why is None and spec.has_gated:
+        why = f"gated layers take it only when forced ({DESIGN_ENV}=wgmma) until measured on a GPU"
     if why is None and not cost.wgmma_wins(spec):
         why = (f"fewer than {cost.WGMMA_MIN_WIDE_LAYERS} layers of >= {cost.WGMMA_MIN_WIDTH} outputs "
                "(mma.sync is as fast there)")
@@ -162,7 +164,7 @@ def _wgmma(spec: MLPSpec, fallback, smem: int, forced: bool, overrides: dict) ->
         return None
     if forced:
         reason = f"forced by {DESIGN_ENV}=wgmma"
-    elif cost.wgmma_wins(spec):
+    elif cost.wgmma_wins(spec) and not spec.has_gated:   # gated: not yet run on a GPU, so forced only
         reason = (f"chosen: {sum(l.out_features >= cost.WGMMA_MIN_WIDTH for l in spec.layers)} layers of >= "
                   f"{cost.WGMMA_MIN_WIDTH} outputs, where wgmma beat mma.sync on the H100")
     else:

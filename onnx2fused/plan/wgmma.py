@@ -77,6 +77,12 @@ class WgmmaLayer:
     atom: int         # swizzle atom row in bytes: 128, 64 or 32 (the largest that divides 2*kp)
     offset: int       # bytes: the layer's first chunk in the image (LAYER_ALIGN-aligned)
     bias_offset: int  # floats: the layer's padded bias in the bias array
+    gated: bool = False   # gate and up columns interleaved by 8 (np_ = 2 x the padded hidden width)
+
+    @property
+    def hidden(self) -> int:
+        """Padded features this layer hands the next one: np_, or half of it for a gated layer."""
+        return self.np_ // 2 if self.gated else self.np_
 
     @property
     def chunks(self) -> int:
@@ -175,18 +181,28 @@ def _chunk_width(np_: int, chunk_max: int = CHUNK_MAX) -> tuple[int, int]:
     return np_, nc
 
 
+def _gated_chunk_width(cols: int, chunk_max: int = CHUNK_MAX) -> int:
+    """A gated layer's chunk: the widest multiple of 16 up to chunk_max (at least 16) that divides its
+    interleaved columns (a multiple of 32): whole gate/up pairs of n8 blocks in every chunk."""
+    return next(c for c in range(max(16, chunk_max // 16 * 16), 15, -16) if cols % c == 0)
+
+
 def _layers(spec: MLPSpec, chunk_max: int = CHUNK_MAX) -> list[WgmmaLayer]:
     out, off, boff = [], 0, 0
     last = len(spec.layers) - 1
     kp = round_up(spec.layers[0].in_features, 16)
     for i, l in enumerate(spec.layers):
-        np_, nc = _chunk_width(round_up(l.out_features, 8 if i == last else 16), chunk_max)
+        if l.gated:   # gate block b, up block b interleaved: 8 gate columns, their 8 up columns, ...
+            np_ = 2 * round_up(l.out_features, 16)
+            nc = _gated_chunk_width(np_, chunk_max)
+        else:
+            np_, nc = _chunk_width(round_up(l.out_features, 8 if i == last else 16), chunk_max)
         atom = 128 if kp % 64 == 0 else 64 if kp % 32 == 0 else 32
-        layer = WgmmaLayer(i, l.in_features, l.out_features, kp, np_, nc, atom, off, boff)
+        layer = WgmmaLayer(i, l.in_features, l.out_features, kp, np_, nc, atom, off, boff, l.gated)
         out.append(layer)
         off = round_up(off + layer.chunks * layer.chunk_bytes, LAYER_ALIGN)
         boff += np_
-        kp = np_
+        kp = layer.hidden
     return out
 
 
@@ -197,14 +213,14 @@ CHUNK_REGISTERS = 4       # per chunk past the two buffers: ptxas holds more acr
 def _registers(layers: list[WgmmaLayer]) -> int:
     """Registers a thread holds at the busiest layer: its A fragments (kp/4), the next layer's (np/4; none
     after the last), one or two accumulator buffers of nc/2, and CHUNK_REGISTERS per further chunk."""
-    return max(l.kp // 4 + (l.np_ // 4 if l.index < len(layers) - 1 else 0) + l.nc // 2 * min(2, l.chunks)
+    return max(l.kp // 4 + (l.hidden // 4 if l.index < len(layers) - 1 else 0) + l.nc // 2 * min(2, l.chunks)
                + CHUNK_REGISTERS * max(0, l.chunks - 2) for l in layers)
 
 
 def wgmma_reason_refused(spec: MLPSpec, smem_limit: int = SMEM_LIMIT) -> str | None:
     """Why the wgmma design cannot run this spec, or None."""
-    if spec.has_gated:
-        return "gated layers (SwiGLU/GeGLU) run in the mma.sync kernels only"
+    if spec.layers[-1].gated:
+        return "a gated last layer (no exporter writes one) runs in the mma.sync kernels only"
     if spec.has_block:
         return "a norm in front or a residual behind (transformer block) runs in the mma.sync kernels only"
     if spec.precision not in ("fp16", "bf16"):
