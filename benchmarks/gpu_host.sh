@@ -11,6 +11,8 @@
 #   benchmarks/gpu_host.sh blocks         the CUDA block kernels alone (issue 16): kernel_check's block cases
 #   benchmarks/gpu_host.sh blocktests [ARGS] tests/test_gpu_block.py (the blocks through ORT)
 #   benchmarks/gpu_host.sh gatedwide [ARGS] gated layers in the wide design (issue 16): their GPU tests
+#   benchmarks/gpu_host.sh gatedwg       gated layers in the wgmma kernel (forced only): kernel_check glu cases,
+#                                         then the zoo's gated blocks forced into wgmma (tests/test_gpu.py)
 #   benchmarks/gpu_host.sh llama [BATCHES] LLaMA-7B's MLP (wide_cases.py llama7b; default 4096,256,16,1)
 #   benchmarks/gpu_host.sh gemv [--no-bench] the wide design's GEMV path for <= 16 rows (on by default;
 #                                         ONNX2FUSED_WIDE_GEMV=off: the GEMMs): its GPU test, then LLaMA-7B at 1, 16
@@ -93,6 +95,13 @@ blocktests)
 gatedwide)
   shift
   gpu_pytest 400 pytest_gpu_gated_wide.txt 20 tests/test_gpu_gated.py -k "wide or big_swiglu" "$@"
+  ;;
+gatedwg)
+  # gated layers in the wgmma kernel (forced only until this runs): the kernels alone against the
+  # mma.sync kernels the cost model picks, then the zoo's SwiGLU/GeGLU blocks forced into wgmma on the CUDA EP
+  timeout 200 python3 benchmarks/kernel_check.py --out "$OUT/kc" --case-timeout 60 --only glu64 glu64_wg glu256 glu256_wg \
+    2>&1 | grep -v '^{' | tail -8
+  gpu_pytest 360 pytest_gpu_gated_wgmma.txt 20 tests/test_gpu.py -k "wgmma_zoo and (swiglu or geglu)"
   ;;
 llama)
   timeout 500 python3 benchmarks/wide_cases.py --out /tmp/wide_llama --cases llama7b --batch "${2:-4096,256,16,1}" \
