@@ -9,7 +9,7 @@
 // is XORed with the row (Swizzle<3|2|1,4,3> on byte offsets; chunks start at multiples of the pattern's
 // period, so relative offsets swizzle as the absolute shared-memory addresses the hardware sees).
 #pragma once
-__device__ __forceinline__ unsigned wgmma_swizzle(unsigned b, int atom) {
+__host__ __device__ __forceinline__ unsigned wgmma_swizzle(unsigned b, int atom) {
   return b ^ (((b >> 7) & static_cast<unsigned>(atom / 16 - 1)) << 4);
 }
 
@@ -19,7 +19,7 @@ __device__ __forceinline__ void wgmma_store_elem(__nv_bfloat16* p, float v) { *p
 // Padded column n of a layer -> its column in the source weight or bias (-1: padding). Gated layers
 // (gated = the hidden width H > 0; the source has gate columns 0..H-1, then up columns H..2H-1) interleave
 // by n8 blocks: block 2m holds gate columns 8m..8m+7, block 2m+1 the up columns of the same features.
-__device__ __forceinline__ int wgmma_source_column(int n, int N, int gated) {
+__host__ __device__ __forceinline__ int wgmma_source_column(int n, int N, int gated) {
   if (!gated) return n < N ? n : -1;
   const int b = n / 8, h = 8 * (b / 2) + n % 8;
   return h < gated ? h + (b % 2) * gated : -1;

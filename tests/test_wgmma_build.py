@@ -110,3 +110,31 @@ def test_wgmma_source_compiles_to_hgmma_without_spills(spec, with_sm80, override
                             "-o", str(tmp_path / "fb.ptx")], capture_output=True, text=True)
         assert r.returncode == 0, r.stderr[-3000:]
         assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in (tmp_path / "fb.ptx").read_text()
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+def test_packing_index_functions_match_the_plans_model(tmp_path):
+    """The packing's column map and swizzle (o2f_wgmma_pack.cuh, compiled for the host and run here)
+    against test_wgmma_plan's models of them, which the descriptor and gate/up-pairing tests check the
+    plan against: every column of plain and gated layers (odd hidden widths too), every byte offset of
+    the three swizzle widths."""
+    from onnx2fused.resources import templates_dir
+    from test_wgmma_plan import _source_column, _swizzle
+    cases = [(200, 0, 208), (40, 0, 40), (200, 200, 416), (100, 100, 224), (256, 256, 512)]   # (N, H, NP)
+    main = ["#include <cuda_fp16.h>", "#include <cuda_bf16.h>", "#include <cstdio>", '#include "o2f_wgmma_pack.cuh"',
+            "int main() {"]
+    for n_src, hidden, np_ in cases:
+        cols = 2 * hidden if hidden else n_src
+        main.append(f"  for (int n = 0; n < {np_}; ++n) printf(\"%d\\n\", wgmma_source_column(n, {cols}, {hidden}));")
+    for atom in (128, 64, 32):
+        main.append(f"  for (unsigned b = 0; b < 4096; b += 2) printf(\"%u\\n\", wgmma_swizzle(b, {atom}));")
+    main += ["  return 0;", "}"]
+    (tmp_path / "t.cu").write_text("\n".join(main) + "\n")
+    exe = tmp_path / "t"
+    r = subprocess.run([NVCC, "-std=c++17", "-I", str(templates_dir()), str(tmp_path / "t.cu"), "-o", str(exe)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = [int(v) for v in subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.split()]
+    want = [_source_column(n, 2 * h if h else n_src, h) for n_src, h, np_ in cases for n in range(np_)]
+    want += [_swizzle(b, atom) for atom in (128, 64, 32) for b in range(0, 4096, 2)]
+    assert got == want
