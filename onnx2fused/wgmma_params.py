@@ -27,39 +27,38 @@ def _schedule(l: WgmmaLayer) -> list[dict]:
     return steps
 
 
+def _hidden_block(jj: int, n: int) -> dict:
+    """Hidden n8 block jj (columns 8jj..8jj+7 of a layer of n true outputs) as the next layer's A
+    registers: k-step jj/2, registers 2*(jj%2) (rows g) and 2*(jj%2)+1 (rows g+8). Hidden padding columns
+    are written as zeros (whatever the activation gives at 0: the next layer's padded weights are zeros,
+    and 0 * inf would not be): pad "all", "part" or "none"."""
+    col = 8 * jj
+    return {"col": col, "pad": "all" if col >= n else "part" if col + 8 > n else "none",
+            "kt": jj // 2, "reg": 2 * (jj % 2), "reg_hi": 2 * (jj % 2) + 1}
+
+
 def _blocks(l: WgmmaLayer, c: int, last: bool) -> list[dict]:
     """The n8 blocks of chunk c: accumulators d[4j..4j+3] hold (row g, col, col+1) and (row g+8, col,
-    col+1), col = the block's first column + 2*(lane%4). Block jj of a hidden layer is k-step jj/2 of the
-    next layer, registers 2*(jj%2) (rows g) and 2*(jj%2)+1 (rows g+8). A last layer's blocks past the true
-    width are left out."""
+    col+1), col = the block's first column + 2*(lane%4); a hidden layer's block jj is _hidden_block(jj).
+    A last layer's blocks past the true width are left out."""
     out = []
     for j in range(l.nc // 8):
         jj = c * (l.nc // 8) + j
-        col = 8 * jj
-        if last and col >= l.n:
+        if last and 8 * jj >= l.n:
             continue
-        # hidden padding columns are written as zeros (whatever the activation gives at 0: the next layer's
-        # padded weights are zeros, and 0 * inf would not be)
-        pad = "all" if col >= l.n else "part" if col + 8 > l.n else "none"
-        out.append({"col": col, "d": [4 * j, 4 * j + 1, 4 * j + 2, 4 * j + 3], "pad": pad,
-                    "kt": jj // 2, "reg": 2 * (jj % 2), "reg_hi": 2 * (jj % 2) + 1})
+        out.append({**_hidden_block(jj, l.n), "d": [4 * j, 4 * j + 1, 4 * j + 2, 4 * j + 3]})
     return out
 
 
 def _gated_blocks(l: WgmmaLayer, c: int) -> list[dict]:
     """The gate/up pairs of a gated layer's chunk c: interleaved n8 blocks 2m (gate) and 2m + 1 (up) of the
     chunk hold hidden n8 block jj (its columns col..col+7) for rows g and g+8 in the same thread:
-    h = act(gate + bias) * (up + bias), written as next-layer k-step jj/2's registers as a plain block
-    jj's would be. Hidden padding columns are zeros, as in _blocks."""
+    h = act(gate + bias) * (up + bias), written as _hidden_block(jj), as a plain block jj would be."""
     out = []
     for m in range(l.nc // 16):
         b = c * (l.nc // 8) + 2 * m          # the gate block's index among the layer's interleaved blocks
-        jj = b // 2
-        col = 8 * jj
-        pad = "all" if col >= l.n else "part" if col + 8 > l.n else "none"
-        out.append({"col": col, "gcol": 8 * b, "ucol": 8 * b + 8, "pad": pad,
-                    "g": [8 * m + i for i in range(4)], "u": [8 * m + 4 + i for i in range(4)],
-                    "kt": jj // 2, "reg": 2 * (jj % 2), "reg_hi": 2 * (jj % 2) + 1})
+        out.append({**_hidden_block(b // 2, l.n), "gcol": 8 * b, "ucol": 8 * b + 8,
+                    "g": [8 * m + i for i in range(4)], "u": [8 * m + 4 + i for i in range(4)]})
     return out
 
 
@@ -120,7 +119,7 @@ def wgmma_params(plan: WgmmaPlan) -> dict:
         "pieces": pieces,
         "streamed": plan.streamed, "stages": plan.stages, "slot_bytes": plan.slot_bytes, "cluster": plan.cluster,
         "cnt_smem_offset": bars + 8 * plan.stages,
-        "ring_chunks": len(plan.stream_chunks),
+        "ring_chunks": sum(l.chunks for l in plan.layers),
         "image_offset": plan.image_offset, "bias_offset": plan.bias_offset,
         "workspace_bytes": plan.workspace_bytes, "fallback_bytes": plan.fallback_bytes,
         "fallback": fallback_symbol(spec), "fallback_design": plan.fallback.design,

@@ -106,13 +106,15 @@ def _gemm_instances(plan: WidePlan) -> list[dict]:
         # a packed hidden layer's epilogue evaluates the fp16x2 form the numerics model judged (precision.py)
         packed = "" if g.gated else acts[g.index]["packed"]
         res = g.last and spec.residual   # the block's residual: the last GEMM's source operand
+
+        def instance(config: str) -> dict:   # this GEMM's types and epilogue in kernel configuration `config`
+            return instance_params(config, elem, o, g.align_out, code, res, packed)
+
         chosen = [i for i in plan.sm90_kernels if plan.tuning or any(c.kernel == i for c in per)]
-        sm90 = [(i, instance_params(SM90_KERNELS[i].name, elem, o, g.align_out, code, res, packed))
-                for i in chosen if g.sm90 and not SM90_KERNELS[i].tf32]
-        tf32 = [(i, instance_params(SM90_KERNELS[i].name, elem, o, g.align_out, code, res, packed))
+        sm90 = [(i, instance(SM90_KERNELS[i].name)) for i in chosen if g.sm90 and not SM90_KERNELS[i].tf32]
+        tf32 = [(i, instance(SM90_KERNELS[i].name))
                 for i in plan.sm90_kernels if SM90_KERNELS[i].tf32 and g.index == 0 and plan.tf32_first and g.sm90]
-        out.append({"sm80": None if g.narrow else instance_params(_sm80_config(), elem, o, g.align_out, code, res, packed),
-                    "sm90": sm90, "tf32": tf32})
+        out.append({"sm80": None if g.narrow else instance(_sm80_config()), "sm90": sm90, "tf32": tf32})
     return out
 
 

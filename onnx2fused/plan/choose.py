@@ -149,13 +149,18 @@ def wgmma_note(spec: MLPSpec, plan: Plan) -> str:
     for wide plans, whose own text says which CUTLASS kernels run on Hopper): for the report and `inspect`."""
     if plan.design in ("wgmma", "fp32", "wide"):
         return ""
-    why = wgmma_refused(spec)
-    if why is None and spec.has_gated:
-        why = f"gated layers take it only when forced ({DESIGN_ENV}=wgmma) until measured on a GPU"
-    if why is None and not cost.wgmma_wins(spec):
-        why = (f"fewer than {cost.WGMMA_MIN_WIDE_LAYERS} layers of >= {cost.WGMMA_MIN_WIDTH} outputs "
-               "(mma.sync is as fast there)")
+    why = wgmma_refused(spec) or _wgmma_not_chosen(spec)
     return f"Hopper wgmma not used: {why or f'switched off ({WGMMA_ENV}=off; {DESIGN_ENV}=wgmma forces it)'}"
+
+
+def _wgmma_not_chosen(spec: MLPSpec) -> str | None:
+    """Why the cost model leaves a spec the wgmma design can run to mma.sync (None: it picks wgmma)."""
+    if spec.has_gated:   # not yet run on a GPU
+        return f"gated layers take it only when forced ({DESIGN_ENV}=wgmma) until measured on a GPU"
+    if not cost.wgmma_wins(spec):
+        return (f"fewer than {cost.WGMMA_MIN_WIDE_LAYERS} layers of >= {cost.WGMMA_MIN_WIDTH} outputs "
+                "(mma.sync is as fast there)")
+    return None
 
 
 def _wgmma(spec: MLPSpec, fallback, smem: int, forced: bool, overrides: dict) -> wgmma.WgmmaPlan | None:
@@ -164,7 +169,7 @@ def _wgmma(spec: MLPSpec, fallback, smem: int, forced: bool, overrides: dict) ->
         return None
     if forced:
         reason = f"forced by {DESIGN_ENV}=wgmma"
-    elif cost.wgmma_wins(spec) and not spec.has_gated:   # gated: not yet run on a GPU, so forced only
+    elif _wgmma_not_chosen(spec) is None:
         reason = (f"chosen: {sum(l.out_features >= cost.WGMMA_MIN_WIDTH for l in spec.layers)} layers of >= "
                   f"{cost.WGMMA_MIN_WIDTH} outputs, where wgmma beat mma.sync on the H100")
     else:
