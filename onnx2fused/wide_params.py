@@ -41,13 +41,16 @@ def _sm80_config() -> str:
     return "Sm80T" + hashlib.sha256(table.encode()).hexdigest()[:6]
 
 
-def epilogue_text(act_code: str, residual: bool = False, packed: str = "") -> str:
+def epilogue_text(act_code: str, residual: bool = False, packed: str = "", sm90: bool = False) -> str:
     """What an instance's epilogue computes (its name's hash is of this): D = act(acc + bias[n]) in fp32,
     bias always present (zeros where the layer has none), act the activation's CUDA code of `v`; with
-    `residual` (a block's last layer), D = act(acc + C[m, n]) with C the output rows themselves, which
-    hold x + bias when it runs. `packed`: the fp16x2 function that computes act instead, on pairs of
-    pre-activations rounded to fp16 (a hidden layer of spec.packed_layers)."""
+    `residual` (a block's last layer), a Hopper (`sm90`) kernel adds the block's input rows as its source
+    operand, D = act(acc + C[m, n] + bias[n]); a CUTLASS 2.x one computes D = act(acc + C[m, n]) with C
+    the output rows themselves, which hold x + bias when it runs. `packed`: the fp16x2 function that
+    computes act instead, on pairs of pre-activations rounded to fp16 (a hidden layer of spec.packed_layers)."""
     act = f"act(v) = {packed}(fp16x2 pairs)" if packed else f"act(v) = {act_code}"
+    if residual and sm90:
+        return f"D = act(acc + C[m, n] + bias[n]), C = the block's input rows, fp32; {act}"
     if residual:
         return f"D = act(acc + C[m, n]), C = D's rows in place (x + bias), fp32; {act}"
     return f"D = act(acc + bias[n]), fp32; {act}"
@@ -58,13 +61,13 @@ def instance_params(config: str, elem: str, out: str, align: int, act_code: str,
     """One kernel instance's parameters (cuda_wide_instance.cu.j2): `config` a Hopper kernel's name
     (plan.sm90.Sm90Kernel.name) or the sm80 kernels' (_sm80_config), `elem` the 16-bit operand type (a
     tf32 kernel's operands are fp32), `out` the output and bias type, `align` the epilogue's elements
-    per access, `act_code` the activation (expr.render_c of `v`), `residual`: the source operand is the
-    output rows in place, not the bias (epilogue_text), `packed`: the activation's fp16x2 function where
+    per access, `act_code` the activation (expr.render_c of `v`), `residual`: the epilogue adds the
+    block's input rows (epilogue_text), `packed`: the activation's fp16x2 function where
     the layer's activations are packed (templates/o2f_packed_act.cuh), else ""."""
     kernel = next((k for k in SM90_KERNELS if k.name == config), None)
     sm90 = kernel is not None
     operand = "float" if sm90 and kernel.tf32 else elem
-    epi = epilogue_text(act_code, residual, packed)
+    epi = epilogue_text(act_code, residual, packed, sm90)
     name = (f"{INSTANCE_PREFIX}{config}_{_TYPE_TOKEN[operand]}_{_TYPE_TOKEN[out]}_a{align}_"
             f"{hashlib.sha256(epi.encode()).hexdigest()[:12]}")
     family = "CUTLASS 3.x sm_90a" if sm90 else "CUTLASS 2.x sm80 mma.sync"

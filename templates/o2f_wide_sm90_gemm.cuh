@@ -3,15 +3,13 @@
 // instance unit's namespace o2f_inst_* (templates/cuda_wide_instance.cu.j2).
 #pragma once
 // Same operands as LayerGemm (A row-major [M, K], weights n-major = column-major K x N, D row-major),
-// no C operand (ElementC void: nothing is read), D = Act(acc + bias[n]) by the predefined fusion
-// LinCombPerColBiasEltAct (alpha 1, beta 0), which the collective builder maps onto an EVT. With the
-// instance's kResidual (a block's last layer): C = the output rows in place (x + bias, written before),
-// D = Act(acc + 1 * C) by LinCombEltAct.
+// D = Act(alpha * acc + beta * C + bias[n]) by the predefined fusion LinCombPerColBiasEltAct, which the
+// collective builder maps onto an EVT: alpha 1; no C operand (ElementC void: nothing is read, beta 0)
+// except with the instance's kResidual (a block's last layer), where C is the block's input rows and
+// beta 1, so the residual Add costs one read of x in the epilogue and no pass of its own.
 template <class Kern, template <typename> class Act, typename Out, int Align>
 struct Gemm {
-  using Fusion = std::conditional_t<kResidual,
-      cutlass::epilogue::fusion::LinCombEltAct<Act, Out, float, Out, float>,
-      cutlass::epilogue::fusion::LinCombPerColBiasEltAct<Act, Out, float, Out, Out, float, Align>>;
+  using Fusion = cutlass::epilogue::fusion::LinCombPerColBiasEltAct<Act, Out, float, Out, Out, float, Align>;
   using ElementC = std::conditional_t<kResidual, Out, void>;
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Kern::Tile, typename Kern::Cluster,
@@ -46,11 +44,13 @@ struct LaunchKey {
   const void* a = nullptr;
   const void* w = nullptr;
   const void* bias = nullptr;
+  const void* src = nullptr;
   const void* d = nullptr;
   const void* scratch = nullptr;
   bool operator==(const LaunchKey& o) const {
     return dev == o.dev && sms == o.sms && m == o.m && n == o.n && k == o.k && ldd == o.ldd && mode == o.mode &&
-           splits == o.splits && a == o.a && w == o.w && bias == o.bias && d == o.d && scratch == o.scratch;
+           splits == o.splits && a == o.a && w == o.w && bias == o.bias && src == o.src && d == o.d &&
+           scratch == o.scratch;
   }
 };
 

@@ -327,10 +327,11 @@ def _normalise(spec: MLPSpec, x: np.ndarray, ns, nb) -> np.ndarray:
     return x / np.sqrt((x * x).mean(-1, keepdims=True) + spec.norm.eps) * ns
 
 
-def _emulate(plan: wide.WidePlan, x: np.ndarray, ws_w, ws_b, norm_params=None) -> np.ndarray:
+def _emulate(plan: wide.WidePlan, x: np.ndarray, ws_w, ws_b, norm_params=None, x_as_c: bool = False) -> np.ndarray:
     """The generated kernel's computation, with its index math, on a byte array as the workspace; a
-    block's norm (the conversion pass normalises) and residual (y = x + b_last first, then the last GEMM
-    adds its product to y in place)."""
+    block's norm (the conversion pass normalises) and residual: the sm80 kernels' (y = x + b_last first,
+    then the last GEMM adds its product to y in place), or with `x_as_c` a Hopper last layer's (its
+    epilogue adds x's rows and the bias, in fp32)."""
     spec = plan.spec
     ws = np.zeros(plan.workspace_bytes, np.uint8)
 
@@ -360,7 +361,7 @@ def _emulate(plan: wide.WidePlan, x: np.ndarray, ws_w, ws_b, norm_params=None) -
             xc[:] = 0
             xc[:, : spec.widths[0]] = (x[r0: r0 + m] if spec.norm is None
                                        else _normalise(spec, x[r0: r0 + m], *_packed_norm(plan, view)))
-        if spec.residual:   # init_residual: y = x + b_last in the io type
+        if spec.residual and not x_as_c:   # init_residual: y = x + b_last in the io type
             b_last = view(plan.gemms[-1].b_offset, spec.widths[-1], io_dt).astype(np.float32)
             y[r0: r0 + m] = (x[r0: r0 + m].astype(np.float32) + b_last).astype(io_dt)
         for g, layer in zip(plan.gemms, spec.layers):
@@ -370,8 +371,11 @@ def _emulate(plan: wide.WidePlan, x: np.ndarray, ws_w, ws_b, norm_params=None) -
                 a = view(bufs[g.src], m * g.kp, np.float16).reshape(m, g.kp)
             wt = view(g.w_offset, g.np_ * g.kp, np.float16).reshape(g.np_, g.kp)
             bias = view(g.b_offset, g.np_, io_dt if g.last else np.float16).astype(np.float32)
-            # the source operand C: the bias row, or for a block's last layer y's rows in place
-            source = y[r0: r0 + m] if g.last and spec.residual else bias
+            # the source operand C: the bias row, or for a block's last layer y's rows in place (sm80) or
+            # x's rows and the bias (Hopper)
+            source = bias
+            if g.last and spec.residual:
+                source = x[r0: r0 + m].astype(np.float32) + bias if x_as_c else y[r0: r0 + m]
             acc = a.astype(np.float32) @ wt.astype(np.float32).T + source
             if g.gated:   # identity epilogue into the gate buffer (16 bits), then the glu pass into dst
                 hg = view(plan.hg_offset, m * g.np_, np.float16).reshape(m, g.np_)
@@ -442,16 +446,18 @@ def _block_spec(widths, io, gated, norm, norm_bias, residual, act=ex.sigmoid()):
                    norm=NormSpec(norm, 1e-5, norm_bias) if norm else None, residual=residual)
 
 
+@pytest.mark.parametrize("x_as_c", [False, True], ids=["sm80", "sm90"])
 @pytest.mark.parametrize("widths,io,gated,norm,norm_bias,residual", BLOCKS)
-def test_emulated_block_matches_fp32_reference(widths, io, gated, norm, norm_bias, residual, monkeypatch):
-    """A transformer block in the wide design: the norm as the conversion pass, the residual as y = x + b
-    and the last GEMM's source operand; several passes and a partial last one."""
+def test_emulated_block_matches_fp32_reference(widths, io, gated, norm, norm_bias, residual, x_as_c, monkeypatch):
+    """A transformer block in the wide design: the norm as the conversion pass, the residual as the last
+    GEMM's source operand (y = x + b first, or x's rows in a Hopper epilogue); several passes and a
+    partial last one."""
     monkeypatch.setattr(wide, "SCRATCH_BUDGET", 20000)
     spec = _block_spec(widths, io, gated, norm, norm_bias, residual)
     plan = choose.wide_plan(spec)
     assert plan.convert_input == (norm is not None or io == "f32") and not plan.tf32_first
     x, ws, bs, norm_params, ref = _block_case(spec, 300)
-    got = _emulate(plan, x, ws, bs, norm_params)
+    got = _emulate(plan, x, ws, bs, norm_params, x_as_c)
     assert np.isfinite(got).all()
     assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 3e-3
 
@@ -861,8 +867,8 @@ def test_gemv_path_is_on_by_default_and_off_from_the_environment():
 
 
 def _gemv_branch(src: str) -> str:
-    """run_chain's GEMV branch: from `if (m <= kGemvRows...) {` to the GEMMs' `} else {`."""
-    start = src.index("    if (m <= kGemvRows")
+    """run_chain's GEMV branch: from `if (gemv_pass) {` to the GEMMs' `} else {`."""
+    start = src.index("    if (gemv_pass) {")
     return src[start: src.index("    } else {  // the GEMMs", start)]
 
 
@@ -882,6 +888,7 @@ def test_gemv_path_renders_one_launch_per_layer_and_nothing_when_off(spec):
     assert "gemv" not in off[f"{spec.name}_cuda.cu"].lower() and "o2f_wide_gemv.cuh" not in raw_off
     assert "constexpr int kGemvRows = 16;" in src and "o2f_wide_gemv.cuh" in raw_on
     branch = _gemv_branch(src)
+    gemv_pass = re.search(r"    const bool gemv_pass = .*\n", src).group(0)
     launches = [line.strip() for line in branch.splitlines() if "err = gemv<" in line]
     assert len(launches) == len(plan.gemms)   # a segmented plan: its GEMM layers; the tail follows as usual
     assert "glu<" not in branch and "hg" not in branch
@@ -891,10 +898,10 @@ def test_gemv_path_renders_one_launch_per_layer_and_nothing_when_off(spec):
     kind = "true" if plan.gemms[0].gated else "false"
     if plan.convert_input:
         assert first == f"err = gemv<Act0, {kind}>(dev, m, xc, {plan.gemms[0].kp}"
-        assert branch.startswith("    if (m <= kGemvRows) {\n")
+        assert gemv_pass == "    const bool gemv_pass = m <= kGemvRows;\n"
     else:
         assert first == f"err = gemv<Act0, {kind}>(dev, m, reinterpret_cast<const elem_t*>(static_cast<const io_t*>(x) + r0 * kK0), kK0"
-        assert branch.startswith("    if (m <= kGemvRows && aligned16(x)) {\n")
+        assert gemv_pass == "    const bool gemv_pass = m <= kGemvRows && aligned16(x);\n"
     lines = branch.splitlines()
     for g, launch in zip(plan.gemms, launches):
         out_line = lines[next(i for i, line in enumerate(lines) if line.strip() == launch) + 1].strip()
@@ -914,6 +921,7 @@ def test_gemv_path_renders_one_launch_per_layer_and_nothing_when_off(spec):
     # the GEMM path is untouched: take the GEMV branch, its braces, include and plan text out, and the
     # source is the one without the option
     stripped = src.replace(branch, "").replace("    } else {  // the GEMMs (to the matching brace below)\n", "")
+    stripped = stripped.replace(gemv_pass, "")
     stripped = stripped.replace("    }  // the GEMMs\n", "").replace(
         "constexpr int kGemvRows = 16;  // passes of at most this many rows run the GEMV kernels, not GEMMs\n", "")
     stripped = stripped.replace(expanded(raw_on, "o2f_wide_gemv.cuh"), "")
@@ -930,29 +938,42 @@ def _rendered(spec, options: PlanOptions) -> dict[str, str]:
 
 def test_block_renders_the_norm_pass_the_residual_pass_and_a_residual_epilogue():
     """A wide block: the conversion pass is the norm (norm_rows of o2f_block_norm.cuh, scale and bias
-    copied into the workspace by cuda_pack) and writes y = x + b_last from the rows it reads (no
-    init_residual pass), before each pass's layers (GEMV or GEMM); only the last GEMM's instances take
-    the output rows as their source operand (kResidual). Without a norm, init_residual writes y."""
+    copied into the workspace by cuda_pack), before each pass's layers (GEMV or GEMM). Only the last
+    GEMM's instances take a source operand (kResidual): its Hopper kernels the block's input rows where
+    residual_on_sm90 chose them for the pass (then nothing writes y first), else the sm80 kernel the
+    output rows in place, which the norm pass wrote as y = x + b_last from the rows it reads (no
+    init_residual pass). Without a norm, init_residual writes y where it is needed."""
     spec = _block_spec([768, 3072, 768], "f32", (), "layernorm", True, True, act=ex.gelu_erf())
     plan = choose.wide_plan(spec, options=GEMV)
     files = _rendered(spec, WIDE_GEMV)
     src = files[f"{spec.name}_cuda.cu"]
     assert "o2f_block_norm.cuh" in files and "convert_rows" not in src
-    assert "norm_pass::normalise<<<" in src and f"reinterpret_cast<const float*>(ws + {plan.norm_offset})" in src
+    assert "norm_pass::normalise<true><<<" in src and f"reinterpret_cast<const float*>(ws + {plan.norm_offset})" in src
     assert f"cudaMemcpyAsync(ws + {plan.norm_offset}, w[2]," in src
     assert f"cudaMemcpyAsync(ws + {plan.norm_offset} + {round_up(768, NORM_ALIGN)} * sizeof(float), b[2]," in src
     run_chain = src[src.index("int run_chain("):]
     assert "init_residual<<<" not in src and "ResidualInit{bias, y, vec_y}" in src
     convert = src[src.index("cudaError_t convert_input("):src.index("int run_chain(")]
-    assert f"reinterpret_cast<const io_raw*>(ws + {plan.gemms[-1].b_offset}), y, " in convert
-    # both paths (GEMV, then GEMM) convert with the pass's output rows (y) before their first layer
-    assert run_chain.index("if (m <= kGemvRows") < run_chain.index("err = convert_input(") < run_chain.index("layer0(dev")
-    assert run_chain.count("static_cast<io_raw*>(y) + r0 * kK0, s);") == 2
+    assert f"bias = reinterpret_cast<const io_raw*>(ws + {plan.gemms[-1].b_offset});" in convert
+    assert "if (y != nullptr)\n    norm_pass::normalise<true>" in convert and "normalise<false><<<" in convert
+    # y first only where the last layer does not add x itself: never on a GEMV pass
+    assert "const bool x_as_c = !gemv_pass && residual_on_sm90(dev, choices[1][bucket]," in run_chain
+    assert "io_raw* y_first = x_as_c ? nullptr : static_cast<io_raw*>(y) + r0 * kK0;" in run_chain
+    # both paths (GEMV, then GEMM) convert with y_first before their first layer; the last layer takes x
+    assert run_chain.index("if (gemv_pass)") < run_chain.index("err = convert_input(") < run_chain.index("layer0(dev")
+    assert run_chain.count("y_first, s);") == 2
+    assert "sm90_scratch, s, x_as_c ? x_rows : nullptr);" in run_chain
+    # the Hopper dispatch of the last layer runs only where the caller chose it, with x as the source
+    layer1 = src[src.index("cudaError_t layer1("):src.index("int run_chain(")]
+    assert "if (xres != nullptr) {" in layer1 and "bias, xres, d, ldd, sm90_scratch, s);" in layer1
+    cases = wide_params.wide_params(plan)["gemms"][-1]["sm90_cases"]
+    predicate = src[src.index("inline bool residual_on_sm90("):src.index("cudaError_t layer0(")]
+    assert cases and all(f"case {c['kernel']}:" in predicate for c in cases)
     no_norm = _rendered(replace(spec, norm=None), WIDE_GEMV)   # the residual alone: its own y = x + b pass
     unit = next(text for name, text in no_norm.items() if name.startswith("FusedMLP_") and name.endswith("_cuda.cu"))
     chain = unit[unit.index("int run_chain("):]
     init = chain.index("init_residual<<<")
-    assert init < chain.index("if (m <= kGemvRows") < chain.index("layer0(dev")
+    assert chain.index("if (!x_as_c) {  // y = x + b_last") < init < chain.index("if (gemv_pass)") < chain.index("layer0(dev")
     assert f"reinterpret_cast<const io_raw*>(ws + {plan.gemms[-1].b_offset})" in chain[init:]
     launches = [line.strip() for line in _gemv_branch(src).splitlines() if "err = gemv<" in line]
     assert launches[0].startswith("err = gemv<Act0, false>(dev, m, xc, 768,") and ", false, true>(dev, m, h0, 3072," in launches[1]
@@ -962,7 +983,9 @@ def test_block_renders_the_norm_pass_the_residual_pass_and_a_residual_epilogue()
     assert residual and residual < set(instances) and len(residual) < len(instances)
     for name, text in instances.items():
         assert ("constexpr bool kResidual = true;" in text) == (name in residual)
-        assert ("D = act(acc + C[m, n])" in text) == (name in residual)
+        sm90 = "onnx2fused-arch: sm90a" in text
+        assert ("D = act(acc + C[m, n] + bias[n]), C = the block's input rows" in text) == (name in residual and sm90)
+        assert ("D = act(acc + C[m, n]), C = D's rows in place" in text) == (name in residual and not sm90)
     plain = _rendered(replace(spec, norm=None, residual=False), WIDE_GEMV)   # the layers alone: none of it
     unit = next(text for name, text in plain.items() if name.startswith("FusedMLP_") and name.endswith("_cuda.cu"))
     assert "init_residual" not in unit and "norm_pass" not in unit and "convert_rows" in unit

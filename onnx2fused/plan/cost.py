@@ -37,10 +37,11 @@ def converts_input(spec: MLPSpec) -> bool:
 
 def tf32_eligible(spec: MLPSpec) -> bool:
     """fp32 input rows that TMA can load in place (16-byte multiples), into a first layer that is not
-    gated (a gated GEMM's 16-bit products feed the glu pass) and not behind a norm (the rows it reads are
-    the norm pass's)."""
+    gated (a gated GEMM's 16-bit products feed the glu pass), not behind a norm (the rows it reads are
+    the norm pass's) and not a block's only layer (whose epilogue reads x as the residual: the tf32
+    dispatch has no source operand)."""
     return (spec.io_dtype == "f32" and spec.layers[0].in_features % 4 == 0 and not spec.layers[0].gated
-            and spec.norm is None)
+            and spec.norm is None and not (spec.residual and len(spec.layers) == 1))
 
 
 def _wide_layer_seconds(rows: int, l, k: int, last: bool, io: int, a_bytes: int = 2) -> float:
@@ -114,8 +115,7 @@ def estimate_wide(spec: MLPSpec, rows: int = NOMINAL_ROWS, tail_from: int = 0, t
     launches = len(spec.layers) + sum(l.gated for l in spec.layers[:n_gemms]) + converts_input(spec)
     if tf32_eligible(spec) and tf32_first_wins(spec, rows):   # the plan's own choice (untuned)
         first, launches = _first_layer_seconds(spec, rows, True), len(spec.layers)
-    t = first + _residual_seconds(spec, rows, in_norm_pass=spec.norm is not None)
-    launches += spec.residual and spec.norm is None
+    t = first + _residual_seconds(spec, rows, in_epilogue=True)
     if tail_from:
         t += _tail_seconds(spec, tail, rows)
         launches -= len(spec.layers) - tail_from - 1 - (io != 2)   # one kernel (and the widening pass)
@@ -124,18 +124,17 @@ def estimate_wide(spec: MLPSpec, rows: int = NOMINAL_ROWS, tail_from: int = 0, t
     return max(t, launches * HOST_LAUNCH_S)   # the GPU's time, or the host's when the kernels are short
 
 
-def _residual_seconds(spec: MLPSpec, rows: int, in_norm_pass: bool = False) -> float:
+def _residual_seconds(spec: MLPSpec, rows: int, in_epilogue: bool = False) -> float:
     """A block's residual: three passes over the output rows and a launch as the stock Add (reads two
-    tensors, writes one) or in the wide design without a norm (the pass writing y = x + b reads x and
-    writes y; the last GEMM's epilogue reads y back as its source operand). `in_norm_pass`: the wide
-    design's norm pass writes y from the x it reads anyway, so two passes and no launch. 0 without a
-    residual. (The wide design's norm costs what the conversion pass it replaces does:
-    _first_layer_seconds counts that.)"""
+    tensors, writes one). `in_epilogue`: the wide design's, whose Hopper last GEMM reads x's rows as its
+    source operand, one pass and no launch (its sm80 kernels write y = x + b first instead: two or
+    three passes, not modelled, like the rest of this H100 model). 0 without a residual. (The wide
+    design's norm costs what the conversion pass it replaces does: _first_layer_seconds counts that.)"""
     if not spec.residual:
         return 0.0
     io = 2 if spec.io_dtype == "f16" else 4
-    if in_norm_pass:
-        return 2 * rows * spec.widths[-1] * io / HBM_BPS
+    if in_epilogue:
+        return rows * spec.widths[-1] * io / HBM_BPS
     return 3 * rows * spec.widths[-1] * io / HBM_BPS + LAUNCH_S
 
 

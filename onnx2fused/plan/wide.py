@@ -47,10 +47,13 @@ the GEMM's output type: fp16/bf16 for hidden layers (rounded like the weights), 
 Transformer blocks (spec.norm, spec.residual): the conversion pass normalises each row
 (templates/o2f_block_norm.cuh's norm_rows, the fused kernels' arithmetic; the scale and bias copied into
 the workspace at `norm_offset` by cuda_pack) while it writes the 16-bit rows, and the residual enters the
-last GEMM as its source operand: y = x + b_last (io type) is written first (by the norm pass from the
-rows it reads, else by a pass of its own, init_residual), then the last GEMM computes
-D = act(acc + C) with C = y in place (CUTLASS 2.x: C's row stride instead of the bias broadcast; 3.x:
-LinCombEltAct, beta 1), which is the block only for an identity last activation (wide_reason_refused).
+last GEMM as its source operand. A Hopper kernel reads x's rows as C beside the bias row:
+D = act(acc + C + bias) (LinCombPerColBiasEltAct, beta 1), so nothing is written first. Where the pass
+runs the CUTLASS 2.x kernels or the GEMV path (run_chain's residual_on_sm90 decides per pass, with the
+Hopper dispatch's conditions), y = x + b_last (io type) is written first (by the norm pass from the rows
+it reads, else by a pass of its own, init_residual), and the last GEMM computes D = act(acc + C) with
+C = y in place (C's row stride instead of the bias broadcast). Either way that is the block only for an
+identity last activation (wide_reason_refused).
 So the stock LayerNormalization and Add around a wide FFN disappear; a tail has no source operand, so a
 residual plan never segments.
 
@@ -241,7 +244,7 @@ class WidePlan:
         if self.spec.norm is not None:   # the norm pass is the conversion pass
             conv = f"a {self.spec.norm.label} pass writing the 16-bit rows, "
         if self.spec.residual:
-            conv += "the residual as the last GEMM's source operand (y = x + b first), "
+            conv += "the residual as the last GEMM's source operand (x's rows on sm_90, else y = x + b first), "
         return (f"wide: {n} tensor-core GEMM{'s' if n > 1 else ''} with a bias+activation epilogue{glu} (on sm_90: {hopper} as CUTLASS "
                 f"3.x wgmma/TMA kernels, {tuned}, the rest CUTLASS 2.x; other GPUs: CUTLASS 2.x sm80 mma.sync), "
                 f"{conv}16-bit intermediates in the workspace, {self.row_block}-row blocks{passes}{gemv}{tail}; {self.reason}")
@@ -253,8 +256,8 @@ class WidePlan:
 
 
 # ------------------------------------------------------------------------------------------ refusals
-# A transformer block's residual Add folds into the last GEMM's source operand (y = x + b first, then
-# D = acc + C in place), which adds it before the activation: only an identity last layer computes
+# A transformer block's residual Add folds into the last GEMM's source operand (x's rows, or y = x + b
+# written first), which adds it before the activation: only an identity last layer computes
 # act(h W + b) + x that way. A narrow last layer (its own kernel) or a fused tail has no source operand.
 WIDE_RESIDUAL_ACT = ("the residual enters the last GEMM's epilogue before its activation, so the last layer must "
                      "have none")
