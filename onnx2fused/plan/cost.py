@@ -166,12 +166,20 @@ def estimate_streamed(spec: MLPSpec, streamed_plan, rows: int = NOMINAL_ROWS) ->
 # 0.192 ms, gelu 64->128x4->64 2^20 0.532 vs 0.70, sdf 3->128x4->1 Tanh 2^20 0.196 vs 0.657. The integrated
 # design through ORT (benchmarks/RESULTS.md, seventh run): gelu 0.598 vs 0.760, sdf 0.489 vs 0.704, but
 # nerf 0.214 vs 0.199 (64-wide layers: too little tensor work per epilogue to pay for the chunked
-# schedule). So: chains with at least WGMMA_MIN_WIDE_LAYERS layers of at least WGMMA_MIN_WIDTH outputs. It
-# only runs on compute capability 9.0; the library keeps the mma.sync kernel for the other GPUs.
+# schedule). So: chains with at least WGMMA_MIN_WIDE_LAYERS layers of at least WGMMA_MIN_WIDTH outputs. A
+# gated layer counts twice (its gate and up products are two layers' tensor work per epilogue): kernel
+# alone on the H100 (RESULTS.md, fourteenth run), 64 -> SwiGLU 256 -> 64 at 2^20 rows 0.351 ms vs 0.634
+# streamed mma.sync, 256 -> SwiGLU 256 -> 256 at 2^18 0.325 vs 0.489. It only runs on compute capability
+# 9.0; the library keeps the mma.sync kernel for the other GPUs.
 WGMMA_MIN_WIDTH = 128
 WGMMA_MIN_WIDE_LAYERS = 2
 
 
+def wgmma_wide_layers(spec: MLPSpec) -> int:
+    """The chain's layers of at least WGMMA_MIN_WIDTH outputs, a gated one counted twice."""
+    return sum((2 if l.gated else 1) for l in spec.layers if l.out_features >= WGMMA_MIN_WIDTH)
+
+
 def wgmma_wins(spec: MLPSpec) -> bool:
     """Whether the wgmma kernel is expected to beat the mma.sync fused kernels on an H100."""
-    return sum(l.out_features >= WGMMA_MIN_WIDTH for l in spec.layers) >= WGMMA_MIN_WIDE_LAYERS
+    return wgmma_wide_layers(spec) >= WGMMA_MIN_WIDE_LAYERS
