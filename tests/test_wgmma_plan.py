@@ -299,12 +299,13 @@ def test_gated_chains_take_wgmma_where_it_wins():
     for a plain one, a gated layer of >= 128 outputs counting as two wide layers, and says why it does or
     does not; a gated last layer is refused."""
     plan = choose.make_plan(GATED2)
-    assert plan.design == "wgmma" and "chosen: 5 layers of >= 128 outputs (a gated one counted twice)" in plan.reason
+    assert plan.design == "wgmma" and "chosen: 5 layers of >= 128 outputs (a gated one of >= 256 counted twice)" in plan.reason
     one = MLPSpec((LayerSpec(64, 256, True, ex.silu(), gated=True), LayerSpec(256, 64, True, ex.identity())), "fp16", "f32")
     assert choose.make_plan(one).design == "wgmma"   # 64 -> SwiGLU 256 -> 64: 0.351 ms vs 0.634 streamed
-    narrow = MLPSpec((LayerSpec(64, 96, True, ex.silu(), gated=True), LayerSpec(96, 64, True, ex.identity())), "fp16", "f32")
+    # the zoo's geglu shape: 0.119 ms vs 0.105 for mma.sync through ORT at 2^18 rows
+    narrow = MLPSpec((LayerSpec(64, 128, True, ex.gelu_erf(), gated=True), LayerSpec(128, 64, True, ex.identity())), "fp16", "f32")
     plan = choose.make_plan(narrow)
-    assert plan.design != "wgmma" and "a gated one counted twice (mma.sync is as fast there)" in plan_text(narrow, plan)
+    assert plan.design != "wgmma" and "counted twice (mma.sync is as fast there)" in plan_text(narrow, plan)
     last = MLPSpec((LayerSpec(64, 128, True, ex.silu()), LayerSpec(128, 64, True, ex.silu(), gated=True)), "fp16", "f32")
     assert "gated last layer" in choose.wgmma_refused(last)
     assert choose.make_plan(last, WGMMA).design != "wgmma"

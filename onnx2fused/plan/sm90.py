@@ -62,12 +62,11 @@ SM90_KERNELS: tuple[Sm90Kernel, ...] = (
     Sm90Kernel("pingpong", (128, 64), (2, 1)),
     Sm90Kernel("cooperative", (128, 256), (1, 1), tf32=True),
     Sm90Kernel("pingpong", (128, 128), (1, 1), tf32=True),
-    # Many rows and short K (ViT-B's FFN at 16384 rows): the GEMMs are bound by L2 -> SM traffic, not the
-    # tensor cores. Per 64-deep k-step a 128 x 128 tile loads 32 KB for 2.1 MFLOP, ~15 TB/s over 132 SMs
-    # at the wgmma peak; a 128 x 256 tile whose weight tile is multicast to the 2 CTAs of a cluster loads
-    # 32 KB for 4.2 MFLOP (cuBLAS's choice for these shapes). Appended: choices index this table.
-    Sm90Kernel("cooperative", (128, 256), (2, 1)),
 )
+# Tried and left out: Coop128x256 with a cluster of 2 along M (the weight tile multicast: half the L2
+# traffic per flop of Pingpong128x128). On ViT-B's FFN GEMMs at 16384 rows it was not among the 8 fastest
+# of the search (H100, RESULTS.md fourteenth run; Pingpong128x128C2 won at 0.121 ms), and every kernel
+# here is one more CUTLASS instance per epilogue in a tuning build.
 TF32_KERNELS = tuple(i for i, k in enumerate(SM90_KERNELS) if k.tf32)
 
 # The stream-K scheduler's decompositions (CUTLASS DecompositionMode, same order as its enum).
