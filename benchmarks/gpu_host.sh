@@ -28,6 +28,7 @@
 #   benchmarks/gpu_host.sh tune [ARGS]    benchmarks/tune_wide.py: the wide kernel search, every candidate timed
 #   benchmarks/gpu_host.sh times [ARGS]   benchmarks/convert_times.py: cold and warm convert of every zoo model
 #   benchmarks/gpu_host.sh sm90           benchmarks/sm90/run.sh: the standalone wgmma fused-MLP prototype
+#   benchmarks/gpu_host.sh ncuwide [CASE [KERNEL]] Nsight Compute on a wide case's kernels through ORT (profile_case.py)
 #   benchmarks/gpu_host.sh profile [CASES] Nsight Compute on kernel_check.py --profile (default: the four
 #                                         issue-15 cases; ONNX2FUSED_CUDA_DESIGN=wgmma for that design)
 # The device's copy of .git is the session's first: pass ONNX2FUSED_COMMIT=<the commit the tree is> in the
@@ -184,6 +185,21 @@ profile)
       python3 benchmarks/kernel_check.py --only "$c" --profile --out "$OUT/kc_profile" > "$OUT/ncu_$c.csv" 2> "$OUT/ncu_$c.err"
     echo "$c: rc $? ($(wc -l < "$OUT/ncu_$c.csv") lines)"
   done
+  ;;
+ncuwide)
+  # Nsight Compute on one run of a wide case's kernels through ORT (default vitb_block; KERNEL: a regex
+  # of the kernel names to profile, default every kernel of the run)
+  shift
+  ncu=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  [ -n "$ncu" ] || { echo "gpu_host.sh ncuwide: no ncu (Nsight Compute) on this host"; exit 2; }
+  case_=${1:-vitb_block}; regex=${2:-.}
+  python3 benchmarks/profile_case.py "$case_" --runs 1 --external --out /tmp/ncuwide > /dev/null 2>&1   # build first
+  "$ncu" --kernel-name "regex:$regex" --launch-skip 5 --launch-count 3 --section SpeedOfLight \
+    --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy --section LaunchStats \
+    --section SchedulerStats python3 benchmarks/profile_case.py "$case_" --runs 1 --external --out /tmp/ncuwide \
+    > "$OUT/ncu_$case_.txt" 2>&1
+  echo "ncu rc $?"; grep -E "^  [a-zA-Z_].*\(|Duration|Throughput|DRAM|Achieved Occupancy|Registers|Stall|One or More|No Eligible|Issued Warp" \
+    "$OUT/ncu_$case_.txt" | head -60
   ;;
 sm90)
   CUTLASS_INC=$R/.deps/cutlass/include bash benchmarks/sm90/run.sh 2>&1 | tail -60

@@ -1,10 +1,11 @@
 """GPU time per kernel of one fused wide case through ORT (torch's profiler sees every kernel the process
 launches): where a case's time goes, kernel by kernel.
 
-    python benchmarks/profile_case.py dlrm [--runs 20] [--batch N] [--stock] [--out DIR]
+    python benchmarks/profile_case.py dlrm [--runs 20] [--batch N] [--stock] [--out DIR] [--external]
 
 --stock profiles stock ORT's fp16 copy of the same model beside it (bench.fp16_model_file), for the
-kernel-by-kernel comparison.
+kernel-by-kernel comparison. --external runs the fused session --runs times without torch's profiler,
+for a profiler outside the process (Nsight Compute: benchmarks/gpu_host.sh ncuwide).
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, help="the case's batch replaced")
     ap.add_argument("--stock", action="store_true", help="also profile stock ORT on the model's fp16 copy")
     ap.add_argument("--out", default=str(ROOT / "build" / "bench" / "profile"))
+    ap.add_argument("--external", action="store_true", help="no torch profiler: for Nsight Compute")
     a = ap.parse_args(argv)
     widths, act, in_shape, batch, _ = CASES[a.case]
     batch = a.batch or batch
@@ -44,7 +46,7 @@ def main(argv=None) -> int:
     so.register_custom_ops_library(str(lib))
     shape = [batch if d == "batch" else d for d in in_shape]
     _profile(f"{a.case} fused", ort.InferenceSession(str(fused), so, providers=["CUDAExecutionProvider"]),
-             shape, widths[-1], torch.float32, a.runs)
+             shape, widths[-1], torch.float32, a.runs, a.external)
     if a.stock:
         stock = bench.fp16_model_file(model, out / f"{a.case}.fp16.onnx")
         _profile(f"{a.case} ORT fp16", ort.InferenceSession(str(stock), providers=["CUDAExecutionProvider"]),
@@ -52,8 +54,9 @@ def main(argv=None) -> int:
     return 0
 
 
-def _profile(title: str, sess, shape: list, width_out: int, dtype, runs: int) -> None:
-    """Print the GPU time per run of each kernel `sess` launches, `runs` runs under torch's profiler."""
+def _profile(title: str, sess, shape: list, width_out: int, dtype, runs: int, external: bool = False) -> None:
+    """Print the GPU time per run of each kernel `sess` launches, `runs` runs under torch's profiler
+    (`external`: only run it `runs` times, for a profiler outside the process)."""
     np_type = np.float16 if dtype == torch.float16 else np.float32
     x = torch.randn(shape, device="cuda").to(dtype)
     y = torch.empty(list(shape[:-1]) + [width_out], device="cuda", dtype=dtype)
@@ -63,6 +66,11 @@ def _profile(title: str, sess, shape: list, width_out: int, dtype, runs: int) ->
     for _ in range(5):
         sess.run_with_iobinding(io)
     torch.cuda.synchronize()
+    if external:
+        for _ in range(runs):
+            sess.run_with_iobinding(io)
+        torch.cuda.synchronize()
+        return
     per = profiled_kernels(lambda: sess.run_with_iobinding(io), runs)
     print(f"{title}: kernel time per run (us), {runs} runs")
     print("\n".join(kernel_table(per, runs)))
