@@ -194,7 +194,7 @@ ncuwide)
   [ -n "$ncu" ] || { echo "gpu_host.sh ncuwide: no ncu (Nsight Compute) on this host"; exit 2; }
   case_=${1:-vitb_block}; regex=${2:-.}
   python3 benchmarks/profile_case.py "$case_" --runs 1 --external --out /tmp/ncuwide > /dev/null 2>&1   # build first
-  "$ncu" --kernel-name "regex:$regex" --launch-skip 5 --launch-count 3 --section SpeedOfLight \
+  "$ncu" --nvtx --nvtx-include "o2f_runs/" --kernel-name "regex:$regex" --launch-count 3 --section SpeedOfLight \
     --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy --section LaunchStats \
     --section SchedulerStats python3 benchmarks/profile_case.py "$case_" --runs 1 --external --out /tmp/ncuwide \
     > "$OUT/ncu_$case_.txt" 2>&1

@@ -66,10 +66,12 @@ def _profile(title: str, sess, shape: list, width_out: int, dtype, runs: int, ex
     for _ in range(5):
         sess.run_with_iobinding(io)
     torch.cuda.synchronize()
-    if external:
+    if external:   # inside an NVTX range, which Nsight Compute can filter on (validation runs are outside)
+        torch.cuda.nvtx.range_push("o2f_runs")
         for _ in range(runs):
             sess.run_with_iobinding(io)
         torch.cuda.synchronize()
+        torch.cuda.nvtx.range_pop()
         return
     per = profiled_kernels(lambda: sess.run_with_iobinding(io), runs)
     print(f"{title}: kernel time per run (us), {runs} runs")

@@ -41,15 +41,25 @@ __device__ __forceinline__ float4 norm_piece(const io_t* __restrict__ src, int q
                      c + 2 < kNormK0 ? o2f_load(src + c + 2) : 0.0f, c + 3 < kNormK0 ? o2f_load(src + c + 3) : 0.0f);
 }
 
-// One normalised value of feature `col`: `a`, `b` are the row's mean and sqrt(var + eps) (layer norm) or 0
-// and 1 / sqrt(mean(x^2) + eps) (RMS norm); `params` the norm's scale, then (kNormBias) its bias.
-__device__ __forceinline__ float norm_value(float v, int col, float a, float b, const float* params) {
+// The norm's scale (or bias) of features [c, c + 4): one 16-byte load where `vec` (the parameters 16-byte
+// aligned), else four. Past K0 it reads the NORM_ALIGN padding (plan/padding.py), whose products are
+// never kept. (Four scalar loads a piece were two thirds of the norm pass's loads: on the H100 its warps
+// waited on L1 most of the time.)
+static_assert(kNormBiasOffset % 4 == 0, "the norm's bias starts at a multiple of 4 floats (NORM_ALIGN)");
+__device__ __forceinline__ float4 norm_params4(const float* p, int c, bool vec) {
+  if (vec) return *reinterpret_cast<const float4*>(p + c);
+  return make_float4(p[c], p[c + 1], p[c + 2], p[c + 3]);
+}
+
+// One normalised value: `a`, `b` are the row's mean and sqrt(var + eps) (layer norm) or 0 and
+// 1 / sqrt(mean(x^2) + eps) (RMS norm); `scale` and `bias` the norm's parameters of the value's feature.
+__device__ __forceinline__ float norm_value(float v, float a, float b, float scale, float bias) {
   float r;
   if (kNormLayer) {
-    r = __fmul_rn(__fdiv_rn(__fsub_rn(v, a), b), params[col]);
-    if (kNormBias) r = __fadd_rn(r, params[kNormBiasOffset + col]);
+    r = __fmul_rn(__fdiv_rn(__fsub_rn(v, a), b), scale);
+    if (kNormBias) r = __fadd_rn(r, bias);
   } else {
-    r = __fmul_rn(__fmul_rn(v, b), params[col]);
+    r = __fmul_rn(__fmul_rn(v, b), scale);
   }
   // fp16 I/O with a layer norm: ORT's fp16 LayerNormalization kernel writes fp16, as the stock body does
   return kNormRoundHalf ? __half2float(__float2half_rn(r)) : r;
@@ -71,6 +81,7 @@ __device__ __forceinline__ void norm_rows(const io_t* __restrict__ x, int64_t ro
   constexpr int G = kNormLanes;
   const int lane_in_row = tid % G, groups = nthreads / G;
   const bool vec = kNormK0 % 4 == 0 && (reinterpret_cast<uintptr_t>(x) % (4 * sizeof(io_t))) == 0;
+  const bool pvec = (reinterpret_cast<uintptr_t>(params) & 15) == 0;
   for (int base = 0; base < R; base += groups) {   // one trip count for every lane: the shuffles are warp-wide
     const int r = base + tid / G;
     const bool live = r < R && row0 + r < rows;
@@ -109,10 +120,12 @@ __device__ __forceinline__ void norm_rows(const io_t* __restrict__ x, int64_t ro
                                  : (live ? norm_piece(src, q, vec) : make_float4(0.0f, 0.0f, 0.0f, 0.0f));
       const int c = 4 * q;
       if (live) visit(row0 + r, c, e);
-      const float v0 = live ? norm_value(e.x, c, a, b, params) : 0.0f;
-      const float v1 = live && c + 1 < kNormK0 ? norm_value(e.y, c + 1, a, b, params) : 0.0f;
-      const float v2 = live && c + 2 < kNormK0 ? norm_value(e.z, c + 2, a, b, params) : 0.0f;
-      const float v3 = live && c + 3 < kNormK0 ? norm_value(e.w, c + 3, a, b, params) : 0.0f;
+      const float4 sc = norm_params4(params, c, pvec);
+      const float4 nb = kNormBias ? norm_params4(params + kNormBiasOffset, c, pvec) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      const float v0 = live ? norm_value(e.x, a, b, sc.x, nb.x) : 0.0f;
+      const float v1 = live && c + 1 < kNormK0 ? norm_value(e.y, a, b, sc.y, nb.y) : 0.0f;
+      const float v2 = live && c + 2 < kNormK0 ? norm_value(e.z, a, b, sc.z, nb.z) : 0.0f;
+      const float v3 = live && c + 3 < kNormK0 ? norm_value(e.w, a, b, sc.w, nb.w) : 0.0f;
       store2(d + c, v0, v1);
       store2(d + c + 2, v2, v3);
     }
