@@ -102,9 +102,6 @@ def wgmma_params(plan: WgmmaPlan) -> dict:
     params = spec_params(spec)
     pieces = [{"offset": o, "bytes": min(BULK_PIECE, plan.image_bytes - o)}
               for o in range(0, plan.image_bytes, BULK_PIECE)]
-    # shared memory: [image or ring][bias][mbarriers][release counters]
-    weights = plan.stages * plan.slot_bytes if plan.streamed else plan.image_bytes
-    bars = weights + plan.bias_floats * 4
     params.update({
         "plan_text": plan.describe(),
         "layers": _layer_params(plan),
@@ -115,10 +112,10 @@ def wgmma_params(plan: WgmmaPlan) -> dict:
         "rest_regs": max(plan.layers[0].k_steps - plan.prefetch, 1),
         "k0": spec.layers[0].in_features, "k_steps0": plan.layers[0].k_steps, "n_out": spec.layers[-1].out_features,
         "image_bytes": plan.image_bytes, "bias_floats": plan.bias_floats, "smem_bytes": plan.smem_bytes,
-        "bias_smem_offset": weights, "bar_smem_offset": bars,
+        "bias_smem_offset": plan.smem.bias_offset, "bar_smem_offset": plan.smem.bar_offset,
         "pieces": pieces,
         "streamed": plan.streamed, "stages": plan.stages, "slot_bytes": plan.slot_bytes, "cluster": plan.cluster,
-        "cnt_smem_offset": bars + 8 * plan.stages,
+        "cnt_smem_offset": plan.smem.cnt_offset,
         "ring_chunks": sum(l.chunks for l in plan.layers),
         "image_offset": plan.image_offset, "bias_offset": plan.bias_offset,
         "workspace_bytes": plan.workspace_bytes, "fallback_bytes": plan.fallback_bytes,

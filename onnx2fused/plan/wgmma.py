@@ -148,6 +148,12 @@ class WgmmaPlan:
         return self.nwg * 128
 
     @property
+    def smem(self) -> SmemLayout:
+        """Where the kernel's shared memory holds what (smem_bytes is its size)."""
+        return SmemLayout(self.stages * self.slot_bytes if self.streamed else self.image_bytes, self.bias_floats,
+                          self.stages)
+
+    @property
     def streamed(self) -> bool:
         return self.stages > 0
 
@@ -250,11 +256,40 @@ def _slot_bytes(layers: list[WgmmaLayer]) -> int:
     return round_up(max(l.chunk_bytes for l in layers), LAYER_ALIGN)
 
 
-def _smem(layers: list[WgmmaLayer], stages: int = 0) -> int:
-    """Dynamic shared memory: [image, or `stages` ring slots][bias][mbarriers: one, or one per slot]
-    [release counters: one per slot][alignment slack]."""
+@dataclass(frozen=True)
+class SmemLayout:
+    """The kernel's dynamic shared memory: [image, or `stages` ring slots][bias (fp32)][mbarriers: one, or
+    one per slot][release counters: one per slot][alignment slack]. The plan sizes it, the template
+    places its parts at these offsets (wgmma_params)."""
+    weights: int      # bytes of the image or the ring
+    bias_floats: int
+    stages: int
+
+    @property
+    def bias_offset(self) -> int:
+        return self.weights
+
+    @property
+    def bar_offset(self) -> int:
+        return self.bias_offset + self.bias_floats * 4
+
+    @property
+    def cnt_offset(self) -> int:
+        return self.bar_offset + 8 * max(1, self.stages)
+
+    @property
+    def bytes(self) -> int:
+        return self.cnt_offset + 4 * self.stages + SLACK
+
+
+def _smem_layout(layers: list[WgmmaLayer], stages: int = 0) -> SmemLayout:
     weights = stages * _slot_bytes(layers) if stages else _image_bytes(layers)
-    return weights + sum(l.np_ for l in layers) * 4 + 8 * max(1, stages) + 4 * stages + SLACK
+    return SmemLayout(weights, sum(l.np_ for l in layers), stages)
+
+
+def _smem(layers: list[WgmmaLayer], stages: int = 0) -> int:
+    """Bytes of dynamic shared memory with `stages` ring slots (0: the image resident)."""
+    return _smem_layout(layers, stages).bytes
 
 
 def _stages(layers: list[WgmmaLayer], smem_limit: int, resident: bool = True) -> int | None:
