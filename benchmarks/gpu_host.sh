@@ -205,6 +205,6 @@ sm90)
   CUTLASS_INC=$R/.deps/cutlass/include bash benchmarks/sm90/run.sh 2>&1 | tail -60
   ;;
 *)
-  sed -n 2,22p "$0"; exit 2
+  sed -n '2,/^# Kernel choices/p' "$0" | sed '$d'; exit 2
   ;;
 esac
