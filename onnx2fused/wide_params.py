@@ -16,7 +16,7 @@ import hashlib
 
 from . import expr as ex
 from .cuda_params import act_params, spec_params
-from .plan.sm90 import DEFAULT_CHOICE, MODES, SM90_KERNELS, SM90_SCRATCH, Sm90Choice, sm90_candidates
+from .plan.sm90 import DEFAULT_CHOICE, MODES, RASTERS, SM90_KERNELS, SM90_SCRATCH, Sm90Choice, sm90_candidates
 from .plan.wide import LAUNCH_CACHE_ENV, ROW_QUANTUM, SM80_ENV, TILE_TABLE, WidePlan, sm80_tiles
 from .spec import MLPSpec
 
@@ -225,4 +225,5 @@ def _sm90_params(plan: WidePlan) -> dict:
 
 
 def _choice_param(c: Sm90Choice) -> dict:
-    return {"kernel": c.kernel, "mode": MODES.index(c.mode), "splits": c.splits}
+    return {"kernel": c.kernel, "mode": MODES.index(c.mode), "splits": c.splits, "swizzle": c.swizzle,
+            "raster": RASTERS.index(c.raster)}

@@ -33,7 +33,7 @@ from .plan.wide import WidePlan, with_kernels
 from .spec import MLPSpec, SpecError
 
 TUNE_ENV = "ONNX2FUSED_TUNE"     # "0": never tune (default kernels); anything else: tune when possible
-TUNE_FORMAT = 4                  # bump when the candidate list or the file's meaning changes
+TUNE_FORMAT = 5                  # bump when the candidate list or the file's meaning changes
 REPS = 20                        # timed launches per candidate (after one checked and one warm run)
 MIN_GAIN = 0.03                  # a candidate replaces the default only when this much faster
 PASS_ROWS = (8192, 4096, 2048)   # smaller passes through the chain that _time_passes tries
@@ -88,7 +88,7 @@ def _tuned_plan(plan: WidePlan, record: dict, gpu: Gpu) -> WidePlan | None:
         if record.get("format") != TUNE_FORMAT or record.get("gpu") != gpu.name or \
                 tuple(record["buckets"]) != plan.buckets:
             return None
-        choices = tuple(tuple(sm90.Sm90Choice(int(k), str(m), int(s)) for k, m, s in per)
+        choices = tuple(tuple(sm90.Sm90Choice(int(k), str(m), int(s), int(sw), str(r)) for k, m, s, sw, r in per)
                         for per in record["choices"])
         chain_block = int(record.get("chain_block") or 0)
         return with_kernels(plan, choices=choices, tuned_on=gpu.name, chain_block=chain_block)  # validates them
@@ -165,8 +165,13 @@ def run_tuning(library: Path, plan: WidePlan, reps: int = REPS) -> dict:
         timings.append(per_t)
     chain_block, passes = _time_passes(lib, plan, [[candidates.index(c) for c in per] for per in choices], reps)
     return {"format": TUNE_FORMAT, "spec": plan.spec.name, "buckets": list(plan.buckets), "reps": reps,
-            "choices": [[[c.kernel, c.mode, c.splits] for c in per] for per in choices], "timings": timings,
+            "choices": [[choice_record(c) for c in per] for per in choices], "timings": timings,
             "chain_block": chain_block, "passes": passes}
+
+
+def choice_record(c: sm90.Sm90Choice) -> list:
+    """A choice as the cache file stores it: [kernel, mode, splits, swizzle, raster]."""
+    return [c.kernel, c.mode, c.splits, c.swizzle, c.raster]
 
 
 def _time_passes(lib, plan: WidePlan, index: list[list[int]], reps: int) -> tuple[int, dict]:

@@ -7,6 +7,7 @@ namespace o2f_wide {
 // decomposition (an index into kModes) and split-K's splits.
 struct Choice {
   int kernel, mode, splits;
+  int swizzle, raster;   // the tile scheduler's max_swizzle_size and RasterOrderOptions (plan.sm90.RASTERS order)
 };
 
 struct DeviceInfo {

@@ -40,7 +40,7 @@ Stride packed(int64_t ld) {
 
 // Everything a GEMM's initialized CUTLASS operator depends on.
 struct LaunchKey {
-  int dev = -1, sms = 0, m = 0, n = 0, k = 0, ldd = 0, mode = 0, splits = 0;
+  int dev = -1, sms = 0, m = 0, n = 0, k = 0, ldd = 0, mode = 0, splits = 0, swizzle = 1, raster = 0;
   const void* a = nullptr;
   const void* w = nullptr;
   const void* bias = nullptr;
@@ -49,7 +49,7 @@ struct LaunchKey {
   const void* scratch = nullptr;
   bool operator==(const LaunchKey& o) const {
     return dev == o.dev && sms == o.sms && m == o.m && n == o.n && k == o.k && ldd == o.ldd && mode == o.mode &&
-           splits == o.splits && a == o.a && w == o.w && bias == o.bias && src == o.src && d == o.d &&
+           splits == o.splits && swizzle == o.swizzle && raster == o.raster && a == o.a && w == o.w && bias == o.bias && src == o.src && d == o.d &&
            scratch == o.scratch;
   }
 };

@@ -640,7 +640,7 @@ def test_rendered_source_has_guarded_sm90_kernels_and_per_layer_choice():
     nb = len(plan.buckets)
     default = sm90.DEFAULT_CHOICE
     assert f"constexpr Choice kChoices[2][kBuckets]" in src
-    assert src.count(f"{{ {default.kernel}, {sm90.MODES.index(default.mode)}, 1 }}") >= 2 * nb
+    assert src.count(f"{{ {default.kernel}, {sm90.MODES.index(default.mode)}, 1, 1, 0 }}") >= 2 * nb   # swizzle 1, heuristic
     # the device check: compute capability 9.0 only, and the run-time override for comparisons
     assert "cc == 90" in src and f'getenv("{wide.SM80_ENV}")' in src and '"sm80"' in src
     assert f"{plan.sm90_offset}" in src and f"{sm90.SM90_SCRATCH}u" in h_text
@@ -659,7 +659,7 @@ def test_rendered_choices_instantiate_only_the_chosen_kernels():
     text = src[f"{spec.name}_cuda.cu"]
     hopper = sorted(n.split("_")[2] for n, t in _instances(src).items() if build.sm90a_only(t))
     assert hopper == sorted(["Coop128x128", DEFAULT_KERNEL, DEFAULT_KERNEL])  # the default: the ReLU layers and the last
-    assert "{ 1, 1, 4 }" in text  # kernel 1, split_k (MODES index 1), 4 splits
+    assert "{ 1, 1, 4, 1, 0 }" in text  # kernel 1, split_k (MODES index 1), 4 splits, swizzle 1, heuristic order
     layer0 = text[text.index("cudaError_t layer0("):text.index("cudaError_t layer1(")]
     layer1 = text[text.index("cudaError_t layer1("):text.index("cudaError_t layer2(")]
     assert "case 1:" in layer0 and "case 1:" not in layer1

@@ -45,7 +45,7 @@ class FakeTuning:
         cand = sm90.sm90_candidates()[self.fast]
         best = cand if self.ms < 1.0 * (1 - wide_tune.MIN_GAIN) else sm90.DEFAULT_CHOICE
         return {"format": wide_tune.TUNE_FORMAT, "spec": plan.spec.name, "buckets": list(plan.buckets),
-                "choices": [[[best.kernel, best.mode, best.splits]] * nb for _ in plan.gemms],
+                "choices": [[wide_tune.choice_record(best)] * nb for _ in plan.gemms],
                 "timings": [[{"rows": b, "choice": best.label, "ms": min(self.ms, 1.0), "default_ms": 1.0,
                               "fastest": cand.label} for b in plan.buckets] for _ in plan.gemms]}
 
@@ -188,3 +188,25 @@ def test_inspect_shows_the_kernels_tuned_for_this_gpu(tmp_path, gpu, monkeypatch
     wide_tune.resolve(make_plans([spec]), tmp_path / "cache", fake.build, lambda s: None, tune=True)
     text = inspect_text()
     assert f"kernels tuned on {H100.name}" in text and "16384 rows Coop128x128/data_parallel" in text
+
+
+def test_tile_orders_are_searched_for_the_ping_pong_kernels_and_survive_the_cache(tmp_path, gpu, monkeypatch):
+    """The ping-pong kernels' scheduler takes a swizzle and a raster order at run time (no new CUTLASS
+    instance): the search times each; a chosen one is written to the cache, read back into the plan, and
+    rendered into the chain's choice table (the kernel index, mode, splits, swizzle, RASTERS index)."""
+    cands = sm90.sm90_candidates()
+    ping = [c for c in cands if not sm90.SM90_KERNELS[c.kernel].stream_k]
+    assert {(c.swizzle, c.raster) for c in ping if c.kernel == sm90.DEFAULT_CHOICE.kernel} == \
+        {(s, "heuristic") for s in sm90.SWIZZLES} | {(1, r) for r in sm90.RASTERS}
+    assert all(c.swizzle == 1 and c.raster == "heuristic" for c in cands if sm90.SM90_KERNELS[c.kernel].stream_k)
+    assert len({c.label for c in cands}) == len(cands)   # the report's keys stay distinct
+    order = next(c for c in ping if c.swizzle == 4 and c.kernel == sm90.DEFAULT_CHOICE.kernel)
+    fake = FakeTuning(fast=cands.index(order), ms=0.5)
+    monkeypatch.setattr(wide_tune, "run_tuning", fake.run)
+    out = wide_tune.resolve(_plans(FFN), tmp_path, fake.build, lambda m: None, tune=True)
+    assert all(c == order for per in out[FFN.name].choices for c in per)
+    again = wide_tune.resolve(_plans(FFN), tmp_path, fake.build, lambda m: None)   # from the cache
+    assert again[FFN.name].choices == out[FFN.name].choices and len(fake.builds) == 1
+    from onnx2fused.codegen import render
+    text = render([FFN], True, plans=again)[f"{FFN.name}_cuda.cu"]
+    assert f"{{ {order.kernel}, {sm90.MODES.index('data_parallel')}, 1, 4, 0 }}" in text

@@ -3,7 +3,8 @@
 A `Sm90Kernel` is a CUTLASS 3.x kernel configuration (TMA loads, wgmma): a schedule, a CTA tile and a
 cluster; its C++ name is made from those (`Coop128x256`, `Pingpong64x128C4`, `Tf32Coop128x256`). A
 `Sm90Choice` is one of them plus the stream-K scheduler's run-time decomposition (heuristic, data-parallel,
-split-K with S splits, stream-K). A wide GEMM has one choice per row bucket (ROW_BUCKETS: a call takes the
+split-K with S splits, stream-K) and either scheduler's tile order (swizzle, raster), run-time arguments
+that need no instance of their own (the search times the orders for the ping-pong kernels). A wide GEMM has one choice per row bucket (ROW_BUCKETS: a call takes the
 bucket nearest its rows on a log scale), because the best kernel for 256 rows is not the best for 16384.
 """
 from __future__ import annotations
@@ -71,6 +72,12 @@ TF32_KERNELS = tuple(i for i, k in enumerate(SM90_KERNELS) if k.tf32)
 
 # The stream-K scheduler's decompositions (CUTLASS DecompositionMode, same order as its enum).
 MODES = ("heuristic", "split_k", "stream_k", "data_parallel")
+# Both schedulers' tile order (CUTLASS RasterOrderOptions, same order as its enum; the heuristic walks along
+# N when there are more row tiles than column tiles) and its swizzle: max_swizzle_size, tiles grouped in
+# bands of up to that many rows (or columns) of tiles, so that the tiles running at once share operand
+# panels in L2.
+RASTERS = ("heuristic", "along_m", "along_n")
+SWIZZLES = (1, 2, 4, 8)
 
 
 @dataclass(frozen=True)
@@ -78,17 +85,21 @@ class Sm90Choice:
     kernel: int           # index into SM90_KERNELS
     mode: str = "heuristic"
     splits: int = 1       # split_k only
+    swizzle: int = 1      # SWIZZLES: the scheduler's max_swizzle_size
+    raster: str = "heuristic"   # RASTERS
 
     @property
     def label(self) -> str:
         k = SM90_KERNELS[self.kernel].name
+        order = (f"/sw{self.swizzle}" if self.swizzle != 1 else "") + (f"/{self.raster}" if self.raster != "heuristic" else "")
         if not SM90_KERNELS[self.kernel].stream_k:
-            return k
-        return f"{k}/{self.mode}" + (f"x{self.splits}" if self.mode == "split_k" else "")
+            return k + order
+        return f"{k}/{self.mode}" + (f"x{self.splits}" if self.mode == "split_k" else "") + order
 
     def fits(self, first_layer_tf32: bool) -> bool:
-        """A known kernel and mode; a tf32 kernel only where the layer may read fp32 in place."""
+        """A known kernel, mode and tile order; a tf32 kernel only where the layer may read fp32 in place."""
         return (0 <= self.kernel < len(SM90_KERNELS) and self.mode in MODES and self.splits >= 1
+                and self.swizzle in SWIZZLES and self.raster in RASTERS
                 and (first_layer_tf32 or not SM90_KERNELS[self.kernel].tf32))
 
 
@@ -115,8 +126,9 @@ def sm90_candidates() -> tuple[Sm90Choice, ...]:
                     # few rows, long K (the head's 256 rows through K = 4096: 16 output tiles of the
                     # 4096 -> 1000 layer for 132 SMs): deeper splits fill the GPU
                     Sm90Choice(i, "split_k", 8), Sm90Choice(i, "split_k", 16)]
-        else:
-            out.append(Sm90Choice(i, "data_parallel"))
+        else:   # the ping-pong kernels: the tile order too (their scheduler has no other run-time choice)
+            out += [Sm90Choice(i, "data_parallel")] + [Sm90Choice(i, "data_parallel", swizzle=s) for s in SWIZZLES[1:]]
+            out += [Sm90Choice(i, "data_parallel", raster=r) for r in RASTERS[1:]]
     return tuple(out)
 
 
