@@ -120,7 +120,6 @@ class WgmmaPlan:
     registers: int            # the estimate that chose nwg and prefetch
     image_bytes: int          # the weight image (fp16 or bf16, swizzled)
     bias_floats: int
-    smem_bytes: int           # dynamic shared memory of the kernel (image or ring, bias, mbarriers, slack)
     fallback: object          # the resident or streamed plan (plan.fused.FusedPlan)
     fallback_bytes: int       # its workspace, then (LAYER_ALIGN-aligned) the image and the bias
     reason: str = ""
@@ -149,9 +148,13 @@ class WgmmaPlan:
 
     @property
     def smem(self) -> SmemLayout:
-        """Where the kernel's shared memory holds what (smem_bytes is its size)."""
-        return SmemLayout(self.stages * self.slot_bytes if self.streamed else self.image_bytes, self.bias_floats,
-                          self.stages)
+        """Where the kernel's shared memory holds what."""
+        return SmemLayout.of(self.image_bytes, self.slot_bytes, self.stages, self.bias_floats)
+
+    @property
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory of the kernel (image or ring, bias, mbarriers, slack)."""
+        return self.smem.bytes
 
     @property
     def streamed(self) -> bool:
@@ -265,6 +268,11 @@ class SmemLayout:
     bias_floats: int
     stages: int
 
+    @classmethod
+    def of(cls, image_bytes: int, slot_bytes: int, stages: int, bias_floats: int) -> SmemLayout:
+        """The layout with the image resident (stages 0) or `stages` ring slots of `slot_bytes`."""
+        return cls(stages * slot_bytes if stages else image_bytes, bias_floats, stages)
+
     @property
     def bias_offset(self) -> int:
         return self.weights
@@ -282,14 +290,9 @@ class SmemLayout:
         return self.cnt_offset + 4 * self.stages + SLACK
 
 
-def _smem_layout(layers: list[WgmmaLayer], stages: int = 0) -> SmemLayout:
-    weights = stages * _slot_bytes(layers) if stages else _image_bytes(layers)
-    return SmemLayout(weights, sum(l.np_ for l in layers), stages)
-
-
 def _smem(layers: list[WgmmaLayer], stages: int = 0) -> int:
     """Bytes of dynamic shared memory with `stages` ring slots (0: the image resident)."""
-    return _smem_layout(layers, stages).bytes
+    return SmemLayout.of(_image_bytes(layers), _slot_bytes(layers), stages, sum(l.np_ for l in layers)).bytes
 
 
 def _stages(layers: list[WgmmaLayer], smem_limit: int, resident: bool = True) -> int | None:
@@ -341,6 +344,5 @@ def make_wgmma_plan(spec: MLPSpec, fallback, reason: str = "", smem_limit: int =
     # a chunk's slice per CTA must stay a multiple of 16 bytes (bulk copies): chunks are multiples of 256
     cluster = (cluster or CLUSTER) if stages else 1
     bias = sum(l.np_ for l in layers)
-    return WgmmaPlan(spec, tuple(layers), nwg, prefetch, base + 8 * prefetch, _image_bytes(layers), bias,
-                     _smem(layers, stages), fallback, fallback.workspace_bytes, reason, stages,
-                     _slot_bytes(layers) if stages else 0, cluster)
+    return WgmmaPlan(spec, tuple(layers), nwg, prefetch, base + 8 * prefetch, _image_bytes(layers), bias, fallback,
+                     fallback.workspace_bytes, reason, stages, _slot_bytes(layers) if stages else 0, cluster)
