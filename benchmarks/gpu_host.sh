@@ -16,9 +16,9 @@
 #   benchmarks/gpu_host.sh llama [BATCHES] LLaMA-7B's MLP (wide_cases.py llama7b; default 4096,256,16,1)
 #   benchmarks/gpu_host.sh gemv [--no-bench] the wide design's GEMV path for <= 16 rows (on by default;
 #                                         ONNX2FUSED_WIDE_GEMV=off: the GEMMs): its GPU test, then LLaMA-7B at 1, 16
-#   benchmarks/gpu_host.sh wideblock [--no-tests] blocks in the wide design (norm pass, residual epilogue): their GPU tests,
-#                                         then ViT-B's pre-LN block (wide_cases.py vitb_block, 16384 rows) through
-#                                         ORT and kernel by kernel (profile_case.py)
+#   benchmarks/gpu_host.sh wideblock [--no-tests] [ARGS] blocks in the wide design (norm pass, residual epilogue): their
+#                                         GPU tests, then ViT-B's pre-LN block (wide_cases.py vitb_block ARGS, 16384
+#                                         rows) through ORT and kernel by kernel (profile_case.py)
 #   benchmarks/gpu_host.sh vitprof [N]    ViT-tiny fp16 (batch 64) stock vs converted, kernel by kernel (top N), and
 #                                         ViT-B's block alone, fused vs stock fp16
 #   benchmarks/gpu_host.sh vit            whole ViT-tiny and ViT-small (benchmarks/vit_model.py) at batch 64:
@@ -119,8 +119,10 @@ gemv)
   ;;
 wideblock)
   # transformer blocks in the wide design (issue 16): their GPU tests, then ViT-B's block at 16384 rows
-  [ "${2:-}" = "--no-tests" ] || gpu_pytest 420 pytest_gpu_wide_block.txt 30 tests/test_gpu_block.py -k wide
-  timeout 160 python3 benchmarks/wide_cases.py --out /tmp/wide_vitb --cases vitb_block --reps 50 2>&1 | tail -6
+  shift
+  if [ "${1:-}" = "--no-tests" ]; then shift; else gpu_pytest 420 pytest_gpu_wide_block.txt 30 tests/test_gpu_block.py -k wide; fi
+  # further ARGS go to wide_cases.py (e.g. --env ONNX2FUSED_WIDE_PDL=off: the same library with a switch)
+  timeout 240 python3 benchmarks/wide_cases.py --out /tmp/wide_vitb --cases vitb_block --reps 50 "$@" 2>&1 | tail -9
   cp /tmp/wide_vitb/wide_cases.json "$OUT/vitb_block.json" 2>/dev/null
   # the block's kernels per run (through ORT the run-to-run spread is larger than a pass's time)
   timeout 160 python3 benchmarks/profile_case.py vitb_block --out /tmp/prof 2>&1 | grep -v -i warn | tail -12 \

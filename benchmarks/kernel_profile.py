@@ -21,14 +21,29 @@ def kernel_times(events: Iterable) -> dict[str, list[float]]:
     return dict(per)
 
 
-def profiled_kernels(run: Callable[[], None], runs: int) -> dict[str, list[float]]:
-    """`runs` calls of `run` under torch's profiler (CUDA activity), synchronised at the end."""
+def run_spans(events: Iterable, runs: int) -> list[float]:
+    """Device time (µs) from the first kernel's start to the last one's end of each of `runs` runs that
+    launch the same number of kernels each: the kernels and the gaps between them (which kernel_times
+    leaves out: launch latency, a kernel's tail before the next starts, or, with programmatic dependent
+    launch, their overlap)."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in events if e.device_type.name == "CUDA")
+    if runs <= 0 or not spans or len(spans) % runs:
+        return []
+    n = len(spans) // runs
+    return [max(end for _, end in spans[i:i + n]) - spans[i][0] for i in range(0, len(spans), n)]
+
+
+def profiled_kernels(run: Callable[[], None], runs: int, spans: list | None = None) -> dict[str, list[float]]:
+    """`runs` calls of `run` under torch's profiler (CUDA activity), synchronised at the end; `spans`, if
+    given, receives run_spans."""
     import torch
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(runs):
             run()
         torch.cuda.synchronize()
+    if spans is not None:
+        spans.extend(run_spans(prof.events(), runs))
     return kernel_times(prof.events())
 
 

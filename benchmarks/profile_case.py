@@ -73,9 +73,12 @@ def _profile(title: str, sess, shape: list, width_out: int, dtype, runs: int, ex
         torch.cuda.synchronize()
         torch.cuda.nvtx.range_pop()
         return
-    per = profiled_kernels(lambda: sess.run_with_iobinding(io), runs)
+    spans: list[float] = []
+    per = profiled_kernels(lambda: sess.run_with_iobinding(io), runs, spans)
     print(f"{title}: kernel time per run (us), {runs} runs")
     print("\n".join(kernel_table(per, runs)))
+    if spans:
+        print(f"  {float(np.median(spans)):8.1f}  first kernel's start to last kernel's end, median per run (us)")
 
 
 if __name__ == "__main__":

@@ -173,7 +173,7 @@ def _once(key: str, make):
 
 
 def run_case(name: str, out_dir: Path, reps: int, warmup: int, dev, providers, kernels: str = "both",
-             batch: int | None = None) -> dict:
+             batch: int | None = None, env_variants: tuple[str, ...] = ()) -> dict:
     import onnxruntime as ort
     widths, act, in_shape, case_batch, targets = CASES[name]
     batch = batch or case_batch
@@ -205,17 +205,21 @@ def run_case(name: str, out_dir: Path, reps: int, warmup: int, dev, providers, k
         p, lib = _once(f"{name}.fused", lambda: bench.convert_model(model, out_dir / name, "fp16", with_cuda=True))
         return bench.fused_session(p, lib, so(), providers)
 
-    variants = [("ort_fp32", ort_fp32, None), ("ort_fp16", ort_fp16, None)]
+    # (name, session maker, run-time switches of the library set while it runs: the launcher reads them on
+    # every run, so one library serves each)
+    variants = [("ort_fp32", ort_fp32, {}), ("ort_fp16", ort_fp16, {})]
     if kernels in ("both", "sm90"):
-        variants.append(("fused", fused, None))
-    if kernels in ("both", "sm80"):  # same library; the launcher reads the override on every run
-        variants.append(("fused_sm80" if kernels == "both" else "fused", fused, "sm80"))
-    for variant, make, force in variants:
+        variants.append(("fused", fused, {}))
+    if kernels in ("both", "sm80"):
+        variants.append(("fused_sm80" if kernels == "both" else "fused", fused, {SM80_ENV: "sm80"}))
+    for kv in env_variants:   # "NAME=VALUE": the fused session again with that switch
+        key, _, value = kv.partition("=")
+        variants.append((f"fused {kv}", fused, {key: value}))
+    for variant, make, env in variants:
         sess = None
-        saved = os.environ.pop(SM80_ENV, None)
+        saved = {k: os.environ.pop(k, None) for k in [SM80_ENV, *env]}
         try:
-            if force:
-                os.environ[SM80_ENV] = force
+            os.environ.update(env)
             sess = make()
             if "CUDAExecutionProvider" not in sess.get_providers():
                 raise RuntimeError(f"no CUDA EP in {sess.get_providers()}")
@@ -232,9 +236,10 @@ def run_case(name: str, out_dir: Path, reps: int, warmup: int, dev, providers, k
             print(f"  {variant:<10} n/a ({result['errors'][variant][:300]})", flush=True)
         finally:
             sess = None
-            os.environ.pop(SM80_ENV, None)
-            if saved is not None:
-                os.environ[SM80_ENV] = saved
+            for k, v in saved.items():
+                os.environ.pop(k, None)
+                if v is not None:
+                    os.environ[k] = v
     fused_ms = result["ms"].get("fused")
     result["speedup"] = {v: result["ms"][v] / fused_ms for v in ("ort_fp32", "ort_fp16")
                          if fused_ms and v in result["ms"]}
@@ -272,6 +277,9 @@ def main(argv=None) -> int:
     ap.add_argument("--kernels", choices=["both", "sm90", "sm80"], default="both",
                     help="wide plans on Hopper: time the sm_90a kernels, the sm80 ones (fused_sm80), or both")
     ap.add_argument("--batch", default=None, help="replace every case's batch (first dimension): N or N,N,...")
+    ap.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                    help="also time the fused model with this run-time switch set (repeatable), e.g. "
+                         "ONNX2FUSED_WIDE_PDL=off")
     ap.add_argument("--tail", choices=["auto", "off"], default=None,
                     help="off: no segmented wide plans (every layer a GEMM; sets ONNX2FUSED_WIDE_TAIL), to compare")
     args = ap.parse_args(argv)
@@ -289,7 +297,10 @@ def main(argv=None) -> int:
     dev = bench._Dev(torch)
     providers = bench.gpu_providers()
     batches = [int(b) for b in args.batch.split(",")] if args.batch else [None]
-    results = [run_case(n, out_dir, args.reps, args.warmup, dev, providers, args.kernels, b)
+    bad = [kv for kv in args.env if "=" not in kv or not kv.partition("=")[0]]
+    if bad:
+        ap.error(f"--env takes NAME=VALUE, got {bad}")
+    results = [run_case(n, out_dir, args.reps, args.warmup, dev, providers, args.kernels, b, tuple(args.env))
                for n in names for b in batches]
 
     print("\n| case | rows | ORT fp32 ms | ORT fp16 ms | fused ms | fused sm80 kernels ms | x fp32 | x fp16 | targets | fused rel. L2 |")
@@ -302,6 +313,10 @@ def main(argv=None) -> int:
               f"{cell(ms, 'fused', '{:.3f}')} | {cell(ms, 'fused_sm80', '{:.3f}')} | {cell(sp, 'ort_fp32', '{:.2f}')} | {cell(sp, 'ort_fp16', '{:.2f}')} | {tgt} | "
               f"{cell(r['rel_l2_vs_ort_fp32'], 'fused', '{:.1e}')} |")
     (out_dir / "wide_cases.json").write_text(json.dumps(results, indent=1))
+    for r in results:
+        for v, ms in r["ms"].items():
+            if v.startswith("fused ") and "fused" in r["ms"]:
+                print(f"{r['case']} at {r['rows']} rows, {v}: {ms:.4f} ms (default {r['ms']['fused']:.4f})")
     print(f"\nwrote {out_dir / 'wide_cases.json'}")
     return 0 if all("fused" in r["ms"] for r in results) else 1
 

@@ -305,3 +305,22 @@ def test_kernel_profile_tables_per_run_times():
     assert [l.split()[0] for l in lines[:3]] == ["32.0", "6.0", "2.0"] and lines[0].endswith("gemm")
     assert lines[2].endswith("old_") and "x1" in lines[0]
     assert lines[-1].split()[:2] == ["40.0", "total"] and lines[-1].endswith("3 launches")
+
+
+def test_kernel_profile_run_spans_cover_gaps_and_overlap():
+    """run_spans: per run, the first kernel's start to the last one's end, so a gap between two kernels
+    counts and an overlap (programmatic dependent launch) does not count twice; CPU events are left out and
+    a run count that does not divide the kernels gives no spans rather than mixed runs."""
+    from types import SimpleNamespace as E
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from kernel_profile import run_spans
+
+    cuda, cpu = E(name="CUDA"), E(name="CPU")
+
+    def k(start, end, dev=cuda):
+        return E(name="k", device_type=dev, time_range=E(start=start, end=end))
+
+    # run 1: kernels 0-10 and 15-30 (a 5 µs gap); run 2: 100-120 and 110-125 (5 µs of overlap)
+    events = [k(110, 125), k(0, 10), k(15, 30), k(100, 120), k(1, 500, cpu)]
+    assert run_spans(events, 2) == [30, 25]
+    assert run_spans(events, 3) == [] and run_spans([], 1) == []

@@ -154,6 +154,7 @@ NARROW_SMEM = 32 * 1024         # its weights as fp32 in shared memory
 # Run-time switches of the generated code (read by the library, not by planning):
 SM80_ENV = "ONNX2FUSED_WIDE_KERNELS"   # =sm80 at run time: sm_90 GPUs run the CUTLASS 2.x kernels too
 LAUNCH_CACHE_ENV = "ONNX2FUSED_WIDE_LAUNCH_CACHE"  # =off at run time: initialize every sm90 GEMM (comparisons)
+PDL_ENV = "ONNX2FUSED_WIDE_PDL"  # =off at run time: sm90 GEMMs launched without programmatic dependent launch
 
 
 def pass_rows(rows: int, block: int) -> int:
