@@ -14,7 +14,7 @@ struct DeviceInfo {
   int id = 0, major = 0, minor = 0, sms = 0;
   bool sm90 = false;  // run the sm_90a kernels: compiled in, a 9.0 device, not overridden by the env
   bool reuse_launch = true;  // an sm90 launcher may relaunch an identical GEMM without re-initializing it
-  // An sm90 GEMM that needs no workspace is launched with programmatic dependent launch (PDL): its CTAs
+  // An sm90 ping-pong GEMM (no workspace) is launched with programmatic dependent launch (PDL): its CTAs
   // may start (barriers, TMA descriptors) while the kernel before it in the stream finishes its last
   // blocks, and CUTLASS's producer warps wait (griddepcontrol.wait) for that kernel's completion and
   // its memory before their first load. What it saves is the launch gap and prologue per GEMM.
