@@ -17,7 +17,7 @@ import hashlib
 from . import expr as ex
 from .cuda_params import act_params, spec_params
 from .plan.sm90 import DEFAULT_CHOICE, MODES, RASTERS, SM90_KERNELS, SM90_SCRATCH, Sm90Choice, sm90_candidates
-from .plan.wide import LAUNCH_CACHE_ENV, PDL_ENV, ROW_QUANTUM, SM80_ENV, TILE_TABLE, WidePlan, sm80_tiles
+from .plan.wide import LAUNCH_CACHE_ENV, ROW_QUANTUM, SM80_ENV, TILE_TABLE, WidePlan, sm80_tiles
 from .spec import MLPSpec
 
 
@@ -156,7 +156,6 @@ def wide_params(plan: WidePlan) -> dict:
         "instances": list(wide_instances(plan).values()),
         "sm80_env": SM80_ENV,
         "launch_cache_env": LAUNCH_CACHE_ENV,
-        "pdl_env": PDL_ENV,
         "h0_offset": plan.h_offsets[0], "h1_offset": plan.h_offsets[1],
         "h_width": plan.h_width,
         "hg_offset": plan.hg_offset,

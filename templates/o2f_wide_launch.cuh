@@ -14,19 +14,5 @@ struct DeviceInfo {
   int id = 0, major = 0, minor = 0, sms = 0;
   bool sm90 = false;  // run the sm_90a kernels: compiled in, a 9.0 device, not overridden by the env
   bool reuse_launch = true;  // an sm90 launcher may relaunch an identical GEMM without re-initializing it
-  // An sm90 ping-pong GEMM (no workspace) is launched with programmatic dependent launch (PDL): its CTAs
-  // may start (barriers, TMA descriptors) while the kernel before it in the stream finishes its last
-  // blocks, and CUTLASS's producer warps wait (griddepcontrol.wait) for that kernel's completion and
-  // its memory before their first load. What it saves is the launch gap and prologue per GEMM.
-  bool pdl = true;
 };
-
-// Lets the stream's next kernel, if it was launched with PDL, be scheduled while this grid's last
-// blocks run (it still waits for this grid's completion before it reads anything). A hint: no effect on
-// results, none before sm_90.
-__device__ __forceinline__ void allow_dependent_launch() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
 }  // namespace o2f_wide

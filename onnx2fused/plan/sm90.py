@@ -63,20 +63,15 @@ SM90_KERNELS: tuple[Sm90Kernel, ...] = (
     Sm90Kernel("pingpong", (128, 64), (2, 1)),
     Sm90Kernel("cooperative", (128, 256), (1, 1), tf32=True),
     Sm90Kernel("pingpong", (128, 128), (1, 1), tf32=True),
-    # wgmma's widest instruction (m64n256k16) in the ping-pong schedule: each warpgroup's 64 x 256 tile
-    # reads 10 KB of shared memory per 512 kflop against 128 x 128's 12 KB, and the epilogue still overlaps
-    # the other warpgroup's main loop (the cooperative 128 x 256 kernel's does not). With a cluster of 2
-    # along M the 256-wide weight tile is multicast: 0.012 bytes of L2 per flop against 128 x 128's 0.016.
-    Sm90Kernel("pingpong", (64, 256), (1, 1)),
-    Sm90Kernel("pingpong", (64, 256), (2, 1)),
-    # a cluster along N: the A tile (the long-K second GEMM of an FFN reads 3072-wide rows) multicast to 2
-    # column tiles
-    Sm90Kernel("pingpong", (128, 128), (1, 2)),
 )
-# Tried and left out: Coop128x256 with a cluster of 2 along M (the weight tile multicast: half the L2
-# traffic per flop of Pingpong128x128). On ViT-B's FFN GEMMs at 16384 rows it was not among the 8 fastest
-# of the search (H100, RESULTS.md fourteenth run; Pingpong128x128C2 won at 0.121 ms), and every kernel
-# here is one more CUTLASS instance per epilogue in a tuning build.
+# Tried and left out (every kernel here is one more CUTLASS instance per epilogue in a tuning build):
+# - Coop128x256 with a cluster of 2 along M (the weight tile multicast: half the L2 traffic per flop of
+#   Pingpong128x128): on ViT-B's FFN GEMMs at 16384 rows not among the 8 fastest of the search (H100,
+#   RESULTS.md fourteenth run; Pingpong128x128C2 won at 0.121 ms).
+# - Pingpong64x256 (wgmma's m64n256 with the overlapped epilogue), the same with a cluster of 2 along M,
+#   and Pingpong128x128 with a cluster of 2 along N (A multicast): on ViT-B's two GEMMs at 16384 rows
+#   0.133-0.141 / 0.128 ms against 0.123 for Pingpong128x128C2; only 2048 rows took one (C1x2, 0.0176
+#   against 0.0177 for Pingpong128x128C2 along N) (fifteenth run).
 TF32_KERNELS = tuple(i for i, k in enumerate(SM90_KERNELS) if k.tf32)
 
 # The stream-K scheduler's decompositions (CUTLASS DecompositionMode, same order as its enum).

@@ -154,7 +154,10 @@ NARROW_SMEM = 32 * 1024         # its weights as fp32 in shared memory
 # Run-time switches of the generated code (read by the library, not by planning):
 SM80_ENV = "ONNX2FUSED_WIDE_KERNELS"   # =sm80 at run time: sm_90 GPUs run the CUTLASS 2.x kernels too
 LAUNCH_CACHE_ENV = "ONNX2FUSED_WIDE_LAUNCH_CACHE"  # =off at run time: initialize every sm90 GEMM (comparisons)
-PDL_ENV = "ONNX2FUSED_WIDE_PDL"  # =off at run time: sm90 GEMMs launched without programmatic dependent launch
+# Programmatic dependent launch of the Hopper GEMMs (CUTLASS's griddepcontrol wait, the norm pass letting
+# the first GEMM launch early) was measured and left out: without it the gaps between a block's kernels
+# are ~1 us each (ViT-B: 274 us from the first kernel's start to the last one's end, 271 us of kernels),
+# and with it the same run took 301 us (H100, RESULTS.md fifteenth run).
 
 
 def pass_rows(rows: int, block: int) -> int:
