@@ -279,7 +279,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", default=None, help="replace every case's batch (first dimension): N or N,N,...")
     ap.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                     help="also time the fused model with this run-time switch set (repeatable), e.g. "
-                         "ONNX2FUSED_WIDE_PDL=off")
+                         "ONNX2FUSED_WIDE_LAUNCH_CACHE=off")
     ap.add_argument("--tail", choices=["auto", "off"], default=None,
                     help="off: no segmented wide plans (every layer a GEMM; sets ONNX2FUSED_WIDE_TAIL), to compare")
     args = ap.parse_args(argv)
