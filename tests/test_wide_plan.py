@@ -666,6 +666,10 @@ def test_rendered_choices_instantiate_only_the_chosen_kernels():
     assert "o2f_inst_Coop128x128_f16_f16_a8_" in layer0 and "o2f_inst_Coop128x128" not in layer1
     plan = choose.wide_plan(spec, WideOptions(choices=choices, tuned_on="H"))
     assert "tuned on H" in plan.describe() and f"{plan.buckets[0]} rows Coop128x128/split_kx4" in plan.choice_text()
+    # the same choices without a GPU named are not called the defaults
+    given = choose.wide_plan(spec, WideOptions(choices=choices)).describe()
+    assert "kernels as given (not tuned here)" in given and "default kernels" not in given
+    assert "default kernels (not tuned)" in choose.wide_plan(spec, WideOptions()).describe()
 
 
 @pytest.mark.parametrize("io,precision,per_kernel", [("f16", "fp16", 1), ("f16", "bf16", 2), ("f32", "fp16", 2)])

@@ -234,7 +234,12 @@ class WidePlan:
         conv = "fp32->16-bit conversion pass, " if self.convert_input else ""
         n, n90 = len(self.gemms), sum(g.sm90 for g in self.gemms)
         hopper = "all" if n90 == n else f"{n90} of {n}"  # the others' output rows are not TMA-storable
-        tuned = f"kernels tuned on {self.tuned_on}" if self.tuned_on else "default kernels (not tuned)"
+        if self.tuned_on:
+            tuned = f"kernels tuned on {self.tuned_on}"
+        elif self.tuning or all(c in (DEFAULT_CHOICE, DEFAULT_TF32_CHOICE) for per in self.choices for c in per):
+            tuned = "default kernels (not tuned)"
+        else:   # choices given without a GPU to name (WideOptions.choices: benchmarks, tests)
+            tuned = "kernels as given (not tuned here)"
         passes = f", {self.chain_block}-row passes" if self.chain_block != self.row_block else ""
         if self.tf32_first and any(SM90_KERNELS[c.kernel].tf32 for c in self.choices[0]):
             conv = "the first GEMM reads the fp32 input in place (tf32), " + conv.replace("pass, ", "pass elsewhere, ")
