@@ -283,6 +283,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tail", choices=["auto", "off"], default=None,
                     help="off: no segmented wide plans (every layer a GEMM; sets ONNX2FUSED_WIDE_TAIL), to compare")
     args = ap.parse_args(argv)
+    bad = [kv for kv in args.env if "=" not in kv or not kv.partition("=")[0]]
+    if bad:
+        ap.error(f"--env takes NAME=VALUE, got {bad}")
     if args.design:
         os.environ[DESIGN_ENV] = args.design   # read by convert, the entry point
     if args.tail:
@@ -297,9 +300,6 @@ def main(argv=None) -> int:
     dev = bench._Dev(torch)
     providers = bench.gpu_providers()
     batches = [int(b) for b in args.batch.split(",")] if args.batch else [None]
-    bad = [kv for kv in args.env if "=" not in kv or not kv.partition("=")[0]]
-    if bad:
-        ap.error(f"--env takes NAME=VALUE, got {bad}")
     results = [run_case(n, out_dir, args.reps, args.warmup, dev, providers, args.kernels, b, tuple(args.env))
                for n in names for b in batches]
 

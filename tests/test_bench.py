@@ -324,3 +324,16 @@ def test_kernel_profile_run_spans_cover_gaps_and_overlap():
     events = [k(110, 125), k(0, 10), k(15, 30), k(100, 120), k(1, 500, cpu)]
     assert run_spans(events, 2) == [30, 25]
     assert run_spans(events, 3) == [] and run_spans([], 1) == []
+
+
+@pytest.mark.parametrize("switch", ["ONNX2FUSED_WIDE_KERNELS", "=sm80"])
+def test_wide_cases_refuses_a_switch_without_name_and_value(switch, capsys):
+    """benchmarks/wide_cases.py --env NAME=VALUE: anything else is a usage error before any model or GPU
+    work (argparse's exit status 2 and the reason on stderr)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import wide_cases
+
+    with pytest.raises(SystemExit) as exc:
+        wide_cases.main(["--cases", "ffn", "--env", switch])
+    assert exc.value.code == 2
+    assert "--env takes NAME=VALUE" in capsys.readouterr().err
