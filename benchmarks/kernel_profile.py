@@ -42,9 +42,10 @@ def profiled_kernels(run: Callable[[], None], runs: int, spans: list | None = No
         for _ in range(runs):
             run()
         torch.cuda.synchronize()
+    events = prof.events()
     if spans is not None:
-        spans.extend(run_spans(prof.events(), runs))
-    return kernel_times(prof.events())
+        spans.extend(run_spans(events, runs))
+    return kernel_times(events)
 
 
 def ranked(per: dict[str, list[float]]) -> list[tuple[str, list[float]]]:
