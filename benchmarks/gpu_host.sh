@@ -18,7 +18,8 @@
 #                                         ONNX2FUSED_WIDE_GEMV=off: the GEMMs): its GPU test, then LLaMA-7B at 1, 16
 #   benchmarks/gpu_host.sh wideblock [--no-tests] [ARGS] blocks in the wide design (norm pass, residual epilogue): their
 #                                         GPU tests, then ViT-B's pre-LN block (wide_cases.py vitb_block ARGS, 16384
-#                                         rows) through ORT and kernel by kernel (profile_case.py)
+#                                         rows) through ORT and kernel by kernel (profile_case.py; --fp16-model: the
+#                                         fp16 copy converted too, and profiled in place of the fp32 model)
 #   benchmarks/gpu_host.sh vitprof [N]    ViT-tiny fp16 (batch 64) stock vs converted, kernel by kernel (top N), and
 #                                         ViT-B's block alone, fused vs stock fp16
 #   benchmarks/gpu_host.sh vit            whole ViT-tiny and ViT-small (benchmarks/vit_model.py) at batch 64:
@@ -125,7 +126,9 @@ wideblock)
   timeout 240 python3 benchmarks/wide_cases.py --out /tmp/wide_vitb --cases vitb_block --reps 50 "$@" 2>&1 | tail -9
   cp /tmp/wide_vitb/wide_cases.json "$OUT/vitb_block.json" 2>/dev/null
   # the block's kernels per run (through ORT the run-to-run spread is larger than a pass's time)
-  timeout 160 python3 benchmarks/profile_case.py vitb_block --out /tmp/prof 2>&1 | grep -v -i warn | tail -12 \
+  # (with --fp16-model among ARGS: the converted fp16 copy's kernels, fp16 I/O, as wide_cases.py's fused_fp16)
+  pf=(); for a in "$@"; do [ "$a" = --fp16-model ] && pf=(--fp16-model); done
+  timeout 160 python3 benchmarks/profile_case.py vitb_block --out /tmp/prof "${pf[@]}" 2>&1 | grep -v -i warn | tail -12 \
     | tee "$OUT/vitb_block_kernels.txt"; true
   ;;
 vit)

@@ -1,9 +1,10 @@
 """GPU time per kernel of one fused wide case through ORT (torch's profiler sees every kernel the process
 launches): where a case's time goes, kernel by kernel.
 
-    python benchmarks/profile_case.py dlrm [--runs 20] [--batch N] [--stock] [--out DIR] [--external]
+    python benchmarks/profile_case.py dlrm [--runs 20] [--batch N] [--stock] [--fp16-model] [--out DIR] [--external]
 
---stock profiles stock ORT's fp16 copy of the same model beside it (bench.fp16_model_file), for the
+--fp16-model profiles the fp16 copy ORT fp16 runs, converted (fp16 rows in and out: wide_cases.py's
+fused_fp16), in place of the fp32 model converted. --stock profiles stock ORT's fp16 copy of the same model beside it (bench.fp16_model_file), for the
 kernel-by-kernel comparison. --external runs the fused session --runs times without torch's profiler,
 for a profiler outside the process (Nsight Compute: benchmarks/gpu_host.sh ncuwide).
 """
@@ -33,6 +34,7 @@ def main(argv=None) -> int:
     ap.add_argument("--runs", type=int, default=20)
     ap.add_argument("--batch", type=int, help="the case's batch replaced")
     ap.add_argument("--stock", action="store_true", help="also profile stock ORT on the model's fp16 copy")
+    ap.add_argument("--fp16-model", action="store_true", help="convert and profile the model's fp16 copy (fp16 I/O)")
     ap.add_argument("--out", default=str(ROOT / "build" / "bench" / "profile"))
     ap.add_argument("--external", action="store_true", help="no torch profiler: for Nsight Compute")
     a = ap.parse_args(argv)
@@ -41,14 +43,17 @@ def main(argv=None) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     model = build_model(widths, act, in_shape, out / f"{a.case}.onnx", block=a.case in BLOCK_CASES)
-    fused, lib = bench.convert_model(model, out / a.case, "fp16", with_cuda=True)
+    fp16_copy = bench.fp16_model_file(model, out / f"{a.case}.fp16.onnx") if a.fp16_model or a.stock else None
+    src, io_type = (fp16_copy, torch.float16) if a.fp16_model else (model, torch.float32)
+    fused, lib = bench.convert_model(src, out / (a.case + ("_fp16" if a.fp16_model else "")), "fp16", with_cuda=True)
     so = ort.SessionOptions()
     so.register_custom_ops_library(str(lib))
     shape = [batch if d == "batch" else d for d in in_shape]
-    _profile(f"{a.case} fused", ort.InferenceSession(str(fused), so, providers=["CUDAExecutionProvider"]),
-             shape, widths[-1], torch.float32, a.runs, a.external)
+    _profile(f"{a.case} fused" + (" (fp16 copy)" if a.fp16_model else ""),
+             ort.InferenceSession(str(fused), so, providers=["CUDAExecutionProvider"]),
+             shape, widths[-1], io_type, a.runs, a.external)
     if a.stock:
-        stock = bench.fp16_model_file(model, out / f"{a.case}.fp16.onnx")
+        stock = fp16_copy
         _profile(f"{a.case} ORT fp16", ort.InferenceSession(str(stock), providers=["CUDAExecutionProvider"]),
                  shape, widths[-1], torch.float16, a.runs)
     return 0

@@ -337,3 +337,21 @@ def test_wide_cases_refuses_a_switch_without_name_and_value(switch, capsys):
         wide_cases.main(["--cases", "ffn", "--env", switch])
     assert exc.value.code == 2
     assert "--env takes NAME=VALUE" in capsys.readouterr().err
+
+
+def test_wide_cases_judges_each_target_on_the_fp32_model_and_on_the_fp16_copy():
+    """benchmarks/wide_cases.py --fp16-model: a target is judged on the converted fp32 model and, where the
+    converted fp16 copy was timed, on that too; the verdicts differ where only one of them reaches it."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import wide_cases
+
+    ms = {"ort_fp32": 0.8, "ort_fp16": 0.45, "fused": 0.32, "fused_fp16": 0.28}
+    sp, sp16 = wide_cases.speedups(ms, "fused"), wide_cases.speedups(ms, "fused_fp16")
+    assert sp["ort_fp16"] == pytest.approx(0.45 / 0.32) and sp16["ort_fp16"] == pytest.approx(0.45 / 0.28)
+    t = wide_cases.judge_targets({"ort_fp16": 1.5}, sp, sp16)["ort_fp16"]
+    assert (t["met"], t["met_fp16_copy"]) == (False, True)
+    assert wide_cases.target_text("ort_fp16", t) == "ort_fp16 >= 1.5x: MISSED (fp16 copy: met)"
+    # without the copy timed: one verdict, and no fp16-copy ratio at all
+    alone = wide_cases.judge_targets({"ort_fp16": 1.5}, sp, wide_cases.speedups({"ort_fp16": 0.45}, "fused_fp16"))
+    assert "met_fp16_copy" not in alone["ort_fp16"]
+    assert wide_cases.target_text("ort_fp16", alone["ort_fp16"]) == "ort_fp16 >= 1.5x: MISSED"
