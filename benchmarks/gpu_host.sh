@@ -123,7 +123,7 @@ wideblock)
   shift
   if [ "${1:-}" = "--no-tests" ]; then shift; else gpu_pytest 420 pytest_gpu_wide_block.txt 30 tests/test_gpu_block.py -k wide; fi
   # further ARGS go to wide_cases.py (e.g. --env ONNX2FUSED_WIDE_KERNELS=sm80: the same library with a run-time switch)
-  timeout 240 python3 benchmarks/wide_cases.py --out /tmp/wide_vitb --cases vitb_block --reps 50 "$@" 2>&1 | tail -9
+  timeout 400 python3 benchmarks/wide_cases.py --out /tmp/wide_vitb --cases vitb_block --reps 50 "$@" 2>&1 | tail -12
   cp /tmp/wide_vitb/wide_cases.json "$OUT/vitb_block.json" 2>/dev/null
   # the block's kernels per run (through ORT the run-to-run spread is larger than a pass's time)
   # (with --fp16-model among ARGS: the converted fp16 copy's kernels, fp16 I/O, as wide_cases.py's fused_fp16)
