@@ -4,12 +4,16 @@
 // after elem_t, to_elem, store2, the o2f_fused_io helpers and the norm's constants kNormK0 (true features),
 // kNormKP0 (padded), kNormEps, kNormLayer, kNormBias, kNormRoundHalf and kNormBiasOffset.
 //
-// The arithmetic is the CPU kernel's (templates/cpu_kernel.cc.j2, normalise_rows), which is ONNX Runtime's:
-//   layer norm: (x - mean) / sqrt(mean(x^2) - mean^2 + eps) * scale + bias     (LayerNormalization)
-//   RMS norm:   x * (1 / sqrt(mean(x^2) + eps)) * scale                        (the exporters' RMSNorm ops)
+// The arithmetic is the CPU kernel's (templates/cpu_kernel.cc.j2, normalise_rows), ONNX Runtime's CPU one,
+// except that a layer norm multiplies by the row's 1 / sqrt(...) where the CPU divides by sqrt(...), as
+// ONNX Runtime's CUDA kernel does:
+//   layer norm: (x - mean) * (1 / sqrt(mean(x^2) - mean^2 + eps)) * scale + bias   (LayerNormalization)
+//   RMS norm:   x * (1 / sqrt(mean(x^2) + eps)) * scale                           (the exporters' RMSNorm ops)
 // in fp32 with IEEE-rounded operations (no contraction into FMAs), so each value differs from the CPU
-// kernel's only by the order of the row's sums. Only the K0 true features enter the sums and the mean;
-// the padded features [K0, KP0) are written as zeros, and rows past the batch as zeros too.
+// kernel's by the order of the row's sums and, for a layer norm, at most an ulp or so of fp32 before its
+// rounding to 16 bits. (An IEEE division per value was most of the norm pass's instructions: on the H100
+// the pass took as long with fp16 rows as with fp32 ones, RESULTS.md.) Only the K0 true features enter the
+// sums and the mean; the padded features [K0, KP0) are written as zeros, and rows past the batch as zeros too.
 #pragma once
 
 // A row is read by a group of kNormLanes lanes (a power of two, at most a warp) in 4-element pieces: one
@@ -51,18 +55,41 @@ __device__ __forceinline__ float4 norm_params4(const float* p, int c, bool vec) 
   return make_float4(p[c], p[c + 1], p[c + 2], p[c + 3]);
 }
 
-// One normalised value: `a`, `b` are the row's mean and sqrt(var + eps) (layer norm) or 0 and
+// One normalised value: `a`, `b` are the row's mean and 1 / sqrt(var + eps) (layer norm) or 0 and
 // 1 / sqrt(mean(x^2) + eps) (RMS norm); `scale` and `bias` the norm's parameters of the value's feature.
 __device__ __forceinline__ float norm_value(float v, float a, float b, float scale, float bias) {
-  float r;
-  if (kNormLayer) {
-    r = __fmul_rn(__fdiv_rn(__fsub_rn(v, a), b), scale);
-    if (kNormBias) r = __fadd_rn(r, bias);
-  } else {
-    r = __fmul_rn(__fmul_rn(v, b), scale);
-  }
+  float r = __fmul_rn(__fmul_rn(kNormLayer ? __fsub_rn(v, a) : v, b), scale);
+  if (kNormLayer && kNormBias) r = __fadd_rn(r, bias);
   // fp16 I/O with a layer norm: ORT's fp16 LayerNormalization kernel writes fp16, as the stock body does
   return kNormRoundHalf ? __half2float(__float2half_rn(r)) : r;
+}
+
+// Two values as one 32-bit word of 16-bit operands (the first in the low half, as store2 writes them).
+__device__ __forceinline__ uint32_t norm_pack2(const __half*, float a, float b) {
+  const __half2 h = __floats2half2_rn(a, b);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+__device__ __forceinline__ uint32_t norm_pack2(const __nv_bfloat16*, float a, float b) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+
+// Four normalised values at p as the compute type: one 8-byte store where p allows it (a warp's lanes then
+// write 256 consecutive bytes in one instruction), else two of the includer's store2. The vector store is
+// written in PTX (generic address: p is global memory in the wide design's pass, shared memory in the fused
+// kernels): as C++, the compiler merged it with the unaligned branch's two stores into two 4-byte ones.
+// (A template, so that norm_pack2 is looked up only for the 16-bit types.)
+template <typename E>
+__device__ __forceinline__ void norm_store4(E* p, float v0, float v1, float v2, float v3) {
+  if constexpr (sizeof(E) == 2) {
+    if ((reinterpret_cast<uintptr_t>(p) & 7) == 0) {
+      asm volatile("st.v2.b32 [%0], {%1, %2};" ::"l"(p), "r"(norm_pack2(p, v0, v1)), "r"(norm_pack2(p, v2, v3))
+                   : "memory");
+      return;
+    }
+  }
+  store2(p, v0, v1);
+  store2(p + 2, v2, v3);
 }
 
 // What norm_rows shows each piece it read besides normalising it: nothing by default; the wide design's
@@ -103,14 +130,10 @@ __device__ __forceinline__ void norm_rows(const io_t* __restrict__ x, int64_t ro
       sumsq = __fadd_rn(sumsq, __shfl_xor_sync(0xffffffffu, sumsq, off));
     }
     if (r >= R) continue;
-    float a, b;
-    if (kNormLayer) {
-      a = __fdiv_rn(sum, static_cast<float>(kNormK0));
-      b = __fsqrt_rn(__fadd_rn(__fsub_rn(__fdiv_rn(sumsq, static_cast<float>(kNormK0)), __fmul_rn(a, a)), kNormEps));
-    } else {
-      a = 0.0f;
-      b = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(sumsq, static_cast<float>(kNormK0)), kNormEps)));
-    }
+    const float a = kNormLayer ? __fdiv_rn(sum, static_cast<float>(kNormK0)) : 0.0f;
+    const float var = kNormLayer ? __fsub_rn(__fdiv_rn(sumsq, static_cast<float>(kNormK0)), __fmul_rn(a, a))
+                                 : __fdiv_rn(sumsq, static_cast<float>(kNormK0));
+    const float b = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(var, kNormEps)));
     elem_t* d = dst + r * ldd;
 #pragma unroll
     for (int p = 0; p < kNormPer; ++p) {
@@ -126,8 +149,7 @@ __device__ __forceinline__ void norm_rows(const io_t* __restrict__ x, int64_t ro
       const float v1 = live && c + 1 < kNormK0 ? norm_value(e.y, a, b, sc.y, nb.y) : 0.0f;
       const float v2 = live && c + 2 < kNormK0 ? norm_value(e.z, a, b, sc.z, nb.z) : 0.0f;
       const float v3 = live && c + 3 < kNormK0 ? norm_value(e.w, a, b, sc.w, nb.w) : 0.0f;
-      store2(d + c, v0, v1);
-      store2(d + c + 2, v2, v3);
+      norm_store4(d + c, v0, v1, v2, v3);
     }
   }
   // the padded features past the last piece: zeros (P: at least 1, so the division below is never by 0)
