@@ -21,6 +21,10 @@ and times it ("fused_fp16"): the like-for-like comparison with ORT fp16 (`onnx2f
 does the same for whole models). The default "fused" is the fp32 model converted, which reads and writes
 fp32 rows: twice ORT fp16's I/O bytes. Where it ran, the table shows both ratios and the targets are
 judged on each.
+`--interleave` opens those variants together and times them in turns, one run each per repetition (the
+order reversed every other one): through ORT a case's times drift by several percent between calls on
+one machine (ORT fp16 0.44-0.50 ms on the ViT-B block), so variants timed one after another can
+disagree on their ratio by more than a target's margin.
 Every variant also runs once on the same seeded rows, untimed: the table's last column is the fused
 model's relative L2 distance from ORT fp32 on them (NaN if any output is not finite).
 `--batch N[,N...]` replaces a case's batch (N = 1: the per-run overhead of each path); several batches
@@ -37,6 +41,7 @@ Results go to <out>/wide_cases.json and a table on stdout.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -178,7 +183,8 @@ def _once(key: str, make):
 
 
 def run_case(name: str, out_dir: Path, reps: int, warmup: int, dev, providers, kernels: str = "both",
-             batch: int | None = None, env_variants: tuple[str, ...] = (), fp16_model: bool = False) -> dict:
+             batch: int | None = None, env_variants: tuple[str, ...] = (), fp16_model: bool = False,
+             interleave: bool = False) -> dict:
     import onnxruntime as ort
     widths, act, in_shape, case_batch, targets = CASES[name]
     batch = batch or case_batch
@@ -230,35 +236,75 @@ def run_case(name: str, out_dir: Path, reps: int, warmup: int, dev, providers, k
     for kv in env_variants:   # "NAME=VALUE": the fused session again with that switch
         key, _, value = kv.partition("=")
         variants.append((f"fused {kv}", fused, {key: value}))
+    def record(variant: str, ts: list, sess):
+        result["ms"][variant] = float(np.median(ts))
+        outputs[variant] = _run_once(sess, check_x)
+        err = _rel_l2(outputs[variant], outputs.get("ort_fp32"))
+        if err is not None:
+            result["rel_l2_vs_ort_fp32"][variant] = err
+        print(f"  {variant:<10} {result['ms'][variant]:.4f} ms"
+              + (f"  (rel. L2 vs ORT fp32 {err:.2e})" if err is not None and variant != "ort_fp32" else ""), flush=True)
+
+    def failed(variant: str, e: Exception):
+        result["errors"][variant] = f"{type(e).__name__}: {e}"
+        print(f"  {variant:<10} n/a ({result['errors'][variant][:300]})", flush=True)
+
+    def opened(make):
+        sess = make()
+        if "CUDAExecutionProvider" not in sess.get_providers():
+            raise RuntimeError(f"no CUDA EP in {sess.get_providers()}")
+        return sess
+
+    # --interleave: the variants without switches open together and take turns run by run
+    together = [(v, make) for v, make, env in variants if not env] if interleave else []
+    if together:
+        sessions = {}
+        with _switches({}):
+            for variant, make in together:
+                try:
+                    sessions[variant] = opened(make)
+                except Exception as e:  # noqa: BLE001 - one failed variant must not hide the others
+                    failed(variant, e)
+            try:
+                ts = bench.time_ort_gpu_interleaved(dev, sessions, info, batch, reps, warmup)
+                for variant, sess in sessions.items():
+                    record(variant, ts[variant], sess)
+            except Exception as e:  # noqa: BLE001
+                for variant in sessions:
+                    failed(variant, e)
+        sessions = None
     for variant, make, env in variants:
+        if any(variant == v for v, _ in together):
+            continue
         sess = None
-        saved = {k: os.environ.pop(k, None) for k in [SM80_ENV, *env]}
-        try:
-            os.environ.update(env)
-            sess = make()
-            if "CUDAExecutionProvider" not in sess.get_providers():
-                raise RuntimeError(f"no CUDA EP in {sess.get_providers()}")
-            ts, _ = bench.time_ort_gpu(dev, sess, info, batch, reps, warmup)
-            result["ms"][variant] = float(np.median(ts))
-            outputs[variant] = _run_once(sess, check_x)
-            err = _rel_l2(outputs[variant], outputs.get("ort_fp32"))
-            if err is not None:
-                result["rel_l2_vs_ort_fp32"][variant] = err
-            print(f"  {variant:<10} {result['ms'][variant]:.4f} ms"
-                  + (f"  (rel. L2 vs ORT fp32 {err:.2e})" if err is not None and variant != "ort_fp32" else ""), flush=True)
-        except Exception as e:  # noqa: BLE001 - one failed variant must not hide the others
-            result["errors"][variant] = f"{type(e).__name__}: {e}"
-            print(f"  {variant:<10} n/a ({result['errors'][variant][:300]})", flush=True)
-        finally:
-            sess = None
-            for k, v in saved.items():
-                os.environ.pop(k, None)
-                if v is not None:
-                    os.environ[k] = v
+        with _switches(env):
+            try:
+                sess = opened(make)
+                ts, _ = bench.time_ort_gpu(dev, sess, info, batch, reps, warmup)
+                record(variant, ts, sess)
+            except Exception as e:  # noqa: BLE001 - one failed variant must not hide the others
+                failed(variant, e)
+            finally:
+                sess = None
     result["speedup"] = speedups(result["ms"], "fused")
     result["speedup_fp16_copy"] = speedups(result["ms"], "fused_fp16")
     result["targets"] = judge_targets(targets, result["speedup"], result["speedup_fp16_copy"])
     return result
+
+
+@contextlib.contextmanager
+def _switches(env: dict):
+    """The library's run-time switches as `env` says while the block runs (SM80_ENV unset unless named),
+    the process's own values restored after."""
+    saved = {k: os.environ.pop(k, None) for k in [SM80_ENV, *env]}
+    try:
+        os.environ.update(env)
+        yield
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k, None)
+            if v is not None:
+                os.environ[k] = v
 
 
 def speedups(ms: dict, fused: str) -> dict:
@@ -321,6 +367,9 @@ def main(argv=None) -> int:
                          "ONNX2FUSED_WIDE_LAUNCH_CACHE=off")
     ap.add_argument("--fp16-model", action="store_true",
                     help="also convert the fp16 copy ORT fp16 runs and time it (fused_fp16, fp16 I/O): like for like")
+    ap.add_argument("--interleave", action="store_true",
+                    help="open the variants without switches together and time them in turns, run by run "
+                         "(bench.time_ort_gpu_interleaved): their ratios hold where times drift between phases")
     ap.add_argument("--tail", choices=["auto", "off"], default=None,
                     help="off: no segmented wide plans (every layer a GEMM; sets ONNX2FUSED_WIDE_TAIL), to compare")
     args = ap.parse_args(argv)
@@ -342,7 +391,7 @@ def main(argv=None) -> int:
     providers = bench.gpu_providers()
     batches = [int(b) for b in args.batch.split(",")] if args.batch else [None]
     results = [run_case(n, out_dir, args.reps, args.warmup, dev, providers, args.kernels, b, tuple(args.env),
-                        args.fp16_model)
+                        args.fp16_model, args.interleave)
                for n in names for b in batches]
 
     print("\n| case | rows | ORT fp32 ms | ORT fp16 ms | fused ms | fused sm80 kernels ms | fused fp16 copy ms | "

@@ -355,3 +355,17 @@ def test_wide_cases_judges_each_target_on_the_fp32_model_and_on_the_fp16_copy():
     alone = wide_cases.judge_targets({"ort_fp16": 1.5}, sp, wide_cases.speedups({"ort_fp16": 0.45}, "fused_fp16"))
     assert "met_fp16_copy" not in alone["ort_fp16"]
     assert wide_cases.target_text("ort_fp16", alone["ort_fp16"]) == "ort_fp16 >= 1.5x: MISSED"
+
+
+def test_device_timer_interleaves_the_steps_in_alternating_order():
+    """_Dev.time_interleaved (bench.time_ort_gpu_interleaved's loop; host timer without torch): every step
+    runs warmup + reps times, the steps take turns, and the order is reversed every other repetition, so a
+    slow phase of the machine cannot land on one of them alone."""
+    from onnx2fused.bench.timing import _Dev
+
+    calls = []
+    steps = {n: (lambda i, n=n: calls.append((n, i))) for n in ("a", "b", "c")}
+    ts = _Dev(None).time_interleaved(steps, reps=3, warmup=1)
+    assert set(ts) == {"a", "b", "c"} and all(len(t) == 3 and min(t) >= 0 for t in ts.values())
+    assert [n for n, _ in calls] == list("abc") + list("abc") + list("cba") + list("abc")
+    assert [i for n, i in calls if n == "b"] == [0, 0, 1, 2]

@@ -38,7 +38,7 @@ from .models import (L2_ROTATE_BYTES, MAX_ELEMENTS, MEM_FRACTION, ROTATE_BUFFERS
                      fp16_model_file, gpu_batches, load_torch_module, model_info, to_fp16, zoo_torch_module)
 from .report import LABELS, _write_outputs, format_table, plot  # noqa: F401
 from .timing import (FALLBACK_BW, FALLBACK_TC, ORT_DEVICE, _cuda_torch, _Dev, measure_peaks,  # noqa: F401
-                     time_interleaved, time_ort_gpu, time_torch)
+                     time_interleaved, time_ort_gpu, time_ort_gpu_interleaved, time_torch)
 from .variants import (CPU_VARIANTS, DEFAULT_CPU_REPS, DEFAULT_GPU_BATCHES, DEFAULT_GPU_REPS,  # noqa: F401
                        DEFAULT_THREADS, GPU_VARIANTS, convert_model, fused_session, gpu_providers, run_cpu, run_gpu)
 

@@ -168,6 +168,30 @@ class _Dev:
             ends[i].synchronize()
         return [s.elapsed_time(e) for s, e in zip(starts, ends)]
 
+    def time_interleaved(self, steps: dict, reps: int, warmup: int) -> dict[str, list[float]]:
+        """time() for several steps at once: in every repetition each step runs once, the order reversed
+        every other repetition, each run timed on its own (CUDA events, or the host timer)."""
+        names = list(steps)
+        for i in range(warmup):
+            for n in names:
+                steps[n](i)
+        self.sync()
+        ts: dict[str, list[float]] = {n: [] for n in names}
+        for i in range(reps):
+            for n in (names if i % 2 == 0 else names[::-1]):
+                if self.torch is None:
+                    t0 = time.perf_counter()
+                    steps[n](i)
+                    ts[n].append((time.perf_counter() - t0) * 1e3)
+                    continue
+                start, end = self.torch.cuda.Event(enable_timing=True), self.torch.cuda.Event(enable_timing=True)
+                start.record()
+                steps[n](i)
+                end.record()
+                end.synchronize()
+                ts[n].append(start.elapsed_time(end))
+        return ts
+
 
 def _make_inputs(dev: _Dev, sess, info: ModelInfo, batch: int, nbuf: int) -> list[dict]:
     """nbuf sets of device inputs {name: buffer} for the session's inputs."""
@@ -199,12 +223,11 @@ def _new_graph_options():
     return options
 
 
-def time_ort_gpu(dev: _Dev, sess, info: ModelInfo, batch: int, reps: int, warmup: int,
-                 cuda_graph: bool = False) -> tuple[list[float], int]:
-    """Time one ORT CUDA session at one batch size with device-resident inputs/outputs (IOBinding).
-    cuda_graph: the session was made with enable_cuda_graph=1; each binding (fixed buffer addresses)
-    gets its own captured graph (run option gpu_graph_id), replayed on every later run.
-    Returns (per-run ms, output features per row)."""
+def _ort_gpu_runner(dev: _Dev, sess, info: ModelInfo, batch: int, cuda_graph: bool = False):
+    """(step, output features per row, buffers): step(i) runs the session once on device-resident inputs
+    and outputs (IOBinding), rotating input sets where they would stay in L2; `buffers` must outlive the
+    steps. cuda_graph: the session was made with enable_cuda_graph=1; each binding (fixed buffer
+    addresses) gets its own captured graph (run option gpu_graph_id), replayed on every later run."""
     sets = _make_inputs(dev, sess, info, batch, 1)
     in_bytes = sum(dev.nbytes(b) for b in sets[0].values())
     if in_bytes < L2_ROTATE_BYTES:   # small enough to stay in L2 between runs: rotate buffers
@@ -222,12 +245,34 @@ def time_ort_gpu(dev: _Dev, sess, info: ModelInfo, batch: int, reps: int, warmup
     dev.sync()
     bindings = [_bind(dev, sess, s, outs) for s in sets]
     run_options = [_new_graph_options() if cuda_graph else None for _ in bindings]
+
+    def step(i: int):
+        sess.run_with_iobinding(bindings[i % len(bindings)], run_options[i % len(bindings)])
+    return step, out_feat, (sets, outs, bindings)
+
+
+def time_ort_gpu(dev: _Dev, sess, info: ModelInfo, batch: int, reps: int, warmup: int,
+                 cuda_graph: bool = False) -> tuple[list[float], int]:
+    """Time one ORT CUDA session at one batch size with device-resident inputs/outputs (IOBinding)
+    (_ort_gpu_runner). Returns (per-run ms, output features per row)."""
+    step, out_feat, buffers = _ort_gpu_runner(dev, sess, info, batch, cuda_graph)
     if cuda_graph:
-        warmup = max(warmup, len(bindings))  # every graph is captured before the timed runs
-    ts = dev.time(lambda i: sess.run_with_iobinding(bindings[i % len(bindings)], run_options[i % len(bindings)]),
-                  reps, warmup)
-    del bindings, sets, outs
+        warmup = max(warmup, len(buffers[2]))  # every graph is captured before the timed runs
+    ts = dev.time(step, reps, warmup)
+    del step, buffers
     return ts, out_feat
+
+
+def time_ort_gpu_interleaved(dev: _Dev, sessions: dict, info: ModelInfo, batch: int, reps: int,
+                             warmup: int) -> dict[str, list[float]]:
+    """Per-run ms of each session at one batch size, the sessions taking turns within every repetition
+    (in alternating order), each run timed alone with the device idle before it: a slow phase of the
+    machine (clocks, the host) hits every session alike, so their ratio holds where one session timed
+    after another drifts by several percent between calls."""
+    runners = {name: _ort_gpu_runner(dev, sess, info, batch) for name, sess in sessions.items()}
+    ts = dev.time_interleaved({name: r[0] for name, r in runners.items()}, reps, warmup)
+    del runners
+    return ts
 
 
 def time_torch(dev: _Dev, fn, in_shape, reps, warmup) -> list[float]:
