@@ -1,7 +1,7 @@
 """The wide design's per-GPU kernel search (onnx2fused/wide_tune.py) on issue 5's cases, with every
 candidate's time: what `onnx2fused convert` does once per spec and GPU model, made visible.
 
-    python benchmarks/tune_wide.py [--out DIR] [--cases ffn,head] [--prebuilt DIR] [--reps 20]
+    python benchmarks/tune_wide.py [--out DIR] [--cases ffn,head] [--prebuilt DIR] [--reps 20] [--fp16-model]
 
 For each case (benchmarks/wide_cases.py builds the model) whose plan is wide: build the tuning library
 (or take DIR/lib<spec name>.so, compiled elsewhere from the same source), time the candidates, print
@@ -32,9 +32,15 @@ from onnx2fused.loader import load_model  # noqa: E402
 from wide_cases import BLOCK_CASES, CASES, build_model  # noqa: E402
 
 
-def case_spec(name: str, out: Path):
+def case_spec(name: str, out: Path, fp16_model: bool = False):
+    """The case's chain (fp16); `fp16_model`: that of the model's fp16 copy (fp16 I/O), which ORT fp16 runs
+    and wide_cases.py --fp16-model converts."""
     widths, act, in_shape, _, _ = CASES[name]
-    model = load_model(str(build_model(widths, act, in_shape, out / f"{name}.onnx", block=name in BLOCK_CASES)))
+    path = build_model(widths, act, in_shape, out / f"{name}.onnx", block=name in BLOCK_CASES)
+    if fp16_model:
+        from onnx2fused import bench
+        path = bench.fp16_model_file(path, out / f"{name}.fp16.onnx")
+    model = load_model(str(path))
     chains = passes.find_chains(model).chains
     assert len(chains) == 1, f"{name}: {len(chains)} chains"
     return chains[0].to_spec("fp16")
@@ -48,12 +54,14 @@ def main():
     ap.add_argument("--cache", help="build cache (default: $ONNX2FUSED_CACHE or ~/.cache/onnx2fused)")
     ap.add_argument("--reps", type=int, default=wide_tune.REPS)
     ap.add_argument("--print-specs", action="store_true", help="print the spec names and exit")
+    ap.add_argument("--fp16-model", action="store_true",
+                    help="tune the chain of each case's fp16 copy (fp16 I/O: wide_cases.py --fp16-model's fused_fp16)")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     cache = Path(a.cache) if a.cache else default_cache_dir()
     gpu = wide_tune.current_gpu()
-    specs = {name: case_spec(name, out) for name in a.cases.split(",")}
+    specs = {name: case_spec(name, out, a.fp16_model) for name in a.cases.split(",")}
     if a.print_specs:
         for name, spec in specs.items():
             print(name, spec.name)

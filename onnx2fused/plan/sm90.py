@@ -63,6 +63,10 @@ SM90_KERNELS: tuple[Sm90Kernel, ...] = (
     Sm90Kernel("pingpong", (128, 64), (2, 1)),
     Sm90Kernel("cooperative", (128, 256), (1, 1), tf32=True),
     Sm90Kernel("pingpong", (128, 128), (1, 1), tf32=True),
+    # cuBLAS's kernel for both of ViT-B's FFN GEMMs at 16384 rows in ORT's fp16 model (nvjet 256x128, a
+    # cluster of 2 along N: the A tile multicast; 107 us each, 722 TFLOP/s, against 117-123 us here).
+    # Appended: a stored search result names kernels by their index here.
+    Sm90Kernel("cooperative", (256, 128), (1, 2)),
 )
 # Tried and left out (every kernel here is one more CUTLASS instance per epilogue in a tuning build):
 # - Coop128x256 with a cluster of 2 along M (the weight tile multicast: half the L2 traffic per flop of
