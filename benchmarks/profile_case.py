@@ -24,7 +24,7 @@ import onnxruntime as ort  # noqa: E402
 import torch  # noqa: E402
 
 from onnx2fused import bench  # noqa: E402
-from kernel_profile import kernel_table, profiled_kernels  # noqa: E402
+from kernel_profile import host_timeline, kernel_table, profiled_kernels  # noqa: E402
 from wide_cases import BLOCK_CASES, CASES, build_model  # noqa: E402
 
 
@@ -84,6 +84,11 @@ def _profile(title: str, sess, shape: list, width_out: int, dtype, runs: int, ex
     print("\n".join(kernel_table(per, runs)))
     if spans:
         print(f"  {float(np.median(spans)):8.1f}  first kernel's start to last kernel's end, median per run (us)")
+    # the host's side of the same runs: ORT's time before the first launch, the launch calls, the wait
+    phases = host_timeline(lambda: sess.run_with_iobinding(io), runs)
+    print(f"{title}: host time per run (us, medians of {runs} runs)")
+    for name, ts in phases.items():
+        print(f"  {float(np.median(ts)):8.1f}  {name}")
 
 
 if __name__ == "__main__":

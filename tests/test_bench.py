@@ -369,3 +369,28 @@ def test_device_timer_interleaves_the_steps_in_alternating_order():
     assert set(ts) == {"a", "b", "c"} and all(len(t) == 3 and min(t) >= 0 for t in ts.values())
     assert [n for n, _ in calls] == list("abc") + list("abc") + list("cba") + list("abc")
     assert [i for n, i in calls if n == "b"] == [0, 0, 1, 2]
+
+
+def test_kernel_profile_host_phases_split_each_run_at_its_launches():
+    """host_phases: per run range, the host time before the first launch call, across the launch calls and
+    after the last one, the device's idle time before the run's first kernel, and each API call's total;
+    calls and kernels outside every run range (warm-up, another thread's work) are not counted."""
+    from types import SimpleNamespace as E
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from kernel_profile import RUN_RANGE, host_phases
+
+    cuda, cpu = E(name="CUDA"), E(name="CPU")
+
+    def ev(name, start, end, dev=cpu):
+        return E(name=name, device_type=dev, time_range=E(start=start, end=end))
+
+    events = [ev(RUN_RANGE, 0, 100), ev("cudaLaunchKernel", 30, 35), ev("cuLaunchKernelEx", 40, 48),
+              ev("cudaStreamSynchronize", 50, 95), ev("gemm", 38, 90, cuda),
+              ev(RUN_RANGE, 200, 260), ev("cudaLaunchKernel", 210, 214), ev("gemm", 220, 250, cuda),
+              ev("cudaLaunchKernel", 150, 151)]   # between the runs: no run's
+    ph = host_phases(events)
+    assert ph["run"] == [100, 60]
+    assert ph["to_first_launch"] == [30, 10] and ph["launching"] == [18, 4] and ph["after_last_launch"] == [52, 46]
+    assert ph["gpu_idle_before"] == [38, 20]
+    assert ph["api cudaLaunchKernel"] == [5, 4] and ph["api cuLaunchKernelEx"] == [8, 0]
+    assert ph["api cudaStreamSynchronize"] == [45, 0]
