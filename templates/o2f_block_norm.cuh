@@ -100,74 +100,56 @@ struct NormNoVisit {
 
 // load_rows with the norm: rows [row0, row0 + R) of x, normalised, into `dst` (row stride ldd) as the
 // compute type, by threads `tid` of `nthreads` (whole warps); `params`: the norm's scale and bias (shared
-// memory). Groups of kNormLanes lanes take a row each, as many rows at a time as there are groups; with
-// T > 1, T rows each (`groups` apart), all T rows' loads issued before any of their sums: T times the bytes
-// in flight per warp, for a pass that is bound by how many loads it keeps waiting (the wide design's,
-// cuda_wide.cu.j2; the fused kernels take T = 1). T > 1 needs the rows held in registers (kNormHold).
+// memory). Groups of kNormLanes lanes take a row each, as many rows at a time as there are groups.
 // visit(row, c, e): features [c, c + 4) of each live row as read (zeros past K0).
-template <int R, int T = 1, class Visit = NormNoVisit>
+template <int R, class Visit = NormNoVisit>
 __device__ __forceinline__ void norm_rows(const io_t* __restrict__ x, int64_t rows, int64_t row0, elem_t* dst, int ldd,
                                           int tid, int nthreads, const float* params, Visit visit = Visit()) {
-  static_assert(T >= 1 && (T == 1 || kNormHold), "several rows at once only where a row stays in registers");
   constexpr int G = kNormLanes;
   const int lane_in_row = tid % G, groups = nthreads / G;
   const bool vec = kNormK0 % 4 == 0 && (reinterpret_cast<uintptr_t>(x) % (4 * sizeof(io_t))) == 0;
   const bool pvec = (reinterpret_cast<uintptr_t>(params) & 15) == 0;
-  for (int base = 0; base < R; base += groups * T) {   // one trip count for every lane: the shuffles are warp-wide
-    int r[T];
-    bool live[T];
-    const io_t* src[T];
-    float4 held[T][kNormHold ? kNormPer : 1];
-    float sum[T], sumsq[T];
+  for (int base = 0; base < R; base += groups) {   // one trip count for every lane: the shuffles are warp-wide
+    const int r = base + tid / G;
+    const bool live = r < R && row0 + r < rows;
+    const io_t* src = x + (row0 + r) * kNormK0;
+    float4 held[kNormHold ? kNormPer : 1];
+    float sum = 0.0f, sumsq = 0.0f;
 #pragma unroll
-    for (int t = 0; t < T; ++t) {
-      r[t] = base + t * groups + tid / G;
-      live[t] = r[t] < R && row0 + r[t] < rows;
-      src[t] = x + (row0 + r[t]) * kNormK0;
-      sum[t] = 0.0f;
-      sumsq[t] = 0.0f;
-#pragma unroll
-      for (int p = 0; p < kNormPer; ++p) {
-        const int q = lane_in_row + p * G;
-        const float4 e = live[t] && q < kNormPieces ? norm_piece(src[t], q, vec) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        sum[t] = __fadd_rn(sum[t], __fadd_rn(__fadd_rn(e.x, e.y), __fadd_rn(e.z, e.w)));
-        sumsq[t] = __fadd_rn(sumsq[t], __fadd_rn(__fadd_rn(__fmul_rn(e.x, e.x), __fmul_rn(e.y, e.y)),
-                                                 __fadd_rn(__fmul_rn(e.z, e.z), __fmul_rn(e.w, e.w))));
-        if (kNormHold) held[t][kNormHold ? p : 0] = e;
-      }
+    for (int p = 0; p < kNormPer; ++p) {
+      const int q = lane_in_row + p * G;
+      const float4 e = live && q < kNormPieces ? norm_piece(src, q, vec) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      sum = __fadd_rn(sum, __fadd_rn(__fadd_rn(e.x, e.y), __fadd_rn(e.z, e.w)));
+      sumsq = __fadd_rn(sumsq, __fadd_rn(__fadd_rn(__fmul_rn(e.x, e.x), __fmul_rn(e.y, e.y)),
+                                         __fadd_rn(__fmul_rn(e.z, e.z), __fmul_rn(e.w, e.w))));
+      if (kNormHold) held[kNormHold ? p : 0] = e;
     }
 #pragma unroll
-    for (int t = 0; t < T; ++t) {
-#pragma unroll
-      for (int off = G / 2; off > 0; off >>= 1) {
-        sum[t] = __fadd_rn(sum[t], __shfl_xor_sync(0xffffffffu, sum[t], off));
-        sumsq[t] = __fadd_rn(sumsq[t], __shfl_xor_sync(0xffffffffu, sumsq[t], off));
-      }
+    for (int off = G / 2; off > 0; off >>= 1) {
+      sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, off));
+      sumsq = __fadd_rn(sumsq, __shfl_xor_sync(0xffffffffu, sumsq, off));
     }
+    if (r >= R) continue;
+    const float a = kNormLayer ? __fdiv_rn(sum, static_cast<float>(kNormK0)) : 0.0f;
+    const float var = kNormLayer ? __fsub_rn(__fdiv_rn(sumsq, static_cast<float>(kNormK0)), __fmul_rn(a, a))
+                                 : __fdiv_rn(sumsq, static_cast<float>(kNormK0));
+    const float b = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(var, kNormEps)));
+    elem_t* d = dst + r * ldd;
 #pragma unroll
-    for (int t = 0; t < T; ++t) {
-      if (r[t] >= R) continue;
-      const float a = kNormLayer ? __fdiv_rn(sum[t], static_cast<float>(kNormK0)) : 0.0f;
-      const float var = kNormLayer ? __fsub_rn(__fdiv_rn(sumsq[t], static_cast<float>(kNormK0)), __fmul_rn(a, a))
-                                   : __fdiv_rn(sumsq[t], static_cast<float>(kNormK0));
-      const float b = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(var, kNormEps)));
-      elem_t* d = dst + r[t] * ldd;
-#pragma unroll
-      for (int p = 0; p < kNormPer; ++p) {
-        const int q = lane_in_row + p * G;
-        if (q >= kNormPieces) break;
-        const float4 e = kNormHold ? held[t][kNormHold ? p : 0]
-                                   : (live[t] ? norm_piece(src[t], q, vec) : make_float4(0.0f, 0.0f, 0.0f, 0.0f));
-        const int c = 4 * q;
-        if (live[t]) visit(row0 + r[t], c, e);
-        const float4 sc = norm_params4(params, c, pvec);
-        const float4 nb = kNormBias ? norm_params4(params + kNormBiasOffset, c, pvec) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        const float v0 = live[t] ? norm_value(e.x, a, b, sc.x, nb.x) : 0.0f;
-        const float v1 = live[t] && c + 1 < kNormK0 ? norm_value(e.y, a, b, sc.y, nb.y) : 0.0f;
-        const float v2 = live[t] && c + 2 < kNormK0 ? norm_value(e.z, a, b, sc.z, nb.z) : 0.0f;
-        const float v3 = live[t] && c + 3 < kNormK0 ? norm_value(e.w, a, b, sc.w, nb.w) : 0.0f;
-        norm_store4(d + c, v0, v1, v2, v3);
-      }
+    for (int p = 0; p < kNormPer; ++p) {
+      const int q = lane_in_row + p * G;
+      if (q >= kNormPieces) break;
+      const float4 e = kNormHold ? held[kNormHold ? p : 0]
+                                 : (live ? norm_piece(src, q, vec) : make_float4(0.0f, 0.0f, 0.0f, 0.0f));
+      const int c = 4 * q;
+      if (live) visit(row0 + r, c, e);
+      const float4 sc = norm_params4(params, c, pvec);
+      const float4 nb = kNormBias ? norm_params4(params + kNormBiasOffset, c, pvec) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      const float v0 = live ? norm_value(e.x, a, b, sc.x, nb.x) : 0.0f;
+      const float v1 = live && c + 1 < kNormK0 ? norm_value(e.y, a, b, sc.y, nb.y) : 0.0f;
+      const float v2 = live && c + 2 < kNormK0 ? norm_value(e.z, a, b, sc.z, nb.z) : 0.0f;
+      const float v3 = live && c + 3 < kNormK0 ? norm_value(e.w, a, b, sc.w, nb.w) : 0.0f;
+      norm_store4(d + c, v0, v1, v2, v3);
     }
   }
   // the padded features past the last piece: zeros (P: at least 1, so the division below is never by 0)
