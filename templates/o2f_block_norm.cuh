@@ -45,6 +45,34 @@ __device__ __forceinline__ float4 norm_piece(const io_t* __restrict__ src, int q
                      c + 2 < kNormK0 ? o2f_load(src + c + 2) : 0.0f, c + 3 < kNormK0 ? o2f_load(src + c + 3) : 0.0f);
 }
 
+// A piece as a row's lanes hold it between the sums and the writes: fp16 rows' own 8 bytes (two registers
+// where four floats take four, so more warps fit an SM: the pass is bound by the loads its warps keep
+// waiting), fp32 rows' four floats.
+template <typename IO> struct NormHeld { using type = float4; };
+template <> struct NormHeld<__half> { using type = uint2; };
+using norm_held_t = typename NormHeld<io_t>::type;
+__device__ __forceinline__ float4 norm_unhold(const float4& e) { return e; }
+__device__ __forceinline__ float4 norm_unhold(const uint2& u) {
+  const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&u.x));
+  const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&u.y));
+  return make_float4(a.x, a.y, b.x, b.y);
+}
+
+// Features [4q, 4q + 4) of the row at `src` as held (zeros past K0): one vector load where `vec` (as
+// norm_piece), the fp16 bytes as they are.
+// (A template, so that only the io type's branch is compiled.)
+template <typename IO>
+__device__ __forceinline__ typename NormHeld<IO>::type norm_load_held(const IO* src, int q, bool vec) {
+  if constexpr (sizeof(IO) == 2) {
+    if (kNormK0 % 4 == 0 && vec) return __ldg(reinterpret_cast<const uint2*>(src + 4 * q));
+    const float4 e = norm_piece(src, q, vec);   // fp16 values and zeros: exact in fp16 again
+    const __half2 lo = __floats2half2_rn(e.x, e.y), hi = __floats2half2_rn(e.z, e.w);
+    return make_uint2(*reinterpret_cast<const unsigned*>(&lo), *reinterpret_cast<const unsigned*>(&hi));
+  } else {
+    return norm_piece(src, q, vec);
+  }
+}
+
 // The norm's scale (or bias) of features [c, c + 4): one 16-byte load where `vec` (the parameters 16-byte
 // aligned), else four. Past K0 it reads the NORM_ALIGN padding (plan/padding.py), whose products are
 // never kept. (Four scalar loads a piece were two thirds of the norm pass's loads: on the H100 its warps
@@ -113,16 +141,17 @@ __device__ __forceinline__ void norm_rows(const io_t* __restrict__ x, int64_t ro
     const int r = base + tid / G;
     const bool live = r < R && row0 + r < rows;
     const io_t* src = x + (row0 + r) * kNormK0;
-    float4 held[kNormHold ? kNormPer : 1];
+    norm_held_t held[kNormHold ? kNormPer : 1];
     float sum = 0.0f, sumsq = 0.0f;
 #pragma unroll
     for (int p = 0; p < kNormPer; ++p) {
       const int q = lane_in_row + p * G;
-      const float4 e = live && q < kNormPieces ? norm_piece(src, q, vec) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      const norm_held_t h = live && q < kNormPieces ? norm_load_held(src, q, vec) : norm_held_t{};
+      const float4 e = norm_unhold(h);
       sum = __fadd_rn(sum, __fadd_rn(__fadd_rn(e.x, e.y), __fadd_rn(e.z, e.w)));
       sumsq = __fadd_rn(sumsq, __fadd_rn(__fadd_rn(__fmul_rn(e.x, e.x), __fmul_rn(e.y, e.y)),
                                          __fadd_rn(__fmul_rn(e.z, e.z), __fmul_rn(e.w, e.w))));
-      if (kNormHold) held[kNormHold ? p : 0] = e;
+      if (kNormHold) held[kNormHold ? p : 0] = h;
     }
 #pragma unroll
     for (int off = G / 2; off > 0; off >>= 1) {
@@ -139,7 +168,7 @@ __device__ __forceinline__ void norm_rows(const io_t* __restrict__ x, int64_t ro
     for (int p = 0; p < kNormPer; ++p) {
       const int q = lane_in_row + p * G;
       if (q >= kNormPieces) break;
-      const float4 e = kNormHold ? held[kNormHold ? p : 0]
+      const float4 e = kNormHold ? norm_unhold(held[kNormHold ? p : 0])
                                  : (live ? norm_piece(src, q, vec) : make_float4(0.0f, 0.0f, 0.0f, 0.0f));
       const int c = 4 * q;
       if (live) visit(row0 + r, c, e);
