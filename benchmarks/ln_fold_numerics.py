@@ -43,3 +43,15 @@ for name, x in [
 ]:
     now, fold = run(x, gamma, beta, W, b)
     print(f"{name:24s} normalise first {now:.2e}   folded {fold:.2e}")
+
+# fp32 input rows: folding would round x itself to fp16 for the MMA, and the error then grows with the
+# row mean over the row's spread (normalising first rounds x - mean instead)
+print("fp32 input rows, x rounded to fp16 for the folded GEMM:")
+for mean in (0, 5, 50):
+    x = (mean + rng.standard_normal((M, K))).astype(np.float32)
+    xd = x.astype(np.float64)
+    mu, sd = xd.mean(1, keepdims=True), np.sqrt(xd.var(1, keepdims=True) + 1e-5)
+    ref = ((xd - mu) / sd * gamma + beta) @ W + b
+    Wp = (gamma[:, None] * W).astype(np.float16).astype(np.float32)
+    fold = (x.astype(np.float16).astype(np.float32) @ Wp) / sd - (mu / sd) * Wp.sum(0) + (beta @ W + b)
+    print(f"  row mean {mean:2d} sigma: folded {float(np.linalg.norm(fold - ref) / np.linalg.norm(ref)):.2e}")
