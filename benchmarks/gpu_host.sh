@@ -29,6 +29,8 @@
 #   benchmarks/gpu_host.sh tune [ARGS]    benchmarks/tune_wide.py: the wide kernel search, every candidate timed
 #   benchmarks/gpu_host.sh times [ARGS]   benchmarks/convert_times.py: cold and warm convert of every zoo model
 #   benchmarks/gpu_host.sh sm90           benchmarks/sm90/run.sh: the standalone wgmma fused-MLP prototype
+#   benchmarks/gpu_host.sh lnfold         benchmarks/sm90/ln_fold.sh: the LayerNorm folded into ViT-B's first GEMM,
+#                                         against the norm pass + GEMM (times and errors; no ORT needed)
 #   benchmarks/gpu_host.sh ncuwide [CASE [KERNEL]] Nsight Compute on a wide case's kernels through ORT (profile_case.py)
 #   benchmarks/gpu_host.sh profile [CASES] Nsight Compute on kernel_check.py --profile (default: the four
 #                                         issue-15 cases; ONNX2FUSED_CUDA_DESIGN=wgmma for that design)
@@ -170,6 +172,9 @@ bench)
 wide)
   shift
   python3 benchmarks/wide_cases.py --out "$OUT/wide" "$@" 2>&1 | tail -40
+  ;;
+lnfold)
+  bash benchmarks/sm90/ln_fold.sh
   ;;
 tune)
   shift
