@@ -12,7 +12,7 @@
 // in fp32 with IEEE-rounded operations (no contraction into FMAs), so each value differs from the CPU
 // kernel's by the order of the row's sums and, for a layer norm, at most an ulp or so of fp32 before its
 // rounding to 16 bits. (An IEEE division per value was most of the norm pass's instructions: on the H100
-// the pass took as long with fp16 rows as with fp32 ones, RESULTS.md.) Only the K0 true features enter the
+// the pass took nearly as long with fp16 rows as with fp32 ones, RESULTS.md.) Only the K0 true features enter the
 // sums and the mean; the padded features [K0, KP0) are written as zeros, and rows past the batch as zeros too.
 #pragma once
 
