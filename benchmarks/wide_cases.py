@@ -21,10 +21,11 @@ and times it ("fused_fp16"): the like-for-like comparison with ORT fp16 (`onnx2f
 does the same for whole models). The default "fused" is the fp32 model converted, which reads and writes
 fp32 rows: twice ORT fp16's I/O bytes. Where it ran, the table shows both ratios and the targets are
 judged on each.
-`--interleave` opens those variants together and times them in turns, one run each per repetition (the
-order reversed every other one): through ORT a case's times drift by several percent between calls on
-one machine (ORT fp16 0.44-0.50 ms on the ViT-B block), so variants timed one after another can
-disagree on their ratio by more than a target's margin.
+`--interleave` opens the variants without a run-time switch (ORT fp32, ORT fp16, fused, fused_fp16)
+together and times them in turns, one run each per repetition (the order reversed every other one);
+those with a switch (`fused_sm80`, `--env`) are timed after, one by one. Through ORT a case's times drift
+by several percent between calls on one machine (ORT fp16 0.44-0.50 ms on the ViT-B block), so variants
+timed one after another can disagree on their ratio by more than a target's margin.
 Every variant also runs once on the same seeded rows, untimed: the table's last column is the fused
 model's relative L2 distance from ORT fp32 on them (NaN if any output is not finite).
 `--batch N[,N...]` replaces a case's batch (N = 1: the per-run overhead of each path); several batches
