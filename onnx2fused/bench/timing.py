@@ -146,31 +146,14 @@ class _Dev:
         (io.bind_output if output else io.bind_input)(*args)
 
     def time(self, step, reps: int, warmup: int) -> list[float]:
-        """Per-run times (ms); the device is idle before each run. torch: CUDA events on the current
-        stream (a synchronous ORT run ends after its work, so the end event follows it); else host timer."""
-        for i in range(warmup):
-            step(i)
-        self.sync()
-        if self.torch is None:
-            ts = []
-            for i in range(reps):
-                t0 = time.perf_counter()
-                step(i)
-                ts.append((time.perf_counter() - t0) * 1e3)
-            return ts
-        ev = self.torch.cuda.Event
-        starts = [ev(enable_timing=True) for _ in range(reps)]
-        ends = [ev(enable_timing=True) for _ in range(reps)]
-        for i in range(reps):
-            starts[i].record()
-            step(i)
-            ends[i].record()
-            ends[i].synchronize()
-        return [s.elapsed_time(e) for s, e in zip(starts, ends)]
+        """Per-run times (ms) of one step: time_interleaved with nothing to take turns with."""
+        return self.time_interleaved({"step": step}, reps, warmup)["step"]
 
     def time_interleaved(self, steps: dict, reps: int, warmup: int) -> dict[str, list[float]]:
-        """time() for several steps at once: in every repetition each step runs once, the order reversed
-        every other repetition, each run timed on its own (CUDA events, or the host timer)."""
+        """Per-run times (ms) of each step: in every repetition each step runs once, the order reversed
+        every other repetition, each run timed on its own with the device idle before it. torch: CUDA
+        events on the current stream (a synchronous ORT run ends after its work, so the end event follows
+        it); else the host timer."""
         names = list(steps)
         for i in range(warmup):
             for n in names:
