@@ -84,7 +84,9 @@ def _profile(title: str, sess, shape: list, width_out: int, dtype, runs: int, ex
     print("\n".join(kernel_table(per, runs)))
     if spans:
         print(f"  {float(np.median(spans)):8.1f}  first kernel's start to last kernel's end, median per run (us)")
-    # the host's side of the same runs: ORT's time before the first launch, the launch calls, the wait
+    # the host's side of as many more runs: ORT's time before the first launch, the launch calls, the wait.
+    # Separate runs on purpose: with CPU activity the profiler slows each launch call (~9 us on the H100
+    # host), which would widen the spans above.
     phases = host_timeline(lambda: sess.run_with_iobinding(io), runs)
     print(f"{title}: host time per run (us, medians of {runs} runs)")
     for name, ts in phases.items():
