@@ -9,7 +9,7 @@ CUTLASS_INC=${CUTLASS_INC:-$ROOT/.deps/cutlass/include}
 LOG=${OUT:-$HERE/out}
 mkdir -p "$LOG"
 BIN=/tmp/ln_fold_$$
-"${NVCC:-nvcc}" -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 -I"$CUTLASS_INC" --expt-relaxed-constexpr \
+"${NVCC:-nvcc}" -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 -I"$CUTLASS_INC" -I"$ROOT/templates" --expt-relaxed-constexpr \
   -o "$BIN" "$HERE/ln_fold_gemm.cu"
 for mean in 0 5; do "$BIN" 16384 3072 "$mean"; done 2>&1 | tee "$LOG/ln_fold.txt"
 rm -f "$BIN"
