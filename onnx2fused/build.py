@@ -37,6 +37,7 @@ from ._version import __version__
 from .errors import BuildError, ConversionError
 from .headers import default_cache_dir, find_cutlass_headers, locate_ort_headers, needs_cutlass
 from .resources import ort_plugin_dir
+from .wide_params import INSTANCE_PREFIX
 
 VERSION = 1  # bump when the build recipe changes in a way the key does not see
 
@@ -235,6 +236,16 @@ def sm90a_nvcc_flags(flags: list[str]) -> list[str]:
 
 
 _INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"', re.M)
+
+
+def instance_nvcc_flags(flags: list[str]) -> list[str]:
+    """A CUTLASS kernel instance unit's flags: `flags` without `-lineinfo`, unless ONNX2FUSED_LINEINFO=1.
+    Line info changes no SASS (the GPU host's mnist instance: cuobjdump -sass identical) and costs a
+    Hopper instance 5 of its 40 s of nvcc (benchmarks/RESULTS.md, seventeenth run); it only maps
+    CUTLASS's own lines in Nsight's source view. The chain units, our kernels, keep it."""
+    if os.environ.get("ONNX2FUSED_LINEINFO", "").strip() == "1":
+        return list(flags)
+    return [f for f in flags if f != "-lineinfo"]
 
 
 def included_sources(name: str, sources: dict[str, str]) -> list[str]:
@@ -437,6 +448,8 @@ def _jobs(sources: dict[str, str], cxx: str, nvcc: str | None, host_flags: list[
                 # wide-design sources get sm_90a instead of sm_90 (wide_nvcc_flags); a unit of Hopper kernels
                 # only (a CUTLASS 3.x kernel instance) sm_90a alone
                 flags = sm90a_nvcc_flags(cu_flags) if sm90a_only(sources[name]) else wide_nvcc_flags(cu_flags)
+                if name.startswith(INSTANCE_PREFIX):
+                    flags = instance_nvcc_flags(flags)
                 flags += ["-I", str(cutlass.path), "--expt-relaxed-constexpr"]
                 add(name, [nvcc, *flags, *includes, "-c", src, "-o", "{obj}"], {"cutlass": cutlass.version})
             elif needs_sm90a(sources[name]):    # the wgmma design: sm_90a in place of sm_90 (wgmma_nvcc_flags)

@@ -737,6 +737,14 @@ def test_wide_nvcc_flags_turn_sm90_into_sm90a_only():
     assert build.wide_nvcc_flags(["-gencode", "arch=compute_90a,code=sm_90a"])[-1] == build.WIDE_SM90A_DEFINE
 
 
+def test_instance_units_keep_line_info_on_request(monkeypatch):
+    flags = ["-O3", "-lineinfo", "-gencode", "arch=compute_90a,code=sm_90a"]
+    monkeypatch.delenv("ONNX2FUSED_LINEINFO", raising=False)
+    assert build.instance_nvcc_flags(flags) == ["-O3", "-gencode", "arch=compute_90a,code=sm_90a"]
+    monkeypatch.setenv("ONNX2FUSED_LINEINFO", "1")
+    assert build.instance_nvcc_flags(flags) == flags
+
+
 def _stub_build_env(monkeypatch):
     """nvcc and g++ on PATH (their --version enters the cache key), ONNX Runtime headers where offline
     tests find them, archs 80,90 and no tuning build."""
@@ -793,6 +801,8 @@ def test_build_compiles_only_the_wide_sources_for_sm90a(tmp_path, monkeypatch):
     for n, a in insts.items():
         assert build.WIDE_SM90A_DEFINE in a and "--expt-relaxed-constexpr" in a
         assert _gencodes(a) == (["arch=compute_90a,code=sm_90a"] if n in hopper else sm80_sm90a), n
+        assert "-lineinfo" not in a, n   # instance_nvcc_flags: same SASS, 5 s less per Hopper instance
+    assert "-lineinfo" in wide_cmd and "-lineinfo" in narrow_cmd   # our own kernels keep Nsight's source view
     # no parts: one command per unit
     assert not any(f.startswith("-DO2F_PART") for a in calls for f in a)
 
