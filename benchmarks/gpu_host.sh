@@ -43,7 +43,9 @@ R=$(pwd)
 OUT=${OUT:-/tmp/o2f-out}
 export PYTHONPATH=/tmp/site:$R:$R/.deps/pylib
 workers=()   # pytest-xdist when carried: one nvcc build per core instead of one at a time
-[ -d .deps/pylib/xdist ] && workers=(-n "${O2F_PYTEST_WORKERS:-16}")
+# --dist loadgroup: tests marked xdist_group share one worker (test_gpu_wide.py's on one CUTLASS library,
+# whose module fixture each worker would otherwise build again: with 16 at once the OOM killer took cicc)
+[ -d .deps/pylib/xdist ] && workers=(-n "${O2F_PYTEST_WORKERS:-16}" --dist loadgroup)
 # pytest-timeout when carried: a test over O2F_TEST_TIMEOUT seconds fails with its stack, so a hang names
 # itself instead of eating the call's time limit
 [ -f .deps/pylib/pytest_timeout.py ] && workers+=(--timeout "${O2F_TEST_TIMEOUT:-240}")

@@ -27,12 +27,12 @@ import shutil
 import subprocess
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import Callable
 
+from . import build_pool
 from ._version import __version__
 from .errors import BuildError, ConversionError
 from .headers import default_cache_dir, find_cutlass_headers, locate_ort_headers, needs_cutlass
@@ -325,6 +325,7 @@ class _Job:
     name: str
     args: tuple[str, ...]
     key: str
+    peak_mb: int = build_pool.PEAK_MB_OTHER   # the compile's estimated peak memory (build_pool)
 
     def command(self, src: Path, inc: Path, obj: Path) -> list[str]:
         return [a.format(src=src, inc=inc, obj=obj) for a in self.args]
@@ -435,11 +436,11 @@ def _jobs(sources: dict[str, str], cxx: str, nvcc: str | None, host_flags: list[
     includes = ["-I", "{src}", "-I", "{inc}"]
     out = []
 
-    def add(name: str, args: list[str], extra: dict | None = None):
+    def add(name: str, args: list[str], extra: dict | None = None, peak_mb: int = build_pool.PEAK_MB_OTHER):
         key = _sha(json.dumps({"toolchain": toolchain, "args": args, "source": name, "text": _sha(sources[name]),
                                "headers": {h: _sha(sources[h]) for h in included_sources(name, sources)},
                                **(extra or {})}, sort_keys=True))
-        out.append(_Job(name, tuple(args), key))
+        out.append(_Job(name, tuple(args), key, peak_mb))
 
     for name in sorted(sources):
         src = "{src}/" + name
@@ -447,11 +448,13 @@ def _jobs(sources: dict[str, str], cxx: str, nvcc: str | None, host_flags: list[
             if cutlass and needs_cutlass({name: sources[name]}):
                 # wide-design sources get sm_90a instead of sm_90 (wide_nvcc_flags); a unit of Hopper kernels
                 # only (a CUTLASS 3.x kernel instance) sm_90a alone
-                flags = sm90a_nvcc_flags(cu_flags) if sm90a_only(sources[name]) else wide_nvcc_flags(cu_flags)
+                hopper = sm90a_only(sources[name])
+                flags = sm90a_nvcc_flags(cu_flags) if hopper else wide_nvcc_flags(cu_flags)
                 if name.startswith(INSTANCE_PREFIX):
                     flags = instance_nvcc_flags(flags)
                 flags += ["-I", str(cutlass.path), "--expt-relaxed-constexpr"]
-                add(name, [nvcc, *flags, *includes, "-c", src, "-o", "{obj}"], {"cutlass": cutlass.version})
+                add(name, [nvcc, *flags, *includes, "-c", src, "-o", "{obj}"], {"cutlass": cutlass.version},
+                    build_pool.PEAK_MB_HOPPER if hopper else build_pool.PEAK_MB_CUTLASS)
             elif needs_sm90a(sources[name]):    # the wgmma design: sm_90a in place of sm_90 (wgmma_nvcc_flags)
                 add(name, [nvcc, *wgmma_nvcc_flags(cu_flags), *includes, "-c", src, "-o", "{obj}"])
             else:
@@ -498,19 +501,19 @@ def _build_into(tmp: Path, sources: dict[str, str], jobs: list[_Job], link: list
         + (f"; {reused} from the object cache" if reused else ""))
     done = [0]
 
-    def compile_one(job: _Job):
+    def compile_one(job: _Job) -> tuple[int, str]:
         target = obj / (job.name + ".o")
         rc, text = _compile(job.command(src, include, target), tmp)
         if rc == 0:
             done[0] += 1
             say(f"  compiled {job.name} ({done[0]}/{len(todo)}, {time.monotonic() - t0:.1f} s)")
-        return job, rc, text
+        return rc, text
 
     workers = max(1, min(len(todo), os.cpu_count() or 1))
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        results = list(pool.map(compile_one, todo))
+    results = build_pool.run_all(todo, compile_one, lambda j: j.peak_mb, workers, build_pool.available_memory_mb(), say)
     log = [f"$ {' '.join(job.command(src, include, obj / (job.name + '.o')))}\n{text}" for job, rc, text in results]
-    failed = [job.name for job, rc, _ in results if rc != 0]
+    failed = [job.name + (" (killed twice: out of memory?)" if build_pool.was_killed(rc, text) else "")
+              for job, rc, text in results if rc != 0]
     if not failed:
         (cache / "objects").mkdir(exist_ok=True)
         for job, _, _ in results:  # publish each new object atomically (a concurrent twin writes the same bytes)

@@ -24,6 +24,10 @@ from onnx2fused.plan.choose import make_plan  # noqa: E402
 from onnx2fused.plan.options import DESIGN_ENV, PlanOptions, WideOptions  # noqa: E402
 
 WIDE = PlanOptions(design="wide")
+# The tests on the `shared` library run in one xdist worker (`--dist loadgroup`, as gpu_host.sh runs
+# them): a module fixture is built once per worker, and one CUTLASS build per worker, each compiling
+# ~10 instances on every core, had the GPU host's OOM killer take compilers (seventeenth run).
+ON_SHARED = pytest.mark.xdist_group("gpu-wide-shared")
 from onnx2fused.loader import load_model  # noqa: E402
 
 TOL = {"fp16": 2e-3, "bf16": 1e-2}
@@ -155,6 +159,7 @@ def _hopper() -> bool:
 KERNEL_FAMILIES = ("default", "sm80")
 
 
+@ON_SHARED
 @pytest.mark.parametrize("widths,act", CASES, ids=[_case_id(w, a) for w, a in CASES])
 def test_wide_matches_stock_fp32(widths, act, shared, monkeypatch):
     models, lib = shared
@@ -172,8 +177,7 @@ def test_wide_matches_stock_fp32(widths, act, shared, monkeypatch):
             got = run_poisoned(sess, x, ref.shape)
             assert rel_l2(got, ref) <= TOL["fp16"], f"{widths} batch {batch} {family} kernels"
     monkeypatch.delenv(wide.SM80_ENV, raising=False)
-
-
+@ON_SHARED
 def test_dlrm_cases_cover_the_segmented_plan_and_the_narrow_layer(shared):
     """The two DLRM builds above run different code: a fused tail kernel after one GEMM, and three GEMMs
     ending in the thread-per-row narrow layer (both checked against stock ORT by the test above)."""
@@ -181,8 +185,7 @@ def test_dlrm_cases_cover_the_segmented_plan_and_the_narrow_layer(shared):
     segmented, plain = models["512x256x64x1_relu"][2], models["512x256x64x2_relu"][2]
     assert segmented.tail_from == 1 and len(segmented.gemms) == 1
     assert plain.tail_from == 0 and plain.gemms[-1].narrow
-
-
+@ON_SHARED
 def test_hopper_runs_the_sm90a_kernels(shared, monkeypatch):
     """The kernels launched, by name (torch's profiler sees every kernel of the process, ORT's included):
     CUTLASS 3.x GemmUniversal kernels on sm_90 unless overridden, the 2.x ones with the override."""
@@ -208,8 +211,7 @@ def test_hopper_runs_the_sm90a_kernels(shared, monkeypatch):
         pytest.skip("the profiler recorded no CUDA kernels here (CUPTI unavailable)")
     assert "GemmUniversal" in names["default"] and "MainloopSm90TmaGmmaWarpSpecialized" in names["default"]
     assert "MmaMultistage" in names["sm80"] and "MainloopSm90" not in names["sm80"]
-
-
+@ON_SHARED
 def test_wide_fp16_io_in_place_and_bf16(shared):
     """An fp16 model (bench.to_fp16 of the fp32 one: fp16 input, weights, output) against stock fp32."""
     models, lib = shared
@@ -236,8 +238,7 @@ def test_rows_past_one_row_block(cache_dir, tmp_path, monkeypatch):
     got = run_poisoned(_session(fused, lib), x, ref.shape)
     assert rel_l2(got, ref) <= TOL["fp16"]
     assert rel_l2(got[-77:], ref[-77:]) <= TOL["fp16"]  # the partial last block
-
-
+@ON_SHARED
 def test_cuda_graph_replay(shared):
     models, lib = shared
     src, fused, _ = models[_case_id([768, 3072, 768], "gelu")]
