@@ -348,6 +348,7 @@ def compile(sources: dict[str, str], with_cuda: bool, cache_dir=None,
     instances of another model's wide chains) compiles only what differs, then links.
     """
     say = say or (lambda msg: None)
+    jobs_cap = build_pool.jobs_cap()   # a bad ONNX2FUSED_BUILD_JOBS stops here, before any work
     cache = cache_folder(cache_dir)
     nvcc = find_nvcc() if with_cuda else None
     if with_cuda and not nvcc:
@@ -401,7 +402,7 @@ def compile(sources: dict[str, str], with_cuda: bool, cache_dir=None,
             raise _unwritable(cache, e) from e
         try:
             _build_into(tmp, sources, jobs, link, with_cuda, lib_name, headers.path, cache, key,
-                        {"toolchain": toolchain, "objects": {j.name: j.key for j in jobs}}, say, t0)
+                        {"toolchain": toolchain, "objects": {j.name: j.key for j in jobs}}, say, t0, jobs_cap)
             _install(tmp, entry, cache)
         except OSError as e:
             raise _unwritable(cache, e) from e
@@ -487,7 +488,8 @@ def _cached_object(cache: Path, job: _Job) -> Path:
 
 
 def _build_into(tmp: Path, sources: dict[str, str], jobs: list[_Job], link: list[str], with_cuda: bool,
-                lib_name: str, include: Path, cache: Path, key: str, key_parts: dict, say, t0: float) -> None:
+                lib_name: str, include: Path, cache: Path, key: str, key_parts: dict, say, t0: float,
+                jobs_cap: int | None = None) -> None:
     out = tmp / "entry"
     src = out / "sources"
     obj = tmp / "obj"
@@ -509,8 +511,8 @@ def _build_into(tmp: Path, sources: dict[str, str], jobs: list[_Job], link: list
             say(f"  compiled {job.name} ({done[0]}/{len(todo)}, {time.monotonic() - t0:.1f} s)")
         return rc, text
 
-    workers = max(1, min(len(todo), os.cpu_count() or 1))
-    results = build_pool.run_all(todo, compile_one, lambda j: j.peak_mb, workers, build_pool.available_memory_mb(), say)
+    results = build_pool.run_all(todo, compile_one, lambda j: j.peak_mb, build_pool.max_workers(len(todo), jobs_cap),
+                                 build_pool.available_memory_mb(), say)
     log = [f"$ {' '.join(job.command(src, include, obj / (job.name + '.o')))}\n{text}" for job, rc, text in results]
     failed = [job.name + (" (killed twice: out of memory?)" if build_pool.was_killed(rc, text) else "")
               for job, rc, text in results if rc != 0]

@@ -10,14 +10,18 @@ converts at once on one host, would have the kernel kill compilers and the conve
   - a compile that was killed (the OOM killer's SIGKILL: nvcc says its child "died due to signal 9", a
     shell says "Killed") runs again after the others, one at a time, which is what other processes'
     builds cannot take from it.
+$ONNX2FUSED_BUILD_JOBS caps the compiles at once below the core count.
 """
 from __future__ import annotations
 
+import os
 import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Sequence, TypeVar
+
+from .errors import ConversionError
 
 Job = TypeVar("Job")
 
@@ -27,7 +31,24 @@ PEAK_MB_HOPPER = 4096
 PEAK_MB_CUTLASS = 2560
 PEAK_MB_OTHER = 1024
 
+JOBS_ENV = "ONNX2FUSED_BUILD_JOBS"   # at most this many compiles at once (default: one per core)
+
 _KILLED = re.compile(r"died due to signal 9|\bKilled\b|signal 9 \(Kill")
+
+
+def jobs_cap() -> int | None:
+    """$ONNX2FUSED_BUILD_JOBS as a number of compiles (None when unset); anything else is an error."""
+    text = os.environ.get(JOBS_ENV, "").strip()
+    if not text:
+        return None
+    if not text.isdigit() or int(text) < 1:
+        raise ConversionError(f"{JOBS_ENV}={text!r}: expected a whole number of compiles, 1 or more")
+    return int(text)
+
+
+def max_workers(units: int, cap: int | None) -> int:
+    """Compiles to run at once for `units` translation units: one per core, at most `cap`."""
+    return max(1, min(units, os.cpu_count() or 1, cap or units))
 
 
 def available_memory_mb(meminfo: Path = Path("/proc/meminfo")) -> int | None:

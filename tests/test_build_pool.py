@@ -1,6 +1,7 @@
 """build_pool: parallel compiles within the host's memory, and compilers the OOM killer took run again."""
 from __future__ import annotations
 
+import re
 import threading
 import time
 from pathlib import Path
@@ -142,3 +143,39 @@ def test_hopper_instances_are_planned_with_the_largest_peak():
                                                       set(), {}, Cutlass())}
     assert jobs == {"o2f_inst_Pingpong128x128_x.cu": build_pool.PEAK_MB_HOPPER,
                     "o2f_inst_Sm80T1_x.cu": build_pool.PEAK_MB_CUTLASS, "registry.cc": build_pool.PEAK_MB_OTHER}
+
+
+def test_build_jobs_env_caps_the_compiles_at_once(tmp_path, monkeypatch):
+    """ONNX2FUSED_BUILD_JOBS=1 through build_plugin (CPU-only library, real compiles): never two at once."""
+    real = build_mod._compile
+    lock = threading.Lock()
+    running, most = [0], [0]
+
+    def counted(args, cwd):
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        try:
+            time.sleep(0.05)
+            return real(args, cwd)
+        finally:
+            with lock:
+                running[0] -= 1
+
+    monkeypatch.setattr(build_mod, "_compile", counted)
+    monkeypatch.setattr(build_pool.os, "cpu_count", lambda: 8)
+    monkeypatch.setenv(build_pool.JOBS_ENV, "1")
+    assert build_plugin([SPEC], with_cuda=False, cache_dir=tmp_path).path.is_file()
+    assert most[0] == 1
+    monkeypatch.delenv(build_pool.JOBS_ENV)
+    assert build_pool.max_workers(3, None) == 3 and build_pool.max_workers(20, None) == 8
+    assert build_pool.max_workers(20, 2) == 2 and build_pool.max_workers(0, None) == 1
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "many", "1.5"])
+def test_a_bad_build_jobs_value_is_one_clear_error_before_any_work(tmp_path, monkeypatch, value):
+    from onnx2fused.errors import ConversionError
+    monkeypatch.setenv(build_pool.JOBS_ENV, value)
+    with pytest.raises(ConversionError, match=rf"ONNX2FUSED_BUILD_JOBS='{re.escape(value)}': expected a whole number"):
+        build_plugin([SPEC], with_cuda=False, cache_dir=tmp_path / "cache")
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())
