@@ -27,6 +27,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -487,6 +488,23 @@ def _cached_object(cache: Path, job: _Job) -> Path:
     return cache / "objects" / f"{job.key[:32]}.o"
 
 
+@contextmanager
+def _object_lock(cache: Path, job: _Job):
+    """An exclusive lock on one unit's object across processes (flock on objects/.<key>.lock)."""
+    with open(cache / "objects" / f".{job.key[:32]}.lock", "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def _publish_object(built: Path, cached: Path) -> None:
+    """Copy a compiled object into the object cache atomically, as soon as it compiled: the object is
+    keyed by everything that makes it, so it is good for any library, even if this build fails later."""
+    fd, part = tempfile.mkstemp(prefix=".obj-", dir=cached.parent)
+    os.close(fd)
+    shutil.copyfile(built, part)
+    os.replace(part, cached)
+
+
 def _build_into(tmp: Path, sources: dict[str, str], jobs: list[_Job], link: list[str], with_cuda: bool,
                 lib_name: str, include: Path, cache: Path, key: str, key_parts: dict, say, t0: float,
                 jobs_cap: int | None = None) -> None:
@@ -503,12 +521,22 @@ def _build_into(tmp: Path, sources: dict[str, str], jobs: list[_Job], link: list
         + (f"; {reused} from the object cache" if reused else ""))
     done = [0]
 
+    (cache / "objects").mkdir(exist_ok=True)
+
     def compile_one(job: _Job) -> tuple[int, str]:
-        target = obj / (job.name + ".o")
-        rc, text = _compile(job.command(src, include, target), tmp)
-        if rc == 0:
-            done[0] += 1
-            say(f"  compiled {job.name} ({done[0]}/{len(todo)}, {time.monotonic() - t0:.1f} s)")
+        # One compile of a unit at a time across processes: a concurrent build of another library that
+        # shares it (a CUTLASS instance: ~40 s, ~3.3 GB) waits for this one and links its object.
+        with _object_lock(cache, job):
+            if _cached_object(cache, job).is_file():
+                done[0] += 1
+                say(f"  {job.name} from the object cache, built meanwhile ({done[0]}/{len(todo)})")
+                return 0, "(from the object cache: a concurrent build compiled it)"
+            target = obj / (job.name + ".o")
+            rc, text = _compile(job.command(src, include, target), tmp)
+            if rc == 0:
+                _publish_object(target, _cached_object(cache, job))
+                done[0] += 1
+                say(f"  compiled {job.name} ({done[0]}/{len(todo)}, {time.monotonic() - t0:.1f} s)")
         return rc, text
 
     results = build_pool.run_all(todo, compile_one, lambda j: j.peak_mb, build_pool.max_workers(len(todo), jobs_cap),
@@ -517,14 +545,6 @@ def _build_into(tmp: Path, sources: dict[str, str], jobs: list[_Job], link: list
     failed = [job.name + (" (killed twice: out of memory?)" if build_pool.was_killed(rc, text) else "")
               for job, rc, text in results if rc != 0]
     if not failed:
-        (cache / "objects").mkdir(exist_ok=True)
-        for job, _, _ in results:  # publish each new object atomically (a concurrent twin writes the same bytes)
-            built = obj / (job.name + ".o")
-            if built.is_file():
-                fd, part = tempfile.mkstemp(prefix=".obj-", dir=cache / "objects")
-                os.close(fd)
-                shutil.copyfile(built, part)
-                os.replace(part, _cached_object(cache, job))
         objs = [str(obj / (j.name + ".o")) if (obj / (j.name + ".o")).is_file() else str(_cached_object(cache, j))
                 for j in jobs]
         cmd = [*link, "-o", str(out / lib_name), *objs, *_link_tail(with_cuda)]

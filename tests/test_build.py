@@ -141,6 +141,47 @@ def test_concurrent_builds_from_two_processes_give_one_library(tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith((".build-", ".trash-"))]
 
 
+def test_concurrent_builds_of_two_libraries_compile_their_shared_units_once(tmp_path):
+    """Two processes build two different libraries at once that share units (a chain's CPU kernel, the
+    hand-written plugin): each shared unit compiles once (the per-object lock; the second waits and links
+    the first's object), and both libraries load. A wrapper compiler logs each compile."""
+    log = tmp_path / "compiles.log"
+    cxx = tmp_path / "logging-g++"
+    real_cxx = build_mod.find_cxx()
+    cxx.write_text(textwrap.dedent(f"""\
+        #!/bin/sh
+        for a in "$@"; do case "$a" in *.cc) echo "$(basename "$a")" >> {str(log)!r};; esac; done
+        sleep 0.3
+        exec {real_cxx!r} "$@"
+    """))
+    cxx.chmod(0o755)
+    script = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(REPO)!r})
+        from onnx2fused import expr as ex
+        from onnx2fused.library import build_plugin
+        from onnx2fused.spec import LayerSpec, MLPSpec
+        spec = MLPSpec((LayerSpec(8, 24, True, ex.relu()), LayerSpec(24, 3, False, ex.identity())), io_dtype="f32")
+        other = MLPSpec((LayerSpec(8, 16, True, ex.tanh()), LayerSpec(16, 3, True, ex.identity())), io_dtype="f32")
+        specs = [spec] if sys.argv[2] == "one" else [spec, other]
+        print(build_plugin(specs, with_cuda=False, cache_dir=sys.argv[1]).path)
+    """)
+    env = {**os.environ, "CXX": str(cxx)}
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(tmp_path / "cache"), which], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env) for which in ("one", "two")]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    libs = [Path(o[0].strip()) for o in outs]
+    assert libs[0] != libs[1] and all(lib.is_file() for lib in libs)
+    compiled = log.read_text().split()
+    spec_unit = next(n for n in compiled if n.startswith("FusedMLP_8x24x3"))
+    assert compiled.count(spec_unit) == 1 and compiled.count("plugin.cc") == 1, compiled
+    assert compiled.count("registry.cc") == 2   # each library's own registry (other chains listed)
+    import ctypes
+    for lib in libs:
+        ctypes.CDLL(str(lib))
+
+
 def test_cuda_archs_env(monkeypatch):
     monkeypatch.setenv("ONNX2FUSED_CUDA_ARCHS", "sm_90, 100a")
     assert build_mod.cuda_archs() == ["90", "100a"]
