@@ -40,20 +40,28 @@ def test_was_killed_tells_a_kill_from_a_compile_error(rc, output, killed):
     assert build_pool.was_killed(rc, output) is killed
 
 
-def _run_tracking(jobs, peak, budget, workers=8, fail=lambda job, attempt: None):
-    """run_all over `jobs` with a fake compile that sleeps; returns (results, the largest sum of peaks
-    that ran at once, attempts per job, progress lines)."""
+def _run_tracking(jobs, peak, budget, workers=8, fail=lambda job, attempt: None, together=0, wait_s=10.0):
+    """run_all over `jobs` with a fake compile; returns (results, the largest sum of peaks that ran at
+    once, attempts per job, progress lines). together=N: the first N compiles to start wait for each
+    other (a barrier, `wait_s` at most): they must be able to run at the same time, or it breaks."""
     lock = threading.Lock()
-    running, most, attempts, lines = [0], [0], {}, []
+    running, most, attempts, lines, started = [0], [0], {}, [], [0]
+    barrier = threading.Barrier(together) if together else None
 
     def run(job):
         with lock:
             attempts[job] = attempts.get(job, 0) + 1
             running[0] += peak(job)
             most[0] = max(most[0], running[0])
-        time.sleep(0.02)
-        with lock:
-            running[0] -= peak(job)
+            slot = started[0]
+            started[0] += 1
+        try:
+            if barrier and slot < together:
+                barrier.wait(timeout=wait_s)
+            time.sleep(0.01)
+        finally:
+            with lock:
+                running[0] -= peak(job)
         return fail(job, attempts[job]) or (0, "")
 
     results = build_pool.run_all(jobs, run, peak, workers, budget, lines.append)
@@ -62,11 +70,13 @@ def _run_tracking(jobs, peak, budget, workers=8, fail=lambda job, attempt: None)
 
 def test_jobs_run_together_only_while_their_peaks_fit():
     jobs = [f"unit{i}" for i in range(6)]
-    results, most, _, _ = _run_tracking(jobs, lambda j: 4096, budget=9000)
+    results, most, _, _ = _run_tracking(jobs, lambda j: 4096, budget=9000, together=2)
     assert [j for j, _, _ in results] == jobs and all(rc == 0 for _, rc, _ in results)
-    assert most == 8192            # two at a time: a third would pass 9000 MB
-    _, most, _, _ = _run_tracking(jobs, lambda j: 4096, budget=None)
-    assert most > 8192             # no budget known: the workers alone limit it
+    assert most == 8192            # two at a time (they met at the barrier); never three
+    with pytest.raises(threading.BrokenBarrierError):   # a third never joins them: 3 x 4096 > 9000
+        _run_tracking(jobs, lambda j: 4096, budget=9000, together=3, wait_s=0.5)
+    _, most, _, _ = _run_tracking(jobs, lambda j: 4096, budget=None, together=6)
+    assert most == 6 * 4096        # no budget known: the workers alone limit it
 
 
 def test_a_job_larger_than_the_budget_runs_alone():
