@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from onnx2fused import build  # noqa: E402
+from onnx2fused import build, targets  # noqa: E402
 from onnx2fused.headers import find_cutlass_headers, locate_ort_headers  # noqa: E402
 
 VARIANTS = {
@@ -59,10 +59,10 @@ def main() -> int:
                         "--no-validate", "--quiet", "--cache-dir", str(cache)], check=True)
         entry = next(p for p in cache.iterdir() if (p / "sources").is_dir())
         sources = {p.name: p.read_text() for p in (entry / "sources").iterdir()}
-        nvcc = build.find_nvcc()
-        jobs = build._jobs(sources, build.find_cxx(), nvcc, build.cpu_host_flags(), build.nvcc_flags()
+        nvcc = targets.find_nvcc()
+        jobs = build._jobs(sources, targets.find_cxx(), nvcc, targets.cpu_host_flags(), targets.nvcc_flags()
                            + ["-DONNX2FUSED_WITH_CUDA"], set(build.plugin_sources(True)), {}, find_cutlass_headers())
-        instances = [j for j in jobs if build.sm90a_only(sources[j.name])]
+        instances = [j for j in jobs if targets.sm90a_only(sources[j.name])]
         if not instances:
             raise SystemExit(f"{args.model}: no Hopper instance unit in its library")
         job = instances[0]
@@ -86,7 +86,7 @@ def main() -> int:
             rows.append({"variant": name, "seconds": [round(t, 1) for t in times],
                          "median_s": round(statistics.median(times), 1), "sass_identical": same})
             print(f"{name:18s} {statistics.median(times):6.1f} s  {times}  SASS identical: {same}", flush=True)
-        result = {"unit": job.name, "cores": os.cpu_count(), "nvcc": build.compiler_version(nvcc), "rows": rows,
+        result = {"unit": job.name, "cores": os.cpu_count(), "nvcc": targets.compiler_version(nvcc), "rows": rows,
                   "instances": [j.name for j in instances]}
         if args.out:
             Path(args.out).mkdir(parents=True, exist_ok=True)

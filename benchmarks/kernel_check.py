@@ -26,7 +26,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from onnx2fused import build, codegen  # noqa: E402
+from onnx2fused import build, codegen, targets  # noqa: E402
 from onnx2fused import expr as ex  # noqa: E402
 from onnx2fused.plan.choose import make_plan  # noqa: E402
 from onnx2fused.plan.options import PlanOptions, ResidentOptions, StreamedOptions, WgmmaOptions  # noqa: E402
@@ -171,8 +171,8 @@ def compile_case(name: str, spec: MLPSpec, options: PlanOptions, out: Path, arch
     # an sm_80 build (`--arch 80`: what an A100 would run, the mma.sync kernels, no wgmma)
     gencode = ["-gencode", f"arch=compute_{arch},code=sm_{arch}" if arch == "90" else
                f"arch=compute_{arch},code=[sm_{arch},compute_{arch}]"]
-    if any(build.needs_sm90a(t) for t in sources.values()):   # the wgmma design: sm_90a, as build.py compiles it
-        gencode = build.wgmma_nvcc_flags(gencode)
+    if any(targets.needs_sm90a(t) for t in sources.values()):   # the wgmma design: sm_90a, as build.py compiles it
+        gencode = targets.wgmma_nvcc_flags(gencode)
     cmd = ["nvcc", "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-lineinfo", *gencode,
            "-Xptxas", "-v", *map(str, units), "-o", str(lib)]
     r = subprocess.run(cmd, capture_output=True, text=True)

@@ -110,7 +110,7 @@ def build_targets(args):
                 saved[env] = os.environ.get(env)
                 os.environ[env] = v
         if saved:
-            from .build import cpu_arch, cuda_archs, cuda_ptx_arch, find_cxx, native_flags
+            from .targets import cpu_arch, cuda_archs, cuda_ptx_arch, find_cxx, native_flags
             if "ONNX2FUSED_CPU_ARCH" in saved:
                 native_flags(find_cxx(), cpu_arch())   # the compiler knows the -march value
             cuda_ptx_arch(cuda_archs())

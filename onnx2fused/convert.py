@@ -21,7 +21,7 @@ import onnx
 
 
 from .cpu_policy import cpu_kernel_wins
-from .build import find_nvcc
+from .targets import find_nvcc
 from .library import build_plugin, find_fusions
 from .errors import ConversionError
 from .loader import load_model

@@ -114,7 +114,7 @@ def check_python() -> Check:
 
 
 def check_cxx() -> Check:
-    from .build import find_cxx
+    from .targets import find_cxx
     from .errors import ConversionError
     try:
         cxx = find_cxx()
@@ -130,7 +130,7 @@ def check_cxx() -> Check:
 
 
 def check_nvcc() -> Check:
-    from .build import find_nvcc
+    from .targets import find_nvcc
     nvcc = find_nvcc()
     if not nvcc:
         return Check("nvcc", WARN, "no nvcc: fused models get CPU kernels only",
@@ -288,12 +288,12 @@ def check_tuning(cache_dir=None) -> Check:
 
 
 def check_targets() -> Check:
-    """Where a library built here runs (build.py's cpu_arch, cuda_archs, cuda_ptx_arch; informational)."""
-    from . import build
+    """Where a library built here runs (targets.py's cpu_arch, cuda_archs, cuda_ptx_arch; informational)."""
+    from . import targets
     from .errors import ConversionError
     try:
-        cpu, archs = build.cpu_arch(), build.cuda_archs()
-        ptx = build.cuda_ptx_arch(archs)
+        cpu, archs = targets.cpu_arch(), targets.cuda_archs()
+        ptx = targets.cuda_ptx_arch(archs)
     except ConversionError as e:
         return Check("targets", WARN, str(e), "fix or unset the variable (README: Serving, portability)")
     data = {"cpu_arch": cpu, "cuda_archs": archs, "cuda_ptx": ptx}

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Callable
 
-from . import build, wide_tune
+from . import build, targets, wide_tune
 from .codegen import render
 from .errors import ConversionError
 from .passes import block_key, find_chains
@@ -23,7 +23,7 @@ from .spec import BLOCK_NO_CUDA, GATED_NO_CUDA, SpecError
 
 def resolve_with_cuda(with_cuda: bool | None) -> bool:
     """None: CUDA kernels when nvcc is found."""
-    nvcc = build.find_nvcc()
+    nvcc = targets.find_nvcc()
     if with_cuda and not nvcc:
         raise ConversionError("CUDA kernels need nvcc: put it on PATH or set CUDA_HOME, or build with with_cuda=False")
     return nvcc is not None if with_cuda is None else with_cuda

@@ -381,7 +381,7 @@ def export_triton_entry(model, out_dir, *, name: str | None = None, version: int
                 for n, t, dims in ts]
     targets = {}
     if has_lib and not fused:   # what build.py compiled for (cli.build_targets / the environment)
-        from .build import cpu_arch, cuda_archs, cuda_ptx_arch
+        from .targets import cpu_arch, cuda_archs, cuda_ptx_arch
         targets["cpu_arch"] = cpu_arch()
         if has_cuda:
             targets["cuda_archs"] = cuda_archs()

@@ -12,8 +12,10 @@ from pathlib import Path
 import pytest
 
 from onnx2fused import build as build_mod
+from onnx2fused import targets
 from onnx2fused import expr as ex
-from onnx2fused.build import BuiltLibrary, find_nvcc
+from onnx2fused.build import BuiltLibrary
+from onnx2fused.targets import find_nvcc
 from onnx2fused.library import build_plugin
 from onnx2fused.errors import BuildError, ConversionError
 from onnx2fused.spec import LayerSpec, MLPSpec
@@ -147,7 +149,7 @@ def test_concurrent_builds_of_two_libraries_compile_their_shared_units_once(tmp_
     the first's object), and both libraries load. A wrapper compiler logs each compile."""
     log = tmp_path / "compiles.log"
     cxx = tmp_path / "logging-g++"
-    real_cxx = build_mod.find_cxx()
+    real_cxx = targets.find_cxx()
     cxx.write_text(textwrap.dedent(f"""\
         #!/bin/sh
         for a in "$@"; do case "$a" in *.cc) echo "$(basename "$a")" >> {str(log)!r};; esac; done
@@ -184,10 +186,10 @@ def test_concurrent_builds_of_two_libraries_compile_their_shared_units_once(tmp_
 
 def test_cuda_archs_env(monkeypatch):
     monkeypatch.setenv("ONNX2FUSED_CUDA_ARCHS", "sm_90, 100a")
-    assert build_mod.cuda_archs() == ["90", "100a"]
+    assert targets.cuda_archs() == ["90", "100a"]
     monkeypatch.setenv("ONNX2FUSED_CUDA_ARCHS", "hopper")
     with pytest.raises(ConversionError):
-        build_mod.cuda_archs()
+        targets.cuda_archs()
 
 
 @pytest.mark.cuda_build

@@ -144,7 +144,7 @@ def _cutlass_include():
                          "fp16", "f16"), "90a", marks=pytest.mark.slow),  # odd widths, fp16 io, forced wide
 ], ids=lambda v: v.name if isinstance(v, MLPSpec) else v)
 def test_wide_ptx_uses_tensor_cores(spec, arch, tmp_path):
-    from onnx2fused.build import WIDE_SM90A_DEFINE, sm90a_only
+    from onnx2fused.targets import WIDE_SM90A_DEFINE, sm90a_only
     include = _cutlass_include()
     if include is None:
         pytest.skip("no CUTLASS headers (pip install nvidia-cutlass or set ONNX2FUSED_CUTLASS_DIR)")
@@ -201,7 +201,7 @@ def test_wide_source_main_unit_compiles_with_a_tf32_first_layer(tmp_path, tuning
     and in the tuning build the timing entries) compiles for sm_90a; the CUTLASS kernel instances are
     their own units, not compiled here but one small one (minutes of nvcc each for the Hopper ones:
     the GPU tests build them)."""
-    from onnx2fused import build
+    from onnx2fused import targets
     from onnx2fused.headers import find_cutlass_headers
     try:
         cutlass = find_cutlass_headers()
@@ -211,7 +211,7 @@ def test_wide_source_main_unit_compiles_with_a_tf32_first_layer(tmp_path, tuning
     plan = choose.wide_plan(spec, WideOptions(tuning=tuning))
     assert plan.tf32_first and plan.tail_from == 1      # and runs 256 -> 64 -> 1 as one fused tail kernel
     _, path = _write_cuda(spec, tmp_path, wide=WideOptions(tuning=tuning))
-    flags = build.wide_nvcc_flags(["-O1", "-std=c++17", "-gencode", "arch=compute_90,code=sm_90"])
+    flags = targets.wide_nvcc_flags(["-O1", "-std=c++17", "-gencode", "arch=compute_90,code=sm_90"])
     r = subprocess.run([NVCC, *flags, "-I", str(cutlass.path), "--expt-relaxed-constexpr",
                         "-c", str(path), "-o", str(tmp_path / "wide.o")], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -235,7 +235,7 @@ def test_wide_source_main_unit_compiles_with_a_tf32_first_layer(tmp_path, tuning
         if not tuning:  # one real instance unit (the sm80 one, for sm_80 only: the cheapest) defines its launcher
             sm80 = next(i for i in insts if "_Sm80" in i)
             r = subprocess.run([NVCC, "-O1", "-std=c++17", "-gencode", "arch=compute_80,code=sm_80",
-                                *build.wide_nvcc_flags([]), "-I", str(cutlass.path), "--expt-relaxed-constexpr",
+                                *targets.wide_nvcc_flags([]), "-I", str(cutlass.path), "--expt-relaxed-constexpr",
                                 "-c", str(tmp_path / f"{sm80}.cu"), "-o", str(tmp_path / "inst.o")],
                                capture_output=True, text=True)
             assert r.returncode == 0, r.stderr[-3000:]

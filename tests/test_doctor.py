@@ -12,7 +12,7 @@ import pytest
 
 from cli_support import run_cli
 from onnx2fused import doctor
-from onnx2fused.build import find_nvcc
+from onnx2fused.targets import find_nvcc
 from onnx2fused.errors import ConversionError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -71,11 +71,11 @@ def run_main(capsys, *argv) -> tuple[int, dict]:
 
 
 def test_no_compiler_means_no_conversion(monkeypatch, capsys):
-    from onnx2fused import build
+    from onnx2fused import targets
 
     def no_cxx():
         raise ConversionError("no C++ compiler found")
-    monkeypatch.setattr(build, "find_cxx", no_cxx)
+    monkeypatch.setattr(targets, "find_cxx", no_cxx)
     rc, r = run_main(capsys)
     c = by_name(r["checks"])["cxx"]
     assert rc == 1 and not r["cpu_conversion_possible"]

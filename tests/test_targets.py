@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from onnx2fused import build, cli as cli_mod
+from onnx2fused import build, cli as cli_mod, targets
 from onnx2fused.errors import ConversionError
 from cli_support import run_cli
 
@@ -30,7 +30,7 @@ def gencodes(flags: list[str]) -> list[str]:
 
 
 def test_default_cuda_targets_embed_ptx_of_the_highest_arch():
-    assert gencodes(build.nvcc_flags()) == ["arch=compute_80,code=sm_80", "arch=compute_90,code=sm_90",
+    assert gencodes(targets.nvcc_flags()) == ["arch=compute_80,code=sm_80", "arch=compute_90,code=sm_90",
                                             "arch=compute_90,code=compute_90"]
 
 
@@ -47,37 +47,37 @@ def test_ptx_arch(monkeypatch, archs, ptx, want):
     monkeypatch.setenv("ONNX2FUSED_CUDA_ARCHS", archs)
     if ptx is not None:
         monkeypatch.setenv("ONNX2FUSED_CUDA_PTX", ptx)
-    assert build.cuda_ptx_arch() == want
-    codes = gencodes(build.nvcc_flags())
+    assert targets.cuda_ptx_arch() == want
+    codes = gencodes(targets.nvcc_flags())
     sass = [c for c in codes if ",code=sm_" in c]
-    assert len(sass) == len(build.cuda_archs())
+    assert len(sass) == len(targets.cuda_archs())
     assert [c for c in codes if ",code=compute_" in c] == ([f"arch=compute_{want},code=compute_{want}"] if want else [])
 
 
 def test_bad_ptx_value(monkeypatch):
     monkeypatch.setenv("ONNX2FUSED_CUDA_PTX", "newest")
     with pytest.raises(ConversionError, match="ONNX2FUSED_CUDA_PTX"):
-        build.nvcc_flags()
+        targets.nvcc_flags()
 
 
 def test_wide_sources_keep_one_front_end_pass_per_arch():
     """Wide sources compile sm_90a instead of sm_90: their PTX is then the older listed arch's (whose pass
     runs anyway; newer GPUs run the sm80 kernels there) instead of a compute_90 pass of its own."""
-    wide = gencodes(build.wide_nvcc_flags(build.nvcc_flags()))
+    wide = gencodes(targets.wide_nvcc_flags(targets.nvcc_flags()))
     assert wide == ["arch=compute_80,code=sm_80", "arch=compute_90a,code=sm_90a", "arch=compute_80,code=compute_80"]
     only90 = ["-gencode", "arch=compute_90,code=sm_90", "-gencode", "arch=compute_90,code=compute_90"]
-    assert gencodes(build.wide_nvcc_flags(only90)) == ["arch=compute_90a,code=sm_90a", "arch=compute_90,code=compute_90"]
+    assert gencodes(targets.wide_nvcc_flags(only90)) == ["arch=compute_90a,code=sm_90a", "arch=compute_90,code=compute_90"]
 
 
 def test_cpu_arch_in_the_host_flags(monkeypatch):
-    assert "-march=native" in build.cpu_host_flags()
+    assert "-march=native" in targets.cpu_host_flags()
     monkeypatch.setenv("ONNX2FUSED_CPU_ARCH", "x86-64-v3")
-    flags = build.cpu_host_flags()
+    flags = targets.cpu_host_flags()
     assert "-march=x86-64-v3" in flags and "-march=native" not in flags
-    assert build.HOST_FLAGS.count("-march=native") == 1          # the module's list is untouched
+    assert targets.HOST_FLAGS.count("-march=native") == 1          # the module's list is untouched
     monkeypatch.setenv("ONNX2FUSED_CPU_ARCH", "x86-64; rm -rf /")
     with pytest.raises(ConversionError, match="ONNX2FUSED_CPU_ARCH"):
-        build.cpu_host_flags()
+        targets.cpu_host_flags()
 
 
 @pytest.mark.skipif(os.uname().machine != "x86_64", reason="x86-64 -march names")
@@ -116,7 +116,7 @@ def test_targets_apply_to_the_command_only(monkeypatch):
     args = type("A", (), {"cpu_arch": "x86-64-v2", "cuda_archs": None, "cuda_ptx": "off"})()
     monkeypatch.setenv("ONNX2FUSED_CUDA_PTX", "80")
     with cli_mod.build_targets(args):
-        assert build.cpu_arch() == "x86-64-v2" and build.cuda_ptx_arch() is None
+        assert targets.cpu_arch() == "x86-64-v2" and targets.cuda_ptx_arch() is None
     assert "ONNX2FUSED_CPU_ARCH" not in os.environ and os.environ["ONNX2FUSED_CUDA_PTX"] == "80"
 
 

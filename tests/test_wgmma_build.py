@@ -10,7 +10,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from onnx2fused import build, codegen
+from onnx2fused import build, codegen, targets
 from onnx2fused import expr as ex
 from onnx2fused.plan import choose
 from onnx2fused.plan.options import PlanOptions, WgmmaOptions
@@ -61,11 +61,11 @@ def test_wgmma_source_compiles_to_hgmma_without_spills(spec, with_sm80, override
     for name, text in files.items():
         (tmp_path / name).write_text(text)
     src = files[f"{spec.name}_cuda.cu"]
-    assert build.needs_sm90a(src)
+    assert targets.needs_sm90a(src)
     (tmp_path / "k.cu").write_text(src)   # a short name for nvcc's kept files
     gencodes = GENCODES if with_sm80 else ["-gencode", "arch=compute_90,code=sm_90"]
-    flags = build.wgmma_nvcc_flags(["-O3", "-std=c++17", *gencodes])
-    assert build.SM90A_DEFINE in flags and "arch=compute_90a,code=sm_90a" in flags
+    flags = targets.wgmma_nvcc_flags(["-O3", "-std=c++17", *gencodes])
+    assert targets.SM90A_DEFINE in flags and "arch=compute_90a,code=sm_90a" in flags
     keep = tmp_path / "keep"
     keep.mkdir()
     r = subprocess.run([NVCC, *flags, "-Xptxas", "-v", "--keep", "--keep-dir", str(keep), "-I", str(tmp_path),

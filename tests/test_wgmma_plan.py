@@ -10,7 +10,7 @@ import re
 import numpy as np
 import pytest
 
-from onnx2fused import build, codegen
+from onnx2fused import build, codegen, targets
 from onnx2fused import expr as ex
 from onnx2fused.plan import choose, cost, wgmma
 from onnx2fused.plan.options import DESIGN_ENV, WGMMA_ENV, PlanOptions
@@ -170,8 +170,8 @@ def test_rendering_is_deterministic_and_complete(spec):
     for fname, text in files.items():   # the rendered ones (static headers hold asm operand lists like {%0, %1})
         if not fname.endswith(".cuh"):
             assert not re.search(r"\{\{|\}\}|\{%|%\}|\{#|#\}", text), f"jinja leftovers in {fname}"
-    assert src.splitlines()[1] == "// onnx2fused-arch: sm_90a" and build.needs_sm90a(src)
-    assert not build.needs_sm90a(files[f"{fb}_cuda.cu"])
+    assert src.splitlines()[1] == "// onnx2fused-arch: sm_90a" and targets.needs_sm90a(src)
+    assert not targets.needs_sm90a(files[f"{fb}_cuda.cu"])
     for header in ("o2f_wgmma.cuh", "o2f_wgmma_ops.cuh", "o2f_wgmma_pack.cuh"):
         assert header in files
     # the entry points, and the fallback's, which this unit calls on other GPUs
@@ -321,11 +321,11 @@ def test_last_layer_padding_blocks_are_left_out():
 def test_build_flags_for_the_sm90a_unit():
     flags = ["-O3", "-gencode", "arch=compute_80,code=sm_80", "-gencode", "arch=compute_90,code=sm_90",
              "-gencode", "arch=compute_90,code=compute_90"]
-    out = build.wgmma_nvcc_flags(flags)
+    out = targets.wgmma_nvcc_flags(flags)
     assert "arch=compute_90a,code=sm_90a" in out and "arch=compute_80,code=sm_80" in out
-    assert build.SM90A_DEFINE in out and build.WIDE_SM90A_DEFINE not in out
+    assert targets.SM90A_DEFINE in out and targets.WIDE_SM90A_DEFINE not in out
     only80 = ["-O3", "-gencode", "arch=compute_80,code=sm_80", "-gencode", "arch=compute_80,code=compute_80"]
-    assert build.wgmma_nvcc_flags(only80) == only80            # no Hopper: the fallback alone, no define
+    assert targets.wgmma_nvcc_flags(only80) == only80            # no Hopper: the fallback alone, no define
 
 
 def test_per_channel_constants_are_sized_to_the_padded_columns():

@@ -10,7 +10,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from onnx2fused import build, headers, library, wide_params
+from onnx2fused import build, headers, library, targets, wide_params
 from onnx2fused.cuda_params import act_params
 from onnx2fused import expr as ex
 from onnx2fused.errors import ConversionError
@@ -618,7 +618,7 @@ def test_rendered_source_has_guarded_sm90_kernels_and_per_layer_choice():
     src = files[f"{spec.name}_cuda.cu"]
     plan = choose.wide_plan(spec)
     insts = _instances(files)
-    hopper = {n: t for n, t in insts.items() if build.sm90a_only(t)}
+    hopper = {n: t for n, t in insts.items() if targets.sm90a_only(t)}
     # the default kernel only, for layer 0 (hidden, 520 wide); layer 1 (999 fp32 columns) may not take it
     assert plan.sm90_kernels == (sm90.DEFAULT_CHOICE.kernel,) and len(hopper) == 1
     (h_name, h_text), = hopper.items()
@@ -657,7 +657,7 @@ def test_rendered_choices_instantiate_only_the_chosen_kernels():
     choices = [[split4] + [sm90.DEFAULT_CHOICE] * (nb - 1)] + [[sm90.DEFAULT_CHOICE] * nb] * 2
     src = render_cuda([spec], wide={spec.name: WideOptions(choices=choices, tuned_on="H")})
     text = src[f"{spec.name}_cuda.cu"]
-    hopper = sorted(n.split("_")[2] for n, t in _instances(src).items() if build.sm90a_only(t))
+    hopper = sorted(n.split("_")[2] for n, t in _instances(src).items() if targets.sm90a_only(t))
     assert hopper == sorted(["Coop128x128", DEFAULT_KERNEL, DEFAULT_KERNEL])  # the default: the ReLU layers and the last
     assert "{ 1, 1, 4, 1, 0 }" in text  # kernel 1, split_k (MODES index 1), 4 splits, swizzle 1, heuristic order
     layer0 = text[text.index("cudaError_t layer0("):text.index("cudaError_t layer1(")]
@@ -680,7 +680,7 @@ def test_each_kernel_instance_appears_once(io, precision, per_kernel):
     spec = _spec([512, 2048, 512], ex.relu(), precision, io, last=ex.relu())
     files = render_cuda([spec], wide={spec.name: WideOptions(tuning=True)})
     src = files[f"{spec.name}_cuda.cu"]
-    hopper = [n for n, t in _instances(files).items() if build.sm90a_only(t)]
+    hopper = [n for n, t in _instances(files).items() if targets.sm90a_only(t)]
     sixteen_bit = len(sm90.SM90_KERNELS) - len(sm90.TF32_KERNELS)
     tf32 = len(sm90.TF32_KERNELS) if io == "f32" else 0   # the first layer's only
     assert len(hopper) == sixteen_bit * per_kernel + tf32
@@ -692,7 +692,7 @@ def test_tuning_build_holds_every_kernel_and_the_timing_entry():
     spec = _spec([768, 3072, 768], ex.gelu_erf())
     files = render_cuda([spec], wide={spec.name: WideOptions(tuning=True)})
     text = files[f"{spec.name}_cuda.cu"]
-    hopper = {n.split("_")[2] for n, t in _instances(files).items() if build.sm90a_only(t)}
+    hopper = {n.split("_")[2] for n, t in _instances(files).items() if targets.sm90a_only(t)}
     assert hopper == {k.name for k in sm90.SM90_KERNELS}   # the tf32 ones too: an fp32 input TMA can load
     assert f'__attribute__((visibility("default"))) int {spec.name}_cuda_tune(' in text
     table = text[text.index("constexpr Choice kCandidates[] = {"):]
@@ -728,21 +728,21 @@ def test_fp32_input_with_rows_of_8_gets_the_vectorized_conversion():
 
 def test_wide_nvcc_flags_turn_sm90_into_sm90a_only():
     flags = ["-O3", "-gencode", "arch=compute_80,code=sm_80", "-gencode", "arch=compute_90,code=sm_90", "-lineinfo"]
-    wide = build.wide_nvcc_flags(flags)
+    wide = targets.wide_nvcc_flags(flags)
     assert wide == ["-O3", "-gencode", "arch=compute_80,code=sm_80", "-gencode", "arch=compute_90a,code=sm_90a",
-                    "-lineinfo", build.WIDE_SM90A_DEFINE]
+                    "-lineinfo", targets.WIDE_SM90A_DEFINE]
     assert flags[4] == "arch=compute_90,code=sm_90"  # the caller's list (other sources) is untouched
     only80 = ["-gencode", "arch=compute_80,code=sm_80"]
-    assert build.wide_nvcc_flags(only80) == only80  # no sm_90a: no Hopper kernels, no define
-    assert build.wide_nvcc_flags(["-gencode", "arch=compute_90a,code=sm_90a"])[-1] == build.WIDE_SM90A_DEFINE
+    assert targets.wide_nvcc_flags(only80) == only80  # no sm_90a: no Hopper kernels, no define
+    assert targets.wide_nvcc_flags(["-gencode", "arch=compute_90a,code=sm_90a"])[-1] == targets.WIDE_SM90A_DEFINE
 
 
 def test_instance_units_keep_line_info_on_request(monkeypatch):
     flags = ["-O3", "-lineinfo", "-gencode", "arch=compute_90a,code=sm_90a"]
     monkeypatch.delenv("ONNX2FUSED_LINEINFO", raising=False)
-    assert build.instance_nvcc_flags(flags) == ["-O3", "-gencode", "arch=compute_90a,code=sm_90a"]
+    assert targets.instance_nvcc_flags(flags) == ["-O3", "-gencode", "arch=compute_90a,code=sm_90a"]
     monkeypatch.setenv("ONNX2FUSED_LINEINFO", "1")
-    assert build.instance_nvcc_flags(flags) == flags
+    assert targets.instance_nvcc_flags(flags) == flags
 
 
 def _stub_build_env(monkeypatch):
@@ -792,14 +792,14 @@ def test_build_compiles_only_the_wide_sources_for_sm90a(tmp_path, monkeypatch):
     assert len(by_source) == len([a for a in calls if "-c" in a])  # each unit once
     wide_cmd, narrow_cmd = by_source[f"{wide.name}_cuda.cu"], by_source[f"{narrow.name}_cuda.cu"]
     sm80_sm90a = ["arch=compute_80,code=sm_80", "arch=compute_90a,code=sm_90a", "arch=compute_80,code=compute_80"]
-    assert _gencodes(wide_cmd) == sm80_sm90a and build.WIDE_SM90A_DEFINE in wide_cmd
-    assert "arch=compute_90,code=sm_90" in narrow_cmd and build.WIDE_SM90A_DEFINE not in narrow_cmd
+    assert _gencodes(wide_cmd) == sm80_sm90a and targets.WIDE_SM90A_DEFINE in wide_cmd
+    assert "arch=compute_90,code=sm_90" in narrow_cmd and targets.WIDE_SM90A_DEFINE not in narrow_cmd
     assert "--expt-relaxed-constexpr" in wide_cmd and "--expt-relaxed-constexpr" not in narrow_cmd
     insts = {n: a for n, a in by_source.items() if n.startswith("o2f_inst_")}
     hopper = {n for n in insts if n.split("_")[2] in {k.name for k in sm90.SM90_KERNELS}}
     assert len(insts) == 4 and len(hopper) == 2   # sm80 and Hopper: the ReLU layers', the last layer's
     for n, a in insts.items():
-        assert build.WIDE_SM90A_DEFINE in a and "--expt-relaxed-constexpr" in a
+        assert targets.WIDE_SM90A_DEFINE in a and "--expt-relaxed-constexpr" in a
         assert _gencodes(a) == (["arch=compute_90a,code=sm_90a"] if n in hopper else sm80_sm90a), n
         assert "-lineinfo" not in a, n   # instance_nvcc_flags: same SASS, 5 s less per Hopper instance
     assert "-lineinfo" in wide_cmd and "-lineinfo" in narrow_cmd   # our own kernels keep Nsight's source view
@@ -1039,7 +1039,7 @@ def test_gemv_path_chain_unit_compiles(spec, tuning, tmp_path):
     assert "err = gemv<" in files[unit] and "o2f_wide_gemv.cuh" in files
     archs = ["arch=compute_90a,code=sm_90a"] if tuning else ["arch=compute_80,code=sm_80", "arch=compute_90a,code=sm_90a"]
     gencode = [f for a in archs for f in ("-gencode", a)]
-    r = subprocess.run([nvcc, "-O1", "-std=c++17", "--expt-relaxed-constexpr", *gencode, build.WIDE_SM90A_DEFINE,
+    r = subprocess.run([nvcc, "-O1", "-std=c++17", "--expt-relaxed-constexpr", *gencode, targets.WIDE_SM90A_DEFINE,
                         "-I", str(cutlass.path), "-I", str(tmp_path), "-c", str(tmp_path / unit),
                         "-o", str(tmp_path / "chain.o")], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
