@@ -21,7 +21,7 @@ pytestmark = pytest.mark.gpu
 ort, torch = require_cuda()
 
 import onnx2fused  # noqa: E402
-from onnx2fused.build import find_nvcc  # noqa: E402
+from onnx2fused.targets import find_nvcc  # noqa: E402
 from onnx2fused.session import plugin_path  # noqa: E402
 
 from onnx_builders import mlp  # noqa: E402
