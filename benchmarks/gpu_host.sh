@@ -8,6 +8,7 @@
 #   benchmarks/gpu_host.sh test [ARGS]    the GPU-marked tests (pytest ARGS, default: all tests/test_gpu*.py)
 #   benchmarks/gpu_host.sh kernels [ARGS] benchmarks/kernel_check.py (kernels alone, no ORT)
 #   benchmarks/gpu_host.sh overhead       ORT's fixed cost per run: the issue-15 models at batch 1 and at their batch
+#   benchmarks/gpu_host.sh floor          the same models beside a one-Relu model on their input, in turns (ort_floor.py)
 #   benchmarks/gpu_host.sh blocks         the CUDA block kernels alone (issue 16): kernel_check's block cases
 #   benchmarks/gpu_host.sh blocktests [ARGS] tests/test_gpu_block.py (the blocks through ORT)
 #   benchmarks/gpu_host.sh gatedwide [ARGS] gated layers in the wide design (issue 16): their GPU tests
@@ -78,6 +79,13 @@ test)
   args=("$@")
   [ ${#args[@]} -eq 0 ] && args=(tests/test_gpu.py tests/test_gpu_activations.py tests/test_gpu_reliability.py tests/test_gpu_wide.py)
   gpu_pytest 0 pytest_gpu.txt 40 "${args[@]}"
+  ;;
+floor)
+  # ORT's own cost per run (a model of one stock Relu) beside the issue-15 models stock and fused
+  for c in "nerf 2097152" "silu 262144" "gelu 1048576"; do
+    set -- $c
+    python3 benchmarks/ort_floor.py "models/$1.opset17.onnx" --batches "1,$2" --out "$OUT/floor_$1" 2>&1 | tail -2
+  done
   ;;
 overhead)
   # batch 1: the fused op's run is ORT's own cost plus a launch; beside stock ORT's at the same batch
