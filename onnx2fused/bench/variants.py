@@ -79,6 +79,17 @@ def _default_out(model: Path, cpu: bool) -> Path:
     return Path("build") / "bench" / (stem + ("-cpu" if cpu else ""))
 
 
+def _setup(args, cpu: bool):
+    """(model, output folder (made), repetitions, warm-up runs, ModelInfo) of a bench run: the mode's
+    defaults where the arguments leave them unset."""
+    model = Path(args.model)
+    out_dir = Path(args.out) if args.out else _default_out(model, cpu)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    reps = args.reps or (DEFAULT_CPU_REPS if cpu else DEFAULT_GPU_REPS)
+    warmup = args.warmup if args.warmup is not None else (2 if cpu else 10)
+    return model, out_dir, reps, warmup, model_info(model)
+
+
 def timed_variants(standard: list[str], opened: list[str]) -> list[str]:
     """The result's variants: the standard ones, then the optional ones this run opened."""
     return standard + [v for v in OPTIONAL_GPU_VARIANTS if v in opened]
@@ -113,12 +124,7 @@ def run_cpu(args, say=None) -> int:
     from ..cli import _error
     from ..errors import ConversionError
     say = say or (lambda msg: None)
-    model = Path(args.model)
-    out_dir = Path(args.out) if args.out else _default_out(model, True)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    reps = args.reps or DEFAULT_CPU_REPS
-    warmup = 2 if args.warmup is None else args.warmup
-    info = model_info(model)
+    model, out_dir, reps, warmup, info = _setup(args, cpu=True)
     batches = args.batches or [default_cpu_batch(info)]
     notes: list[str] = []
 
@@ -231,12 +237,7 @@ def run_gpu(args, say=None) -> int:
     import onnxruntime as ort
     from ..cli import _error
     say = say or (lambda msg: None)
-    model = Path(args.model)
-    out_dir = Path(args.out) if args.out else _default_out(model, False)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    reps = args.reps or DEFAULT_GPU_REPS
-    warmup = 10 if args.warmup is None else args.warmup
-    info = model_info(model)
+    model, out_dir, reps, warmup, info = _setup(args, cpu=False)
     notes: list[str] = []
     torch = _cuda_torch()
     if torch is not None:
