@@ -32,6 +32,8 @@
 #   benchmarks/gpu_host.sh sm90           benchmarks/sm90/run.sh: the standalone wgmma fused-MLP prototype
 #   benchmarks/gpu_host.sh lnfold         benchmarks/sm90/ln_fold.sh: the LayerNorm folded into ViT-B's first GEMM,
 #                                         against the norm pass + GEMM (times and errors; no ORT needed)
+#   benchmarks/gpu_host.sh lightgemm      benchmarks/sm90/light_gemm.sh: a Hopper GEMM without CUTLASS (nvcc time, speed,
+#                                         errors; no ORT needed)
 #   benchmarks/gpu_host.sh ncuwide [CASE [KERNEL]] Nsight Compute on a wide case's kernels through ORT (profile_case.py)
 #   benchmarks/gpu_host.sh profile [CASES] Nsight Compute on kernel_check.py --profile (default: the four
 #                                         issue-15 cases; ONNX2FUSED_CUDA_DESIGN=wgmma for that design)
@@ -185,6 +187,9 @@ wide)
   ;;
 lnfold)
   bash benchmarks/sm90/ln_fold.sh
+  ;;
+lightgemm)
+  bash benchmarks/sm90/light_gemm.sh
   ;;
 tune)
   shift

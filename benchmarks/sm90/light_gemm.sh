@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Builds and runs benchmarks/sm90/light_gemm.cu (a Hopper GEMM without CUTLASS, for the wide design's cold
+# builds: docs/DESIGN.md, "Planned: a Hopper GEMM of our own"): ViT-B's two GEMMs, mnist's first layer and
+# a case with tails in every dimension; time, TFLOP/s and error for each, and the nvcc time. Log in $OUT
+# (else benchmarks/sm90/out). No CUTLASS, no ORT.
+set -euo pipefail
+HERE=$(cd "$(dirname "$0")" && pwd)
+ROOT=$(cd "$HERE/../.." && pwd)
+LOG=${OUT:-$HERE/out}
+mkdir -p "$LOG"
+BIN=/tmp/light_gemm_$$
+start=$(date +%s.%N)
+"${NVCC:-nvcc}" -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 -I"$ROOT/templates" -Xptxas -v \
+  -o "$BIN" "$HERE/light_gemm.cu" 2>&1 | grep -i "registers\|spill\|warn\|error" || true
+end=$(date +%s.%N)
+python3 -c "print(f'nvcc: {$end - $start:.1f} s')" | tee "$LOG/light_gemm.txt"
+"$BIN" 2>&1 | tee -a "$LOG/light_gemm.txt"
+rm -f "$BIN"
