@@ -266,8 +266,9 @@ static void run_case(int m, int k, int n, int sms) {
   CHECK(cudaDeviceSynchronize());
   std::vector<__half> out(static_cast<size_t>(m) * n);
   CHECK(cudaMemcpy(out.data(), dd, out.size() * 2, cudaMemcpyDeviceToHost));
-  double err = 0, ref_sq = 0;
-  int nan = 0;
+  double err = 0, ref_sq = 0, worst = 0;
+  int nan = 0, worst_r = -1, worst_c = -1;
+  float worst_got = 0.f, worst_ref = 0.f;
   std::vector<int> rows;   // 64 rows spread over the batch, the last one among them
   for (int r = 0; r < m; r += std::max(1, m / 64)) rows.push_back(r);
   if (rows.back() != m - 1) rows.push_back(m - 1);
@@ -278,6 +279,14 @@ static void run_case(int m, int k, int n, int sms) {
         acc += static_cast<double>(__half2float(a[static_cast<size_t>(r) * k + q])) * __half2float(w[static_cast<size_t>(j) * k + q]);
       const double ref = gelu_ref(acc), got = __half2float(out[static_cast<size_t>(r) * n + j]);
       if (std::isnan(got)) ++nan;
+      const double gap = std::isnan(got) ? INFINITY : std::fabs(got - ref);
+      if (gap > worst || worst_r < 0) {   // the element furthest off: where a layout bug shows first
+        worst = gap;
+        worst_r = r;
+        worst_c = j;
+        worst_got = static_cast<float>(got);
+        worst_ref = static_cast<float>(ref);
+      }
       err += (got - ref) * (got - ref);
       ref_sq += ref * ref;
     }
@@ -298,8 +307,9 @@ static void run_case(int m, int k, int n, int sms) {
   }
   std::sort(t.begin(), t.end());
   const double ms = t[t.size() / 2];
-  std::printf("M %d, K %d, N %d: %.4f ms, %.0f TFLOP/s, rel. L2 %.2e, NaN %d (sampled rows)\n", m, k, n, ms,
-              2.0 * m * k * n / (ms * 1e-3) / 1e12, std::sqrt(err / ref_sq), nan);
+  std::printf("M %d, K %d, N %d: %.4f ms, %.0f TFLOP/s, rel. L2 %.2e, NaN %d (sampled rows); furthest off: "
+              "(%d, %d) %.5f against %.5f\n", m, k, n, ms, 2.0 * m * k * n / (ms * 1e-3) / 1e12, std::sqrt(err / ref_sq),
+              nan, worst_r, worst_c, worst_got, worst_ref);
   CHECK(cudaFree(da));
   CHECK(cudaFree(dw));
   CHECK(cudaFree(dd));
@@ -311,6 +321,8 @@ int main() {
   CHECK(cudaGetDevice(&dev));
   CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
   CHECK(cudaFuncSetAttribute(light_gemm, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+  run_case(128, 64, 128, sms);       // one tile, one k-block: the swizzle, the descriptors, the fragment layout
+  run_case(256, 320, 384, sms);      // five k-blocks through three slots (the ring wraps), both consumers
   run_case(16384, 768, 3072, sms);   // ViT-B's first GEMM (CUTLASS Pingpong128x128: 131.1 us, seventeenth run)
   run_case(16384, 3072, 768, sms);   // its second (without the residual)
   run_case(4096, 784, 512, sms);     // mnist's first layer
