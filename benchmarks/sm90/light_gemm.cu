@@ -19,7 +19,8 @@
 // the consumers 232 registers (128 accumulators) and the producer 40.
 //
 // Build and run: benchmarks/sm90/light_gemm.sh (gpu_host.sh lightgemm). No CUTLASS, no cuBLAS: the CUDA
-// runtime, the driver's cuTensorMapEncodeTiled through cudaGetDriverEntryPoint, and o2f_packed_act.cuh.
+// runtime, the driver's cuTensorMapEncodeTiled through cudaGetDriverEntryPointByVersion, o2f_packed_act.cuh
+// and sm90_proto.cuh.
 #include <cuda.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -34,15 +35,7 @@
 #include <vector>
 
 #include "o2f_packed_act.cuh"
-
-#define CHECK(x)                                                                                  \
-  do {                                                                                            \
-    cudaError_t e_ = (x);                                                                         \
-    if (e_ != cudaSuccess) {                                                                      \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_));     \
-      std::exit(1);                                                                               \
-    }                                                                                             \
-  } while (0)
+#include "sm90_proto.cuh"
 
 constexpr int kBM = 128, kBN = 128, kBK = 64, kStages = 3;
 constexpr int kABytes = kBM * kBK * 2, kBBytes = kBN * kBK * 2, kStageBytes = kABytes + kBBytes;
@@ -50,29 +43,7 @@ constexpr int kConsumers = 2, kThreads = 128 * (1 + kConsumers);
 constexpr int kRingBytes = kConsumers * kStages * kStageBytes;
 constexpr int kSmemBytes = 1024 + kRingBytes + 2 * kConsumers * kStages * 8;
 
-// ---- PTX ----
-__device__ __forceinline__ uint32_t smem_u32(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  uint32_t done = 0;
-  do {
-    asm volatile(
-        "{\n.reg .pred p;\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-        "selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
-  } while (!done);
-}
+// ---- PTX (smem_u32, mbarriers, wgmma group control, fence_reg: sm90_proto.cuh) ----
 // A 2D box of the tensor map at (inner coordinate x, outer y) into shared memory, completing on `bar`.
 __device__ __forceinline__ void tma_2d(uint32_t dst, const CUtensorMap* map, int x, int y, uint32_t bar) {
   asm volatile(
@@ -80,16 +51,10 @@ __device__ __forceinline__ void tma_2d(uint32_t dst, const CUtensorMap* map, int
       "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(bar)
       : "memory");
 }
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void wgmma_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
-// Keeps the accumulators' reads below the wait that makes them valid (CuTe's warpgroup_fence_operand).
+// Keeps the accumulators' reads below the wait that makes them valid.
 __device__ __forceinline__ void fence_acc(float (&d)[64]) {
 #pragma unroll
-  for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
+  for (int i = 0; i < 64; ++i) fence_reg(d[i]);
 }
 // A K-major operand tile in the 128-byte swizzled layout TMA wrote (rows of 128 bytes, 8-row groups 1024
 // bytes apart): start address >> 4, leading byte offset 1 (unused when swizzled), stride byte offset
@@ -136,7 +101,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         mbar_init(full(c, s), 1);
         mbar_init(empty(c, s), 4);   // one arrival per consumer warp
       }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    mbar_init_fence();
   }
   __syncthreads();
   const int mt = (m + kBM - 1) / kBM, nt = (n + kBN - 1) / kBN, tiles = mt * nt, kbs = (k + kBK - 1) / kBK;
@@ -291,22 +256,7 @@ static void run_case(int m, int k, int n, int sms) {
       ref_sq += ref * ref;
     }
   }
-  std::vector<float> t;
-  cudaEvent_t e0, e1;
-  CHECK(cudaEventCreate(&e0));
-  CHECK(cudaEventCreate(&e1));
-  for (int i = 0; i < 5; ++i) launch();
-  for (int i = 0; i < 50; ++i) {
-    CHECK(cudaEventRecord(e0));
-    launch();
-    CHECK(cudaEventRecord(e1));
-    CHECK(cudaEventSynchronize(e1));
-    float ms = 0;
-    CHECK(cudaEventElapsedTime(&ms, e0, e1));
-    t.push_back(ms);
-  }
-  std::sort(t.begin(), t.end());
-  const double ms = t[t.size() / 2];
+  const double ms = median_ms(launch);
   std::printf("M %d, K %d, N %d: %.4f ms, %.0f TFLOP/s, rel. L2 %.2e, NaN %d (sampled rows); furthest off: "
               "(%d, %d) %.5f against %.5f\n", m, k, n, ms, 2.0 * m * k * n / (ms * 1e-3) / 1e12, std::sqrt(err / ref_sq),
               nan, worst_r, worst_c, worst_got, worst_ref);

@@ -36,15 +36,7 @@
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "cutlass/gemm/kernel/tile_scheduler.hpp"
 #include "o2f_packed_act.cuh"
-
-#define CHECK(x)                                                                         \
-  do {                                                                                   \
-    cudaError_t e_ = (x);                                                                \
-    if (e_ != cudaSuccess) {                                                             \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                      \
-    }                                                                                    \
-  } while (0)
+#include "sm90_proto.cuh"
 
 using namespace cute;
 namespace fus = cutlass::epilogue::fusion;
@@ -173,27 +165,6 @@ __global__ void row_stats(const __half* x, float* rstd_out, float* shift_out, in
     rstd_out[row] = rstd;
     shift_out[row] = -rstd * mean;
   }
-}
-
-template <class F>
-static float median_ms(F&& f, int reps = 50) {
-  for (int i = 0; i < 5; ++i) f();
-  CHECK(cudaDeviceSynchronize());
-  std::vector<float> t;
-  cudaEvent_t a, b;
-  CHECK(cudaEventCreate(&a));
-  CHECK(cudaEventCreate(&b));
-  for (int i = 0; i < reps; ++i) {
-    CHECK(cudaEventRecord(a));
-    f();
-    CHECK(cudaEventRecord(b));
-    CHECK(cudaEventSynchronize(b));
-    float ms = 0;
-    CHECK(cudaEventElapsedTime(&ms, a, b));
-    t.push_back(ms);
-  }
-  std::sort(t.begin(), t.end());
-  return t[t.size() / 2];
 }
 
 int main(int argc, char** argv) {
