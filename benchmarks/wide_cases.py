@@ -275,7 +275,7 @@ def run_case(name: str, out_dir: Path, reps: int, warmup: int, dev, providers, k
                     failed(variant, e)
         sessions = None
     for variant, make, env in variants:
-        if any(variant == v for v, _ in together):
+        if interleave and not env:   # timed in turns above
             continue
         sess = None
         with _switches(env):
