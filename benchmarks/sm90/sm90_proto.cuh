@@ -19,9 +19,11 @@
     }                                                                                             \
   } while (0)
 
-// The median (ms) of `reps` runs of f(), each timed alone with CUDA events, after 5 warm-up runs.
+// The median (ms per call) of `reps` samples after 5 warm-up calls; each sample times `batch` calls of f()
+// back to back with CUDA events. batch 1 includes the host's launch latency in every sample (a few us);
+// a larger batch measures what the GPU spends, as a stream of launches (ORT's) sees it.
 template <class F>
-static float median_ms(F&& f, int reps = 50) {
+static float median_ms(F&& f, int reps = 50, int batch = 1) {
   for (int i = 0; i < 5; ++i) f();
   CHECK(cudaDeviceSynchronize());
   std::vector<float> t;
@@ -30,12 +32,12 @@ static float median_ms(F&& f, int reps = 50) {
   CHECK(cudaEventCreate(&b));
   for (int i = 0; i < reps; ++i) {
     CHECK(cudaEventRecord(a));
-    f();
+    for (int j = 0; j < batch; ++j) f();
     CHECK(cudaEventRecord(b));
     CHECK(cudaEventSynchronize(b));
     float ms = 0;
     CHECK(cudaEventElapsedTime(&ms, a, b));
-    t.push_back(ms);
+    t.push_back(ms / batch);
   }
   CHECK(cudaEventDestroy(a));
   CHECK(cudaEventDestroy(b));
