@@ -269,6 +269,10 @@ def _jobs(sources: dict[str, str], cxx: str, nvcc: str | None, host_flags: list[
                 flags += ["-I", str(cutlass.path), "--expt-relaxed-constexpr"]
                 add(name, [nvcc, *flags, *includes, "-c", src, "-o", "{obj}"], {"cutlass": cutlass.version},
                     build_pool.PEAK_MB_HOPPER if hopper else build_pool.PEAK_MB_CUTLASS)
+            elif sm90a_only(sources[name]):     # Hopper kernels without CUTLASS (the light GEMM instances)
+                flags = sm90a_nvcc_flags(cu_flags)
+                add(name, [nvcc, *(instance_nvcc_flags(flags) if name.startswith(INSTANCE_PREFIX) else flags),
+                           *includes, "-c", src, "-o", "{obj}"])
             elif needs_sm90a(sources[name]):    # the wgmma design: sm_90a in place of sm_90 (wgmma_nvcc_flags)
                 add(name, [nvcc, *wgmma_nvcc_flags(cu_flags), *includes, "-c", src, "-o", "{obj}"])
             else:

@@ -22,6 +22,8 @@ from .spec import MLPSpec
 
 
 INSTANCE_TEMPLATE = "cuda_wide_instance.cu.j2"
+LIGHT_TEMPLATE = "cuda_wide_light.cu.j2"   # plan.sm90's light kernel: no CUTLASS in its unit
+_RAW_TYPE = {"cutlass::half_t": "__half", "cutlass::bfloat16_t": "__nv_bfloat16", "float": "float"}
 INSTANCE_PREFIX = "o2f_inst_"
 # the C++ element types and their tokens in instance names
 _TYPE_TOKEN = {"cutlass::half_t": "f16", "cutlass::bfloat16_t": "bf16", "float": "f32"}
@@ -70,15 +72,20 @@ def instance_params(config: str, elem: str, out: str, align: int, act_code: str,
     epi = epilogue_text(act_code, residual, packed, sm90)
     name = (f"{INSTANCE_PREFIX}{config}_{_TYPE_TOKEN[operand]}_{_TYPE_TOKEN[out]}_a{align}_"
             f"{hashlib.sha256(epi.encode()).hexdigest()[:12]}")
-    family = "CUTLASS 3.x sm_90a" if sm90 else "CUTLASS 2.x sm80 mma.sync"
+    light = sm90 and kernel.light
+    family = ("onnx2fused's sm_90a GEMM, no CUTLASS" if light else "CUTLASS 3.x sm_90a" if sm90
+              else "CUTLASS 2.x sm80 mma.sync")
     params = {
-        "template": INSTANCE_TEMPLATE, "name": name, "file": f"{name}.cu", "sm90": sm90, "config": config,
+        "template": LIGHT_TEMPLATE if light else INSTANCE_TEMPLATE, "name": name, "file": f"{name}.cu", "sm90": sm90,
+        "light": light, "config": config,
         "elem": elem, "out": out, "align": align, "act_code": act_code, "prelude": ex.C_PRELUDE,
         "residual": residual, "packed": packed,
         "describe": (f"{config} ({family}), {_TYPE_TOKEN[operand]} operands, {_TYPE_TOKEN[out]} output, "
                      f"alignment {align}, epilogue {epi}"),
     }
-    if sm90:
+    if light:
+        params.update({"tf32": False, "light_elem": _RAW_TYPE[elem], "light_out": _RAW_TYPE[out]})
+    elif sm90:
         params.update({"tf32": kernel.tf32, "coop": kernel.stream_k, "bm": kernel.tile[0], "bn": kernel.tile[1],
                        "bk": kernel.tile[2], "cm": kernel.cluster[0], "cn": kernel.cluster[1],
                        "sm90_scratch": SM90_SCRATCH})

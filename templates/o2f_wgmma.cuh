@@ -1,42 +1,15 @@
-// o2f_wgmma.cuh: the wgmma design's device helpers (templates/cuda_wgmma.cu.j2): mbarrier and bulk-copy
-// PTX, wgmma fences and waits, fragment packing, streaming input loads and output stores of io_t.
+// o2f_wgmma.cuh: the wgmma design's device helpers (templates/cuda_wgmma.cu.j2): bulk-copy PTX (mbarriers
+// and wgmma group control: o2f_sm90_ptx.cuh), fragment packing, streaming input loads and output stores of io_t.
 // Static device code for sm_90a only (included under O2F_WGMMA_DEVICE), inside the generated source's
 // anonymous namespace, after io_t.
 #pragma once
-__device__ __forceinline__ uint32_t smem_u32(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
-
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-// Makes the initialised barrier visible to the async proxy (the bulk copies complete on it).
-__device__ __forceinline__ void mbar_init_fence() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
-__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  uint32_t done;
-  do {
-    asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
-                 : "=r"(done) : "r"(bar), "r"(parity) : "memory");
-  } while (!done);
-}
+#include "o2f_sm90_ptx.cuh"
 // Bulk global -> shared copy (async proxy, like TMA, without a tensor map), completing on an mbarrier.
 __device__ __forceinline__ void bulk_g2s(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
                ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
 }
 
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
-// Pins registers at this point of the instruction stream (CuTe's warpgroup_fence_operand): reads of an
-// accumulator stay below the wait that makes it valid, writes of an operand above the wgmma that reads it.
-template <int R>
-__device__ __forceinline__ void fence_acc(float (&d)[R]) {
-#pragma unroll
-  for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
 template <int KT>
 __device__ __forceinline__ void fence_frag(uint32_t (&a)[KT][4]) {
 #pragma unroll

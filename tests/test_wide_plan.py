@@ -10,7 +10,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from onnx2fused import build, headers, library, targets, wide_params
+from onnx2fused import build, codegen, headers, library, targets, wide_params
 from onnx2fused.cuda_params import act_params
 from onnx2fused import expr as ex
 from onnx2fused.errors import ConversionError
@@ -579,7 +579,10 @@ def test_packed_hidden_layers_take_the_fp16x2_form_in_the_epilogue():
         return {n: files[n] for n in _instances(files) if "_f16_f16_" in n or "_bf16_bf16_" in n}
 
     packed = hidden(_spec([768, 3072, 768], ex.gelu_erf()))
-    assert packed and all("o2f_h2_gelu(__floats2half2_rn(a[i], a[i + 1]))" in t for t in packed.values())
+    # the CUTLASS instances' Act on an Array, the light instance's PairAct on two columns
+    forms = ("o2f_h2_gelu(__floats2half2_rn(a[i], a[i + 1]))", "o2f_h2_gelu(__floats2half2_rn(a, b))")
+    assert packed and all(any(f in t for f in forms) for t in packed.values())
+    assert {any(forms[1] in t for t in packed.values()), any(forms[0] in t for t in packed.values())} == {True}
     assert all("o2f_packed_act" in t for t in packed.values())   # its header, included or expanded
     fp32 = hidden(replace(_spec([768, 3072, 768], ex.gelu_erf()), act_math="fp32"))
     assert fp32 and not set(fp32) & set(packed)
@@ -623,14 +626,22 @@ def test_rendered_source_has_guarded_sm90_kernels_and_per_layer_choice():
     assert plan.sm90_kernels == (sm90.DEFAULT_CHOICE.kernel,) and len(hopper) == 1
     (h_name, h_text), = hopper.items()
     assert h_name.startswith(f"o2f_inst_{DEFAULT_KERNEL}_f16_f16_a8_")
-    # the CUTLASS 3.x code exists only in the Hopper instance, compiled for sm_90a
+    # the Hopper kernel exists only in the Hopper instance, compiled for sm_90a: the default is our own
+    # (no CUTLASS in its unit); a CUTLASS 3.x instance (a tuned choice) holds CUTLASS's kernel instead
     assert "#if defined(ONNX2FUSED_WIDE_SM90A)" in h_text and h_text.rstrip().endswith("#endif  // ONNX2FUSED_WIDE_SM90A")
-    assert DEFAULT_KERNEL == "Pingpong128x128"
+    assert DEFAULT_KERNEL == "Light128x128" and '#include "cutlass/' not in h_text
+    for needle in ("namespace o2f_light", "o2f_light::run<Elem, Out, PairAct, kResidual>"):
+        assert needle in h_text and needle not in src, needle
+        assert all(needle not in t for n, t in insts.items() if n != h_name), needle
+    cutlass_ping = sm90.Sm90Choice(next(i for i, k in enumerate(sm90.SM90_KERNELS) if k.name == "Pingpong128x128"),
+                                   "data_parallel")
+    tuned = wide.with_kernels(plan, tuple(tuple(cutlass_ping for _ in per) for per in plan.choices))
+    tuned_files = codegen.render([spec], True, plans={spec.name: tuned})
+    cutlass_inst = next(expanded(tuned_files, n) for n in tuned_files if n.startswith("o2f_inst_Pingpong128x128_"))
     for needle in ("KernelTmaWarpSpecializedPingpong", "PersistentScheduler",
                    "LinCombPerColBiasEltAct", "cutlass::arch::Sm90", "cute::Int<128>, cute::Int<128>, cute::Int<64>",
                    '#include "cutlass/gemm/collective/collective_builder.hpp"'):
-        assert needle in h_text and needle not in src, needle
-        assert all(needle not in t for n, t in insts.items() if n != h_name), needle
+        assert needle in cutlass_inst and needle not in src, needle
     layer0 = src[src.index("cudaError_t layer0("):src.index("cudaError_t layer1(")]
     layer1 = src[src.index("cudaError_t layer1("):src.index("constexpr int kBuckets")]
     assert f"{h_name[:-3]}::run(dev, c, m, 520, 1008," in layer0 and "o2f_inst_Coop" not in layer1
@@ -643,7 +654,7 @@ def test_rendered_source_has_guarded_sm90_kernels_and_per_layer_choice():
     assert src.count(f"{{ {default.kernel}, {sm90.MODES.index(default.mode)}, 1, 1, 0 }}") >= 2 * nb   # swizzle 1, heuristic
     # the device check: compute capability 9.0 only, and the run-time override for comparisons
     assert "cc == 90" in src and f'getenv("{wide.SM80_ENV}")' in src and '"sm80"' in src
-    assert f"{plan.sm90_offset}" in src and f"{sm90.SM90_SCRATCH}u" in h_text
+    assert f"{plan.sm90_offset}" in src and f"{sm90.SM90_SCRATCH}u" in cutlass_inst
     assert "_cuda_tune" not in src  # the timing entry is the tuning build's only
     # NDEBUG before the first include: no __assertfail calls to serialize wgmma
     assert src.index("#define NDEBUG") < src.index("#include")
@@ -799,7 +810,9 @@ def test_build_compiles_only_the_wide_sources_for_sm90a(tmp_path, monkeypatch):
     hopper = {n for n in insts if n.split("_")[2] in {k.name for k in sm90.SM90_KERNELS}}
     assert len(insts) == 4 and len(hopper) == 2   # sm80 and Hopper: the ReLU layers', the last layer's
     for n, a in insts.items():
-        assert targets.WIDE_SM90A_DEFINE in a and "--expt-relaxed-constexpr" in a
+        # the light (default) Hopper instances include no CUTLASS: no CUTLASS flags
+        cutlass_unit = not n.startswith("o2f_inst_Light")
+        assert targets.WIDE_SM90A_DEFINE in a and ("--expt-relaxed-constexpr" in a) == cutlass_unit, n
         assert _gencodes(a) == (["arch=compute_90a,code=sm_90a"] if n in hopper else sm80_sm90a), n
         assert "-lineinfo" not in a, n   # instance_nvcc_flags: same SASS, 5 s less per Hopper instance
     assert "-lineinfo" in wide_cmd and "-lineinfo" in narrow_cmd   # our own kernels keep Nsight's source view

@@ -196,11 +196,14 @@ def test_tile_orders_are_searched_for_the_ping_pong_kernels_and_survive_the_cach
     rendered into the chain's choice table (the kernel index, mode, splits, swizzle, RASTERS index)."""
     cands = sm90.sm90_candidates()
     ping = [c for c in cands if not sm90.SM90_KERNELS[c.kernel].stream_k]
-    assert {(c.swizzle, c.raster) for c in ping if c.kernel == sm90.DEFAULT_CHOICE.kernel} == \
+    cutlass_ping = next(i for i, k in enumerate(sm90.SM90_KERNELS) if k.name == "Pingpong128x128")
+    assert {(c.swizzle, c.raster) for c in ping if c.kernel == cutlass_ping} == \
         {(s, "heuristic") for s in sm90.SWIZZLES} | {(1, r) for r in sm90.RASTERS}
+    # the light kernel takes the raster order only (its tile order has no swizzle)
+    assert {(c.swizzle, c.raster) for c in ping if c.kernel == sm90.LIGHT_KERNEL} == {(1, r) for r in sm90.RASTERS}
     assert all(c.swizzle == 1 and c.raster == "heuristic" for c in cands if sm90.SM90_KERNELS[c.kernel].stream_k)
     assert len({c.label for c in cands}) == len(cands)   # the report's keys stay distinct
-    order = next(c for c in ping if c.swizzle == 4 and c.kernel == sm90.DEFAULT_CHOICE.kernel)
+    order = next(c for c in ping if c.swizzle == 4 and c.kernel == cutlass_ping)
     fake = FakeTuning(fast=cands.index(order), ms=0.5)
     monkeypatch.setattr(wide_tune, "run_tuning", fake.run)
     out = wide_tune.resolve(_plans(FFN), tmp_path, fake.build, lambda m: None, tune=True)

@@ -24,8 +24,10 @@ class Sm90Kernel:
     warpgroups share one CTA tile, with the stream-K tile scheduler (any decomposition at run time).
     Ping-pong: each consumer warpgroup owns a tile, so one's epilogue overlaps the other's main loop;
     it has the persistent data-parallel scheduler only. Pipeline stages: CUTLASS fills the shared
-    memory the epilogue leaves. Each one costs about a minute of nvcc per (activation, output type)."""
-    schedule: str                 # "cooperative" | "pingpong"
+    memory the epilogue leaves. Each one costs about a minute of nvcc per (activation, output type).
+    Light: our own ping-pong kernel without CUTLASS (templates/o2f_light_gemm.cuh), 128 x 128 tiles,
+    persistent, the tile order its only run-time choice; a few seconds of nvcc."""
+    schedule: str                 # "cooperative" | "pingpong" | "light"
     tile_mn: tuple[int, int]      # CTA tile M, N (K: K_TILE_BYTES of the operand type)
     cluster: tuple[int, int]      # CTAs per cluster along M, N (TMA multicast of the shared operand)
     tf32: bool = False            # fp32 operands on tf32 wgmma: the first layer reads the fp32 input in
@@ -33,10 +35,10 @@ class Sm90Kernel:
 
     @property
     def name(self) -> str:
-        """The C++ struct name: [Tf32]Coop|Pingpong<M>x<N>[C<cluster>]."""
+        """The C++ struct name: [Tf32]Coop|Pingpong|Light<M>x<N>[C<cluster>]."""
         cm, cn = self.cluster
         cluster = "" if (cm, cn) == (1, 1) else f"C{cm}" if cn == 1 else f"C{cm}x{cn}"
-        schedule = "Coop" if self.schedule == "cooperative" else "Pingpong"
+        schedule = {"cooperative": "Coop", "pingpong": "Pingpong", "light": "Light"}[self.schedule]
         return f"{'Tf32' if self.tf32 else ''}{schedule}{self.tile_mn[0]}x{self.tile_mn[1]}{cluster}"
 
     @property
@@ -47,6 +49,11 @@ class Sm90Kernel:
     @property
     def stream_k(self) -> bool:
         return self.schedule == "cooperative"
+
+    @property
+    def light(self) -> bool:
+        """Our own kernel (no CUTLASS: templates/cuda_wide_light.cu.j2)."""
+        return self.schedule == "light"
 
 
 SM90_KERNELS: tuple[Sm90Kernel, ...] = (
@@ -63,6 +70,9 @@ SM90_KERNELS: tuple[Sm90Kernel, ...] = (
     Sm90Kernel("pingpong", (128, 64), (2, 1)),
     Sm90Kernel("cooperative", (128, 256), (1, 1), tf32=True),
     Sm90Kernel("pingpong", (128, 128), (1, 1), tf32=True),
+    # CUTLASS's Pingpong128x128 without CUTLASS: 16-bit operands only, 4 s of nvcc where a CUTLASS 3.x
+    # instance takes 35-40 (benchmarks/RESULTS.md, eighteenth run)
+    Sm90Kernel("light", (128, 128), (1, 1)),
 )
 # Tried and left out (every kernel here is one more CUTLASS instance per epilogue in a tuning build):
 # - Coop128x256 with a cluster of 2 along M (the weight tile multicast: half the L2 traffic per flop of
@@ -111,14 +121,16 @@ class Sm90Choice:
                 and (first_layer_tf32 or not SM90_KERNELS[self.kernel].tf32))
 
 
-# The untuned default: the 128 x 128 ping-pong kernel (one warpgroup's epilogue overlaps the other's main
-# loop; persistent data-parallel tiles). It won or came within 3% in every search measured on the H100
-# (benchmarks/RESULTS.md: FFN, head, DLRM at 256 and 16384 rows), and it has twice the tiles of the
-# 128 x 256 cooperative kernel, which was the default before: on an H200 that kernel with the stream-K
-# heuristic took 83 us for one of ViT-tiny's two FFN GEMMs (12608 rows, 192 -> 768 -> 192: one or two
-# column tiles, a few K tiles, split over the SMs), 7x stock ORT's cuBLAS GEMM, and 170 us for one of
-# ViT-B's at 16384 rows (stock: 108). One kernel per GEMM keeps the untuned build to one CUTLASS instance.
-DEFAULT_CHOICE = Sm90Choice(2, "data_parallel")
+# The untuned default: our own 128 x 128 ping-pong kernel (Light128x128, no CUTLASS), CUTLASS's
+# Pingpong128x128 rewritten. The ping-pong schedule won or came within 3% in every search measured on the
+# H100 (benchmarks/RESULTS.md: FFN, head, DLRM at 256 and 16384 rows), and it has twice the tiles of the
+# 128 x 256 cooperative kernel, which was the default before that: on an H200 that kernel with the
+# stream-K heuristic took 83 us for one of ViT-tiny's two FFN GEMMs (12608 rows, 192 -> 768 -> 192: one or
+# two column tiles, a few K tiles, split over the SMs), 7x stock ORT's cuBLAS GEMM, and 170 us for one of
+# ViT-B's at 16384 rows (stock: 108). Light128x128 measured at cuBLAS's speed on ViT-B's and mnist's GEMMs
+# (eighteenth run), and its unit compiles in seconds: an untuned build compiles no CUTLASS 3.x instance.
+LIGHT_KERNEL = next(i for i, k in enumerate(SM90_KERNELS) if k.light)
+DEFAULT_CHOICE = Sm90Choice(LIGHT_KERNEL, "data_parallel")
 DEFAULT_TF32_CHOICE = Sm90Choice(TF32_KERNELS[1], "data_parallel")   # a first layer read in place (tf32)
 ROW_BUCKETS = (32, 256, 2048, 16384)   # rows the choices are made (and tuned) for; calls take the nearest
 # (32: GEMV-like calls, where one row tile leaves most SMs idle unless split-K fills them)
@@ -134,6 +146,8 @@ def sm90_candidates() -> tuple[Sm90Choice, ...]:
                     # few rows, long K (the head's 256 rows through K = 4096: 16 output tiles of the
                     # 4096 -> 1000 layer for 132 SMs): deeper splits fill the GPU
                     Sm90Choice(i, "split_k", 8), Sm90Choice(i, "split_k", 16)]
+        elif k.light:   # the tile order is its only run-time choice (no swizzle)
+            out += [Sm90Choice(i, "data_parallel")] + [Sm90Choice(i, "data_parallel", raster=r) for r in RASTERS[1:]]
         else:   # the ping-pong kernels: the tile order too (their scheduler has no other run-time choice)
             out += [Sm90Choice(i, "data_parallel")] + [Sm90Choice(i, "data_parallel", swizzle=s) for s in SWIZZLES[1:]]
             out += [Sm90Choice(i, "data_parallel", raster=r) for r in RASTERS[1:]]
