@@ -16,7 +16,7 @@ import hashlib
 
 from . import expr as ex
 from .cuda_params import act_params, spec_params
-from .plan.sm90 import DEFAULT_CHOICE, MODES, RASTERS, SM90_KERNELS, SM90_SCRATCH, Sm90Choice, sm90_candidates
+from .plan.sm90 import MODES, default_choice, RASTERS, SM90_KERNELS, SM90_SCRATCH, Sm90Choice, sm90_candidates
 from .plan.wide import LAUNCH_CACHE_ENV, ROW_QUANTUM, SM80_ENV, TILE_TABLE, WidePlan, sm80_tiles
 from .spec import MLPSpec
 
@@ -226,7 +226,7 @@ def _sm90_params(plan: WidePlan) -> dict:
         "modes": list(MODES),
         "sm90_names": [k.name for k in SM90_KERNELS],
         "tuning": plan.tuning,
-        "default_choice": _choice_param(DEFAULT_CHOICE),
+        "default_choice": _choice_param(default_choice()),
         "candidates": [_choice_param(c) for c in sm90_candidates()],
     }
 

@@ -13,7 +13,7 @@ that GEMM's choice for that bucket; the final library instantiates only the chos
 The choice is stored in <cache>/tune/<spec>-<gpu>.json and reused by every later build of the same
 spec on the same GPU model (no tuning build then). Without a GPU, on other GPUs, with
 $ONNX2FUSED_TUNE=0, or when tuning fails (it never fails the build: it reports and keeps the default),
-the library uses sm90.DEFAULT_CHOICE.
+the library uses sm90.default_choice() (DEFAULT_CHOICE unless the environment names another kernel).
 """
 from __future__ import annotations
 
@@ -154,7 +154,7 @@ def run_tuning(library: Path, plan: WidePlan, reps: int = REPS) -> dict:
         per, per_t = [], []
         for b in range(nb):
             i, t, t0 = index[g * nb + b], ms[g * nb + b], default_ms[g * nb + b]
-            best = candidates[i] if 0 <= i < len(candidates) and t < t0 * (1 - MIN_GAIN) else sm90.DEFAULT_CHOICE
+            best = candidates[i] if 0 <= i < len(candidates) and t < t0 * (1 - MIN_GAIN) else sm90.default_choice()
             per.append(best)
             all_t = every[(g * nb + b) * len(candidates):(g * nb + b + 1) * len(candidates)]
             per_t.append({"rows": plan.buckets[b], "choice": best.label, "ms": round(min(t, t0) if i >= 0 else t0, 5),

@@ -1219,3 +1219,22 @@ def test_inspect_skips_a_precision_no_design_plans(tmp_path, monkeypatch):
     assert chain.precision_why.endswith("; the numerics model (test)") and chain.cuda_plan.startswith("GPU: CUDA cores, fp32")
     (cpu,) = onnx2fused.inspect(str(path), with_cuda=False).chains   # a CPU-only library has no CUDA plan to need
     assert cpu.precision == "tf32"
+
+
+def test_the_default_kernel_can_be_named_at_convert_time(monkeypatch):
+    """ONNX2FUSED_WIDE_DEFAULT_KERNEL picks the untuned choices' kernel (CUTLASS's Pingpong128x128 in place
+    of our Light128x128: the way back, and A/B comparisons); a name that is no 16-bit kernel is refused
+    with the list of names."""
+    spec = _spec([768, 3072, 768], ex.gelu_erf())
+    light = choose.wide_plan(spec)
+    assert {c.kernel for per in light.choices for c in per} == {sm90.LIGHT_KERNEL}
+    monkeypatch.setenv(sm90.DEFAULT_KERNEL_ENV, "Pingpong128x128")
+    ping = choose.wide_plan(spec)
+    assert {sm90.SM90_KERNELS[c.kernel].name for per in ping.choices for c in per} == {"Pingpong128x128"}
+    assert "default kernels (not tuned)" in ping.describe()
+    hopper = [n for n, t in render_cuda([spec]).items() if n.startswith("o2f_inst_") and targets.sm90a_only(t)]
+    assert hopper and all(n.startswith("o2f_inst_Pingpong128x128_") for n in hopper)
+    for bad in ("Tf32Coop128x256", "Light64x64"):
+        monkeypatch.setenv(sm90.DEFAULT_KERNEL_ENV, bad)
+        with pytest.raises(ConversionError, match="expected one of .*Light128x128"):
+            choose.wide_plan(spec)

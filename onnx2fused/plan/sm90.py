@@ -9,7 +9,10 @@ bucket nearest its rows on a log scale), because the best kernel for 256 rows is
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+
+from ..errors import ConversionError
 
 # Stream-K partial-tile reductions of the sm90 kernels (fp32 128x256 tiles, 128 KiB each; CUTLASS sizes it
 # per problem and SM count: ~100 partials for 132 SMs; split-K 8 of the head's 256 x 4096 layers in 128 x
@@ -131,9 +134,23 @@ class Sm90Choice:
 # (eighteenth run), and its unit compiles in seconds: an untuned build compiles no CUTLASS 3.x instance.
 LIGHT_KERNEL = next(i for i, k in enumerate(SM90_KERNELS) if k.light)
 DEFAULT_CHOICE = Sm90Choice(LIGHT_KERNEL, "data_parallel")
+# Convert-time override of the untuned default's kernel, by name (Pingpong128x128: CUTLASS's, as before
+# Light128x128; A/B comparisons, or a way back should our kernel misbehave somewhere).
+DEFAULT_KERNEL_ENV = "ONNX2FUSED_WIDE_DEFAULT_KERNEL"
 DEFAULT_TF32_CHOICE = Sm90Choice(TF32_KERNELS[1], "data_parallel")   # a first layer read in place (tf32)
 ROW_BUCKETS = (32, 256, 2048, 16384)   # rows the choices are made (and tuned) for; calls take the nearest
 # (32: GEMV-like calls, where one row tile leaves most SMs idle unless split-K fills them)
+
+
+def default_choice() -> Sm90Choice:
+    """DEFAULT_CHOICE, or the 16-bit kernel $ONNX2FUSED_WIDE_DEFAULT_KERNEL names (data-parallel tiles)."""
+    name = os.environ.get(DEFAULT_KERNEL_ENV, "").strip()
+    if not name:
+        return DEFAULT_CHOICE
+    names = [k.name for k in SM90_KERNELS if not k.tf32]
+    if name not in names:
+        raise ConversionError(f"{DEFAULT_KERNEL_ENV}={name!r}: expected one of {', '.join(names)}")
+    return Sm90Choice(next(i for i, k in enumerate(SM90_KERNELS) if k.name == name), "data_parallel")
 
 
 def sm90_candidates() -> tuple[Sm90Choice, ...]:

@@ -102,7 +102,7 @@ from .. import expr as ex
 from ..spec import MLPSpec, SpecError
 from .cost import converts_input, tf32_eligible, tf32_first_wins
 from .padding import ALIGN, norm_floats, round_up
-from .sm90 import (DEFAULT_CHOICE, DEFAULT_TF32_CHOICE, ROW_BUCKETS, SM90_KERNELS, SM90_SCRATCH, Sm90Choice,
+from .sm90 import (DEFAULT_CHOICE, DEFAULT_TF32_CHOICE, default_choice, ROW_BUCKETS, SM90_KERNELS, SM90_SCRATCH, Sm90Choice,
                    row_buckets)
 
 SCRATCH_BUDGET = 128 << 20      # bytes of workspace for the intermediates of one row block
@@ -236,7 +236,7 @@ class WidePlan:
         hopper = "all" if n90 == n else f"{n90} of {n}"  # the others' output rows are not TMA-storable
         if self.tuned_on:
             tuned = f"kernels tuned on {self.tuned_on}"
-        elif self.tuning or all(c in (DEFAULT_CHOICE, DEFAULT_TF32_CHOICE) for per in self.choices for c in per):
+        elif self.tuning or all(c in (default_choice(), DEFAULT_TF32_CHOICE) for per in self.choices for c in per):
             tuned = "default kernels (not tuned)"
         else:   # choices given without a GPU to name (WideOptions.choices: benchmarks, tests)
             tuned = "kernels as given (not tuned here)"
@@ -357,8 +357,9 @@ def make_wide_plan(spec: MLPSpec, reason: str = "", *, tail_from: int = 0, tail=
     tf32_ok = tf32_eligible(spec) and layouts[0].sm90
     buckets = row_buckets(mb)
     if choices is None:
-        first = DEFAULT_TF32_CHOICE if tf32_ok and tf32_first_wins(spec) else DEFAULT_CHOICE
-        choices = ((first,) * len(buckets),) + tuple((DEFAULT_CHOICE,) * len(buckets) for _ in layouts[1:])
+        default = default_choice()
+        first = DEFAULT_TF32_CHOICE if tf32_ok and tf32_first_wins(spec) else default
+        choices = ((first,) * len(buckets),) + tuple((default,) * len(buckets) for _ in layouts[1:])
     choices = tuple(tuple(per) for per in choices)
     if len(choices) != len(layouts) or any(len(per) != len(buckets) for per in choices) or any(
             not c.fits(g == 0 and tf32_ok) for g, per in enumerate(choices) for c in per):
