@@ -19,7 +19,7 @@ pytestmark = pytest.mark.gpu
 ort, torch = require_cuda()
 
 from onnx2fused import build, library, passes  # noqa: E402
-from onnx2fused.plan import wide  # noqa: E402
+from onnx2fused.plan import sm90, wide  # noqa: E402
 from onnx2fused.plan.choose import make_plan  # noqa: E402
 from onnx2fused.plan.options import DESIGN_ENV, PlanOptions, WideOptions  # noqa: E402
 
@@ -188,7 +188,8 @@ def test_dlrm_cases_cover_the_segmented_plan_and_the_narrow_layer(shared):
 @ON_SHARED
 def test_hopper_runs_the_sm90a_kernels(shared, monkeypatch):
     """The kernels launched, by name (torch's profiler sees every kernel of the process, ORT's included):
-    CUTLASS 3.x GemmUniversal kernels on sm_90 unless overridden, the 2.x ones with the override."""
+    our own sm_90a GEMM (Light128x128, the untuned default) on sm_90 unless overridden, CUTLASS 2.x's with
+    the override."""
     if not _hopper():
         pytest.skip("sm_90a kernels run on compute capability 9.0 only")
     from torch.profiler import ProfilerActivity, profile
@@ -209,8 +210,35 @@ def test_hopper_runs_the_sm90a_kernels(shared, monkeypatch):
     monkeypatch.delenv(wide.SM80_ENV, raising=False)
     if not names["default"]:
         pytest.skip("the profiler recorded no CUDA kernels here (CUPTI unavailable)")
-    assert "GemmUniversal" in names["default"] and "MainloopSm90TmaGmmaWarpSpecialized" in names["default"]
-    assert "MmaMultistage" in names["sm80"] and "MainloopSm90" not in names["sm80"]
+    assert "o2f_light::light_gemm" in names["default"] and "MmaMultistage" not in names["default"]
+    assert "MmaMultistage" in names["sm80"] and "light_gemm" not in names["sm80"]
+
+
+def _kernel_names(sess, x, out_shape) -> str:
+    """The CUDA kernels one run of `sess` on x launches (after a warm-up run), by name."""
+    from torch.profiler import ProfilerActivity, profile
+    run_poisoned(sess, x, out_shape)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run_poisoned(sess, x, out_shape)
+    return " ".join(e.name for e in prof.events())
+
+
+def test_cutlass_default_kernel_by_name_matches_stock(cache_dir, tmp_path, monkeypatch):
+    """ONNX2FUSED_WIDE_DEFAULT_KERNEL=Pingpong128x128 at convert time: the untuned choices run CUTLASS 3.x's
+    ping-pong kernel in place of ours (the way back; the tuned choices' kernels), and agree with stock."""
+    if not _hopper():
+        pytest.skip("sm_90a kernels run on compute capability 9.0 only")
+    monkeypatch.setenv(sm90.DEFAULT_KERNEL_ENV, "Pingpong128x128")
+    src = _mlp(tmp_path / "ffn.onnx", [768, 3072, 768], "gelu", gelu=True, seed=5)
+    fused, lib, plan = _fuse(src, "fp16", cache_dir, tmp_path / "ffn.fused.onnx")
+    assert {sm90.SM90_KERNELS[c.kernel].name for per in plan.choices for c in per} == {"Pingpong128x128"}
+    x = np.random.default_rng(6).standard_normal((3000, 768)).astype(np.float32)
+    ref = _reference(src, x)
+    sess = _session(fused, lib)
+    assert rel_l2(run_poisoned(sess, x, ref.shape), ref) <= TOL["fp16"]
+    names = _kernel_names(sess, x, ref.shape)
+    if names:   # (CUPTI may be unavailable)
+        assert "GemmUniversal" in names and "MainloopSm90TmaGmmaWarpSpecialized" in names and "light_gemm" not in names
 @ON_SHARED
 def test_wide_fp16_io_in_place_and_bf16(shared):
     """An fp16 model (bench.to_fp16 of the fp32 one: fp16 input, weights, output) against stock fp32."""
