@@ -18,24 +18,35 @@
 // frees a slot (its `empty` mbarrier, one arrival per warp) once the wgmma group that read it completed.
 // The consumers' mainloops take turns (two `turn` mbarriers): one hands the turn over once it has issued
 // its last k-block, and its epilogue then runs while the other's mainloop keeps the tensor cores busy
-// (CUTLASS's Pingpong schedule). The epilogue of a 16-bit D goes through four swizzled 64 x 64 staging
-// boxes per consumer and TMA stores, which clip the tails (the direct stores of a quad wrote 16 of each
-// 32-byte sector: 1.5x slower on ViT-B's first GEMM); an fp32 D is stored directly (a quad's float2
-// stores fill a sector).
+// (CUTLASS's Pingpong schedule). The epilogue of a 16-bit D, or of any D with the residual, goes through
+// swizzled 64-row staging boxes per consumer (Layout): TMA loads C there during the mainloop, the epilogue
+// reads it and writes D in its place, and TMA stores clip the tails (the direct stores of a quad wrote 16
+// of each 32-byte sector: 1.5x slower on ViT-B's first GEMM). An fp32 D without the residual is stored
+// directly (a quad's float2 stores fill a sector).
 #pragma once
 #include "o2f_sm90_ptx.cuh"
 
 namespace o2f_light {
-constexpr int kBM = 128, kBN = 128, kBK = 64, kStages = 5, kConsumers = 2, kThreads = 128 * (1 + kConsumers);
+constexpr int kBM = 128, kBN = 128, kBK = 64, kConsumers = 2, kThreads = 128 * (1 + kConsumers);
 constexpr int kABytes = kBM * kBK * 2, kWBytes = kBN * kBK * 2, kStageBytes = kABytes + kWBytes;
-constexpr int kRingBytes = kStages * kStageBytes;
-constexpr int kBoxBytes = 64 * 64 * 2;   // a staging box: 64 rows of 128 bytes
-// The consumers' staging boxes (a 16-bit D only) and the whole dynamic shared memory (with the 1024-byte
-// alignment slack and the barriers).
-template <typename Out>
-constexpr int kOutBytes = sizeof(Out) == 2 ? kConsumers * 4 * kBoxBytes : 0;
-template <typename Out>
-constexpr int kSmemBytes = 1024 + kRingBytes + kOutBytes<Out> + (2 * kStages + kConsumers) * 8;
+constexpr int kBoxBytes = 64 * 128;   // a staging box: 64 rows of 128 bytes (64 16-bit or 32 fp32 columns)
+
+// The shared-memory layout of one instantiation. A 16-bit D, or any D with the residual, is staged: each
+// consumer owns the boxes of a whole tile, where TMA loads the residual C during the mainloop and the
+// epilogue writes D in its place for the TMA store. Reading C directly took ViT-B's block 28% longer
+// (its loads, 64 float2 per thread, wait in the epilogue: there are no registers to hold them earlier).
+// An fp32 D with the residual needs 128 KB of boxes: the ring has 3 slots then, else 5.
+template <typename Out, bool kResidual>
+struct Layout {
+  static constexpr bool kStaged = sizeof(Out) == 2 || kResidual;
+  static constexpr int kBoxCols = 128 / static_cast<int>(sizeof(Out));
+  static constexpr int kBoxes = 2 * (kBN / kBoxCols);   // per tile: two m64 halves x the column boxes
+  static constexpr int kOutBytes = kStaged ? kConsumers * kBoxes * kBoxBytes : 0;
+  static constexpr int kStages = kOutBytes > 2 * 4 * kBoxBytes ? 3 : 5;
+  static constexpr int kRingBytes = kStages * kStageBytes;
+  // barriers: full and empty per slot, turn and the residual's arrival per consumer
+  static constexpr int kSmemBytes = 1024 + kRingBytes + kOutBytes + (2 * kStages + 2 * kConsumers) * 8;
+};
 
 __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, int x, int y, uint32_t bar) {
   asm volatile(
@@ -114,20 +125,47 @@ __device__ __forceinline__ void store_pair(float* p, float2 v, bool two) {
   else p[0] = v.x;
 }
 
+// A pair of adjacent columns of a staging box, as Out, to and from fp32.
+__device__ __forceinline__ float2 lds_pair(float, uint32_t addr) {
+  float2 v;
+  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(addr) : "memory");
+  return v;
+}
+__device__ __forceinline__ float2 lds_pair(__half, uint32_t addr) {
+  uint32_t u;
+  asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(u) : "r"(addr) : "memory");
+  return __half22float2(*reinterpret_cast<const __half2*>(&u));
+}
+__device__ __forceinline__ float2 lds_pair(__nv_bfloat16, uint32_t addr) {
+  uint32_t u;
+  asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(u) : "r"(addr) : "memory");
+  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u));
+}
+__device__ __forceinline__ void sts_pair(float, uint32_t addr, float2 v) {
+  asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(v.x), "f"(v.y) : "memory");
+}
+template <typename Out>
+__device__ __forceinline__ void sts_pair(Out, uint32_t addr, float2 v) {
+  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(pack_pair(Out{}, v)) : "memory");
+}
+
 template <typename Elem, typename Out, class PairAct, bool kResidual>
 __global__ void __launch_bounds__(kThreads, 1)
     light_gemm(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_w,
-               const __grid_constant__ CUtensorMap map_d, const Out* __restrict__ bias, const Out* __restrict__ src,
-               Out* __restrict__ d, int ldd, int m, int n, int k, int n_fastest) {
+               const __grid_constant__ CUtensorMap map_d, const __grid_constant__ CUtensorMap map_c,
+               const Out* __restrict__ bias, Out* __restrict__ d, int ldd, int m, int n, int k, int n_fastest) {
+  using L = Layout<Out, kResidual>;
+  constexpr int kStages = L::kStages;
   extern __shared__ uint8_t smem_raw[];
   const uint32_t base = (smem_u32(smem_raw) + 1023) & ~1023u;   // swizzled tiles: 1024-aligned
-  const uint32_t staging = base + kRingBytes;                     // the ring's size keeps it 1024-aligned
-  const uint32_t bars = staging + kOutBytes<Out>;
+  const uint32_t staging = base + L::kRingBytes;                  // the ring's size keeps it 1024-aligned
+  const uint32_t bars = staging + L::kOutBytes;
   auto stage_a = [&](int s) { return base + static_cast<uint32_t>(s * kStageBytes); };
   auto stage_w = [&](int s) { return stage_a(s) + kABytes; };
   auto full = [&](int s) { return bars + static_cast<uint32_t>(s * 8); };
   auto empty = [&](int s) { return bars + static_cast<uint32_t>((kStages + s) * 8); };
   auto turn = [&](int c) { return bars + static_cast<uint32_t>((2 * kStages + c) * 8); };
+  auto c_full = [&](int c) { return bars + static_cast<uint32_t>((2 * kStages + kConsumers + c) * 8); };
 
   const int wg = threadIdx.x / 128, warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
   if (threadIdx.x == 0) {
@@ -135,7 +173,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       mbar_init(full(s), 1);
       mbar_init(empty(s), 4);   // one arrival per consumer warp
     }
-    for (int c = 0; c < kConsumers; ++c) mbar_init(turn(c), 1);
+    for (int c = 0; c < kConsumers; ++c) {
+      mbar_init(turn(c), 1);
+      mbar_init(c_full(c), 1);
+    }
     mbar_init_fence();
   }
   __syncthreads();
@@ -180,6 +221,18 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int col = n0 + 8 * f + 2 * (lane % 4);
       bias_r[f] = col < n ? load_pair(bias + col, col + 1 < n) : make_float2(0.f, 0.f);
     }
+    const uint32_t out = staging + c * (L::kOutBytes / kConsumers);   // this consumer's boxes
+    if constexpr (L::kStaged) {
+      if (threadIdx.x % 128 == 0) {
+        bulk_wait_read();   // the previous tile's stores have read the boxes
+        if constexpr (kResidual) {   // C's tile into them, arriving during the mainloop
+          mbar_expect_tx(c_full(c), L::kBoxes * kBoxBytes);
+          for (int q = 0; q < L::kBoxes; ++q)
+            tma_load_2d(out + q * kBoxBytes, &map_c, n0 + (q % (L::kBoxes / 2)) * L::kBoxCols, m0 + 64 * (q / (L::kBoxes / 2)),
+                        c_full(c));
+        }
+      }
+    }
     // Consumer 0's i-th mainloop follows consumer 1's (i-1)-th (i completions of turn(0); the first passes
     // on a fresh barrier); consumer 1's i-th follows consumer 0's i-th (i + 1 completions of turn(1)).
     mbar_wait(turn(c), c == 0 ? (i & 1) ^ 1 : i & 1);
@@ -209,59 +262,55 @@ __global__ void __launch_bounds__(kThreads, 1)
     fence_acc(acc[1]);
 
     // Epilogue. Thread (warp, lane) holds rows warp*16 + lane/4 (+8) of each m64 half h and columns
-    // 8f + 2 (lane % 4) (+1), f < 16.
-    const uint32_t out = staging + c * (kOutBytes<Out> / kConsumers);
-    if constexpr (sizeof(Out) == 2) {
-      if (threadIdx.x % 128 == 0) bulk_wait_read();   // the previous tile's stores have read the boxes
-      consumer_sync(c);
+    // t = 8f + 2 (lane % 4) (+1), f < 16: staged, in box (h, t / kBoxCols), 16-byte chunk (t % kBoxCols) /
+    // kPerChunk of its 128-byte row, which the 128-byte swizzle moves to chunk ^ (row % 8): the eight rows
+    // of one access land in different banks.
+    if constexpr (L::kStaged) {
+      if constexpr (kResidual) mbar_wait(c_full(c), i & 1);   // C is in the boxes
+      consumer_sync(c);   // (thread 0 waited for the previous stores before any thread writes)
     }
+    constexpr int kPerChunk = 16 / static_cast<int>(sizeof(Out));
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int row = warp * 16 + lane / 4;
 #pragma unroll
       for (int f = 0; f < kBN / 8; ++f) {
-        const int col = n0 + 8 * f + 2 * (lane % 4);
+        const int t = 8 * f + 2 * (lane % 4), col = n0 + t, r = m0 + h * 64 + row;
+        const int cb = t % L::kBoxCols;
+        const uint32_t box = out + (h * (L::kBoxes / 2) + t / L::kBoxCols) * kBoxBytes;
+        const uint32_t word = ((cb / kPerChunk) ^ (row % 8)) * 16 + (cb % kPerChunk) * static_cast<int>(sizeof(Out));
+        const uint32_t at_lo = box + row * 128 + word, at_hi = box + (row + 8) * 128 + word;   // (row + 8) % 8 == row % 8
         float2 lo = make_float2(acc[h][4 * f] + bias_r[f].x, acc[h][4 * f + 1] + bias_r[f].y);
         float2 hi = make_float2(acc[h][4 * f + 2] + bias_r[f].x, acc[h][4 * f + 3] + bias_r[f].y);
-        const int r = m0 + h * 64 + row;
-        if constexpr (kResidual) {   // the block's input rows (ldd apart, like D)
-          if (col < n) {
-            if (r < m) {
-              const float2 x = load_pair(src + static_cast<int64_t>(r) * ldd + col, col + 1 < n);
-              lo.x += x.x;
-              lo.y += x.y;
-            }
-            if (r + 8 < m) {
-              const float2 x = load_pair(src + static_cast<int64_t>(r + 8) * ldd + col, col + 1 < n);
-              hi.x += x.x;
-              hi.y += x.y;
-            }
-          }
+        if constexpr (kResidual) {   // the block's input rows (zeros past the tails)
+          const float2 xl = lds_pair(Out{}, at_lo), xh = lds_pair(Out{}, at_hi);
+          lo.x += xl.x;
+          lo.y += xl.y;
+          hi.x += xh.x;
+          hi.y += xh.y;
         }
         lo = PairAct{}(lo.x, lo.y);
         hi = PairAct{}(hi.x, hi.y);
-        if constexpr (sizeof(Out) == 2) {
-          // box (h, f / 8), 16-byte chunk f % 8 of its 128-byte row, which the 128-byte swizzle moves to
-          // chunk (f % 8) ^ (row % 8): the eight rows of a store land in eight different banks
-          const uint32_t box = out + (2 * h + f / 8) * kBoxBytes, word = ((f % 8) ^ (row % 8)) * 16 + (lane % 4) * 4;
-          asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(box + row * 128 + word), "r"(pack_pair(Out{}, lo)) : "memory");
-          asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(box + (row + 8) * 128 + word), "r"(pack_pair(Out{}, hi)) : "memory");
-        } else if (col < n) {
+        if constexpr (L::kStaged) {
+          sts_pair(Out{}, at_lo, lo);
+          sts_pair(Out{}, at_hi, hi);
+        } else if (col < n) {   // fp32 D: a quad's float2 stores fill a 32-byte sector
           if (r < m) store_pair(d + static_cast<int64_t>(r) * ldd + col, lo, col + 1 < n);
           if (r + 8 < m) store_pair(d + static_cast<int64_t>(r + 8) * ldd + col, hi, col + 1 < n);
         }
       }
     }
-    if constexpr (sizeof(Out) == 2) {
+    if constexpr (L::kStaged) {
       fence_async_smem();
       consumer_sync(c);
       if (threadIdx.x % 128 == 0) {
-        for (int q = 0; q < 4; ++q) tma_store_2d(&map_d, n0 + 64 * (q % 2), m0 + 64 * (q / 2), out + q * kBoxBytes);
+        for (int q = 0; q < L::kBoxes; ++q)
+          tma_store_2d(&map_d, n0 + (q % (L::kBoxes / 2)) * L::kBoxCols, m0 + 64 * (q / (L::kBoxes / 2)), out + q * kBoxBytes);
         bulk_commit();
       }
     }
   }
-  if constexpr (sizeof(Out) == 2) {
+  if constexpr (L::kStaged) {
     if (threadIdx.x % 128 == 0) bulk_wait_read();   // the last stores have read the boxes before the CTA leaves
   }
 }
@@ -310,9 +359,11 @@ struct MapKey {
   int dev = -1, m = 0, n = 0, k = 0, ldd = 0;
   const void* a = nullptr;
   const void* w = nullptr;
+  const void* src = nullptr;
   const void* d = nullptr;
   bool operator==(const MapKey& o) const {
-    return dev == o.dev && m == o.m && n == o.n && k == o.k && ldd == o.ldd && a == o.a && w == o.w && d == o.d;
+    return dev == o.dev && m == o.m && n == o.n && k == o.k && ldd == o.ldd && a == o.a && w == o.w && src == o.src &&
+           d == o.d;
   }
 };
 
@@ -324,25 +375,23 @@ template <typename Elem, typename Out, class PairAct, bool kResidual>
 cudaError_t run(const o2f_wide::DeviceInfo& dev, const o2f_wide::Choice& c, int m, int n, int k, const void* a,
                 const void* w, const Out* bias, const Out* src, Out* d, int ldd, cudaStream_t s) {
   if (m <= 0 || n <= 0) return cudaSuccess;
+  using L = Layout<Out, kResidual>;
   struct Maps {
     MapKey key;
-    CUtensorMap a, w, d;
+    CUtensorMap a, w, d, c;
     bool ready = false;
   };
   thread_local Maps last;
-  const MapKey key{dev.id, m, n, k, ldd, a, w, d};
-  constexpr int kSmem = kSmemBytes<Out>;
+  const MapKey key{dev.id, m, n, k, ldd, a, w, kResidual ? src : nullptr, d};
   auto kernel = light_gemm<Elem, Out, PairAct, kResidual>;
   if (!last.ready || !(last.key == key)) {
     last.ready = false;
     if (!tile_map<Elem>(&last.a, a, m, k, k, kBM) || !tile_map<Elem>(&last.w, w, n, k, k, kBN))
       return cudaErrorInvalidValue;
-    if constexpr (sizeof(Out) == 2) {
-      if (!tile_map<Out>(&last.d, d, m, n, ldd, 64)) return cudaErrorInvalidValue;
-    } else {
-      last.d = last.a;   // unused: an fp32 D is stored directly
-    }
-    const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+    last.d = last.c = last.a;   // unused where D is not staged, C not read
+    if (L::kStaged && !tile_map<Out>(&last.d, d, m, n, ldd, 64)) return cudaErrorInvalidValue;
+    if (kResidual && !tile_map<Out>(&last.c, src, m, n, ldd, 64)) return cudaErrorInvalidValue;
+    const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kSmemBytes);
     if (err != cudaSuccess) return err;
     last.key = key;
     last.ready = true;
@@ -350,7 +399,7 @@ cudaError_t run(const o2f_wide::DeviceInfo& dev, const o2f_wide::Choice& c, int 
   const int tiles = ((m + kBM - 1) / kBM) * ((n + kBN - 1) / kBN);
   const int n_fastest = c.raster == 1 ? 0 : c.raster == 2 ? 1 : m >= n;
   const int grid = tiles < dev.sms ? tiles : dev.sms;
-  kernel<<<grid, kThreads, kSmem, s>>>(last.a, last.w, last.d, bias, src, d, ldd, m, n, k, n_fastest);
+  kernel<<<grid, kThreads, L::kSmemBytes, s>>>(last.a, last.w, last.d, last.c, bias, d, ldd, m, n, k, n_fastest);
   return cudaGetLastError();
 }
 }  // namespace o2f_light
