@@ -32,20 +32,24 @@ constexpr int kABytes = kBM * kBK * 2, kWBytes = kBN * kBK * 2, kStageBytes = kA
 constexpr int kBoxBytes = 64 * 128;   // a staging box: 64 rows of 128 bytes (64 16-bit or 32 fp32 columns)
 
 // The shared-memory layout of one instantiation. A 16-bit D, or any D with the residual, is staged: each
-// consumer owns the boxes of a whole tile, where TMA loads the residual C during the mainloop and the
-// epilogue writes D in its place for the TMA store. Reading C directly took ViT-B's block 28% longer
-// (its loads, 64 float2 per thread, wait in the epilogue: there are no registers to hold them earlier).
-// An fp32 D with the residual needs 128 KB of boxes: the ring has 3 slots then, else 5.
+// consumer owns boxes where TMA loads the residual C during the mainloop, the epilogue writes D in C's
+// place, and TMA stores them. Reading C directly took ViT-B's block 28% longer (its loads, 64 float2 per
+// thread, wait in the epilogue: there are no registers to hold them earlier). An fp32 D with C is staged
+// one m64 half at a time (kHalved: 32 KB of boxes per consumer, as a 16-bit tile's): the whole tile's
+// 64 KB per consumer left the ring 3 slots, and the down projection of ViT-B's block took 164 us.
 template <typename Out, bool kResidual>
 struct Layout {
   static constexpr bool kStaged = sizeof(Out) == 2 || kResidual;
+  static constexpr bool kHalved = sizeof(Out) == 4 && kResidual;
   static constexpr int kBoxCols = 128 / static_cast<int>(sizeof(Out));
-  static constexpr int kBoxes = 2 * (kBN / kBoxCols);   // per tile: two m64 halves x the column boxes
-  static constexpr int kOutBytes = kStaged ? kConsumers * kBoxes * kBoxBytes : 0;
-  static constexpr int kStages = kOutBytes > 2 * 4 * kBoxBytes ? 3 : 5;
+  static constexpr int kHalfBoxes = kBN / kBoxCols;           // the column boxes of an m64 half
+  static constexpr int kOwnBoxes = kHalved ? kHalfBoxes : 2 * kHalfBoxes;
+  static constexpr int kOutBytes = kStaged ? kConsumers * kOwnBoxes * kBoxBytes : 0;
+  static constexpr int kStages = 5;
   static constexpr int kRingBytes = kStages * kStageBytes;
   // barriers: full and empty per slot, turn and the residual's arrival per consumer
   static constexpr int kSmemBytes = 1024 + kRingBytes + kOutBytes + (2 * kStages + 2 * kConsumers) * 8;
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory");
 };
 
 __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, int x, int y, uint32_t bar) {
@@ -222,15 +226,22 @@ __global__ void __launch_bounds__(kThreads, 1)
       bias_r[f] = col < n ? load_pair(bias + col, col + 1 < n) : make_float2(0.f, 0.f);
     }
     const uint32_t out = staging + c * (L::kOutBytes / kConsumers);   // this consumer's boxes
+    // The boxes of m64 halves [h0, h0 + halves) of this tile: C into them (completing on c_full), D out.
+    auto load_c = [&](int h0, int halves) {
+      mbar_expect_tx(c_full(c), halves * L::kHalfBoxes * kBoxBytes);
+      for (int q = 0; q < halves * L::kHalfBoxes; ++q)
+        tma_load_2d(out + q * kBoxBytes, &map_c, n0 + (q % L::kHalfBoxes) * L::kBoxCols, m0 + 64 * (h0 + q / L::kHalfBoxes),
+                    c_full(c));
+    };
+    auto store_d = [&](int h0, int halves) {
+      for (int q = 0; q < halves * L::kHalfBoxes; ++q)
+        tma_store_2d(&map_d, n0 + (q % L::kHalfBoxes) * L::kBoxCols, m0 + 64 * (h0 + q / L::kHalfBoxes), out + q * kBoxBytes);
+      bulk_commit();
+    };
     if constexpr (L::kStaged) {
       if (threadIdx.x % 128 == 0) {
         bulk_wait_read();   // the previous tile's stores have read the boxes
-        if constexpr (kResidual) {   // C's tile into them, arriving during the mainloop
-          mbar_expect_tx(c_full(c), L::kBoxes * kBoxBytes);
-          for (int q = 0; q < L::kBoxes; ++q)
-            tma_load_2d(out + q * kBoxBytes, &map_c, n0 + (q % (L::kBoxes / 2)) * L::kBoxCols, m0 + 64 * (q / (L::kBoxes / 2)),
-                        c_full(c));
-        }
+        if constexpr (kResidual) load_c(0, L::kHalved ? 1 : 2);   // arriving during the mainloop
       }
     }
     // Consumer 0's i-th mainloop follows consumer 1's (i-1)-th (i completions of turn(0); the first passes
@@ -265,19 +276,32 @@ __global__ void __launch_bounds__(kThreads, 1)
     // t = 8f + 2 (lane % 4) (+1), f < 16: staged, in box (h, t / kBoxCols), 16-byte chunk (t % kBoxCols) /
     // kPerChunk of its 128-byte row, which the 128-byte swizzle moves to chunk ^ (row % 8): the eight rows
     // of one access land in different banks.
+    // (c_full completes once per tile, or twice where halved: the h-th load of a tile has parity h)
     if constexpr (L::kStaged) {
-      if constexpr (kResidual) mbar_wait(c_full(c), i & 1);   // C is in the boxes
+      if constexpr (kResidual) mbar_wait(c_full(c), L::kHalved ? 0 : i & 1);   // C is in the boxes
       consumer_sync(c);   // (thread 0 waited for the previous stores before any thread writes)
     }
     constexpr int kPerChunk = 16 / static_cast<int>(sizeof(Out));
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
+      if constexpr (L::kHalved) {
+        if (h == 1) {   // half 0 out, then C's half 1 into the same boxes
+          fence_async_smem();
+          consumer_sync(c);
+          if (threadIdx.x % 128 == 0) {
+            store_d(0, 1);
+            bulk_wait_read();
+            load_c(1, 1);
+          }
+          mbar_wait(c_full(c), 1);
+        }
+      }
       const int row = warp * 16 + lane / 4;
 #pragma unroll
       for (int f = 0; f < kBN / 8; ++f) {
         const int t = 8 * f + 2 * (lane % 4), col = n0 + t, r = m0 + h * 64 + row;
         const int cb = t % L::kBoxCols;
-        const uint32_t box = out + (h * (L::kBoxes / 2) + t / L::kBoxCols) * kBoxBytes;
+        const uint32_t box = out + ((L::kHalved ? 0 : h * L::kHalfBoxes) + t / L::kBoxCols) * kBoxBytes;
         const uint32_t word = ((cb / kPerChunk) ^ (row % 8)) * 16 + (cb % kPerChunk) * static_cast<int>(sizeof(Out));
         const uint32_t at_lo = box + row * 128 + word, at_hi = box + (row + 8) * 128 + word;   // (row + 8) % 8 == row % 8
         float2 lo = make_float2(acc[h][4 * f] + bias_r[f].x, acc[h][4 * f + 1] + bias_r[f].y);
@@ -303,11 +327,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     if constexpr (L::kStaged) {
       fence_async_smem();
       consumer_sync(c);
-      if (threadIdx.x % 128 == 0) {
-        for (int q = 0; q < L::kBoxes; ++q)
-          tma_store_2d(&map_d, n0 + (q % (L::kBoxes / 2)) * L::kBoxCols, m0 + 64 * (q / (L::kBoxes / 2)), out + q * kBoxBytes);
-        bulk_commit();
-      }
+      if (threadIdx.x % 128 == 0) store_d(L::kHalved ? 1 : 0, L::kHalved ? 1 : 2);
     }
   }
   if constexpr (L::kStaged) {
