@@ -150,7 +150,7 @@ def test_plan_text_says_why_not_wgmma():
     assert "GPU: wgmma (sm_90a)" in text and "not used" not in text
     wide = _spec([768, 3072, 768])   # the wide design says itself which CUTLASS kernels run on Hopper
     text = plan_text(wide, choose.make_plan(wide, PlanOptions(design="wide")))
-    assert text.startswith("GPU: wide") and "CUTLASS 3.x wgmma/TMA" in text and "not used" not in text
+    assert text.startswith("GPU: wide") and "onnx2fused's wgmma/TMA" in text and "not used" not in text
 
 
 def _render(spec, options=AUTO_WGMMA):

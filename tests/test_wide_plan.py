@@ -607,7 +607,7 @@ def test_sm90_kernels_only_for_tma_storable_outputs(widths, io, want):
     """The sm90a epilogue stores D with TMA (16-byte multiples of row bytes); other GEMMs keep the sm80 kernel."""
     plan = choose.wide_plan(_spec(widths, io=io), WideOptions(tail_from=0))
     assert [g.sm90 for g in plan.gemms] == want
-    assert ("on sm_90: all as CUTLASS 3.x" if all(want) else f"on sm_90: {sum(want)} of {len(want)} as") in plan.describe()
+    assert ("on sm_90: all as onnx2fused's" if all(want) else f"on sm_90: {sum(want)} of {len(want)} as") in plan.describe()
     for g in plan.gemms:
         out_bytes = (2 if io == "f16" else 4) if g.last else 2
         assert g.sm90 == (g.np_ * out_bytes % 16 == 0)
@@ -1231,7 +1231,8 @@ def test_the_default_kernel_can_be_named_at_convert_time(monkeypatch):
     monkeypatch.setenv(sm90.DEFAULT_KERNEL_ENV, "Pingpong128x128")
     ping = choose.wide_plan(spec)
     assert {sm90.SM90_KERNELS[c.kernel].name for per in ping.choices for c in per} == {"Pingpong128x128"}
-    assert "default kernels (not tuned)" in ping.describe()
+    assert "default kernels (not tuned)" in ping.describe() and "as CUTLASS 3.x wgmma/TMA kernels" in ping.describe()
+    assert "as onnx2fused's wgmma/TMA kernels" in light.describe()
     hopper = [n for n, t in render_cuda([spec]).items() if n.startswith("o2f_inst_") and targets.sm90a_only(t)]
     assert hopper and all(n.startswith("o2f_inst_Pingpong128x128_") for n in hopper)
     for bad in ("Tf32Coop128x256", "Light64x64"):
