@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Builds and runs benchmarks/sm90/light_gemm.cu (a Hopper GEMM without CUTLASS, for the wide design's cold
-# builds: docs/DESIGN.md, "Planned: a Hopper GEMM of our own"): ViT-B's two GEMMs, mnist's first layer and
-# a case with tails in every dimension; time, TFLOP/s and error for each, and the nvcc time. Log in $OUT
+# Builds and runs benchmarks/sm90/light_gemm.cu (the wide design's own Hopper GEMM, templates/o2f_light_gemm.cuh,
+# alone: docs/DESIGN.md, "A Hopper GEMM of our own"): ViT-B's two GEMMs, mnist's first layer and a case with
+# tails in every dimension; time, TFLOP/s and error for each beside cuBLAS, and the nvcc time. Log in $OUT
 # (else benchmarks/sm90/out). No CUTLASS, no ORT.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
