@@ -1,0 +1,62 @@
+"""The wide design's own Hopper GEMM (Light128x128, templates/o2f_light_gemm.cuh) compiles as build.py
+compiles its instance units (sm_90a alone, ONNX2FUSED_WIDE_SM90A, no CUTLASS), with every output type and
+epilogue it takes: wgmma m64n128k16 from shared memory on the operand type, TMA loads, TMA stores where D
+is staged, the residual by TMA; ptxas spills nothing and serializes no wgmma. One nvcc compile per case;
+no GPU needed. Numerical checks: tests/test_gpu_wide.py and tests/test_gpu_block.py (the GPU host)."""
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+
+import pytest
+
+from onnx2fused import codegen, targets
+from onnx2fused import expr as ex
+from onnx2fused.wide_params import instance_params
+
+pytestmark = pytest.mark.cuda_build
+NVCC = shutil.which("nvcc")
+F16, BF16, F32 = "cutlass::half_t", "cutlass::bfloat16_t", "float"
+GELU = ex.render_c(ex.gelu_erf(), "v")
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+@pytest.mark.parametrize("elem,out,residual,packed", [
+    (F16, F16, False, "o2f_h2_gelu"),   # a hidden fp16 layer with the packed GELU: D staged, TMA stores
+    (F16, F32, False, ""),              # an fp32 last layer: direct float2 stores, no staging
+    (F16, F32, True, ""),               # a block's last layer, fp32 rows: C and D one m64 half at a time
+    (BF16, BF16, True, ""),             # bf16 operands and output, the residual staged whole
+], ids=["f16_packed", "f32_out", "f32_residual", "bf16_residual"])
+def test_light_instance_compiles_to_wgmma_without_spills(elem, out, residual, packed, tmp_path, monkeypatch):
+    monkeypatch.setenv("ONNX2FUSED_CUDA_ARCHS", "80,90")
+    params = instance_params("Light128x128", elem, out, 8, GELU, residual, packed)
+    assert params["light"] and params["file"].startswith("o2f_inst_Light128x128_")
+    files = codegen._with_headers({params["file"]: codegen._render(params["template"], params)})
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    src = files[params["file"]]
+    assert targets.sm90a_only(src) and '#include "cutlass/' not in src
+    # the flags build.py gives such a unit: sm_90a alone, the define, no line info
+    flags = targets.instance_nvcc_flags(targets.sm90a_nvcc_flags(targets.nvcc_flags()))
+    assert targets.WIDE_SM90A_DEFINE in flags and "-lineinfo" not in flags
+    (tmp_path / "k.cu").write_text(src)
+    keep = tmp_path / "keep"
+    keep.mkdir()
+    r = subprocess.run([NVCC, *flags, "-Xptxas", "-v", "--keep", "--keep-dir", str(keep), "-I", str(tmp_path),
+                        "-c", str(tmp_path / "k.cu"), "-o", str(tmp_path / "k.o")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    log = r.stdout + r.stderr
+    entry = re.search(r"Compiling entry function '\S*light_gemm\S*' for 'sm_90a'(.*?)Compile time", log, re.S)
+    assert entry, log[-3000:]
+    assert "0 bytes spill stores, 0 bytes spill loads" in entry.group(1) and "0 bytes stack frame" in entry.group(1)
+    assert "C7510" not in log and "serializ" not in log.lower(), log[-3000:]
+    ptx = next(keep.glob("*.ptx")).read_text()
+    ab = "bf16" if elem == BF16 else "f16"
+    # 4 k16 steps x 2 m64 halves per k-block, the operand type's instruction
+    assert ptx.count(f"wgmma.mma_async.sync.aligned.m64n128k16.f32.{ab}.{ab}") >= 8
+    assert "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes" in ptx
+    staged = out != F32 or residual
+    assert ("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group" in ptx) == staged
+    assert ("setmaxnreg.inc.sync.aligned.u32 232" in ptx) and "__assertfail" not in ptx
+    assert ("tanh.approx.f16x2" in ptx) == bool(packed)   # o2f_h2_gelu's tanh on fp16 pairs
