@@ -76,7 +76,9 @@ Tiles come from TILE_TABLE, keyed by arch: a "large" tile for GEMMs with enough 
 GPU and a "small" one otherwise; the launcher picks per GEMM and row block at run time from the SM count.
 
 Hopper (sm_90a): when the build's arch list has 90, build.py compiles the wide sources for sm_90a and
-defines ONNX2FUSED_WIDE_SM90A; the source then also holds CUTLASS 3.x kernels (TMA loads, wgmma,
+defines ONNX2FUSED_WIDE_SM90A; the chain then also runs TMA + wgmma kernels: by default our own
+(sm90's Light128x128: templates/o2f_light_gemm.cuh, ping-pong 128 x 128 tiles, no CUTLASS, data-parallel
+persistent tiles), or the CUTLASS 3.x kernel the search chose (TMA loads, wgmma,
 KernelTmaWarpSpecializedCooperative, TMA warp-specialized epilogue whose fusion is
 LinCombPerColBiasEltAct over the same generated activation functor) with the stream-K tile scheduler:
 with few output tiles (the 256-row head: 32 tiles of 128x256 for 132 SMs) it splits the K loop across
