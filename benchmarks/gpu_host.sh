@@ -32,8 +32,10 @@
 #   benchmarks/gpu_host.sh sm90           benchmarks/sm90/run.sh: the standalone wgmma fused-MLP prototype
 #   benchmarks/gpu_host.sh lnfold         benchmarks/sm90/ln_fold.sh: the LayerNorm folded into ViT-B's first GEMM,
 #                                         against the norm pass + GEMM (times and errors; no ORT needed)
-#   benchmarks/gpu_host.sh lightgemm      benchmarks/sm90/light_gemm.sh: a Hopper GEMM without CUTLASS (nvcc time, speed,
-#                                         errors; no ORT needed)
+#   benchmarks/gpu_host.sh lightgemm      benchmarks/sm90/light_gemm.sh: the wide design's own Hopper GEMM alone beside
+#                                         cuBLAS (nvcc time, speed, errors; no ORT needed)
+#   benchmarks/gpu_host.sh lightab [CASES] wide_cases.py (default vitb_block,ffn) converted twice, the untuned Hopper
+#                                         kernel ours, then CUTLASS's Pingpong128x128 (ONNX2FUSED_WIDE_DEFAULT_KERNEL)
 #   benchmarks/gpu_host.sh ncuwide [CASE [KERNEL]] Nsight Compute on a wide case's kernels through ORT (profile_case.py)
 #   benchmarks/gpu_host.sh profile [CASES] Nsight Compute on kernel_check.py --profile (default: the four
 #                                         issue-15 cases; ONNX2FUSED_CUDA_DESIGN=wgmma for that design)
@@ -190,6 +192,13 @@ lnfold)
   ;;
 lightgemm)
   bash benchmarks/sm90/light_gemm.sh
+  ;;
+lightab)
+  for k in Light128x128 Pingpong128x128; do
+    echo "== the untuned Hopper kernel: $k"
+    ONNX2FUSED_WIDE_DEFAULT_KERNEL=$k timeout 280 python3 benchmarks/wide_cases.py --out "$OUT/ab_$k" \
+      --cases "${2:-vitb_block,ffn}" --kernels sm90 --reps 50 2>&1 | grep "^| "
+  done
   ;;
 tune)
   shift
