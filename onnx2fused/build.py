@@ -284,9 +284,13 @@ def _jobs(sources: dict[str, str], cxx: str, nvcc: str | None, host_flags: list[
                            *includes, "-c", src, "-o", "{obj}"])
             else:
                 add(name, [cxx, *host_flags, *includes, "-c", src, "-o", "{obj}"])
-    # the longest first (CUTLASS 3.x instances, then other CUTLASS units): the pool then ends together
-    return sorted(out, key=lambda j: (0 if sm90a_only(sources[j.name]) else 1 if needs_cutlass({j.name: sources[j.name]})
-                                      and j.name.endswith(".cu") else 2, j.name))
+    # the longest first (CUTLASS 3.x instances, then other CUTLASS units; our own Hopper GEMM's units are
+    # short): the pool then ends together
+    def order(j: _Job) -> int:
+        cutlass_unit = j.name.endswith(".cu") and needs_cutlass({j.name: sources[j.name]})
+        return 0 if cutlass_unit and sm90a_only(sources[j.name]) else 1 if cutlass_unit else 2
+
+    return sorted(out, key=lambda j: (order(j), j.name))
 
 
 def _link_args(cxx: str, nvcc: str | None, with_cuda: bool) -> list[str]:

@@ -142,17 +142,23 @@ def test_build_killed_twice_says_so(tmp_path, monkeypatch):
 
 
 def test_hopper_instances_are_planned_with_the_largest_peak():
-    """_jobs gives each unit its kind's peak: a CUTLASS 3.x instance the Hopper one, plain units the least."""
+    """_jobs gives each unit its kind's peak: a CUTLASS 3.x instance the Hopper one, plain units (and our own
+    Hopper GEMM's, which include no CUTLASS) the least; the longest compiles start first."""
     sources = {"o2f_inst_Pingpong128x128_x.cu": '// onnx2fused-arch: sm90a\n#include "cutlass/cutlass.h"\n',
+               "o2f_inst_Light128x128_x.cu": '// onnx2fused-arch: sm90a\n#include "o2f_light_gemm.cuh"\n',
                "o2f_inst_Sm80T1_x.cu": '#include "cutlass/cutlass.h"\n', "registry.cc": "int x;\n"}
 
     class Cutlass:
         path, version = Path("/cutlass"), "4"
 
-    jobs = {j.name: j.peak_mb for j in build_mod._jobs(sources, "g++", "nvcc", [], ["-gencode", "arch=compute_90,code=sm_90"],
-                                                      set(), {}, Cutlass())}
+    planned = build_mod._jobs(sources, "g++", "nvcc", [], ["-gencode", "arch=compute_90,code=sm_90"], set(), {}, Cutlass())
+    jobs = {j.name: j.peak_mb for j in planned}
     assert jobs == {"o2f_inst_Pingpong128x128_x.cu": build_pool.PEAK_MB_HOPPER,
+                    "o2f_inst_Light128x128_x.cu": build_pool.PEAK_MB_OTHER,
                     "o2f_inst_Sm80T1_x.cu": build_pool.PEAK_MB_CUTLASS, "registry.cc": build_pool.PEAK_MB_OTHER}
+    assert [j.name for j in planned][:2] == ["o2f_inst_Pingpong128x128_x.cu", "o2f_inst_Sm80T1_x.cu"]
+    light = next(j.args for j in planned if j.name.startswith("o2f_inst_Light"))
+    assert "arch=compute_90a,code=sm_90a" in light and "--expt-relaxed-constexpr" not in light
 
 
 def test_build_jobs_env_caps_the_compiles_at_once(tmp_path, monkeypatch):
