@@ -7,7 +7,7 @@
 // commit 206a83e).
 //
 // Build and run: benchmarks/sm90/light_gemm.sh (gpu_host.sh lightgemm). No arguments: every case.
-// `light_gemm M K N`: that case only (for a profiler). The kernel needs no CUTLASS and no cuBLAS; the host
+// `light_gemm M K N [RASTER]`: that case only (for a profiler). The kernel needs no CUTLASS and no cuBLAS; the host
 // links cuBLAS, where the toolkit has it, for the reference only.
 #include <cuda.h>
 #include <cuda_fp16.h>
@@ -44,8 +44,9 @@ struct PairAct {
 
 static double gelu_ref(double a) { return 0.5 * a * (1 + std::erf(a / std::sqrt(2.0))); }
 
-// One case: the library's launcher (tile order by operand size), medians of 20 samples of 10 launches.
-static void run_case(int m, int k, int n, const o2f_wide::DeviceInfo& dev) {
+// One case: the library's launcher, medians of 20 samples of 10 launches; raster as plan.sm90.RASTERS
+// (0: the order by operand size, the default; 1 down the rows; 2 across the columns).
+static void run_case(int m, int k, int n, const o2f_wide::DeviceInfo& dev, int raster = 0) {
   std::mt19937 rng(1);
   std::normal_distribution<float> g(0.f, 1.f);
   std::vector<__half> a(static_cast<size_t>(m) * k), w(static_cast<size_t>(n) * k), bias(n);
@@ -61,7 +62,7 @@ static void run_case(int m, int k, int n, const o2f_wide::DeviceInfo& dev) {
   CHECK(cudaMemcpy(dw, w.data(), w.size() * 2, cudaMemcpyHostToDevice));
   CHECK(cudaMemcpy(db, bias.data(), n * 2, cudaMemcpyHostToDevice));
   CHECK(cudaMemset(dd, 0xff, static_cast<size_t>(m) * n * 2));   // NaN: an unwritten element shows
-  const o2f_wide::Choice choice{0, 0, 1, 1, 0};                   // raster 0: the order by operand size
+  const o2f_wide::Choice choice{0, 0, 1, 1, raster};
   auto launch = [&] {
     const cudaError_t e = bench::o2f_light::run<__half, __half, bench::PairAct, false>(dev, choice, m, n, k, da, dw, db,
                                                                                       nullptr, dd, n, nullptr);
@@ -111,8 +112,8 @@ static void run_case(int m, int k, int n, const o2f_wide::DeviceInfo& dev) {
   cublasDestroy(h);
 #endif
   auto tflops = [&](double t) { return 2.0 * m * k * n / (t * 1e-3) / 1e12; };
-  std::printf("M %d, K %d, N %d: %.4f ms, %.0f TFLOP/s (cuBLAS GEMM alone %.4f ms, %.0f TFLOP/s), rel. L2 %.2e, "
-              "NaN %d (sampled rows); furthest off: (%d, %d) %.5f against %.5f\n", m, k, n, ms, tflops(ms), ms_blas,
+  std::printf("M %d, K %d, N %d, raster %d: %.4f ms, %.0f TFLOP/s (cuBLAS GEMM alone %.4f ms, %.0f TFLOP/s), rel. L2 "
+              "%.2e, NaN %d (sampled rows); furthest off: (%d, %d) %.5f against %.5f\n", m, k, n, raster, ms, tflops(ms), ms_blas,
               tflops(ms_blas), std::sqrt(err / ref_sq), nan, worst_r, worst_c, worst_got, worst_ref);
   CHECK(cudaFree(da));
   CHECK(cudaFree(dw));
@@ -125,8 +126,8 @@ int main(int argc, char** argv) {
   CHECK(cudaGetDevice(&dev.id));
   CHECK(cudaDeviceGetAttribute(&dev.sms, cudaDevAttrMultiProcessorCount, dev.id));
   dev.sm90 = true;
-  if (argc == 4) {
-    run_case(std::atoi(argv[1]), std::atoi(argv[2]), std::atoi(argv[3]), dev);
+  if (argc == 4 || argc == 5) {
+    run_case(std::atoi(argv[1]), std::atoi(argv[2]), std::atoi(argv[3]), dev, argc == 5 ? std::atoi(argv[4]) : 0);
     return 0;
   }
   run_case(128, 64, 128, dev);       // one tile, one k-block: the swizzle, the descriptors, the fragment layout
@@ -135,5 +136,9 @@ int main(int argc, char** argv) {
   run_case(16384, 3072, 768, dev);   // its second (without the residual)
   run_case(4096, 784, 512, dev);     // mnist's first layer
   run_case(1000, 776, 520, dev);     // tails in every dimension (K % 64, M % 128, N % 128)
+  for (int raster = 1; raster <= 2; ++raster) {   // the other tile orders on ViT-B's GEMMs
+    run_case(16384, 768, 3072, dev, raster);
+    run_case(16384, 3072, 768, dev, raster);
+  }
   return 0;
 }
