@@ -5,11 +5,10 @@ is staged, the residual by TMA; ptxas spills nothing and serializes no wgmma. On
 no GPU needed. Numerical checks: tests/test_gpu_wide.py and tests/test_gpu_block.py (the GPU host)."""
 from __future__ import annotations
 
-import re
 import shutil
-import subprocess
 
 import pytest
+from nvcc_support import compile_kept, ptxas_entry
 
 from onnx2fused import codegen, targets
 from onnx2fused import expr as ex
@@ -40,17 +39,8 @@ def test_light_instance_compiles_to_wgmma_without_spills(elem, out, residual, pa
     # the flags build.py gives such a unit: sm_90a alone, the define, no line info
     flags = targets.instance_nvcc_flags(targets.sm90a_nvcc_flags(targets.nvcc_flags()))
     assert targets.WIDE_SM90A_DEFINE in flags and "-lineinfo" not in flags
-    (tmp_path / "k.cu").write_text(src)
-    keep = tmp_path / "keep"
-    keep.mkdir()
-    r = subprocess.run([NVCC, *flags, "-Xptxas", "-v", "--keep", "--keep-dir", str(keep), "-I", str(tmp_path),
-                        "-c", str(tmp_path / "k.cu"), "-o", str(tmp_path / "k.o")], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-3000:]
-    log = r.stdout + r.stderr
-    entry = re.search(r"Compiling entry function '\S*light_gemm\S*' for 'sm_90a'(.*?)Compile time", log, re.S)
-    assert entry, log[-3000:]
-    assert "0 bytes spill stores, 0 bytes spill loads" in entry.group(1) and "0 bytes stack frame" in entry.group(1)
-    assert "C7510" not in log and "serializ" not in log.lower(), log[-3000:]
+    log, keep = compile_kept(NVCC, flags, tmp_path, src)
+    ptxas_entry(log, "light_gemm")
     ptx = next(keep.glob("*.ptx")).read_text()
     ab = "bf16" if elem == BF16 else "f16"
     # 4 k16 steps x 2 m64 halves per k-block, the operand type's instruction

@@ -16,6 +16,7 @@ from onnx2fused.plan import choose
 from onnx2fused.plan.options import PlanOptions, WgmmaOptions
 from onnx2fused.spec import LayerSpec, MLPSpec
 from onnx2fused.wgmma_params import fallback_symbol
+from nvcc_support import compile_kept, ptxas_entry
 
 pytestmark = pytest.mark.cuda_build
 NVCC = shutil.which("nvcc")
@@ -62,22 +63,13 @@ def test_wgmma_source_compiles_to_hgmma_without_spills(spec, with_sm80, override
         (tmp_path / name).write_text(text)
     src = files[f"{spec.name}_cuda.cu"]
     assert targets.needs_sm90a(src)
-    (tmp_path / "k.cu").write_text(src)   # a short name for nvcc's kept files
     gencodes = GENCODES if with_sm80 else ["-gencode", "arch=compute_90,code=sm_90"]
     flags = targets.wgmma_nvcc_flags(["-O3", "-std=c++17", *gencodes])
     assert targets.SM90A_DEFINE in flags and "arch=compute_90a,code=sm_90a" in flags
-    keep = tmp_path / "keep"
-    keep.mkdir()
-    r = subprocess.run([NVCC, *flags, "-Xptxas", "-v", "--keep", "--keep-dir", str(keep), "-I", str(tmp_path),
-                        "-c", str(tmp_path / "k.cu"), "-o", str(tmp_path / "k.o")], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-3000:]
-    log = r.stdout + r.stderr
-    # ptxas on the sm_90a kernel: no spills, no wgmma serialisation (C7512)
-    entry = re.search(r"Compiling entry function '\S*fused_wgmma\S*' for 'sm_90a'(.*?)Compile time", log, re.S)
-    assert entry, log[-3000:]
-    assert "0 bytes spill stores, 0 bytes spill loads" in entry.group(1) and "0 bytes stack frame" in entry.group(1)
-    assert "C7512" not in log and "serializ" not in log.lower(), log[-3000:]
-    regs = int(re.search(r"Used (\d+) registers", entry.group(1)).group(1))
+    log, keep = compile_kept(NVCC, flags, tmp_path, src)
+    # ptxas on the sm_90a kernel: no spills, no wgmma serialisation (C7510, C7512)
+    entry = ptxas_entry(log, "fused_wgmma")
+    regs = int(re.search(r"Used (\d+) registers", entry).group(1))
     assert regs <= dict(((4, 128), (3, 168), (2, 255)))[plan.nwg]
     ptx90 = next((keep / n for n in ("k.compute_90a.ptx", "k.ptx") if (keep / n).exists())).read_text()
     n_wgmma = sum(l.chunks * l.k_steps for l in plan.layers)
