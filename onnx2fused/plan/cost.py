@@ -74,9 +74,10 @@ def _first_layer_seconds(spec: MLPSpec, rows: int, tf32: bool) -> float:
     return conversion + _wide_layer_seconds(rows, l, k, last, io)
 
 
-# The tf32 first layer is a CUTLASS 3.x instance of its own (~70 s of nvcc, issue 14 §5's cold convert):
-# an untuned library takes it only where it is estimated this much faster than the conversion pass + the
-# fp16 GEMM (DLRM's 512 -> 256: 1.6x); near ties (mnist's 784 -> 512: 1.05x) keep the one fp16 instance.
+# The tf32 first layer is a CUTLASS 3.x instance of its own (~40 s of nvcc on the GPU host, where a cold
+# build of our own 16-bit GEMMs takes ~10 s: issue 14 §5's cold convert): an untuned library takes it only
+# where it is estimated this much faster than the conversion pass + the fp16 GEMM (DLRM's 512 -> 256:
+# 1.6x); near ties (mnist's 784 -> 512: 1.05x) keep the fp16 path.
 # The kernel search (`--tune`) times both either way.
 TF32_FIRST_MARGIN = 1.25
 
