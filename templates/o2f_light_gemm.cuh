@@ -4,7 +4,8 @@
 // measurements: benchmarks/sm90/light_gemm.cu, RESULTS.md eighteenth run).
 //
 //   D[m, n] = PairAct(A[m, K] W^T + bias[n] (+ C[m, n]))   A row-major (row stride k), W n-major ([n][k]),
-//   Elem operands (fp16 or bf16), fp32 accumulation, bias, C (the residual: kResidual) and D of type Out.
+//   Elem operands (fp16 or bf16; fp32 read as tf32), fp32 accumulation, bias, C (the residual: kResidual)
+//   and D of type Out.
 //
 // Static code included inside a kernel instance unit's namespace (templates/cuda_wide_instance.cu.j2),
 // after <cuda.h>, <cudaTypedefs.h>, o2f_wide_launch.cuh and the unit's Elem, Out, kResidual and PairAct
@@ -27,8 +28,12 @@
 #include "o2f_sm90_ptx.cuh"
 
 namespace o2f_light {
-constexpr int kBM = 128, kBN = 128, kBK = 64, kConsumers = 2, kThreads = 128 * (1 + kConsumers);
-constexpr int kABytes = kBM * kBK * 2, kWBytes = kBN * kBK * 2, kStageBytes = kABytes + kWBytes;
+// A k-block is 128 bytes of each operand row (the 128-byte swizzle's width): 64 fp16/bf16 columns, or 32
+// fp32 ones read as tf32; a wgmma step is 32 bytes of it (k16, or k8 for tf32).
+constexpr int kBM = 128, kBN = 128, kRowBytes = 128, kConsumers = 2, kThreads = 128 * (1 + kConsumers);
+constexpr int kABytes = kBM * kRowBytes, kWBytes = kBN * kRowBytes, kStageBytes = kABytes + kWBytes;
+template <typename Elem>
+constexpr int kBK = kRowBytes / static_cast<int>(sizeof(Elem));
 constexpr int kBoxBytes = 64 * 128;   // a staging box: 64 rows of 128 bytes (64 16-bit or 32 fp32 columns)
 
 // The shared-memory layout of one instantiation. A 16-bit D, or any D with the residual, is staged: each
@@ -80,15 +85,16 @@ __device__ __forceinline__ uint64_t desc_sw128(uint32_t addr) {
          (static_cast<uint64_t>(1024 >> 4) << 32) | (static_cast<uint64_t>(1) << 62);
 }
 
-// wgmma.m64n128k16 f32 += Elem x Elem, both operands from shared memory (SS), scale-d a predicate.
-#define O2F_LIGHT_WGMMA_SS(TYPES)                                                                                      \
+// wgmma.m64n128k{16, 8} f32 += Elem x Elem, both operands from shared memory (SS), scale-d a predicate; the
+// 16-bit forms take the transpose immediates (none: both K-major), tf32's has none.
+#define O2F_LIGHT_WGMMA_SS(SHAPE_TYPES, TAIL)                                                                          \
   asm volatile(                                                                                                          \
       "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                                                       \
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPES " "                                                          \
+      "wgmma.mma_async.sync.aligned." SHAPE_TYPES " "                                                                    \
       "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, " \
       "%24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, "  \
       "%46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "                      \
-      "%64, %65, p, 1, 1, 0, 0;\n}\n"                                                                                    \
+      "%64, %65, p, 1, 1" TAIL ";\n}\n"                                                                                 \
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),     \
         "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),          \
         "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),         \
@@ -101,9 +107,11 @@ __device__ __forceinline__ uint64_t desc_sw128(uint32_t addr) {
 template <typename E>
 __device__ __forceinline__ void wgmma_ss(float (&d)[64], uint64_t desc_a, uint64_t desc_w, int scale_d) {
   if constexpr (std::is_same_v<E, __half>)
-    O2F_LIGHT_WGMMA_SS("f16.f16");
-  else
-    O2F_LIGHT_WGMMA_SS("bf16.bf16");
+    O2F_LIGHT_WGMMA_SS("m64n128k16.f32.f16.f16", ", 0, 0");
+  else if constexpr (std::is_same_v<E, __nv_bfloat16>)
+    O2F_LIGHT_WGMMA_SS("m64n128k16.f32.bf16.bf16", ", 0, 0");
+  else   // fp32 operands: the tensor cores read their top 19 bits (tf32)
+    O2F_LIGHT_WGMMA_SS("m64n128k8.f32.tf32.tf32", "");
 }
 #undef O2F_LIGHT_WGMMA_SS
 
@@ -186,7 +194,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   __syncthreads();
   // Tile order: across the columns first when A is the larger operand (n_fastest: each row band of A is
   // read from memory once while W stays in the L2), else down the rows.
-  const int mt = (m + kBM - 1) / kBM, nt = (n + kBN - 1) / kBN, tiles = mt * nt, kbs = (k + kBK - 1) / kBK;
+  const int mt = (m + kBM - 1) / kBM, nt = (n + kBN - 1) / kBN, tiles = mt * nt;
+  const int kbs = (k + kBK<Elem> - 1) / kBK<Elem>;
   auto origin = [&](int t, int& m0, int& n0) {
     m0 = (n_fastest ? t / nt : t % mt) * kBM;
     n0 = (n_fastest ? t % nt : t / mt) * kBN;
@@ -203,8 +212,8 @@ __global__ void __launch_bounds__(kThreads, 1)
           const int s = static_cast<int>(it % kStages);
           mbar_wait(empty(s), ((it / kStages) & 1) ^ 1);
           mbar_expect_tx(full(s), kStageBytes);   // out-of-bounds parts are zero-filled and counted
-          tma_load_2d(stage_a(s), &map_a, kb * kBK, m0, full(s));
-          tma_load_2d(stage_w(s), &map_w, kb * kBK, n0, full(s));
+          tma_load_2d(stage_a(s), &map_a, kb * kBK<Elem>, m0, full(s));
+          tma_load_2d(stage_w(s), &map_w, kb * kBK<Elem>, n0, full(s));
         }
       }
     }
@@ -254,7 +263,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       mbar_wait(full(s), (it / kStages) & 1);
       wgmma_fence();
 #pragma unroll
-      for (int j = 0; j < kBK / 16; ++j) {
+      for (int j = 0; j < kRowBytes / 32; ++j) {   // 32 bytes of each row a step
         const uint64_t dw = desc_sw128(stage_w(s) + 32 * j);
 #pragma unroll
         for (int h = 0; h < 2; ++h) wgmma_ss<Elem>(acc[h], desc_sw128(stage_a(s) + h * 64 * 128 + 32 * j), dw, kb > 0 || j > 0);
