@@ -31,7 +31,7 @@ namespace o2f_light {
 // A k-block is 128 bytes of each operand row (the 128-byte swizzle's width): 64 fp16/bf16 columns, or 32
 // fp32 ones read as tf32; a wgmma step is 32 bytes of it (k16, or k8 for tf32).
 constexpr int kBM = 128, kBN = 128, kRowBytes = 128, kConsumers = 2, kThreads = 128 * (1 + kConsumers);
-constexpr int kABytes = kBM * kRowBytes, kWBytes = kBN * kRowBytes, kStageBytes = kABytes + kWBytes;
+constexpr int kABytes = kBM * kRowBytes, kWBytes = kBN * kRowBytes;
 template <typename Elem>
 constexpr int kBK = kRowBytes / static_cast<int>(sizeof(Elem));
 constexpr int kBoxBytes = 64 * 128;   // a staging box: 64 rows of 128 bytes (64 16-bit or 32 fp32 columns)
@@ -42,15 +42,23 @@ constexpr int kBoxBytes = 64 * 128;   // a staging box: 64 rows of 128 bytes (64
 // thread, wait in the epilogue: there are no registers to hold them earlier). An fp32 D with C is staged
 // one m64 half at a time (kHalved: 32 KB of boxes per consumer, as a 16-bit tile's): the whole tile's
 // 64 KB per consumer left the ring 3 slots, and the down projection of ViT-B's block took 164 us.
-template <typename Out, bool kResidual>
+//
+// kCoop (a variant for the prototype driver, not in plan.sm90's list): CTA tiles of 256 x 128 whose two
+// consumers take 128 rows each at the same time and share each W stage (48 KB stages: a quarter less
+// traffic per flop than two 128 x 128 tiles), without the turns: both epilogues run together.
+template <typename Out, bool kResidual, bool kCoop = false>
 struct Layout {
+  static constexpr int kCtaM = kCoop ? 2 * kBM : kBM;
+  static constexpr int kStageBytes = kCtaM * kRowBytes + kWBytes;
   static constexpr bool kStaged = sizeof(Out) == 2 || kResidual;
   static constexpr bool kHalved = sizeof(Out) == 4 && kResidual;
   static constexpr int kBoxCols = 128 / static_cast<int>(sizeof(Out));
   static constexpr int kHalfBoxes = kBN / kBoxCols;           // the column boxes of an m64 half
   static constexpr int kOwnBoxes = kHalved ? kHalfBoxes : 2 * kHalfBoxes;
   static constexpr int kOutBytes = kStaged ? kConsumers * kOwnBoxes * kBoxBytes : 0;
-  static constexpr int kStages = 5;
+  // as many slots as fit beside the boxes and the barriers, at most 5
+  static constexpr int kFit = (227 * 1024 - 1024 - kOutBytes - 256) / kStageBytes;
+  static constexpr int kStages = kFit < 5 ? kFit : 5;
   static constexpr int kRingBytes = kStages * kStageBytes;
   // barriers: full and empty per slot, turn and the residual's arrival per consumer
   static constexpr int kSmemBytes = 1024 + kRingBytes + kOutBytes + (2 * kStages + 2 * kConsumers) * 8;
@@ -161,19 +169,19 @@ __device__ __forceinline__ void sts_pair(Out, uint32_t addr, float2 v) {
   asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(pack_pair(Out{}, v)) : "memory");
 }
 
-template <typename Elem, typename Out, class PairAct, bool kResidual>
+template <typename Elem, typename Out, class PairAct, bool kResidual, bool kCoop>
 __global__ void __launch_bounds__(kThreads, 1)
     light_gemm(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_w,
                const __grid_constant__ CUtensorMap map_d, const __grid_constant__ CUtensorMap map_c,
                const Out* __restrict__ bias, Out* __restrict__ d, int ldd, int m, int n, int k, int n_fastest) {
-  using L = Layout<Out, kResidual>;
+  using L = Layout<Out, kResidual, kCoop>;
   constexpr int kStages = L::kStages;
   extern __shared__ uint8_t smem_raw[];
   const uint32_t base = (smem_u32(smem_raw) + 1023) & ~1023u;   // swizzled tiles: 1024-aligned
   const uint32_t staging = base + L::kRingBytes;                  // the ring's size keeps it 1024-aligned
   const uint32_t bars = staging + L::kOutBytes;
-  auto stage_a = [&](int s) { return base + static_cast<uint32_t>(s * kStageBytes); };
-  auto stage_w = [&](int s) { return stage_a(s) + kABytes; };
+  auto stage_a = [&](int s) { return base + static_cast<uint32_t>(s * L::kStageBytes); };
+  auto stage_w = [&](int s) { return stage_a(s) + L::kCtaM * kRowBytes; };
   auto full = [&](int s) { return bars + static_cast<uint32_t>(s * 8); };
   auto empty = [&](int s) { return bars + static_cast<uint32_t>((kStages + s) * 8); };
   auto turn = [&](int c) { return bars + static_cast<uint32_t>((2 * kStages + c) * 8); };
@@ -183,7 +191,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       mbar_init(full(s), 1);
-      mbar_init(empty(s), 4);   // one arrival per consumer warp
+      mbar_init(empty(s), kCoop ? 8 : 4);   // one arrival per consumer warp that reads the slot
     }
     for (int c = 0; c < kConsumers; ++c) {
       mbar_init(turn(c), 1);
@@ -194,10 +202,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   __syncthreads();
   // Tile order: across the columns first when A is the larger operand (n_fastest: each row band of A is
   // read from memory once while W stays in the L2), else down the rows.
-  const int mt = (m + kBM - 1) / kBM, nt = (n + kBN - 1) / kBN, tiles = mt * nt;
+  const int mt = (m + L::kCtaM - 1) / L::kCtaM, nt = (n + kBN - 1) / kBN, tiles = mt * nt;
   const int kbs = (k + kBK<Elem> - 1) / kBK<Elem>;
   auto origin = [&](int t, int& m0, int& n0) {
-    m0 = (n_fastest ? t / nt : t % mt) * kBM;
+    m0 = (n_fastest ? t / nt : t % mt) * L::kCtaM;
     n0 = (n_fastest ? t % nt : t / mt) * kBN;
   };
 
@@ -211,8 +219,9 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int kb = 0; kb < kbs; ++kb, ++it) {
           const int s = static_cast<int>(it % kStages);
           mbar_wait(empty(s), ((it / kStages) & 1) ^ 1);
-          mbar_expect_tx(full(s), kStageBytes);   // out-of-bounds parts are zero-filled and counted
+          mbar_expect_tx(full(s), L::kStageBytes);   // out-of-bounds parts are zero-filled and counted
           tma_load_2d(stage_a(s), &map_a, kb * kBK<Elem>, m0, full(s));
+          if constexpr (kCoop) tma_load_2d(stage_a(s) + kABytes, &map_a, kb * kBK<Elem>, m0 + kBM, full(s));
           tma_load_2d(stage_w(s), &map_w, kb * kBK<Elem>, n0, full(s));
         }
       }
@@ -223,10 +232,14 @@ __global__ void __launch_bounds__(kThreads, 1)
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
   const int c = wg - 1;
   float acc[2][64];
-  // This consumer's i-th tile is the CTA's (2i + c)-th: its k-blocks are the ring's from (2i + c) * kbs on.
-  for (int i = 0, t = blockIdx.x + c * gridDim.x; t < tiles; ++i, t += kConsumers * gridDim.x) {
+  // Ping-pong: this consumer's i-th tile is the CTA's (2i + c)-th, its k-blocks the ring's from (2i + c) *
+  // kbs on. kCoop: every tile of the CTA, rows 128 c.. of it, k-blocks from i * kbs on.
+  const int first = kCoop ? blockIdx.x : blockIdx.x + c * gridDim.x, step = kCoop ? gridDim.x : kConsumers * gridDim.x;
+  for (int i = 0, t = first; t < tiles; ++i, t += step) {
     int m0, n0;
     origin(t, m0, n0);
+    if constexpr (kCoop) m0 += c * kBM;
+    const uint32_t a_rows = kCoop ? c * kABytes : 0;   // this consumer's rows in a stage
     // The bias of this thread's columns n0 + 8f + 2 (lane % 4) (+ 1), loaded before the mainloop's waits.
     float2 bias_r[kBN / 8];
 #pragma unroll
@@ -255,8 +268,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     // Consumer 0's i-th mainloop follows consumer 1's (i-1)-th (i completions of turn(0); the first passes
     // on a fresh barrier); consumer 1's i-th follows consumer 0's i-th (i + 1 completions of turn(1)).
-    mbar_wait(turn(c), c == 0 ? (i & 1) ^ 1 : i & 1);
-    uint32_t it = static_cast<uint32_t>((kConsumers * i + c) * kbs);
+    if constexpr (!kCoop) mbar_wait(turn(c), c == 0 ? (i & 1) ^ 1 : i & 1);
+    uint32_t it = static_cast<uint32_t>((kCoop ? i : kConsumers * i + c) * kbs);
     int prev = 0;
     for (int kb = 0; kb < kbs; ++kb, ++it) {
       const int s = static_cast<int>(it % kStages);
@@ -266,7 +279,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int j = 0; j < kRowBytes / 32; ++j) {   // 32 bytes of each row a step
         const uint64_t dw = desc_sw128(stage_w(s) + 32 * j);
 #pragma unroll
-        for (int h = 0; h < 2; ++h) wgmma_ss<Elem>(acc[h], desc_sw128(stage_a(s) + h * 64 * 128 + 32 * j), dw, kb > 0 || j > 0);
+        for (int h = 0; h < 2; ++h)
+          wgmma_ss<Elem>(acc[h], desc_sw128(stage_a(s) + a_rows + h * 64 * 128 + 32 * j), dw, kb > 0 || j > 0);
       }
       wgmma_commit();
       if (kb > 0) {
@@ -275,7 +289,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       prev = s;
     }
-    if (threadIdx.x % 128 == 0) mbar_arrive(turn(1 - c));   // all issued: the other consumer's turn
+    if (!kCoop && threadIdx.x % 128 == 0) mbar_arrive(turn(1 - c));   // all issued: the other consumer's turn
     wgmma_wait<0>();
     if (lane == 0) mbar_arrive(empty(prev));
     fence_acc(acc[0]);
@@ -399,12 +413,13 @@ struct MapKey {
 // Launches D = PairAct(A W^T + bias (+ src)) on stream s: m x n outputs, depth k (k % 8 == 0, a and w
 // 16-byte aligned: TMA). c.raster picks the tile order (plan.sm90.RASTERS: 0 by the operands' sizes,
 // 1 down the rows, 2 across the columns). The tensor maps of the last call on this thread are reused
-// when nothing they depend on changed (ORT hands a session the same buffers run after run).
-template <typename Elem, typename Out, class PairAct, bool kResidual>
+// when nothing they depend on changed (ORT hands a session the same buffers run after run). kCoop: the
+// 256 x 128 variant (Layout).
+template <typename Elem, typename Out, class PairAct, bool kResidual, bool kCoop = false>
 cudaError_t run(const o2f_wide::DeviceInfo& dev, const o2f_wide::Choice& c, int m, int n, int k, const void* a,
                 const void* w, const Out* bias, const Out* src, Out* d, int ldd, cudaStream_t s) {
   if (m <= 0 || n <= 0) return cudaSuccess;
-  using L = Layout<Out, kResidual>;
+  using L = Layout<Out, kResidual, kCoop>;
   struct Maps {
     MapKey key;
     CUtensorMap a, w, d, c;
@@ -412,7 +427,7 @@ cudaError_t run(const o2f_wide::DeviceInfo& dev, const o2f_wide::Choice& c, int 
   };
   thread_local Maps last;
   const MapKey key{dev.id, m, n, k, ldd, a, w, kResidual ? src : nullptr, d};
-  auto kernel = light_gemm<Elem, Out, PairAct, kResidual>;
+  auto kernel = light_gemm<Elem, Out, PairAct, kResidual, kCoop>;
   if (!last.ready || !(last.key == key)) {
     last.ready = false;
     if (!tile_map<Elem>(&last.a, a, m, k, k, kBM) || !tile_map<Elem>(&last.w, w, n, k, k, kBN))
@@ -425,7 +440,7 @@ cudaError_t run(const o2f_wide::DeviceInfo& dev, const o2f_wide::Choice& c, int 
     last.key = key;
     last.ready = true;
   }
-  const int tiles = ((m + kBM - 1) / kBM) * ((n + kBN - 1) / kBN);
+  const int tiles = ((m + L::kCtaM - 1) / L::kCtaM) * ((n + kBN - 1) / kBN);
   const int n_fastest = c.raster == 1 ? 0 : c.raster == 2 ? 1 : m >= n;
   const int grid = tiles < dev.sms ? tiles : dev.sms;
   kernel<<<grid, kThreads, L::kSmemBytes, s>>>(last.a, last.w, last.d, last.c, bias, d, ldd, m, n, k, n_fastest);

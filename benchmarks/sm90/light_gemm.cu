@@ -49,7 +49,8 @@ static double gelu_ref(double a) { return 0.5 * a * (1 + std::erf(a / std::sqrt(
 // (0: the order by operand size, the default; 1 down the rows; 2 across the columns). Elem: __half, or
 // float (the tf32 form, a first layer reading fp32 rows in place; its weights rounded to tf32 on the host
 // as the library's fp32 copy is, its input read as it is: the tensor cores take the top 19 bits).
-template <typename Elem>
+// kCoop: the 256 x 128 variant (o2f_light_gemm.cuh's Layout), not in the library's kernel list.
+template <typename Elem, bool kCoop = false>
 static void run_case(int m, int k, int n, const o2f_wide::DeviceInfo& dev, int raster = 0) {
   constexpr bool kTf32 = std::is_same_v<Elem, float>;
   auto to_elem = [](float v) { if constexpr (kTf32) return v; else return __float2half(v); };
@@ -87,8 +88,8 @@ static void run_case(int m, int k, int n, const o2f_wide::DeviceInfo& dev, int r
   CHECK(cudaMemset(dd, 0xff, static_cast<size_t>(m) * n * 2));   // NaN: an unwritten element shows
   const o2f_wide::Choice choice{0, 0, 1, 1, raster};
   auto launch = [&] {
-    const cudaError_t e = bench::o2f_light::run<Elem, __half, bench::PairAct, false>(dev, choice, m, n, k, da, dw, db,
-                                                                                    nullptr, dd, n, nullptr);
+    const cudaError_t e = bench::o2f_light::run<Elem, __half, bench::PairAct, false, kCoop>(dev, choice, m, n, k, da, dw,
+                                                                                           db, nullptr, dd, n, nullptr);
     CHECK(e);
   };
   launch();
@@ -138,8 +139,8 @@ static void run_case(int m, int k, int n, const o2f_wide::DeviceInfo& dev, int r
   cublasDestroy(h);
 #endif
   auto tflops = [&](double t) { return 2.0 * m * k * n / (t * 1e-3) / 1e12; };
-  std::printf("%s M %d, K %d, N %d, raster %d: %.4f ms, %.0f TFLOP/s (cuBLAS GEMM alone %.4f ms, %.0f TFLOP/s), rel. L2 "
-              "%.2e, NaN %d (sampled rows); furthest off: (%d, %d) %.5f against %.5f\n", kTf32 ? "tf32" : "fp16", m, k, n, raster, ms, tflops(ms), ms_blas,
+  std::printf("%s%s M %d, K %d, N %d, raster %d: %.4f ms, %.0f TFLOP/s (cuBLAS GEMM alone %.4f ms, %.0f TFLOP/s), rel. L2 "
+              "%.2e, NaN %d (sampled rows); furthest off: (%d, %d) %.5f against %.5f\n", kTf32 ? "tf32" : "fp16", kCoop ? " coop256x128" : "", m, k, n, raster, ms, tflops(ms), ms_blas,
               tflops(ms_blas), std::sqrt(err / ref_sq), nan, worst_r, worst_c, worst_got, worst_ref);
   CHECK(cudaFree(da));
   CHECK(cudaFree(dw));
@@ -166,6 +167,13 @@ int main(int argc, char** argv) {
     run_case<__half>(16384, 768, 3072, dev, raster);
     run_case<__half>(16384, 3072, 768, dev, raster);
   }
+  // the 256 x 128 variant (not in the library's kernel list): correctness on one tile and on tails, then
+  // ViT-B's GEMMs and mnist's
+  run_case<__half, true>(128, 64, 128, dev);
+  run_case<__half, true>(1000, 776, 520, dev);
+  run_case<__half, true>(16384, 768, 3072, dev);
+  run_case<__half, true>(16384, 3072, 768, dev);
+  run_case<__half, true>(4096, 784, 512, dev);
   // the tf32 form (not in the library's kernel list yet): one tile, the ring wrapping with tails, mnist's
   // first layer and DLRM's (512 -> 256 at 65536 rows, where the library reads fp32 in place today)
   run_case<float>(128, 32, 128, dev);
