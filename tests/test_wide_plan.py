@@ -264,7 +264,12 @@ def test_layout_regions_are_aligned_disjoint_and_within_the_workspace(widths, io
         # columns go on as the next K
         assert g.gated == (g.index in gated) and (g.np_ == 2 * g.half if g.gated else g.half == 0)
         assert not g.gated or (g.half == -(-g.n // 8) * 8 and g.half <= plan.h_width and g.np_ <= plan.hg_width)
-    regions.append((plan.sm90_offset, sm90.SM90_SCRATCH))  # stream-K reductions of the sm90a kernels
+    # stream-K reductions of the cooperative sm90a kernels: only where one can run (the tuning build, or a
+    # choice of one); the ping-pong kernels (the untuned default) need none, and the region is empty
+    cooperative = any(sm90.SM90_KERNELS[c.kernel].stream_k for per in plan.choices for c in per)
+    scratch = sm90.SM90_SCRATCH if tuning or cooperative else 0
+    assert (scratch > 0) == tuning   # (untuned choices: the default, a ping-pong kernel)
+    regions.append((plan.sm90_offset, scratch))
     mb = plan.row_block
     if plan.convert_input:
         regions.append((plan.xc_offset, mb * plan.gemms[0].kp * 2))
@@ -286,6 +291,13 @@ def test_layout_regions_are_aligned_disjoint_and_within_the_workspace(widths, io
     for (a, n), (b, _) in zip(regions, regions[1:]):
         assert a % wide.REGION_ALIGN == 0 and a + n <= b
     assert regions[-1][0] + regions[-1][1] <= plan.workspace_bytes
+    if scratch:   # a choice of a cooperative kernel brings the region back in an untuned plan
+        coop = next(i for i, k in enumerate(sm90.SM90_KERNELS) if k.stream_k and not k.tf32)
+        chosen = wide.with_kernels(plan, tuple(tuple(sm90.Sm90Choice(coop, "stream_k") for _ in per)
+                                               for per in plan.choices))
+        assert chosen.h_offsets[0] - chosen.sm90_offset >= sm90.SM90_SCRATCH
+    else:
+        assert plan.xc_offset == plan.sm90_offset   # nothing between them
     per_row = ((plan.gemms[0].kp * 2 if plan.convert_input else 0) + min(2, n_hidden) * plan.h_width * 2
                + plan.hg_width * 2 + (widths[-1] * 2 if plan.tail_from and io == "f32" else 0))
     assert mb % wide.ROW_QUANTUM == 0 and (mb * per_row <= wide.SCRATCH_BUDGET or mb == wide.ROW_QUANTUM)

@@ -198,7 +198,8 @@ class WidePlan:
     row_block: int          # MB: rows of one pass through the chain
     convert_input: bool     # a conversion pass writes X16; else the first GEMM reads X in place
     xc_offset: int          # bytes: converted input [MB][kp0] (when convert_input)
-    sm90_offset: int        # bytes: SM90_SCRATCH of stream-K reduction workspace for the sm90a kernels
+    sm90_offset: int        # bytes: SM90_SCRATCH of stream-K reduction workspace for the sm90a kernels (none
+                            # where no cooperative kernel can run: the next region starts here)
     h_offsets: tuple[int, int]
     h_width: int            # row stride (elements) of both hidden buffers
     workspace_bytes: int
@@ -347,17 +348,6 @@ def make_wide_plan(spec: MLPSpec, reason: str = "", *, tail_from: int = 0, tail=
     per_row = (kp0 * 2 if convert else 0) + (n_hbuf * h_width + hg_width) * 2 + (n_out * 2 if stage_tail else 0)
     mb = SCRATCH_BUDGET // max(per_row, 1) // ROW_QUANTUM * ROW_QUANTUM
     mb = max(ROW_QUANTUM, min(MAX_ROW_BLOCK, mb))
-    sm90_off = off
-    off = round_up(off + SM90_SCRATCH, REGION_ALIGN)
-    xc_off = off
-    if convert:
-        off = round_up(off + mb * kp0 * 2, REGION_ALIGN)
-    h0 = off
-    off = round_up(off + mb * h_width * 2, REGION_ALIGN) if n_hbuf >= 1 else off
-    h1 = off
-    off = round_up(off + mb * h_width * 2, REGION_ALIGN) if n_hbuf >= 2 else off
-    hg = off
-    off = round_up(off + mb * hg_width * 2, REGION_ALIGN)
     # tf32 first layer: fp32 rows TMA can load (16-byte multiples) and an output row it can store
     tf32_ok = tf32_eligible(spec) and layouts[0].sm90
     buckets = row_buckets(mb)
@@ -370,6 +360,20 @@ def make_wide_plan(spec: MLPSpec, reason: str = "", *, tail_from: int = 0, tail=
             not c.fits(g == 0 and tf32_ok) for g, per in enumerate(choices) for c in per):
         raise SpecError(f"{spec.describe()}: kernel choices do not fit the plan "
                         f"({len(layouts)} GEMMs x {len(buckets)} row buckets)")
+    # the stream-K / split-K reduction scratch, only where a kernel that may use it can run (a cooperative
+    # one, or the tuning build's every kernel): the ping-pong kernels, CUTLASS's and ours, need none
+    sm90_off = off
+    if tuning or any(SM90_KERNELS[c.kernel].stream_k for per in choices for c in per):
+        off = round_up(off + SM90_SCRATCH, REGION_ALIGN)
+    xc_off = off
+    if convert:
+        off = round_up(off + mb * kp0 * 2, REGION_ALIGN)
+    h0 = off
+    off = round_up(off + mb * h_width * 2, REGION_ALIGN) if n_hbuf >= 1 else off
+    h1 = off
+    off = round_up(off + mb * h_width * 2, REGION_ALIGN) if n_hbuf >= 2 else off
+    hg = off
+    off = round_up(off + mb * hg_width * 2, REGION_ALIGN)
     # the fp32 copy of layer 0's weights only where a tf32 kernel may run (the tuning build times them)
     tf32_first = tf32_ok and (tuning or any(SM90_KERNELS[c.kernel].tf32 for c in choices[0]))
     w0f_off = off
