@@ -7,16 +7,17 @@
 //   Elem operands (fp16 or bf16; fp32 read as tf32), fp32 accumulation, bias, C (the residual: kResidual)
 //   and D of type Out.
 //
-// Static code included inside a kernel instance unit's namespace (templates/cuda_wide_instance.cu.j2),
+// Static code included inside a kernel instance unit's namespace (templates/cuda_wide_light.cu.j2),
 // after <cuda.h>, <cudaTypedefs.h>, o2f_wide_launch.cuh and the unit's Elem, Out, kResidual and PairAct
 // (float2 PairAct{}(float, float): the activation of two adjacent columns, computed in fp32 or packed).
 //
 // The kernel: a CTA is three warpgroups (384 threads), persistent; its tiles (128 x 128 outputs) are
 // blockIdx.x, + gridDim.x, ..., taken in turn by the two consumer warpgroups. Warpgroup 0 produces: one
-// thread issues, tile after tile, the TMA copies (128-byte swizzle) of each k-block's A and W tiles (128 x
-// 64 each, 32 KB a stage) into one ring of kStages slots, completing on the slot's `full` mbarrier. A
-// consumer runs wgmma.m64n128k16 with both operands from shared memory (two m64 halves per k16 step) and
-// frees a slot (its `empty` mbarrier, one arrival per warp) once the wgmma group that read it completed.
+// thread issues, tile after tile, the TMA copies (128-byte swizzle) of each k-block's A and W tiles (128
+// rows of 128 bytes each, 32 KB a stage) into one ring of kStages slots, completing on the slot's `full`
+// mbarrier. A consumer runs wgmma.m64n128k16 (k8 for tf32) with both operands from shared memory (two
+// m64 halves per step) and frees a slot (its `empty` mbarrier, one arrival per warp) once the wgmma group
+// that read it completed.
 // The consumers' mainloops take turns (two `turn` mbarriers): one hands the turn over once it has issued
 // its last k-block, and its epilogue then runs while the other's mainloop keeps the tensor cores busy
 // (CUTLASS's Pingpong schedule). The epilogue of a 16-bit D, or of any D with the residual, goes through
