@@ -259,20 +259,20 @@ def _jobs(sources: dict[str, str], cxx: str, nvcc: str | None, host_flags: list[
     for name in sorted(sources):
         src = "{src}/" + name
         if name.endswith(".cu"):
-            if cutlass and needs_cutlass({name: sources[name]}):
+            uses_cutlass = bool(cutlass) and needs_cutlass({name: sources[name]})
+            hopper = sm90a_only(sources[name])
+            if uses_cutlass or hopper:
                 # wide-design sources get sm_90a instead of sm_90 (wide_nvcc_flags); a unit of Hopper kernels
-                # only (a CUTLASS 3.x kernel instance) sm_90a alone
-                hopper = sm90a_only(sources[name])
+                # only (a kernel instance: CUTLASS 3.x's, or our own GEMM's without CUTLASS) sm_90a alone
                 flags = sm90a_nvcc_flags(cu_flags) if hopper else wide_nvcc_flags(cu_flags)
                 if name.startswith(INSTANCE_PREFIX):
                     flags = instance_nvcc_flags(flags)
-                flags += ["-I", str(cutlass.path), "--expt-relaxed-constexpr"]
-                add(name, [nvcc, *flags, *includes, "-c", src, "-o", "{obj}"], {"cutlass": cutlass.version},
-                    build_pool.PEAK_MB_HOPPER if hopper else build_pool.PEAK_MB_CUTLASS)
-            elif sm90a_only(sources[name]):     # Hopper kernels without CUTLASS (the light GEMM instances)
-                flags = sm90a_nvcc_flags(cu_flags)
-                add(name, [nvcc, *(instance_nvcc_flags(flags) if name.startswith(INSTANCE_PREFIX) else flags),
-                           *includes, "-c", src, "-o", "{obj}"])
+                extra, peak = None, build_pool.PEAK_MB_OTHER
+                if uses_cutlass:
+                    flags += ["-I", str(cutlass.path), "--expt-relaxed-constexpr"]
+                    extra = {"cutlass": cutlass.version}
+                    peak = build_pool.PEAK_MB_HOPPER if hopper else build_pool.PEAK_MB_CUTLASS
+                add(name, [nvcc, *flags, *includes, "-c", src, "-o", "{obj}"], extra, peak)
             elif needs_sm90a(sources[name]):    # the wgmma design: sm_90a in place of sm_90 (wgmma_nvcc_flags)
                 add(name, [nvcc, *wgmma_nvcc_flags(cu_flags), *includes, "-c", src, "-o", "{obj}"])
             else:
@@ -284,13 +284,9 @@ def _jobs(sources: dict[str, str], cxx: str, nvcc: str | None, host_flags: list[
                            *includes, "-c", src, "-o", "{obj}"])
             else:
                 add(name, [cxx, *host_flags, *includes, "-c", src, "-o", "{obj}"])
-    # the longest first (CUTLASS 3.x instances, then other CUTLASS units; our own Hopper GEMM's units are
-    # short): the pool then ends together
-    def order(j: _Job) -> int:
-        cutlass_unit = j.name.endswith(".cu") and needs_cutlass({j.name: sources[j.name]})
-        return 0 if cutlass_unit and sm90a_only(sources[j.name]) else 1 if cutlass_unit else 2
-
-    return sorted(out, key=lambda j: (order(j), j.name))
+    # the longest first: the heaviest compiles are the longest (CUTLASS 3.x instances, then the other
+    # CUTLASS units), so the pool then ends together
+    return sorted(out, key=lambda j: (-j.peak_mb, j.name))
 
 
 def _link_args(cxx: str, nvcc: str | None, with_cuda: bool) -> list[str]:

@@ -149,12 +149,13 @@ def run_tuning(library: Path, plan: WidePlan, reps: int = REPS) -> dict:
     if rc != 0:
         raise TuneError(f"the tuning run failed with CUDA error {rc}")
     nb = len(plan.buckets)
+    default = sm90.default_choice()   # the kernel the timing build compared every candidate against
     choices, timings = [], []
     for g in range(len(plan.gemms)):
         per, per_t = [], []
         for b in range(nb):
             i, t, t0 = index[g * nb + b], ms[g * nb + b], default_ms[g * nb + b]
-            best = candidates[i] if 0 <= i < len(candidates) and t < t0 * (1 - MIN_GAIN) else sm90.default_choice()
+            best = candidates[i] if 0 <= i < len(candidates) and t < t0 * (1 - MIN_GAIN) else default
             per.append(best)
             all_t = every[(g * nb + b) * len(candidates):(g * nb + b + 1) * len(candidates)]
             per_t.append({"rows": plan.buckets[b], "choice": best.label, "ms": round(min(t, t0) if i >= 0 else t0, 5),

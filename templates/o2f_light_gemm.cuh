@@ -250,15 +250,15 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     const uint32_t out = staging + c * (L::kOutBytes / kConsumers);   // this consumer's boxes
     // The boxes of m64 halves [h0, h0 + halves) of this tile: C into them (completing on c_full), D out.
+    // Box q holds columns n0 + (q % kHalfBoxes) kBoxCols.. of rows m0 + 64 (h0 + q / kHalfBoxes)..
+    auto box_x = [&](int q) { return n0 + (q % L::kHalfBoxes) * L::kBoxCols; };
+    auto box_y = [&](int q, int h0) { return m0 + 64 * (h0 + q / L::kHalfBoxes); };
     auto load_c = [&](int h0, int halves) {
       mbar_expect_tx(c_full(c), halves * L::kHalfBoxes * kBoxBytes);
-      for (int q = 0; q < halves * L::kHalfBoxes; ++q)
-        tma_load_2d(out + q * kBoxBytes, &map_c, n0 + (q % L::kHalfBoxes) * L::kBoxCols, m0 + 64 * (h0 + q / L::kHalfBoxes),
-                    c_full(c));
+      for (int q = 0; q < halves * L::kHalfBoxes; ++q) tma_load_2d(out + q * kBoxBytes, &map_c, box_x(q), box_y(q, h0), c_full(c));
     };
     auto store_d = [&](int h0, int halves) {
-      for (int q = 0; q < halves * L::kHalfBoxes; ++q)
-        tma_store_2d(&map_d, n0 + (q % L::kHalfBoxes) * L::kBoxCols, m0 + 64 * (h0 + q / L::kHalfBoxes), out + q * kBoxBytes);
+      for (int q = 0; q < halves * L::kHalfBoxes; ++q) tma_store_2d(&map_d, box_x(q), box_y(q, h0), out + q * kBoxBytes);
       bulk_commit();
     };
     if constexpr (L::kStaged) {

@@ -185,6 +185,17 @@ def test_dlrm_cases_cover_the_segmented_plan_and_the_narrow_layer(shared):
     segmented, plain = models["512x256x64x1_relu"][2], models["512x256x64x2_relu"][2]
     assert segmented.tail_from == 1 and len(segmented.gemms) == 1
     assert plain.tail_from == 0 and plain.gemms[-1].narrow
+
+
+def _kernel_names(sess, x, out_shape) -> str:
+    """The CUDA kernels one run of `sess` on x launches (after a warm-up run), by name."""
+    from torch.profiler import ProfilerActivity, profile
+    run_poisoned(sess, x, out_shape)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run_poisoned(sess, x, out_shape)
+    return " ".join(e.name for e in prof.events())
+
+
 @ON_SHARED
 def test_hopper_runs_the_sm90a_kernels(shared, monkeypatch):
     """The kernels launched, by name (torch's profiler sees every kernel of the process, ORT's included):
@@ -192,7 +203,6 @@ def test_hopper_runs_the_sm90a_kernels(shared, monkeypatch):
     the override."""
     if not _hopper():
         pytest.skip("sm_90a kernels run on compute capability 9.0 only")
-    from torch.profiler import ProfilerActivity, profile
     models, lib = shared
     src, fused, plan = models[_case_id([768, 3072, 768], "gelu")]
     sess = _session(fused, lib)
@@ -203,24 +213,12 @@ def test_hopper_runs_the_sm90a_kernels(shared, monkeypatch):
             monkeypatch.setenv(wide.SM80_ENV, "sm80")
         else:
             monkeypatch.delenv(wide.SM80_ENV, raising=False)
-        run_poisoned(sess, x, (4096, 768))  # warm-up outside the profile
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            run_poisoned(sess, x, (4096, 768))
-        names[family] = " ".join(e.name for e in prof.events())
+        names[family] = _kernel_names(sess, x, (4096, 768))
     monkeypatch.delenv(wide.SM80_ENV, raising=False)
     if not names["default"]:
         pytest.skip("the profiler recorded no CUDA kernels here (CUPTI unavailable)")
     assert "o2f_light::light_gemm" in names["default"] and "MmaMultistage" not in names["default"]
     assert "MmaMultistage" in names["sm80"] and "light_gemm" not in names["sm80"]
-
-
-def _kernel_names(sess, x, out_shape) -> str:
-    """The CUDA kernels one run of `sess` on x launches (after a warm-up run), by name."""
-    from torch.profiler import ProfilerActivity, profile
-    run_poisoned(sess, x, out_shape)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        run_poisoned(sess, x, out_shape)
-    return " ".join(e.name for e in prof.events())
 
 
 def test_cutlass_default_kernel_by_name_matches_stock(cache_dir, tmp_path, monkeypatch):

@@ -645,8 +645,7 @@ def test_rendered_source_has_guarded_sm90_kernels_and_per_layer_choice():
     for needle in ("namespace o2f_light", "o2f_light::run<Elem, Out, PairAct, kResidual>"):
         assert needle in h_text and needle not in src, needle
         assert all(needle not in t for n, t in insts.items() if n != h_name), needle
-    cutlass_ping = sm90.Sm90Choice(next(i for i, k in enumerate(sm90.SM90_KERNELS) if k.name == "Pingpong128x128"),
-                                   "data_parallel")
+    cutlass_ping = sm90.Sm90Choice(sm90.kernel_index("Pingpong128x128"), "data_parallel")
     tuned = wide.with_kernels(plan, tuple(tuple(cutlass_ping for _ in per) for per in plan.choices))
     tuned_files = codegen.render([spec], True, plans={spec.name: tuned})
     cutlass_inst = next(expanded(tuned_files, n) for n in tuned_files if n.startswith("o2f_inst_Pingpong128x128_"))

@@ -196,7 +196,7 @@ def test_tile_orders_are_searched_for_the_ping_pong_kernels_and_survive_the_cach
     rendered into the chain's choice table (the kernel index, mode, splits, swizzle, RASTERS index)."""
     cands = sm90.sm90_candidates()
     ping = [c for c in cands if not sm90.SM90_KERNELS[c.kernel].stream_k]
-    cutlass_ping = next(i for i, k in enumerate(sm90.SM90_KERNELS) if k.name == "Pingpong128x128")
+    cutlass_ping = sm90.kernel_index("Pingpong128x128")
     assert {(c.swizzle, c.raster) for c in ping if c.kernel == cutlass_ping} == \
         {(s, "heuristic") for s in sm90.SWIZZLES} | {(1, r) for r in sm90.RASTERS}
     # the light kernel takes the raster order only (its tile order has no swizzle)

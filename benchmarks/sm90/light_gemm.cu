@@ -55,7 +55,7 @@ static void run_case(int m, int k, int n, const o2f_wide::DeviceInfo& dev, int r
   constexpr bool kTf32 = std::is_same_v<Elem, float>;
   auto to_elem = [](float v) { if constexpr (kTf32) return v; else return __float2half(v); };
   auto to_float = [](Elem v) { if constexpr (kTf32) return v; else return __half2float(v); };
-  auto tf32_round = [](float v) {   // round to nearest, 10 mantissa bits
+  auto tf32_round = [](float v) {   // to nearest, ties away (the library's copy: ties to even)
     uint32_t u;
     std::memcpy(&u, &v, 4);
     u = (u + 0x1000u) & ~0x1FFFu;

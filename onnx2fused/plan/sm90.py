@@ -142,6 +142,14 @@ ROW_BUCKETS = (32, 256, 2048, 16384)   # rows the choices are made (and tuned) f
 # (32: GEMV-like calls, where one row tile leaves most SMs idle unless split-K fills them)
 
 
+def kernel_index(name: str) -> int:
+    """The index into SM90_KERNELS of the kernel named `name` (Sm90Kernel.name); ValueError if none."""
+    for i, k in enumerate(SM90_KERNELS):
+        if k.name == name:
+            return i
+    raise ValueError(f"no Hopper kernel named {name!r}")
+
+
 def default_choice() -> Sm90Choice:
     """DEFAULT_CHOICE, or the 16-bit kernel $ONNX2FUSED_WIDE_DEFAULT_KERNEL names (data-parallel tiles)."""
     name = os.environ.get(DEFAULT_KERNEL_ENV, "").strip()
@@ -150,7 +158,7 @@ def default_choice() -> Sm90Choice:
     names = [k.name for k in SM90_KERNELS if not k.tf32]
     if name not in names:
         raise ConversionError(f"{DEFAULT_KERNEL_ENV}={name!r}: expected one of {', '.join(names)}")
-    return Sm90Choice(next(i for i, k in enumerate(SM90_KERNELS) if k.name == name), "data_parallel")
+    return Sm90Choice(kernel_index(name), "data_parallel")
 
 
 def sm90_candidates() -> tuple[Sm90Choice, ...]:

@@ -257,9 +257,8 @@ class WidePlan:
             conv = f"a {self.spec.norm.label} pass writing the 16-bit rows, "
         if self.spec.residual:
             conv += "the residual as the last GEMM's source operand (x's rows on sm_90, else y = x + b first), "
-        used = {SM90_KERNELS[c.kernel].light for per in self.choices for c in per}
-        family = {frozenset({True}): "onnx2fused's", frozenset({False}): "CUTLASS 3.x"}.get(
-            frozenset(used), "onnx2fused's and CUTLASS 3.x")
+        light = {SM90_KERNELS[c.kernel].light for per in self.choices for c in per}
+        family = "onnx2fused's" if light == {True} else "CUTLASS 3.x" if light == {False} else "onnx2fused's and CUTLASS 3.x"
         return (f"wide: {n} tensor-core GEMM{'s' if n > 1 else ''} with a bias+activation epilogue{glu} (on sm_90: {hopper} as {family} "
                 f"wgmma/TMA kernels, {tuned}, the rest CUTLASS 2.x; other GPUs: CUTLASS 2.x sm80 mma.sync), "
                 f"{conv}16-bit intermediates in the workspace, {self.row_block}-row blocks{passes}{gemv}{tail}; {self.reason}")
