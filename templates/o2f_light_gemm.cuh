@@ -169,6 +169,17 @@ template <typename Out>
 __device__ __forceinline__ void sts_pair(Out, uint32_t addr, float2 v) {
   asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(pack_pair(Out{}, v)) : "memory");
 }
+__device__ __forceinline__ void sts_b32(uint32_t addr, uint32_t bits) {
+  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(bits) : "memory");
+}
+
+// An activation with a packed fp16x2 form (`uint32_t packed(float, float)`: the two results' fp16 bits) is
+// stored as it comes where D is fp16: the fp32 round trip of operator() and the second rounding to fp16
+// cost a third of the epilogue's instructions (three conversions per pair).
+template <class Act, typename Out, typename = void>
+struct PackedStore : std::false_type {};
+template <class Act>
+struct PackedStore<Act, __half, std::void_t<decltype(Act{}.packed(0.f, 0.f))>> : std::true_type {};
 
 template <typename Elem, typename Out, class PairAct, bool kResidual, bool kCoop>
 __global__ void __launch_bounds__(kThreads, 1)
@@ -243,10 +254,15 @@ __global__ void __launch_bounds__(kThreads, 1)
     const uint32_t a_rows = kCoop ? c * kABytes : 0;   // this consumer's rows in a stage
     // The bias of this thread's columns n0 + 8f + 2 (lane % 4) (+ 1), loaded before the mainloop's waits.
     float2 bias_r[kBN / 8];
+    if (n0 + kBN <= n && n % 2 == 0) {   // a whole column tile: every pair there, aligned (no branches)
 #pragma unroll
-    for (int f = 0; f < kBN / 8; ++f) {
-      const int col = n0 + 8 * f + 2 * (lane % 4);
-      bias_r[f] = col < n ? load_pair(bias + col, col + 1 < n) : make_float2(0.f, 0.f);
+      for (int f = 0; f < kBN / 8; ++f) bias_r[f] = load_pair(bias + n0 + 8 * f + 2 * (lane % 4), true);
+    } else {
+#pragma unroll
+      for (int f = 0; f < kBN / 8; ++f) {
+        const int col = n0 + 8 * f + 2 * (lane % 4);
+        bias_r[f] = col < n ? load_pair(bias + col, col + 1 < n) : make_float2(0.f, 0.f);
+      }
     }
     const uint32_t out = staging + c * (L::kOutBytes / kConsumers);   // this consumer's boxes
     // The boxes of m64 halves [h0, h0 + halves) of this tile: C into them (completing on c_full), D out.
@@ -336,6 +352,11 @@ __global__ void __launch_bounds__(kThreads, 1)
           lo.y += xl.y;
           hi.x += xh.x;
           hi.y += xh.y;
+        }
+        if constexpr (PackedStore<PairAct, Out>::value) {   // (D fp16: staged)
+          sts_b32(at_lo, PairAct{}.packed(lo.x, lo.y));
+          sts_b32(at_hi, PairAct{}.packed(hi.x, hi.y));
+          continue;
         }
         lo = PairAct{}(lo.x, lo.y);
         hi = PairAct{}(hi.x, hi.y);

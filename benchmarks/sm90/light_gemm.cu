@@ -7,7 +7,8 @@
 // commit 206a83e).
 //
 // Build and run: benchmarks/sm90/light_gemm.sh (gpu_host.sh lightgemm). No arguments: every case.
-// `light_gemm M K N [RASTER]`: that fp16 case only (for a profiler). The kernel needs no CUTLASS and no cuBLAS; the host
+// `light_gemm M K N [RASTER]`: that fp16 case only (for a profiler). `light_gemm sweep`: GELU against no
+// activation and K from 768 to 3072 (where the time goes). The kernel needs no CUTLASS and no cuBLAS; the host
 // links cuBLAS, where the toolkit has it, for the reference only.
 #include <cuda.h>
 #include <cuda_fp16.h>
@@ -39,6 +40,20 @@ struct PairAct {
   __device__ __forceinline__ float2 operator()(float a, float b) const {
     return __half22float2(o2f_h2_gelu(__floats2half2_rn(a, b)));
   }
+  __device__ __forceinline__ uint32_t packed(float a, float b) const {
+    const __half2 h = o2f_h2_gelu(__floats2half2_rn(a, b));
+    return *reinterpret_cast<const uint32_t*>(&h);
+  }
+};
+// The same GELU without the packed store (the epilogue before it: the result back to fp32, then fp16).
+struct RoundTripAct {
+  __device__ __forceinline__ float2 operator()(float a, float b) const {
+    return __half22float2(o2f_h2_gelu(__floats2half2_rn(a, b)));
+  }
+};
+// No activation: what the epilogue's GELU costs (the sweep mode).
+struct IdentityAct {
+  __device__ __forceinline__ float2 operator()(float a, float b) const { return make_float2(a, b); }
 };
 #include "o2f_light_gemm.cuh"
 }  // namespace bench
@@ -50,7 +65,7 @@ static double gelu_ref(double a) { return 0.5 * a * (1 + std::erf(a / std::sqrt(
 // float (the tf32 form, a first layer reading fp32 rows in place; its weights rounded to tf32 on the host
 // as the library's fp32 copy is, its input read as it is: the tensor cores take the top 19 bits).
 // kCoop: the 256 x 128 variant (o2f_light_gemm.cuh's Layout), not in the library's kernel list.
-template <typename Elem, bool kCoop = false>
+template <typename Elem, bool kCoop = false, class Act = bench::PairAct>
 static void run_case(int m, int k, int n, const o2f_wide::DeviceInfo& dev, int raster = 0) {
   constexpr bool kTf32 = std::is_same_v<Elem, float>;
   auto to_elem = [](float v) { if constexpr (kTf32) return v; else return __float2half(v); };
@@ -88,7 +103,7 @@ static void run_case(int m, int k, int n, const o2f_wide::DeviceInfo& dev, int r
   CHECK(cudaMemset(dd, 0xff, static_cast<size_t>(m) * n * 2));   // NaN: an unwritten element shows
   const o2f_wide::Choice choice{0, 0, 1, 1, raster};
   auto launch = [&] {
-    const cudaError_t e = bench::o2f_light::run<Elem, __half, bench::PairAct, false, kCoop>(dev, choice, m, n, k, da, dw,
+    const cudaError_t e = bench::o2f_light::run<Elem, __half, Act, false, kCoop>(dev, choice, m, n, k, da, dw,
                                                                                            db, nullptr, dd, n, nullptr);
     CHECK(e);
   };
@@ -109,7 +124,8 @@ static void run_case(int m, int k, int n, const o2f_wide::DeviceInfo& dev, int r
         const float x = to_float(a[static_cast<size_t>(r) * k + q]);
         acc += static_cast<double>(kTf32 ? tf32_trunc(x) : x) * to_float(w[static_cast<size_t>(j) * k + q]);
       }
-      const double ref = gelu_ref(acc), got = __half2float(out[static_cast<size_t>(r) * n + j]);
+      constexpr bool kGelu = !std::is_same_v<Act, bench::IdentityAct>;
+      const double ref = kGelu ? gelu_ref(acc) : static_cast<double>(__half2float(__float2half(static_cast<float>(acc)))), got = __half2float(out[static_cast<size_t>(r) * n + j]);
       if (std::isnan(got)) ++nan;
       const double gap = std::isnan(got) ? INFINITY : std::fabs(got - ref);
       if (gap > worst || worst_r < 0) {   // the element furthest off: where a layout bug shows first
@@ -139,8 +155,9 @@ static void run_case(int m, int k, int n, const o2f_wide::DeviceInfo& dev, int r
   cublasDestroy(h);
 #endif
   auto tflops = [&](double t) { return 2.0 * m * k * n / (t * 1e-3) / 1e12; };
-  std::printf("%s%s M %d, K %d, N %d, raster %d: %.4f ms, %.0f TFLOP/s (cuBLAS GEMM alone %.4f ms, %.0f TFLOP/s), rel. L2 "
-              "%.2e, NaN %d (sampled rows); furthest off: (%d, %d) %.5f against %.5f\n", kTf32 ? "tf32" : "fp16", kCoop ? " coop256x128" : "", m, k, n, raster, ms, tflops(ms), ms_blas,
+  std::printf("%s%s%s M %d, K %d, N %d, raster %d: %.4f ms, %.0f TFLOP/s (cuBLAS GEMM alone %.4f ms, %.0f TFLOP/s), rel. L2 "
+              "%.2e, NaN %d (sampled rows); furthest off: (%d, %d) %.5f against %.5f\n", kTf32 ? "tf32" : "fp16", kCoop ? " coop256x128" : "",
+              std::is_same_v<Act, bench::PairAct> ? "" : std::is_same_v<Act, bench::IdentityAct> ? " identity" : " round-trip", m, k, n, raster, ms, tflops(ms), ms_blas,
               tflops(ms_blas), std::sqrt(err / ref_sq), nan, worst_r, worst_c, worst_got, worst_ref);
   CHECK(cudaFree(da));
   CHECK(cudaFree(dw));
@@ -153,6 +170,19 @@ int main(int argc, char** argv) {
   CHECK(cudaGetDevice(&dev.id));
   CHECK(cudaDeviceGetAttribute(&dev.sms, cudaDevAttrMultiProcessorCount, dev.id));
   dev.sm90 = true;
+  if (argc == 2 && std::strcmp(argv[1], "sweep") == 0) {
+    // where the time of ViT-B's GEMMs goes: the epilogue's GELU (identity beside it) and the mainloop's
+    // length (K from 768 to 3072 at ViT-B's 3072 columns), every case beside cuBLAS
+    for (int k : {768, 1536, 3072}) {
+      run_case<__half>(16384, k, 3072, dev);
+      run_case<__half, false, bench::RoundTripAct>(16384, k, 3072, dev);
+      run_case<__half, false, bench::IdentityAct>(16384, k, 3072, dev);
+    }
+    run_case<__half, false, bench::IdentityAct>(16384, 3072, 768, dev);
+    run_case<__half, true, bench::IdentityAct>(16384, 768, 3072, dev);
+    run_case<__half, true, bench::IdentityAct>(16384, 3072, 768, dev);
+    return 0;
+  }
   if (argc == 4 || argc == 5) {
     run_case<__half>(std::atoi(argv[1]), std::atoi(argv[2]), std::atoi(argv[3]), dev, argc == 5 ? std::atoi(argv[4]) : 0);
     return 0;

@@ -17,5 +17,5 @@ start=$(date +%s.%N)
 end=$(date +%s.%N)
 python3 -c "print(f'nvcc: {$end - $start:.1f} s')" | tee "$LOG/light_gemm.txt"
 # a barrier that never completes hangs the kernel: the time limit names it instead of eating the call
-timeout 120 "$BIN" 2>&1 | tee -a "$LOG/light_gemm.txt" || echo "light_gemm: failed or timed out (exit ${PIPESTATUS[0]})" | tee -a "$LOG/light_gemm.txt"
+timeout 120 "$BIN" "$@" 2>&1 | tee -a "$LOG/light_gemm.txt" || echo "light_gemm: failed or timed out (exit ${PIPESTATUS[0]})" | tee -a "$LOG/light_gemm.txt"
 rm -f "$BIN"
