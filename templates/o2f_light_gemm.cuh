@@ -224,17 +224,21 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (wg == 0) {   // producer
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
     if (warp == 0 && lane == 0) {
-      uint32_t it = 0;
+      int s = 0;
+      uint32_t phase = 0;
       for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
         int m0, n0;
         origin(t, m0, n0);
-        for (int kb = 0; kb < kbs; ++kb, ++it) {
-          const int s = static_cast<int>(it % kStages);
-          mbar_wait(empty(s), ((it / kStages) & 1) ^ 1);
+        for (int kb = 0; kb < kbs; ++kb) {
+          mbar_wait(empty(s), phase ^ 1);
           mbar_expect_tx(full(s), L::kStageBytes);   // out-of-bounds parts are zero-filled and counted
           tma_load_2d(stage_a(s), &map_a, kb * kBK<Elem>, m0, full(s));
           if constexpr (kCoop) tma_load_2d(stage_a(s) + kABytes, &map_a, kb * kBK<Elem>, m0 + kBM, full(s));
           tma_load_2d(stage_w(s), &map_w, kb * kBK<Elem>, n0, full(s));
+          if (++s == kStages) {
+            s = 0;
+            phase ^= 1;
+          }
         }
       }
     }
@@ -286,18 +290,29 @@ __global__ void __launch_bounds__(kThreads, 1)
     // Consumer 0's i-th mainloop follows consumer 1's (i-1)-th (i completions of turn(0); the first passes
     // on a fresh barrier); consumer 1's i-th follows consumer 0's i-th (i + 1 completions of turn(1)).
     if constexpr (!kCoop) mbar_wait(turn(c), c == 0 ? (i & 1) ^ 1 : i & 1);
-    uint32_t it = static_cast<uint32_t>((kCoop ? i : kConsumers * i + c) * kbs);
+    // The ring position of this tile's first k-block, then advanced one slot at a time (no division in
+    // the loop). The wgmma descriptors are slot 0's plus constants: a descriptor's low 14 bits are the
+    // address / 16 (below 2^18: no carry out), so a byte offset b is + b / 16. Computing each descriptor
+    // from its address took 123 instructions a k-block to issue 8 wgmma, while the tensor cores had
+    // only the previous k-block's 8 queued (the other consumer issues nothing during these turns).
+    const uint32_t start = static_cast<uint32_t>((kCoop ? i : kConsumers * i + c) * kbs);
+    int s = static_cast<int>(start % kStages);
+    uint32_t phase = (start / kStages) & 1;
+    // (32-bit arithmetic on the low word: its high word is the same constant in every descriptor)
+    const uint64_t desc_a0 = desc_sw128(stage_a(0) + a_rows), desc_w0 = desc_sw128(stage_w(0));
+    const uint32_t a_lo = static_cast<uint32_t>(desc_a0), w_lo = static_cast<uint32_t>(desc_w0);
+    const uint64_t desc_hi = desc_a0 & 0xFFFFFFFF00000000ull;
     int prev = 0;
-    for (int kb = 0; kb < kbs; ++kb, ++it) {
-      const int s = static_cast<int>(it % kStages);
-      mbar_wait(full(s), (it / kStages) & 1);
+    for (int kb = 0; kb < kbs; ++kb) {
+      mbar_wait(full(s), phase);
       wgmma_fence();
+      const uint32_t slot = static_cast<uint32_t>(s) * (L::kStageBytes / 16);
 #pragma unroll
       for (int j = 0; j < kRowBytes / 32; ++j) {   // 32 bytes of each row a step
-        const uint64_t dw = desc_sw128(stage_w(s) + 32 * j);
+        const uint64_t dw = desc_hi | (w_lo + slot + 2 * j);
 #pragma unroll
         for (int h = 0; h < 2; ++h)
-          wgmma_ss<Elem>(acc[h], desc_sw128(stage_a(s) + a_rows + h * 64 * 128 + 32 * j), dw, kb > 0 || j > 0);
+          wgmma_ss<Elem>(acc[h], desc_hi | (a_lo + slot + (h * 64 * 128 + 32 * j) / 16), dw, kb > 0 || j > 0);
       }
       wgmma_commit();
       if (kb > 0) {
@@ -305,6 +320,10 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (lane == 0) mbar_arrive(empty(prev));
       }
       prev = s;
+      if (++s == kStages) {
+        s = 0;
+        phase ^= 1;
+      }
     }
     if (!kCoop && threadIdx.x % 128 == 0) mbar_arrive(turn(1 - c));   // all issued: the other consumer's turn
     wgmma_wait<0>();
