@@ -84,7 +84,7 @@ def instance_params(config: str, elem: str, out: str, align: int, act_code: str,
                      f"alignment {align}, epilogue {epi}"),
     }
     if light:
-        params.update({"light_elem": _RAW_TYPE[elem], "light_out": _RAW_TYPE[out]})
+        params.update({"light_elem": _RAW_TYPE[operand], "light_out": _RAW_TYPE[out]})
     elif sm90:
         params.update({"tf32": kernel.tf32, "coop": kernel.stream_k, "bm": kernel.tile[0], "bn": kernel.tile[1],
                        "bk": kernel.tile[2], "cm": kernel.cluster[0], "cn": kernel.cluster[1],

@@ -237,6 +237,30 @@ def test_cutlass_default_kernel_by_name_matches_stock(cache_dir, tmp_path, monke
     names = _kernel_names(sess, x, ref.shape)
     if names:   # (CUPTI may be unavailable)
         assert "GemmUniversal" in names and "MainloopSm90TmaGmmaWarpSpecialized" in names and "light_gemm" not in names
+
+
+def test_our_tf32_first_layer_by_name_matches_stock(cache_dir, tmp_path, monkeypatch):
+    """ONNX2FUSED_WIDE_DEFAULT_TF32_KERNEL=Tf32Light128x128 at convert time: a DLRM-like first layer reads
+    the fp32 input in place with our kernel on tf32 wgmma (K = 520: a partial last k-block of 8 columns,
+    zero-filled by TMA), no CUTLASS 3.x kernel runs, and the results agree with stock at every row count
+    (37 and 1000: row tails; 65536: many tiles per CTA)."""
+    if not _hopper():
+        pytest.skip("sm_90a kernels run on compute capability 9.0 only")
+    monkeypatch.setenv(sm90.DEFAULT_TF32_KERNEL_ENV, "Tf32Light128x128")
+    src = _mlp(tmp_path / "dlrm.onnx", [520, 256, 64, 1], "relu", seed=7)
+    fused, lib, plan = _fuse(src, "fp16", cache_dir, tmp_path / "dlrm.fused.onnx")
+    assert plan.tf32_first and {sm90.SM90_KERNELS[c.kernel].name for c in plan.choices[0]} == {"Tf32Light128x128"}
+    sess = _session(fused, lib)
+    rng = np.random.default_rng(8)
+    for batch in (37, 1000, 65536):
+        x = rng.standard_normal((batch, 520)).astype(np.float32)
+        ref = _reference(src, x)
+        assert rel_l2(run_poisoned(sess, x, ref.shape), ref) <= TOL["fp16"], batch
+    names = _kernel_names(sess, x, ref.shape)
+    if names:   # (CUPTI may be unavailable)
+        assert "light_gemm" in names and "MainloopSm90TmaGmmaWarpSpecialized" not in names
+
+
 @ON_SHARED
 def test_wide_fp16_io_in_place_and_bf16(shared):
     """An fp16 model (bench.to_fp16 of the fp32 one: fp16 input, weights, output) against stock fp32."""

@@ -18,19 +18,21 @@ pytestmark = pytest.mark.cuda_build
 NVCC = shutil.which("nvcc")
 F16, BF16, F32 = "cutlass::half_t", "cutlass::bfloat16_t", "float"
 GELU = ex.render_c(ex.gelu_erf(), "v")
+RELU = ex.render_c(ex.relu(), "v")
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
-@pytest.mark.parametrize("elem,out,residual,packed", [
-    (F16, F16, False, "o2f_h2_gelu"),   # a hidden fp16 layer with the packed GELU: D staged, TMA stores
-    (F16, F32, False, ""),              # an fp32 last layer: D one m64 half at a time, no C
-    (F16, F32, True, ""),               # a block's last layer, fp32 rows: C and D one m64 half at a time
-    (BF16, BF16, True, ""),             # bf16 operands and output, the residual staged whole
-], ids=["f16_packed", "f32_out", "f32_residual", "bf16_residual"])
-def test_light_instance_compiles_to_wgmma_without_spills(elem, out, residual, packed, tmp_path, monkeypatch):
+@pytest.mark.parametrize("config,elem,out,residual,packed", [
+    ("Light128x128", F16, F16, False, "o2f_h2_gelu"),   # a hidden fp16 layer, packed GELU: D staged, TMA stores
+    ("Light128x128", F16, F32, False, ""),              # an fp32 last layer: D one m64 half at a time, no C
+    ("Light128x128", F16, F32, True, ""),               # a block's last layer, fp32 rows: C and D by halves
+    ("Light128x128", BF16, BF16, True, ""),             # bf16 operands and output, the residual staged whole
+    ("Tf32Light128x128", F16, F16, False, ""),          # a first layer on the fp32 input in place (tf32), ReLU
+], ids=["f16_packed", "f32_out", "f32_residual", "bf16_residual", "tf32_first"])
+def test_light_instance_compiles_to_wgmma_without_spills(config, elem, out, residual, packed, tmp_path, monkeypatch):
     monkeypatch.setenv("ONNX2FUSED_CUDA_ARCHS", "80,90")
-    params = instance_params("Light128x128", elem, out, 8, GELU, residual, packed)
-    assert params["light"] and params["file"].startswith("o2f_inst_Light128x128_")
+    params = instance_params(config, elem, out, 8, RELU if config.startswith("Tf32") else GELU, residual, packed)
+    assert params["light"] and params["file"].startswith(f"o2f_inst_{config}_")
     files = codegen._with_headers({params["file"]: codegen._render(params["template"], params)})
     for name, text in files.items():
         (tmp_path / name).write_text(text)
@@ -42,9 +44,10 @@ def test_light_instance_compiles_to_wgmma_without_spills(elem, out, residual, pa
     log, keep = compile_kept(NVCC, flags, tmp_path, src)
     ptxas_entry(log, "light_gemm")
     ptx = next(keep.glob("*.ptx")).read_text()
-    ab = "bf16" if elem == BF16 else "f16"
-    # 4 k16 steps x 2 m64 halves per k-block, the operand type's instruction
-    assert ptx.count(f"wgmma.mma_async.sync.aligned.m64n128k16.f32.{ab}.{ab}") >= 8
+    # 4 k-steps (k16, k8 for tf32: 32 bytes of each row) x 2 m64 halves per k-block, the operand type's
+    shape = "m64n128k8.f32.tf32.tf32" if config.startswith("Tf32") else (
+        "m64n128k16.f32.bf16.bf16" if elem == BF16 else "m64n128k16.f32.f16.f16")
+    assert ptx.count(f"wgmma.mma_async.sync.aligned.{shape}") >= 8
     assert "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes" in ptx
     # every D leaves through the staging boxes and TMA stores; none by global stores from registers
     assert "cp.async.bulk.tensor.2d.global.shared::cta.bulk_group" in ptx

@@ -104,7 +104,7 @@ from .. import expr as ex
 from ..spec import MLPSpec, SpecError
 from .cost import converts_input, tf32_eligible, tf32_first_wins
 from .padding import ALIGN, norm_floats, round_up
-from .sm90 import (DEFAULT_CHOICE, DEFAULT_TF32_CHOICE, default_choice, ROW_BUCKETS, SM90_KERNELS, SM90_SCRATCH, Sm90Choice,
+from .sm90 import (default_choice, default_tf32_choice, ROW_BUCKETS, SM90_KERNELS, SM90_SCRATCH, Sm90Choice,
                    row_buckets)
 
 SCRATCH_BUDGET = 128 << 20      # bytes of workspace for the intermediates of one row block
@@ -239,7 +239,7 @@ class WidePlan:
         hopper = "all" if n90 == n else f"{n90} of {n}"  # the others' output rows are not TMA-storable
         if self.tuned_on:
             tuned = f"kernels tuned on {self.tuned_on}"
-        elif self.tuning or all(c in (default_choice(), DEFAULT_TF32_CHOICE) for per in self.choices for c in per):
+        elif self.tuning or all(c in (default_choice(), default_tf32_choice()) for per in self.choices for c in per):
             tuned = "default kernels (not tuned)"
         else:   # choices given without a GPU to name (WideOptions.choices: benchmarks, tests)
             tuned = "kernels as given (not tuned here)"
@@ -352,7 +352,7 @@ def make_wide_plan(spec: MLPSpec, reason: str = "", *, tail_from: int = 0, tail=
     buckets = row_buckets(mb)
     if choices is None:
         default = default_choice()
-        first = DEFAULT_TF32_CHOICE if tf32_ok and tf32_first_wins(spec) else default
+        first = default_tf32_choice() if tf32_ok and tf32_first_wins(spec) else default
         choices = ((first,) * len(buckets),) + tuple((default,) * len(buckets) for _ in layouts[1:])
     choices = tuple(tuple(per) for per in choices)
     if len(choices) != len(layouts) or any(len(per) != len(buckets) for per in choices) or any(
