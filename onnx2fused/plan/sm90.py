@@ -79,7 +79,8 @@ SM90_KERNELS: tuple[Sm90Kernel, ...] = (
     # the same on fp32 operands (tf32 wgmma, 32-column k-blocks): a first layer reading x in place. Correct
     # in the prototype (nineteenth run: DLRM's 65536 x 512 -> 256 in 69.9 us), not yet run through the
     # library on a GPU: a convert-time opt-in (DEFAULT_TF32_KERNEL_ENV), outside the search, until the GPU
-    # tests pass. (With an fp32 erf GELU its epilogue spills 20 bytes under the 168-register cap; ReLU none.)
+    # tests pass. (With an fp32 erf GELU, both forms spill 5 registers once per tile, stored after the
+    # mainloop's start and loaded in the epilogue, under the 168-register cap; ReLU, SiLU, packed GELU none.)
     Sm90Kernel("light", (128, 128), (1, 1), tf32=True),
 )
 # Tried and left out (every kernel here is one more CUTLASS instance per epilogue in a tuning build):
