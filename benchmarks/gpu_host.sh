@@ -32,8 +32,11 @@
 #   benchmarks/gpu_host.sh sm90           benchmarks/sm90/run.sh: the standalone wgmma fused-MLP prototype
 #   benchmarks/gpu_host.sh lnfold         benchmarks/sm90/ln_fold.sh: the LayerNorm folded into ViT-B's first GEMM,
 #                                         against the norm pass + GEMM (times and errors; no ORT needed)
-#   benchmarks/gpu_host.sh lightgemm      benchmarks/sm90/light_gemm.sh: the wide design's own Hopper GEMM alone beside
-#                                         cuBLAS (nvcc time, speed, errors; no ORT needed)
+#   benchmarks/gpu_host.sh lightgemm [sweep | M K N [RASTER]] benchmarks/sm90/light_gemm.sh: the wide design's own
+#                                         Hopper GEMM alone beside cuBLAS (nvcc time, speed, errors; no ORT needed;
+#                                         sweep: GELU packed / through fp32 / none, K 768..3072)
+#   benchmarks/gpu_host.sh lightncu [M K N [RASTER]] benchmarks/sm90/light_ncu.sh: Nsight Compute's full set on it
+#                                         and on cuBLAS's GEMM for one shape (default ViT-B's up projection)
 #   benchmarks/gpu_host.sh lightab [CASES] wide_cases.py (default vitb_block,ffn) converted twice, the untuned Hopper
 #                                         kernel ours, then CUTLASS's Pingpong128x128 (ONNX2FUSED_WIDE_DEFAULT_KERNEL)
 #   benchmarks/gpu_host.sh ncuwide [CASE [KERNEL]] Nsight Compute on a wide case's kernels through ORT (profile_case.py)
@@ -191,7 +194,12 @@ lnfold)
   bash benchmarks/sm90/ln_fold.sh
   ;;
 lightgemm)
-  bash benchmarks/sm90/light_gemm.sh
+  shift
+  bash benchmarks/sm90/light_gemm.sh "$@"
+  ;;
+lightncu)
+  shift
+  bash benchmarks/sm90/light_ncu.sh "$@"
   ;;
 lightab)
   for k in Light128x128 Pingpong128x128; do

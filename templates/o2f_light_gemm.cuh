@@ -1,7 +1,8 @@
 // o2f_light_gemm.cuh: the wide design's Hopper GEMM without CUTLASS (plan.sm90's Light128x128): TMA loads,
 // wgmma, ping-pong consumers, a TMA-store epilogue. A unit that runs it compiles in seconds where a
 // CUTLASS 3.x instance takes 35-40 s (docs/DESIGN.md, "A Hopper GEMM of our own"; the prototype and its
-// measurements: benchmarks/sm90/light_gemm.cu, RESULTS.md eighteenth run).
+// measurements: benchmarks/sm90/light_gemm.cu, RESULTS.md eighteenth and nineteenth runs; Nsight Compute
+// beside cuBLAS: benchmarks/sm90/light_ncu.sh).
 //
 //   D[m, n] = PairAct(A[m, K] W^T + bias[n] (+ C[m, n]))   A row-major (row stride k), W n-major ([n][k]),
 //   Elem operands (fp16 or bf16; fp32 read as tf32), fp32 accumulation, bias, C (the residual: kResidual)
@@ -9,7 +10,8 @@
 //
 // Static code included inside a kernel instance unit's namespace (templates/cuda_wide_light.cu.j2),
 // after <cuda.h>, <cudaTypedefs.h>, o2f_wide_launch.cuh and the unit's Elem, Out, kResidual and PairAct
-// (float2 PairAct{}(float, float): the activation of two adjacent columns, computed in fp32 or packed).
+// (float2 PairAct{}(float, float): the activation of two adjacent columns, computed in fp32 or packed; a
+// packed one also has `uint32_t packed(float, float)`, its two fp16 results' bits: PackedStore).
 //
 // The kernel: a CTA is three warpgroups (384 threads), persistent; its tiles (128 x 128 outputs) are
 // blockIdx.x, + gridDim.x, ..., taken in turn by the two consumer warpgroups. Warpgroup 0 produces: one
