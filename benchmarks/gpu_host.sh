@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # What a session runs on the GPU host (it has nvcc, torch and onnx, but onnxruntime without CUDA and no
 # internet). Run from the repository root, with `.deps/` carried (ort-headers: the ORT C headers the
-# build fetched here; cutlass/include: the nvidia-cutlass headers) and the onnxruntime-gpu wheel's parts
-# moved to /tmp/ortparts beforehand (../shared/gpu-deps/split-ort-gpu.sh). Results go to $OUT.
+# build fetched here; cutlass/include: the nvidia-cutlass headers; pylib: jinja2, pytest < 9 and its
+# plugins; `bash benchmarks/gpu_deps.sh` builds it here) and the onnxruntime-gpu wheel's parts moved to
+# /tmp/ortparts beforehand (../shared/gpu-deps/split-ort-gpu.sh). Results go to $OUT.
 #
 #   benchmarks/gpu_host.sh install        rebuild and install the onnxruntime-gpu wheel into /tmp/site
 #   benchmarks/gpu_host.sh test [ARGS]    the GPU-marked tests (pytest ARGS, default: all tests/test_gpu*.py)
