@@ -23,10 +23,11 @@ from .spec import MLPSpec
 
 INSTANCE_TEMPLATE = "cuda_wide_instance.cu.j2"
 LIGHT_TEMPLATE = "cuda_wide_light.cu.j2"   # plan.sm90's light kernel: no CUTLASS in its unit
-_RAW_TYPE = {"cutlass::half_t": "__half", "cutlass::bfloat16_t": "__nv_bfloat16", "float": "float"}
 INSTANCE_PREFIX = "o2f_inst_"
 # the C++ element types and their tokens in instance names
 _TYPE_TOKEN = {"cutlass::half_t": "f16", "cutlass::bfloat16_t": "bf16", "float": "f32"}
+# and their raw CUDA types (the light kernel's unit includes no CUTLASS)
+_RAW_TYPE = {"cutlass::half_t": "__half", "cutlass::bfloat16_t": "__nv_bfloat16", "float": "float"}
 
 
 def _elem_type(spec: MLPSpec) -> str:

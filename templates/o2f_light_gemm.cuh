@@ -248,6 +248,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   // Ping-pong: this consumer's i-th tile is the CTA's (2i + c)-th, its k-blocks the ring's from (2i + c) *
   // kbs on.
   const int first = blockIdx.x + c * gridDim.x, step = kConsumers * gridDim.x;
+  // slot 0's wgmma descriptors, the mainloop's base (32-bit arithmetic on the low word: its high word is
+  // the same constant in every descriptor)
+  const uint64_t desc_a0 = desc_sw128(stage_a(0)), desc_w0 = desc_sw128(stage_w(0));
+  const uint32_t a_lo = static_cast<uint32_t>(desc_a0), w_lo = static_cast<uint32_t>(desc_w0);
+  const uint64_t desc_hi = desc_a0 & 0xFFFFFFFF00000000ull;
   for (int i = 0, t = first; t < tiles; ++i, t += step) {
     int m0, n0;
     origin(t, m0, n0);
@@ -291,10 +296,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     const uint32_t start = static_cast<uint32_t>((kConsumers * i + c) * kbs);
     int s = static_cast<int>(start % kStages);
     uint32_t phase = (start / kStages) & 1;
-    // (32-bit arithmetic on the low word: its high word is the same constant in every descriptor)
-    const uint64_t desc_a0 = desc_sw128(stage_a(0)), desc_w0 = desc_sw128(stage_w(0));
-    const uint32_t a_lo = static_cast<uint32_t>(desc_a0), w_lo = static_cast<uint32_t>(desc_w0);
-    const uint64_t desc_hi = desc_a0 & 0xFFFFFFFF00000000ull;
     int prev = 0;
     for (int kb = 0; kb < kbs; ++kb) {
       mbar_wait(full(s), phase);
@@ -367,10 +368,10 @@ __global__ void __launch_bounds__(kThreads, 1)
         if constexpr (PackedStore<PairAct, Out>::value) {
           sts_b32(at_lo, PairAct{}.packed(lo.x, lo.y));
           sts_b32(at_hi, PairAct{}.packed(hi.x, hi.y));
-          continue;
+        } else {
+          sts_pair(Out{}, at_lo, PairAct{}(lo.x, lo.y));
+          sts_pair(Out{}, at_hi, PairAct{}(hi.x, hi.y));
         }
-        sts_pair(Out{}, at_lo, PairAct{}(lo.x, lo.y));
-        sts_pair(Out{}, at_hi, PairAct{}(hi.x, hi.y));
       }
     }
     fence_async_smem();

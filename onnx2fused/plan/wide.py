@@ -233,13 +233,18 @@ class WidePlan:
             return tuple(i for i, k in enumerate(SM90_KERNELS) if self.tf32_first or not k.tf32)
         return tuple(sorted({c.kernel for per_gemm in self.choices for c in per_gemm}))
 
+    def _default_kernels(self) -> bool:
+        """Every choice is an untuned default (the environment read once, not per choice)."""
+        defaults = (default_choice(), default_tf32_choice())
+        return all(c in defaults for per in self.choices for c in per)
+
     def describe(self) -> str:
         conv = "fp32->16-bit conversion pass, " if self.convert_input else ""
         n, n90 = len(self.gemms), sum(g.sm90 for g in self.gemms)
         hopper = "all" if n90 == n else f"{n90} of {n}"  # the others' output rows are not TMA-storable
         if self.tuned_on:
             tuned = f"kernels tuned on {self.tuned_on}"
-        elif self.tuning or all(c in (default_choice(), default_tf32_choice()) for per in self.choices for c in per):
+        elif self.tuning or self._default_kernels():
             tuned = "default kernels (not tuned)"
         else:   # choices given without a GPU to name (WideOptions.choices: benchmarks, tests)
             tuned = "kernels as given (not tuned here)"
