@@ -41,8 +41,9 @@
 #   benchmarks/gpu_host.sh lightab [CASES] wide_cases.py (default vitb_block,ffn) converted twice, the untuned Hopper
 #                                         kernel ours, then CUTLASS's Pingpong128x128 (ONNX2FUSED_WIDE_DEFAULT_KERNEL)
 #   benchmarks/gpu_host.sh ncuwide [CASE [KERNEL]] Nsight Compute on a wide case's kernels through ORT (profile_case.py)
-#   benchmarks/gpu_host.sh profile [CASES] Nsight Compute on kernel_check.py --profile (default: the four
-#                                         issue-15 cases; ONNX2FUSED_CUDA_DESIGN=wgmma for that design)
+#   benchmarks/gpu_host.sh profile [CASES] Nsight Compute's full set on kernel_check.py --profile (default: the
+#                                         four issue-15 cases; ONNX2FUSED_CUDA_DESIGN=wgmma for that design);
+#                                         text and raw CSV reports in $OUT
 # The device's copy of .git is the session's first: pass ONNX2FUSED_COMMIT=<the commit the tree is> in the
 # call's command so that the bench JSONs say which commit ran (onnx2fused/bench/report.py).
 # Kernel choices measured by an earlier call (.deps/tune/*.json, copied from $OUT/tune) seed the build
@@ -218,15 +219,23 @@ times)
   python3 benchmarks/convert_times.py --out "$OUT/times" "$@" 2>&1 | tail -30
   ;;
 profile)
+  # Nsight Compute's full set on one launch of each case's fused kernel (kernel_check.py --profile): a text
+  # report per case, and the raw metrics as CSV (pipe utilisation: sm__inst_executed_pipe_*, tensor pipe
+  # sm__pipe_tensor_op_*; warp stalls: smsp__average_warp_latency_issue_stalled_*), the lines that say
+  # which unit limits the kernel printed here
   shift
   ncu=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
   [ -n "$ncu" ] || { echo "gpu_host.sh profile: no ncu (Nsight Compute) on this host"; exit 2; }
-  cases=("$@"); [ ${#cases[@]} -eq 0 ] && cases=(nerf64 w128gelu w256silu sdf)
-  for c in "${cases[@]}"; do   # tensor-pipe use, stall reasons, occupancy of every kernel of one launch
-    "$ncu" --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \
-      --section Occupancy --section LaunchStats --csv --page details \
-      python3 benchmarks/kernel_check.py --only "$c" --profile --out "$OUT/kc_profile" > "$OUT/ncu_$c.csv" 2> "$OUT/ncu_$c.err"
-    echo "$c: rc $? ($(wc -l < "$OUT/ncu_$c.csv") lines)"
+  cases=("$@"); [ ${#cases[@]} -eq 0 ] && cases=(nerf64 w128gelu w256silu sdf1m)
+  python3 benchmarks/kernel_check.py --only "${cases[@]}" --profile --out /tmp/kc_profile > /dev/null 2>&1   # build first
+  for c in "${cases[@]}"; do
+    timeout 240 "$ncu" --set full --import-source no -k "regex:^(fused_|kernel($|<))" -f -o "/tmp/ncu_$c" \
+      python3 benchmarks/kernel_check.py --only "$c" --profile --out /tmp/kc_profile > "$OUT/ncu_$c.err" 2>&1
+    echo "$c: ncu rc $?"
+    "$ncu" --import "/tmp/ncu_$c.ncu-rep" --page details > "$OUT/ncu_$c.txt" 2>&1
+    "$ncu" --import "/tmp/ncu_$c.ncu-rep" --page raw --csv > "$OUT/ncu_$c.csv" 2>&1
+    grep -E "^  [a-zA-Z_].*\(|Duration|Compute \(SM\) Throughput|Issue Slots Busy|Registers Per|Achieved Occupancy|No Eligible" \
+      "$OUT/ncu_$c.txt" | head -12
   done
   ;;
 ncuwide)
