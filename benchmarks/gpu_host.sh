@@ -39,7 +39,8 @@
 #   benchmarks/gpu_host.sh lightncu [M K N [RASTER]] benchmarks/sm90/light_ncu.sh: Nsight Compute's full set on it
 #                                         and on cuBLAS's GEMM for one shape (default ViT-B's up projection)
 #   benchmarks/gpu_host.sh lightab [CASES] wide_cases.py (default vitb_block,ffn) converted twice, the untuned Hopper
-#                                         kernel ours, then CUTLASS's Pingpong128x128 (ONNX2FUSED_WIDE_DEFAULT_KERNEL)
+#                                         kernels ours, then CUTLASS's (Pingpong128x128 and Tf32Pingpong128x128:
+#                                         ONNX2FUSED_WIDE_DEFAULT_KERNEL, ONNX2FUSED_WIDE_DEFAULT_TF32_KERNEL)
 #   benchmarks/gpu_host.sh ncuwide [CASE [KERNEL]] Nsight Compute on a wide case's kernels through ORT (profile_case.py)
 #   benchmarks/gpu_host.sh profile [CASES] Nsight Compute's full set on kernel_check.py --profile (default: the
 #                                         four issue-15 cases; ONNX2FUSED_CUDA_DESIGN=wgmma for that design);
@@ -204,10 +205,13 @@ lightncu)
   bash benchmarks/sm90/light_ncu.sh "$@"
   ;;
 lightab)
+  # ours (Light128x128, and Tf32Light128x128 for a first layer read in place) against CUTLASS's ping-pong
+  # kernels as the untuned defaults; the wide_cases.json files only (the models are hundreds of MB)
   for k in Light128x128 Pingpong128x128; do
-    echo "== the untuned Hopper kernel: $k"
-    ONNX2FUSED_WIDE_DEFAULT_KERNEL=$k timeout 280 python3 benchmarks/wide_cases.py --out "$OUT/ab_$k" \
-      --cases "${2:-vitb_block,ffn}" --kernels sm90 --reps 50 2>&1 | grep "^| "
+    echo "== the untuned Hopper kernels: $k, Tf32$k"
+    ONNX2FUSED_WIDE_DEFAULT_KERNEL=$k ONNX2FUSED_WIDE_DEFAULT_TF32_KERNEL=Tf32$k timeout 280 python3 benchmarks/wide_cases.py \
+      --out "/tmp/ab_$k" --cases "${2:-vitb_block,ffn}" --kernels sm90 --reps 50 2>&1 | grep "^| "
+    cp "/tmp/ab_$k/wide_cases.json" "$OUT/ab_$k.json" 2>/dev/null
   done
   ;;
 tune)

@@ -33,7 +33,7 @@ from .plan.wide import WidePlan, with_kernels
 from .spec import MLPSpec, SpecError
 
 TUNE_ENV = "ONNX2FUSED_TUNE"     # "0": never tune (default kernels); anything else: tune when possible
-TUNE_FORMAT = 5                  # bump when the candidate list or the file's meaning changes
+TUNE_FORMAT = 6                  # bump when the candidate list or the file's meaning changes
 REPS = 20                        # timed launches per candidate (after one checked and one warm run)
 MIN_GAIN = 0.03                  # a candidate replaces the default only when this much faster
 PASS_ROWS = (8192, 4096, 2048)   # smaller passes through the chain that _time_passes tries

@@ -76,11 +76,10 @@ SM90_KERNELS: tuple[Sm90Kernel, ...] = (
     # CUTLASS's Pingpong128x128 without CUTLASS: 4 s of nvcc where a CUTLASS 3.x instance takes 35-40
     # (benchmarks/RESULTS.md, eighteenth run)
     Sm90Kernel("light", (128, 128), (1, 1)),
-    # the same on fp32 operands (tf32 wgmma, 32-column k-blocks): a first layer reading x in place. Correct
-    # in the prototype (nineteenth run: DLRM's 65536 x 512 -> 256 in 69.9 us), not yet run through the
-    # library on a GPU: a convert-time opt-in (DEFAULT_TF32_KERNEL_ENV), outside the search, until the GPU
-    # tests pass. (With an fp32 erf GELU, both forms spill 5 registers once per tile, stored after the
-    # mainloop's start and loaded in the epilogue, under the 168-register cap; ReLU, SiLU, packed GELU none.)
+    # the same on fp32 operands (tf32 wgmma, 32-column k-blocks): a first layer reading x in place, the tf32
+    # default (DLRM's 65536 x 512 -> 256 in 66 us where cuBLAS takes 81: RESULTS.md, twentieth run). (With an
+    # fp32 erf GELU, both forms spill 5 registers once per tile, stored after the mainloop's start and
+    # loaded in the epilogue, under the 168-register cap; ReLU, SiLU, packed GELU none.)
     Sm90Kernel("light", (128, 128), (1, 1), tf32=True),
 )
 # Tried and left out (every kernel here is one more CUTLASS instance per epilogue in a tuning build):
@@ -143,12 +142,10 @@ DEFAULT_CHOICE = Sm90Choice(LIGHT_KERNEL, "data_parallel")
 # Convert-time override of the untuned default's kernel, by name (Pingpong128x128: CUTLASS's, as before
 # Light128x128; A/B comparisons, or a way back should our kernel misbehave somewhere).
 DEFAULT_KERNEL_ENV = "ONNX2FUSED_WIDE_DEFAULT_KERNEL"
-DEFAULT_TF32_CHOICE = Sm90Choice(TF32_KERNELS[1], "data_parallel")   # a first layer read in place (tf32)
-# Convert-time override of the tf32 default's kernel, by name (Tf32Light128x128: ours, no CUTLASS 3.x
-# instance in an untuned build of a chain whose first layer reads fp32 in place).
+# The untuned default of a first layer read in place (tf32): ours on fp32 operands (Tf32Light128x128).
+DEFAULT_TF32_CHOICE = Sm90Choice(next(i for i in TF32_KERNELS if SM90_KERNELS[i].light), "data_parallel")
+# Convert-time override of the tf32 default's kernel, by name (Tf32Pingpong128x128: CUTLASS's, as before).
 DEFAULT_TF32_KERNEL_ENV = "ONNX2FUSED_WIDE_DEFAULT_TF32_KERNEL"
-# Ours on fp32 operands: not yet among the candidates the search times (see SM90_KERNELS).
-UNVALIDATED = frozenset(i for i, k in enumerate(SM90_KERNELS) if k.light and k.tf32)
 ROW_BUCKETS = (32, 256, 2048, 16384)   # rows the choices are made (and tuned) for; calls take the nearest
 # (32: GEMV-like calls, where one row tile leaves most SMs idle unless split-K fills them)
 
@@ -186,8 +183,6 @@ def sm90_candidates() -> tuple[Sm90Choice, ...]:
     """Everything the tuning build times per GEMM and bucket (tf32 ones on an in-place first layer only)."""
     out = []
     for i, k in enumerate(SM90_KERNELS):
-        if i in UNVALIDATED:
-            continue
         if k.stream_k:
             out += [Sm90Choice(i, "heuristic"), Sm90Choice(i, "data_parallel"), Sm90Choice(i, "stream_k"),
                     Sm90Choice(i, "split_k", 2), Sm90Choice(i, "split_k", 4),
