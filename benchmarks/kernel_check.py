@@ -112,12 +112,6 @@ VARIANTS = {
     "w128gelu_wg3_c32": ("w128gelu", WgmmaOptions(nwg=3, chunk_max=32)),
     "sdf1m_wg4_c32": ("sdf1m", WgmmaOptions(nwg=4, prefetch=0, chunk_max=32)),
     "nerf64_wg": ("nerf64", WgmmaOptions()),
-    # the warpgroups issuing each layer's MMAs in turns (plan/wgmma.py, ORDERED)
-    "w128gelu_ord": ("w128gelu", WgmmaOptions(ordered=True)),
-    "w128gelu_wg2_ord": ("w128gelu", WgmmaOptions(nwg=2, prefetch=4, ordered=True)),
-    "sdf1m_ord": ("sdf1m", WgmmaOptions(ordered=True)),
-    "nerf64_wg_ord": ("nerf64", WgmmaOptions(ordered=True)),
-    "odd_ord": ("odd", WgmmaOptions(ordered=True)),
     "nerf64_wg6": ("nerf64", WgmmaOptions(nwg=6, prefetch=0)),
     "nerf64_wg5": ("nerf64", WgmmaOptions(nwg=5, prefetch=0)),
     # wgmma with streamed weights: clusters of 2 and 4 CTAs sharing each chunk's copy (multicast) against

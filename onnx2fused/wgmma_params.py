@@ -62,12 +62,6 @@ def _gated_blocks(l: WgmmaLayer, c: int) -> list[dict]:
     return out
 
 
-def _turn_steps(steps: list[dict]) -> list[dict]:
-    """An ordered plan's steps: the turn taken before the layer's first issue, passed on after its last."""
-    last = max(i for i, st in enumerate(steps) if st["op"] == "issue")
-    return ([{"op": "turn_take"}] + steps[:last + 1] + [{"op": "turn_pass"}] + steps[last + 1:])
-
-
 def _layer_params(plan: WgmmaPlan) -> list[dict]:
     out = []
     n = len(plan.layers)
@@ -93,8 +87,6 @@ def _layer_params(plan: WgmmaPlan) -> list[dict]:
                 regs = [f"a{l.index + 1}[{b['kt']}][{b[r]}]" for b in chunks[st["chunk"] - 2]["blocks"]
                         if b["pad"] != "all" for r in ("reg", "reg_hi")]
                 st["dep"] = f"({' ^ '.join(regs)})" if regs else ""
-        if plan.ordered:
-            steps = _turn_steps(steps)
         out.append({
             "index": l.index, "k": l.k, "n": l.n, "kp": l.kp, "np": l.np_, "nc": l.nc, "acc": l.nc // 2,
             "chunks": chunks, "n_chunks": l.chunks, "atom": l.atom, "desc_hi": f"0x{l.desc_hi:08X}u",
@@ -114,7 +106,7 @@ def wgmma_params(plan: WgmmaPlan) -> dict:
         "plan_text": plan.describe(),
         "layers": _layer_params(plan),
         "acts": act_params(spec, [l.np_ for l in plan.layers]),   # padded columns run the activation too
-        "nwg": plan.nwg, "threads": plan.threads, "prefetch": plan.prefetch, "ordered": plan.ordered,
+        "nwg": plan.nwg, "threads": plan.threads, "prefetch": plan.prefetch,
         "prefetch_regs": max(plan.prefetch, 1),
         "rest_steps": plan.layers[0].k_steps - plan.prefetch,   # k-steps of the input loaded per tile
         "rest_regs": max(plan.layers[0].k_steps - plan.prefetch, 1),

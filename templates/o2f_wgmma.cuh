@@ -10,14 +10,6 @@ __device__ __forceinline__ void bulk_g2s(uint32_t dst, const void* src, uint32_t
                ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
 }
 
-// Ordered plans (plan/wgmma.py, ORDERED): named barrier 1 + w is warpgroup w's turn to issue a layer's
-// MMAs; the warpgroup before it arrives (bar.arrive: no wait), w waits (bar.sync), 256 threads in all.
-// (Barrier 0 is __syncthreads'.)
-__device__ __forceinline__ void turn_take(int wg) { asm volatile("bar.sync %0, 256;\n" ::"r"(1 + wg) : "memory"); }
-__device__ __forceinline__ void turn_pass(int wg) {
-  asm volatile("bar.arrive %0, 256;\n" ::"r"(1 + (wg + 1) % kNwg) : "memory");
-}
-
 template <int KT>
 __device__ __forceinline__ void fence_frag(uint32_t (&a)[KT][4]) {
 #pragma unroll

@@ -136,7 +136,9 @@ def test_cuda_sources_carry_the_headers_they_include(widths, precision, design):
     for name, text in files.items():
         for inc in re.findall(r'^#include "([^"/]+\.cuh)"$', text, re.M):   # ort_plugin/'s come with the build
             assert inc in files, f"{name} includes {inc}, which render did not return"
-    assert "227 * 1024" not in "".join(t for n, t in files.items() if n.endswith(".cuh"))
+    # the fused kernels' shared-memory bound comes from the plan (the Hopper GEMM's header sizes its ring
+    # for sm_90's 227 KB: the one GPU it runs on)
+    assert "227 * 1024" not in "".join(t for n, t in files.items() if n.endswith(".cuh") and n != "o2f_light_gemm.cuh")
 
 
 def test_deep_chain_names_stay_short_and_unique():

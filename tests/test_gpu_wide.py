@@ -239,19 +239,20 @@ def test_cutlass_default_kernel_by_name_matches_stock(cache_dir, tmp_path, monke
         assert "GemmUniversal" in names and "MainloopSm90TmaGmmaWarpSpecialized" in names and "light_gemm" not in names
 
 
-@pytest.mark.parametrize("kernel", ["", "Tf32Pingpong128x128"])
+@pytest.mark.parametrize("kernel", ["", "Tf32Light128x128"])
 def test_tf32_first_layer_in_place_matches_stock(kernel, cache_dir, tmp_path, monkeypatch):
     """A DLRM-like first layer reads the fp32 input in place on tf32 wgmma (K = 520: a partial last
-    k-block of 8 columns, zero-filled by TMA) with the untuned default, our Tf32Light128x128 (no CUTLASS
-    3.x kernel runs), or CUTLASS's kernel by name at convert time (ONNX2FUSED_WIDE_DEFAULT_TF32_KERNEL);
-    the results agree with stock at every row count (37 and 1000: row tails; 65536: many tiles per CTA)."""
+    k-block of 8 columns, zero-filled by TMA) with the untuned default, CUTLASS's Tf32Pingpong128x128, or
+    ours by name at convert time (ONNX2FUSED_WIDE_DEFAULT_TF32_KERNEL=Tf32Light128x128: no CUTLASS 3.x
+    kernel runs); the results agree with stock at every row count (37 and 1000: row tails; 65536: many
+    tiles per CTA)."""
     if not _hopper():
         pytest.skip("sm_90a kernels run on compute capability 9.0 only")
     if kernel:
         monkeypatch.setenv(sm90.DEFAULT_TF32_KERNEL_ENV, kernel)
     src = _mlp(tmp_path / "dlrm.onnx", [520, 256, 64, 1], "relu", seed=7)
     fused, lib, plan = _fuse(src, "fp16", cache_dir, tmp_path / "dlrm.fused.onnx")
-    assert plan.tf32_first and {sm90.SM90_KERNELS[c.kernel].name for c in plan.choices[0]} == {kernel or "Tf32Light128x128"}
+    assert plan.tf32_first and {sm90.SM90_KERNELS[c.kernel].name for c in plan.choices[0]} == {kernel or "Tf32Pingpong128x128"}
     sess = _session(fused, lib)
     rng = np.random.default_rng(8)
     for batch in (37, 1000, 65536):
@@ -260,9 +261,8 @@ def test_tf32_first_layer_in_place_matches_stock(kernel, cache_dir, tmp_path, mo
         assert rel_l2(run_poisoned(sess, x, ref.shape), ref) <= TOL["fp16"], batch
     names = _kernel_names(sess, x, ref.shape)
     if names:   # (CUPTI may be unavailable)
-        # (CUTLASS's by name: the layers after the first keep the 16-bit default, ours)
-        assert ("MainloopSm90TmaGmmaWarpSpecialized" in names) == bool(kernel)
-        assert kernel or "light_gemm" in names
+        assert ("MainloopSm90TmaGmmaWarpSpecialized" in names) != bool(kernel)
+        assert not kernel or "light_gemm" in names
 
 
 @ON_SHARED

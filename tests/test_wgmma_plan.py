@@ -116,27 +116,6 @@ def test_clusters_are_an_override_of_streamed_plans():
     assert wgmma.make_wgmma_plan(GELU, choose.make_plan(GELU).fallback, cluster=2).cluster == 1   # resident
 
 
-def test_mmas_in_turns_are_an_override_of_resident_plans():
-    """ordered=True: each layer's chunks are issued between taking the warpgroup's turn and passing it on
-    (named barriers 1..nwg, round robin), every warpgroup runs every round of tiles, warpgroup 0 takes the
-    last turn back before it leaves; refused for streamed plans (a turn held across a ring refill would
-    wait for itself)."""
-    assert not choose.make_plan(GELU).ordered
-    plan = wgmma.make_wgmma_plan(GELU, choose.make_plan(GELU).fallback, ordered=True)
-    assert plan.ordered and "MMAs issued in turns" in plan.describe()
-    src = codegen.cuda_sources(plan)[f"{GELU.name}_cuda.cu"]
-    body = src[src.index("fused_wgmma(const"):src.index("std::atomic<int> g_mode")]
-    assert body.count("turn_take(wg);") == body.count("turn_pass(wg);   // every chunk") == len(plan.layers)
-    assert "for (; tile - wg < ntiles; tile += stride)" in body and "if (wg == 0) turn_take(0);" in body
-    for layer in body.split("turn_take(wg);")[1:]:   # a layer's issues all between its take and its pass
-        issued, rest = layer.split("turn_pass(wg);", 1)
-        assert "Wgmma<" in issued and "Wgmma<" not in rest.split("turn_take(wg);")[0].split("// layer ")[0]
-    plain = codegen.cuda_sources(choose.make_plan(GELU, WGMMA))[f"{GELU.name}_cuda.cu"]
-    assert "turn_take(" not in plain[plain.index("fused_wgmma(const"):] and "for (; tile < ntiles;" in plain
-    with pytest.raises(SpecError, match="MMAs in turns need resident weights"):
-        wgmma.make_wgmma_plan(SILU, choose.make_plan(SILU).fallback, ordered=True)
-
-
 @pytest.mark.parametrize("spec,words", [
     (_spec([64, 128, 64], precision="tf32"), "takes fp16 and bf16"),
     (_spec([64, 300, 64]), "up to 256"),

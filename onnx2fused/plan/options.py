@@ -76,7 +76,6 @@ class WgmmaOptions:
     chunk_max: int | None = None  # widest chunk of a layer's columns (narrower: fewer accumulator registers)
     cluster: int | None = None    # streamed plans: CTAs of a cluster sharing each chunk's copy (1: none)
     stages: int | None = None     # ring slots (default: 3 where the weights do not fit; given: streams any plan)
-    ordered: bool | None = None   # resident plans: the warpgroups take turns issuing a layer's MMAs (round robin)
 
     def given(self) -> dict:
         return _given(self)

@@ -76,10 +76,12 @@ SM90_KERNELS: tuple[Sm90Kernel, ...] = (
     # CUTLASS's Pingpong128x128 without CUTLASS: 4 s of nvcc where a CUTLASS 3.x instance takes 35-40
     # (benchmarks/RESULTS.md, eighteenth run)
     Sm90Kernel("light", (128, 128), (1, 1)),
-    # the same on fp32 operands (tf32 wgmma, 32-column k-blocks): a first layer reading x in place, the tf32
-    # default (DLRM's 65536 x 512 -> 256 in 66 us where cuBLAS takes 81: RESULTS.md, twentieth run). (With an
-    # fp32 erf GELU, both forms spill 5 registers once per tile, stored after the mainloop's start and
-    # loaded in the epilogue, under the 168-register cap; ReLU, SiLU, packed GELU none.)
+    # the same on fp32 operands (tf32 wgmma, 32-column k-blocks): a first layer reading x in place, in the
+    # search, and by name (DEFAULT_TF32_KERNEL_ENV). Not the tf32 default: through ORT, DLRM at 65536 rows took
+    # 0.120 ms with it against 0.106-0.111 with CUTLASS's Tf32Pingpong128x128 (H200, RESULTS.md twentieth
+    # run), although alone it beat cuBLAS's tf32 GEMM (66 against 81 us, H100). (With an fp32 erf GELU, both
+    # forms spill 5 registers once per tile, stored after the mainloop's start and loaded in the epilogue,
+    # under the 168-register cap; ReLU, SiLU, packed GELU none.)
     Sm90Kernel("light", (128, 128), (1, 1), tf32=True),
 )
 # Tried and left out (every kernel here is one more CUTLASS instance per epilogue in a tuning build):
@@ -142,9 +144,11 @@ DEFAULT_CHOICE = Sm90Choice(LIGHT_KERNEL, "data_parallel")
 # Convert-time override of the untuned default's kernel, by name (Pingpong128x128: CUTLASS's, as before
 # Light128x128; A/B comparisons, or a way back should our kernel misbehave somewhere).
 DEFAULT_KERNEL_ENV = "ONNX2FUSED_WIDE_DEFAULT_KERNEL"
-# The untuned default of a first layer read in place (tf32): ours on fp32 operands (Tf32Light128x128).
-DEFAULT_TF32_CHOICE = Sm90Choice(next(i for i in TF32_KERNELS if SM90_KERNELS[i].light), "data_parallel")
-# Convert-time override of the tf32 default's kernel, by name (Tf32Pingpong128x128: CUTLASS's, as before).
+# The untuned default of a first layer read in place (tf32): CUTLASS's Tf32Pingpong128x128 (measured faster
+# through ORT than ours on fp32 operands, Tf32Light128x128: see SM90_KERNELS).
+DEFAULT_TF32_CHOICE = Sm90Choice(TF32_KERNELS[1], "data_parallel")
+# Convert-time override of the tf32 default's kernel, by name (Tf32Light128x128: ours, no CUTLASS 3.x
+# instance in an untuned build of a chain whose first layer reads fp32 in place: a faster cold convert).
 DEFAULT_TF32_KERNEL_ENV = "ONNX2FUSED_WIDE_DEFAULT_TF32_KERNEL"
 ROW_BUCKETS = (32, 256, 2048, 16384)   # rows the choices are made (and tuned) for; calls take the nearest
 # (32: GEMV-like calls, where one row tile leaves most SMs idle unless split-K fills them)

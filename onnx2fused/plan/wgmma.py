@@ -64,14 +64,6 @@ STAGES_DEFAULT = 3        # measured best (H100, silu 256x4 at 2^18 rows: 3 slot
 RING_REGISTERS = 8        # the ring's positions, phases and addresses (streamed plans)
 CLUSTER = 1               # CTAs of a streamed plan's cluster: each CTA copies its own chunks (measured best)
 CLUSTER_MAX = 4
-# ORDERED (an override until measured): the 2 or more warpgroups of a CTA issue each layer's MMAs in turns, round
-# robin (a named barrier per warpgroup passes the turn on once a layer's last chunk is issued), as CUTLASS's
-# ping-pong kernels order their mainloops. Unordered, two warpgroups issuing at once interleave their
-# wgmmas, finish together and run their epilogues together while the tensor cores idle; in turns, one's
-# MMAs complete a layer ahead of the next one's, so their epilogues fall in each other's MMAs. Resident
-# plans only: in a streamed plan a turn held across a ring refill would wait for the other warpgroups'
-# releases, which wait for the turn. Every warpgroup then runs every round of tiles (rows past the batch
-# masked), so that each takes the same number of turns.
 
 
 @dataclass(frozen=True)
@@ -134,7 +126,6 @@ class WgmmaPlan:
     stages: int = 0           # ring slots of streamed weights; 0: the image is resident
     slot_bytes: int = 0       # bytes of a ring slot (the largest chunk, LAYER_ALIGN-aligned)
     cluster: int = 1          # streamed: CTAs of a cluster, each copying 1/cluster of every chunk to all
-    ordered: bool = False     # resident, 2+ warpgroups: a layer's MMAs issued in turns (ORDERED below)
 
     design = "wgmma"
     uses_scratch = False      # the kernels only read their packed weights
@@ -178,11 +169,10 @@ class WgmmaPlan:
         chunks = ", ".join(f"{l.chunks}x{l.nc}" for l in self.layers)
         why = f"; {self.reason}" if self.reason else ""
         shared = f", copied once per cluster of {self.cluster} CTAs" if self.cluster > 1 else ""
-        turns = ", MMAs issued in turns" if self.ordered else ""
         weights = (f"weights streamed from L2 through a ring of {self.stages} x {self.slot_bytes // 1024} KB slots{shared} "
                    f"({self.image_bytes // 1024} KB {self.spec.precision} image" if self.streamed else
                    f"weights resident ({self.image_bytes // 1024} KB {self.spec.precision} image")
-        return (f"wgmma (sm_90a): {self.nwg} warpgroups x 64 rows{turns}, activations in registers, {weights}, "
+        return (f"wgmma (sm_90a): {self.nwg} warpgroups x 64 rows, activations in registers, {weights}, "
                 f"{self.smem_bytes // 1024} KB smem), chunks {chunks}, "
                 f"input prefetch {self.prefetch} k-steps; other GPUs: {self.fallback.design} "
                 f"({self.fallback.describe()}){why}")
@@ -316,12 +306,12 @@ def _stages(layers: list[WgmmaLayer], smem_limit: int, resident: bool = True) ->
 
 def make_wgmma_plan(spec: MLPSpec, fallback, reason: str = "", smem_limit: int = SMEM_LIMIT,
                     nwg: int | None = None, prefetch: int | None = None, chunk_max: int | None = None,
-                    cluster: int | None = None, stages: int | None = None, ordered: bool | None = None) -> WgmmaPlan:
+                    cluster: int | None = None, stages: int | None = None) -> WgmmaPlan:
     """The wgmma plan of `spec`, with `fallback` (its resident or streamed plan) for other GPUs. SpecError
     where the design cannot take it. `nwg`, `prefetch`, `chunk_max` (the widest chunk, a multiple of 8 up
     to CHUNK_MAX), `cluster` (streamed plans: 1, 2 or 4 CTAs sharing each chunk's copy), `stages` (ring
-    slots, STAGES_MIN up to what fits; streams weights that would stay resident too), `ordered` (ORDERED):
-    overrides of the heuristics (benchmarks)."""
+    slots, STAGES_MIN up to what fits; streams weights that would stay resident too): overrides of the
+    heuristics (benchmarks)."""
     why = wgmma_reason_refused(spec, smem_limit)
     if why:
         raise SpecError(f"{spec.describe()}: no wgmma plan: {why}")
@@ -353,10 +343,6 @@ def make_wgmma_plan(spec: MLPSpec, fallback, reason: str = "", smem_limit: int =
         raise SpecError(f"cluster of {cluster} CTAs: 1, 2 or {CLUSTER_MAX}")
     # a chunk's slice per CTA must stay a multiple of 16 bytes (bulk copies): chunks are multiples of 256
     cluster = (cluster or CLUSTER) if stages else 1
-    if ordered and stages:   # (every plan has 2 warpgroups or more: REGISTER_CAPS, OVERRIDE_CAPS)
-        raise SpecError(f"{spec.describe()}: MMAs in turns need resident weights (a streamed plan's turn held "
-                        "across a ring refill would wait for the other warpgroups' releases)")
     bias = sum(l.np_ for l in layers)
     return WgmmaPlan(spec, tuple(layers), nwg, prefetch, base + 8 * prefetch, _image_bytes(layers), bias, fallback,
-                     fallback.workspace_bytes, reason, stages, _slot_bytes(layers) if stages else 0, cluster,
-                     bool(ordered))
+                     fallback.workspace_bytes, reason, stages, _slot_bytes(layers) if stages else 0, cluster)
