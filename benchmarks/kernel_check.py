@@ -53,6 +53,7 @@ CASES = {
     "w256silu": (mlp([256, 256, 256, 256, 256], ex.silu()), 2**18),
     "mnist": (mlp([784, 512, 512, 10], ex.relu()), 4096),
     "odd": (mlp([3, 37, 129, 5], [ex.tanh(), ex.mish(), ex.sigmoid()]), 100003),
+    "odd4": (mlp([36, 37, 129, 5], [ex.tanh(), ex.mish(), ex.sigmoid()]), 100003),   # K0 % 4 == 0, K0 % 16 != 0
     "odd_bf16": (mlp([17, 200, 1], [ex.gelu_tanh(), ex.identity()], "bf16"), 4099),
     "f16io": (mlp([32, 64, 64, 16], ex.silu(), io="f16"), 65536),
     "fp32": (mlp([19, 40, 40, 3], ex.softplus(), "fp32"), 3001),
@@ -112,6 +113,11 @@ VARIANTS = {
     "w128gelu_wg3_c32": ("w128gelu", WgmmaOptions(nwg=3, chunk_max=32)),
     "sdf1m_wg4_c32": ("sdf1m", WgmmaOptions(nwg=4, prefetch=0, chunk_max=32)),
     "nerf64_wg": ("nerf64", WgmmaOptions()),
+    # the next tile's input staged in shared memory by cp.async (plan/wgmma.py, STAGED_INPUT)
+    "w256silu_si": ("w256silu", WgmmaOptions(staged_input=True)),
+    "w128gelu_si": ("w128gelu", WgmmaOptions(staged_input=True)),
+    "nerf64_wg_si": ("nerf64", WgmmaOptions(staged_input=True)),
+    "odd4_si": ("odd4", WgmmaOptions(staged_input=True)),
     "nerf64_wg6": ("nerf64", WgmmaOptions(nwg=6, prefetch=0)),
     "nerf64_wg5": ("nerf64", WgmmaOptions(nwg=5, prefetch=0)),
     # wgmma with streamed weights: clusters of 2 and 4 CTAs sharing each chunk's copy (multicast) against

@@ -116,6 +116,8 @@ def wgmma_params(plan: WgmmaPlan) -> dict:
         "pieces": pieces,
         "streamed": plan.streamed, "stages": plan.stages, "slot_bytes": plan.slot_bytes, "cluster": plan.cluster,
         "cnt_smem_offset": plan.smem.cnt_offset,
+        "staged": plan.staged_input, "in_smem_offset": plan.smem.input_offset,
+        "staged_col0": 16 * plan.prefetch, "staged_cols": plan.staged_cols,
         "ring_chunks": sum(l.chunks for l in plan.layers),
         "image_offset": plan.image_offset, "bias_offset": plan.bias_offset,
         "workspace_bytes": plan.workspace_bytes, "fallback_bytes": plan.fallback_bytes,

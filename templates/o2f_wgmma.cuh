@@ -132,6 +132,53 @@ __device__ __forceinline__ void to_a(uint32_t (&a)[4], const uint32_t (&v)[4]) {
   for (int i = 0; i < 4; ++i) a[i] = v[i];
 }
 
+// Staged input (plan/wgmma.py, STAGED_INPUT): a warpgroup's 64-row tile of fp32 rows, columns C0..C0+KS-1
+// (C0: the k-steps prefetched into registers), in its shared-memory buffer, each row's 16-byte chunks
+// XOR-swizzled by the row (the 8 rows of a warp's A-fragment read fall in different banks). stage_tile
+// copies the tile whose first row is first_row (cp.async, 16 bytes a copy; zeros past the batch and past
+// K0, K0 % 4 == 0), staged_ks reads the A fragments of the tile's k-step ks (counted from C0).
+template <int KS>
+__device__ __forceinline__ uint32_t staged_offset(int row, int chunk) {
+  constexpr int kChunks = KS / 4;
+  constexpr int kSwizzle = (kChunks % 8 == 0 ? 8 : 4) - 1;   // within the row (kChunks: a multiple of 4)
+  return static_cast<uint32_t>(row * KS * 4 + (chunk ^ (row & kSwizzle)) * 16);
+}
+template <int K0, int C0, int KS>
+__device__ __forceinline__ void stage_tile(uint32_t buf, const float* __restrict__ x, int64_t rows, int64_t first_row,
+                                           int tid_wg) {
+  constexpr int kChunks = KS / 4;
+  static_assert(K0 % 4 == 0 && KS % 16 == 0, "whole 16-byte chunks, as many for every thread");
+#pragma unroll 1   // (unrolled, ptxas held every copy's address at once: silu spilled)
+  for (int i = 0; i < 64 * kChunks / 128; ++i) {
+    const int j = tid_wg + 128 * i;
+    const int row = j / kChunks, chunk = j % kChunks;
+    const int64_t r = first_row + row;
+    const int col = C0 + 4 * chunk;
+    const bool in = r < rows && col < K0;
+    const float* src = in ? x + r * K0 + col : x;   // src-size 0: sixteen zero bytes, nothing read
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(buf + staged_offset<KS>(row, chunk)), "l"(src),
+                 "r"(in ? 16 : 0) : "memory");
+  }
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+// The 128 threads of warpgroup wg (named barrier 1 + wg; barrier 0 is __syncthreads').
+__device__ __forceinline__ void wg_sync(int wg) { asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory"); }
+// k-step ks's A fragments for rows rin and rin + 8 of the staged tile: (row, c..c+1) with c = 16 ks + t2
+// and c + 8, as load_ks's pattern, rounded to the operand type.
+template <int KS>
+__device__ __forceinline__ void staged_ks(uint32_t (&a)[4], uint32_t buf, int rin, int ks, int t2) {
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const int row = rin + 8 * (q & 1);
+    const int col = 16 * ks + t2 + 8 * (q >> 1);
+    float2 v;
+    asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y)
+                 : "r"(buf + staged_offset<KS>(row, col / 4) + (col % 4) * 4) : "memory");
+    a[q] = pack_ab2(v.x, v.y);
+  }
+}
+
 // Row r, columns col and col + 1 of the NO-wide output (only those that exist).
 template <int NO>
 __device__ __forceinline__ void store_out(io_t* __restrict__ y, int64_t rows, int64_t r, int col, float v0, float v1, int vec) {

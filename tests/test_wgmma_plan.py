@@ -116,6 +116,34 @@ def test_clusters_are_an_override_of_streamed_plans():
     assert wgmma.make_wgmma_plan(GELU, choose.make_plan(GELU).fallback, cluster=2).cluster == 1   # resident
 
 
+def test_staged_input_is_an_override_that_fits_shared_memory():
+    """staged_input=True: the next tile's fp32 rows wait in a shared-memory buffer per warpgroup, placed
+    after the ring's counters; the k-steps that do not fit stay prefetched into registers (silu's 256-wide
+    rows beside its 96 KB ring: 1 of 16); the copies are cp.async into swizzled rows, read back as A
+    fragments between two warpgroup barriers, and a call whose x is not 16-byte aligned runs the fallback.
+    Refused for fp16 rows and for rows of K0 % 4 != 0 (16-byte copies)."""
+    assert not choose.make_plan(SILU).staged_input and not choose.make_plan(GELU).staged_input
+    silu = wgmma.make_wgmma_plan(SILU, choose.make_plan(SILU).fallback, staged_input=True)
+    assert silu.prefetch == 1 and silu.staged_cols == 240 and silu.input_bytes == 2 * 64 * 240 * 4
+    assert silu.smem.input_offset >= silu.smem.cnt_offset + 4 * silu.stages and silu.smem.input_offset % 128 == 0
+    assert silu.smem_bytes == silu.smem.input_offset + silu.input_bytes + wgmma.SLACK <= wgmma.SMEM_LIMIT
+    assert "input tiles staged in shared memory a tile ahead (the first 1 k-step(s) in registers)" in silu.describe()
+    gelu = wgmma.make_wgmma_plan(GELU, choose.make_plan(GELU).fallback, staged_input=True)
+    assert gelu.prefetch == 0 and gelu.staged_cols == 64 and gelu.input_bytes == 3 * 64 * 64 * 4
+    src = codegen.cuda_sources(silu)[f"{SILU.name}_cuda.cu"]
+    assert "constexpr int kStageCol0 = 16;" in src and "constexpr int kStageCols = 240;" in src
+    assert f"constexpr int kInSmem = {silu.smem.input_offset};" in src
+    body = src[src.index("fused_wgmma(const"):src.index("std::atomic<int> g_mode")]
+    assert body.count("stage_tile<kK0, kStageCol0, kStageCols>(") == 2 and body.count("wg_sync(wg);") == 2
+    assert "staged_ks<kStageCols>(a0[ks], inbuf, rin, ks - 1, t2)" in body and "load_ks<kK0>(v[" not in body
+    assert "% 16 != 0) return " in src[src.index("_cuda_run("):]
+    plain = codegen.cuda_sources(choose.make_plan(SILU))[f"{SILU.name}_cuda.cu"]
+    assert "stage_tile<" not in plain[plain.index("fused_wgmma(const"):] and "kStageCols" not in plain
+    for spec, words in ((_spec([64, 128, 128, 64], io="f16"), "fp32 rows"), (_spec([66, 128, 128, 64]), "multiple of 4")):
+        with pytest.raises(SpecError, match=words):
+            wgmma.make_wgmma_plan(spec, choose.make_plan(spec).fallback, staged_input=True)
+
+
 @pytest.mark.parametrize("spec,words", [
     (_spec([64, 128, 64], precision="tf32"), "takes fp16 and bf16"),
     (_spec([64, 300, 64]), "up to 256"),

@@ -26,7 +26,9 @@ Issue 15; the prototype and its H100 measurements: benchmarks/sm90/ (fused_wgmma
     accumulator buffers: the epilogue of chunk c runs while the tensor core computes chunk c+1.
   * Bias: fp32 in shared memory, added in the epilogue (the form the H100 run verified).
   * The input tile is read straight from global memory into the A-fragment pattern (the next tile's
-    first `prefetch` k-steps in registers while the current one computes); outputs are streaming stores.
+    first `prefetch` k-steps in registers while the current one computes), or (`staged_input`, an
+    override until measured: STAGED_INPUT) copied by cp.async into a shared-memory buffer per warpgroup a
+    whole tile ahead; outputs are streaming stores.
 
 The generated source holds this kernel (sm_90a only) and dispatches at run time: compute capability 9.0
 with the sm_90a kernel compiled in runs it, every other GPU the `fallback` plan's mma.sync kernel (the
@@ -64,6 +66,13 @@ STAGES_DEFAULT = 3        # measured best (H100, silu 256x4 at 2^18 rows: 3 slot
 RING_REGISTERS = 8        # the ring's positions, phases and addresses (streamed plans)
 CLUSTER = 1               # CTAs of a streamed plan's cluster: each CTA copies its own chunks (measured best)
 CLUSTER_MAX = 4
+# STAGED_INPUT: a warpgroup's next 64-row tile of fp32 rows copied by cp.async (16 bytes a copy, zero-filled
+# past the batch) into a buffer of its own in shared memory while it computes the current one, then read
+# into A fragments from there: the whole tile's global-memory latency hidden behind a tile of work, where
+# register prefetch holds at most PREFETCH_MAX k-steps (silu's 256-wide rows: 2 of 16; its warps' top stall
+# is the input's loads, RESULTS.md twentieth run). fp32 rows of K0 % 4 == 0 only (16-byte copies of whole
+# rows' chunks); a call whose x is not 16-byte aligned runs the mma.sync fallback.
+IN_ROW_ALIGN = 4          # K0 % IN_ROW_ALIGN == 0: a row's 16-byte chunks start 16-byte aligned
 
 
 @dataclass(frozen=True)
@@ -126,6 +135,7 @@ class WgmmaPlan:
     stages: int = 0           # ring slots of streamed weights; 0: the image is resident
     slot_bytes: int = 0       # bytes of a ring slot (the largest chunk, LAYER_ALIGN-aligned)
     cluster: int = 1          # streamed: CTAs of a cluster, each copying 1/cluster of every chunk to all
+    staged_input: bool = False   # STAGED_INPUT: the next tile's rows in shared memory, not registers
 
     design = "wgmma"
     uses_scratch = False      # the kernels only read their packed weights
@@ -147,9 +157,19 @@ class WgmmaPlan:
         return self.nwg * 128
 
     @property
+    def staged_cols(self) -> int:
+        """Columns of a row the staged input holds: those past the `prefetch` k-steps held in registers."""
+        return self.layers[0].kp - 16 * self.prefetch if self.staged_input else 0
+
+    @property
+    def input_bytes(self) -> int:
+        """Shared memory of the staged input tiles: 64 rows of staged_cols fp32 values per warpgroup."""
+        return self.nwg * _input_tile_bytes(self.staged_cols)
+
+    @property
     def smem(self) -> SmemLayout:
         """Where the kernel's shared memory holds what."""
-        return SmemLayout.of(self.image_bytes, self.slot_bytes, self.stages, self.bias_floats)
+        return SmemLayout.of(self.image_bytes, self.slot_bytes, self.stages, self.bias_floats, self.input_bytes)
 
     @property
     def smem_bytes(self) -> int:
@@ -172,9 +192,13 @@ class WgmmaPlan:
         weights = (f"weights streamed from L2 through a ring of {self.stages} x {self.slot_bytes // 1024} KB slots{shared} "
                    f"({self.image_bytes // 1024} KB {self.spec.precision} image" if self.streamed else
                    f"weights resident ({self.image_bytes // 1024} KB {self.spec.precision} image")
+        inp = f"input prefetch {self.prefetch} k-steps"
+        if self.staged_input:
+            inp = ("input tiles staged in shared memory a tile ahead" +
+                   (f" (the first {self.prefetch} k-step(s) in registers)" if self.prefetch else ""))
         return (f"wgmma (sm_90a): {self.nwg} warpgroups x 64 rows, activations in registers, {weights}, "
                 f"{self.smem_bytes // 1024} KB smem), chunks {chunks}, "
-                f"input prefetch {self.prefetch} k-steps; other GPUs: {self.fallback.design} "
+                f"{inp}; other GPUs: {self.fallback.design} "
                 f"({self.fallback.describe()}){why}")
 
 
@@ -250,6 +274,11 @@ def wgmma_reason_refused(spec: MLPSpec, smem_limit: int = SMEM_LIMIT) -> str | N
     return None
 
 
+def _input_tile_bytes(cols: int) -> int:
+    """A warpgroup's staged input tile: 64 rows of `cols` fp32 values."""
+    return ROWS * cols * 4
+
+
 def _image_bytes(layers: list[WgmmaLayer]) -> int:
     last = layers[-1]
     return round_up(last.offset + last.chunks * last.chunk_bytes, LAYER_ALIGN)
@@ -262,16 +291,17 @@ def _slot_bytes(layers: list[WgmmaLayer]) -> int:
 @dataclass(frozen=True)
 class SmemLayout:
     """The kernel's dynamic shared memory: [image, or `stages` ring slots][bias (fp32)][mbarriers: one, or
-    one per slot][release counters: one per slot][alignment slack]. The plan sizes it, the template
-    places its parts at these offsets (wgmma_params)."""
+    one per slot][release counters: one per slot][staged input tiles, 128-byte aligned][alignment slack].
+    The plan sizes it, the template places its parts at these offsets (wgmma_params)."""
     weights: int      # bytes of the image or the ring
     bias_floats: int
     stages: int
+    input_bytes: int = 0   # staged input tiles (STAGED_INPUT), all warpgroups'
 
     @classmethod
-    def of(cls, image_bytes: int, slot_bytes: int, stages: int, bias_floats: int) -> SmemLayout:
+    def of(cls, image_bytes: int, slot_bytes: int, stages: int, bias_floats: int, input_bytes: int = 0) -> SmemLayout:
         """The layout with the image resident (stages 0) or `stages` ring slots of `slot_bytes`."""
-        return cls(stages * slot_bytes if stages else image_bytes, bias_floats, stages)
+        return cls(stages * slot_bytes if stages else image_bytes, bias_floats, stages, input_bytes)
 
     @property
     def bias_offset(self) -> int:
@@ -286,13 +316,19 @@ class SmemLayout:
         return self.bar_offset + 8 * max(1, self.stages)
 
     @property
+    def input_offset(self) -> int:
+        return round_up(self.cnt_offset + 4 * self.stages, 128)
+
+    @property
     def bytes(self) -> int:
-        return self.cnt_offset + 4 * self.stages + SLACK
+        return (self.input_offset + self.input_bytes if self.input_bytes else self.cnt_offset + 4 * self.stages) + SLACK
 
 
-def _smem(layers: list[WgmmaLayer], stages: int = 0) -> int:
-    """Bytes of dynamic shared memory with `stages` ring slots (0: the image resident)."""
-    return SmemLayout.of(_image_bytes(layers), _slot_bytes(layers), stages, sum(l.np_ for l in layers)).bytes
+def _smem(layers: list[WgmmaLayer], stages: int = 0, input_bytes: int = 0) -> int:
+    """Bytes of dynamic shared memory with `stages` ring slots (0: the image resident) and `input_bytes` of
+    staged input tiles."""
+    return SmemLayout.of(_image_bytes(layers), _slot_bytes(layers), stages, sum(l.np_ for l in layers),
+                         input_bytes).bytes
 
 
 def _stages(layers: list[WgmmaLayer], smem_limit: int, resident: bool = True) -> int | None:
@@ -306,12 +342,13 @@ def _stages(layers: list[WgmmaLayer], smem_limit: int, resident: bool = True) ->
 
 def make_wgmma_plan(spec: MLPSpec, fallback, reason: str = "", smem_limit: int = SMEM_LIMIT,
                     nwg: int | None = None, prefetch: int | None = None, chunk_max: int | None = None,
-                    cluster: int | None = None, stages: int | None = None) -> WgmmaPlan:
+                    cluster: int | None = None, stages: int | None = None,
+                    staged_input: bool | None = None) -> WgmmaPlan:
     """The wgmma plan of `spec`, with `fallback` (its resident or streamed plan) for other GPUs. SpecError
     where the design cannot take it. `nwg`, `prefetch`, `chunk_max` (the widest chunk, a multiple of 8 up
     to CHUNK_MAX), `cluster` (streamed plans: 1, 2 or 4 CTAs sharing each chunk's copy), `stages` (ring
-    slots, STAGES_MIN up to what fits; streams weights that would stay resident too): overrides of the
-    heuristics (benchmarks)."""
+    slots, STAGES_MIN up to what fits; streams weights that would stay resident too), `staged_input`
+    (STAGED_INPUT): overrides of the heuristics (benchmarks)."""
     why = wgmma_reason_refused(spec, smem_limit)
     if why:
         raise SpecError(f"{spec.describe()}: no wgmma plan: {why}")
@@ -336,6 +373,16 @@ def make_wgmma_plan(spec: MLPSpec, fallback, reason: str = "", smem_limit: int =
         raise SpecError(f"{spec.describe()}: no wgmma plan with {nwg} warpgroups: ~{base} registers a thread")
     nwg, cap = (nwg, OVERRIDE_CAPS[nwg]) if nwg is not None else next((n, c) for n, c in REGISTER_CAPS if base <= c)
     k0_steps = layers[0].k_steps
+    if staged_input:
+        if spec.io_dtype != "f32" or spec.layers[0].in_features % IN_ROW_ALIGN:
+            raise SpecError(f"{spec.describe()}: staged input takes fp32 rows of a multiple of {IN_ROW_ALIGN} features")
+        # the k-steps past `prefetch` wait in shared memory: the fewest prefetched ones that let them fit
+        # (silu's 256-wide rows beside a 96 KB ring: 1 in registers, 15 staged)
+        fits = [p for p in range(k0_steps) if _smem(layers, stages, nwg * _input_tile_bytes(16 * (k0_steps - p))) <= smem_limit]
+        if prefetch is None and fits:
+            prefetch = fits[0]
+        if prefetch not in fits:
+            raise SpecError(f"{spec.describe()}: {nwg} staged input tiles do not fit in shared memory beside the weights")
     if prefetch is None:   # the registers the cap leaves, 8 a k-step
         prefetch = min(k0_steps, PREFETCH_MAX, max(0, cap - base) // 8)
     prefetch = max(0, min(k0_steps, prefetch))
@@ -345,4 +392,5 @@ def make_wgmma_plan(spec: MLPSpec, fallback, reason: str = "", smem_limit: int =
     cluster = (cluster or CLUSTER) if stages else 1
     bias = sum(l.np_ for l in layers)
     return WgmmaPlan(spec, tuple(layers), nwg, prefetch, base + 8 * prefetch, _image_bytes(layers), bias, fallback,
-                     fallback.workspace_bytes, reason, stages, _slot_bytes(layers) if stages else 0, cluster)
+                     fallback.workspace_bytes, reason, stages, _slot_bytes(layers) if stages else 0, cluster,
+                     bool(staged_input))
