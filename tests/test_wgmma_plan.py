@@ -38,18 +38,18 @@ WGMMA = PlanOptions(design="wgmma")
 AUTO_WGMMA = PlanOptions(wgmma=True)     # auto (the default), wgmma allowed
 
 
-@pytest.mark.parametrize("spec,nwg,prefetch,chunks", [
-    (NERF, 4, 2, (64, 64, 64, 64, 16)),
-    (GELU, 3, 2, (64, 64, 64, 64, 64)),
-    (SDF, 3, 1, (64, 64, 64, 64, 8)),
-    (_spec([3, 128, 128, 128, 128, 1], ex.tanh(), io="f16"), 3, 1, (64, 64, 64, 64, 8)),
+@pytest.mark.parametrize("spec,nwg,prefetch,staged,chunks", [
+    (NERF, 4, 2, False, (64, 64, 64, 64, 16)),   # its 2 input k-steps fit the registers
+    (GELU, 3, 0, True, (64, 64, 64, 64, 64)),    # 4 do not: the next tile's input waits in shared memory
+    (SDF, 3, 1, False, (64, 64, 64, 64, 8)),     # K0 = 3: no 16-byte copies of its rows
+    (_spec([3, 128, 128, 128, 128, 1], ex.tanh(), io="f16"), 3, 1, False, (64, 64, 64, 64, 8)),
 ], ids=["nerf", "gelu", "sdf", "sdf_f16"])
-def test_issue_cases_take_wgmma_with_the_prototype_shapes(spec, nwg, prefetch, chunks):
+def test_issue_cases_take_wgmma_with_the_prototype_shapes(spec, nwg, prefetch, staged, chunks):
     auto = choose.make_plan(spec, AUTO_WGMMA)        # nerf's 64-wide layers: mma.sync was faster there
     assert (auto.design == "wgmma" and "chosen" in auto.reason) == (spec is not NERF)
     plan = choose.make_plan(spec, WGMMA)
     assert plan.design == "wgmma"
-    assert (plan.nwg, plan.prefetch, tuple(l.nc for l in plan.layers)) == (nwg, prefetch, chunks)
+    assert (plan.nwg, plan.prefetch, plan.staged_input, tuple(l.nc for l in plan.layers)) == (nwg, prefetch, staged, chunks)
     assert plan.fallback.design == "resident" and plan.uses_scratch is False
     assert plan.smem_bytes <= wgmma.SMEM_LIMIT and plan.image_bytes % wgmma.LAYER_ALIGN == 0
     assert plan.registers <= dict(wgmma.REGISTER_CAPS)[plan.nwg]
@@ -116,19 +116,20 @@ def test_clusters_are_an_override_of_streamed_plans():
     assert wgmma.make_wgmma_plan(GELU, choose.make_plan(GELU).fallback, cluster=2).cluster == 1   # resident
 
 
-def test_staged_input_is_an_override_that_fits_shared_memory():
-    """staged_input=True: the next tile's fp32 rows wait in a shared-memory buffer per warpgroup, placed
-    after the ring's counters; the k-steps that do not fit stay prefetched into registers (silu's 256-wide
-    rows beside its 96 KB ring: 1 of 16); the copies are cp.async into swizzled rows, read back as A
-    fragments between two warpgroup barriers, and a call whose x is not 16-byte aligned runs the fallback.
-    Refused for fp16 rows and for rows of K0 % 4 != 0 (16-byte copies)."""
-    assert not choose.make_plan(SILU).staged_input and not choose.make_plan(GELU).staged_input
-    silu = wgmma.make_wgmma_plan(SILU, choose.make_plan(SILU).fallback, staged_input=True)
+def test_staged_input_where_registers_cannot_hold_the_next_tile():
+    """The next tile's fp32 rows wait in a shared-memory buffer per warpgroup, placed after the ring's
+    counters, where the register prefetch cannot hold them all; the k-steps that do not fit stay prefetched
+    into registers (silu's 256-wide rows beside its 96 KB ring: 1 of 16); the copies are cp.async into
+    swizzled rows, read back as A fragments between two warpgroup barriers, and a call whose x is not
+    16-byte aligned runs the fallback. staged_input=False keeps the register prefetch; True is refused
+    for fp16 rows and for rows of K0 % 4 != 0 (16-byte copies)."""
+    assert choose.make_plan(SILU).staged_input and not choose.make_plan(NERF, WGMMA).staged_input
+    silu = wgmma.make_wgmma_plan(SILU, choose.make_plan(SILU).fallback)
     assert silu.prefetch == 1 and silu.staged_cols == 240 and silu.input_bytes == 2 * 64 * 240 * 4
     assert silu.smem.input_offset >= silu.smem.cnt_offset + 4 * silu.stages and silu.smem.input_offset % 128 == 0
     assert silu.smem_bytes == silu.smem.input_offset + silu.input_bytes + wgmma.SLACK <= wgmma.SMEM_LIMIT
     assert "input tiles staged in shared memory a tile ahead (the first 1 k-step(s) in registers)" in silu.describe()
-    gelu = wgmma.make_wgmma_plan(GELU, choose.make_plan(GELU).fallback, staged_input=True)
+    gelu = wgmma.make_wgmma_plan(GELU, choose.make_plan(GELU).fallback)
     assert gelu.prefetch == 0 and gelu.staged_cols == 64 and gelu.input_bytes == 3 * 64 * 64 * 4
     src = codegen.cuda_sources(silu)[f"{SILU.name}_cuda.cu"]
     assert "constexpr int kStageCol0 = 16;" in src and "constexpr int kStageCols = 240;" in src
@@ -137,7 +138,9 @@ def test_staged_input_is_an_override_that_fits_shared_memory():
     assert body.count("stage_tile<kK0, kStageCol0, kStageCols>(") == 2 and body.count("wg_sync(wg);") == 2
     assert "staged_ks<kStageCols>(a0[ks], inbuf, rin, ks - 1, t2)" in body and "load_ks<kK0>(v[" not in body
     assert "% 16 != 0) return " in src[src.index("_cuda_run("):]
-    plain = codegen.cuda_sources(choose.make_plan(SILU))[f"{SILU.name}_cuda.cu"]
+    kept = wgmma.make_wgmma_plan(SILU, choose.make_plan(SILU).fallback, staged_input=False)
+    assert kept.prefetch == 2 and kept.input_bytes == 0 and "input prefetch 2 k-steps" in kept.describe()
+    plain = codegen.cuda_sources(kept)[f"{SILU.name}_cuda.cu"]
     assert "stage_tile<" not in plain[plain.index("fused_wgmma(const"):] and "kStageCols" not in plain
     for spec, words in ((_spec([64, 128, 128, 64], io="f16"), "fp32 rows"), (_spec([66, 128, 128, 64]), "multiple of 4")):
         with pytest.raises(SpecError, match=words):
@@ -373,7 +376,7 @@ def test_shared_memory_layout_is_the_one_the_plan_sized(spec):
     the size the planner fitted into shared memory is the one the launch asks for: one layout, not two sums."""
     plan = choose.make_plan(spec, WGMMA)
     lay = plan.smem
-    assert plan.smem_bytes == wgmma._smem(list(plan.layers), plan.stages)
+    assert plan.smem_bytes == wgmma._smem(list(plan.layers), plan.stages, plan.input_bytes)
     assert lay.bias_offset == (plan.stages * plan.slot_bytes or plan.image_bytes)
     assert lay.bar_offset - lay.bias_offset == 4 * plan.bias_floats
     src = _render(spec, WGMMA)[0][f"{spec.name}_cuda.cu"]

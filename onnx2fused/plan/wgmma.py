@@ -26,8 +26,8 @@ Issue 15; the prototype and its H100 measurements: benchmarks/sm90/ (fused_wgmma
     accumulator buffers: the epilogue of chunk c runs while the tensor core computes chunk c+1.
   * Bias: fp32 in shared memory, added in the epilogue (the form the H100 run verified).
   * The input tile is read straight from global memory into the A-fragment pattern (the next tile's
-    first `prefetch` k-steps in registers while the current one computes), or (`staged_input`, an
-    override until measured: STAGED_INPUT) copied by cp.async into a shared-memory buffer per warpgroup a
+    first `prefetch` k-steps in registers while the current one computes), or (`staged_input`, where
+    those cannot hold it all: STAGED_INPUT) copied by cp.async into a shared-memory buffer per warpgroup a
     whole tile ahead; outputs are streaming stores.
 
 The generated source holds this kernel (sm_90a only) and dispatches at run time: compute capability 9.0
@@ -70,8 +70,10 @@ CLUSTER_MAX = 4
 # past the batch) into a buffer of its own in shared memory while it computes the current one, then read
 # into A fragments from there: the whole tile's global-memory latency hidden behind a tile of work, where
 # register prefetch holds at most PREFETCH_MAX k-steps (silu's 256-wide rows: 2 of 16; its warps' top stall
-# is the input's loads, RESULTS.md twentieth run). fp32 rows of K0 % 4 == 0 only (16-byte copies of whole
-# rows' chunks); a call whose x is not 16-byte aligned runs the mma.sync fallback.
+# was the input's loads). The default where the registers cannot hold the next tile's whole input and the
+# tiles fit (H100, kernel alone: silu 256x4 at 2^18 rows 0.372 -> 0.332 ms, gelu 128x4 0.343 -> 0.343,
+# RESULTS.md twentieth run). fp32 rows of K0 % 4 == 0 only (16-byte copies of whole rows' chunks); a call
+# whose x is not 16-byte aligned runs the mma.sync fallback.
 IN_ROW_ALIGN = 4          # K0 % IN_ROW_ALIGN == 0: a row's 16-byte chunks start 16-byte aligned
 
 
@@ -373,18 +375,22 @@ def make_wgmma_plan(spec: MLPSpec, fallback, reason: str = "", smem_limit: int =
         raise SpecError(f"{spec.describe()}: no wgmma plan with {nwg} warpgroups: ~{base} registers a thread")
     nwg, cap = (nwg, OVERRIDE_CAPS[nwg]) if nwg is not None else next((n, c) for n, c in REGISTER_CAPS if base <= c)
     k0_steps = layers[0].k_steps
+    register_prefetch = min(k0_steps, PREFETCH_MAX, max(0, cap - base) // 8)   # the registers the cap leaves, 8 a k-step
+    stageable = spec.io_dtype == "f32" and spec.layers[0].in_features % IN_ROW_ALIGN == 0
+    # the k-steps past `prefetch` wait in shared memory: the fewest prefetched ones that let them fit
+    # (silu's 256-wide rows beside a 96 KB ring: 1 in registers, 15 staged)
+    fits = [p for p in range(k0_steps) if _smem(layers, stages, nwg * _input_tile_bytes(16 * (k0_steps - p))) <= smem_limit]
+    if staged_input is None:   # where registers cannot hold the next tile's whole input (and it fits)
+        staged_input = stageable and register_prefetch < k0_steps and bool(fits) and (prefetch is None or prefetch in fits)
     if staged_input:
-        if spec.io_dtype != "f32" or spec.layers[0].in_features % IN_ROW_ALIGN:
+        if not stageable:
             raise SpecError(f"{spec.describe()}: staged input takes fp32 rows of a multiple of {IN_ROW_ALIGN} features")
-        # the k-steps past `prefetch` wait in shared memory: the fewest prefetched ones that let them fit
-        # (silu's 256-wide rows beside a 96 KB ring: 1 in registers, 15 staged)
-        fits = [p for p in range(k0_steps) if _smem(layers, stages, nwg * _input_tile_bytes(16 * (k0_steps - p))) <= smem_limit]
         if prefetch is None and fits:
             prefetch = fits[0]
         if prefetch not in fits:
             raise SpecError(f"{spec.describe()}: {nwg} staged input tiles do not fit in shared memory beside the weights")
-    if prefetch is None:   # the registers the cap leaves, 8 a k-step
-        prefetch = min(k0_steps, PREFETCH_MAX, max(0, cap - base) // 8)
+    if prefetch is None:
+        prefetch = register_prefetch
     prefetch = max(0, min(k0_steps, prefetch))
     if cluster is not None and cluster not in (1, 2, CLUSTER_MAX):
         raise SpecError(f"cluster of {cluster} CTAs: 1, 2 or {CLUSTER_MAX}")
