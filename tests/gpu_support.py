@@ -19,13 +19,14 @@ def require_cuda():
     return ort, torch
 
 
-def run_poisoned(sess, x: np.ndarray, out_shape) -> np.ndarray:
-    """Run `sess` on x through IOBinding with the input and a NaN-filled output on the device."""
+def run_poisoned(sess, x: np.ndarray, out_shape, offset: int = 0) -> np.ndarray:
+    """Run `sess` on x through IOBinding with the input and a NaN-filled output on the device; `offset`:
+    x placed that many elements into its device buffer (an input pointer of less alignment)."""
     import torch
-    xt = torch.from_numpy(x).cuda()
-    yt = torch.full(tuple(out_shape), float("nan"), dtype=xt.dtype, device="cuda")
+    buf = torch.from_numpy(np.concatenate([np.zeros(offset, x.dtype), x.ravel()])).cuda()
+    yt = torch.full(tuple(out_shape), float("nan"), dtype=buf.dtype, device="cuda")
     io = sess.io_binding()
-    io.bind_input(sess.get_inputs()[0].name, "cuda", 0, x.dtype, list(x.shape), xt.data_ptr())
+    io.bind_input(sess.get_inputs()[0].name, "cuda", 0, x.dtype, list(x.shape), buf.data_ptr() + offset * x.itemsize)
     io.bind_output(sess.get_outputs()[0].name, "cuda", 0, x.dtype, list(out_shape), yt.data_ptr())
     sess.run_with_iobinding(io)
     torch.cuda.synchronize()

@@ -196,6 +196,35 @@ def test_wgmma_streamed_ring_on_cuda_ep(widths, act, precision, cache_dir, tmp_p
         assert err <= (5e-3 if precision == "fp16" else TOL["bf16"]), f"batch {batch}: rel L2 {err:.2e} ({plan.describe()})"
     assert sess.run(None, {"x": np.zeros((0, widths[0]), np.float32)})[0].shape == (0, widths[-1])
 
+def test_wgmma_staged_input_at_any_alignment(cache_dir, tmp_path):
+    """The wgmma kernel's staged input (plan/wgmma.py STAGED_INPUT: cp.async copies of 16-byte chunks)
+    on x 16-byte aligned, and the fallback the op runs where it is not (x 4 or 8 bytes into its buffer:
+    the mma.sync kernel's scalar and paired loads), all against stock at row tails and many tiles."""
+    from onnx2fused.plan.choose import make_plan
+    from onnx_builders import CONTINUOUS_ACTS, G
+    widths = (96, 256, 224, 256, 256, 40)
+    g = G(opset=17, seed=3)
+    h = "x"
+    for i, (k, n) in enumerate(zip(widths, widths[1:])):
+        h = g.linear(h, k, n, name=f"fc{i}")
+        if i < len(widths) - 2:
+            h = CONTINUOUS_ACTS["silu"](g, h, n)
+    g.op("Identity", [h], name="sink", outputs=["y"])
+    src = tmp_path / "staged.onnx"
+    onnx.save(g.model([("x", ["B", widths[0]])], [("y", ["B", widths[-1]])]), str(src))
+    plan = make_plan(passes.find_chains(load_model(str(src))).chains[0].to_spec("fp16"))
+    assert plan.design == "wgmma" and plan.staged_input, plan.describe()
+    fused_path, lib, _ = _fuse(src, "fp16", cache_dir, tmp_path / "fused.onnx")
+    sess = _session(fused_path, lib)
+    rng = np.random.default_rng(9)
+    for batch in (37, 1000, 100003):
+        x = rng.standard_normal((batch, widths[0])).astype(np.float32)
+        ref = _reference(src, x)
+        for offset in (0, 1, 2):
+            err = rel_l2(run_poisoned(sess, x, ref.shape, offset), ref)
+            assert err <= 5e-3, f"batch {batch}, x {4 * offset} bytes into its buffer: rel L2 {err:.2e}"
+
+
 # Streamed FFN-shaped pairs (plan/fused.py _hidden_blocks): a wide hidden layer built in column blocks
 # straight into the next layer's register accumulators, never stored whole. Forced to the streamed
 # design (the cost model may give these chains to the wide one); each chain's default plan pairs (its
