@@ -116,6 +116,10 @@ VARIANTS = {
     # the next tile's input staged in shared memory by cp.async (plan/wgmma.py, STAGED_INPUT)
     "w256silu_si": ("w256silu", WgmmaOptions(staged_input=True)),
     "w128gelu_si": ("w128gelu", WgmmaOptions(staged_input=True)),
+    "w128gelu_wg4": ("w128gelu", WgmmaOptions(nwg=4)),   # staged: 129 registers at 3 warpgroups
+    "w128gelu_bf16_wg4": ("w128gelu_bf16", WgmmaOptions(nwg=4)),
+    "w128gelu_f16io_wg4": ("w128gelu_f16io", WgmmaOptions(nwg=4)),
+    "sdf1m_wg4": ("sdf1m", WgmmaOptions(nwg=4)),
     "nerf64_wg_si": ("nerf64", WgmmaOptions(staged_input=True)),
     "odd4_si": ("odd4", WgmmaOptions(staged_input=True)),
     "nerf64_wg6": ("nerf64", WgmmaOptions(nwg=6, prefetch=0)),

@@ -40,9 +40,9 @@ AUTO_WGMMA = PlanOptions(wgmma=True)     # auto (the default), wgmma allowed
 
 @pytest.mark.parametrize("spec,nwg,prefetch,staged,chunks", [
     (NERF, 4, 2, False, (64, 64, 64, 64, 16)),   # its 2 input k-steps fit the registers
-    (GELU, 3, 0, True, (64, 64, 64, 64, 64)),    # 4 do not: the next tile's input waits in shared memory
-    (SDF, 3, 1, False, (64, 64, 64, 64, 8)),     # K0 = 3: no 16-byte copies of its rows
-    (_spec([3, 128, 128, 128, 128, 1], ex.tanh(), io="f16"), 3, 1, False, (64, 64, 64, 64, 8)),
+    (GELU, 4, 0, True, (64, 64, 64, 64, 64)),    # 4 do not: the next tile's input waits in shared memory
+    (SDF, 4, 0, False, (64, 64, 64, 64, 8)),     # K0 = 3: no 16-byte copies of its rows
+    (_spec([3, 128, 128, 128, 128, 1], ex.tanh(), io="f16"), 4, 0, False, (64, 64, 64, 64, 8)),
 ], ids=["nerf", "gelu", "sdf", "sdf_f16"])
 def test_issue_cases_take_wgmma_with_the_prototype_shapes(spec, nwg, prefetch, staged, chunks):
     auto = choose.make_plan(spec, AUTO_WGMMA)        # nerf's 64-wide layers: mma.sync was faster there
@@ -52,7 +52,9 @@ def test_issue_cases_take_wgmma_with_the_prototype_shapes(spec, nwg, prefetch, s
     assert (plan.nwg, plan.prefetch, plan.staged_input, tuple(l.nc for l in plan.layers)) == (nwg, prefetch, staged, chunks)
     assert plan.fallback.design == "resident" and plan.uses_scratch is False
     assert plan.smem_bytes <= wgmma.SMEM_LIMIT and plan.image_bytes % wgmma.LAYER_ALIGN == 0
-    assert plan.registers <= dict(wgmma.REGISTER_CAPS)[plan.nwg]
+    # the estimate is within the cap, or the fragments are (FOUR_WARPGROUP_FRAGMENTS)
+    assert (plan.registers <= dict(wgmma.REGISTER_CAPS)[plan.nwg]
+            or wgmma._registers(list(plan.layers)) <= wgmma.FOUR_WARPGROUP_FRAGMENTS == dict(wgmma.REGISTER_CAPS)[plan.nwg])
     # workspace: [the fallback's packed weights][image (1024-aligned)][bias]
     assert plan.image_offset >= plan.fallback.workspace_bytes and plan.image_offset % 1024 == 0
     assert plan.workspace_bytes == plan.image_offset + plan.image_bytes + 4 * sum(l.np_ for l in plan.layers)
@@ -130,7 +132,7 @@ def test_staged_input_where_registers_cannot_hold_the_next_tile():
     assert silu.smem_bytes == silu.smem.input_offset + silu.input_bytes + wgmma.SLACK <= wgmma.SMEM_LIMIT
     assert "input tiles staged in shared memory a tile ahead (the first 1 k-step(s) in registers)" in silu.describe()
     gelu = wgmma.make_wgmma_plan(GELU, choose.make_plan(GELU).fallback)
-    assert gelu.prefetch == 0 and gelu.staged_cols == 64 and gelu.input_bytes == 3 * 64 * 64 * 4
+    assert gelu.nwg == 4 and gelu.prefetch == 0 and gelu.staged_cols == 64 and gelu.input_bytes == 4 * 64 * 64 * 4
     src = codegen.cuda_sources(silu)[f"{SILU.name}_cuda.cu"]
     assert "constexpr int kStageCol0 = 16;" in src and "constexpr int kStageCols = 240;" in src
     assert f"constexpr int kInSmem = {silu.smem.input_offset};" in src

@@ -52,8 +52,14 @@ LAYER_ALIGN = 1024        # a layer's first chunk: the 128-byte swizzle pattern 
 SLACK = 1024              # dynamic shared memory is aligned up to 1024 in the kernel
 BULK_PIECE = 32768        # bytes per cp.async.bulk of the weight image
 # Registers a thread may hold with NWG warpgroups on one SM (65536 / (128 NWG), at most 255), best first:
-# 4 warpgroups (nerf: 86 registers), 3 (gelu 129-167, sdf 123-130), 2.
+# 4 warpgroups (nerf: 86 registers), 3, 2.
 REGISTER_CAPS = ((4, 128), (3, 168), (2, 255))
+# Plans whose fragments (_registers) are at most this many take 4 warpgroups although the estimate with
+# REGISTER_OVERHEAD is over their cap: ptxas fits the 128-wide chains in 122-127 registers without spills
+# (gelu 64->128x4->64 fp32 and fp16 I/O, bf16, sdf 3->128x4->1; resident, not gated: the ones measured),
+# and on an H100 gelu ran 5-7 % faster with 4 than with 3 (0.315 against 0.332 ms; fp16 I/O 0.345
+# against 0.369), bf16 gelu and sdf alike (RESULTS.md, twentieth run).
+FOUR_WARPGROUP_FRAGMENTS = 128
 # More warpgroups (up to 8: 1024 threads) only on request (WgmmaOptions.nwg), until measured on a GPU.
 OVERRIDE_CAPS = {**dict(REGISTER_CAPS), 5: 96, 6: 80, 8: 64}
 REGISTER_OVERHEAD = 24    # addressing, loop state, bias pair, activation temporaries (fit to the H100 build)
@@ -371,8 +377,11 @@ def make_wgmma_plan(spec: MLPSpec, fallback, reason: str = "", smem_limit: int =
     base = _registers(layers) + REGISTER_OVERHEAD + (RING_REGISTERS if stages else 0)
     # an override is held to the cap only where the estimate is far over: the estimate is conservative
     # (nerf: ~88 estimated, 78 used) and __launch_bounds__ makes ptxas fit the cap (spills show in -v)
-    if nwg is not None and (nwg not in OVERRIDE_CAPS or base > OVERRIDE_CAPS[nwg] + 16):
+    if nwg is not None and (nwg not in OVERRIDE_CAPS or base > OVERRIDE_CAPS[nwg] + 24):
         raise SpecError(f"{spec.describe()}: no wgmma plan with {nwg} warpgroups: ~{base} registers a thread")
+    if (nwg is None and not stages and not any(l.gated for l in layers)   # (gated: not measured)
+            and _registers(layers) <= FOUR_WARPGROUP_FRAGMENTS):
+        nwg = REGISTER_CAPS[0][0]
     nwg, cap = (nwg, OVERRIDE_CAPS[nwg]) if nwg is not None else next((n, c) for n, c in REGISTER_CAPS if base <= c)
     k0_steps = layers[0].k_steps
     register_prefetch = min(k0_steps, PREFETCH_MAX, max(0, cap - base) // 8)   # the registers the cap leaves, 8 a k-step
