@@ -113,15 +113,16 @@ VARIANTS = {
     "w128gelu_wg3_c32": ("w128gelu", WgmmaOptions(nwg=3, chunk_max=32)),
     "sdf1m_wg4_c32": ("sdf1m", WgmmaOptions(nwg=4, prefetch=0, chunk_max=32)),
     "nerf64_wg": ("nerf64", WgmmaOptions()),
-    # the next tile's input staged in shared memory by cp.async (plan/wgmma.py, STAGED_INPUT)
-    "w256silu_si": ("w256silu", WgmmaOptions(staged_input=True)),
-    "w128gelu_si": ("w128gelu", WgmmaOptions(staged_input=True)),
-    "w128gelu_wg4": ("w128gelu", WgmmaOptions(nwg=4)),   # staged: 129 registers at 3 warpgroups
-    "w128gelu_bf16_wg4": ("w128gelu_bf16", WgmmaOptions(nwg=4)),
-    "w128gelu_f16io_wg4": ("w128gelu_f16io", WgmmaOptions(nwg=4)),
-    "sdf1m_wg4": ("sdf1m", WgmmaOptions(nwg=4)),
+    # the next tile's input staged in shared memory by cp.async (plan/wgmma.py, STAGED_INPUT: silu's and
+    # gelu's default) against the register prefetch alone (_pf), and where the default does not stage (_si)
+    "w256silu_pf": ("w256silu", WgmmaOptions(staged_input=False)),
+    "w128gelu_pf": ("w128gelu", WgmmaOptions(staged_input=False)),
     "nerf64_wg_si": ("nerf64", WgmmaOptions(staged_input=True)),
     "odd4_si": ("odd4", WgmmaOptions(staged_input=True)),
+    # 3 warpgroups where FOUR_WARPGROUP_FRAGMENTS gives 4
+    "w128gelu_wg3": ("w128gelu", WgmmaOptions(nwg=3)),
+    "w128gelu_f16io_wg3": ("w128gelu_f16io", WgmmaOptions(nwg=3)),
+    "sdf1m_wg3": ("sdf1m", WgmmaOptions(nwg=3)),
     "nerf64_wg6": ("nerf64", WgmmaOptions(nwg=6, prefetch=0)),
     "nerf64_wg5": ("nerf64", WgmmaOptions(nwg=5, prefetch=0)),
     # wgmma with streamed weights: clusters of 2 and 4 CTAs sharing each chunk's copy (multicast) against
