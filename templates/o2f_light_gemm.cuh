@@ -163,12 +163,12 @@ __device__ __forceinline__ float2 lds_pair(__nv_bfloat16, uint32_t addr) {
 __device__ __forceinline__ void sts_pair(float, uint32_t addr, float2 v) {
   asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(v.x), "f"(v.y) : "memory");
 }
-template <typename Out>
-__device__ __forceinline__ void sts_pair(Out, uint32_t addr, float2 v) {
-  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(pack_pair(Out{}, v)) : "memory");
-}
 __device__ __forceinline__ void sts_b32(uint32_t addr, uint32_t bits) {
   asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(bits) : "memory");
+}
+template <typename Out>
+__device__ __forceinline__ void sts_pair(Out, uint32_t addr, float2 v) {
+  sts_b32(addr, pack_pair(Out{}, v));
 }
 
 // An activation with a packed fp16x2 form (`uint32_t packed(float, float)`: the two results' fp16 bits) is

@@ -4,6 +4,7 @@
 // anonymous namespace, after io_t.
 #pragma once
 #include "o2f_sm90_ptx.cuh"
+#include "o2f_cp_async.cuh"   // commit and wait of the staged input's cp.async copies
 // Bulk global -> shared copy (async proxy, like TMA, without a tensor map), completing on an mbarrier.
 __device__ __forceinline__ void bulk_g2s(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
@@ -159,9 +160,8 @@ __device__ __forceinline__ void stage_tile(uint32_t buf, const float* __restrict
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(buf + staged_offset<KS>(row, chunk)), "l"(src),
                  "r"(in ? 16 : 0) : "memory");
   }
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
+  cp_async_commit();
 }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 // The 128 threads of warpgroup wg (named barrier 1 + wg; barrier 0 is __syncthreads').
 __device__ __forceinline__ void wg_sync(int wg) { asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory"); }
 // k-step ks's A fragments for rows rin and rin + 8 of the staged tile: (row, c..c+1) with c = 16 ks + t2

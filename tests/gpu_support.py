@@ -23,7 +23,8 @@ def run_poisoned(sess, x: np.ndarray, out_shape, offset: int = 0) -> np.ndarray:
     """Run `sess` on x through IOBinding with the input and a NaN-filled output on the device; `offset`:
     x placed that many elements into its device buffer (an input pointer of less alignment)."""
     import torch
-    buf = torch.from_numpy(np.concatenate([np.zeros(offset, x.dtype), x.ravel()])).cuda()
+    host = np.concatenate([np.zeros(offset, x.dtype), x.ravel()]) if offset else x   # (no copy at offset 0)
+    buf = torch.from_numpy(host).cuda()
     yt = torch.full(tuple(out_shape), float("nan"), dtype=buf.dtype, device="cuda")
     io = sess.io_binding()
     io.bind_input(sess.get_inputs()[0].name, "cuda", 0, x.dtype, list(x.shape), buf.data_ptr() + offset * x.itemsize)

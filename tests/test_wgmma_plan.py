@@ -139,7 +139,7 @@ def test_staged_input_where_registers_cannot_hold_the_next_tile():
     body = src[src.index("fused_wgmma(const"):src.index("std::atomic<int> g_mode")]
     assert body.count("stage_tile<kK0, kStageCol0, kStageCols>(") == 2 and body.count("wg_sync(wg);") == 2
     assert "staged_ks<kStageCols>(a0[ks], inbuf, rin, ks - 1, t2)" in body and "load_ks<kK0>(v[" not in body
-    assert body.count("cp_async_wait_all();") == 2   # each tile's copies, and the last ones before leaving
+    assert body.count("cp_async_wait<0>();") == 2   # each tile's copies, and the last ones before leaving
     assert "% 16 != 0) return " in src[src.index("_cuda_run("):]
     kept = wgmma.make_wgmma_plan(SILU, choose.make_plan(SILU).fallback, staged_input=False)
     assert kept.prefetch == 2 and kept.input_bytes == 0 and "input prefetch 2 k-steps" in kept.describe()
