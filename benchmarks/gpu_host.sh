@@ -27,6 +27,7 @@
 #   benchmarks/gpu_host.sh vit            whole ViT-tiny and ViT-small (benchmarks/vit_model.py) at batch 64:
 #                                         issue 16's end-to-end target, ORT fp32 / fp16 vs the fused model
 #   benchmarks/gpu_host.sh bench          `onnx2fused bench` on the issue's four cases, then the wide cases
+#   benchmarks/gpu_host.sh issue15        `onnx2fused bench --pipelined` on issue 15's four cases (bench.json: $OUT/issue15.tar)
 #   benchmarks/gpu_host.sh wide [ARGS]    benchmarks/wide_cases.py only (issue 5's three cases)
 #   benchmarks/gpu_host.sh tune [ARGS]    benchmarks/tune_wide.py: the wide kernel search, every candidate timed
 #   benchmarks/gpu_host.sh times [ARGS]   benchmarks/convert_times.py: cold and warm convert of every zoo model
@@ -181,6 +182,15 @@ print(convert_model(p, Path('/tmp/vit/fused16'), 'fp16', with_cuda=True)[0])" 2>
 kernels)
   shift
   python3 benchmarks/kernel_check.py --out "$OUT/kc" "$@" 2>&1 | grep -v '^{' | tail -30
+  ;;
+issue15)
+  # the issue-15 cases at their batch, latency (each run from an idle GPU) and pipelined (runs back to
+  # back), one process each; the bench.json files to $OUT/issue15.tar
+  for c in "nerf 2097152" "gelu 1048576" "silu 262144" "sdf 1048576"; do
+    set -- $c
+    python3 -m onnx2fused bench "models/$1.opset17.onnx" --batches "$2" --out "/tmp/issue15/$1" --reps 50 --pipelined -q 2>&1 | head -3
+  done
+  (cd /tmp/issue15 && tar cf "$OUT/issue15.tar" */bench.json)
   ;;
 bench)
   for c in "nerf 2097152" "gelu 1048576" "silu 262144" "mnist 4096"; do

@@ -185,7 +185,7 @@ def _once(key: str, make):
 
 def run_case(name: str, out_dir: Path, reps: int, warmup: int, dev, providers, kernels: str = "both",
              batch: int | None = None, env_variants: tuple[str, ...] = (), fp16_model: bool = False,
-             interleave: bool = False) -> dict:
+             interleave: bool = False, pipelined: bool = False) -> dict:
     import onnxruntime as ort
     widths, act, in_shape, case_batch, targets = CASES[name]
     batch = batch or case_batch
@@ -283,6 +283,10 @@ def run_case(name: str, out_dir: Path, reps: int, warmup: int, dev, providers, k
                 sess = opened(make)
                 ts, _ = bench.time_ort_gpu(dev, sess, info, batch, reps, warmup)
                 record(variant, ts, sess)
+                if pipelined and variant in ("ort_fp16", "fused", "fused_fp16"):
+                    ms = float(np.median(bench.time_ort_gpu_pipelined(dev, sess, info, batch, reps, warmup)))
+                    result.setdefault("ms_pipelined", {})[variant] = ms
+                    print(f"  {variant:<10} {ms:.4f} ms pipelined (runs back to back)", flush=True)
             except Exception as e:  # noqa: BLE001 - one failed variant must not hide the others
                 failed(variant, e)
             finally:
@@ -371,6 +375,9 @@ def main(argv=None) -> int:
     ap.add_argument("--interleave", action="store_true",
                     help="open the variants without switches together and time them in turns, run by run "
                          "(bench.time_ort_gpu_interleaved): their ratios hold where times drift between phases")
+    ap.add_argument("--pipelined", action="store_true",
+                    help="also time ORT fp16 and the fused variants with runs back to back (bench's *_pipelined; "
+                         "not with --interleave's variants)")
     ap.add_argument("--tail", choices=["auto", "off"], default=None,
                     help="off: no segmented wide plans (every layer a GEMM; sets ONNX2FUSED_WIDE_TAIL), to compare")
     args = ap.parse_args(argv)
@@ -392,7 +399,7 @@ def main(argv=None) -> int:
     providers = bench.gpu_providers()
     batches = [int(b) for b in args.batch.split(",")] if args.batch else [None]
     results = [run_case(n, out_dir, args.reps, args.warmup, dev, providers, args.kernels, b, tuple(args.env),
-                        args.fp16_model, args.interleave)
+                        args.fp16_model, args.interleave, args.pipelined)
                for n in names for b in batches]
 
     print("\n| case | rows | ORT fp32 ms | ORT fp16 ms | fused ms | fused sm80 kernels ms | fused fp16 copy ms | "
@@ -406,6 +413,12 @@ def main(argv=None) -> int:
               f"{cell(ms, 'fused', '{:.3f}')} | {cell(ms, 'fused_sm80', '{:.3f}')} | {cell(ms, 'fused_fp16', '{:.3f}')} | "
               f"{cell(sp, 'ort_fp32', '{:.2f}')} | {cell(sp, 'ort_fp16', '{:.2f}')} | {cell(sp16, 'ort_fp16', '{:.2f}')} | "
               f"{tgt} | {cell(err, 'fused', '{:.1e}')} | {cell(err, 'fused_fp16', '{:.1e}')} |")
+    for r in results:
+        mp = r.get("ms_pipelined", {})
+        for v in ("fused", "fused_fp16"):
+            if v in mp and "ort_fp16" in mp:
+                print(f"{r['case']} at {r['rows']} rows, pipelined: {v} {mp[v]:.4f} ms, ORT fp16 {mp['ort_fp16']:.4f} ms: "
+                      f"{mp['ort_fp16'] / mp[v]:.2f}x")
     (out_dir / "wide_cases.json").write_text(json.dumps(results, indent=1))
     for r in results:
         for v, ms in r["ms"].items():

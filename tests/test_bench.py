@@ -394,3 +394,42 @@ def test_kernel_profile_host_phases_split_each_run_at_its_launches():
     assert ph["gpu_idle_before"] == [38, 20]
     assert ph["api cudaLaunchKernel"] == [5, 4] and ph["api cuLaunchKernelEx"] == [8, 0]
     assert ph["api cudaStreamSynchronize"] == [45, 0]
+
+
+def test_pipelined_timing_runs_bursts_that_wait_only_at_their_end(monkeypatch):
+    """time_ort_gpu_pipelined (--pipelined): each timed burst is `burst` runs of the session on bound
+    buffers, all but the last with ORT's no-wait run option, the last one waiting; one per-run time per
+    burst. Here on ORT's CPU EP with OrtValue buffers (the flow, not the speed)."""
+    from onnx2fused.bench import timing
+
+    monkeypatch.setattr(timing, "ORT_DEVICE", "cpu")
+    sess = ort.InferenceSession(str(NERF), providers=["CPUExecutionProvider"])
+    waits = []
+
+    class Recording:   # the session, recording whether each run would wait for the GPU
+        def __getattr__(self, name):
+            return getattr(sess, name)
+
+        def run_with_iobinding(self, io, options=None):
+            no_sync = options is not None and options.get_run_config_entry(timing.NO_SYNC_OPTION) == "1"
+            waits.append(not no_sync)
+            return sess.run_with_iobinding(io, options)
+
+    info = bench.model_info(NERF)
+    ts = timing.time_ort_gpu_pipelined(timing._Dev(None), Recording(), info, 8, reps=3, warmup=2, burst=4)
+    assert len(ts) == 3 and all(t > 0 for t in ts)
+    first_timed = len(waits) - 3 * 4
+    assert waits[:first_timed] == [True] * first_timed   # the output-shape run and the warm-up runs wait
+    assert waits[first_timed:] == ([False] * 3 + [True]) * 3
+
+
+def test_pipelined_variants_are_columns_only_when_asked():
+    from onnx2fused.bench.variants import GPU_VARIANTS, PIPELINED, timed_variants
+    row = {"batch": 64, "ms": {"ort_fp16": 3.0, "fused": 1.0, "ort_fp16_pipelined": 2.5, "fused_pipelined": 0.5},
+           "na": {}, "speedup_vs_ort_fp16": 3.0, "speedup_pipelined_vs_ort_fp16": 5.0, "floor_ms": 0.1}
+    table = bench.format_table({"mode": "gpu", "rows": [row],
+                                "variants": timed_variants(GPU_VARIANTS, ["fused"] + list(PIPELINED.values()))})
+    header = table.splitlines()[0]
+    assert "onnx2fused pipelined ms" in header and "pipelined fused/fp16 x" in header and "5.00" in table
+    assert "pipelined" not in bench.format_table({"mode": "gpu", "rows": [row], "variants": GPU_VARIANTS})
+    assert parse(NERF, "--pipelined").pipelined and not parse(NERF).pipelined

@@ -7,6 +7,9 @@ batch size of a sweep:
   ort_fp16       stock ORT CUDA EP on an fp16 copy of the model (`to_fp16`)
   fused          the model converted by `onnx2fused.convert` (validated), plugin registered
   fused_graph    the same with ORT's CUDA graphs (enable_cuda_graph=1): no per-run ORT overhead
+  *_pipelined    (--pipelined) ort_fp16 and fused again, their runs back to back in bursts of 10 (every run
+                 but a burst's last with ORT's disable_synchronize_execution_providers=1): throughput, where
+                 the rows above are each run's latency from an idle GPU
   fused_fp16     (--fp16-model) ort_fp16's fp16 copy, converted: for models where much of the time is
                  outside the chains (a whole transformer), the like-for-like comparison with ort_fp16
   torch_eager    torch fp16 eager   (zoo models, or --torch-module)
@@ -38,7 +41,7 @@ from .models import (L2_ROTATE_BYTES, MAX_ELEMENTS, MEM_FRACTION, ROTATE_BUFFERS
                      fp16_model_file, gpu_batches, load_torch_module, model_info, to_fp16, zoo_torch_module)
 from .report import LABELS, _write_outputs, format_table, plot  # noqa: F401
 from .timing import (FALLBACK_BW, FALLBACK_TC, ORT_DEVICE, _cuda_torch, _Dev, measure_peaks,  # noqa: F401
-                     time_interleaved, time_ort_gpu, time_ort_gpu_interleaved, time_torch)
+                     time_interleaved, time_ort_gpu, time_ort_gpu_interleaved, time_ort_gpu_pipelined, time_torch)
 from .variants import (CPU_VARIANTS, DEFAULT_CPU_REPS, DEFAULT_GPU_BATCHES, DEFAULT_GPU_REPS,  # noqa: F401
                        DEFAULT_THREADS, GPU_VARIANTS, convert_model, fused_session, gpu_providers, run_cpu, run_gpu)
 
@@ -97,6 +100,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fp16-model", action="store_true",
                         help="GPU mode: also convert the fp16 copy ORT fp16 runs and time it (fused_fp16): "
                              "every op outside the chains then runs in fp16 as in ort_fp16")
+    parser.add_argument("--pipelined", action="store_true",
+                        help="GPU mode: also time ort_fp16 and fused with runs back to back (ort_fp16_pipelined, "
+                             "fused_pipelined): ORT's host work per run overlaps the GPU's, as in a serving loop")
     parser.add_argument("-q", "--quiet", action="store_true",
                         help="no progress lines on stderr (build steps and each timing, with the elapsed time)")
 

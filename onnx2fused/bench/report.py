@@ -21,6 +21,7 @@ from .models import _reason
 LABELS = {
     "ort_fp32": "ORT CUDA fp32", "ort_fp16": "ORT CUDA fp16", "fused": "onnx2fused",
     "fused_graph": "onnx2fused CUDA graph", "fused_fp16": "onnx2fused on the fp16 copy",
+    "ort_fp16_pipelined": "ORT CUDA fp16 pipelined", "fused_pipelined": "onnx2fused pipelined",
     "torch_eager": "torch eager fp16", "torch_compile": "torch.compile fp16",
     "ort_cpu": "ORT CPU", "fused_cpu": "onnx2fused CPU",
 }
@@ -121,6 +122,8 @@ def format_table(result: dict) -> str:
                  ("fused/fp16 x", lambda r: _fmt(r.get("speedup_vs_ort_fp16"), "{:.2f}"))]
         if "fused_fp16" in variants:   # the fp16 copy fused, against ORT on the same copy
             cols.append(("fused fp16 copy/fp16 x", lambda r: _fmt(r.get("speedup_fp16_vs_ort_fp16"), "{:.2f}")))
+        if "fused_pipelined" in variants:   # both pipelined
+            cols.append(("pipelined fused/fp16 x", lambda r: _fmt(r.get("speedup_pipelined_vs_ort_fp16"), "{:.2f}")))
         cols += [("fused TFLOP/s", lambda r: _fmt(r.get("fused_tflops"), "{:.2f}")),
                  ("floor ms", lambda r: _fmt(r.get("floor_ms"))),
                  ("fused/floor", lambda r: _fmt(r.get("fused_over_floor"), "{:.2f}"))]

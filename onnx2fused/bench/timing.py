@@ -206,11 +206,30 @@ def _new_graph_options():
     return options
 
 
+# ORT's run option that ends a run without waiting for the GPU (no cudaStreamSynchronize on the CUDA EP's
+# stream): the pipelined timings run back to back with it, as a serving loop that never reads the
+# outputs on the host between runs would.
+NO_SYNC_OPTION = "disable_synchronize_execution_providers"
+PIPELINE_RUNS = 10   # runs per timed burst of a pipelined timing
+
+
+def _run_options(graph_id: bool, wait: bool):
+    """The run options of one binding: a CUDA graph of its own (graph_id), and/or no wait at the end."""
+    if not graph_id and wait:
+        return None
+    import onnxruntime as ort
+    options = _new_graph_options() if graph_id else ort.RunOptions()
+    if not wait:
+        options.add_run_config_entry(NO_SYNC_OPTION, "1")
+    return options
+
+
 def _ort_gpu_runner(dev: _Dev, sess, info: ModelInfo, batch: int, cuda_graph: bool = False):
     """(step, output features per row, buffers): step(i) runs the session once on device-resident inputs
-    and outputs (IOBinding), rotating input sets where they would stay in L2; `buffers` must outlive the
-    steps. cuda_graph: the session was made with enable_cuda_graph=1; each binding (fixed buffer
-    addresses) gets its own captured graph (run option gpu_graph_id), replayed on every later run."""
+    and outputs (IOBinding), rotating input sets where they would stay in L2; step(i, wait=False) returns
+    without waiting for the GPU (NO_SYNC_OPTION); `buffers` must outlive the steps. cuda_graph: the
+    session was made with enable_cuda_graph=1; each binding (fixed buffer addresses) gets its own captured
+    graph (run option gpu_graph_id), replayed on every later run."""
     sets = _make_inputs(dev, sess, info, batch, 1)
     in_bytes = sum(dev.nbytes(b) for b in sets[0].values())
     if in_bytes < L2_ROTATE_BYTES:   # small enough to stay in L2 between runs: rotate buffers
@@ -227,10 +246,10 @@ def _ort_gpu_runner(dev: _Dev, sess, info: ModelInfo, batch: int, cuda_graph: bo
     del io0
     dev.sync()
     bindings = [_bind(dev, sess, s, outs) for s in sets]
-    run_options = [_new_graph_options() if cuda_graph else None for _ in bindings]
+    run_options = {wait: [_run_options(cuda_graph, wait) for _ in bindings] for wait in (True, False)}
 
-    def step(i: int):
-        sess.run_with_iobinding(bindings[i % len(bindings)], run_options[i % len(bindings)])
+    def step(i: int, wait: bool = True):
+        sess.run_with_iobinding(bindings[i % len(bindings)], run_options[wait][i % len(bindings)])
     return step, out_feat, (sets, outs, bindings)
 
 
@@ -244,6 +263,28 @@ def time_ort_gpu(dev: _Dev, sess, info: ModelInfo, batch: int, reps: int, warmup
     ts = dev.time(step, reps, warmup)
     del step, buffers
     return ts, out_feat
+
+
+def time_ort_gpu_pipelined(dev: _Dev, sess, info: ModelInfo, batch: int, reps: int, warmup: int,
+                           burst: int = PIPELINE_RUNS) -> list[float]:
+    """Per-run ms of runs back to back: `reps` bursts of `burst` runs, each burst timed on the host from an
+    idle device to the end of its last run; every run but the last returns without waiting for the GPU
+    (NO_SYNC_OPTION), so ORT's host work for the next run overlaps the GPU's work on this one, and the
+    last run's wait (ORT synchronises its stream) ends the burst. A burst's time / burst per run: the
+    throughput of a serving loop, against the latency that time_ort_gpu measures."""
+    step, _, buffers = _ort_gpu_runner(dev, sess, info, batch)
+    for i in range(warmup):
+        step(i)
+    ts = []
+    for _ in range(reps):
+        dev.sync()
+        t0 = time.perf_counter()
+        for j in range(burst - 1):
+            step(j, wait=False)
+        step(burst - 1)
+        ts.append((time.perf_counter() - t0) * 1e3 / burst)
+    del step, buffers
+    return ts
 
 
 def time_ort_gpu_interleaved(dev: _Dev, sessions: dict, info: ModelInfo, batch: int, reps: int,

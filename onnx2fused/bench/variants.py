@@ -16,7 +16,7 @@ from .models import (_ELEM_NP, _features, _find_zoo_entry, _input_shape, _random
                      fp16_model_file, gpu_batches, load_torch_module, model_info, zoo_torch_module)
 from .report import _command_line, _cpu_name, _git_commit, _versions, _write_outputs, format_table
 from .timing import (FALLBACK_BW, FALLBACK_TC, _cuda_torch, _Dev, _empty_cache, measure_peaks, spread,
-                     time_interleaved, time_ort_gpu, time_torch)
+                     time_interleaved, time_ort_gpu, time_ort_gpu_pipelined, time_torch)
 
 DEFAULT_GPU_BATCHES = [2 ** k for k in range(10, 23, 2)]   # 2^10 ... 2^22, x4
 DEFAULT_GPU_REPS = 100
@@ -24,7 +24,9 @@ DEFAULT_CPU_REPS = 15
 DEFAULT_THREADS = 2
 
 GPU_VARIANTS = ["ort_fp32", "ort_fp16", "fused", "fused_graph", "torch_eager", "torch_compile"]
-OPTIONAL_GPU_VARIANTS = ["fused_fp16"]   # --fp16-model
+OPTIONAL_GPU_VARIANTS = ["fused_fp16",                       # --fp16-model
+                         "ort_fp16_pipelined", "fused_pipelined"]   # --pipelined: these sessions' runs back to back
+PIPELINED = {"ort_fp16": "ort_fp16_pipelined", "fused": "fused_pipelined"}
 CPU_VARIANTS = ["ort_cpu", "fused_cpu"]
 
 
@@ -319,18 +321,24 @@ def run_gpu(args, say=None) -> int:
                 r["na"][name] = reason
             continue
         failed = None
+        pipelined = PIPELINED.get(name) if getattr(args, "pipelined", False) else None
         for b in batches:
             if failed:
-                rows[b]["na"][name] = f"skipped after a failure at a smaller batch: {failed}"
+                for n in (name, pipelined) if pipelined else (name,):
+                    rows[b]["na"][n] = f"skipped after a failure at a smaller batch: {failed}"
                 continue
             try:
                 ts, of = time_ort_gpu(dev, sess, info, b, reps, warmup, cuda_graph=name == "fused_graph")
                 _record(rows[b], name, ts)
                 out_features.setdefault(b, of)
                 say(f"  {name:<14} batch {b:>8}: {_timed(rows[b], name)}")
+                if pipelined:
+                    _record(rows[b], pipelined, time_ort_gpu_pipelined(dev, sess, info, b, reps, warmup))
+                    say(f"  {pipelined:<14} batch {b:>8}: {_timed(rows[b], pipelined)}")
             except Exception as e:
                 failed = _reason(e)
-                rows[b]["na"][name] = failed
+                for n in (name, pipelined) if pipelined else (name,):
+                    rows[b]["na"].setdefault(n, failed)
                 say(f"  {name:<14} batch {b:>8}: n/a ({failed})")
             gc.collect()
             _empty_cache(torch)
@@ -402,6 +410,9 @@ def run_gpu(args, say=None) -> int:
         r["speedup_vs_ort_fp16"] = s16 / f if f and s16 else None
         r["fused_tflops"] = r["flops"] / (f * 1e-3) / 1e12 if f and r["flops"] else None
         r["fused_over_floor"] = f / r["floor_ms"] if f and r["floor_ms"] else None
+        fp, sp = r["ms"].get("fused_pipelined"), r["ms"].get("ort_fp16_pipelined")
+        if fp and sp:
+            r["speedup_pipelined_vs_ort_fp16"] = sp / fp
         f16 = r["ms"].get("fused_fp16")
         if f16 and s16:
             r["speedup_fp16_vs_ort_fp16"] = s16 / f16
@@ -410,11 +421,15 @@ def run_gpu(args, say=None) -> int:
         "mode": "gpu", "model": str(model), "device": device,
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "versions": _versions(), "commit": _git_commit(), "command": _command_line(), "argv": sys.argv[:],
-        "precision": args.precision, "reps": reps, "warmup": warmup, "variants": timed_variants(GPU_VARIANTS, [n for n, _ in variants]),
+        "precision": args.precision, "reps": reps, "warmup": warmup, "variants": timed_variants(GPU_VARIANTS, [n for n, _ in variants]
+                                                                       + (list(PIPELINED.values()) if getattr(args, "pipelined", False) else [])),
         "measured": {"copy_bytes_per_s": bw, "fp16_matmul_flops_per_s": tc},
         "timing": ("CUDA events" if torch is not None else "host timers") +
                   " around each run (ORT: run_with_iobinding, synchronous; torch: forward + event sync), "
-                  "device-resident inputs/outputs, inputs < 50 MB rotated over 4 buffers; median, p10, p90",
+                  "device-resident inputs/outputs, inputs < 50 MB rotated over 4 buffers; median, p10, p90"
+                  + ("; *_pipelined: bursts of runs back to back (run option disable_synchronize_execution_providers=1 "
+                     "but the last), host time of a burst from an idle device / its runs"
+                     if getattr(args, "pipelined", False) else ""),
         "notes": notes, "layers": [[l.k, l.n] for l in info.layers],
         "rows": [rows[b] for b in batches],
     }
