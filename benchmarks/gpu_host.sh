@@ -188,7 +188,7 @@ issue15)
   # back), one process each; the bench.json files to $OUT/issue15.tar
   for c in "nerf 2097152" "gelu 1048576" "silu 262144" "sdf 1048576"; do
     set -- $c
-    python3 -m onnx2fused bench "models/$1.opset17.onnx" --batches "$2" --out "/tmp/issue15/$1" --reps 50 --pipelined -q 2>&1 | head -3
+    python3 -m onnx2fused bench "models/$1.opset17.onnx" --batches "$2" --out "/tmp/issue15/$1" --reps 50 --pipelined -q > "/tmp/issue15_$1.log" 2>&1; head -3 "/tmp/issue15_$1.log"
   done
   (cd /tmp/issue15 && tar cf "$OUT/issue15.tar" */bench.json)
   ;;
