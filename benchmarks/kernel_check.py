@@ -132,6 +132,11 @@ VARIANTS = {
     "w256silu_pf0": ("w256silu", WgmmaOptions(prefetch=0)),
     "w256silu_st6": ("w256silu", WgmmaOptions(stages=6)),
     "w256silu_st4": ("w256silu", WgmmaOptions(stages=4)),
+    # 3 warpgroups for silu: chunks of 16 columns leave 166 registers, no spills (ptxas -v; 32: spills), but
+    # 16-column chunks through the ring took 0.84-0.90 ms against 0.33 (H100, twenty-first run): not a way
+    "w256silu_wg3_c16": ("w256silu", WgmmaOptions(nwg=3, chunk_max=16)),
+    "w256silu_wg3_c16_st6": ("w256silu", WgmmaOptions(nwg=3, chunk_max=16, stages=6)),
+    "w256silu_c16": ("w256silu", WgmmaOptions(chunk_max=16)),
     # gated layers in the wgmma design (the cost model's choice on Hopper since the fourteenth run)
     "glu64_wg": ("glu64", WgmmaOptions()),
     "glu256_wg": ("glu256", WgmmaOptions()),
