@@ -94,6 +94,17 @@ def test_silu_256_streams_its_weights_through_a_ring():
     assert not choose.make_plan(GELU).streamed
 
 
+def test_warpgroup_override_is_held_to_the_estimate_without_its_per_chunk_term():
+    """An nwg override is refused only where the register estimate, less the per-chunk term (which
+    over-counts narrow chunks: silu in 16-column chunks used 166 registers with 3 warpgroups, estimated
+    ~232), is far over the cap; the plan keeps what was asked."""
+    fallback = choose.make_plan(SILU).fallback
+    plan = wgmma.make_wgmma_plan(SILU, fallback, nwg=3, chunk_max=16)
+    assert (plan.nwg, plan.threads, plan.layers[0].nc) == (3, 384, 16)
+    with pytest.raises(SpecError, match="no wgmma plan with 4 warpgroups"):   # 128 A registers alone at 4
+        wgmma.make_wgmma_plan(SILU, fallback, nwg=4, chunk_max=16)
+
+
 def test_ring_size_follows_the_shared_memory_limit():
     """Fewer slots where less shared memory is left; refused, with the reason, where 3 do not fit."""
     smem = lambda stages: stages * 32768 + 1024 * 4 + 8 * stages + 4 * stages + wgmma.SLACK
