@@ -144,9 +144,6 @@ DEFAULT_CHOICE = Sm90Choice(LIGHT_KERNEL, "data_parallel")
 # Convert-time override of the untuned default's kernel, by name (Pingpong128x128: CUTLASS's, as before
 # Light128x128; A/B comparisons, or a way back should our kernel misbehave somewhere).
 DEFAULT_KERNEL_ENV = "ONNX2FUSED_WIDE_DEFAULT_KERNEL"
-# The untuned default of a first layer read in place (tf32): CUTLASS's Tf32Pingpong128x128 (measured faster
-# through ORT than ours on fp32 operands, Tf32Light128x128: see SM90_KERNELS).
-DEFAULT_TF32_CHOICE = Sm90Choice(TF32_KERNELS[1], "data_parallel")
 # Convert-time override of the tf32 default's kernel, by name (Tf32Light128x128: ours, no CUTLASS 3.x
 # instance in an untuned build of a chain whose first layer reads fp32 in place: a faster cold convert).
 DEFAULT_TF32_KERNEL_ENV = "ONNX2FUSED_WIDE_DEFAULT_TF32_KERNEL"
@@ -160,6 +157,11 @@ def kernel_index(name: str) -> int:
         if k.name == name:
             return i
     raise ValueError(f"no Hopper kernel named {name!r}")
+
+
+# The untuned default of a first layer read in place (tf32): CUTLASS's Tf32Pingpong128x128 (measured faster
+# through ORT than ours on fp32 operands, Tf32Light128x128: see SM90_KERNELS).
+DEFAULT_TF32_CHOICE = Sm90Choice(kernel_index("Tf32Pingpong128x128"), "data_parallel")
 
 
 def _choice_from_env(env: str, tf32: bool, default: Sm90Choice) -> Sm90Choice:
