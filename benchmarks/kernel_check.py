@@ -292,21 +292,37 @@ class Case:
             got, ref = got - xs, ref - xs
         return float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
 
-    def time(self, batch: int, reps: int = 200) -> float:
+    def timing_buffers(self, batch: int) -> tuple[list, object]:
+        """Inputs (4 rotated where they would fit in L2) and an output for timed launches, warmed up."""
         torch = self.torch
-        nbuf = 4 if batch * self.spec.widths[0] * 4 < 64e6 else 1  # rotate inputs when they'd fit in L2
+        nbuf = 4 if batch * self.spec.widths[0] * 4 < 64e6 else 1
         xs = [torch.randn(batch, self.spec.widths[0], device="cuda").to(self.io_dtype) for _ in range(nbuf)]
         y = torch.empty(batch, self.spec.widths[-1], device="cuda", dtype=self.io_dtype)
         for i in range(10):
             check(self.run(xs[i % nbuf], y), "run")
         torch.cuda.synchronize()
+        return xs, y
+
+    def launches(self, bufs: tuple[list, object], n: int) -> list[float]:
+        """ms of each of n launches back to back (CUDA events around each)."""
+        torch, (xs, y) = self.torch, bufs
         times = []
-        for i in range(reps):
+        for i in range(n):
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record(); self.run(xs[i % nbuf], y); e.record()
+            s.record(); self.run(xs[i % len(xs)], y); e.record()
             times.append((s, e))
         torch.cuda.synchronize()
-        return float(np.median([s.elapsed_time(e) for s, e in times]))
+        return [s.elapsed_time(e) for s, e in times]
+
+    def time(self, batch: int, reps: int = 200) -> float:
+        return float(np.median(self.launches(self.timing_buffers(batch), reps)))
+
+
+def interleaved_rounds(names: list[str], rounds: int) -> list[list[str]]:
+    """--interleave: the order the cases are timed in, round by round: every case once a round, the order
+    reversed every other round, so that the GPU's drift within a call (clocks, temperature: up to ~5 %
+    between calls on one H100) falls on every case alike instead of on whichever ran late."""
+    return [list(names) if r % 2 == 0 else list(reversed(names)) for r in range(rounds)]
 
 
 def case_watchdog(name: str, seconds: float) -> threading.Timer:
@@ -347,6 +363,9 @@ def main():
     ap.add_argument("--profile", action="store_true", help="one launch at the case's batch, no checks (for ncu)")
     ap.add_argument("--quick", action="store_true", help="blocks: skip the 1000003-row check")
     ap.add_argument("--a32", action="store_true", help="also each packed fp16 case with fp32 activations (<case>_a32)")
+    ap.add_argument("--interleave", type=int, default=0, metavar="ROUNDS",
+                    help="time the cases after every check, in ROUNDS rounds of 200/ROUNDS launches each, taking "
+                         "turns (interleaved_rounds): for A/B comparisons within one call")
     ap.add_argument("--case-timeout", type=float, default=0,
                     help="seconds a case may take to check and time before the run stops with its name (a hung kernel)")
     a = ap.parse_args()
@@ -362,6 +381,7 @@ def main():
         libs = {n: pool.submit(compile_case, n, spec, opts, out, a.arch) for n, (spec, _, opts) in cases.items()}
     print(f"compiled {len(cases)} cases in {time.time() - t0:.0f} s", flush=True)
     watchdog = case_watchdog("", 0)
+    deferred = {}   # --interleave: name -> (row, case, buffers), timed after every check
     for name, (spec, batch, options) in cases.items():
         t0 = time.time()
         watchdog.cancel()   # the last case's, whether it ended in a row or a failure
@@ -386,13 +406,30 @@ def main():
         except Exception as e:
             print(f"{name}: CHECK FAILED {e}", flush=True)
             continue
-        ms = float("nan") if a.no_time else c.time(batch)
+        if a.interleave and not a.no_time:
+            deferred[name] = (c, c.timing_buffers(batch))
+            ms = float("nan")
+        else:
+            ms = float("nan") if a.no_time else c.time(batch)
         fl_ms, flops = floor_ms(spec, batch)
         row = dict(case=name, spec=spec.name, plan=plan, batch=batch, relerr=err, ms=ms, floor_ms=fl_ms,
                    tflops=flops / (ms * 1e-3) / 1e12 if ms == ms else None, build_s=time.time() - t0)
         rows.append(row)
         print(json.dumps(row), flush=True)
     watchdog.cancel()
+    if deferred:
+        times = {n: [] for n in deferred}
+        for order in interleaved_rounds(list(deferred), a.interleave):
+            for n in order:
+                c, bufs = deferred[n]
+                times[n] += c.launches(bufs, max(1, 200 // a.interleave))
+        for r in rows:
+            if r["case"] in times:
+                ts = times[r["case"]]
+                r["ms"] = float(np.median(ts))
+                r["p10_ms"], r["p90_ms"] = (float(v) for v in np.percentile(ts, [10, 90]))
+                r["tflops"] = floor_ms(cases[r["case"]][0], r["batch"])[1] / (r["ms"] * 1e-3) / 1e12
+        print(f"timed in {a.interleave} interleaved rounds (p10..p90 in kernel_check.json)", flush=True)
     (Path(a.out) / "kernel_check.json").write_text(json.dumps(rows, indent=1))
     print(f"{'case':20} {'plan':9} {'batch':>8} {'relerr':>8} {'ms':>8} {'floor':>7} {'x floor':>7} {'TFLOP/s':>7}")
     for r in rows:

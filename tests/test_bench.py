@@ -433,3 +433,12 @@ def test_pipelined_variants_are_columns_only_when_asked():
     assert "onnx2fused pipelined ms" in header and "pipelined fused/fp16 x" in header and "5.00" in table
     assert "pipelined" not in bench.format_table({"mode": "gpu", "rows": [row], "variants": GPU_VARIANTS})
     assert parse(NERF, "--pipelined").pipelined and not parse(NERF).pipelined
+
+
+def test_kernel_check_interleaves_its_timings_in_alternating_rounds():
+    """kernel_check --interleave: every case once a round, the order reversed every other round."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import kernel_check
+    rounds = kernel_check.interleaved_rounds(["a", "b", "c"], 4)
+    assert rounds == [["a", "b", "c"], ["c", "b", "a"], ["a", "b", "c"], ["c", "b", "a"]]
+    assert kernel_check.interleaved_rounds(["a"], 0) == []
