@@ -381,7 +381,7 @@ def main():
         libs = {n: pool.submit(compile_case, n, spec, opts, out, a.arch) for n, (spec, _, opts) in cases.items()}
     print(f"compiled {len(cases)} cases in {time.time() - t0:.0f} s", flush=True)
     watchdog = case_watchdog("", 0)
-    deferred = {}   # --interleave: name -> (row, case, buffers), timed after every check
+    deferred = {}   # --interleave: name -> (case, its timing buffers), timed once every case is checked
     for name, (spec, batch, options) in cases.items():
         t0 = time.time()
         watchdog.cancel()   # the last case's, whether it ended in a row or a failure
