@@ -283,12 +283,16 @@ def run_case(name: str, out_dir: Path, reps: int, warmup: int, dev, providers, k
                 sess = opened(make)
                 ts, _ = bench.time_ort_gpu(dev, sess, info, batch, reps, warmup)
                 record(variant, ts, sess)
-                if pipelined and variant in ("ort_fp16", "fused", "fused_fp16"):
-                    ms = float(np.median(bench.time_ort_gpu_pipelined(dev, sess, info, batch, reps, warmup)))
-                    result.setdefault("ms_pipelined", {})[variant] = ms
-                    print(f"  {variant:<10} {ms:.4f} ms pipelined (runs back to back)", flush=True)
             except Exception as e:  # noqa: BLE001 - one failed variant must not hide the others
                 failed(variant, e)
+            else:
+                if pipelined and variant in ("ort_fp16", "fused", "fused_fp16"):
+                    try:   # a failure here is the pipelined timing's alone
+                        ms = float(np.median(bench.time_ort_gpu_pipelined(dev, sess, info, batch, reps, warmup)))
+                        result.setdefault("ms_pipelined", {})[variant] = ms
+                        print(f"  {variant:<10} {ms:.4f} ms pipelined (runs back to back)", flush=True)
+                    except Exception as e:  # noqa: BLE001
+                        failed(f"{variant} pipelined", e)
             finally:
                 sess = None
     result["speedup"] = speedups(result["ms"], "fused")

@@ -303,6 +303,7 @@ def run_gpu(args, say=None) -> int:
                 ("fused_graph", make_fused_graph)]
     if getattr(args, "fp16_model", False):
         variants.append(("fused_fp16", make_fused_fp16))
+    pipelining = getattr(args, "pipelined", False)
     rows = {b: {"batch": b, "ms": {}, "na": {}, "rep_ms": {}} for b in batches}
     out_features = {}
 
@@ -321,10 +322,11 @@ def run_gpu(args, say=None) -> int:
                 r["na"][name] = reason
             continue
         failed = None
-        pipelined = PIPELINED.get(name) if getattr(args, "pipelined", False) else None
+        pipelined = PIPELINED.get(name) if pipelining else None   # the same session's runs back to back
+        timed = (name, pipelined) if pipelined else (name,)
         for b in batches:
             if failed:
-                for n in (name, pipelined) if pipelined else (name,):
+                for n in timed:
                     rows[b]["na"][n] = f"skipped after a failure at a smaller batch: {failed}"
                 continue
             try:
@@ -332,14 +334,19 @@ def run_gpu(args, say=None) -> int:
                 _record(rows[b], name, ts)
                 out_features.setdefault(b, of)
                 say(f"  {name:<14} batch {b:>8}: {_timed(rows[b], name)}")
-                if pipelined:
-                    _record(rows[b], pipelined, time_ort_gpu_pipelined(dev, sess, info, b, reps, warmup))
-                    say(f"  {pipelined:<14} batch {b:>8}: {_timed(rows[b], pipelined)}")
             except Exception as e:
                 failed = _reason(e)
-                for n in (name, pipelined) if pipelined else (name,):
-                    rows[b]["na"].setdefault(n, failed)
+                for n in timed:
+                    rows[b]["na"][n] = failed
                 say(f"  {name:<14} batch {b:>8}: n/a ({failed})")
+            else:
+                if pipelined:   # a failure here is the pipelined variant's alone
+                    try:
+                        _record(rows[b], pipelined, time_ort_gpu_pipelined(dev, sess, info, b, reps, warmup))
+                        say(f"  {pipelined:<14} batch {b:>8}: {_timed(rows[b], pipelined)}")
+                    except Exception as e:
+                        rows[b]["na"][pipelined] = _reason(e)
+                        say(f"  {pipelined:<14} batch {b:>8}: n/a ({rows[b]['na'][pipelined]})")
             gc.collect()
             _empty_cache(torch)
         del sess
@@ -422,14 +429,14 @@ def run_gpu(args, say=None) -> int:
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "versions": _versions(), "commit": _git_commit(), "command": _command_line(), "argv": sys.argv[:],
         "precision": args.precision, "reps": reps, "warmup": warmup, "variants": timed_variants(GPU_VARIANTS, [n for n, _ in variants]
-                                                                       + (list(PIPELINED.values()) if getattr(args, "pipelined", False) else [])),
+                                                                       + (list(PIPELINED.values()) if pipelining else [])),
         "measured": {"copy_bytes_per_s": bw, "fp16_matmul_flops_per_s": tc},
         "timing": ("CUDA events" if torch is not None else "host timers") +
                   " around each run (ORT: run_with_iobinding, synchronous; torch: forward + event sync), "
                   "device-resident inputs/outputs, inputs < 50 MB rotated over 4 buffers; median, p10, p90"
                   + ("; *_pipelined: bursts of runs back to back (run option disable_synchronize_execution_providers=1 "
                      "but the last), host time of a burst from an idle device / its runs"
-                     if getattr(args, "pipelined", False) else ""),
+                     if pipelining else ""),
         "notes": notes, "layers": [[l.k, l.n] for l in info.layers],
         "rows": [rows[b] for b in batches],
     }

@@ -374,16 +374,18 @@ def make_wgmma_plan(spec: MLPSpec, fallback, reason: str = "", smem_limit: int =
             raise SpecError(f"{spec.describe()}: a ring of {stages} slots: {STAGES_MIN} to {most} fit")
     else:
         stages = min(STAGES_DEFAULT, most) if most else 0
-    base = _registers(layers) + REGISTER_OVERHEAD + (RING_REGISTERS if stages else 0)
+    fragments = _registers(layers)
+    overhead = REGISTER_OVERHEAD + (RING_REGISTERS if stages else 0)
+    base = fragments + overhead
     # an override is held to the cap only where the estimate is far over: the estimate is conservative
     # (nerf: ~88 estimated, 78 used; silu 256x4 in chunks of 16: ~232 estimated without the ring, 166 used
     # with 3 warpgroups, no spills) and __launch_bounds__ makes ptxas fit the cap (spills show in -v); the
     # per-chunk term is left out here
-    lean = _registers(layers, per_chunk=0) + REGISTER_OVERHEAD + (RING_REGISTERS if stages else 0)
+    lean = _registers(layers, per_chunk=0) + overhead
     if nwg is not None and (nwg not in OVERRIDE_CAPS or lean > OVERRIDE_CAPS[nwg] + 24):
         raise SpecError(f"{spec.describe()}: no wgmma plan with {nwg} warpgroups: ~{base} registers a thread")
     if (nwg is None and not stages and not any(l.gated for l in layers)   # (gated: not measured)
-            and _registers(layers) <= FOUR_WARPGROUP_FRAGMENTS):
+            and fragments <= FOUR_WARPGROUP_FRAGMENTS):
         nwg = REGISTER_CAPS[0][0]
     nwg, cap = (nwg, OVERRIDE_CAPS[nwg]) if nwg is not None else next((n, c) for n, c in REGISTER_CAPS if base <= c)
     k0_steps = layers[0].k_steps
