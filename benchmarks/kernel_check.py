@@ -61,6 +61,9 @@ CASES = {
     "nerf64_tf32": (mlp([32, 64, 64, 64, 64, 16], ex.relu(), "tf32"), 2**21),
     "w256silu_tf32": (mlp([256, 256, 256, 256, 256], ex.silu(), "tf32"), 2**18),
     "w256silu_f16io": (mlp([256, 256, 256, 256, 256], ex.silu(), io="f16"), 2**18),   # half the input bytes
+    # the issue-15 shapes with ReLU: what the kernels take with (nearly) no activation work
+    "w256relu": (mlp([256, 256, 256, 256, 256], ex.relu()), 2**18),
+    "w128relu": (mlp([64, 128, 128, 128, 128, 64], ex.relu()), 2**20),
     "w128gelu_f16io": (mlp([64, 128, 128, 128, 128, 64], ex.gelu_erf(), io="f16"), 2**20),
     # SwiGLU pairs (silu(x Wg + bg) * (x Wu + bu)): the zoo's 64 -> 256 -> 64 shape at 2^20 rows, and a
     # 256-wide one whose weights stream (the mma.sync kernels by the cost model; _wg: wgmma, forced)
@@ -119,6 +122,10 @@ VARIANTS = {
     "w128gelu_pf": ("w128gelu", WgmmaOptions(staged_input=False)),
     "nerf64_wg_si": ("nerf64", WgmmaOptions(staged_input=True)),
     "odd4_si": ("odd4", WgmmaOptions(staged_input=True)),
+    # the staged rows copied by one cp.async.bulk a row (BULK_INPUT) against 16-byte cp.async copies
+    "w256silu_bulk": ("w256silu", WgmmaOptions(bulk_input=True)),
+    "w128gelu_bulk": ("w128gelu", WgmmaOptions(bulk_input=True)),
+    "odd4_si_bulk": ("odd4", WgmmaOptions(staged_input=True, bulk_input=True)),
     # 3 warpgroups where FOUR_WARPGROUP_FRAGMENTS gives 4
     "w128gelu_wg3": ("w128gelu", WgmmaOptions(nwg=3)),
     "w128gelu_f16io_wg3": ("w128gelu_f16io", WgmmaOptions(nwg=3)),
@@ -175,7 +182,21 @@ def all_cases(base: PlanOptions, a32: bool = False) -> dict:
     return cases
 
 
-def compile_case(name: str, spec: MLPSpec, options: PlanOptions, out: Path, arch: str) -> Path:
+def diag_cases(items: list[str], cases: dict) -> dict:
+    """--diag NAME=BASE:MACRO[+MACRO...]: case BASE built with O2F_DIAG_<MACRO> defined (templates: NO_FILL,
+    no weight copies through the ring; NO_LOAD, no input copies; NO_STORE, no output stores), timed but not
+    checked (its outputs are wrong by design): what a cost would be if it were gone. name -> (base, defines)."""
+    out = {}
+    for item in items:
+        name, _, rest = item.partition("=")
+        base, _, macros = rest.partition(":")
+        if not name or base not in cases or not macros:
+            raise SystemExit(f"--diag {item!r}: expected NAME=BASE:MACRO[+MACRO], BASE a case")
+        out[name] = (base, [f"-DO2F_DIAG_{m.upper()}" for m in macros.split("+")])
+    return out
+
+
+def compile_case(name: str, spec: MLPSpec, options: PlanOptions, out: Path, arch: str, defines=()) -> Path:
     folder = out / name   # the kernel's sources and the headers they include
     folder.mkdir(parents=True, exist_ok=True)
     sources = codegen.cuda_sources(make_plan(spec, options))
@@ -189,7 +210,7 @@ def compile_case(name: str, spec: MLPSpec, options: PlanOptions, out: Path, arch
                f"arch=compute_{arch},code=[sm_{arch},compute_{arch}]"]
     if any(targets.needs_sm90a(t) for t in sources.values()):   # the wgmma design: sm_90a, as build.py compiles it
         gencode = targets.wgmma_nvcc_flags(gencode)
-    cmd = ["nvcc", "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-lineinfo", *gencode,
+    cmd = ["nvcc", "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-lineinfo", *gencode, *defines,
            "-Xptxas", "-v", *map(str, units), "-o", str(lib)]
     r = subprocess.run(cmd, capture_output=True, text=True)
     (out / f"{name}.ptxas.txt").write_text(r.stdout + r.stderr)
@@ -366,6 +387,9 @@ def main():
     ap.add_argument("--interleave", type=int, default=0, metavar="ROUNDS",
                     help="time the cases after every check, in ROUNDS rounds of 200/ROUNDS launches each, taking "
                          "turns (interleaved_rounds): for A/B comparisons within one call")
+    ap.add_argument("--diag", nargs="*", default=[], metavar="NAME=BASE:MACRO",
+                    help="also BASE built with O2F_DIAG_MACRO (NO_FILL, NO_LOAD, NO_STORE; + joins several), "
+                         "timed unchecked as NAME: what the kernel would take without that work")
     ap.add_argument("--case-timeout", type=float, default=0,
                     help="seconds a case may take to check and time before the run stops with its name (a hung kernel)")
     a = ap.parse_args()
@@ -373,12 +397,16 @@ def main():
     out = Path(a.out) / "kernels"
     out.mkdir(parents=True, exist_ok=True)
     rows = []
-    cases = {n: c for n, c in all_cases(PlanOptions.from_env(), a.a32).items()
+    every = all_cases(PlanOptions.from_env(), a.a32)
+    cases = {n: c for n, c in every.items()
              if not a.only or n in a.only or (n.endswith("_a32") and n[:-4] in a.only)}
+    diags = diag_cases(a.diag, every)
+    cases.update({n: every[b] for n, (b, _) in diags.items()})
     t0 = time.time()
     # nvcc runs are independent: compile every case at once, then check and time one by one.
     with concurrent.futures.ThreadPoolExecutor(max(1, (os.cpu_count() or 2) // 2)) as pool:
-        libs = {n: pool.submit(compile_case, n, spec, opts, out, a.arch) for n, (spec, _, opts) in cases.items()}
+        libs = {n: pool.submit(compile_case, n, spec, opts, out, a.arch, diags.get(n, (None, ()))[1])
+                for n, (spec, _, opts) in cases.items()}
     print(f"compiled {len(cases)} cases in {time.time() - t0:.0f} s", flush=True)
     watchdog = case_watchdog("", 0)
     deferred = {}   # --interleave: name -> (case, its timing buffers), timed once every case is checked
@@ -400,7 +428,7 @@ def main():
             continue
         plan = "fp32" if spec.precision == "fp32" else make_plan(spec, options).describe()
         try:
-            errs = [c.check(b) for b in (0, 1, 127, 129, 1000, min(batch, 70001))
+            errs = [float("nan")] if name in diags else [c.check(b) for b in (0, 1, 127, 129, 1000, min(batch, 70001))
                     + (BLOCK_BATCHES if spec.has_block and not a.quick else ())]
             err = max(errs)
         except Exception as e:

@@ -5,7 +5,7 @@ words and offsets, the chunk schedule, fragment indices, columns; the template o
 from __future__ import annotations
 
 from .cuda_params import act_params, spec_params
-from .plan.wgmma import BULK_PIECE, WgmmaLayer, WgmmaPlan
+from .plan.wgmma import BULK_PIECE, BULK_ROW_PAD, WgmmaLayer, WgmmaPlan
 from .spec import MLPSpec
 
 
@@ -118,6 +118,8 @@ def wgmma_params(plan: WgmmaPlan) -> dict:
         "cnt_smem_offset": plan.smem.cnt_offset,
         "staged": plan.staged_input, "in_smem_offset": plan.smem.input_offset,
         "staged_col0": 16 * plan.prefetch, "staged_cols": plan.staged_cols,
+        "bulk_input": plan.bulk_input, "in_bar_smem_offset": plan.smem.input_bar_offset,
+        "in_row_bytes": plan.staged_cols * 4 + BULK_ROW_PAD,
         "ring_chunks": sum(l.chunks for l in plan.layers),
         "image_offset": plan.image_offset, "bias_offset": plan.bias_offset,
         "workspace_bytes": plan.workspace_bytes, "fallback_bytes": plan.fallback_bytes,

@@ -132,28 +132,41 @@ def test_clusters_are_an_override_of_streamed_plans():
 def test_staged_input_where_registers_cannot_hold_the_next_tile():
     """The next tile's fp32 rows wait in a shared-memory buffer per warpgroup, placed after the ring's
     counters, where the register prefetch cannot hold them all; the k-steps that do not fit stay prefetched
-    into registers (silu's 256-wide rows beside its 96 KB ring: 1 of 16); the copies are cp.async into
-    swizzled rows, read back as A fragments between two warpgroup barriers, and a call whose x is not
-    16-byte aligned runs the fallback. staged_input=False keeps the register prefetch; True is refused
-    for fp16 rows and for rows of K0 % 4 != 0 (16-byte copies)."""
+    into registers (silu's 256-wide rows beside its 96 KB ring: 1 of 16). By default (BULK_INPUT) each row
+    is one cp.async.bulk into a row BULK_ROW_PAD bytes longer than its values, completing on the warpgroup's
+    mbarrier; bulk_input=False copies 16-byte pieces by cp.async into swizzled rows. Either way the tile is
+    read back as A fragments before a warpgroup barrier, and a call whose x is not 16-byte aligned runs the
+    fallback. staged_input=False keeps the register prefetch; True is refused for fp16 rows and for rows
+    of K0 % 4 != 0 (16-byte copies)."""
     assert choose.make_plan(SILU).staged_input and not choose.make_plan(NERF, WGMMA).staged_input
-    silu = wgmma.make_wgmma_plan(SILU, choose.make_plan(SILU).fallback)
-    assert silu.prefetch == 1 and silu.staged_cols == 240 and silu.input_bytes == 2 * 64 * 240 * 4
+    fallback = choose.make_plan(SILU).fallback
+    silu = wgmma.make_wgmma_plan(SILU, fallback)
+    row = 240 * 4 + wgmma.BULK_ROW_PAD
+    assert silu.bulk_input and silu.prefetch == 1 and silu.staged_cols == 240 and silu.input_bytes == 2 * 64 * row
+    assert silu.smem.cnt_offset == silu.smem.input_bar_offset + 8 * silu.nwg   # an mbarrier a warpgroup
     assert silu.smem.input_offset >= silu.smem.cnt_offset + 4 * silu.stages and silu.smem.input_offset % 128 == 0
     assert silu.smem_bytes == silu.smem.input_offset + silu.input_bytes + wgmma.SLACK <= wgmma.SMEM_LIMIT
     assert "input tiles staged in shared memory a tile ahead (the first 1 k-step(s) in registers)" in silu.describe()
     gelu = wgmma.make_wgmma_plan(GELU, choose.make_plan(GELU).fallback)
-    assert gelu.nwg == 4 and gelu.prefetch == 0 and gelu.staged_cols == 64 and gelu.input_bytes == 4 * 64 * 64 * 4
+    assert gelu.nwg == 4 and gelu.prefetch == 0 and gelu.staged_cols == 64 and gelu.input_bytes == 4 * 64 * (256 + 32)
     src = codegen.cuda_sources(silu)[f"{SILU.name}_cuda.cu"]
     assert "constexpr int kStageCol0 = 16;" in src and "constexpr int kStageCols = 240;" in src
-    assert f"constexpr int kInSmem = {silu.smem.input_offset};" in src
+    assert f"constexpr int kInSmem = {silu.smem.input_offset};" in src and f"constexpr int kInRowBytes = {row};" in src
     body = src[src.index("fused_wgmma(const"):src.index("std::atomic<int> g_mode")]
-    assert body.count("stage_tile<kK0, kStageCol0, kStageCols>(") == 2 and body.count("wg_sync(wg);") == 2
-    assert "staged_ks<kStageCols>(a0[ks], inbuf, rin, ks - 1, t2)" in body and "load_ks<kK0>(v[" not in body
-    assert body.count("cp_async_wait<0>();") == 2   # each tile's copies, and the last ones before leaving
+    assert body.count("bulk_stage_tile<kK0, kStageCol0, kInRowBytes>(") == 2 and body.count("wg_sync(wg);") == 1
+    assert "bulk_staged_ks<kInRowBytes>(a0[ks], inbuf, rin, ks - 1, t2)" in body and "load_ks<kK0>(v[" not in body
+    assert body.count("mbar_wait(inbar, in_phase);") == 2   # each tile's copies, and the last ones before leaving
+    assert "cp_async_wait" not in body and "stage_tile<kK0, kStageCol0, kStageCols>" not in body
     assert "% 16 != 0) return " in src[src.index("_cuda_run("):]
-    kept = wgmma.make_wgmma_plan(SILU, choose.make_plan(SILU).fallback, staged_input=False)
-    assert kept.prefetch == 2 and kept.input_bytes == 0 and "input prefetch 2 k-steps" in kept.describe()
+    pieces = wgmma.make_wgmma_plan(SILU, fallback, bulk_input=False)
+    assert not pieces.bulk_input and pieces.input_bytes == 2 * 64 * 240 * 4 and pieces.smem_bytes < silu.smem_bytes
+    body = codegen.cuda_sources(pieces)[f"{SILU.name}_cuda.cu"]
+    body = body[body.index("fused_wgmma(const"):body.index("std::atomic<int> g_mode")]
+    assert body.count("stage_tile<kK0, kStageCol0, kStageCols>(") == 2 and body.count("wg_sync(wg);") == 2
+    assert "staged_ks<kStageCols>(a0[ks], inbuf, rin, ks - 1, t2)" in body and "bulk_" not in body
+    assert body.count("cp_async_wait<0>();") == 2
+    kept = wgmma.make_wgmma_plan(SILU, fallback, staged_input=False)
+    assert kept.prefetch == 2 and kept.input_bytes == 0 and not kept.bulk_input and "input prefetch 2 k-steps" in kept.describe()
     plain = codegen.cuda_sources(kept)[f"{SILU.name}_cuda.cu"]
     assert "stage_tile<" not in plain[plain.index("fused_wgmma(const"):] and "kStageCols" not in plain
     for spec, words in ((_spec([64, 128, 128, 64], io="f16"), "fp32 rows"), (_spec([66, 128, 128, 64]), "multiple of 4")):

@@ -77,6 +77,7 @@ class WgmmaOptions:
     cluster: int | None = None    # streamed plans: CTAs of a cluster sharing each chunk's copy (1: none)
     stages: int | None = None     # ring slots (default: 3 where the weights do not fit; given: streams any plan)
     staged_input: bool | None = None   # the next tile's fp32 rows copied into shared memory (STAGED_INPUT)
+    bulk_input: bool | None = None     # staged by one cp.async.bulk a row (BULK_INPUT)
 
     def given(self) -> dict:
         return _given(self)

@@ -81,6 +81,13 @@ CLUSTER_MAX = 4
 # RESULTS.md twentieth run). fp32 rows of K0 % 4 == 0 only (16-byte copies of whole rows' chunks); a call
 # whose x is not 16-byte aligned runs the mma.sync fallback.
 IN_ROW_ALIGN = 4          # K0 % IN_ROW_ALIGN == 0: a row's 16-byte chunks start 16-byte aligned
+# BULK_INPUT: the staged tile's rows copied by cp.async.bulk, one copy a row issued by one thread each and
+# completing on the warpgroup's mbarrier, instead of 16-byte cp.async copies by every thread. The rows sit
+# unswizzled BULK_ROW_PAD bytes apart beyond their length, which puts the 8 rows of an A-fragment read
+# in different banks (a row's length in bytes is a multiple of 64).
+BULK_ROW_PAD = 32
+BULK_INPUT = True         # H100, kernel alone: silu 256x4 at 2^18 rows 0.353 -> 0.330 ms, gelu 0.328 both
+                          # (RESULTS.md, twenty-second run)
 
 
 @dataclass(frozen=True)
@@ -144,6 +151,7 @@ class WgmmaPlan:
     slot_bytes: int = 0       # bytes of a ring slot (the largest chunk, LAYER_ALIGN-aligned)
     cluster: int = 1          # streamed: CTAs of a cluster, each copying 1/cluster of every chunk to all
     staged_input: bool = False   # STAGED_INPUT: the next tile's rows in shared memory, not registers
+    bulk_input: bool = False     # BULK_INPUT: staged by one cp.async.bulk a row
 
     design = "wgmma"
     uses_scratch = False      # the kernels only read their packed weights
@@ -172,12 +180,13 @@ class WgmmaPlan:
     @property
     def input_bytes(self) -> int:
         """Shared memory of the staged input tiles: 64 rows of staged_cols fp32 values per warpgroup."""
-        return self.nwg * _input_tile_bytes(self.staged_cols)
+        return self.nwg * _input_tile_bytes(self.staged_cols, self.bulk_input)
 
     @property
     def smem(self) -> SmemLayout:
         """Where the kernel's shared memory holds what."""
-        return SmemLayout.of(self.image_bytes, self.slot_bytes, self.stages, self.bias_floats, self.input_bytes)
+        return SmemLayout.of(self.image_bytes, self.slot_bytes, self.stages, self.bias_floats, self.input_bytes,
+                             self.nwg if self.bulk_input else 0)
 
     @property
     def smem_bytes(self) -> int:
@@ -282,9 +291,9 @@ def wgmma_reason_refused(spec: MLPSpec, smem_limit: int = SMEM_LIMIT) -> str | N
     return None
 
 
-def _input_tile_bytes(cols: int) -> int:
-    """A warpgroup's staged input tile: 64 rows of `cols` fp32 values."""
-    return ROWS * cols * 4
+def _input_tile_bytes(cols: int, bulk: bool = False) -> int:
+    """A warpgroup's staged input tile: 64 rows of `cols` fp32 values (BULK_INPUT: BULK_ROW_PAD apart)."""
+    return ROWS * (cols * 4 + (BULK_ROW_PAD if bulk else 0))
 
 
 def _image_bytes(layers: list[WgmmaLayer]) -> int:
@@ -299,17 +308,20 @@ def _slot_bytes(layers: list[WgmmaLayer]) -> int:
 @dataclass(frozen=True)
 class SmemLayout:
     """The kernel's dynamic shared memory: [image, or `stages` ring slots][bias (fp32)][mbarriers: one, or
-    one per slot][release counters: one per slot][staged input tiles, 128-byte aligned][alignment slack].
+    one per slot; BULK_INPUT: one per warpgroup's input tile][release counters: one per slot][staged input
+    tiles, 128-byte aligned][alignment slack].
     The plan sizes it, the template places its parts at these offsets (wgmma_params)."""
     weights: int      # bytes of the image or the ring
     bias_floats: int
     stages: int
     input_bytes: int = 0   # staged input tiles (STAGED_INPUT), all warpgroups'
+    input_bars: int = 0    # their mbarriers (BULK_INPUT: one a warpgroup)
 
     @classmethod
-    def of(cls, image_bytes: int, slot_bytes: int, stages: int, bias_floats: int, input_bytes: int = 0) -> SmemLayout:
+    def of(cls, image_bytes: int, slot_bytes: int, stages: int, bias_floats: int, input_bytes: int = 0,
+           input_bars: int = 0) -> SmemLayout:
         """The layout with the image resident (stages 0) or `stages` ring slots of `slot_bytes`."""
-        return cls(stages * slot_bytes if stages else image_bytes, bias_floats, stages, input_bytes)
+        return cls(stages * slot_bytes if stages else image_bytes, bias_floats, stages, input_bytes, input_bars)
 
     @property
     def bias_offset(self) -> int:
@@ -320,8 +332,12 @@ class SmemLayout:
         return self.bias_offset + self.bias_floats * 4
 
     @property
-    def cnt_offset(self) -> int:
+    def input_bar_offset(self) -> int:
         return self.bar_offset + 8 * max(1, self.stages)
+
+    @property
+    def cnt_offset(self) -> int:
+        return self.input_bar_offset + 8 * self.input_bars
 
     @property
     def input_offset(self) -> int:
@@ -332,11 +348,11 @@ class SmemLayout:
         return (self.input_offset + self.input_bytes if self.input_bytes else self.cnt_offset + 4 * self.stages) + SLACK
 
 
-def _smem(layers: list[WgmmaLayer], stages: int = 0, input_bytes: int = 0) -> int:
-    """Bytes of dynamic shared memory with `stages` ring slots (0: the image resident) and `input_bytes` of
-    staged input tiles."""
+def _smem(layers: list[WgmmaLayer], stages: int = 0, input_bytes: int = 0, input_bars: int = 0) -> int:
+    """Bytes of dynamic shared memory with `stages` ring slots (0: the image resident), `input_bytes` of
+    staged input tiles and `input_bars` mbarriers for them."""
     return SmemLayout.of(_image_bytes(layers), _slot_bytes(layers), stages, sum(l.np_ for l in layers),
-                         input_bytes).bytes
+                         input_bytes, input_bars).bytes
 
 
 def _stages(layers: list[WgmmaLayer], smem_limit: int, resident: bool = True) -> int | None:
@@ -351,12 +367,12 @@ def _stages(layers: list[WgmmaLayer], smem_limit: int, resident: bool = True) ->
 def make_wgmma_plan(spec: MLPSpec, fallback, reason: str = "", smem_limit: int = SMEM_LIMIT,
                     nwg: int | None = None, prefetch: int | None = None, chunk_max: int | None = None,
                     cluster: int | None = None, stages: int | None = None,
-                    staged_input: bool | None = None) -> WgmmaPlan:
+                    staged_input: bool | None = None, bulk_input: bool | None = None) -> WgmmaPlan:
     """The wgmma plan of `spec`, with `fallback` (its resident or streamed plan) for other GPUs. SpecError
     where the design cannot take it. `nwg`, `prefetch`, `chunk_max` (the widest chunk, a multiple of 8 up
     to CHUNK_MAX), `cluster` (streamed plans: 1, 2 or 4 CTAs sharing each chunk's copy), `stages` (ring
     slots, STAGES_MIN up to what fits; streams weights that would stay resident too), `staged_input`
-    (STAGED_INPUT): overrides of the heuristics (benchmarks)."""
+    (STAGED_INPUT), `bulk_input` (BULK_INPUT): overrides of the heuristics (benchmarks)."""
     why = wgmma_reason_refused(spec, smem_limit)
     if why:
         raise SpecError(f"{spec.describe()}: no wgmma plan: {why}")
@@ -393,7 +409,9 @@ def make_wgmma_plan(spec: MLPSpec, fallback, reason: str = "", smem_limit: int =
     stageable = spec.io_dtype == "f32" and spec.layers[0].in_features % IN_ROW_ALIGN == 0
     # the k-steps past `prefetch` wait in shared memory: the fewest prefetched ones that let them fit
     # (silu's 256-wide rows beside a 96 KB ring: 1 in registers, 15 staged)
-    fits = [p for p in range(k0_steps) if _smem(layers, stages, nwg * _input_tile_bytes(16 * (k0_steps - p))) <= smem_limit]
+    bulk = BULK_INPUT if bulk_input is None else bulk_input
+    fits = [p for p in range(k0_steps)
+            if _smem(layers, stages, nwg * _input_tile_bytes(16 * (k0_steps - p), bulk), nwg if bulk else 0) <= smem_limit]
     if staged_input is None:   # where registers cannot hold the next tile's whole input (and it fits)
         staged_input = stageable and register_prefetch < k0_steps and bool(fits) and (prefetch is None or prefetch in fits)
     if staged_input:
@@ -413,4 +431,4 @@ def make_wgmma_plan(spec: MLPSpec, fallback, reason: str = "", smem_limit: int =
     bias = sum(l.np_ for l in layers)
     return WgmmaPlan(spec, tuple(layers), nwg, prefetch, base + 8 * prefetch, _image_bytes(layers), bias, fallback,
                      fallback.workspace_bytes, reason, stages, _slot_bytes(layers) if stages else 0, cluster,
-                     bool(staged_input))
+                     bool(staged_input), bool(staged_input) and bulk)
