@@ -122,10 +122,15 @@ VARIANTS = {
     "w128gelu_pf": ("w128gelu", WgmmaOptions(staged_input=False)),
     "nerf64_wg_si": ("nerf64", WgmmaOptions(staged_input=True)),
     "odd4_si": ("odd4", WgmmaOptions(staged_input=True)),
-    # the staged rows copied by one cp.async.bulk a row (BULK_INPUT) against 16-byte cp.async copies
-    "w256silu_bulk": ("w256silu", WgmmaOptions(bulk_input=True)),
-    "w128gelu_bulk": ("w128gelu", WgmmaOptions(bulk_input=True)),
-    "odd4_si_bulk": ("odd4", WgmmaOptions(staged_input=True, bulk_input=True)),
+    # the staged rows copied in 16-byte cp.async pieces against one cp.async.bulk a row (BULK_INPUT, the default)
+    "w256silu_pieces": ("w256silu", WgmmaOptions(bulk_input=False)),
+    "w128gelu_pieces": ("w128gelu", WgmmaOptions(bulk_input=False)),
+    "odd4_si_pieces": ("odd4", WgmmaOptions(staged_input=True, bulk_input=False)),
+    # the last layer's outputs stored in pairs against QUAD_STORES (4 adjacent ones a store, the default)
+    "w256silu_pairs": ("w256silu", WgmmaOptions(quad_stores=False)),
+    "w128gelu_pairs": ("w128gelu", WgmmaOptions(quad_stores=False)),
+    "nerf64_wg_pairs": ("nerf64", WgmmaOptions(quad_stores=False)),
+    "f16io_wg": ("f16io", WgmmaOptions()),   # fp16 outputs stored 4 at a time
     # 3 warpgroups where FOUR_WARPGROUP_FRAGMENTS gives 4
     "w128gelu_wg3": ("w128gelu", WgmmaOptions(nwg=3)),
     "w128gelu_f16io_wg3": ("w128gelu_f16io", WgmmaOptions(nwg=3)),

@@ -50,6 +50,22 @@ def _blocks(l: WgmmaLayer, c: int, last: bool) -> list[dict]:
     return out
 
 
+def _quads(l: WgmmaLayer, c: int) -> list[dict]:
+    """A last layer's chunk c in quads (QUAD_STORES: the packed columns permuted within each 16, o2f_wgmma_pack's
+    wgmma_source_column): n8 blocks j0 = 2m and j0 + 1 give a thread outputs col + 4t .. col + 4t + 3 of its
+    rows g (accumulators d[4 j0], d[4 j0 + 1], d[4 j0 + 4], d[4 j0 + 5]) and g + 8 (the next of each pair);
+    acol: the first packed column (the bias's index). Quads past the true width are left out."""
+    out = []
+    for m in range(l.nc // 16):
+        col, j0 = c * l.nc + 16 * m, 2 * m
+        if col >= l.n:
+            continue
+        out.append({"col": col, "acol": col, "j0": j0, "rows": [
+            {"hi": hi, "d": [4 * j0 + 2 * hi, 4 * j0 + 2 * hi + 1, 4 * j0 + 4 + 2 * hi, 4 * j0 + 5 + 2 * hi]}
+            for hi in (0, 1)]})
+    return out
+
+
 def _gated_blocks(l: WgmmaLayer, c: int) -> list[dict]:
     """The gate/up pairs of a gated layer's chunk c: interleaved n8 blocks 2m (gate) and 2m + 1 (up) of the
     chunk hold hidden n8 block jj (its columns col..col+7) for rows g and g+8 in the same thread:
@@ -79,6 +95,7 @@ def _layer_params(plan: WgmmaPlan) -> list[dict]:
                 "ksteps": [{"ks": ks, "lo": (start + l.kstep_offset(ks)) >> 4, "scale": int(ks > 0)}
                            for ks in range(l.k_steps)],
                 "blocks": _gated_blocks(l, c) if l.gated else _blocks(l, c, last),
+                "quads": _quads(l, c) if last and plan.quad_stores else [],
             })
         steps = _schedule(l)
         for st in steps:   # a gated layer's chunk c >= 2 waits for chunk c-2's epilogue (the template's issue)
@@ -91,7 +108,7 @@ def _layer_params(plan: WgmmaPlan) -> list[dict]:
             "index": l.index, "k": l.k, "n": l.n, "kp": l.kp, "np": l.np_, "nc": l.nc, "acc": l.nc // 2,
             "chunks": chunks, "n_chunks": l.chunks, "atom": l.atom, "desc_hi": f"0x{l.desc_hi:08X}u",
             "k_steps": l.k_steps, "next_k_steps": l.hidden // 16, "offset": l.offset, "chunk_bytes": l.chunk_bytes,
-            "gated": l.gated,
+            "gated": l.gated, "quads": last and plan.quad_stores,
             "bias_offset": l.bias_offset, "last": last, "next": l.index + 1, "steps": steps,
         })
     return out
@@ -127,6 +144,7 @@ def wgmma_params(plan: WgmmaPlan) -> dict:
         # the source weight's columns (a gated layer's: gate then up, 2n) and, gated, the hidden width
         "pack_layers": [{"index": l.index, "k": l.k, "n": 2 * l.n if l.gated else l.n, "kp": l.kp, "np": l.np_,
                          "nc": l.nc, "atom": l.atom, "gated": l.n if l.gated else 0,
+                         "quads": int(l.index == len(plan.layers) - 1 and plan.quad_stores),
                          "offset": l.offset, "chunk_bytes": l.chunk_bytes, "bias_offset": l.bias_offset,
                          "elems": l.np_ * l.kp}
                         for l in plan.layers],

@@ -224,7 +224,16 @@ __device__ __forceinline__ void staged_ks(uint32_t (&a)[4], uint32_t buf, int ri
   }
 }
 
-// Row r, columns col and col + 1 of the NO-wide output (only those that exist).
+__device__ __forceinline__ void o2f_st4(float* p, float a, float b, float c, float d) {
+  asm volatile("st.global.cs.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "f"(a), "f"(b), "f"(c), "f"(d) : "memory");
+}
+__device__ __forceinline__ void o2f_st4(__half* p, float a, float b, float c, float d) {
+  __half2 h0 = __floats2half2_rn(a, b), h1 = __floats2half2_rn(c, d);
+  asm volatile("st.global.cs.v2.b32 [%0], {%1, %2};\n" ::"l"(p), "r"(*reinterpret_cast<uint32_t*>(&h0)),
+               "r"(*reinterpret_cast<uint32_t*>(&h1)) : "memory");
+}
+// Row r, columns col and col + 1 of the NO-wide output (only those that exist); vec != 0: y's rows hold
+// pairs aligned for one store.
 template <int NO>
 __device__ __forceinline__ void store_out(io_t* __restrict__ y, int64_t rows, int64_t r, int col, float v0, float v1, int vec) {
   if (r >= rows) return;
@@ -237,5 +246,21 @@ __device__ __forceinline__ void store_out(io_t* __restrict__ y, int64_t rows, in
   } else {
     if (col < NO) o2f_st1(p, v0);
     if (col + 1 < NO) o2f_st1(p + 1, v1);
+  }
+}
+// Columns col..col + 3 (col % 4 == 0): one store where NO % 4 == 0 and vec == 2 (y's rows hold aligned
+// quads), else as two pairs.
+template <int NO>
+__device__ __forceinline__ void store_out4(io_t* __restrict__ y, int64_t rows, int64_t r, int col, float v0, float v1,
+                                           float v2, float v3, int vec) {
+  if (NO % 4 == 0 && vec == 2) {
+    if (r >= rows) return;
+#ifdef O2F_DIAG_NO_STORE
+    if ((__float_as_uint(v0) ^ __float_as_uint(v1) ^ __float_as_uint(v2) ^ __float_as_uint(v3)) != 0x7fc0deadu) return;
+#endif
+    if (col < NO) o2f_st4(y + r * NO + col, v0, v1, v2, v3);
+  } else {
+    store_out<NO>(y, rows, r, col, v0, v1, vec);
+    store_out<NO>(y, rows, r, col + 2, v2, v3, vec);
   }
 }

@@ -19,7 +19,10 @@ __device__ __forceinline__ void wgmma_store_elem(__nv_bfloat16* p, float v) { *p
 // Padded column n of a layer -> its column in the source weight or bias (-1: padding). Gated layers
 // (gated = the hidden width H > 0; the source has gate columns 0..H-1, then up columns H..2H-1) interleave
 // by n8 blocks: block 2m holds gate columns 8m..8m+7, block 2m+1 the up columns of the same features.
-__host__ __device__ __forceinline__ int wgmma_source_column(int n, int N, int gated) {
+// A last layer in quads (plan.wgmma QUAD_STORES) permutes each 16 columns so that the two n8 blocks'
+// pairs a thread holds are 4 adjacent outputs: column 16m + 8h + 2t + e holds output 16m + 4t + 2h + e.
+__host__ __device__ __forceinline__ int wgmma_source_column(int n, int N, int gated, int quads) {
+  if (quads) n = (n & ~15) + 4 * ((n >> 1) & 3) + 2 * ((n >> 3) & 1) + (n & 1);
   if (!gated) return n < N ? n : -1;
   const int b = n / 8, h = 8 * (b / 2) + n % 8;
   return h < gated ? h + (b % 2) * gated : -1;
@@ -29,20 +32,21 @@ __host__ __device__ __forceinline__ int wgmma_source_column(int n, int N, int ga
 // before: padding stays 0), one thread per padded (n, k).
 template <typename E>
 __global__ void wgmma_pack_layer(const float* __restrict__ w, unsigned char* __restrict__ img, int K, int N, int KP,
-                                 int NP, int NC, int atom, int chunk_bytes, int gated) {
+                                 int NP, int NC, int atom, int chunk_bytes, int gated, int quads) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= NP * KP) return;
   const int n = i / KP, k = i - n * KP;
-  const int src = wgmma_source_column(n, N, gated);
+  const int src = wgmma_source_column(n, N, gated, quads);
   const int c = n / NC, nn = n - c * NC, kb = 2 * k;
   const unsigned off = static_cast<unsigned>((nn % 8) * atom + (nn / 8) * 8 * atom + kb % atom + (kb / atom) * (NC / 8) * 8 * atom);
   const float v = (src >= 0 && k < K) ? w[static_cast<int64_t>(k) * N + src] : 0.0f;
   wgmma_store_elem(reinterpret_cast<E*>(img + static_cast<int64_t>(c) * chunk_bytes + wgmma_swizzle(off, atom)), v);
 }
 
-__global__ void wgmma_pack_bias(const float* __restrict__ b, float* __restrict__ dst, int N, int NP, int gated) {
+__global__ void wgmma_pack_bias(const float* __restrict__ b, float* __restrict__ dst, int N, int NP, int gated,
+                                int quads) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= NP) return;
-  const int src = wgmma_source_column(i, N, gated);
+  const int src = wgmma_source_column(i, N, gated, quads);
   dst[i] = src >= 0 ? b[src] : 0.0f;
 }

@@ -78,6 +78,7 @@ class WgmmaOptions:
     stages: int | None = None     # ring slots (default: 3 where the weights do not fit; given: streams any plan)
     staged_input: bool | None = None   # the next tile's fp32 rows copied into shared memory (STAGED_INPUT)
     bulk_input: bool | None = None     # staged by one cp.async.bulk a row (BULK_INPUT)
+    quad_stores: bool | None = None    # the last layer's outputs stored 4 at a time (QUAD_STORES)
 
     def given(self) -> dict:
         return _given(self)

@@ -86,6 +86,10 @@ IN_ROW_ALIGN = 4          # K0 % IN_ROW_ALIGN == 0: a row's 16-byte chunks start
 # unswizzled BULK_ROW_PAD bytes apart beyond their length, which puts the 8 rows of an A-fragment read
 # in different banks (a row's length in bytes is a multiple of 64).
 BULK_ROW_PAD = 32
+# QUAD_STORES: the last layer's packed columns permuted within each 16 (o2f_wgmma_pack.cuh) so that the
+# pairs a thread holds in two n8 blocks are 4 adjacent outputs: one 16-byte store where 2 (8 bytes) were,
+# half the store instructions. Where the last layer's padded width and chunks are multiples of 16.
+QUAD_STORES = True
 BULK_INPUT = True         # H100, kernel alone: silu 256x4 at 2^18 rows 0.353 -> 0.330 ms, gelu 0.328 both
                           # (RESULTS.md, twenty-second run)
 
@@ -152,6 +156,7 @@ class WgmmaPlan:
     cluster: int = 1          # streamed: CTAs of a cluster, each copying 1/cluster of every chunk to all
     staged_input: bool = False   # STAGED_INPUT: the next tile's rows in shared memory, not registers
     bulk_input: bool = False     # BULK_INPUT: staged by one cp.async.bulk a row
+    quad_stores: bool = False    # QUAD_STORES: the last layer's outputs stored 4 adjacent at a time
 
     design = "wgmma"
     uses_scratch = False      # the kernels only read their packed weights
@@ -291,6 +296,11 @@ def wgmma_reason_refused(spec: MLPSpec, smem_limit: int = SMEM_LIMIT) -> str | N
     return None
 
 
+def _quads_fit(last: WgmmaLayer) -> bool:
+    """QUAD_STORES takes the last layer's columns 16 at a time: its padded width and chunks in 16s."""
+    return last.np_ % 16 == 0 and last.nc % 16 == 0 and not last.gated
+
+
 def _input_tile_bytes(cols: int, bulk: bool = False) -> int:
     """A warpgroup's staged input tile: 64 rows of `cols` fp32 values (BULK_INPUT: BULK_ROW_PAD apart)."""
     return ROWS * (cols * 4 + (BULK_ROW_PAD if bulk else 0))
@@ -367,12 +377,13 @@ def _stages(layers: list[WgmmaLayer], smem_limit: int, resident: bool = True) ->
 def make_wgmma_plan(spec: MLPSpec, fallback, reason: str = "", smem_limit: int = SMEM_LIMIT,
                     nwg: int | None = None, prefetch: int | None = None, chunk_max: int | None = None,
                     cluster: int | None = None, stages: int | None = None,
-                    staged_input: bool | None = None, bulk_input: bool | None = None) -> WgmmaPlan:
+                    staged_input: bool | None = None, bulk_input: bool | None = None,
+                    quad_stores: bool | None = None) -> WgmmaPlan:
     """The wgmma plan of `spec`, with `fallback` (its resident or streamed plan) for other GPUs. SpecError
     where the design cannot take it. `nwg`, `prefetch`, `chunk_max` (the widest chunk, a multiple of 8 up
     to CHUNK_MAX), `cluster` (streamed plans: 1, 2 or 4 CTAs sharing each chunk's copy), `stages` (ring
     slots, STAGES_MIN up to what fits; streams weights that would stay resident too), `staged_input`
-    (STAGED_INPUT), `bulk_input` (BULK_INPUT): overrides of the heuristics (benchmarks)."""
+    (STAGED_INPUT), `bulk_input` (BULK_INPUT), `quad_stores` (QUAD_STORES, where possible): overrides of the heuristics (benchmarks)."""
     why = wgmma_reason_refused(spec, smem_limit)
     if why:
         raise SpecError(f"{spec.describe()}: no wgmma plan: {why}")
@@ -431,4 +442,5 @@ def make_wgmma_plan(spec: MLPSpec, fallback, reason: str = "", smem_limit: int =
     bias = sum(l.np_ for l in layers)
     return WgmmaPlan(spec, tuple(layers), nwg, prefetch, base + 8 * prefetch, _image_bytes(layers), bias, fallback,
                      fallback.workspace_bytes, reason, stages, _slot_bytes(layers) if stages else 0, cluster,
-                     bool(staged_input), bool(staged_input) and bulk)
+                     bool(staged_input), bool(staged_input) and bulk,
+                     (QUAD_STORES if quad_stores is None else quad_stores) and _quads_fit(layers[-1]))
