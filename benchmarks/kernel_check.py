@@ -131,6 +131,13 @@ VARIANTS = {
     "w128gelu_pairs": ("w128gelu", WgmmaOptions(quad_stores=False)),
     "nerf64_wg_pairs": ("nerf64", WgmmaOptions(quad_stores=False)),
     "f16io_wg": ("f16io", WgmmaOptions()),   # fp16 outputs stored 4 at a time
+    # the next tile's input rows copied in parts spread over a pass (silu's default: 12) or all at its start
+    # (resident plans' default)
+    "w256silu_ip1": ("w256silu", WgmmaOptions(input_parts=1)),
+    "w256silu_ip8": ("w256silu", WgmmaOptions(input_parts=8)),
+    "w256silu_ip16": ("w256silu", WgmmaOptions(input_parts=16)),
+    "w128gelu_ip4": ("w128gelu", WgmmaOptions(input_parts=4)),
+    "w128gelu_ip9": ("w128gelu", WgmmaOptions(input_parts=9)),
     # 3 warpgroups where FOUR_WARPGROUP_FRAGMENTS gives 4
     "w128gelu_wg3": ("w128gelu", WgmmaOptions(nwg=3)),
     "w128gelu_f16io_wg3": ("w128gelu_f16io", WgmmaOptions(nwg=3)),
@@ -189,8 +196,9 @@ def all_cases(base: PlanOptions, a32: bool = False) -> dict:
 
 def diag_cases(items: list[str], cases: dict) -> dict:
     """--diag NAME=BASE:MACRO[+MACRO...]: case BASE built with O2F_DIAG_<MACRO> defined (templates: NO_FILL,
-    no weight copies through the ring; NO_LOAD, no input copies; NO_STORE, no output stores), timed but not
-    checked (its outputs are wrong by design): what a cost would be if it were gone. name -> (base, defines)."""
+    no weight copies through the ring; NO_LOAD, no input copies; NO_STORE, no output stores; CLOCKS, the
+    warps' waits counted), timed but not checked (its outputs are wrong by design): what a cost would be if
+    it were gone, or where the warps wait. name -> (base, defines)."""
     out = {}
     for item in items:
         name, _, rest = item.partition("=")
@@ -393,7 +401,8 @@ def main():
                     help="time the cases after every check, in ROUNDS rounds of 200/ROUNDS launches each, taking "
                          "turns (interleaved_rounds): for A/B comparisons within one call")
     ap.add_argument("--diag", nargs="*", default=[], metavar="NAME=BASE:MACRO",
-                    help="also BASE built with O2F_DIAG_MACRO (NO_FILL, NO_LOAD, NO_STORE; + joins several), "
+                    help="also BASE built with O2F_DIAG_MACRO (NO_FILL, NO_LOAD, NO_STORE; CLOCKS: the warps' waits "
+                         "counted; + joins several), "
                          "timed unchecked as NAME: what the kernel would take without that work")
     ap.add_argument("--case-timeout", type=float, default=0,
                     help="seconds a case may take to check and time before the run stops with its name (a hung kernel)")
@@ -414,6 +423,7 @@ def main():
                 for n, (spec, _, opts) in cases.items()}
     print(f"compiled {len(cases)} cases in {time.time() - t0:.0f} s", flush=True)
     watchdog = case_watchdog("", 0)
+    cases_loaded = {}   # name -> (its library, spec)
     deferred = {}   # --interleave: name -> (case, its timing buffers), timed once every case is checked
     for name, (spec, batch, options) in cases.items():
         t0 = time.time()
@@ -425,6 +435,7 @@ def main():
             print(f"{name}: BUILD FAILED {e}", flush=True)
             continue
         c = Case(name, spec, so, torch)
+        cases_loaded[name] = (so, spec)
         if a.profile:
             x = torch.randn(batch, spec.widths[0], device="cuda").to(c.io_dtype)
             y = torch.empty(batch, spec.widths[-1], device="cuda", dtype=c.io_dtype)
@@ -463,6 +474,15 @@ def main():
                 r["p10_ms"], r["p90_ms"] = (float(v) for v in np.percentile(ts, [10, 90]))
                 r["tflops"] = floor_ms(cases[r["case"]][0], r["batch"])[1] / (r["ms"] * 1e-3) / 1e12
         print(f"timed in {a.interleave} interleaved rounds (p10..p90 in kernel_check.json)", flush=True)
+    for r in rows:   # --diag NAME=BASE:CLOCKS: the warps' waits, as shares of their time over the timed launches
+        if "-DO2F_DIAG_CLOCKS" in diags.get(r["case"], (None, ()))[1]:
+            so, spec = cases_loaded[r["case"]]
+            fn = getattr(so, f"{spec.name}_diag_clocks")
+            buf = (ctypes.c_ulonglong * 4)()
+            check(fn(buf), "diag_clocks")
+            r["waits"] = {k: buf[i] / max(1, buf[3]) for i, k in enumerate(("input", "ring", "wgmma"))}
+            print(f"{r['case']}: share of the warps' time waiting: "
+                  + ", ".join(f"{k} {v:.1%}" for k, v in r["waits"].items()), flush=True)
     (Path(a.out) / "kernel_check.json").write_text(json.dumps(rows, indent=1))
     print(f"{'case':20} {'plan':9} {'batch':>8} {'relerr':>8} {'ms':>8} {'floor':>7} {'x floor':>7} {'TFLOP/s':>7}")
     for r in rows:

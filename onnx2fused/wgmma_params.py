@@ -5,7 +5,7 @@ words and offsets, the chunk schedule, fragment indices, columns; the template o
 from __future__ import annotations
 
 from .cuda_params import act_params, spec_params
-from .plan.wgmma import BULK_PIECE, BULK_ROW_PAD, WgmmaLayer, WgmmaPlan
+from .plan.wgmma import BULK_PIECE, BULK_ROW_PAD, ROWS, WgmmaLayer, WgmmaPlan
 from .spec import MLPSpec
 
 
@@ -81,6 +81,7 @@ def _gated_blocks(l: WgmmaLayer, c: int) -> list[dict]:
 def _layer_params(plan: WgmmaPlan) -> list[dict]:
     out = []
     n = len(plan.layers)
+    parts, issued = plan.input_parts if plan.bulk_input else 1, 0
     for l in plan.layers:
         last = l.index == n - 1
         chunks = []
@@ -104,6 +105,11 @@ def _layer_params(plan: WgmmaPlan) -> list[dict]:
                 regs = [f"a{l.index + 1}[{b['kt']}][{b[r]}]" for b in chunks[st["chunk"] - 2]["blocks"]
                         if b["pad"] != "all" for r in ("reg", "reg_hi")]
                 st["dep"] = f"({' ^ '.join(regs)})" if regs else ""
+        for st in steps:   # the first input_parts issues of a pass each copy a share of the next tile's rows
+            st["part"] = None
+            if st["op"] == "issue" and parts > 1 and issued < parts:
+                st["part"] = (ROWS * issued // parts, ROWS * (issued + 1) // parts)
+            issued += st["op"] == "issue"
         out.append({
             "index": l.index, "k": l.k, "n": l.n, "kp": l.kp, "np": l.np_, "nc": l.nc, "acc": l.nc // 2,
             "chunks": chunks, "n_chunks": l.chunks, "atom": l.atom, "desc_hi": f"0x{l.desc_hi:08X}u",
@@ -137,6 +143,7 @@ def wgmma_params(plan: WgmmaPlan) -> dict:
         "staged_col0": 16 * plan.prefetch, "staged_cols": plan.staged_cols,
         "bulk_input": plan.bulk_input, "in_bar_smem_offset": plan.smem.input_bar_offset,
         "in_row_bytes": plan.staged_cols * 4 + BULK_ROW_PAD,
+        "input_parts": plan.input_parts if plan.bulk_input else 1,
         "ring_chunks": sum(l.chunks for l in plan.layers),
         "image_offset": plan.image_offset, "bias_offset": plan.bias_offset,
         "workspace_bytes": plan.workspace_bytes, "fallback_bytes": plan.fallback_bytes,

@@ -65,16 +65,23 @@ __device__ __forceinline__ float o2f_ld1(const float* p) {
 __device__ __forceinline__ float o2f_ld1(const __half* p) {
   return __half2float(__ushort_as_half(static_cast<unsigned short>(o2f_ld1_raw(p))));
 }
+// Outputs are streamed (evict-first in L2: read by the next op, not by this kernel); O2F_DIAG_STORE_WB, a
+// diagnostic build, stores with the default policy instead.
+#ifdef O2F_DIAG_STORE_WB
+#define O2F_ST_HINT ""
+#else
+#define O2F_ST_HINT ".cs"
+#endif
 __device__ __forceinline__ void o2f_st2(float* p, float a, float b) {
-  asm volatile("st.global.cs.v2.f32 [%0], {%1, %2};\n" ::"l"(p), "f"(a), "f"(b) : "memory");
+  asm volatile("st.global" O2F_ST_HINT ".v2.f32 [%0], {%1, %2};\n" ::"l"(p), "f"(a), "f"(b) : "memory");
 }
 __device__ __forceinline__ void o2f_st2(__half* p, float a, float b) {
   __half2 h = __floats2half2_rn(a, b);
-  asm volatile("st.global.cs.b32 [%0], %1;\n" ::"l"(p), "r"(*reinterpret_cast<uint32_t*>(&h)) : "memory");
+  asm volatile("st.global" O2F_ST_HINT ".b32 [%0], %1;\n" ::"l"(p), "r"(*reinterpret_cast<uint32_t*>(&h)) : "memory");
 }
-__device__ __forceinline__ void o2f_st1(float* p, float a) { asm volatile("st.global.cs.f32 [%0], %1;\n" ::"l"(p), "f"(a) : "memory"); }
+__device__ __forceinline__ void o2f_st1(float* p, float a) { asm volatile("st.global" O2F_ST_HINT ".f32 [%0], %1;\n" ::"l"(p), "f"(a) : "memory"); }
 __device__ __forceinline__ void o2f_st1(__half* p, float a) {
-  asm volatile("st.global.cs.b16 [%0], %1;\n" ::"l"(p), "h"(__half_as_ushort(__float2half_rn(a))) : "memory");
+  asm volatile("st.global" O2F_ST_HINT ".b16 [%0], %1;\n" ::"l"(p), "h"(__half_as_ushort(__float2half_rn(a))) : "memory");
 }
 
 // fp16 rows into fp16 operands: a loaded pair already is the A fragment's register (converting to fp32
@@ -172,7 +179,9 @@ __device__ __forceinline__ void stage_tile(uint32_t buf, const float* __restrict
 // Warpgroup thread 0 arms the tile's mbarrier for every row's bytes (a row's copy may land before that:
 // the phase cannot complete without the arming arrival); rows past the batch are not copied (stale
 // values, whose output rows are never stored).
-template <int K0, int C0, int RB>
+// Rows R0..R1-1 of the tile (plan.wgmma input_parts: a tile's copies spread over its pass's first
+// chunks); ARM: the first part, whose thread 0 arms the barrier for the whole tile.
+template <int K0, int C0, int RB, int R0 = 0, int R1 = 64, bool ARM = true>
 __device__ __forceinline__ void bulk_stage_tile(uint32_t buf, uint32_t bar, const float* __restrict__ x, int64_t rows,
                                                 int64_t first_row, int tid_wg) {
   constexpr uint32_t kBytes = K0 > C0 ? (K0 - C0) * 4 : 0;
@@ -180,11 +189,11 @@ __device__ __forceinline__ void bulk_stage_tile(uint32_t buf, uint32_t bar, cons
   const int64_t left = rows - first_row;
   const int n = left <= 0 ? 0 : left < 64 ? static_cast<int>(left) : 64;
 #ifdef O2F_DIAG_NO_LOAD   // a diagnostic build (kernel_check.py --diag): the tile computed from stale bytes
-  if (tid_wg == 0) mbar_arrive(bar);
+  if (ARM && tid_wg == 0) mbar_arrive(bar);
   return;
 #endif
-  if (tid_wg == 0) mbar_expect_tx(bar, n * kBytes);
-  if (kBytes > 0 && tid_wg < n)
+  if (ARM && tid_wg == 0) mbar_expect_tx(bar, n * kBytes);
+  if (kBytes > 0 && tid_wg >= R0 && tid_wg < R1 && tid_wg < n)
     bulk_g2s(buf + tid_wg * RB, x + (first_row + tid_wg) * K0 + C0, kBytes, bar);
 }
 template <int K0, int C0, int KS, int RB>
@@ -225,11 +234,11 @@ __device__ __forceinline__ void staged_ks(uint32_t (&a)[4], uint32_t buf, int ri
 }
 
 __device__ __forceinline__ void o2f_st4(float* p, float a, float b, float c, float d) {
-  asm volatile("st.global.cs.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "f"(a), "f"(b), "f"(c), "f"(d) : "memory");
+  asm volatile("st.global" O2F_ST_HINT ".v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "f"(a), "f"(b), "f"(c), "f"(d) : "memory");
 }
 __device__ __forceinline__ void o2f_st4(__half* p, float a, float b, float c, float d) {
   __half2 h0 = __floats2half2_rn(a, b), h1 = __floats2half2_rn(c, d);
-  asm volatile("st.global.cs.v2.b32 [%0], {%1, %2};\n" ::"l"(p), "r"(*reinterpret_cast<uint32_t*>(&h0)),
+  asm volatile("st.global" O2F_ST_HINT ".v2.b32 [%0], {%1, %2};\n" ::"l"(p), "r"(*reinterpret_cast<uint32_t*>(&h0)),
                "r"(*reinterpret_cast<uint32_t*>(&h1)) : "memory");
 }
 // Row r, columns col and col + 1 of the NO-wide output (only those that exist); vec != 0: y's rows hold

@@ -153,9 +153,16 @@ def test_staged_input_where_registers_cannot_hold_the_next_tile():
     assert "constexpr int kStageCol0 = 16;" in src and "constexpr int kStageCols = 240;" in src
     assert f"constexpr int kInSmem = {silu.smem.input_offset};" in src and f"constexpr int kInRowBytes = {row};" in src
     body = src[src.index("fused_wgmma(const"):src.index("std::atomic<int> g_mode")]
-    assert body.count("bulk_stage_tile<kK0, kStageCol0, kInRowBytes>(") == 2 and body.count("wg_sync(wg);") == 1
+    assert body.count("bulk_stage_tile<kK0, kStageCol0, kInRowBytes>(") == 1 and body.count("wg_sync(wg);") == 1
+    # the next tile's rows in a part after each of the 12 chunks before the last layer's (the first arms)
+    parts = re.findall(r"bulk_stage_tile<kK0, kStageCol0, kInRowBytes, (\d+), (\d+), (true|false)>", body)
+    assert silu.input_parts == 12 and len(parts) == 12 and [p[2] for p in parts] == ["true"] + ["false"] * 11
+    assert [(int(a), int(b)) for a, b, _ in parts] == [(64 * i // 12, 64 * (i + 1) // 12) for i in range(12)]
+    assert gelu.input_parts == 1   # resident: at the tile's start
+    one = codegen.cuda_sources(wgmma.make_wgmma_plan(SILU, fallback, input_parts=1))[f"{SILU.name}_cuda.cu"]
+    assert one.count("bulk_stage_tile<kK0, kStageCol0, kInRowBytes>(") == 2 and "kInRowBytes, 0, " not in one
     assert "bulk_staged_ks<kInRowBytes>(a0[ks], inbuf, rin, ks - 1, t2)" in body and "load_ks<kK0>(v[" not in body
-    assert body.count("mbar_wait(inbar, in_phase);") == 2   # each tile's copies, and the last ones before leaving
+    assert body.count("mbar_wait(inbar, in_phase)") == 2   # each tile's copies, and the last ones before leaving
     assert "cp_async_wait" not in body and "stage_tile<kK0, kStageCol0, kStageCols>" not in body
     assert "% 16 != 0) return " in src[src.index("_cuda_run("):]
     pieces = wgmma.make_wgmma_plan(SILU, fallback, bulk_input=False)

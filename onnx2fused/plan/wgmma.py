@@ -90,6 +90,12 @@ BULK_ROW_PAD = 32
 # pairs a thread holds in two n8 blocks are 4 adjacent outputs: one 16-byte store where 2 (8 bytes) were,
 # half the store instructions. Where the last layer's padded width and chunks are multiples of 16.
 QUAD_STORES = True
+# Input parts: BULK_INPUT's row copies for the next tile issued in parts, one after each of a pass's
+# first chunks' MMAs are issued, rather than all at the tile's start, where they meet the weight ring's
+# copies and (the warpgroups of a streamed plan run in step) each other. Streamed plans spread them over
+# every chunk before the last layer's (H100, kernel alone, silu 256x4 at 2^18 rows: all at the start
+# 0.341 ms, 8 parts 0.314, 12 0.313, 16 0.319); resident plans, whose warpgroups drift apart, copy them
+# at once (gelu: 0.337, in 4 or 9 parts 0.350; RESULTS.md, twenty-second run).
 BULK_INPUT = True         # H100, kernel alone: silu 256x4 at 2^18 rows 0.353 -> 0.330 ms, gelu 0.328 both
                           # (RESULTS.md, twenty-second run)
 
@@ -157,6 +163,7 @@ class WgmmaPlan:
     staged_input: bool = False   # STAGED_INPUT: the next tile's rows in shared memory, not registers
     bulk_input: bool = False     # BULK_INPUT: staged by one cp.async.bulk a row
     quad_stores: bool = False    # QUAD_STORES: the last layer's outputs stored 4 adjacent at a time
+    input_parts: int = 1         # BULK_INPUT: the next tile's rows copied in this many parts over a pass (_input_parts)
 
     design = "wgmma"
     uses_scratch = False      # the kernels only read their packed weights
@@ -296,6 +303,12 @@ def wgmma_reason_refused(spec: MLPSpec, smem_limit: int = SMEM_LIMIT) -> str | N
     return None
 
 
+def _input_parts(layers: list[WgmmaLayer], stages: int) -> int:
+    """The parts a streamed plan's next-tile input copies are spread over: one a chunk before the last
+    layer's (1 for a resident plan, or a one-layer chain)."""
+    return max(1, sum(l.chunks for l in layers[:-1])) if stages else 1
+
+
 def _quads_fit(last: WgmmaLayer) -> bool:
     """QUAD_STORES takes the last layer's columns 16 at a time: its padded width and chunks in 16s."""
     return last.np_ % 16 == 0 and last.nc % 16 == 0 and not last.gated
@@ -378,12 +391,12 @@ def make_wgmma_plan(spec: MLPSpec, fallback, reason: str = "", smem_limit: int =
                     nwg: int | None = None, prefetch: int | None = None, chunk_max: int | None = None,
                     cluster: int | None = None, stages: int | None = None,
                     staged_input: bool | None = None, bulk_input: bool | None = None,
-                    quad_stores: bool | None = None) -> WgmmaPlan:
+                    quad_stores: bool | None = None, input_parts: int | None = None) -> WgmmaPlan:
     """The wgmma plan of `spec`, with `fallback` (its resident or streamed plan) for other GPUs. SpecError
     where the design cannot take it. `nwg`, `prefetch`, `chunk_max` (the widest chunk, a multiple of 8 up
     to CHUNK_MAX), `cluster` (streamed plans: 1, 2 or 4 CTAs sharing each chunk's copy), `stages` (ring
     slots, STAGES_MIN up to what fits; streams weights that would stay resident too), `staged_input`
-    (STAGED_INPUT), `bulk_input` (BULK_INPUT), `quad_stores` (QUAD_STORES, where possible): overrides of the heuristics (benchmarks)."""
+    (STAGED_INPUT), `bulk_input` (BULK_INPUT), `quad_stores` (QUAD_STORES, where possible), `input_parts` (_input_parts, at most a pass's chunks): overrides of the heuristics (benchmarks)."""
     why = wgmma_reason_refused(spec, smem_limit)
     if why:
         raise SpecError(f"{spec.describe()}: no wgmma plan: {why}")
@@ -443,4 +456,6 @@ def make_wgmma_plan(spec: MLPSpec, fallback, reason: str = "", smem_limit: int =
     return WgmmaPlan(spec, tuple(layers), nwg, prefetch, base + 8 * prefetch, _image_bytes(layers), bias, fallback,
                      fallback.workspace_bytes, reason, stages, _slot_bytes(layers) if stages else 0, cluster,
                      bool(staged_input), bool(staged_input) and bulk,
-                     (QUAD_STORES if quad_stores is None else quad_stores) and _quads_fit(layers[-1]))
+                     (QUAD_STORES if quad_stores is None else quad_stores) and _quads_fit(layers[-1]),
+                     max(1, min(_input_parts(layers, stages) if input_parts is None else input_parts,
+                                sum(l.chunks for l in layers))))
