@@ -352,6 +352,38 @@ class Case:
         return float(np.median(self.launches(self.timing_buffers(batch), reps)))
 
 
+def sustained(case: Case, batch: int, seconds: float) -> dict:
+    """--sustain: the case's launches back to back for `seconds` while nvidia-smi samples the GPU every
+    50 ms: the SM clock, power and throttle reasons under sustained load (a kernel held back by the power
+    limit runs its work at a lower clock, so its time is the sum of its pipes' energy, not their overlap)."""
+    torch = case.torch
+    bufs = case.timing_buffers(batch)
+    fields = "clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active"
+    probe = subprocess.Popen(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits", "-lms", "50"],
+                             stdout=subprocess.PIPE, text=True)
+    t0, launches = time.time(), 0
+    while time.time() - t0 < seconds:
+        case.launches(bufs, 50)
+        launches += 50
+    torch.cuda.synchronize()
+    elapsed = time.time() - t0
+    probe.terminate()
+    samples = []
+    for line in probe.communicate()[0].splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        try:
+            samples.append((float(parts[0]), float(parts[1]), float(parts[2]), parts[3]))
+        except (ValueError, IndexError):
+            continue
+    busy = samples[len(samples) // 4:]   # past the ramp
+    if not busy:
+        return {"ms_per_launch": elapsed / launches * 1e3}
+    reasons = sorted({s[3] for s in busy})
+    return {"ms_per_launch": elapsed / launches * 1e3, "sm_mhz": float(np.median([s[0] for s in busy])),
+            "watts": float(np.median([s[1] for s in busy])), "celsius": float(np.median([s[2] for s in busy])),
+            "throttle_reasons": reasons}
+
+
 def interleaved_rounds(names: list[str], rounds: int) -> list[list[str]]:
     """--interleave: the order the cases are timed in, round by round: every case once a round, the order
     reversed every other round, so that the GPU's drift within a call (clocks, temperature: up to ~5 %
@@ -404,6 +436,9 @@ def main():
                     help="also BASE built with O2F_DIAG_MACRO (NO_FILL, NO_LOAD, NO_STORE; CLOCKS: the warps' waits "
                          "counted; + joins several), "
                          "timed unchecked as NAME: what the kernel would take without that work")
+    ap.add_argument("--sustain", type=float, default=0, metavar="SECONDS",
+                    help="after timing, run each case back to back this long while nvidia-smi samples the SM clock, "
+                         "power and throttle reasons (sustained)")
     ap.add_argument("--case-timeout", type=float, default=0,
                     help="seconds a case may take to check and time before the run stops with its name (a hung kernel)")
     a = ap.parse_args()
@@ -455,6 +490,9 @@ def main():
             ms = float("nan")
         else:
             ms = float("nan") if a.no_time else c.time(batch)
+        if a.sustain:
+            sus = sustained(c, batch, a.sustain)
+            print(f"{name}: sustained {json.dumps(sus)}", flush=True)
         fl_ms, flops = floor_ms(spec, batch)
         row = dict(case=name, spec=spec.name, plan=plan, batch=batch, relerr=err, ms=ms, floor_ms=fl_ms,
                    tflops=flops / (ms * 1e-3) / 1e12 if ms == ms else None, build_s=time.time() - t0)
