@@ -138,7 +138,7 @@ def wgmma_params(plan: WgmmaPlan) -> dict:
         "bias_smem_offset": plan.smem.bias_offset, "bar_smem_offset": plan.smem.bar_offset,
         "pieces": pieces,
         "streamed": plan.streamed, "stages": plan.stages, "slot_bytes": plan.slot_bytes, "cluster": plan.cluster,
-        "cnt_smem_offset": plan.smem.cnt_offset,
+        "cnt_smem_offset": plan.smem.cnt_offset, "peer_bar_smem_offset": plan.smem.peer_bar_offset,
         "staged": plan.staged_input, "in_smem_offset": plan.smem.input_offset,
         "staged_col0": 16 * plan.prefetch, "staged_cols": plan.staged_cols,
         "bulk_input": plan.bulk_input, "in_bar_smem_offset": plan.smem.input_bar_offset,

@@ -15,36 +15,33 @@
 // H100 run, and CUTLASS's TMA pipelines, do the same).
 //
 // Clusters (kCluster > 1): the cluster's CTAs run their passes in step and hold the same chunk in the
-// same slot; slice q (bytes [q, q + 1) / kCluster) of each chunk is copied into that slot of every CTA
-// (multicast), and every CTA's full[s] expects the whole chunk. A slot may be refilled only when every
-// warp of every CTA is done with it, so each warp counts itself in every CTA's counter (remote atomics).
-// Whichever warp completes CTA q's counter (kCluster * kWarps arrivals; it may belong to another CTA)
-// arms CTA q's full[s] for the whole chunk and copies slice q. A slice may land before the barrier is
-// armed: its transaction count goes negative meanwhile, and the phase cannot complete before the arming
-// arrival. The cluster synchronises after the barriers are
-// initialised (remote copies and atomics target them) and before any CTA exits (remote atomics of the
-// last releases).
-// Static device code for sm_90a only; needs kStages, kSlotBytes, kRingChunks, kWarps, kCluster and
-// stream_chunk(p) (image offset and bytes of chunk p of a pass) from the generated source.
+// same slot; CTA q copies slice q (bytes [q, q + 1) / kCluster) of each chunk into that slot of every CTA
+// (multicast), and every CTA arms its own full[s] for the whole chunk. A CTA may write into the others'
+// slot only once all of them are done with it: the warp that completes its own CTA's count arrives on
+// peer[s] of every other CTA (a remote arrival, nothing waited for), then waits for its own peer[s]
+// (kCluster - 1 arrivals a use) before it arms and copies. A slice may land before its barrier is armed:
+// the transaction count goes negative meanwhile, and the phase cannot complete before the arming arrival.
+// The cluster synchronises after the barriers are initialised (remote copies and arrivals target them)
+// and before any CTA exits (its last remote arrivals and copies).
 #pragma once
 __device__ __forceinline__ uint32_t atom_add_acq_rel(uint32_t addr, uint32_t v) {
   uint32_t old;
   asm volatile("atom.acq_rel.cta.shared::cta.add.u32 %0, [%1], %2;\n" : "=r"(old) : "r"(addr), "r"(v) : "memory");
   return old;
 }
-// The same on the counter at shared address `addr` of the cluster's CTA `rank`.
-__device__ __forceinline__ uint32_t atom_add_cluster(uint32_t addr, uint32_t rank, uint32_t v) {
-  uint32_t remote, old;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(addr), "r"(rank));
-  asm volatile("atom.acq_rel.cluster.shared::cluster.add.u32 %0, [%1], %2;\n" : "=r"(old) : "r"(remote), "r"(v) : "memory");
-  return old;
-}
-// expect_tx + arrival on the mbarrier at shared address `bar` of the cluster's CTA `rank`.
-__device__ __forceinline__ void mbar_expect_tx_cluster(uint32_t bar, uint32_t rank, uint32_t bytes) {
+// An arrival on the mbarrier at shared address `bar` of the cluster's CTA `rank` (release: this CTA's reads
+// of the slot come before), and the wait for a phase of one's own that other CTAs complete (acquire).
+__device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, uint32_t rank) {
   uint32_t remote;
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(bar), "r"(rank));
-  asm volatile("mbarrier.arrive.expect_tx.release.cluster.shared::cluster.b64 _, [%0], %1;\n"
-               ::"r"(remote), "r"(bytes) : "memory");
+  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(remote) : "memory");
+}
+__device__ __forceinline__ void mbar_wait_cluster(uint32_t bar, uint32_t parity) {
+  uint32_t done;
+  do {
+    asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
+                 " selp.u32 %0, 1, 0, p;\n}\n" : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+  } while (!done);
 }
 // Bulk copy into the same shared offset of every CTA in `mask`, completing on each one's mbarrier there.
 __device__ __forceinline__ void bulk_g2s_multicast(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar,
@@ -64,6 +61,7 @@ __device__ __forceinline__ void cluster_sync() {
 
 struct Ring {
   uint32_t slots, bars, cnts;    // shared addresses: slot 0 (1024-aligned), full[0], counter[0]
+  uint32_t peers;                // clusters: peer[0]
   const unsigned char* wimg;     // the weight image in global memory (every CTA reads it: L2-resident)
   uint32_t total;                // chunks this CTA consumes: its passes x kRingChunks
   uint32_t acq_stage, acq_phase; // the next chunk to acquire: its slot and the parity of its fill
@@ -71,27 +69,28 @@ struct Ring {
   uint32_t rank;                 // this CTA's rank in its cluster (0 without one)
 
   // Copies chunk `it` of the sequence into slot `stage` (one thread): the whole chunk; or, in a cluster,
-  // arms CTA q's barrier for it and copies slice q into every CTA.
-  __device__ __forceinline__ void fill(uint32_t it, uint32_t stage, uint32_t q) const {
+  // arms this CTA's barrier for the whole chunk and copies its slice into every CTA.
+  __device__ __forceinline__ void fill(uint32_t it, uint32_t stage) const {
     const uint2 c = stream_chunk(it % kRingChunks);
     const uint32_t full = bars + 8 * stage;
-    if constexpr (kCluster == 1) {
 #ifdef O2F_DIAG_NO_FILL   // a diagnostic build (kernel_check.py --diag): the slot's barrier completes, no bytes move
+    if constexpr (kCluster == 1) {
       mbar_arrive(full);
       return;
+    }
 #endif
-      mbar_expect_tx(full, c.y);
+    mbar_expect_tx(full, c.y);
+    if constexpr (kCluster == 1) {
       bulk_g2s(slots + stage * kSlotBytes, wimg + c.x, c.y, full);
     } else {
-      mbar_expect_tx_cluster(full, q, c.y);
-      const uint32_t part = c.y / kCluster, off = q * part;   // chunks are multiples of 256 bytes
+      const uint32_t part = c.y / kCluster, off = rank * part;   // chunks are multiples of 256 bytes
       bulk_g2s_multicast(slots + stage * kSlotBytes + off, wimg + c.x + off, part, full,
                          static_cast<uint16_t>((1u << kCluster) - 1u));
     }
   }
-  // The first min(kStages, total) chunks: this CTA's barriers and slices (one thread, before any acquire).
+  // The first min(kStages, total) chunks (one thread, before any acquire; clusters: after cluster_sync).
   __device__ __forceinline__ void prime() const {
-    for (uint32_t i = 0; i < kStages && i < total; ++i) fill(i, i, rank);
+    for (uint32_t i = 0; i < kStages && i < total; ++i) fill(i, i);
   }
   // The descriptor low word (start address >> 4, leading byte offset 1) of the next chunk's slot, once
   // its copy has landed.
@@ -110,16 +109,14 @@ struct Ring {
     if (++rel_stage == kStages) rel_stage = 0;
     __syncwarp();
     if (lane != 0) return;
-    if constexpr (kCluster == 1) {
-      const uint32_t prev = atom_add_acq_rel(cnts + 4 * stage, 1u);
-      if (prev % kWarps == kWarps - 1 && it + kStages < total) fill(it + kStages, stage, 0);
-    } else {
+    const uint32_t prev = atom_add_acq_rel(cnts + 4 * stage, 1u);
+    if (prev % kWarps != kWarps - 1 || it + kStages >= total) return;   // not the last, or nothing left to copy
+    if constexpr (kCluster > 1) {   // tell the other CTAs, then wait until they are done with the slot too
 #pragma unroll
-      for (uint32_t q = 0; q < kCluster; ++q) {
-        const uint32_t prev = atom_add_cluster(cnts + 4 * stage, q, 1u);
-        constexpr uint32_t kAll = kCluster * kWarps;
-        if (prev % kAll == kAll - 1 && it + kStages < total) fill(it + kStages, stage, q);   // completed CTA q's count
-      }
+      for (uint32_t q = 0; q < kCluster; ++q)
+        if (q != rank) mbar_arrive_cluster(peers + 8 * stage, q);
+      mbar_wait_cluster(peers + 8 * stage, (it / kStages) & 1u);
     }
+    fill(it + kStages, stage);
   }
 };

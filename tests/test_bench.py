@@ -442,3 +442,17 @@ def test_kernel_check_interleaves_its_timings_in_alternating_rounds():
     rounds = kernel_check.interleaved_rounds(["a", "b", "c"], 4)
     assert rounds == [["a", "b", "c"], ["c", "b", "a"], ["a", "b", "c"], ["c", "b", "a"]]
     assert kernel_check.interleaved_rounds(["a"], 0) == []
+
+
+def test_kernel_check_diag_cases_name_a_base_case_and_its_macros():
+    """kernel_check --diag NAME=BASE:MACRO[+MACRO]: BASE built with O2F_DIAG_<MACRO> defined (upper-cased);
+    a BASE that is no case, or no macro, stops the run with the item named."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import kernel_check
+    cases = {"w256silu": object(), "w128gelu": object()}
+    got = kernel_check.diag_cases(["s=w256silu:no_fill+no_load", "g=w128gelu:clocks"], cases)
+    assert got == {"s": ("w256silu", ["-DO2F_DIAG_NO_FILL", "-DO2F_DIAG_NO_LOAD"]),
+                   "g": ("w128gelu", ["-DO2F_DIAG_CLOCKS"])}
+    for bad in ("s=nosuch:no_fill", "s=w256silu", "w256silu:no_fill"):
+        with pytest.raises(SystemExit, match="--diag"):
+            kernel_check.diag_cases([bad], cases)

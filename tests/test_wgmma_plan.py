@@ -127,6 +127,62 @@ def test_clusters_are_an_override_of_streamed_plans():
     with pytest.raises(SpecError, match="1, 2 or 4"):
         wgmma.make_wgmma_plan(SILU, fallback, cluster=3)
     assert wgmma.make_wgmma_plan(GELU, choose.make_plan(GELU).fallback, cluster=2).cluster == 1   # resident
+    # a slot's "the other CTAs are done" mbarriers, one a slot, between the input tiles' and the counters
+    assert plan.smem.cnt_offset == plan.smem.peer_bar_offset + 8 * plan.stages
+    assert choose.make_plan(SILU).smem.cnt_offset == choose.make_plan(SILU).smem.peer_bar_offset
+    src = codegen.cuda_sources(plan)[f"{SILU.name}_cuda.cu"]
+    assert f"constexpr int kPeerBarSmem = {plan.smem.peer_bar_offset};" in src
+    assert "mbar_init(base + kPeerBarSmem + 8 * s, kCluster - 1);" in src and src.count("cluster_sync();") == 2
+
+
+def _accumulator_column(j: int, t: int, e: int) -> int:
+    """The column an n8 block j's accumulator pair (e = 0, 1) holds for lane quad position t (wgmma's
+    m64nN fp32 layout: rows g and g + 8, columns 8j + 2t + e)."""
+    return 8 * j + 2 * t + e
+
+
+def _quad_output(n: int) -> int:
+    """o2f_wgmma_pack.cuh's QUAD_STORES permutation: packed column 16m + 8h + 2t + e holds output
+    16m + 4t + 2h + e."""
+    return (n & ~15) + 4 * ((n >> 1) & 3) + 2 * ((n >> 3) & 1) + (n & 1)
+
+
+@pytest.mark.parametrize("widths", [[256, 256, 256, 256, 256], [64, 128, 128, 128, 128, 64], [32, 64, 64, 16],
+                                    [64, 128, 40]])
+def test_quad_stores_give_each_thread_four_adjacent_outputs(widths):
+    """With the last layer's columns packed in QUAD_STORES order, the accumulators a quad's store names for
+    lane position t are outputs col + 4t .. col + 4t + 3, in order, for rows g and g + 8; every true output
+    is stored once; the packing is a permutation within each 16 columns. Plans whose last layer is not in
+    16s (40 -> 40 columns: chunks of 40) store pairs."""
+    spec = _spec(widths)
+    plan = choose.make_plan(spec, WGMMA)
+    last = plan.layers[-1]
+    if last.np_ % 16 or last.nc % 16:
+        assert not plan.quad_stores and all(not c["quads"] for c in wgmma_params(plan)["layers"][-1]["chunks"])
+        return
+    assert plan.quad_stores and not wgmma.make_wgmma_plan(spec, plan.fallback, quad_stores=False).quad_stores
+    assert sorted(_quad_output(n) for n in range(last.np_)) == list(range(last.np_))
+    assert all(_quad_output(n) // 16 == n // 16 for n in range(last.np_))
+    stored = []
+    params = wgmma_params(plan)["layers"][-1]
+    assert params["quads"] and all(c["blocks"] for c in params["chunks"])
+    for c, chunk in enumerate(params["chunks"]):
+        for q in chunk["quads"]:
+            for t in range(4):
+                for row in q["rows"]:
+                    outs = []
+                    for d in row["d"]:   # d = 4 j + 2 hi + e within the chunk's accumulators
+                        j, rest = divmod(d, 4)
+                        assert rest // 2 == row["hi"]
+                        outs.append(_quad_output(c * last.nc + _accumulator_column(j, t, rest % 2)))
+                    assert outs == [q["col"] + 4 * t + i for i in range(4)]
+                    stored += outs if not row["hi"] else []
+    assert sorted(o for o in stored if o < last.n) == list(range(last.n))
+    src = codegen.cuda_sources(plan)[f"{spec.name}_cuda.cu"]
+    assert "store_out4<kNOut>(" in src
+    # the pack kernels permute the last layer's weights and bias (their last argument), no other layer's
+    calls = re.findall(r"wgmma_pack_(?:layer<elem_t>|bias)<<<[^;]*, (\d)\);", src)
+    assert calls == ["0"] * 2 * (len(plan.layers) - 1) + ["1", "1"]
 
 
 def test_staged_input_where_registers_cannot_hold_the_next_tile():

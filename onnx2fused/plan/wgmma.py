@@ -19,9 +19,10 @@ Issue 15; the prototype and its H100 measurements: benchmarks/sm90/ (fused_wgmma
         The image is read from L2 (all CTAs read the same bytes), once per pass per CTA. `cluster` > 1
         (an override, for measurements) makes the CTAs of a thread-block cluster run their passes in step,
         each copying 1/cluster of every chunk into the slot of every CTA of the cluster (cp.async.bulk
-        multicast): half or a quarter of the L2 reads, but on an H100 2x and 3.4x slower than a CTA
-        copying its own chunks (silu 256x4, 2^18 rows: 0.83 / 1.47 vs 0.43 ms, RESULTS.md), the refills
-        waiting for the slowest warp of the cluster.
+        multicast): half or a quarter of the L2 reads, but on an H100 1.6x and 2.6x slower than a CTA
+        copying its own chunks (silu 256x4, 2^18 rows: 0.470 / 0.751 vs 0.289 ms, RESULTS.md twenty-second
+        run; its warps wait 30 % of their time for ring slots), the refills waiting for the slowest warp of
+        the cluster.
   * A layer's N columns run as chunks of NC <= CHUNK_MAX columns, each its own commit group, with two
     accumulator buffers: the epilogue of chunk c runs while the tensor core computes chunk c+1.
   * Bias: fp32 in shared memory, added in the epilogue (the form the H100 run verified).
@@ -198,7 +199,7 @@ class WgmmaPlan:
     def smem(self) -> SmemLayout:
         """Where the kernel's shared memory holds what."""
         return SmemLayout.of(self.image_bytes, self.slot_bytes, self.stages, self.bias_floats, self.input_bytes,
-                             self.nwg if self.bulk_input else 0)
+                             self.nwg if self.bulk_input else 0, self.cluster)
 
     @property
     def smem_bytes(self) -> int:
@@ -331,20 +332,22 @@ def _slot_bytes(layers: list[WgmmaLayer]) -> int:
 @dataclass(frozen=True)
 class SmemLayout:
     """The kernel's dynamic shared memory: [image, or `stages` ring slots][bias (fp32)][mbarriers: one, or
-    one per slot; BULK_INPUT: one per warpgroup's input tile][release counters: one per slot][staged input
-    tiles, 128-byte aligned][alignment slack].
+    one per slot; BULK_INPUT: one per warpgroup's input tile; clusters: one per slot for the other CTAs'
+    releases][release counters: one per slot][staged input tiles, 128-byte aligned][alignment slack].
     The plan sizes it, the template places its parts at these offsets (wgmma_params)."""
     weights: int      # bytes of the image or the ring
     bias_floats: int
     stages: int
     input_bytes: int = 0   # staged input tiles (STAGED_INPUT), all warpgroups'
     input_bars: int = 0    # their mbarriers (BULK_INPUT: one a warpgroup)
+    peer_bars: int = 0     # clusters: a slot's mbarrier that the cluster's other CTAs arrive on once done with it
 
     @classmethod
     def of(cls, image_bytes: int, slot_bytes: int, stages: int, bias_floats: int, input_bytes: int = 0,
-           input_bars: int = 0) -> SmemLayout:
+           input_bars: int = 0, cluster: int = 1) -> SmemLayout:
         """The layout with the image resident (stages 0) or `stages` ring slots of `slot_bytes`."""
-        return cls(stages * slot_bytes if stages else image_bytes, bias_floats, stages, input_bytes, input_bars)
+        return cls(stages * slot_bytes if stages else image_bytes, bias_floats, stages, input_bytes, input_bars,
+                   stages if cluster > 1 else 0)
 
     @property
     def bias_offset(self) -> int:
@@ -359,8 +362,12 @@ class SmemLayout:
         return self.bar_offset + 8 * max(1, self.stages)
 
     @property
-    def cnt_offset(self) -> int:
+    def peer_bar_offset(self) -> int:
         return self.input_bar_offset + 8 * self.input_bars
+
+    @property
+    def cnt_offset(self) -> int:
+        return self.peer_bar_offset + 8 * self.peer_bars
 
     @property
     def input_offset(self) -> int:
@@ -371,11 +378,11 @@ class SmemLayout:
         return (self.input_offset + self.input_bytes if self.input_bytes else self.cnt_offset + 4 * self.stages) + SLACK
 
 
-def _smem(layers: list[WgmmaLayer], stages: int = 0, input_bytes: int = 0, input_bars: int = 0) -> int:
+def _smem(layers: list[WgmmaLayer], stages: int = 0, input_bytes: int = 0, input_bars: int = 0, cluster: int = 1) -> int:
     """Bytes of dynamic shared memory with `stages` ring slots (0: the image resident), `input_bytes` of
-    staged input tiles and `input_bars` mbarriers for them."""
+    staged input tiles and `input_bars` mbarriers for them, in a cluster of `cluster` CTAs."""
     return SmemLayout.of(_image_bytes(layers), _slot_bytes(layers), stages, sum(l.np_ for l in layers),
-                         input_bytes, input_bars).bytes
+                         input_bytes, input_bars, cluster).bytes
 
 
 def _stages(layers: list[WgmmaLayer], smem_limit: int, resident: bool = True) -> int | None:
@@ -433,9 +440,14 @@ def make_wgmma_plan(spec: MLPSpec, fallback, reason: str = "", smem_limit: int =
     stageable = spec.io_dtype == "f32" and spec.layers[0].in_features % IN_ROW_ALIGN == 0
     # the k-steps past `prefetch` wait in shared memory: the fewest prefetched ones that let them fit
     # (silu's 256-wide rows beside a 96 KB ring: 1 in registers, 15 staged)
+    if cluster is not None and cluster not in (1, 2, CLUSTER_MAX):
+        raise SpecError(f"cluster of {cluster} CTAs: 1, 2 or {CLUSTER_MAX}")
+    # a chunk's slice per CTA must stay a multiple of 16 bytes (bulk copies): chunks are multiples of 256
+    cluster = (cluster or CLUSTER) if stages else 1
     bulk = BULK_INPUT if bulk_input is None else bulk_input
     fits = [p for p in range(k0_steps)
-            if _smem(layers, stages, nwg * _input_tile_bytes(16 * (k0_steps - p), bulk), nwg if bulk else 0) <= smem_limit]
+            if _smem(layers, stages, nwg * _input_tile_bytes(16 * (k0_steps - p), bulk), nwg if bulk else 0,
+                     cluster) <= smem_limit]
     if staged_input is None:   # where registers cannot hold the next tile's whole input (and it fits)
         staged_input = stageable and register_prefetch < k0_steps and bool(fits) and (prefetch is None or prefetch in fits)
     if staged_input:
@@ -448,10 +460,6 @@ def make_wgmma_plan(spec: MLPSpec, fallback, reason: str = "", smem_limit: int =
     if prefetch is None:
         prefetch = register_prefetch
     prefetch = max(0, min(k0_steps, prefetch))
-    if cluster is not None and cluster not in (1, 2, CLUSTER_MAX):
-        raise SpecError(f"cluster of {cluster} CTAs: 1, 2 or {CLUSTER_MAX}")
-    # a chunk's slice per CTA must stay a multiple of 16 bytes (bulk copies): chunks are multiples of 256
-    cluster = (cluster or CLUSTER) if stages else 1
     bias = sum(l.np_ for l in layers)
     return WgmmaPlan(spec, tuple(layers), nwg, prefetch, base + 8 * prefetch, _image_bytes(layers), bias, fallback,
                      fallback.workspace_bytes, reason, stages, _slot_bytes(layers) if stages else 0, cluster,
