@@ -151,6 +151,10 @@ VARIANTS = {
     "w256silu_pf0": ("w256silu", WgmmaOptions(prefetch=0)),
     "w256silu_st6": ("w256silu", WgmmaOptions(stages=6)),
     "w256silu_st4": ("w256silu", WgmmaOptions(stages=4)),
+    # 32-column chunks: half a slot each, so 6 slots fit where 3 did (more time for each copy to land);
+    # H100, twenty-second run: 0.349 (6 slots) and 0.434 ms (4) against 0.297, ring waits 8.4 % still
+    "w256silu_c32_st6": ("w256silu", WgmmaOptions(chunk_max=32, stages=6)),
+    "w256silu_c32_st4": ("w256silu", WgmmaOptions(chunk_max=32, stages=4)),
     # 3 warpgroups for silu: chunks of 16 columns leave 166 registers, no spills (ptxas -v; 32: spills), but
     # 16-column chunks through the ring took 0.84-0.90 ms against 0.33 (H100, twenty-first run): not a way
     "w256silu_wg3_c16": ("w256silu", WgmmaOptions(nwg=3, chunk_max=16)),

@@ -76,12 +76,15 @@ def test_wgmma_source_compiles_to_hgmma_without_spills(spec, with_sm80, override
     assert ptx90.count("wgmma.mma_async.sync.aligned.m64n") == n_wgmma
     assert "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes" in ptx90
     assert "__assertfail" not in ptx90
-    # streamed: each warp counts its release in every CTA of the cluster, whose CTAs copy their slices
-    # of each chunk to all (multicast), launched as a cluster
-    assert ("atom.acq_rel.cluster.shared::cluster.add.u32" in ptx90) == (plan.cluster > 1)
+    # streamed: each warp counts its release in its own CTA; in a cluster the last one arrives on the other
+    # CTAs' peer barriers and waits on its own (no remote atomics) before its CTA copies its slice of the
+    # chunk to all (multicast), launched as a cluster
+    assert ("mbarrier.arrive.release.cluster.shared::cluster.b64" in ptx90) == (plan.cluster > 1)
+    assert ("mbarrier.try_wait.parity.acquire.cluster" in ptx90) == (plan.cluster > 1)
+    assert "atom.acq_rel.cluster" not in ptx90
     assert ("multicast::cluster" in ptx90) == (plan.cluster > 1) and ("barrier.cluster.wait" in ptx90) == (plan.cluster > 1)
     assert ("cudaLaunchKernelEx" in src) == (plan.cluster > 1)
-    assert ("atom.acq_rel.cta.shared::cta.add.u32" in ptx90) == (plan.streamed and plan.cluster == 1)
+    assert ("atom.acq_rel.cta.shared::cta.add.u32" in ptx90) == plan.streamed
     # the operand type: every wgmma and every fragment conversion in it
     ab = "bf16" if spec.precision == "bf16" else "f16"
     assert ptx90.count(f"k16.f32.{ab}.{ab} ") == n_wgmma and (f"cvt.rn.{ab}x2.f32" in ptx90)
@@ -107,17 +110,20 @@ def test_wgmma_source_compiles_to_hgmma_without_spills(spec, with_sm80, override
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
 def test_packing_index_functions_match_the_plans_model(tmp_path):
     """The packing's column map and swizzle (o2f_wgmma_pack.cuh, compiled for the host and run here)
-    against test_wgmma_plan's models of them, which the descriptor and gate/up-pairing tests check the
-    plan against: every column of plain and gated layers (odd hidden widths too), every byte offset of
-    the three swizzle widths."""
+    against test_wgmma_plan's models of them, which the descriptor, gate/up-pairing and 4-wide store tests
+    check the plan against: every column of plain and gated layers (odd hidden widths too) and of last
+    layers in QUAD_STORES order, every byte offset of the three swizzle widths."""
     from onnx2fused.resources import templates_dir
-    from test_wgmma_plan import _source_column, _swizzle
+    from test_wgmma_plan import _quad_output, _source_column, _swizzle
     cases = [(200, 0, 208), (40, 0, 40), (200, 200, 416), (100, 100, 224), (256, 256, 512)]   # (N, H, NP)
+    quads = [(64, 64), (20, 32), (256, 256)]   # last layers in quads: (N, NP)
     main = ["#include <cuda_fp16.h>", "#include <cuda_bf16.h>", "#include <cstdio>", '#include "o2f_wgmma_pack.cuh"',
             "int main() {"]
     for n_src, hidden, np_ in cases:
         cols = 2 * hidden if hidden else n_src
-        main.append(f"  for (int n = 0; n < {np_}; ++n) printf(\"%d\\n\", wgmma_source_column(n, {cols}, {hidden}));")
+        main.append(f"  for (int n = 0; n < {np_}; ++n) printf(\"%d\\n\", wgmma_source_column(n, {cols}, {hidden}, 0));")
+    for n_src, np_ in quads:
+        main.append(f"  for (int n = 0; n < {np_}; ++n) printf(\"%d\\n\", wgmma_source_column(n, {n_src}, 0, 1));")
     for atom in (128, 64, 32):
         main.append(f"  for (unsigned b = 0; b < 4096; b += 2) printf(\"%u\\n\", wgmma_swizzle(b, {atom}));")
     main += ["  return 0;", "}"]
@@ -128,5 +134,6 @@ def test_packing_index_functions_match_the_plans_model(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     got = [int(v) for v in subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.split()]
     want = [_source_column(n, 2 * h if h else n_src, h) for n_src, h, np_ in cases for n in range(np_)]
+    want += [_quad_output(n) if _quad_output(n) < n_src else -1 for n_src, np_ in quads for n in range(np_)]
     want += [_swizzle(b, atom) for atom in (128, 64, 32) for b in range(0, 4096, 2)]
     assert got == want
