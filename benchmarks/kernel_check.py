@@ -358,35 +358,21 @@ class Case:
 
 
 def sustained(case: Case, batch: int, seconds: float) -> dict:
-    """--sustain: the case's launches back to back for `seconds` while nvidia-smi samples the GPU every
-    50 ms: the SM clock, power and throttle reasons under sustained load (a kernel held back by the power
-    limit runs its work at a lower clock, so its time is the sum of its pipes' energy, not their overlap)."""
-    torch = case.torch
+    """--sustain: the case's launches back to back for `seconds` while nvidia-smi samples the GPU
+    (onnx2fused.bench.clocks): ms a launch, the SM clock and power, and how often the power limit held the
+    clock down (a kernel at the power limit runs at a lower clock: its time is its energy, not the overlap
+    of its pipes)."""
+    from onnx2fused.bench.clocks import ClockProbe
     bufs = case.timing_buffers(batch)
-    fields = "clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active"
-    probe = subprocess.Popen(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits", "-lms", "50"],
-                             stdout=subprocess.PIPE, text=True)
-    t0, launches = time.time(), 0
-    while time.time() - t0 < seconds:
-        case.launches(bufs, 50)
-        launches += 50
-    torch.cuda.synchronize()
-    elapsed = time.time() - t0
-    probe.terminate()
-    samples = []
-    for line in probe.communicate()[0].splitlines():
-        parts = [p.strip() for p in line.split(",")]
-        try:
-            samples.append((float(parts[0]), float(parts[1]), float(parts[2]), parts[3]))
-        except (ValueError, IndexError):
-            continue
-    busy = samples[len(samples) // 4:]   # past the ramp
-    if not busy:
-        return {"ms_per_launch": elapsed / launches * 1e3}
-    reasons = sorted({s[3] for s in busy})
-    return {"ms_per_launch": elapsed / launches * 1e3, "sm_mhz": float(np.median([s[0] for s in busy])),
-            "watts": float(np.median([s[1] for s in busy])), "celsius": float(np.median([s[2] for s in busy])),
-            "throttle_reasons": reasons}
+    launches = 0
+    with ClockProbe() as probe:
+        t0 = time.time()
+        while time.time() - t0 < seconds:
+            case.launches(bufs, 50)
+            launches += 50
+        case.torch.cuda.synchronize()
+        elapsed = time.time() - t0
+    return {"ms_per_launch": elapsed / launches * 1e3, **(probe.summary or {})}
 
 
 def interleaved_rounds(names: list[str], rounds: int) -> list[list[str]]:

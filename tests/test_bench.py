@@ -8,6 +8,7 @@ import argparse
 import json
 import re
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -456,3 +457,42 @@ def test_kernel_check_diag_cases_name_a_base_case_and_its_macros():
     for bad in ("s=nosuch:no_fill", "s=w256silu", "w256silu:no_fill"):
         with pytest.raises(SystemExit, match="--diag"):
             kernel_check.diag_cases([bad], cases)
+
+
+def test_clock_samples_summarise_past_the_ramp_with_the_power_cap_share():
+    """clocks.py: nvidia-smi's csv lines (unparsable ones skipped) summarised past the first quarter:
+    median SM clock, power and limit, and the share of samples the power cap (0x4) held the clock down."""
+    from onnx2fused.bench import clocks
+    lines = ["1980, 1980, 300.5, 700.00, 0x0000000000000000"] * 4 + [
+        "1560, 1980, 693.1, 700.00, 0x0000000000000004"] * 9 + ["1600, 1980, 690.0, 700.00, 0x0000000000000000",
+                                                               "[N/A], 1980, 1, 700, 0x0", "1550, 19"]
+    samples = clocks.parse_samples("\n".join(lines))
+    assert len(samples) == 14 and samples[4].reasons == clocks.SW_POWER_CAP
+    s = clocks.summarize(samples)
+    assert s["samples"] == 11 and s["sm_mhz"] == 1560 and s["max_sm_mhz"] == 1980 and s["limit_watts"] == 700
+    assert s["power_capped"] == 9 / 11 and s["watts"] == 693.1
+    assert clocks.describe(s) == "SM clock 1560 of 1980 MHz, 693 of 700 W; held down by the power limit in 82% of the samples"
+    assert clocks.summarize([]) is None and "nvidia-smi" in clocks.describe(None)
+    idle = clocks.summarize(clocks.parse_samples("1980, 1980, 120, 700, 0x0\n" * 8))
+    assert idle["power_capped"] == 0 and "power limit" not in clocks.describe(idle)
+
+
+def test_sustained_timing_runs_bursts_for_its_seconds_without_nvidia_smi(monkeypatch):
+    """time_ort_gpu_sustained (--sustain): pipelined bursts back to back until its seconds are up, one
+    per-run time per burst, and no clock summary where nvidia-smi is missing. On ORT's CPU EP."""
+    from onnx2fused.bench import clocks, timing
+
+    monkeypatch.setattr(timing, "ORT_DEVICE", "cpu")
+    monkeypatch.setattr(clocks.shutil, "which", lambda name: None)
+    sess = ort.InferenceSession(str(NERF), providers=["CPUExecutionProvider"])
+    t0 = time.perf_counter()
+    ts, summary = timing.time_ort_gpu_sustained(timing._Dev(None), sess, bench.model_info(NERF), 8, 0.3, 1, burst=3)
+    assert time.perf_counter() - t0 >= 0.3 and len(ts) >= 2 and all(t > 0 for t in ts) and summary is None
+
+
+def test_sustain_is_gpu_only_and_bounded(capsys):
+    for args, words in ((["--sustain", "0"], "between 0 and 600"), (["--sustain", "700"], "between 0 and 600"),
+                        (["--sustain", "2", "--cpu"], "no CPU mode")):
+        assert bench.main(parse(NERF, *args)) == 2
+        assert words in capsys.readouterr().err
+    assert parse(NERF, "--sustain", "5").sustain == 5 and parse(NERF).sustain is None

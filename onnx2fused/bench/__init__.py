@@ -10,6 +10,9 @@ batch size of a sweep:
   *_pipelined    (--pipelined) ort_fp16 and fused again, their runs back to back in bursts of 10 (every run
                  but a burst's last with ORT's disable_synchronize_execution_providers=1): throughput, where
                  the rows above are each run's latency from an idle GPU
+  fused_sustained (--sustain SECONDS) the fused model's bursts back to back for that long, nvidia-smi
+                 sampling the SM clock and power (clocks.py): the throughput once the GPU has met its power
+                 limit, and whether it did
   fused_fp16     (--fp16-model) ort_fp16's fp16 copy, converted: for models where much of the time is
                  outside the chains (a whole transformer), the like-for-like comparison with ort_fp16
   torch_eager    torch fp16 eager   (zoo models, or --torch-module)
@@ -41,7 +44,8 @@ from .models import (L2_ROTATE_BYTES, MAX_ELEMENTS, MEM_FRACTION, ROTATE_BUFFERS
                      fp16_model_file, gpu_batches, load_torch_module, model_info, to_fp16, zoo_torch_module)
 from .report import LABELS, _write_outputs, format_table, plot  # noqa: F401
 from .timing import (FALLBACK_BW, FALLBACK_TC, ORT_DEVICE, _cuda_torch, _Dev, measure_peaks,  # noqa: F401
-                     time_interleaved, time_ort_gpu, time_ort_gpu_interleaved, time_ort_gpu_pipelined, time_torch)
+                     time_interleaved, time_ort_gpu, time_ort_gpu_interleaved, time_ort_gpu_pipelined,
+                     time_ort_gpu_sustained, time_torch)
 from .variants import (CPU_VARIANTS, DEFAULT_CPU_REPS, DEFAULT_GPU_BATCHES, DEFAULT_GPU_REPS,  # noqa: F401
                        DEFAULT_THREADS, GPU_VARIANTS, convert_model, fused_session, gpu_providers, run_cpu, run_gpu)
 
@@ -103,6 +107,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pipelined", action="store_true",
                         help="GPU mode: also time ort_fp16 and fused with runs back to back (ort_fp16_pipelined, "
                              "fused_pipelined): ORT's host work per run overlaps the GPU's, as in a serving loop")
+    parser.add_argument("--sustain", type=float, default=None, metavar="SECONDS",
+                        help="GPU mode: also run the fused model back to back this long per batch (fused_sustained), "
+                             "nvidia-smi sampling the SM clock and power: the throughput under sustained load")
     parser.add_argument("-q", "--quiet", action="store_true",
                         help="no progress lines on stderr (build steps and each timing, with the elapsed time)")
 
@@ -122,6 +129,11 @@ def main(args) -> int:
     for opt, v, low in (("--reps", args.reps, 1), ("--warmup", args.warmup, 0), ("--threads", args.threads, 1)):
         if v is not None and v < low:
             return _error(f"{opt} must be >= {low}, got {v}")
+    sustain = getattr(args, "sustain", None)
+    if sustain is not None and not 0 < sustain <= 600:
+        return _error(f"--sustain must be between 0 and 600 seconds, got {sustain:g}")
+    if sustain is not None and args.cpu:
+        return _error("--sustain times the GPU (the fused model under sustained load); it has no CPU mode")
     model = Path(args.model)
     if not model.is_file():
         return _error(f"{model}: no such file")

@@ -22,6 +22,7 @@ LABELS = {
     "ort_fp32": "ORT CUDA fp32", "ort_fp16": "ORT CUDA fp16", "fused": "onnx2fused",
     "fused_graph": "onnx2fused CUDA graph", "fused_fp16": "onnx2fused on the fp16 copy",
     "ort_fp16_pipelined": "ORT CUDA fp16 pipelined", "fused_pipelined": "onnx2fused pipelined",
+    "fused_sustained": "onnx2fused sustained",
     "torch_eager": "torch eager fp16", "torch_compile": "torch.compile fp16",
     "ort_cpu": "ORT CPU", "fused_cpu": "onnx2fused CPU",
 }

@@ -287,6 +287,29 @@ def time_ort_gpu_pipelined(dev: _Dev, sess, info: ModelInfo, batch: int, reps: i
     return ts
 
 
+def time_ort_gpu_sustained(dev: _Dev, sess, info: ModelInfo, batch: int, seconds: float, warmup: int,
+                           burst: int = PIPELINE_RUNS) -> tuple[list[float], dict | None]:
+    """Pipelined bursts (time_ort_gpu_pipelined's) back to back for `seconds`, nvidia-smi sampling the
+    GPU meanwhile (clocks.ClockProbe): (per-run ms of each burst, the clock and power summary or None).
+    Long enough, a kernel meets the board's power limit and runs at the clock that keeps it there: the
+    throughput a serving loop keeps, where the other timings see the first milliseconds."""
+    from .clocks import ClockProbe
+    step, _, buffers = _ort_gpu_runner(dev, sess, info, batch)
+    for i in range(warmup):
+        step(i)
+    ts = []
+    with ClockProbe() as probe:
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            t0 = time.perf_counter()
+            for j in range(burst - 1):
+                step(j, wait=False)
+            step(burst - 1)
+            ts.append((time.perf_counter() - t0) * 1e3 / burst)
+    del step, buffers
+    return ts, probe.summary
+
+
 def time_ort_gpu_interleaved(dev: _Dev, sessions: dict, info: ModelInfo, batch: int, reps: int,
                              warmup: int) -> dict[str, list[float]]:
     """Per-run ms of each session at one batch size, the sessions taking turns within every repetition

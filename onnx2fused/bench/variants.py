@@ -14,9 +14,10 @@ import numpy as np
 
 from .models import (_ELEM_NP, _features, _find_zoo_entry, _input_shape, _random_feed, _reason, default_cpu_batch,
                      fp16_model_file, gpu_batches, load_torch_module, model_info, zoo_torch_module)
+from .clocks import describe as describe_clocks
 from .report import _command_line, _cpu_name, _git_commit, _versions, _write_outputs, format_table
 from .timing import (FALLBACK_BW, FALLBACK_TC, _cuda_torch, _Dev, _empty_cache, measure_peaks, spread,
-                     time_interleaved, time_ort_gpu, time_ort_gpu_pipelined, time_torch)
+                     time_interleaved, time_ort_gpu, time_ort_gpu_pipelined, time_ort_gpu_sustained, time_torch)
 
 DEFAULT_GPU_BATCHES = [2 ** k for k in range(10, 23, 2)]   # 2^10 ... 2^22, x4
 DEFAULT_GPU_REPS = 100
@@ -25,7 +26,8 @@ DEFAULT_THREADS = 2
 
 GPU_VARIANTS = ["ort_fp32", "ort_fp16", "fused", "fused_graph", "torch_eager", "torch_compile"]
 OPTIONAL_GPU_VARIANTS = ["fused_fp16",                       # --fp16-model
-                         "ort_fp16_pipelined", "fused_pipelined"]   # --pipelined: these sessions' runs back to back
+                         "ort_fp16_pipelined", "fused_pipelined",   # --pipelined: these sessions' runs back to back
+                         "fused_sustained"]                      # --sustain: the fused runs back to back for seconds
 PIPELINED = {"ort_fp16": "ort_fp16_pipelined", "fused": "fused_pipelined"}
 CPU_VARIANTS = ["ort_cpu", "fused_cpu"]
 
@@ -304,6 +306,7 @@ def run_gpu(args, say=None) -> int:
     if getattr(args, "fp16_model", False):
         variants.append(("fused_fp16", make_fused_fp16))
     pipelining = getattr(args, "pipelined", False)
+    sustain = getattr(args, "sustain", None)
     rows = {b: {"batch": b, "ms": {}, "na": {}, "rep_ms": {}} for b in batches}
     out_features = {}
 
@@ -323,7 +326,8 @@ def run_gpu(args, say=None) -> int:
             continue
         failed = None
         pipelined = PIPELINED.get(name) if pipelining else None   # the same session's runs back to back
-        timed = (name, pipelined) if pipelined else (name,)
+        sustained = "fused_sustained" if sustain and name == "fused" else None
+        timed = (name,) + tuple(n for n in (pipelined, sustained) if n)
         for b in batches:
             if failed:
                 for n in timed:
@@ -347,6 +351,16 @@ def run_gpu(args, say=None) -> int:
                     except Exception as e:
                         rows[b]["na"][pipelined] = _reason(e)
                         say(f"  {pipelined:<14} batch {b:>8}: n/a ({rows[b]['na'][pipelined]})")
+                if sustained:   # likewise
+                    try:
+                        ts, clocks = time_ort_gpu_sustained(dev, sess, info, b, sustain, warmup)
+                        _record(rows[b], sustained, ts)
+                        rows[b].setdefault("clocks", {})[sustained] = clocks
+                        notes.append(f"{sustained} at batch {b} ({sustain:g} s back to back): {describe_clocks(clocks)}")
+                        say(f"  {sustained:<14} batch {b:>8}: {_timed(rows[b], sustained)}; {describe_clocks(clocks)}")
+                    except Exception as e:
+                        rows[b]["na"][sustained] = _reason(e)
+                        say(f"  {sustained:<14} batch {b:>8}: n/a ({rows[b]['na'][sustained]})")
             gc.collect()
             _empty_cache(torch)
         del sess
@@ -429,14 +443,17 @@ def run_gpu(args, say=None) -> int:
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "versions": _versions(), "commit": _git_commit(), "command": _command_line(), "argv": sys.argv[:],
         "precision": args.precision, "reps": reps, "warmup": warmup, "variants": timed_variants(GPU_VARIANTS, [n for n, _ in variants]
-                                                                       + (list(PIPELINED.values()) if pipelining else [])),
+                                                                       + (list(PIPELINED.values()) if pipelining else [])
+                                                                       + (["fused_sustained"] if sustain else [])),
         "measured": {"copy_bytes_per_s": bw, "fp16_matmul_flops_per_s": tc},
         "timing": ("CUDA events" if torch is not None else "host timers") +
                   " around each run (ORT: run_with_iobinding, synchronous; torch: forward + event sync), "
                   "device-resident inputs/outputs, inputs < 50 MB rotated over 4 buffers; median, p10, p90"
                   + ("; *_pipelined: bursts of runs back to back (run option disable_synchronize_execution_providers=1 "
                      "but the last), host time of a burst from an idle device / its runs"
-                     if pipelining else ""),
+                     if pipelining else "")
+                  + (f"; fused_sustained: such bursts back to back for {sustain:g} s, nvidia-smi sampling the SM "
+                     "clock and power (rows' clocks)" if sustain else ""),
         "notes": notes, "layers": [[l.k, l.n] for l in info.layers],
         "rows": [rows[b] for b in batches],
     }
