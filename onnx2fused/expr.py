@@ -452,6 +452,12 @@ def _sigmoid16(x: np.ndarray) -> np.ndarray:
         return (_tanh16(x * _h16(0.5)) * _h16(0.5) + _h16(0.5)).astype(np.float16)
 
 
+def _silu16(x: np.ndarray) -> np.ndarray:
+    with np.errstate(all="ignore"):
+        hx = x * _h16(0.5)
+        return hx * _tanh16(hx) + hx
+
+
 def _gelu16(x: np.ndarray) -> np.ndarray:
     with np.errstate(all="ignore"):
         x2 = x * x
@@ -465,7 +471,7 @@ def _gelu16(x: np.ndarray) -> np.ndarray:
 PACKED_FORMS: dict[Expr, PackedForm] = {
     tanh(): PackedForm("o2f_h2_tanh", _tanh16),
     sigmoid(): PackedForm("o2f_h2_sigmoid", _sigmoid16),
-    silu(): PackedForm("o2f_h2_silu", lambda x: (x * _sigmoid16(x)).astype(np.float16)),
+    silu(): PackedForm("o2f_h2_silu", _silu16),
     gelu_erf(): PackedForm("o2f_h2_gelu", _gelu16),
     gelu_tanh(): PackedForm("o2f_h2_gelu", _gelu16),
 }
