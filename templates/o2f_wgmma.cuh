@@ -172,6 +172,20 @@ __device__ __forceinline__ void stage_tile(uint32_t buf, const float* __restrict
   }
   cp_async_commit();
 }
+// k-step ks's A fragments of rows rin and rin + 8 from a staged fp32 tile, value (row, col) at shared
+// address addr(row, col): (row, c..c+1) with c = 16 ks + t2 and c + 8, as load_ks's pattern, rounded to
+// the operand type.
+template <class Addr>
+__device__ __forceinline__ void staged_frags(uint32_t (&a)[4], int rin, int ks, int t2, Addr addr) {
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const int row = rin + 8 * (q & 1);
+    const int col = 16 * ks + t2 + 8 * (q >> 1);
+    float2 v;
+    asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(addr(row, col)) : "memory");
+    a[q] = pack_ab2(v.x, v.y);
+  }
+}
 // Bulk-staged input (plan/wgmma.py, BULK_INPUT): the same tile's rows, each copied by one cp.async.bulk
 // (columns C0..K0-1, K0 % 4 == 0: whole 16-byte units) into a row RB bytes long (KS * 4 +
 // plan.wgmma.BULK_ROW_PAD: an A-fragment read's 8 rows in distinct banks), unswizzled; its
@@ -206,31 +220,14 @@ __device__ __forceinline__ void bulk_zero_pad(unsigned char* buf, int tid_wg) {
 }
 template <int RB>
 __device__ __forceinline__ void bulk_staged_ks(uint32_t (&a)[4], uint32_t buf, int rin, int ks, int t2) {
-#pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    const int row = rin + 8 * (q & 1);
-    const int col = 16 * ks + t2 + 8 * (q >> 1);
-    float2 v;
-    asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y)
-                 : "r"(buf + row * RB + col * 4) : "memory");
-    a[q] = pack_ab2(v.x, v.y);
-  }
+  staged_frags(a, rin, ks, t2, [=](int row, int col) { return buf + row * RB + col * 4; });
 }
 // The 128 threads of warpgroup wg (named barrier 1 + wg; barrier 0 is __syncthreads').
 __device__ __forceinline__ void wg_sync(int wg) { asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory"); }
-// k-step ks's A fragments for rows rin and rin + 8 of the staged tile: (row, c..c+1) with c = 16 ks + t2
-// and c + 8, as load_ks's pattern, rounded to the operand type.
+// k-step ks's A fragments for rows rin and rin + 8 of the swizzled staged tile (staged_frags).
 template <int KS>
 __device__ __forceinline__ void staged_ks(uint32_t (&a)[4], uint32_t buf, int rin, int ks, int t2) {
-#pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    const int row = rin + 8 * (q & 1);
-    const int col = 16 * ks + t2 + 8 * (q >> 1);
-    float2 v;
-    asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y)
-                 : "r"(buf + staged_offset<KS>(row, col / 4) + (col % 4) * 4) : "memory");
-    a[q] = pack_ab2(v.x, v.y);
-  }
+  staged_frags(a, rin, ks, t2, [=](int row, int col) { return buf + staged_offset<KS>(row, col / 4) + (col % 4) * 4; });
 }
 
 __device__ __forceinline__ void o2f_st4(float* p, float a, float b, float c, float d) {

@@ -278,13 +278,18 @@ def time_ort_gpu_pipelined(dev: _Dev, sess, info: ModelInfo, batch: int, reps: i
     ts = []
     for _ in range(reps):
         dev.sync()
-        t0 = time.perf_counter()
-        for j in range(burst - 1):
-            step(j, wait=False)
-        step(burst - 1)
-        ts.append((time.perf_counter() - t0) * 1e3 / burst)
+        ts.append(_burst(step, burst))
     del step, buffers
     return ts
+
+
+def _burst(step, burst: int) -> float:
+    """Per-run ms of `burst` runs back to back: all but the last without waiting for the GPU."""
+    t0 = time.perf_counter()
+    for j in range(burst - 1):
+        step(j, wait=False)
+    step(burst - 1)
+    return (time.perf_counter() - t0) * 1e3 / burst
 
 
 def time_ort_gpu_sustained(dev: _Dev, sess, info: ModelInfo, batch: int, seconds: float, warmup: int,
@@ -301,11 +306,7 @@ def time_ort_gpu_sustained(dev: _Dev, sess, info: ModelInfo, batch: int, seconds
     with ClockProbe() as probe:
         end = time.perf_counter() + seconds
         while time.perf_counter() < end:
-            t0 = time.perf_counter()
-            for j in range(burst - 1):
-                step(j, wait=False)
-            step(burst - 1)
-            ts.append((time.perf_counter() - t0) * 1e3 / burst)
+            ts.append(_burst(step, burst))
     del step, buffers
     return ts, probe.summary
 
