@@ -28,8 +28,11 @@ Issue 15; the prototype and its H100 measurements: benchmarks/sm90/ (fused_wgmma
   * Bias: fp32 in shared memory, added in the epilogue (the form the H100 run verified).
   * The input tile is read straight from global memory into the A-fragment pattern (the next tile's
     first `prefetch` k-steps in registers while the current one computes), or (`staged_input`, where
-    those cannot hold it all: STAGED_INPUT) copied by cp.async into a shared-memory buffer per warpgroup a
-    whole tile ahead; outputs are streaming stores.
+    those cannot hold it all: STAGED_INPUT) copied into a shared-memory buffer per warpgroup a whole tile
+    ahead, one cp.async.bulk a row (BULK_INPUT; a streamed plan issues them in parts over its pass);
+    outputs are streaming stores, 4 adjacent outputs a store where the last layer is in 16s (QUAD_STORES).
+    Every choice here was measured, kernel alone and sustained: these kernels run into the GPU's power
+    limit when kept busy (docs/DESIGN.md, "The power limit"; `kernel_check.py --diag`, `--sustain`).
 
 The generated source holds this kernel (sm_90a only) and dispatches at run time: compute capability 9.0
 with the sm_90a kernel compiled in runs it, every other GPU the `fallback` plan's mma.sync kernel (the
@@ -73,8 +76,8 @@ STAGES_DEFAULT = 3        # measured best (H100, silu 256x4 at 2^18 rows: 3 slot
 RING_REGISTERS = 8        # the ring's positions, phases and addresses (streamed plans)
 CLUSTER = 1               # CTAs of a streamed plan's cluster: each CTA copies its own chunks (measured best)
 CLUSTER_MAX = 4
-# STAGED_INPUT: a warpgroup's next 64-row tile of fp32 rows copied by cp.async (16 bytes a copy, zero-filled
-# past the batch) into a buffer of its own in shared memory while it computes the current one, then read
+# STAGED_INPUT: a warpgroup's next 64-row tile of fp32 rows copied (BULK_INPUT below; or by cp.async, 16 bytes
+# a copy, zero-filled past the batch) into a buffer of its own in shared memory while it computes the current one, then read
 # into A fragments from there: the whole tile's global-memory latency hidden behind a tile of work, where
 # register prefetch holds at most PREFETCH_MAX k-steps (silu's 256-wide rows: 2 of 16; its warps' top stall
 # was the input's loads). The default where the registers cannot hold the next tile's whole input and the
