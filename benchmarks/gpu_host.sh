@@ -8,6 +8,7 @@
 #   benchmarks/gpu_host.sh install        rebuild and install the onnxruntime-gpu wheel into /tmp/site
 #   benchmarks/gpu_host.sh test [ARGS]    the GPU-marked tests (pytest ARGS, default: all tests/test_gpu*.py)
 #   benchmarks/gpu_host.sh kernels [ARGS] benchmarks/kernel_check.py (kernels alone, no ORT)
+#   benchmarks/gpu_host.sh power [CASES] the issue-15 kernels (and CASES) sustained: time, SM clock, power (no ORT)
 #   benchmarks/gpu_host.sh overhead       ORT's fixed cost per run: the issue-15 models at batch 1 and at their batch
 #   benchmarks/gpu_host.sh floor          the same models beside a one-Relu model on their input, in turns (ort_floor.py)
 #   benchmarks/gpu_host.sh blocks         the CUDA block kernels alone (issue 16): kernel_check's block cases
@@ -182,6 +183,13 @@ print(convert_model(p, Path('/tmp/vit/fused16'), 'fp16', with_cuda=True)[0])" 2>
 kernels)
   shift
   python3 benchmarks/kernel_check.py --out "$OUT/kc" "$@" 2>&1 | grep -v '^{' | tail -30
+  ;;
+power)
+  # the issue-15 kernels back to back for 5 s each, nvidia-smi sampling the SM clock, power and throttle
+  # reasons (kernel_check.py --sustain), then in turns for their 200-launch times
+  shift
+  python3 benchmarks/kernel_check.py --out "$OUT/kc" --case-timeout 120 --interleave 8 --sustain 5 \
+    --only nerf64 w128gelu w256silu sdf1m "$@" 2>&1 | grep -v '^{' | sed 's/, "samples".*//' | tail -30
   ;;
 issue15)
   # the issue-15 cases at their batch, latency (each run from an idle GPU) and pipelined (runs back to
