@@ -496,3 +496,13 @@ def test_sustain_is_gpu_only_and_bounded(capsys):
         assert bench.main(parse(NERF, *args)) == 2
         assert words in capsys.readouterr().err
     assert parse(NERF, "--sustain", "5").sustain == 5 and parse(NERF).sustain is None
+
+
+def test_sustained_variant_is_a_column_only_when_asked():
+    from onnx2fused.bench.variants import GPU_VARIANTS, timed_variants
+    row = {"batch": 64, "ms": {"fused": 1.0, "fused_sustained": 1.1}, "na": {}, "floor_ms": 0.1}
+    asked = timed_variants(GPU_VARIANTS, ["fused", "fused_sustained"])
+    assert asked[-1] == "fused_sustained" and "fused_sustained" not in timed_variants(GPU_VARIANTS, ["fused"])
+    table = bench.format_table({"mode": "gpu", "rows": [row], "variants": asked})
+    assert "onnx2fused sustained ms" in table.splitlines()[0] and "1.1000" in table
+    assert "sustained" not in bench.format_table({"mode": "gpu", "rows": [row], "variants": GPU_VARIANTS})
