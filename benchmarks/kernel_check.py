@@ -449,7 +449,7 @@ def main():
                 for n, (spec, _, opts) in cases.items()}
     print(f"compiled {len(cases)} cases in {time.time() - t0:.0f} s", flush=True)
     watchdog = case_watchdog("", 0)
-    cases_loaded = {}   # name -> (its library, spec)
+    loaded = {}   # name -> its Case
     deferred = {}   # --interleave: name -> (case, its timing buffers), timed once every case is checked
     for name, (spec, batch, options) in cases.items():
         t0 = time.time()
@@ -461,7 +461,7 @@ def main():
             print(f"{name}: BUILD FAILED {e}", flush=True)
             continue
         c = Case(name, spec, so, torch)
-        cases_loaded[name] = (so, spec)
+        loaded[name] = c
         if a.profile:
             x = torch.randn(batch, spec.widths[0], device="cuda").to(c.io_dtype)
             y = torch.empty(batch, spec.widths[-1], device="cuda", dtype=c.io_dtype)
@@ -505,10 +505,8 @@ def main():
         print(f"timed in {a.interleave} interleaved rounds (p10..p90 in kernel_check.json)", flush=True)
     for r in rows:   # --diag NAME=BASE:CLOCKS: the warps' waits, as shares of their time over the timed launches
         if "-DO2F_DIAG_CLOCKS" in diags.get(r["case"], (None, ()))[1]:
-            so, spec = cases_loaded[r["case"]]
-            fn = getattr(so, f"{spec.name}_diag_clocks")
-            buf = (ctypes.c_ulonglong * 4)()
-            check(fn(buf), "diag_clocks")
+            c, buf = loaded[r["case"]], (ctypes.c_ulonglong * 4)()
+            check(so_call(c.so, c.spec, "diag_clocks", buf), "diag_clocks")
             r["waits"] = {k: buf[i] / max(1, buf[3]) for i, k in enumerate(("input", "ring", "wgmma"))}
             print(f"{r['case']}: share of the warps' time waiting: "
                   + ", ".join(f"{k} {v:.1%}" for k, v in r["waits"].items()), flush=True)

@@ -5,7 +5,7 @@ words and offsets, the chunk schedule, fragment indices, columns; the template o
 from __future__ import annotations
 
 from .cuda_params import act_params, spec_params
-from .plan.wgmma import BULK_PIECE, BULK_ROW_PAD, ROWS, WgmmaLayer, WgmmaPlan
+from .plan.wgmma import BULK_PIECE, ROWS, WgmmaLayer, WgmmaPlan
 from .spec import MLPSpec
 
 
@@ -54,13 +54,14 @@ def _quads(l: WgmmaLayer, c: int) -> list[dict]:
     """A last layer's chunk c in quads (QUAD_STORES: the packed columns permuted within each 16, o2f_wgmma_pack's
     wgmma_source_column): n8 blocks j0 = 2m and j0 + 1 give a thread outputs col + 4t .. col + 4t + 3 of its
     rows g (accumulators d[4 j0], d[4 j0 + 1], d[4 j0 + 4], d[4 j0 + 5]) and g + 8 (the next of each pair);
-    acol: the first packed column (the bias's index). Quads past the true width are left out."""
+    col is also the quad's first packed column (the bias's index: the permutation stays within the 16).
+    Quads past the true width are left out."""
     out = []
     for m in range(l.nc // 16):
         col, j0 = c * l.nc + 16 * m, 2 * m
         if col >= l.n:
             continue
-        out.append({"col": col, "acol": col, "j0": j0, "rows": [
+        out.append({"col": col, "j0": j0, "rows": [
             {"hi": hi, "d": [4 * j0 + 2 * hi, 4 * j0 + 2 * hi + 1, 4 * j0 + 4 + 2 * hi, 4 * j0 + 5 + 2 * hi]}
             for hi in (0, 1)]})
     return out
@@ -81,7 +82,7 @@ def _gated_blocks(l: WgmmaLayer, c: int) -> list[dict]:
 def _layer_params(plan: WgmmaPlan) -> list[dict]:
     out = []
     n = len(plan.layers)
-    parts, issued = plan.input_parts if plan.bulk_input else 1, 0
+    parts, issued = plan.input_parts, 0
     for l in plan.layers:
         last = l.index == n - 1
         chunks = []
@@ -142,8 +143,7 @@ def wgmma_params(plan: WgmmaPlan) -> dict:
         "staged": plan.staged_input, "in_smem_offset": plan.smem.input_offset,
         "staged_col0": 16 * plan.prefetch, "staged_cols": plan.staged_cols,
         "bulk_input": plan.bulk_input, "in_bar_smem_offset": plan.smem.input_bar_offset,
-        "in_row_bytes": plan.staged_cols * 4 + BULK_ROW_PAD,
-        "input_parts": plan.input_parts if plan.bulk_input else 1,
+        "in_row_bytes": plan.input_row_bytes, "input_parts": plan.input_parts,
         "ring_chunks": sum(l.chunks for l in plan.layers),
         "image_offset": plan.image_offset, "bias_offset": plan.bias_offset,
         "workspace_bytes": plan.workspace_bytes, "fallback_bytes": plan.fallback_bytes,

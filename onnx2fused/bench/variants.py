@@ -112,6 +112,21 @@ def _timed(row: dict, name: str) -> str:
     return f"{row['ms'][name]:.4f} ms (p10 {row['p10_ms'][name]:.4f}, p90 {row['p90_ms'][name]:.4f})"
 
 
+def _time_also(row: dict, name: str, say, timing, describe=None):
+    """Variant `name`'s timing of a row: `timing()` gives (per-run ms, extra); records the times (or why
+    they are missing) and says so, with describe(extra) where given; returns the extra (None on failure)."""
+    try:
+        ts, extra = timing()
+    except Exception as e:
+        row["na"][name] = _reason(e)
+        say(f"  {name:<14} batch {row['batch']:>8}: n/a ({row['na'][name]})")
+        return None
+    _record(row, name, ts)
+    say(f"  {name:<14} batch {row['batch']:>8}: {_timed(row, name)}"
+        + (f"; {describe(extra)}" if describe else ""))
+    return extra
+
+
 def nothing_timed(rows: list[dict], fused_variants) -> str | None:
     """Why no fused variant has a time in any row (the bench then exits non-zero), or None."""
     if any(v in r["ms"] for r in rows for v in fused_variants):
@@ -343,24 +358,17 @@ def run_gpu(args, say=None) -> int:
                 for n in timed:
                     rows[b]["na"][n] = failed
                 say(f"  {name:<14} batch {b:>8}: n/a ({failed})")
-            else:
-                if pipelined:   # a failure here is the pipelined variant's alone
-                    try:
-                        _record(rows[b], pipelined, time_ort_gpu_pipelined(dev, sess, info, b, reps, warmup))
-                        say(f"  {pipelined:<14} batch {b:>8}: {_timed(rows[b], pipelined)}")
-                    except Exception as e:
-                        rows[b]["na"][pipelined] = _reason(e)
-                        say(f"  {pipelined:<14} batch {b:>8}: n/a ({rows[b]['na'][pipelined]})")
-                if sustained:   # likewise
-                    try:
-                        ts, clocks = time_ort_gpu_sustained(dev, sess, info, b, sustain, warmup)
-                        _record(rows[b], sustained, ts)
+            else:   # the same session's further timings; a failure there is that variant's alone
+                if pipelined:
+                    _time_also(rows[b], pipelined, say,
+                               lambda: (time_ort_gpu_pipelined(dev, sess, info, b, reps, warmup), None))
+                if sustained:
+                    clocks = _time_also(rows[b], sustained, say,
+                                        lambda: time_ort_gpu_sustained(dev, sess, info, b, sustain, warmup),
+                                        describe_clocks)
+                    if sustained not in rows[b]["na"]:
                         rows[b].setdefault("clocks", {})[sustained] = clocks
                         notes.append(f"{sustained} at batch {b} ({sustain:g} s back to back): {describe_clocks(clocks)}")
-                        say(f"  {sustained:<14} batch {b:>8}: {_timed(rows[b], sustained)}; {describe_clocks(clocks)}")
-                    except Exception as e:
-                        rows[b]["na"][sustained] = _reason(e)
-                        say(f"  {sustained:<14} batch {b:>8}: n/a ({rows[b]['na'][sustained]})")
             gc.collect()
             _empty_cache(torch)
         del sess

@@ -90,18 +90,12 @@ IN_ROW_ALIGN = 4          # K0 % IN_ROW_ALIGN == 0: a row's 16-byte chunks start
 # unswizzled BULK_ROW_PAD bytes apart beyond their length, which puts the 8 rows of an A-fragment read
 # in different banks (a row's length in bytes is a multiple of 64).
 BULK_ROW_PAD = 32
+BULK_INPUT = True         # H100, kernel alone: silu 256x4 at 2^18 rows 0.353 -> 0.330 ms, gelu 0.328 both
+                          # (RESULTS.md, twenty-second run)
 # QUAD_STORES: the last layer's packed columns permuted within each 16 (o2f_wgmma_pack.cuh) so that the
 # pairs a thread holds in two n8 blocks are 4 adjacent outputs: one 16-byte store where 2 (8 bytes) were,
 # half the store instructions. Where the last layer's padded width and chunks are multiples of 16.
 QUAD_STORES = True
-# Input parts: BULK_INPUT's row copies for the next tile issued in parts, one after each of a pass's
-# first chunks' MMAs are issued, rather than all at the tile's start, where they meet the weight ring's
-# copies and (the warpgroups of a streamed plan run in step) each other. Streamed plans spread them over
-# every chunk before the last layer's (H100, kernel alone, silu 256x4 at 2^18 rows: all at the start
-# 0.341 ms, 8 parts 0.314, 12 0.313, 16 0.319); resident plans, whose warpgroups drift apart, copy them
-# at once (gelu: 0.337, in 4 or 9 parts 0.350; RESULTS.md, twenty-second run).
-BULK_INPUT = True         # H100, kernel alone: silu 256x4 at 2^18 rows 0.353 -> 0.330 ms, gelu 0.328 both
-                          # (RESULTS.md, twenty-second run)
 
 
 @dataclass(frozen=True)
@@ -167,7 +161,7 @@ class WgmmaPlan:
     staged_input: bool = False   # STAGED_INPUT: the next tile's rows in shared memory, not registers
     bulk_input: bool = False     # BULK_INPUT: staged by one cp.async.bulk a row
     quad_stores: bool = False    # QUAD_STORES: the last layer's outputs stored 4 adjacent at a time
-    input_parts: int = 1         # BULK_INPUT: the next tile's rows copied in this many parts over a pass (_input_parts)
+    input_parts: int = 1         # BULK_INPUT: the next tile's rows copied in this many parts over a pass (_input_parts; 1 without)
 
     design = "wgmma"
     uses_scratch = False      # the kernels only read their packed weights
@@ -194,9 +188,14 @@ class WgmmaPlan:
         return self.layers[0].kp - 16 * self.prefetch if self.staged_input else 0
 
     @property
+    def input_row_bytes(self) -> int:
+        """Bytes of a staged input row in shared memory (BULK_INPUT: BULK_ROW_PAD more than its values)."""
+        return _input_row_bytes(self.staged_cols, self.bulk_input)
+
+    @property
     def input_bytes(self) -> int:
         """Shared memory of the staged input tiles: 64 rows of staged_cols fp32 values per warpgroup."""
-        return self.nwg * _input_tile_bytes(self.staged_cols, self.bulk_input)
+        return self.nwg * ROWS * self.input_row_bytes
 
     @property
     def smem(self) -> SmemLayout:
@@ -308,8 +307,12 @@ def wgmma_reason_refused(spec: MLPSpec, smem_limit: int = SMEM_LIMIT) -> str | N
 
 
 def _input_parts(layers: list[WgmmaLayer], stages: int) -> int:
-    """The parts a streamed plan's next-tile input copies are spread over: one a chunk before the last
-    layer's (1 for a resident plan, or a one-layer chain)."""
+    """The parts BULK_INPUT's row copies for the next tile are issued in, one after each of a pass's first
+    chunks' MMAs are issued, rather than all at the tile's start, where they meet the weight ring's copies
+    and (the warpgroups of a streamed plan run in step) each other. Streamed plans spread them over every
+    chunk before the last layer's (H100, kernel alone, silu 256x4 at 2^18 rows: all at the start 0.341 ms,
+    8 parts 0.314, 12 0.313, 16 0.319); resident plans, whose warpgroups drift apart, and one-layer chains
+    copy them at once (gelu: 0.337, in 4 or 9 parts 0.350; RESULTS.md, twenty-second run)."""
     return max(1, sum(l.chunks for l in layers[:-1])) if stages else 1
 
 
@@ -318,9 +321,9 @@ def _quads_fit(last: WgmmaLayer) -> bool:
     return last.np_ % 16 == 0 and last.nc % 16 == 0 and not last.gated
 
 
-def _input_tile_bytes(cols: int, bulk: bool = False) -> int:
-    """A warpgroup's staged input tile: 64 rows of `cols` fp32 values (BULK_INPUT: BULK_ROW_PAD apart)."""
-    return ROWS * (cols * 4 + (BULK_ROW_PAD if bulk else 0))
+def _input_row_bytes(cols: int, bulk: bool = False) -> int:
+    """A staged input row: `cols` fp32 values (BULK_INPUT: BULK_ROW_PAD bytes more, the next row's gap)."""
+    return cols * 4 + (BULK_ROW_PAD if bulk else 0)
 
 
 def _image_bytes(layers: list[WgmmaLayer]) -> int:
@@ -449,7 +452,7 @@ def make_wgmma_plan(spec: MLPSpec, fallback, reason: str = "", smem_limit: int =
     cluster = (cluster or CLUSTER) if stages else 1
     bulk = BULK_INPUT if bulk_input is None else bulk_input
     fits = [p for p in range(k0_steps)
-            if _smem(layers, stages, nwg * _input_tile_bytes(16 * (k0_steps - p), bulk), nwg if bulk else 0,
+            if _smem(layers, stages, nwg * ROWS * _input_row_bytes(16 * (k0_steps - p), bulk), nwg if bulk else 0,
                      cluster) <= smem_limit]
     if staged_input is None:   # where registers cannot hold the next tile's whole input (and it fits)
         staged_input = stageable and register_prefetch < k0_steps and bool(fits) and (prefetch is None or prefetch in fits)
@@ -464,9 +467,10 @@ def make_wgmma_plan(spec: MLPSpec, fallback, reason: str = "", smem_limit: int =
         prefetch = register_prefetch
     prefetch = max(0, min(k0_steps, prefetch))
     bias = sum(l.np_ for l in layers)
+    bulk_staged = bool(staged_input) and bulk
     return WgmmaPlan(spec, tuple(layers), nwg, prefetch, base + 8 * prefetch, _image_bytes(layers), bias, fallback,
                      fallback.workspace_bytes, reason, stages, _slot_bytes(layers) if stages else 0, cluster,
-                     bool(staged_input), bool(staged_input) and bulk,
+                     bool(staged_input), bulk_staged,
                      (QUAD_STORES if quad_stores is None else quad_stores) and _quads_fit(layers[-1]),
                      max(1, min(_input_parts(layers, stages) if input_parts is None else input_parts,
-                                sum(l.chunks for l in layers))))
+                                sum(l.chunks for l in layers))) if bulk_staged else 1)
