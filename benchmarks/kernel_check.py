@@ -138,6 +138,10 @@ VARIANTS = {
     "w256silu_ip16": ("w256silu", WgmmaOptions(input_parts=16)),
     "w128gelu_ip4": ("w128gelu", WgmmaOptions(input_parts=4)),
     "w128gelu_ip9": ("w128gelu", WgmmaOptions(input_parts=9)),
+    # packed activations of accumulators as they are, against halved ones (PRESCALE, the default: silu's
+    # and gelu's weights and bias packed times 1/2, one HMUL2 a pair fewer)
+    "w128gelu_nops": ("w128gelu", WgmmaOptions(prescale=False)),
+    "w256silu_nops": ("w256silu", WgmmaOptions(prescale=False)),
     # 3 warpgroups where FOUR_WARPGROUP_FRAGMENTS gives 4
     "w128gelu_wg3": ("w128gelu", WgmmaOptions(nwg=3)),
     "w128gelu_f16io_wg3": ("w128gelu_f16io", WgmmaOptions(nwg=3)),

@@ -11,12 +11,13 @@ from .plan.fused import ELEM_BYTES, Fp32Plan, FusedPlan, elem_bytes, row_pad
 from .spec import MLPSpec
 
 
-def act_params(spec: MLPSpec, padded_widths: list[int]) -> list[dict]:
+def act_params(spec: MLPSpec, padded_widths: list[int], prescaled: bool = False) -> list[dict]:
     """Each layer's activation code, and its per-channel constant arrays sized to the columns the kernel
     computes (`padded_widths`). Hidden layers of the tensor-core kernel round their activations to
     fp16/bf16/tf32 at once: they use the fast intrinsic forms. The last layer (written in the io type) and
     fp32 keep libm's. `packed`: the fp16x2 function of a hidden layer whose pair of outputs is computed in
-    packed fp16 arithmetic (spec.packed_layers), else ""."""
+    packed fp16 arithmetic (spec.packed_layers), else ""; `prescaled`: its form of prescaled accumulators
+    (expr.PackedForm.prescale: the wgmma design packs such a layer's weights and bias scaled)."""
     out = []
     packed = spec.packed_layers
     for i, (l, size) in enumerate(zip(spec.layers, padded_widths)):
@@ -26,8 +27,12 @@ def act_params(spec: MLPSpec, padded_widths: list[int]) -> list[dict]:
         out.append({"index": i, "chans": chans,
                     "code": ex.render_c(l.activation, "v", fast=fast, col="col", arrays=arrays,
                                         load="__ldg(&{array}[{col}])"),
-                    "packed": ex.packed_form(l.activation).device if i in packed else ""})
+                    "packed": _packed_device(ex.packed_form(l.activation), prescaled) if i in packed else ""})
     return out
+
+
+def _packed_device(form: ex.PackedForm, prescaled: bool) -> str:
+    return form.prescaled_device if prescaled else form.device
 
 
 def spec_params(spec: MLPSpec) -> dict:

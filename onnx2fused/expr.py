@@ -433,9 +433,22 @@ class PackedForm:
     """An activation evaluated on a pair of fp16 values in fp16x2 arithmetic (templates/o2f_packed_act.cuh):
     the tensor-core kernels' hidden layers of fp16 chains with act_math "packed". `device` names the CUDA
     function of a __half2; `model` computes the same on float16 arrays op by op (each step rounded to fp16
-    as the hardware's HMUL2/HFMA2 round), for the numerics model in precision.py."""
+    as the hardware's HMUL2/HFMA2 round), for the numerics model in precision.py.
+
+    `prescale`, `scaled_device`, `scaled_model`: the same activation as a function of h = prescale * x, for kernels that
+    pack the producing layer's weights and bias times `prescale` (the wgmma design): the accumulators then
+    hold h, and the multiply by prescale the form would begin with is gone. prescale is a power of two, so
+    round(prescale * acc) = prescale * round(acc) and every later step is the same value scaled (the
+    coefficients too): the model above holds, except where h or h^2 is an fp16 subnormal."""
     device: str
     model: Callable[[np.ndarray], np.ndarray]
+    prescale: float = 1.0
+    scaled_device: str = ""
+    scaled_model: Callable[[np.ndarray], np.ndarray] | None = None
+
+    @property
+    def prescaled_device(self) -> str:
+        return self.scaled_device or self.device
 
 
 def _h16(v: float) -> np.float16:
@@ -458,6 +471,22 @@ def _silu16(x: np.ndarray) -> np.ndarray:
         return hx * _tanh16(hx) + hx
 
 
+def _sigmoid16_h(h: np.ndarray) -> np.ndarray:
+    with np.errstate(all="ignore"):
+        return (_tanh16(h) * _h16(0.5) + _h16(0.5)).astype(np.float16)
+
+
+def _silu16_h(h: np.ndarray) -> np.ndarray:
+    with np.errstate(all="ignore"):
+        return h * _tanh16(h) + h
+
+
+def _gelu16_h(h: np.ndarray) -> np.ndarray:
+    with np.errstate(all="ignore"):
+        u = (h * h * _h16(8.0 * 0.7978845608 * 0.044715) + _h16(2.0 * 0.7978845608)) * h
+        return h * _tanh16(u) + h
+
+
 def _gelu16(x: np.ndarray) -> np.ndarray:
     with np.errstate(all="ignore"):
         x2 = x * x
@@ -470,10 +499,10 @@ def _gelu16(x: np.ndarray) -> np.ndarray:
 # than fp32 max + convert on nerf's resident kernel (benchmarks/RESULTS.md, eighth run).
 PACKED_FORMS: dict[Expr, PackedForm] = {
     tanh(): PackedForm("o2f_h2_tanh", _tanh16),
-    sigmoid(): PackedForm("o2f_h2_sigmoid", _sigmoid16),
-    silu(): PackedForm("o2f_h2_silu", _silu16),
-    gelu_erf(): PackedForm("o2f_h2_gelu", _gelu16),
-    gelu_tanh(): PackedForm("o2f_h2_gelu", _gelu16),
+    sigmoid(): PackedForm("o2f_h2_sigmoid", _sigmoid16, 0.5, "o2f_h2_sigmoid_h", _sigmoid16_h),
+    silu(): PackedForm("o2f_h2_silu", _silu16, 0.5, "o2f_h2_silu_h", _silu16_h),
+    gelu_erf(): PackedForm("o2f_h2_gelu", _gelu16, 0.5, "o2f_h2_gelu_h", _gelu16_h),
+    gelu_tanh(): PackedForm("o2f_h2_gelu", _gelu16, 0.5, "o2f_h2_gelu_h", _gelu16_h),
 }
 
 

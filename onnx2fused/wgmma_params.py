@@ -129,7 +129,8 @@ def wgmma_params(plan: WgmmaPlan) -> dict:
     params.update({
         "plan_text": plan.describe(),
         "layers": _layer_params(plan),
-        "acts": act_params(spec, [l.np_ for l in plan.layers]),   # padded columns run the activation too
+        # padded columns run the activation too
+        "acts": act_params(spec, [l.np_ for l in plan.layers], prescaled=plan.prescale),
         "nwg": plan.nwg, "threads": plan.threads, "prefetch": plan.prefetch,
         "prefetch_regs": max(plan.prefetch, 1),
         "rest_steps": plan.layers[0].k_steps - plan.prefetch,   # k-steps of the input loaded per tile
@@ -153,7 +154,7 @@ def wgmma_params(plan: WgmmaPlan) -> dict:
                          "nc": l.nc, "atom": l.atom, "gated": l.n if l.gated else 0,
                          "quads": int(l.index == len(plan.layers) - 1 and plan.quad_stores),
                          "offset": l.offset, "chunk_bytes": l.chunk_bytes, "bias_offset": l.bias_offset,
-                         "elems": l.np_ * l.kp}
+                         "elems": l.np_ * l.kp, "scale": f"{plan.weight_scale(l.index)!r}f"}
                         for l in plan.layers],
     })
     return params

@@ -19,17 +19,19 @@ __device__ __forceinline__ __half2 o2f_h2_tanh(__half2 x) {
   asm("tanh.approx.f16x2 %0, %1;\n" : "=r"(r) : "r"(o2f_h2_bits(x)));
   return *reinterpret_cast<__half2*>(&r);
 }
+// The _h forms take h = x/2 (expr.PackedForm.prescale: the wgmma design packs the producing layer's
+// weights and bias halved, so its accumulators hold h): the same values without the first HMUL2, which
+// is ~5 % of gelu's and silu's time at the power cap (DESIGN.md "The power limit").
 // sigmoid(x) = 1/2 + tanh(x/2)/2: one MUFU operation for two values instead of ex2 + rcp for each.
-__device__ __forceinline__ __half2 o2f_h2_sigmoid(__half2 x) {
+__device__ __forceinline__ __half2 o2f_h2_sigmoid_h(__half2 h) {
   const __half2 half = o2f_h2_const(0.5f);
-  return __hfma2(o2f_h2_tanh(__hmul2(x, half)), half, half);
+  return __hfma2(o2f_h2_tanh(h), half, half);
 }
+__device__ __forceinline__ __half2 o2f_h2_sigmoid(__half2 x) { return o2f_h2_sigmoid_h(__hmul2(x, o2f_h2_const(0.5f))); }
 // SiLU as x/2 + x/2 tanh(x/2) (= x sigmoid(x)): one HMUL2, the tanh and one HFMA2, where x times the
 // sigmoid above takes an HMUL2 more (and rounds twice after the tanh, this once).
-__device__ __forceinline__ __half2 o2f_h2_silu(__half2 x) {
-  const __half2 hx = __hmul2(x, o2f_h2_const(0.5f));
-  return __hfma2(hx, o2f_h2_tanh(hx), hx);
-}
+__device__ __forceinline__ __half2 o2f_h2_silu_h(__half2 h) { return __hfma2(h, o2f_h2_tanh(h), h); }
+__device__ __forceinline__ __half2 o2f_h2_silu(__half2 x) { return o2f_h2_silu_h(__hmul2(x, o2f_h2_const(0.5f))); }
 // GELU in its tanh form, x/2 (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), for both GELUs: it is within
 // 4.7e-4 absolute of the erf form (the largest gap, at x = 2.7, is half of fp16's half step there). Large
 // |x| overflow x^3 to inf in fp16, where tanh saturates to +-1 and the result is x or 0 as it should be.
@@ -38,4 +40,11 @@ __device__ __forceinline__ __half2 o2f_h2_gelu(__half2 x) {
   const __half2 u = __hmul2(__hfma2(x2, o2f_h2_const(0.7978845608f * 0.044715f), o2f_h2_const(0.7978845608f)), x);
   const __half2 hx = __hmul2(x, o2f_h2_const(0.5f));
   return __hfma2(hx, o2f_h2_tanh(u), hx);
+}
+// The same of h = x/2: u = h (2a + 8b h^2) for u = a x + b x^3; the constants are the ones above times
+// powers of two, so every rounding is the one above scaled.
+__device__ __forceinline__ __half2 o2f_h2_gelu_h(__half2 h) {
+  const __half2 h2 = __hmul2(h, h);
+  const __half2 u = __hmul2(__hfma2(h2, o2f_h2_const(8.0f * 0.7978845608f * 0.044715f), o2f_h2_const(2.0f * 0.7978845608f)), h);
+  return __hfma2(h, o2f_h2_tanh(u), h);
 }

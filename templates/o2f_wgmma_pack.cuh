@@ -28,25 +28,26 @@ __host__ __device__ __forceinline__ int wgmma_source_column(int n, int N, int ga
   return h < gated ? h + (b % 2) * gated : -1;
 }
 
-// W [K, N] fp32 (y = x @ W) -> the layer's chunks at `img` in the operand type E (fp16 or bf16; zeroed
-// before: padding stays 0), one thread per padded (n, k).
+// W [K, N] fp32 (y = x @ W) times `scale` (a power of two: plan.wgmma PRESCALE) -> the layer's chunks at
+// `img` in the operand type E (fp16 or bf16; zeroed before: padding stays 0), one thread per padded (n, k).
 template <typename E>
 __global__ void wgmma_pack_layer(const float* __restrict__ w, unsigned char* __restrict__ img, int K, int N, int KP,
-                                 int NP, int NC, int atom, int chunk_bytes, int gated, int quads) {
+                                 int NP, int NC, int atom, int chunk_bytes, int gated, int quads,
+                                 float scale) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= NP * KP) return;
   const int n = i / KP, k = i - n * KP;
   const int src = wgmma_source_column(n, N, gated, quads);
   const int c = n / NC, nn = n - c * NC, kb = 2 * k;
   const unsigned off = static_cast<unsigned>((nn % 8) * atom + (nn / 8) * 8 * atom + kb % atom + (kb / atom) * (NC / 8) * 8 * atom);
-  const float v = (src >= 0 && k < K) ? w[static_cast<int64_t>(k) * N + src] : 0.0f;
+  const float v = (src >= 0 && k < K) ? scale * w[static_cast<int64_t>(k) * N + src] : 0.0f;
   wgmma_store_elem(reinterpret_cast<E*>(img + static_cast<int64_t>(c) * chunk_bytes + wgmma_swizzle(off, atom)), v);
 }
 
 __global__ void wgmma_pack_bias(const float* __restrict__ b, float* __restrict__ dst, int N, int NP, int gated,
-                                int quads) {
+                                int quads, float scale) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= NP) return;
   const int src = wgmma_source_column(i, N, gated, quads);
-  dst[i] = src >= 0 ? b[src] : 0.0f;
+  dst[i] = src >= 0 ? scale * b[src] : 0.0f;
 }

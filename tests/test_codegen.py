@@ -160,7 +160,7 @@ def test_packed_activations_only_where_they_apply():
     from dataclasses import replace
 
     from onnx2fused.plan.choose import make_plans
-    from onnx2fused.plan.options import PlanOptions
+    from onnx2fused.plan.options import PlanOptions, WgmmaOptions
     gelu = mlp([32, 64, 64, 16], [ex.gelu_erf(), ex.silu(), ex.tanh()])
     assert gelu.packed_layers == {0, 1}                       # the last layer writes the output in fp32
     a32 = replace(gelu, act_math="fp32")
@@ -173,8 +173,16 @@ def test_packed_activations_only_where_they_apply():
         for spec, packed in ((gelu, True), (a32, False)):
             plans = make_plans([spec], PlanOptions(design=design))
             src = codegen.render([spec], True, plans=plans)[f"{spec.name}_cuda.cu"]
-            assert ("o2f_h2_bits(o2f_h2_gelu(" in src and "o2f_h2_bits(o2f_h2_silu(" in src) == packed, design
+            # the wgmma design's forms take halved accumulators (plan.wgmma PRESCALE): _h, weights packed x 0.5
+            h = "_h" if design == "wgmma" else ""
+            assert (f"o2f_h2_bits(o2f_h2_gelu{h}(" in src and f"o2f_h2_bits(o2f_h2_silu{h}(" in src) == packed, design
             assert ("act<0>(float v, int col)" in src) == (not packed)   # a packed layer's fp32 form is not emitted
+            if design == "wgmma":   # layers 0 and 1 (packed GELU, SiLU) halved; the last (tanh in fp32) not
+                scales = re.findall(r"wgmma_pack_bias<<<.*?, (\S+)\);", src)
+                assert scales == (["0.5f", "0.5f", "1.0f"] if packed else ["1.0f"] * 3), scales
+    unscaled = PlanOptions(design="wgmma", wgmma_overrides=WgmmaOptions(prescale=False))
+    src = codegen.render([gelu], True, plans=make_plans([gelu], unscaled))[f"{gelu.name}_cuda.cu"]
+    assert "o2f_h2_bits(o2f_h2_gelu(" in src and re.findall(r"wgmma_pack_bias<<<.*?, (\S+)\);", src) == ["1.0f"] * 3
     with pytest.raises(ValueError, match="activation arithmetic"):
         replace(gelu, act_math="fp8")
 

@@ -227,6 +227,23 @@ def test_packed_model_costs_a_little_more_than_rounding_and_is_chosen_first(act)
     assert "packed fp16 activations" in choice.why
 
 
+@pytest.mark.parametrize("act", [ex.gelu_erf(), ex.gelu_tanh(), ex.silu(), ex.sigmoid(), ex.tanh()])
+def test_a_prescaled_packed_form_gives_the_same_fp16_value_for_every_input(act):
+    """The wgmma design packs such a layer's weights and bias times `prescale` and evaluates the form of
+    h = prescale * x (one HMUL2 a pair fewer): op by op in float16, that form of x * prescale is bit for
+    bit the form of x, over every finite fp16 x, so the numerics model of x holds for it."""
+    form = ex.packed_form(act)
+    x = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16)
+    x = x[np.isfinite(x)]
+    scaled = form.scaled_model or form.model
+    with np.errstate(all="ignore"):
+        h = (x * np.float16(form.prescale)).astype(np.float16)
+        a, b = form.model(x), scaled(h)
+    assert form.prescale in (0.5, 1.0) and (form.prescale == 1.0) == (form.scaled_model is None)
+    same = (a.view(np.uint16) == b.view(np.uint16)) | (np.isnan(a) & np.isnan(b))
+    assert same.all(), x[~same][:8]
+
+
 def test_relu_has_no_packed_form_and_one_fp16_step():
     """ReLU is exact in either arithmetic and its packed form was slower: it keeps the fp32 form, and a
     ReLU chain has no fp16a32 step."""

@@ -180,8 +180,8 @@ def test_quad_stores_give_each_thread_four_adjacent_outputs(widths):
     assert sorted(o for o in stored if o < last.n) == list(range(last.n))
     src = codegen.cuda_sources(plan)[f"{spec.name}_cuda.cu"]
     assert "store_out4<kNOut>(" in src
-    # the pack kernels permute the last layer's weights and bias (their last argument), no other layer's
-    calls = re.findall(r"wgmma_pack_(?:layer<elem_t>|bias)<<<[^;]*, (\d)\);", src)
+    # the pack kernels permute the last layer's weights and bias (their quads argument), no other layer's
+    calls = re.findall(r"wgmma_pack_(?:layer<elem_t>|bias)<<<[^;]*, (\d), \S+f\);", src)
     assert calls == ["0"] * 2 * (len(plan.layers) - 1) + ["1", "1"]
 
 

@@ -80,6 +80,7 @@ class WgmmaOptions:
     bulk_input: bool | None = None     # staged by one cp.async.bulk a row (BULK_INPUT)
     quad_stores: bool | None = None    # the last layer's outputs stored 4 at a time (QUAD_STORES)
     input_parts: int | None = None     # the next tile's rows copied in parts over a pass (plan.wgmma._input_parts)
+    prescale: bool | None = None       # packed activations of halved accumulators (PRESCALE)
 
     def given(self) -> dict:
         return _given(self)

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .. import expr as ex
 from ..spec import MLPSpec, SpecError
 from .padding import round_up
 
@@ -96,6 +97,10 @@ BULK_INPUT = True         # H100, kernel alone: silu 256x4 at 2^18 rows 0.353 ->
 # pairs a thread holds in two n8 blocks are 4 adjacent outputs: one 16-byte store where 2 (8 bytes) were,
 # half the store instructions. Where the last layer's padded width and chunks are multiples of 16.
 QUAD_STORES = True
+# PRESCALE: a hidden layer whose packed activation begins by halving its input (expr.PackedForm.prescale:
+# sigmoid, SiLU, GELU) has its weights and bias packed halved, and the activation's _h form skips that
+# HMUL2: the same values, one instruction a pair fewer.
+PRESCALE = True
 
 
 @dataclass(frozen=True)
@@ -162,9 +167,15 @@ class WgmmaPlan:
     bulk_input: bool = False     # BULK_INPUT: staged by one cp.async.bulk a row
     quad_stores: bool = False    # QUAD_STORES: the last layer's outputs stored 4 adjacent at a time
     input_parts: int = 1         # BULK_INPUT: the next tile's rows copied in this many parts over a pass (_input_parts; 1 without)
+    prescale: bool = False       # PRESCALE: packed activations take prescaled accumulators
 
     design = "wgmma"
     uses_scratch = False      # the kernels only read their packed weights
+
+    def weight_scale(self, i: int) -> float:
+        """What layer i's weights and bias are packed times: its packed activation's prescale (PRESCALE), or 1."""
+        form = ex.packed_form(self.spec.layers[i].activation) if i in self.spec.packed_layers else None
+        return form.prescale if form and self.prescale else 1.0
 
     @property
     def image_offset(self) -> int:
@@ -404,12 +415,14 @@ def make_wgmma_plan(spec: MLPSpec, fallback, reason: str = "", smem_limit: int =
                     nwg: int | None = None, prefetch: int | None = None, chunk_max: int | None = None,
                     cluster: int | None = None, stages: int | None = None,
                     staged_input: bool | None = None, bulk_input: bool | None = None,
-                    quad_stores: bool | None = None, input_parts: int | None = None) -> WgmmaPlan:
+                    quad_stores: bool | None = None, input_parts: int | None = None,
+                    prescale: bool | None = None) -> WgmmaPlan:
     """The wgmma plan of `spec`, with `fallback` (its resident or streamed plan) for other GPUs. SpecError
     where the design cannot take it. `nwg`, `prefetch`, `chunk_max` (the widest chunk, a multiple of 8 up
     to CHUNK_MAX), `cluster` (streamed plans: 1, 2 or 4 CTAs sharing each chunk's copy), `stages` (ring
     slots, STAGES_MIN up to what fits; streams weights that would stay resident too), `staged_input`
-    (STAGED_INPUT), `bulk_input` (BULK_INPUT), `quad_stores` (QUAD_STORES, where possible), `input_parts` (_input_parts, at most a pass's chunks): overrides of the heuristics (benchmarks)."""
+    (STAGED_INPUT), `bulk_input` (BULK_INPUT), `quad_stores` (QUAD_STORES, where possible), `input_parts` (_input_parts, at most a pass's chunks),
+    `prescale` (PRESCALE): overrides of the heuristics (benchmarks)."""
     why = wgmma_reason_refused(spec, smem_limit)
     if why:
         raise SpecError(f"{spec.describe()}: no wgmma plan: {why}")
@@ -473,4 +486,5 @@ def make_wgmma_plan(spec: MLPSpec, fallback, reason: str = "", smem_limit: int =
                      bool(staged_input), bulk_staged,
                      (QUAD_STORES if quad_stores is None else quad_stores) and _quads_fit(layers[-1]),
                      max(1, min(_input_parts(layers, stages) if input_parts is None else input_parts,
-                                sum(l.chunks for l in layers))) if bulk_staged else 1)
+                                sum(l.chunks for l in layers))) if bulk_staged else 1,
+                     PRESCALE if prescale is None else prescale)
