@@ -205,7 +205,7 @@ def all_cases(base: PlanOptions, a32: bool = False) -> dict:
 def diag_cases(items: list[str], cases: dict) -> dict:
     """--diag NAME=BASE:MACRO[+MACRO...]: case BASE built with O2F_DIAG_<MACRO> defined (templates: NO_FILL,
     no weight copies through the ring; NO_LOAD, no input copies; NO_STORE, no output stores; STORE_WB,
-    stores without the evict-first hint; NO_MUFU, packed tanh as the identity; CLOCKS, the warps' waits
+    stores without the evict-first hint; NO_BIAS, no bias loaded or added; NO_MUFU, packed tanh as the identity; CLOCKS, the warps' waits
     counted), timed but not checked (its outputs are wrong by design): what a cost would be if
     it were gone, or where the warps wait. name -> (base, defines)."""
     out = {}
