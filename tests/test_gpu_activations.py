@@ -20,7 +20,9 @@ import pytest
 
 from gpu_support import rel_l2, require_cuda, run_poisoned  # noqa: E402
 
-pytestmark = pytest.mark.gpu
+# One worker builds the one library (each pytest-xdist worker would build its own: 16 builds of every
+# family's kernels at once ran past the time limit), and its first test waits for that build.
+pytestmark = [pytest.mark.gpu, pytest.mark.xdist_group("gpu-activations"), pytest.mark.timeout(900)]
 ort, torch = require_cuda()
 
 from onnx2fused import build, library  # noqa: E402
