@@ -76,6 +76,7 @@ def _layer_params(plan: FusedPlan) -> list[dict]:
             "n_kchunks": l.n_kchunks, "n_nchunks": l.n_nchunks, "n_chunks": l.n_chunks,
             "chunk_elems": l.chunk_elems, "chunk_first": l.chunk_first, "chunk_end": l.chunk_first + l.n_chunks,
             "w_offset": l.w_offset, "b_offset": l.b_offset, "src": src, "dst": dst,
+            "scale": f"{plan.spec.prescale(l.index)!r}f",   # weights and bias packed times (prescaled forms)
             "last": l.index == len(plan.layers) - 1,
             "pair_first": l.index in plan.pairs, "pair_second": l.index - 1 in plan.pairs,
             "prev": l.index - 1,
@@ -114,7 +115,8 @@ def fused_params(plan: FusedPlan) -> dict:
         "slot_elems": plan.slot_elems,
         "total_chunks": plan.total_chunks,
         "layers": _layer_params(plan),
-        "acts": act_params(spec, [l.np_ for l in plan.layers]),  # padded columns run the activation too
+        # padded columns run the activation too; packed ones from prescaled accumulators (MLPSpec.prescale)
+        "acts": act_params(spec, [l.np_ for l in plan.layers], prescaled=True),
         "warps": plan.warps, "mt": plan.mt, "act_ld": plan.act_ld, "smem_bytes": plan.smem_bytes,
         "smem_limit": _smem_limit_text(plan.smem_limit),
         "prefetch_vectors": plan.prefetch_vectors,

@@ -143,6 +143,11 @@ class MLPSpec:
     def packed_layers(self) -> frozenset[int]:
         return self.packable_layers if self.act_math == "packed" else frozenset()
 
+    def prescale(self, i: int) -> float:
+        """What the tensor-core kernels pack layer i's weights and bias times: its packed form's prescale
+        (expr.PackedForm: the form then starts from the accumulators, one HMUL2 a pair fewer), else 1."""
+        return ex.packed_form(self.layers[i].activation).prescale if i in self.packed_layers else 1.0
+
     @property
     def has_block(self) -> bool:
         """A norm in front or a residual behind (a transformer FFN block): the CPU kernel and the fused

@@ -2,9 +2,10 @@
 // features, n-major), and the persistent grid size per device. Static code included inside the generated
 // kernel's anonymous namespace, after elem_t, kPad, kWeightElems and to_elem.
 #pragma once
-// Packing: W [K, N] fp32 (y = x @ W) -> chunks of NC columns x KC features, n-major, stride KC+kPad.
+// Packing: W [K, N] fp32 (y = x @ W) times `scale` (a power of two: MLPSpec.prescale) -> chunks of NC
+// columns x KC features, n-major, stride KC+kPad.
 __global__ void pack_weights(const float* __restrict__ w, elem_t* __restrict__ dst, int K, int N, int KC, int NC,
-                             int n_kchunks, int total) {
+                             int n_kchunks, int total, float scale) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= total) return;
   const int ce = NC * (KC + kPad);
@@ -12,12 +13,12 @@ __global__ void pack_weights(const float* __restrict__ w, elem_t* __restrict__ d
   const int nci = chunk / n_kchunks, kci = chunk - nci * n_kchunks;
   const int n = e / (KC + kPad), kk = e - n * (KC + kPad);
   const int gn = nci * NC + n, gk = kci * KC + kk;
-  dst[i] = to_elem((kk < KC && gn < N && gk < K) ? w[static_cast<int64_t>(gk) * N + gn] : 0.0f);
+  dst[i] = to_elem((kk < KC && gn < N && gk < K) ? scale * w[static_cast<int64_t>(gk) * N + gn] : 0.0f);
 }
 
-__global__ void pack_bias(const float* __restrict__ b, float* __restrict__ dst, int N, int NP) {
+__global__ void pack_bias(const float* __restrict__ b, float* __restrict__ dst, int N, int NP, float scale) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i < NP) dst[i] = i < N ? b[i] : 0.0f;
+  if (i < NP) dst[i] = i < N ? scale * b[i] : 0.0f;
 }
 
 constexpr size_t kBiasOffsetBytes = static_cast<size_t>(kWeightElems) * sizeof(elem_t);

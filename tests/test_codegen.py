@@ -173,16 +173,17 @@ def test_packed_activations_only_where_they_apply():
         for spec, packed in ((gelu, True), (a32, False)):
             plans = make_plans([spec], PlanOptions(design=design))
             src = codegen.render([spec], True, plans=plans)[f"{spec.name}_cuda.cu"]
-            # the wgmma design's forms take halved accumulators (plan.wgmma PRESCALE): _h, weights packed x 0.5
-            h = "_h" if design == "wgmma" else ""
-            assert (f"o2f_h2_bits(o2f_h2_gelu{h}(" in src and f"o2f_h2_bits(o2f_h2_silu{h}(" in src) == packed, design
+            # the forms take halved accumulators (MLPSpec.prescale): _h, weights and bias packed x 0.5
+            assert ("o2f_h2_bits(o2f_h2_gelu_h(" in src and "o2f_h2_bits(o2f_h2_silu_h(" in src) == packed, design
             assert ("act<0>(float v, int col)" in src) == (not packed)   # a packed layer's fp32 form is not emitted
-            if design == "wgmma":   # layers 0 and 1 (packed GELU, SiLU) halved; the last (tanh in fp32) not
-                scales = re.findall(r"wgmma_pack_bias<<<.*?, (\S+)\);", src)
-                assert scales == (["0.5f", "0.5f", "1.0f"] if packed else ["1.0f"] * 3), scales
+            # layers 0 and 1 (packed GELU, SiLU) halved; the last (tanh in fp32) not
+            scales = re.findall(r"pack_(?:weights|layer<elem_t>|bias)<<<[^;]*, (\S+)\);", src)
+            assert scales == (["0.5f"] * 4 + ["1.0f"] * 2 if packed else ["1.0f"] * 6), (design, scales)
     unscaled = PlanOptions(design="wgmma", wgmma_overrides=WgmmaOptions(prescale=False))
-    src = codegen.render([gelu], True, plans=make_plans([gelu], unscaled))[f"{gelu.name}_cuda.cu"]
+    sources = codegen.render([gelu], True, plans=make_plans([gelu], unscaled))
+    src = sources[f"{gelu.name}_cuda.cu"]
     assert "o2f_h2_bits(o2f_h2_gelu(" in src and re.findall(r"wgmma_pack_bias<<<.*?, (\S+)\);", src) == ["1.0f"] * 3
+    assert "o2f_h2_bits(o2f_h2_gelu_h(" in sources[f"{gelu.name}_mma_cuda.cu"]   # its mma.sync fallback still prescales
     with pytest.raises(ValueError, match="activation arithmetic"):
         replace(gelu, act_math="fp8")
 

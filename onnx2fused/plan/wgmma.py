@@ -46,7 +46,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .. import expr as ex
 from ..spec import MLPSpec, SpecError
 from .padding import round_up
 
@@ -99,7 +98,8 @@ BULK_INPUT = True         # H100, kernel alone: silu 256x4 at 2^18 rows 0.353 ->
 QUAD_STORES = True
 # PRESCALE: a hidden layer whose packed activation begins by halving its input (expr.PackedForm.prescale:
 # sigmoid, SiLU, GELU) has its weights and bias packed halved, and the activation's _h form skips that
-# HMUL2: the same values, one instruction a pair fewer.
+# HMUL2: the same values, one instruction a pair fewer (the mma.sync kernels always do it; here an
+# override can turn it off for A/B timing).
 PRESCALE = True
 
 
@@ -174,8 +174,7 @@ class WgmmaPlan:
 
     def weight_scale(self, i: int) -> float:
         """What layer i's weights and bias are packed times: its packed activation's prescale (PRESCALE), or 1."""
-        form = ex.packed_form(self.spec.layers[i].activation) if i in self.spec.packed_layers else None
-        return form.prescale if form and self.prescale else 1.0
+        return self.spec.prescale(i) if self.prescale else 1.0
 
     @property
     def image_offset(self) -> int:
