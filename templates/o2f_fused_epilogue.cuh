@@ -9,7 +9,11 @@ __device__ __forceinline__ void init_acc(float (&acc)[MT][NT8][4], int col0, con
   const int t2 = 2 * (lane & 3);
 #pragma unroll
   for (int j = 0; j < NT8; ++j) {
+#ifdef O2F_DIAG_NO_BIAS   // a diagnostic build (kernel_check.py --diag): accumulators from zero, what the bias costs
+    const float2 b = make_float2(0.0f, 0.0f);
+#else
     const float2 b = *reinterpret_cast<const float2*>(bias + col0 + j * 8 + t2);
+#endif
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
       acc[mt][j][0] = b.x; acc[mt][j][1] = b.y; acc[mt][j][2] = b.x; acc[mt][j][3] = b.y;
