@@ -17,7 +17,7 @@ def act_params(spec: MLPSpec, padded_widths: list[int], prescaled: bool = False)
     fp16/bf16/tf32 at once: they use the fast intrinsic forms. The last layer (written in the io type) and
     fp32 keep libm's. `packed`: the fp16x2 function of a hidden layer whose pair of outputs is computed in
     packed fp16 arithmetic (spec.packed_layers), else ""; `prescaled`: its form of prescaled accumulators
-    (expr.PackedForm.prescale: the wgmma design packs such a layer's weights and bias scaled)."""
+    (expr.PackedForm.prescale: the kernel packs such a layer's weights and bias scaled)."""
     out = []
     packed = spec.packed_layers
     for i, (l, size) in enumerate(zip(spec.layers, padded_widths)):

@@ -435,9 +435,10 @@ class PackedForm:
     function of a __half2; `model` computes the same on float16 arrays op by op (each step rounded to fp16
     as the hardware's HMUL2/HFMA2 round), for the numerics model in precision.py.
 
-    `prescale`, `scaled_device`, `scaled_model`: the same activation as a function of h = prescale * x, for kernels that
-    pack the producing layer's weights and bias times `prescale` (the wgmma design): the accumulators then
-    hold h, and the multiply by prescale the form would begin with is gone. prescale is a power of two, so
+    `prescale`, `scaled_device`, `scaled_model`: the same activation as a function of h = prescale * x,
+    for kernels that pack the producing layer's weights and bias times `prescale` (the wgmma and mma.sync
+    kernels, MLPSpec.prescale; the wide design's GEMM epilogues keep `device`): the accumulators then hold
+    h, and the multiply by prescale the form would begin with is gone. prescale is a power of two, so
     round(prescale * acc) = prescale * round(acc) and every later step is the same value scaled (the
     coefficients too): the model above holds, except where h or h^2 is an fp16 subnormal."""
     device: str

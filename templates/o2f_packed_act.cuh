@@ -19,9 +19,9 @@ __device__ __forceinline__ __half2 o2f_h2_tanh(__half2 x) {
   asm("tanh.approx.f16x2 %0, %1;\n" : "=r"(r) : "r"(o2f_h2_bits(x)));
   return *reinterpret_cast<__half2*>(&r);
 }
-// The _h forms take h = x/2 (expr.PackedForm.prescale: the wgmma design packs the producing layer's
-// weights and bias halved, so its accumulators hold h): the same values without the first HMUL2, which
-// is ~5 % of gelu's and silu's time at the power cap (DESIGN.md "The power limit").
+// The _h forms take h = x/2 (expr.PackedForm.prescale: the wgmma and mma.sync kernels pack the producing
+// layer's weights and bias halved, so its accumulators hold h): the same values without the first HMUL2
+// (gelu in wgmma: 2 % faster, RESULTS.md twenty-third run).
 // sigmoid(x) = 1/2 + tanh(x/2)/2: one MUFU operation for two values instead of ex2 + rcp for each.
 __device__ __forceinline__ __half2 o2f_h2_sigmoid_h(__half2 h) {
   const __half2 half = o2f_h2_const(0.5f);
