@@ -27,11 +27,12 @@ def act_params(spec: MLPSpec, padded_widths: list[int], prescaled: bool = False)
         out.append({"index": i, "chans": chans,
                     "code": ex.render_c(l.activation, "v", fast=fast, col="col", arrays=arrays,
                                         load="__ldg(&{array}[{col}])"),
-                    "packed": _packed_device(ex.packed_form(l.activation), prescaled) if i in packed else ""})
+                    "packed": _packed_device(l.activation, prescaled) if i in packed else ""})
     return out
 
 
-def _packed_device(form: ex.PackedForm, prescaled: bool) -> str:
+def _packed_device(activation: ex.Expr, prescaled: bool) -> str:
+    form = ex.packed_form(activation)
     return form.prescaled_device if prescaled else form.device
 
 

@@ -420,8 +420,8 @@ def make_wgmma_plan(spec: MLPSpec, fallback, reason: str = "", smem_limit: int =
     where the design cannot take it. `nwg`, `prefetch`, `chunk_max` (the widest chunk, a multiple of 8 up
     to CHUNK_MAX), `cluster` (streamed plans: 1, 2 or 4 CTAs sharing each chunk's copy), `stages` (ring
     slots, STAGES_MIN up to what fits; streams weights that would stay resident too), `staged_input`
-    (STAGED_INPUT), `bulk_input` (BULK_INPUT), `quad_stores` (QUAD_STORES, where possible), `input_parts` (_input_parts, at most a pass's chunks),
-    `prescale` (PRESCALE): overrides of the heuristics (benchmarks)."""
+    (STAGED_INPUT), `bulk_input` (BULK_INPUT), `quad_stores` (QUAD_STORES, where possible), `input_parts`
+    (_input_parts, at most a pass's chunks), `prescale` (PRESCALE): overrides of the heuristics (benchmarks)."""
     why = wgmma_reason_refused(spec, smem_limit)
     if why:
         raise SpecError(f"{spec.describe()}: no wgmma plan: {why}")
