@@ -142,6 +142,11 @@ VARIANTS = {
     # and gelu's weights and bias packed times 1/2, one HMUL2 a pair fewer)
     "w128gelu_nops": ("w128gelu", WgmmaOptions(prescale=False)),
     "w256silu_nops": ("w256silu", WgmmaOptions(prescale=False)),
+    # quads stored from per-tile row pointers (STORE_ROWS, the default) against each store's own address
+    # and alignment branch
+    "w256silu_rowsoff": ("w256silu", WgmmaOptions(store_rows=False)),
+    "w128gelu_rowsoff": ("w128gelu", WgmmaOptions(store_rows=False)),
+    "f16io_wg_rowsoff": ("f16io", WgmmaOptions(store_rows=False)),
     # 3 warpgroups where FOUR_WARPGROUP_FRAGMENTS gives 4
     "w128gelu_wg3": ("w128gelu", WgmmaOptions(nwg=3)),
     "w128gelu_f16io_wg3": ("w128gelu_f16io", WgmmaOptions(nwg=3)),

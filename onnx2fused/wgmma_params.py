@@ -55,13 +55,13 @@ def _quads(l: WgmmaLayer, c: int) -> list[dict]:
     wgmma_source_column): n8 blocks j0 = 2m and j0 + 1 give a thread outputs col + 4t .. col + 4t + 3 of its
     rows g (accumulators d[4 j0], d[4 j0 + 1], d[4 j0 + 4], d[4 j0 + 5]) and g + 8 (the next of each pair);
     col is also the quad's first packed column (the bias's index: the permutation stays within the 16).
-    Quads past the true width are left out."""
+    Quads past the true width are left out; `partial`: the quad's 16 columns run past it (stores check)."""
     out = []
     for m in range(l.nc // 16):
         col, j0 = c * l.nc + 16 * m, 2 * m
         if col >= l.n:
             continue
-        out.append({"col": col, "j0": j0, "rows": [
+        out.append({"col": col, "j0": j0, "partial": col + 16 > l.n, "rows": [
             {"hi": hi, "d": [4 * j0 + 2 * hi, 4 * j0 + 2 * hi + 1, 4 * j0 + 4 + 2 * hi, 4 * j0 + 5 + 2 * hi]}
             for hi in (0, 1)]})
     return out
@@ -143,6 +143,7 @@ def wgmma_params(plan: WgmmaPlan) -> dict:
         "cnt_smem_offset": plan.smem.cnt_offset, "peer_bar_smem_offset": plan.smem.peer_bar_offset,
         "staged": plan.staged_input, "in_smem_offset": plan.smem.input_offset,
         "staged_col0": 16 * plan.prefetch, "staged_cols": plan.staged_cols,
+        "store_rows": plan.store_rows,
         "bulk_input": plan.bulk_input, "in_bar_smem_offset": plan.smem.input_bar_offset,
         "in_row_bytes": plan.input_row_bytes, "input_parts": plan.input_parts,
         "ring_chunks": sum(l.chunks for l in plan.layers),

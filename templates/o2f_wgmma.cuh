@@ -254,6 +254,17 @@ __device__ __forceinline__ void store_out(io_t* __restrict__ y, int64_t rows, in
     if (col + 1 < NO) o2f_st1(p + 1, v1);
   }
 }
+// STORE_ROWS: columns col..col + 3 of a row at p (the row's pointer plus the quad's first column), where
+// the row is in the batch (`in`) and, in a quad running past the width (kPartial), col is in it (NO % 4
+// == 0: then all 4 are). y's rows hold aligned quads (the launch checks y).
+template <bool kPartial, int NO>
+__device__ __forceinline__ void store_row4(io_t* p, bool in, int col, float v0, float v1, float v2, float v3) {
+  if (!in || (kPartial && col >= NO)) return;
+#ifdef O2F_DIAG_NO_STORE
+  if ((__float_as_uint(v0) ^ __float_as_uint(v1) ^ __float_as_uint(v2) ^ __float_as_uint(v3)) != 0x7fc0deadu) return;
+#endif
+  o2f_st4(p, v0, v1, v2, v3);
+}
 // Columns col..col + 3 (col % 4 == 0): one store where NO % 4 == 0 and vec == 2 (y's rows hold aligned
 // quads), else as two pairs.
 template <int NO>

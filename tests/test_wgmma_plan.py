@@ -179,10 +179,30 @@ def test_quad_stores_give_each_thread_four_adjacent_outputs(widths):
                     stored += outs if not row["hi"] else []
     assert sorted(o for o in stored if o < last.n) == list(range(last.n))
     src = codegen.cuda_sources(plan)[f"{spec.name}_cuda.cu"]
-    assert "store_out4<kNOut>(" in src
+    # every width here is a multiple of 4: quads from per-tile row pointers (STORE_ROWS), y checked at launch
+    assert plan.store_rows and "store_row4<false, kNOut>(yrow0 + " in src and "store_out4<kNOut>(" not in src
+    assert "% (4 * sizeof(io_t)) != 0) return" in src
+    unrowed = wgmma.make_wgmma_plan(spec, plan.fallback, store_rows=False)
+    assert "store_out4<kNOut>(" in codegen.cuda_sources(unrowed)[f"{spec.name}_cuda.cu"]
     # the pack kernels permute the last layer's weights and bias (their quads argument), no other layer's
     calls = re.findall(r"wgmma_pack_(?:layer<elem_t>|bias)<<<[^;]*, (\d), \S+f\);", src)
     assert calls == ["0"] * 2 * (len(plan.layers) - 1) + ["1", "1"]
+
+
+def test_store_rows_check_the_columns_of_a_quad_past_the_width():
+    """A last layer of 44 outputs (packed to 48, in quads): the third quad's 16 columns run past the 44,
+    so its stores check the lane's column (store_row4<true>); the others need not. A width that is not a
+    multiple of 4 keeps the per-store path (its rows' quads are not aligned)."""
+    spec = _spec([64, 128, 44])
+    plan = choose.make_plan(spec, WGMMA)
+    assert plan.quad_stores and plan.store_rows
+    src = codegen.cuda_sources(plan)[f"{spec.name}_cuda.cu"]
+    assert "store_row4<false, kNOut>(yrow0 + 16," in src and "store_row4<true, kNOut>(yrow0 + 32," in src
+    assert "store_row4<true, kNOut>(yrow0 + 16," not in src
+    odd = _spec([64, 128, 46])
+    oplan = choose.make_plan(odd, WGMMA)
+    assert oplan.quad_stores and not oplan.store_rows
+    assert "store_out4<kNOut>(" in codegen.cuda_sources(oplan)[f"{odd.name}_cuda.cu"]
 
 
 def test_staged_input_where_registers_cannot_hold_the_next_tile():

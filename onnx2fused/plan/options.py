@@ -81,6 +81,7 @@ class WgmmaOptions:
     quad_stores: bool | None = None    # the last layer's outputs stored 4 at a time (QUAD_STORES)
     input_parts: int | None = None     # the next tile's rows copied in parts over a pass (plan.wgmma._input_parts)
     prescale: bool | None = None       # packed activations of halved accumulators (PRESCALE)
+    store_rows: bool | None = None     # quads stored from per-tile row pointers (STORE_ROWS)
 
     def given(self) -> dict:
         return _given(self)

@@ -101,6 +101,12 @@ QUAD_STORES = True
 # HMUL2: the same values, one instruction a pair fewer (the mma.sync kernels always do it; here an
 # override can turn it off for A/B timing).
 PRESCALE = True
+# STORE_ROWS: where the last layer stores quads and its width is a multiple of 4, every output row's quads
+# are aligned once y is 16-byte aligned (a call whose y is not runs the mma.sync fallback), so the kernel
+# stores them without deciding per store how y is aligned: the last layer computes each thread's two row
+# pointers and row predicates once a tile, and a store is that pointer plus a constant, where each one
+# recomputed its 64-bit address and branched on the alignment (silu: ~12 instructions a 16-byte store).
+STORE_ROWS = True
 
 
 @dataclass(frozen=True)
@@ -168,6 +174,7 @@ class WgmmaPlan:
     quad_stores: bool = False    # QUAD_STORES: the last layer's outputs stored 4 adjacent at a time
     input_parts: int = 1         # BULK_INPUT: the next tile's rows copied in this many parts over a pass (_input_parts; 1 without)
     prescale: bool = False       # PRESCALE: packed activations take prescaled accumulators
+    store_rows: bool = False     # STORE_ROWS: quads stored from per-tile row pointers (y 16-byte aligned, else the fallback)
 
     design = "wgmma"
     uses_scratch = False      # the kernels only read their packed weights
@@ -415,13 +422,14 @@ def make_wgmma_plan(spec: MLPSpec, fallback, reason: str = "", smem_limit: int =
                     cluster: int | None = None, stages: int | None = None,
                     staged_input: bool | None = None, bulk_input: bool | None = None,
                     quad_stores: bool | None = None, input_parts: int | None = None,
-                    prescale: bool | None = None) -> WgmmaPlan:
+                    prescale: bool | None = None, store_rows: bool | None = None) -> WgmmaPlan:
     """The wgmma plan of `spec`, with `fallback` (its resident or streamed plan) for other GPUs. SpecError
     where the design cannot take it. `nwg`, `prefetch`, `chunk_max` (the widest chunk, a multiple of 8 up
     to CHUNK_MAX), `cluster` (streamed plans: 1, 2 or 4 CTAs sharing each chunk's copy), `stages` (ring
     slots, STAGES_MIN up to what fits; streams weights that would stay resident too), `staged_input`
     (STAGED_INPUT), `bulk_input` (BULK_INPUT), `quad_stores` (QUAD_STORES, where possible), `input_parts`
-    (_input_parts, at most a pass's chunks), `prescale` (PRESCALE): overrides of the heuristics (benchmarks)."""
+    (_input_parts, at most a pass's chunks), `prescale` (PRESCALE), `store_rows` (STORE_ROWS, where possible):
+    overrides of the heuristics (benchmarks)."""
     why = wgmma_reason_refused(spec, smem_limit)
     if why:
         raise SpecError(f"{spec.describe()}: no wgmma plan: {why}")
@@ -479,11 +487,13 @@ def make_wgmma_plan(spec: MLPSpec, fallback, reason: str = "", smem_limit: int =
         prefetch = register_prefetch
     prefetch = max(0, min(k0_steps, prefetch))
     bias = sum(l.np_ for l in layers)
+    quads = (QUAD_STORES if quad_stores is None else quad_stores) and _quads_fit(layers[-1])
+    store_rows = (STORE_ROWS if store_rows is None else store_rows) and quads and spec.layers[-1].out_features % 4 == 0
     bulk_staged = bool(staged_input) and bulk
     return WgmmaPlan(spec, tuple(layers), nwg, prefetch, base + 8 * prefetch, _image_bytes(layers), bias, fallback,
                      fallback.workspace_bytes, reason, stages, _slot_bytes(layers) if stages else 0, cluster,
                      bool(staged_input), bulk_staged,
-                     (QUAD_STORES if quad_stores is None else quad_stores) and _quads_fit(layers[-1]),
+                     quads,
                      max(1, min(_input_parts(layers, stages) if input_parts is None else input_parts,
                                 sum(l.chunks for l in layers))) if bulk_staged else 1,
-                     PRESCALE if prescale is None else prescale)
+                     PRESCALE if prescale is None else prescale, store_rows)
