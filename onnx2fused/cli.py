@@ -137,8 +137,16 @@ def _command_of(argv: list[str]) -> str | None:
     return None
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors in one line, as every other error (`onnx2fused: error: ...`, status 2), with where to
+    look instead of the usage block."""
+
+    def error(self, message: str):
+        self.exit(2, f"{PROG}: error: {message} (see `{self.prog} --help`)\n")
+
+
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description="Fuse the MLP chains of an ONNX model into one custom "
+    p = _Parser(prog=PROG, description="Fuse the MLP chains of an ONNX model into one custom "
                                 "op each, build its ONNX Runtime plugin and validate it against stock ORT.")
     p.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")

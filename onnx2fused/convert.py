@@ -24,16 +24,23 @@ from .cpu_policy import cpu_kernel_wins
 from .targets import find_nvcc
 from .library import build_plugin, find_fusions
 from .errors import ConversionError
-from .loader import load_model
+from .loader import load_model, read_model
 from .passes import rewrite
 from .plan.choose import make_plan, short_reason, wgmma_note
 from .plan.options import PlanOptions
 from .plan.protocol import Plan
-from .precision import PrecisionChoice, chain_block, chain_layers, choose_precision, next_step, step_label
-from .spec import PRECISIONS, SpecError
+from .precision import (PrecisionChoice, chain_block, chain_layers, chain_noise, choose_precision, next_step,
+                        noise_note, step_label)
+from .spec import DOMAIN, PRECISIONS, SpecError
 from . import validate as val
 
 PLUGIN_KEY = "onnx2fused.plugin"
+
+
+def is_fused(model: onnx.ModelProto) -> bool:
+    """Whether `model` is an onnx2fused output: its plugin recorded, or onnx2fused nodes in its graph."""
+    return (any(p.key == PLUGIN_KEY for p in model.metadata_props)
+            or any(n.domain == DOMAIN for n in model.graph.node))
 EXTERNAL_DATA_BYTES = 1_500_000_000   # above this the output model keeps its weights in `<output>.data`
 LIBRARY_SUFFIX = ".onnx2fused.so"
 
@@ -89,25 +96,46 @@ def check_precision(precision: str) -> str:
     return precision
 
 
+CPU_ONLY_WHY = "CPU-only library: its kernels compute in fp32 (the label is for a GPU build)"
+
+
+def _chain_tensors(model, chains, cases) -> dict:
+    """Each chain's input and output tensors on stock ORT over the validation inputs."""
+    names = list(dict.fromkeys(t for c in chains for t in (c.input, c.output)))
+    return val.reference_tensors(model, names, cases)
+
+
 def initial_precisions(model, chains, cases, with_cuda: bool, say) -> list[PrecisionChoice]:
     """Automatic precision before any build: the numerics model (precision.py) on the reference tensors
     of each chain. A CPU-only library computes in fp32 whatever the label: every chain gets fp16, the
-    cheapest label, with no range check."""
+    cheapest label, with no range check (and its conditioning, which validation allows for)."""
     if not with_cuda:
-        return [PrecisionChoice("fp16", "CPU-only library: its kernels compute in fp32 (the label is for a GPU build)")
-                for _ in chains]
+        return asked_precisions(model, chains, cases, "fp16", CPU_ONLY_WHY)
     if cases is None:
         return [PrecisionChoice("fp16", "default: the original model could not run on random inputs to choose one")
                 for _ in chains]
     say("choosing each chain's precision (numerics model on the validation inputs)")
-    names = list(dict.fromkeys(t for c in chains for t in (c.input, c.output)))
     try:
-        ref = val.reference_tensors(model, names, cases)
+        ref = _chain_tensors(model, chains, cases)
     except Exception as e:  # noqa: BLE001 - the model runs (cases exist) but not with its intermediates read out
         return [PrecisionChoice("fp16", f"default: the chains' tensors could not be read on stock ORT "
                                         f"({val._one_line(e)})") for _ in chains]
     return [choose_precision(chain_layers(c), ref[c.input], ref[c.output], range_check=True,
                              tolerances=val.TOLERANCES, block=chain_block(c)) for c in chains]
+
+
+def asked_precisions(model, chains, cases, precision: str, why: str) -> list[PrecisionChoice]:
+    """`precision` for every chain, with each chain's conditioning (precision.chain_noise) measured on the
+    validation inputs where there are any: an ill-conditioned chain (a reciprocal, a SIREN) differs from
+    stock ORT by more than the tolerance even in exact fp32, and validation allows for it on every EP."""
+    noises = [0.0] * len(chains)
+    if cases is not None:
+        try:
+            ref = _chain_tensors(model, chains, cases)
+            noises = [chain_noise(chain_layers(c), ref[c.input], ref[c.output], chain_block(c)) for c in chains]
+        except Exception:  # noqa: BLE001 - as initial_precisions: then the plain tolerance
+            pass
+    return [PrecisionChoice(precision, why + noise_note(n, val.TOLERANCES), noise=n) for n in noises]
 
 
 def _next_step(chain, choice: PrecisionChoice) -> tuple[str, str] | None:
@@ -186,16 +214,35 @@ def _same_file(a: Path, b: Path) -> bool:
     return os.path.realpath(a) == os.path.realpath(b)
 
 
+def _written_paths(out: Path) -> list[Path]:
+    """What convert writes for output `out`: the model, its plugin library and its external data."""
+    return [out, out.with_name(library_name(out)), out.with_name(out.name + ".data")]
+
+
+def _overwrites_input(inp: Path, path: Path) -> bool:
+    """Whether writing `path` would overwrite the input model `inp` or one of its external data files
+    (a dynamo export keeps its weights in `<model>.onnx.data`): an existing file only, so the model is
+    read (without its data) only where an output's name is already taken."""
+    if _same_file(inp, path):
+        return True
+    if not path.is_file():
+        return False
+    try:
+        raw = read_model(inp)
+    except ConversionError:   # load_model reports it
+        return False
+    return any(_same_file(inp.parent / loc, path) for loc in _external_locations(raw))
+
+
 def _check_paths(inp: Path, out: Path) -> None:
     if not inp.exists():
         raise ConversionError(f"{inp}: no such file")
     if out.is_dir():
         raise ConversionError(f"{out}: is a directory; give the output model's file name")
-    clobbered = [out, out.with_name(library_name(out)), out.with_name(out.name + ".data")]
-    for c in clobbered:
-        if _same_file(inp, c):
-            raise ConversionError(f"the output {out} would overwrite the input model {inp}; "
-                                  "choose another output path (-o)")
+    for c in _written_paths(out):
+        if _overwrites_input(inp, c):
+            raise ConversionError(f"the output {out} would overwrite the input model {inp} or its data "
+                                  f"({c.name}); choose another output path (-o)")
     parent = out.parent
     if not parent.is_dir():
         raise ConversionError(f"{parent}: output folder does not exist")
@@ -256,6 +303,9 @@ def convert(input_path, output_path=None, precision: str = AUTO, validate: bool 
     _check_validation_options(inp, out, validate, atol, rtol, input_shapes, save_inputs, save_outputs)
 
     model = load_model(inp)
+    if is_fused(model):
+        raise ConversionError(f"{inp} is already fused (it holds onnx2fused nodes): convert takes the original "
+                              "model; to move a fused model, copy it with its plugin library")
     user_inputs = val.load_user_inputs(inputs, model) if (inputs is not None and validate) else None
     shapes = val.check_input_shapes(input_shapes, model) if input_shapes else None
     if with_cuda is None:
@@ -287,7 +337,8 @@ def convert(input_path, output_path=None, precision: str = AUTO, validate: bool 
             if with_cuda:
                 choices = [plannable(c, ch, options) for c, ch in zip(plan.chains, choices)]
         else:
-            choices = [PrecisionChoice(precision, "asked for (--precision)") for _ in plan.chains]
+            choices = asked_precisions(model, plan.chains, cases if validate else None, precision,
+                                       "asked for (--precision)")
 
         for attempt in range(len(PRECISIONS) + 1):   # + 1: fp16's two steps (packed, then fp32 activations)
             # each round in a folder of its own: a library that a session loaded must not be overwritten
@@ -422,13 +473,13 @@ def _check_validation_options(inp: Path, out: Path, validate: bool, atol, rtol, 
     for n, v in (("--atol", atol), ("--rtol", rtol)):
         if v is not None and not (float(v) >= 0 and float(v) != float("inf")):
             raise ConversionError(f"{n} {v}: must be a finite number >= 0")
-    taken = {inp, out, out.with_name(library_name(out)), out.with_name(out.name + ".data")}
+    outputs = _written_paths(out)
     paths = [(n, Path(v)) for n, v in (("--save-inputs", save_inputs), ("--save-outputs", save_outputs))
              if v is not None]
     if len(paths) == 2 and _same_file(paths[0][1], paths[1][1]):
         raise ConversionError(f"--save-inputs and --save-outputs are the same file {paths[0][1]}")
     for n, p in paths:
-        if any(_same_file(p, t) for t in taken):
+        if _overwrites_input(inp, p) or any(_same_file(p, t) for t in outputs):
             raise ConversionError(f"{n} {p} would overwrite the input model or the output; choose another file")
         if p.is_dir():
             raise ConversionError(f"{n} {p}: is a directory; give a file name (.npz)")
@@ -580,6 +631,7 @@ def inspect(input_path, precision: str = AUTO, cache_dir=None, plan_options: Pla
     options = plan_options or PlanOptions.from_env()
     check_precision(precision)
     model = load_model(input_path)
+    cpu_only = with_cuda is False   # asked for (--cpu-only): precisions and plans as convert --cpu-only has them
     if with_cuda is None:
         with_cuda = find_nvcc() is not None
     plan = find_fusions(model, with_cuda, options)
@@ -595,7 +647,7 @@ def inspect(input_path, precision: str = AUTO, cache_dir=None, plan_options: Pla
             cases, _ = val.validation_cases(model)
         except Exception:  # noqa: BLE001 - inspect only reads: no cases, the default precision
             cases = None
-        choices = initial_precisions(model, plan.chains, cases, True, lambda msg: None) if plan.chains else []
+        choices = initial_precisions(model, plan.chains, cases, not cpu_only, lambda msg: None) if plan.chains else []
         if with_cuda:   # as convert starts: a step no CUDA design plans is skipped
             choices = [plannable(c, ch, options) for c, ch in zip(plan.chains, choices)]
     else:
@@ -609,6 +661,7 @@ def inspect(input_path, precision: str = AUTO, cache_dir=None, plan_options: Pla
         p = plans.get(s.name)
         res.chains.append(ChainReport(k, s.name, list(s.widths), c.activation_labels(),
                                       s.precision, s.io_dtype,
-                                      plan_text(s, cached_plan(p, cache) if p else None, errors.get(s.name, "")),
+                                      plan_text(s, cached_plan(p, cache) if p else None, errors.get(s.name, ""),
+                                                with_cuda=not cpu_only),
                                       c.input, c.output, ch.why))
     return res

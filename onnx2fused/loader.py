@@ -23,6 +23,30 @@ _TWO_GB = 2**31 - 1
 
 def load_model(path) -> onnx.ModelProto:
     p = Path(path)
+    model = read_model(p)
+    _check_versions(p, model)
+    if not model.graph.output:
+        raise ConversionError(f"{p}: the graph has no outputs, so there is nothing to compute")
+    _load_external(p, model)
+    try:
+        if model.ByteSize() > _TWO_GB:
+            onnx.checker.check_model(str(p))
+        else:
+            onnx.checker.check_model(model)
+    except Exception as e:
+        raise ConversionError(f"{p}: the ONNX checker rejects the model: {_first_line(e)}") from None
+    try:
+        if model.ByteSize() <= _TWO_GB:
+            model = onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
+    except Exception as e:
+        raise ConversionError(f"{p}: shape inference failed: {_first_line(e)}") from None
+    return model
+
+
+def read_model(path) -> onnx.ModelProto:
+    """The model proto of `path` without its external data (which load_model adds): a clear
+    ConversionError for a missing, unreadable, empty, truncated or non-ONNX file."""
+    p = Path(path)
     if not p.exists():
         raise ConversionError(f"{p}: no such file")
     if p.is_dir():
@@ -44,22 +68,6 @@ def load_model(path) -> onnx.ModelProto:
         raise ConversionError(f"{p}: not an ONNX model (the bytes are not an ONNX protobuf)") from None
     if model.ir_version == 0 or not model.HasField("graph"):
         raise ConversionError(f"{p}: not an ONNX model (no IR version or graph in the file)")
-    _check_versions(p, model)
-    if not model.graph.output:
-        raise ConversionError(f"{p}: the graph has no outputs, so there is nothing to compute")
-    _load_external(p, model)
-    try:
-        if model.ByteSize() > _TWO_GB:
-            onnx.checker.check_model(str(p))
-        else:
-            onnx.checker.check_model(model)
-    except Exception as e:
-        raise ConversionError(f"{p}: the ONNX checker rejects the model: {_first_line(e)}") from None
-    try:
-        if model.ByteSize() <= _TWO_GB:
-            model = onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
-    except Exception as e:
-        raise ConversionError(f"{p}: shape inference failed: {_first_line(e)}") from None
     return model
 
 

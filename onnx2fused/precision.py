@@ -247,6 +247,22 @@ def model_rows(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return x2[keep], y2[keep]
 
 
+def chain_noise(layers, inputs: list[np.ndarray], outputs: list[np.ndarray], block=None) -> float:
+    """The chain's conditioning: how far stock's fp32 result (`outputs`) is from the float64-accumulated
+    one over the input sets (on a sample of their rows, model_rows). Validation allows an ill-conditioned
+    chain NOISE_FACTOR x this, on every EP and for every precision (a CPU-only build's fp32 kernels too)."""
+    pairs = [model_rows(x, y) for x, y in zip(inputs, outputs)]
+    return max((rel_l2(model_chain(layers, x, "fp32", block=block).output, y) for x, y in pairs), default=0.0)
+
+
+def noise_note(noise: float, tolerances: dict[str, float]) -> str:
+    """"; ill-conditioned: ..." where NOISE_FACTOR x `noise` exceeds the fp32 tolerance, else ""."""
+    if NOISE_FACTOR * noise <= tolerances["fp32"]:
+        return ""
+    return (f"; ill-conditioned: stock fp32 itself is {noise:.2g} from the float64-accumulated result, "
+            f"so validation allows {NOISE_FACTOR:g}x that")
+
+
 def choose_precision(layers, inputs: list[np.ndarray], outputs: list[np.ndarray], range_check: bool,
                      tolerances: dict[str, float], start: str = "fp16", block=None) -> PrecisionChoice:
     """The first precision from `start` up the ladder whose modelled error over every input set is within
@@ -257,11 +273,8 @@ def choose_precision(layers, inputs: list[np.ndarray], outputs: list[np.ndarray]
     inputs, outputs = [x for x, _ in pairs], [y for _, y in pairs]
     errors: dict[str, float] = {}
     refused: list[str] = []
-    noise = max((rel_l2(model_chain(layers, x, "fp32", block=block).output, y) for x, y in zip(inputs, outputs)),
-                default=0.0)
-    ill = NOISE_FACTOR * noise > tolerances["fp32"]
-    note = (f"; ill-conditioned: stock fp32 itself is {noise:.2g} from the float64-accumulated result, "
-            f"so validation allows {NOISE_FACTOR:g}x that") if ill else ""
+    noise = chain_noise(layers, inputs, outputs, block)
+    note = noise_note(noise, tolerances)
     has_packed = packable(layers)
     step: tuple[str, str] | None = (start, "packed")
     while step is not None:

@@ -262,6 +262,9 @@ def load_user_inputs(inputs, model: onnx.ModelProto) -> dict[str, np.ndarray]:
     else:
         p = Path(inputs)
         try:
+            with open(p, "rb") as f:
+                if f.read(4) != b"PK\x03\x04":   # an .npz is a zip archive (np.load would try it as a pickle)
+                    raise ConversionError(f"{p}: not an .npz file (np.savez of input name -> array)")
             with np.load(p, allow_pickle=False) as z:
                 arrays = {k: z[k] for k in z.files}
         except FileNotFoundError:

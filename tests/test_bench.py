@@ -105,6 +105,18 @@ def test_missing_model(tmp_path, capsys):
     assert "no such file" in _one_error_line(capsys.readouterr().err)
 
 
+def test_unreadable_model_and_output_folder_in_convert_s_words(tmp_path, capsys):
+    """A file that is not a model and an output folder that cannot be made: the one line convert gives."""
+    junk = tmp_path / "junk.onnx"
+    junk.write_bytes(b"not a model")
+    assert bench.main(parse(junk, "--cpu")) == 2
+    assert "not an ONNX model" in _one_error_line(capsys.readouterr().err)
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert bench.main(parse(NERF, "--cpu", "--out", blocker / "o")) == 2
+    assert "cannot create the output folder" in _one_error_line(capsys.readouterr().err)
+
+
 @pytest.mark.parametrize("opt", [("--reps", "0"), ("--warmup", "-1"), ("--threads", "0")])
 def test_bad_counts(opt, tmp_path, capsys):
     assert bench.main(parse(NERF, "--cpu", *opt, "--out", tmp_path / "o")) == 2

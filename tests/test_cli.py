@@ -325,6 +325,9 @@ def test_validation_options_refused_in_one_line(args, says, tmp_path, cache):
 def test_bad_input_shapes_syntax_is_a_usage_error(tmp_path):
     p = cli("convert", MODELS / "nerf.opset17.onnx", "-o", tmp_path / "o.onnx", "--input-shapes", "x:abc")
     assert p.returncode == 2 and "NAME:DIMS" in p.stderr
+    # one line, as every other error, pointing at the help instead of printing the usage block
+    assert p.stderr.startswith("onnx2fused: error: ") and len(p.stderr.splitlines()) == 1, p.stderr
+    assert "onnx2fused convert --help" in p.stderr
     assert list(tmp_path.iterdir()) == []
 
 

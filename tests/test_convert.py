@@ -44,7 +44,8 @@ def names(d: Path) -> list[str]:
 
 
 def test_validation_error_writes_nothing_then_force(nerf, cache, monkeypatch):
-    monkeypatch.setattr(val, "CPU_TOLERANCE", 0.0)
+    monkeypatch.setattr(val, "CPU_TOLERANCE", 0.0)   # and no allowance for the chain's conditioning:
+    monkeypatch.setattr(val, "NOISE_FACTOR", 0.0)    # a tolerance of 0, which the fused model cannot meet
     before = nerf.read_bytes()
     with pytest.raises(ValidationError, match="relative L2 error .* exceeds the tolerance 0"):
         onnx2fused.convert(nerf, cache_dir=cache, with_cuda=False)
@@ -70,6 +71,9 @@ def test_user_inputs_npz_and_dict(nerf, cache, tmp_path):
         onnx2fused.convert(nerf, tmp_path / "c.onnx", inputs=tmp_path / "bad.npz", cache_dir=cache, with_cuda=False)
     with pytest.raises(ConversionError, match="dimension 1 must be 32"):
         onnx2fused.convert(nerf, tmp_path / "c.onnx", inputs={"x": x[:, :5]}, cache_dir=cache, with_cuda=False)
+    (tmp_path / "notes.txt").write_text("x = 1, 2, 3\n")   # np.load would try it as a pickle
+    with pytest.raises(ConversionError, match="not an .npz file"):
+        onnx2fused.convert(nerf, tmp_path / "c.onnx", inputs=tmp_path / "notes.txt", cache_dir=cache, with_cuda=False)
     assert not (tmp_path / "c.onnx").exists()
 
 
@@ -152,6 +156,60 @@ def test_output_rules(nerf, cache, tmp_path):
     assert res.output_path == str(tmp_path / "nerf.fused.onnx")
     meta = {p.key: p.value for p in onnx.load(res.output_path).metadata_props}
     assert meta[PLUGIN_KEY] == "nerf.fused.onnx2fused.so"
+
+
+def test_outputs_never_overwrite_the_inputs_external_data(cache, tmp_path):
+    """A dynamo export keeps its weights in `<model>.onnx.data`: an output model, saved inputs or outputs
+    named like that file are refused as the model's own name is, and the file is left as it was."""
+    import hashlib
+    src = tmp_path / "nerf.dynamo.onnx"
+    for f in ("nerf.dynamo.onnx", "nerf.dynamo.onnx.data"):
+        shutil.copy(MODELS / f, tmp_path / f)
+    data = tmp_path / "nerf.dynamo.onnx.data"
+    digest = hashlib.sha256(data.read_bytes()).hexdigest()
+    for kwargs in ({"output_path": data}, {"save_inputs": data}, {"save_outputs": data}):
+        with pytest.raises(ConversionError, match="would overwrite the input"):
+            onnx2fused.convert(src, cache_dir=cache, with_cuda=False, **kwargs)
+        assert hashlib.sha256(data.read_bytes()).hexdigest() == digest
+    # an output whose own external data file (`<output>.data`) would be the input's data file
+    other = tmp_path / "other.onnx"
+    shutil.copy(src, other)   # other.onnx's weights: nerf.dynamo.onnx.data too
+    with pytest.raises(ConversionError, match="would overwrite the input"):
+        onnx2fused.convert(other, tmp_path / "nerf.dynamo.onnx", cache_dir=cache, with_cuda=False)
+    res = onnx2fused.convert(src, tmp_path / "fused.onnx", cache_dir=cache, with_cuda=False)
+    assert res.validation.passed and hashlib.sha256(data.read_bytes()).hexdigest() == digest
+
+
+def test_a_fused_model_is_refused(nerf, cache, tmp_path):
+    """Converting convert's own output again would write it unchanged without its plugin (nothing left to
+    fuse): refused in one line, nothing written."""
+    res = onnx2fused.convert(nerf, cache_dir=cache, with_cuda=False, validate=False)
+    before = names(tmp_path)
+    with pytest.raises(ConversionError, match="is already fused"):
+        onnx2fused.convert(res.output_path, tmp_path / "again.onnx", cache_dir=cache, with_cuda=False)
+    assert names(tmp_path) == before
+
+
+@pytest.mark.parametrize("precision", ["auto", "fp16"])
+@pytest.mark.parametrize("name", ["reciprocal", "gelu_fp16_io"])
+def test_cpu_only_validation_allows_for_the_chains_conditioning(name, precision, cache, tmp_path):
+    """A CPU-only library's fp32 kernels are held to what a CUDA build's validation allows on the CPU EP:
+    NOISE_FACTOR x the chain's own distance from float64 (a reciprocal's cancellation; fp16 outputs'
+    rounding), not the bare fp32 tolerance that valid models of both kinds exceeded."""
+    from onnx2fused.precision import chain_block, chain_layers, chain_noise
+    from onnx_builders import F16
+    model = (mlp([5, 23, 4], act="Reciprocal") if name == "reciprocal"
+             else mlp([32, 32, 32, 8], act="Gelu", elem=F16, opset=20))
+    src = tmp_path / f"{name}.onnx"
+    onnx.save(model, str(src))
+    res = onnx2fused.convert(src, cache_dir=cache, with_cuda=False, precision=precision)
+    chain = find_chains(onnx.load(str(src))).chains[0]
+    cases, _ = val.validation_cases(model)
+    ref = val.reference_tensors(model, [chain.input, chain.output], cases)
+    noise = chain_noise(chain_layers(chain), ref[chain.input], ref[chain.output], chain_block(chain))
+    assert val.NOISE_FACTOR * noise > val.CPU_TOLERANCE   # the case needs the allowance
+    assert res.validation.passed and res.validation.tolerance == pytest.approx(val.NOISE_FACTOR * noise)
+    assert "ill-conditioned" in res.chains[0].precision_why
 
 
 def test_external_data_output(nerf, cache, monkeypatch):

@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from ..errors import ConversionError
 from .models import (L2_ROTATE_BYTES, MAX_ELEMENTS, MEM_FRACTION, ROTATE_BUFFERS, Layer, ModelInfo,  # noqa: F401
                      _features, _find_zoo_entry, _input_shape, _random_feed, _reason, default_cpu_batch,
                      fp16_model_file, gpu_batches, load_torch_module, model_info, to_fp16, zoo_torch_module)
@@ -116,10 +117,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _already_fused(model: Path) -> bool:
     """Whether `model` is an onnx2fused output (its plugin recorded, or onnx2fused nodes in its graph)."""
-    import onnx
-    m = onnx.load(str(model), load_external_data=False)
-    return (any(p.key == "onnx2fused.plugin" for p in m.metadata_props)
-            or any(n.domain == "onnx2fused" for n in m.graph.node))
+    from ..convert import is_fused
+    from ..loader import read_model
+    return is_fused(read_model(model))
 
 
 def main(args) -> int:
@@ -139,8 +139,8 @@ def main(args) -> int:
         return _error(f"{model}: no such file")
     try:
         fused = _already_fused(model)
-    except Exception as e:
-        return _error(f"{model}: cannot read the model: {_reason(e)}")
+    except ConversionError as e:   # the one line convert and inspect give for an unreadable model
+        return _error(str(e))
     if fused:
         return _error(f"{model} is already fused (it holds onnx2fused nodes): bench takes the original model, "
                       "converts it and times both")
@@ -151,6 +151,8 @@ def main(args) -> int:
     say = progress(args)
     try:
         return run_cpu(args, say) if args.cpu else run_gpu(args, say)
+    except ConversionError as e:   # e.g. an output folder that cannot be made
+        return _error(str(e))
     finally:
         if say is not None:
             say.close()

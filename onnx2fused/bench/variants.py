@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as _dt
 import gc
 import importlib
+import os
 import subprocess
 import sys
 import time
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..errors import ConversionError
 from .models import (_ELEM_NP, _features, _find_zoo_entry, _input_shape, _random_feed, _reason, default_cpu_batch,
                      fp16_model_file, gpu_batches, load_torch_module, model_info, zoo_torch_module)
 from .clocks import describe as describe_clocks
@@ -41,7 +43,6 @@ def convert_model(model: Path, out_dir: Path, precision: str, with_cuda: bool, p
                   progress=None):
     """(fused model path, plugin path); `plans` (if given) receives (chain name, plan text) per chain.
     Raises ConversionError when the model has nothing to fuse (there would be no fused variant to time)."""
-    from ..errors import ConversionError
     out_dir.mkdir(parents=True, exist_ok=True)
     dst = out_dir / (model.name[:-5] if model.name.endswith(".onnx") else model.name)
     dst = dst.with_name(dst.name + ".fused.onnx")
@@ -88,7 +89,12 @@ def _setup(args, cpu: bool):
     defaults where the arguments leave them unset."""
     model = Path(args.model)
     out_dir = Path(args.out) if args.out else _default_out(model, cpu)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:   # one line, as convert's "output folder is not writable"
+        raise ConversionError(f"{out_dir}: cannot create the output folder ({e.strerror or e})") from None
+    if not os.access(out_dir, os.W_OK | os.X_OK):
+        raise ConversionError(f"{out_dir}: output folder is not writable")
     reps = args.reps or (DEFAULT_CPU_REPS if cpu else DEFAULT_GPU_REPS)
     warmup = args.warmup if args.warmup is not None else (2 if cpu else 10)
     return model, out_dir, reps, warmup, model_info(model)
@@ -141,7 +147,6 @@ def nothing_timed(rows: list[dict], fused_variants) -> str | None:
 def run_cpu(args, say=None) -> int:
     import onnxruntime as ort
     from ..cli import _error
-    from ..errors import ConversionError
     say = say or (lambda msg: None)
     model, out_dir, reps, warmup, info = _setup(args, cpu=True)
     batches = args.batches or [default_cpu_batch(info)]
