@@ -21,10 +21,6 @@ def spread(ts) -> tuple[float, float, float]:
     return float(med), float(p10), float(p90)
 
 
-def _time_cpu(sess, feed, reps: int, warmup: int) -> list[float]:
-    return time_interleaved({"s": sess}, feed, reps, warmup)["s"]
-
-
 def time_interleaved(sessions: dict, feed, reps: int, warmup: int) -> dict[str, list[float]]:
     """ms per run of each session, the sessions taking turns (in alternating order) within every
     repetition, so that a slow phase of a shared host (other processes, frequency changes) hits them
