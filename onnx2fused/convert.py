@@ -310,6 +310,9 @@ def convert(input_path, output_path=None, precision: str = AUTO, validate: bool 
     shapes = val.check_input_shapes(input_shapes, model) if input_shapes else None
     if with_cuda is None:
         with_cuda = find_nvcc() is not None
+        if with_cuda and val.choose_providers(True)[0] != "CUDAExecutionProvider":
+            say("nvcc found: building CUDA kernels too, for a GPU host (this onnxruntime has no CUDA EP, so "
+                "validation runs the CPU kernels; --cpu-only skips the CUDA build)")
     plan = find_fusions(model, with_cuda)
     result = ConversionResult(str(inp), str(out), precision, refusals=[r.reason for r in plan.refusals])
 
