@@ -133,9 +133,12 @@ class TuneError(RuntimeError):
     pass
 
 
+load_library = ctypes.CDLL   # how run_tuning opens the tuning library (tests put a fake one in its place)
+
+
 def run_tuning(library: Path, plan: WidePlan, reps: int = REPS) -> dict:
     """Calls the tuning library's entry; returns the cache record (choices and every time measured)."""
-    lib = ctypes.CDLL(str(library))
+    lib = load_library(str(library))
     fn = getattr(lib, f"{plan.spec.name}_cuda_tune")
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_int)] + [ctypes.POINTER(ctypes.c_float)] * 3

@@ -298,6 +298,59 @@ def test_streamed_pairs_on_cuda_ep(widths, acts, precision, cache_dir, tmp_path,
 WGMMA_IO = [(name, kind, io) for name, kind in ZOO_FILES for io in ("f32", "f16")]
 
 
+def _zoo_model(name: str, kind: str, io: str, tmp: Path) -> tuple[dict, Path, Path]:
+    """(zoo entry, the fp32 source model, the model with `io` I/O: the source or its fp16 copy in `tmp`)."""
+    from onnx2fused.bench import to_fp16
+    entry = next(m for m in ZOO["models"] if m["name"] == name)
+    src = ROOT / "models" / entry["files"][kind]["file"]
+    if io == "f32":
+        return entry, src, src
+    path = tmp / f"{name}-{kind}-io16.onnx"
+    onnx.save(to_fp16(onnx.load(str(src))), str(path))
+    return entry, src, path
+
+
+def _zoo_plans(name: str, kind: str, io: str, options, tmp: Path) -> tuple:
+    """(model, chains, specs, plans) of the zoo model with `io` I/O under plan `options`."""
+    from onnx2fused.plan.choose import make_plans
+    model = load_model(str(_zoo_model(name, kind, io, tmp)[2]))
+    chain_plan = passes.find_chains(model)
+    specs = [c.to_spec("fp16") for c in chain_plan.chains]
+    return model, chain_plan, specs, make_plans(specs, options)
+
+
+def _design_cases(options, takes) -> list[tuple[str, str, str]]:
+    """The zoo models and I/O types where some chain's plan `takes` the design (decided at collection: the
+    planner is pure Python, so a case it refuses would only ever be skipped). The refused ones are the
+    planner's choice (mnist's wide layers, the blocks' norms in wgmma, ...), whose rules
+    test_wgmma_plan.py and test_wide_plan.py check without a GPU."""
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        return [c for c in WGMMA_IO if any(takes(p) for p in _zoo_plans(*c, options, Path(d))[3].values())]
+
+
+def _wgmma_options():
+    from onnx2fused.plan.options import PlanOptions
+    return PlanOptions(design="wgmma")
+
+
+def _mma_sync_options():
+    from onnx2fused.plan.options import PlanOptions
+    return PlanOptions(wgmma=False)
+
+
+def _takes_wgmma(p) -> bool:
+    return p.design == "wgmma"
+
+
+def _takes_mma_sync(p) -> bool:
+    return p.design in ("resident", "streamed")
+
+
+WGMMA_CASES = _design_cases(_wgmma_options(), _takes_wgmma)
+MMA_SYNC_CASES = _design_cases(_mma_sync_options(), _takes_mma_sync)
+
+
 def _fp16_arithmetic_error(chains, x, ref) -> float:
     """rel. L2 of the numerics model's fp16 run against `ref` where the model's only chain is the whole
     model (0 otherwise: the fixed tolerance alone); on at most the first 65536 rows (a statistic: more rows
@@ -311,23 +364,12 @@ def _fp16_arithmetic_error(chains, x, ref) -> float:
 
 
 def _check_zoo_design_io(name, kind, io, options, takes, cache_dir, tmp_path):
-    """Model `name`/`kind` (fp32 or fp16 I/O) built with plan `options`; skipped where no chain's plan
-    `takes` (a predicate on the plan); checked against stock ORT on the fp32 model."""
-    from onnx2fused.bench import to_fp16
-    from onnx2fused.plan.choose import make_plans
-    entry = next(m for m in ZOO["models"] if m["name"] == name)
-    src = ROOT / "models" / entry["files"][kind]["file"]
-    model_path = src
-    if io == "f16":
-        model_path = tmp_path / "io16.onnx"
-        onnx.save(to_fp16(onnx.load(str(src))), str(model_path))
-    model = load_model(str(model_path))
-    chain_plan = passes.find_chains(model)
-    specs = [c.to_spec("fp16") for c in chain_plan.chains]
-    plans = make_plans(specs, options)
+    """Model `name`/`kind` (fp32 or fp16 I/O) built with plan `options`, where some chain's plan `takes`
+    (a predicate on the plan) the design; checked against stock ORT on the fp32 model."""
+    entry, src, _ = _zoo_model(name, kind, "f32", tmp_path)
+    model, chain_plan, specs, plans = _zoo_plans(name, kind, io, options, tmp_path)
     taken = [p for p in plans.values() if takes(p)]
-    if not taken:
-        pytest.skip(f"no chain of {name} takes the design: " + "; ".join(p.describe() for p in plans.values()))
+    assert taken, "; ".join(p.describe() for p in plans.values())
     assert all(s.io_dtype == io for s in specs)
     lib = library.build_plugin(specs, with_cuda=True, cache_dir=cache_dir, plans=plans)
     fused_path = tmp_path / "fused.onnx"
@@ -350,17 +392,13 @@ def _check_zoo_design_io(name, kind, io, options, takes, cache_dir, tmp_path):
     assert empty.shape[0] == 0
 
 
-@pytest.mark.parametrize("name,kind,io", WGMMA_IO, ids=[f"{n}-{k}-{io}" for n, k, io in WGMMA_IO])
+@pytest.mark.parametrize("name,kind,io", WGMMA_CASES, ids=[f"{n}-{k}-{io}" for n, k, io in WGMMA_CASES])
 def test_wgmma_zoo_on_cuda_ep(name, kind, io, cache_dir, tmp_path):
-    from onnx2fused.plan.options import PlanOptions
-    _check_zoo_design_io(name, kind, io, PlanOptions(design="wgmma"), lambda p: p.design == "wgmma",
-                         cache_dir, tmp_path)
+    _check_zoo_design_io(name, kind, io, _wgmma_options(), _takes_wgmma, cache_dir, tmp_path)
 
 
 # The same with the wgmma design off: the mma.sync kernels (resident, streamed) on every zoo chain the
 # cost model gives them, with fp16 rows copied into the operands as bits (cuda_fused_base store_in2).
-@pytest.mark.parametrize("name,kind,io", WGMMA_IO, ids=[f"{n}-{k}-{io}" for n, k, io in WGMMA_IO])
+@pytest.mark.parametrize("name,kind,io", MMA_SYNC_CASES, ids=[f"{n}-{k}-{io}" for n, k, io in MMA_SYNC_CASES])
 def test_mma_sync_zoo_on_cuda_ep(name, kind, io, cache_dir, tmp_path):
-    from onnx2fused.plan.options import PlanOptions
-    _check_zoo_design_io(name, kind, io, PlanOptions(wgmma=False),
-                         lambda p: p.design in ("resident", "streamed"), cache_dir, tmp_path)
+    _check_zoo_design_io(name, kind, io, _mma_sync_options(), _takes_mma_sync, cache_dir, tmp_path)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import re
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -1069,7 +1070,16 @@ def test_gemv_path_chain_unit_compiles(spec, tuning, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
 
 
-GEMV_WARPS, GEMV_CHUNK, GEMV_TILE = 8, 32, 8   # o2f_wide_gemv.cuh's kGemvWarps, kGemvChunk, kGemvTileCols
+def _gemv_constant(name: str) -> int:
+    """A `constexpr int` of templates/o2f_wide_gemv.cuh: the emulation below takes the kernel's own sizes,
+    so a change to the header that the emulation does not follow fails these tests."""
+    text = (Path(__file__).resolve().parent.parent / "templates" / "o2f_wide_gemv.cuh").read_text()
+    m = re.search(rf"constexpr int {name} = (\d+);", text)
+    assert m, f"{name} not found in o2f_wide_gemv.cuh"
+    return int(m.group(1))
+
+
+GEMV_WARPS, GEMV_CHUNK, GEMV_TILE = (_gemv_constant(n) for n in ("kGemvWarps", "kGemvChunk", "kGemvTileCols"))
 _LANE = np.arange(32)
 _G, _Q = _LANE // 4, _LANE % 4                  # a lane's row/column group and k quarter
 

@@ -31,23 +31,39 @@ def _plans(*specs):
 
 
 class FakeTuning:
-    """Stands in for build + the library's timing entry: candidate `fast` takes `ms`, the default 1.0."""
+    """Stands in for the build and for the tuning library's two entries (ctypes): candidate `fast` takes
+    `ms` where the default takes 1.0, every other candidate 1.0, and every pass size the same time. The
+    decision (a candidate must beat the default by MIN_GAIN) and the record are run_tuning's own."""
 
     def __init__(self, fast: int, ms: float):
         self.fast, self.ms, self.builds = fast, ms, []
 
     def build(self, specs, **kw):
         self.builds.append(([s.name for s in specs], kw))
-        return type("Lib", (), {"path": "unused"})()
+        return type("Lib", (), {"path": "fake-tuning-library.so"})()
 
-    def run(self, library, plan, reps=wide_tune.REPS):
-        nb = len(plan.buckets)
-        cand = sm90.sm90_candidates()[self.fast]
-        best = cand if self.ms < 1.0 * (1 - wide_tune.MIN_GAIN) else sm90.DEFAULT_CHOICE
-        return {"format": wide_tune.TUNE_FORMAT, "spec": plan.spec.name, "buckets": list(plan.buckets),
-                "choices": [[wide_tune.choice_record(best)] * nb for _ in plan.gemms],
-                "timings": [[{"rows": b, "choice": best.label, "ms": min(self.ms, 1.0), "default_ms": 1.0,
-                              "fastest": cand.label} for b in plan.buckets] for _ in plan.gemms]}
+    def library(self, path):
+        assert path == "fake-tuning-library.so"
+        fake = self
+
+        class Entries:
+            def __getattr__(self, name):
+                if name.endswith("_cuda_tune"):
+                    def tune(reps, index, ms, default_ms, every):
+                        n, k = len(index), len(every) // len(index)
+                        for i in range(n):
+                            index[i], ms[i], default_ms[i] = fake.fast, fake.ms, 1.0
+                            for c in range(k):
+                                every[i * k + c] = fake.ms if c == fake.fast else 1.0
+                        return 0
+                    return tune
+                if name.endswith("_cuda_time_chain"):
+                    def time_chain(index, rows, block, reps, ms):
+                        ms._obj.value = 1.0   # ctypes.byref(c_float)
+                        return 0
+                    return time_chain
+                raise AttributeError(name)
+        return Entries()
 
 
 COOP128_DP = sm90.sm90_candidates().index(sm90.Sm90Choice(1, "data_parallel"))  # Coop128x128, data-parallel
@@ -61,7 +77,7 @@ def gpu(monkeypatch):
 
 def test_tunes_once_per_spec_and_gpu_then_reads_the_cache(tmp_path, gpu, monkeypatch):
     fake = FakeTuning(fast=COOP128_DP, ms=0.5)
-    monkeypatch.setattr(wide_tune, "run_tuning", fake.run)
+    monkeypatch.setattr(wide_tune, "load_library", fake.library)
     said = []
     plans = _plans(FFN, NARROW)
     out = wide_tune.resolve(plans, tmp_path, fake.build, said.append, tune=True)
@@ -90,7 +106,7 @@ def test_tunes_once_per_spec_and_gpu_then_reads_the_cache(tmp_path, gpu, monkeyp
 def test_no_search_unless_asked_only_the_cached_choice(tmp_path, gpu, monkeypatch):
     """convert's default: the search is off the critical path; a choice cached by an earlier --tune is used."""
     fake = FakeTuning(fast=COOP128_DP, ms=0.5)
-    monkeypatch.setattr(wide_tune, "run_tuning", fake.run)
+    monkeypatch.setattr(wide_tune, "load_library", fake.library)
     plans = _plans()
     assert wide_tune.resolve(plans, tmp_path, fake.build, lambda s: None) == plans and not fake.builds
     tuned = wide_tune.resolve(plans, tmp_path, fake.build, lambda s: None, tune=True)
@@ -100,14 +116,14 @@ def test_no_search_unless_asked_only_the_cached_choice(tmp_path, gpu, monkeypatc
 
 def test_noise_keeps_the_default(tmp_path, gpu, monkeypatch):
     fake = FakeTuning(fast=3, ms=0.99)   # 1% faster: within MIN_GAIN
-    monkeypatch.setattr(wide_tune, "run_tuning", fake.run)
+    monkeypatch.setattr(wide_tune, "load_library", fake.library)
     out = wide_tune.resolve(_plans(), tmp_path, fake.build, lambda s: None, tune=True)
     assert all(c == sm90.DEFAULT_CHOICE for per in out[FFN.name].choices for c in per)
 
 
 def test_another_gpu_model_tunes_again(tmp_path, gpu, monkeypatch):
     fake = FakeTuning(fast=COOP128_DP, ms=0.5)
-    monkeypatch.setattr(wide_tune, "run_tuning", fake.run)
+    monkeypatch.setattr(wide_tune, "load_library", fake.library)
     wide_tune.resolve(_plans(), tmp_path, fake.build, lambda s: None, tune=True)
     monkeypatch.setattr(wide_tune, "current_gpu", lambda: wide_tune.Gpu("NVIDIA H200", 90))
     assert wide_tune.cached_plan(make_plan(FFN), tmp_path) == make_plan(FFN)   # nothing stored for this one
@@ -148,7 +164,7 @@ def test_a_stale_or_corrupt_cache_entry_is_ignored_and_replaced(tmp_path, gpu, m
     path.write_text(corrupt)
     assert wide_tune.cached_plan(make_plan(FFN), tmp_path) == make_plan(FFN)
     fake = FakeTuning(fast=COOP128_DP, ms=0.5)
-    monkeypatch.setattr(wide_tune, "run_tuning", fake.run)
+    monkeypatch.setattr(wide_tune, "load_library", fake.library)
     assert wide_tune.resolve(_plans(), tmp_path, fake.build, lambda s: None, tune=True)[FFN.name].tuned_on
     assert json.loads(path.read_text())["spec"] == FFN.name
 
@@ -184,7 +200,7 @@ def test_inspect_shows_the_kernels_tuned_for_this_gpu(tmp_path, gpu, monkeypatch
         return capsys.readouterr().out
     assert "default kernels (not tuned)" in inspect_text()
     fake = FakeTuning(fast=COOP128_DP, ms=0.5)
-    monkeypatch.setattr(wide_tune, "run_tuning", fake.run)
+    monkeypatch.setattr(wide_tune, "load_library", fake.library)
     wide_tune.resolve(make_plans([spec]), tmp_path / "cache", fake.build, lambda s: None, tune=True)
     text = inspect_text()
     assert f"kernels tuned on {H100.name}" in text and "16384 rows Coop128x128/data_parallel" in text
@@ -205,7 +221,7 @@ def test_tile_orders_are_searched_for_the_ping_pong_kernels_and_survive_the_cach
     assert len({c.label for c in cands}) == len(cands)   # the report's keys stay distinct
     order = next(c for c in ping if c.swizzle == 4 and c.kernel == cutlass_ping)
     fake = FakeTuning(fast=cands.index(order), ms=0.5)
-    monkeypatch.setattr(wide_tune, "run_tuning", fake.run)
+    monkeypatch.setattr(wide_tune, "load_library", fake.library)
     out = wide_tune.resolve(_plans(FFN), tmp_path, fake.build, lambda m: None, tune=True)
     assert all(c == order for per in out[FFN.name].choices for c in per)
     again = wide_tune.resolve(_plans(FFN), tmp_path, fake.build, lambda m: None)   # from the cache
