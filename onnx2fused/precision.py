@@ -135,15 +135,16 @@ def normalise(x: np.ndarray, norm, half_io: bool = False) -> np.ndarray:
     it; fp16 I/O with a layer norm rounds the result to fp16, as ORT's fp16 kernel writes it."""
     x = np.asarray(x, np.float32)
     k0 = x.shape[-1]
-    sumsq = (x.astype(np.float64) ** 2).sum(-1, keepdims=True).astype(np.float32)
     with np.errstate(all="ignore"):
-        if norm.kind == "layernorm":
+        if norm.kind == "layernorm":   # the variance of the deviations (the kernels' stable form)
             mean = (x.astype(np.float64).sum(-1, keepdims=True) / k0).astype(np.float32)
-            denom = np.sqrt(sumsq / np.float32(k0) - mean * mean + np.float32(norm.eps))
+            ssd = ((x.astype(np.float64) - mean) ** 2).sum(-1, keepdims=True).astype(np.float32)
+            denom = np.sqrt(ssd / np.float32(k0) + np.float32(norm.eps))
             h = (x - mean) / denom * np.asarray(norm.scale, np.float32)
             if norm.bias is not None:
                 h = h + np.asarray(norm.bias, np.float32)
             return round_fp16(h) if half_io else h.astype(np.float32)
+        sumsq = (x.astype(np.float64) ** 2).sum(-1, keepdims=True).astype(np.float32)
         inv = np.float32(1.0) / np.sqrt(sumsq / np.float32(k0) + np.float32(norm.eps))
         return (x * inv * np.asarray(norm.scale, np.float32)).astype(np.float32)
 

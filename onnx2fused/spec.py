@@ -71,7 +71,7 @@ class LayerSpec:
 @dataclass(frozen=True)
 class NormSpec:
     """A normalisation of each input row (the last axis, K0 wide), in fp32, before the first layer:
-        layernorm: (x - mean) / sqrt(mean(x^2) - mean^2 + eps) * scale + bias   (as ORT's LayerNormalization)
+        layernorm: (x - mean) / sqrt(mean((x - mean)^2) + eps) * scale + bias   (as ORT's LayerNormalization)
         rmsnorm:   x * (1 / sqrt(mean(x^2) + eps)) * scale
     Its scale and bias are the fused op's inputs NS, NB ([K0] each; NB zeros without a bias)."""
     kind: str           # "layernorm" or "rmsnorm"

@@ -7,11 +7,13 @@
 // The arithmetic is the CPU kernel's (templates/cpu_kernel.cc.j2, normalise_rows), ONNX Runtime's CPU one,
 // except that a layer norm multiplies by the row's 1 / sqrt(...) where the CPU divides by sqrt(...), as
 // ONNX Runtime's CUDA kernel does:
-//   layer norm: (x - mean) * (1 / sqrt(mean(x^2) - mean^2 + eps)) * scale + bias   (LayerNormalization)
+//   layer norm: (x - mean) * (1 / sqrt(mean((x - mean)^2) + eps)) * scale + bias   (LayerNormalization)
 //   RMS norm:   x * (1 / sqrt(mean(x^2) + eps)) * scale                           (the exporters' RMSNorm ops)
 // in fp32 with IEEE-rounded operations (no contraction into FMAs), so each value differs from the CPU
 // kernel's by the order of the row's sums and, for a layer norm, at most an ulp or so of fp32 before its
-// rounding to 16 bits. (An IEEE division per value was most of the norm pass's instructions: on the H100
+// rounding to 16 bits. A layer norm's sums are of x - s, s the row's first value, so that its variance is
+// mean((x-s)^2) - mean(x-s)^2 of spread-sized terms: mean(x^2) - mean^2 cancelled in fp32 where a row's mean
+// is large next to its spread (a mean of 300 and a spread of 0.1 gave NaN from a negative variance). (An IEEE division per value was most of the norm pass's instructions: on the H100
 // the pass took nearly as long with fp16 rows as with fp32 ones, RESULTS.md.) Only the K0 true features enter the
 // sums and the mean; the padded features [K0, KP0) are written as zeros, and rows past the batch as zeros too.
 #pragma once
@@ -83,6 +85,13 @@ __device__ __forceinline__ float4 norm_params4(const float* p, int c, bool vec) 
   return make_float4(p[c], p[c + 1], p[c + 2], p[c + 3]);
 }
 
+// Features [c, c + 4) of a piece as their differences from the row's shift `s` (layer norm; 0 for an RMS
+// norm), zero past K0 and in rows past the batch: what the row's two sums add.
+__device__ __forceinline__ float4 norm_shifted(const float4& e, float s, bool live, int c) {
+  return make_float4(live && c < kNormK0 ? __fsub_rn(e.x, s) : 0.0f, live && c + 1 < kNormK0 ? __fsub_rn(e.y, s) : 0.0f,
+                     live && c + 2 < kNormK0 ? __fsub_rn(e.z, s) : 0.0f, live && c + 3 < kNormK0 ? __fsub_rn(e.w, s) : 0.0f);
+}
+
 // One normalised value: `a`, `b` are the row's mean and 1 / sqrt(var + eps) (layer norm) or 0 and
 // 1 / sqrt(mean(x^2) + eps) (RMS norm); `scale` and `bias` the norm's parameters of the value's feature.
 __device__ __forceinline__ float norm_value(float v, float a, float b, float scale, float bias) {
@@ -142,12 +151,13 @@ __device__ __forceinline__ void norm_rows(const io_t* __restrict__ x, int64_t ro
     const bool live = r < R && row0 + r < rows;
     const io_t* src = x + (row0 + r) * kNormK0;
     norm_held_t held[kNormHold ? kNormPer : 1];
-    float sum = 0.0f, sumsq = 0.0f;
+    const float s = kNormLayer && live ? o2f_load(src) : 0.0f;   // the shift (every lane of the group reads it)
+    float sum = 0.0f, sumsq = 0.0f;   // of x - s
 #pragma unroll
     for (int p = 0; p < kNormPer; ++p) {
       const int q = lane_in_row + p * G;
       const norm_held_t h = live && q < kNormPieces ? norm_load_held(src, q, vec) : norm_held_t{};
-      const float4 e = norm_unhold(h);
+      const float4 e = norm_shifted(norm_unhold(h), s, live && q < kNormPieces, 4 * q);
       sum = __fadd_rn(sum, __fadd_rn(__fadd_rn(e.x, e.y), __fadd_rn(e.z, e.w)));
       sumsq = __fadd_rn(sumsq, __fadd_rn(__fadd_rn(__fmul_rn(e.x, e.x), __fmul_rn(e.y, e.y)),
                                          __fadd_rn(__fmul_rn(e.z, e.z), __fmul_rn(e.w, e.w))));
@@ -159,8 +169,9 @@ __device__ __forceinline__ void norm_rows(const io_t* __restrict__ x, int64_t ro
       sumsq = __fadd_rn(sumsq, __shfl_xor_sync(0xffffffffu, sumsq, off));
     }
     if (r >= R) continue;
-    const float a = kNormLayer ? __fdiv_rn(sum, static_cast<float>(kNormK0)) : 0.0f;
-    const float var = kNormLayer ? __fsub_rn(__fdiv_rn(sumsq, static_cast<float>(kNormK0)), __fmul_rn(a, a))
+    const float md = kNormLayer ? __fdiv_rn(sum, static_cast<float>(kNormK0)) : 0.0f;   // mean(x - s)
+    const float a = kNormLayer ? __fadd_rn(s, md) : 0.0f;
+    const float var = kNormLayer ? fmaxf(__fsub_rn(__fdiv_rn(sumsq, static_cast<float>(kNormK0)), __fmul_rn(md, md)), 0.0f)
                                  : __fdiv_rn(sumsq, static_cast<float>(kNormK0));
     const float b = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(var, kNormEps)));
     elem_t* d = dst + r * ldd;

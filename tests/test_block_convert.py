@@ -62,6 +62,27 @@ def test_zoo_block_is_one_op_and_matches_stock(name, kind, precision, cache, tmp
     check_block(src, res, x, tmp_path, kernel=True, tol=1e-5)
 
 
+def test_layer_norm_of_rows_with_a_large_mean_and_a_small_spread(cache, tmp_path):
+    """Rows x = offset + 0.1 N(0, 1) (and constant rows): the block's FFN branch y - x matches stock's. The
+    variance as mean(x^2) - mean^2 in fp32 cancelled: 22 % off at an offset of 100, NaN rows from 300."""
+    src = MODELS / ZOO["preln"]["files"]["opset17"]["file"]
+    res = onnx2fused.convert(src, tmp_path / "m.fused.onnx", cache_dir=cache, with_cuda=False)
+    rng = np.random.default_rng(9)
+    for offset in (100.0, 300.0, 3000.0):
+        x = (offset + 0.1 * rng.standard_normal((256, 64))).astype(np.float32)
+        y, _ = ran_ops(res.output_path, {"x": x}, res.library_path, tmp_path)
+        ref = stock(src, {"x": x})
+        assert np.isfinite(y).all(), f"offset {offset}: {np.count_nonzero(~np.isfinite(y).all(1))} NaN rows"
+        # past ~1000, fp32's own resolution of x (an ulp of 3000 is 2.4e-4, against a spread of 0.1) and of
+        # y = x + branch decide the branch's digits: 1e-3 would measure that, not the norm
+        tol = 1e-3 if offset <= 300 else 1e-2
+        assert rel_l2(y - x, ref - x) <= tol, (offset, rel_l2(y - x, ref - x))
+    x = np.repeat(np.array([[1e10], [-3e20], [7.5]], np.float32), 64, axis=1)   # constant rows: var 0
+    y, _ = ran_ops(res.output_path, {"x": x}, res.library_path, tmp_path)
+    ref = stock(src, {"x": x})
+    assert np.isfinite(y).all() and rel_l2(y - x, ref - x) <= 1e-3
+
+
 def odd_block(act: str, norm: str) -> onnx.ModelProto:
     """x [B, 20] -> norm -> fc 20 -> 37 -> act -> fc 37 -> 20 -> + x: widths off the vector width."""
     g = G(opset=18, seed=12)

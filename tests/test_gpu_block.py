@@ -135,6 +135,28 @@ def test_zoo_block_on_cuda_ep(name, kind, precision, design, cache_dir, tmp_path
     check_block(src, fused, lib, chain, precision, label=f"{name}/{kind} {design}")
 
 
+@pytest.mark.parametrize("design", DESIGNS + ["fp32", "wide"])
+def test_layer_norm_of_rows_with_a_large_mean_and_a_small_spread(design, cache_dir, tmp_path):
+    """Rows offset + 0.1 N(0, 1): the FFN branch y - x against stock's, on the CUDA EP, in every design
+    that runs a norm (norm_rows of o2f_block_norm.cuh, the fp32 kernel's normalise_row, the wide design's
+    norm pass). mean(x^2) - mean^2 in fp32 cancelled there (the CPU kernel: 22 % off at 100, NaN at 300)."""
+    src = ROOT / "models" / ZOO["preln"]["files"]["opset17"]["file"]
+    if design == "wide":   # the zoo block is narrow: a hand-built one the wide design takes
+        src = tmp_path / "wide_block.onnx"
+        onnx.save(block_model(**BLOCKS[WIDE_BLOCKS[0]]), str(src))
+    precision = "fp32" if design == "fp32" else "fp16"
+    fused, lib, chain = _fuse(src, precision, design, cache_dir, tmp_path / "fused.onnx")
+    assert chain.norm.kind == "layernorm"
+    sess = _session(fused, lib, ["CUDAExecutionProvider", "CPUExecutionProvider"])
+    rng = np.random.default_rng(31)
+    for offset in (100.0, 300.0):
+        x = (offset + 0.1 * rng.standard_normal((4099, chain.widths[0]))).astype(np.float32)
+        y, ref = sess.run(None, {"x": x})[0], _stock(src, x, ["CPUExecutionProvider"])
+        assert np.isfinite(y).all(), f"{design} offset {offset}: {np.count_nonzero(~np.isfinite(y).all(1))} NaN rows"
+        err = rel_l2(y - x, ref - x)
+        assert err <= max(TOL[precision], 1e-3), f"{design} offset {offset}: branch rel L2 {err:.2e}"
+
+
 def test_zoo_block_runs_on_the_cuda_ep_and_replays_in_a_cuda_graph(cache_dir, tmp_path):
     """The fused block's node runs on the CUDA EP (the profiler's record), and in a captured CUDA graph
     replayed on new inputs."""
