@@ -2,12 +2,15 @@
 
     sess = onnx2fused.InferenceSession("model.fused.onnx")     # CUDA EP first when available, then CPU
 
-The library is `metadata_props["onnx2fused.plugin"]`, a path relative to the model file's folder.
-A model without that entry (nothing was fused) opens as a plain session.
+The library is `metadata_props["onnx2fused.plugin"]`, a file name in the model file's folder (convert
+writes them side by side; a name that points elsewhere is refused: a model file must not choose which
+shared library a process loads). A model without that entry (nothing was fused) opens as a plain session.
 """
 from __future__ import annotations
 
 import os
+import warnings
+import weakref
 from pathlib import Path
 
 import onnx
@@ -17,7 +20,7 @@ from .errors import ConversionError
 
 PLUGIN_KEY = "onnx2fused.plugin"
 
-# SessionOptions attributes copied onto the session's own options (the caller's object is not modified).
+# SessionOptions attributes copied where the caller's options already hold another fused model's plugin.
 _OPTION_ATTRS = ("enable_cpu_mem_arena", "enable_mem_pattern", "enable_mem_reuse", "enable_profiling",
                  "execution_mode", "execution_order", "graph_optimization_level", "inter_op_num_threads",
                  "intra_op_num_threads", "log_severity_level", "log_verbosity_level", "logid",
@@ -41,7 +44,10 @@ def plugin_path(model_path) -> Path | None:
     rel = meta.get(PLUGIN_KEY)
     if not rel:
         return None
-    lib = Path(rel) if os.path.isabs(rel) else p.resolve().parent / rel
+    if Path(rel).name != rel or rel in (".", ".."):
+        raise ConversionError(f"{p}: its '{PLUGIN_KEY}' entry {rel!r} is not a file name beside the model; "
+                              "onnx2fused.InferenceSession loads only a library in the model's folder")
+    lib = p.resolve().parent / rel
     if not lib.is_file():
         raise PluginNotFoundError(f"{p}: its onnx2fused plugin library {lib} is missing (metadata "
                                   f"'{PLUGIN_KEY}' = {rel!r}); copy the library next to the model or "
@@ -66,6 +72,32 @@ def copy_session_options(so: ort.SessionOptions | None) -> ort.SessionOptions:
     return new
 
 
+# The plugin each caller's SessionOptions got from InferenceSession. Every plugin defines the custom-op
+# domain "onnx2fused", and onnxruntime refuses a second library of the same domain on one SessionOptions
+# ("Domain already set in registry"), so an options object holds one plugin.
+_REGISTERED: "weakref.WeakKeyDictionary[ort.SessionOptions, Path]" = weakref.WeakKeyDictionary()
+
+
+def _options_with(lib: Path, so: ort.SessionOptions | None) -> ort.SessionOptions:
+    """The options to open a session with `lib`: the caller's own, with the plugin registered on them
+    (once), so that everything set on them counts (session config entries, free dimension overrides,
+    initializers, other libraries); where they already hold another fused model's plugin, a copy of their
+    settable attributes with `lib` (the rest cannot be read back from onnxruntime: a warning says so)."""
+    if so is None:
+        so = ort.SessionOptions()
+    held = _REGISTERED.get(so)
+    if held == lib:
+        return so
+    if held is not None:
+        warnings.warn(f"these SessionOptions already hold the plugin {held.name}; the session for {lib.name} "
+                      "uses a copy of their attributes, without their session config entries, initializers "
+                      "or other libraries (use one SessionOptions per fused model)", stacklevel=3)
+        so = copy_session_options(so)
+    so.register_custom_ops_library(str(lib))
+    _REGISTERED[so] = lib
+    return so
+
+
 def default_providers() -> list[str]:
     if "CUDAExecutionProvider" in ort.get_available_providers():
         return ["CUDAExecutionProvider", "CPUExecutionProvider"]
@@ -81,9 +113,14 @@ class InferenceSession(ort.InferenceSession):
                             "relative to it)")
         path = os.fspath(path)
         lib = plugin_path(path)
-        so = sess_options
-        if lib is not None:
-            so = copy_session_options(sess_options)
-            so.register_custom_ops_library(str(lib))
+        so = _options_with(lib, sess_options) if lib is not None else sess_options
         self.plugin_path = lib
-        super().__init__(path, so, providers=providers if providers is not None else default_providers(), **kwargs)
+        try:
+            super().__init__(path, so, providers=providers if providers is not None else default_providers(),
+                             **kwargs)
+        except Exception as e:
+            if lib is not None and "Domain already set" in str(e):   # an onnx2fused library registered by hand
+                raise ConversionError(f"{path}: its SessionOptions already hold another onnx2fused plugin (every "
+                                      "plugin defines the 'onnx2fused' op domain): use one SessionOptions per "
+                                      "fused model") from e
+            raise

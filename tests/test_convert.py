@@ -239,8 +239,40 @@ def test_dynamo_model_moved_with_its_library(cache, tmp_path):
     x = np.random.default_rng(0).standard_normal((5, 256)).astype(np.float32)
     ref = ort.InferenceSession(str(MODELS / "silu.dynamo.onnx"), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
     assert np.linalg.norm(sess.run(None, {"x": x})[0] - ref) <= 1e-4 * np.linalg.norm(ref)
-    # the caller's options are not modified: a plain session with them still works (no plugin registered)
+    # the plugin registered on the caller's options keeps them usable for a plain session
     ort.InferenceSession(str(MODELS / "silu.dynamo.onnx"), so, providers=["CPUExecutionProvider"])
+
+
+def test_session_keeps_the_callers_options_and_shares_them_between_models(cache, tmp_path):
+    """onnx2fused.InferenceSession registers the plugin on the caller's own SessionOptions, so what cannot be
+    copied counts too (a session config entry, a free dimension override); the same options open the same
+    model again, and a second fused model (another plugin of the same op domain) through a copy, with a
+    warning; a model whose plugin entry points outside its folder is refused."""
+    a = onnx2fused.convert(MODELS / "nerf.opset17.onnx", tmp_path / "a.onnx", cache_dir=cache, with_cuda=False)
+    b = onnx2fused.convert(MODELS / "silu.opset17.onnx", tmp_path / "b.onnx", cache_dir=cache, with_cuda=False)
+    so = ort.SessionOptions()
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    so.add_free_dimension_override_by_name("batch", 4)
+    sa = onnx2fused.InferenceSession(a.output_path, so, providers=["CPUExecutionProvider"])
+    assert sa.get_session_options().get_session_config_entry("session.intra_op.allow_spinning") == "0"
+    assert sa.get_inputs()[0].shape == [4, 32]
+    again = onnx2fused.InferenceSession(a.output_path, so, providers=["CPUExecutionProvider"])
+    x = np.random.default_rng(1).standard_normal((4, 32)).astype(np.float32)
+    assert np.array_equal(sa.run(None, {"x": x})[0], again.run(None, {"x": x})[0])
+    with pytest.warns(UserWarning, match="already hold the plugin a.onnx2fused.so"):
+        sb = onnx2fused.InferenceSession(b.output_path, so, providers=["CPUExecutionProvider"])
+    xb = np.random.default_rng(2).standard_normal((3, 256)).astype(np.float32)
+    ref = run(onnx.load(str(MODELS / "silu.opset17.onnx")), {"x": xb})[0]
+    assert np.allclose(sb.run(None, {"x": xb})[0], ref, rtol=1e-4, atol=1e-5)
+    # a model file must not choose which library a process loads
+    m = onnx.load(a.output_path)
+    for entry in (str(tmp_path / "a.onnx2fused.so"), "../a.onnx2fused.so"):
+        for p in m.metadata_props:
+            if p.key == PLUGIN_KEY:
+                p.value = entry
+        onnx.save(m, str(tmp_path / "evil.onnx"))
+        with pytest.raises(ConversionError, match="not a file name beside the model"):
+            onnx2fused.InferenceSession(tmp_path / "evil.onnx")
 
 
 def test_inspect_api():
