@@ -35,14 +35,14 @@ from .spec import DOMAIN, PRECISIONS, SpecError
 from . import validate as val
 
 PLUGIN_KEY = "onnx2fused.plugin"
+EXTERNAL_DATA_BYTES = 1_500_000_000   # above this the output model keeps its weights in `<output>.data`
+LIBRARY_SUFFIX = ".onnx2fused.so"
 
 
 def is_fused(model: onnx.ModelProto) -> bool:
     """Whether `model` is an onnx2fused output: its plugin recorded, or onnx2fused nodes in its graph."""
     return (any(p.key == PLUGIN_KEY for p in model.metadata_props)
             or any(n.domain == DOMAIN for n in model.graph.node))
-EXTERNAL_DATA_BYTES = 1_500_000_000   # above this the output model keeps its weights in `<output>.data`
-LIBRARY_SUFFIX = ".onnx2fused.so"
 
 
 @dataclass
