@@ -231,6 +231,16 @@ def test_dynamo_model_moved_with_its_library(cache, tmp_path):
     shutil.move(res.output_path, moved / "s.onnx")
     with pytest.raises(PluginNotFoundError, match="s.onnx2fused.so is missing"):
         onnx2fused.InferenceSession(moved / "s.onnx")
+    # ORT's optimised copy, saved without the plugin: no fused node left, only the metadata, so it opens as a
+    # plain session though the library is not beside it
+    so = ort.SessionOptions()
+    so.optimized_model_filepath = str(moved / "optimised.onnx")
+    ort.InferenceSession(str(moved / "s.onnx"), so, providers=["CPUExecutionProvider"])
+    opt = onnx.load(str(moved / "optimised.onnx"))
+    assert {p.key for p in opt.metadata_props} >= {PLUGIN_KEY} and all(n.domain != "onnx2fused" for n in opt.graph.node)
+    xo = np.random.default_rng(3).standard_normal((2, 256)).astype(np.float32)
+    plain = onnx2fused.InferenceSession(moved / "optimised.onnx", providers=["CPUExecutionProvider"])
+    assert plain.plugin_path is None and plain.run(None, {"x": xo})[0].shape == (2, 256)
     shutil.move(res.library_path, moved / "s.onnx2fused.so")
     so = ort.SessionOptions()
     so.intra_op_num_threads = 1
