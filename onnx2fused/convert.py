@@ -31,10 +31,9 @@ from .plan.options import PlanOptions
 from .plan.protocol import Plan
 from .precision import (PrecisionChoice, chain_block, chain_layers, chain_noise, choose_precision, next_step,
                         noise_note, step_label)
-from .spec import DOMAIN, PRECISIONS, SpecError
+from .spec import DOMAIN, PLUGIN_KEY, PRECISIONS, SpecError
 from . import validate as val
 
-PLUGIN_KEY = "onnx2fused.plugin"
 EXTERNAL_DATA_BYTES = 1_500_000_000   # above this the output model keeps its weights in `<output>.data`
 LIBRARY_SUFFIX = ".onnx2fused.so"
 

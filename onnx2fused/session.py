@@ -17,9 +17,8 @@ import onnx
 import onnxruntime as ort
 
 from .errors import ConversionError
-from .spec import DOMAIN
+from .spec import DOMAIN, PLUGIN_KEY
 
-PLUGIN_KEY = "onnx2fused.plugin"
 
 # SessionOptions attributes copied where the caller's options already hold another fused model's plugin.
 _OPTION_ATTRS = ("enable_cpu_mem_arena", "enable_mem_pattern", "enable_mem_reuse", "enable_profiling",

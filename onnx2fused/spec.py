@@ -35,6 +35,7 @@ PRECISIONS = ("fp16", "bf16", "tf32", "fp32")
 ACT_MATHS = ("packed", "fp32")
 IO_DTYPES = ("f32", "f16")
 DOMAIN = "onnx2fused"
+PLUGIN_KEY = "onnx2fused.plugin"   # the fused model's metadata entry: its plugin library, a file beside it
 OP_PREFIX = "FusedMLP"
 MAX_NAME = 96     # longer names (deep chains of many activations) are shortened to widths + layer count + hash
 SPEC_VERSION = 1  # bump when the meaning of a spec (and so of every generated kernel) changes

@@ -32,8 +32,8 @@ from pathlib import Path
 import onnx
 
 from .errors import ConversionError
+from .spec import PLUGIN_KEY
 
-PLUGIN_KEY = "onnx2fused.plugin"
 MODEL_FILE = "model.onnx"                 # Triton's default_model_filename for onnxruntime
 LIBRARY_FILE = "model.onnx2fused.so"      # = convert.library_name(MODEL_FILE)
 DEFAULT_REPOSITORY_ROOT = "/models"

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ConversionError
+from ..spec import PLUGIN_KEY
 from .models import (_ELEM_NP, _features, _find_zoo_entry, _input_shape, _random_feed, _reason, default_cpu_batch,
                      fp16_model_file, gpu_batches, load_torch_module, model_info, zoo_torch_module)
 from .clocks import describe as describe_clocks
@@ -74,7 +75,7 @@ def fused_session(path: Path, library: Path | None, so, providers):
     import onnx
     if library is None:
         meta = {p.key: p.value for p in onnx.load(str(path), load_external_data=False).metadata_props}
-        library = path.resolve().parent / meta["onnx2fused.plugin"]
+        library = path.resolve().parent / meta[PLUGIN_KEY]
     so.register_custom_ops_library(str(library))
     return ort.InferenceSession(str(path), so, providers=providers)
 
