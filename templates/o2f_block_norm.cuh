@@ -11,9 +11,10 @@
 //   RMS norm:   x * (1 / sqrt(mean(x^2) + eps)) * scale                           (the exporters' RMSNorm ops)
 // in fp32 with IEEE-rounded operations (no contraction into FMAs), so each value differs from the CPU
 // kernel's by the order of the row's sums and, for a layer norm, at most an ulp or so of fp32 before its
-// rounding to 16 bits. A layer norm's sums are of x - s, s the row's first value, so that its variance is
-// mean((x-s)^2) - mean(x-s)^2 of spread-sized terms: mean(x^2) - mean^2 cancelled in fp32 where a row's mean
-// is large next to its spread (a mean of 300 and a spread of 0.1 gave NaN from a negative variance). (An IEEE division per value was most of the norm pass's instructions: on the H100
+// rounding to 16 bits. A layer norm's variance is that of the deviations from the mean (two passes over a
+// row held in registers; a wider row, read again for the writes, sums x - s in one, s its first value):
+// mean(x^2) - mean^2 cancelled in fp32 where a row's mean is large next to its spread (a mean of 300 and a
+// spread of 0.1 gave NaN from a negative variance). (An IEEE division per value was most of the norm pass's instructions: on the H100
 // the pass took nearly as long with fp16 rows as with fp32 ones, RESULTS.md.) Only the K0 true features enter the
 // sums and the mean; the padded features [K0, KP0) are written as zeros, and rows past the batch as zeros too.
 #pragma once
@@ -92,6 +93,19 @@ __device__ __forceinline__ float4 norm_shifted(const float4& e, float s, bool li
                      live && c + 2 < kNormK0 ? __fsub_rn(e.z, s) : 0.0f, live && c + 3 < kNormK0 ? __fsub_rn(e.w, s) : 0.0f);
 }
 
+// e.x^2 + e.y^2 + e.z^2 + e.w^2, rounded as written.
+__device__ __forceinline__ float norm_sq4(const float4& e) {
+  return __fadd_rn(__fadd_rn(__fmul_rn(e.x, e.x), __fmul_rn(e.y, e.y)), __fadd_rn(__fmul_rn(e.z, e.z), __fmul_rn(e.w, e.w)));
+}
+
+// The sum of v over a row's group of G lanes (xor butterfly: every lane gets the same bits).
+template <int G>
+__device__ __forceinline__ float norm_group_sum(float v) {
+#pragma unroll
+  for (int off = G / 2; off > 0; off >>= 1) v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, off));
+  return v;
+}
+
 // One normalised value: `a`, `b` are the row's mean and 1 / sqrt(var + eps) (layer norm) or 0 and
 // 1 / sqrt(mean(x^2) + eps) (RMS norm); `scale` and `bias` the norm's parameters of the value's feature.
 __device__ __forceinline__ float norm_value(float v, float a, float b, float scale, float bias) {
@@ -151,28 +165,39 @@ __device__ __forceinline__ void norm_rows(const io_t* __restrict__ x, int64_t ro
     const bool live = r < R && row0 + r < rows;
     const io_t* src = x + (row0 + r) * kNormK0;
     norm_held_t held[kNormHold ? kNormPer : 1];
-    const float s = kNormLayer && live ? o2f_load(src) : 0.0f;   // the shift (every lane of the group reads it)
-    float sum = 0.0f, sumsq = 0.0f;   // of x - s
+    // A layer norm whose row stays in registers takes two passes (the mean, then the squared deviations
+    // from it, as the CPU kernel); one read again for the writes sums x - s in one pass, s the row's first
+    // value (every lane of the group reads it).
+    constexpr bool kTwoPass = kNormLayer && kNormHold;
+    const float s = kNormLayer && !kTwoPass && live ? o2f_load(src) : 0.0f;
+    float sum = 0.0f, sumsq = 0.0f;   // of x - s (sumsq: not in the first of two passes)
 #pragma unroll
     for (int p = 0; p < kNormPer; ++p) {
       const int q = lane_in_row + p * G;
       const norm_held_t h = live && q < kNormPieces ? norm_load_held(src, q, vec) : norm_held_t{};
       const float4 e = norm_shifted(norm_unhold(h), s, live && q < kNormPieces, 4 * q);
       sum = __fadd_rn(sum, __fadd_rn(__fadd_rn(e.x, e.y), __fadd_rn(e.z, e.w)));
-      sumsq = __fadd_rn(sumsq, __fadd_rn(__fadd_rn(__fmul_rn(e.x, e.x), __fmul_rn(e.y, e.y)),
-                                         __fadd_rn(__fmul_rn(e.z, e.z), __fmul_rn(e.w, e.w))));
+      if (!kTwoPass) sumsq = __fadd_rn(sumsq, norm_sq4(e));
       if (kNormHold) held[kNormHold ? p : 0] = h;
     }
-#pragma unroll
-    for (int off = G / 2; off > 0; off >>= 1) {
-      sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, off));
-      sumsq = __fadd_rn(sumsq, __shfl_xor_sync(0xffffffffu, sumsq, off));
-    }
-    if (r >= R) continue;
+    sum = norm_group_sum<G>(sum);
     const float md = kNormLayer ? __fdiv_rn(sum, static_cast<float>(kNormK0)) : 0.0f;   // mean(x - s)
+    if (kTwoPass) {   // the squared deviations from the mean, over the held row
+#pragma unroll
+      for (int p = 0; p < kNormPer; ++p) {
+        const int q = lane_in_row + p * G;
+        sumsq = __fadd_rn(sumsq, norm_sq4(norm_shifted(norm_unhold(held[kNormHold ? p : 0]), md,
+                                                       live && q < kNormPieces, 4 * q)));
+      }
+    }
+    sumsq = norm_group_sum<G>(sumsq);   // warp-uniform: before any lane leaves
+    if (r >= R) continue;
     const float a = kNormLayer ? __fadd_rn(s, md) : 0.0f;
-    const float var = kNormLayer ? fmaxf(__fsub_rn(__fdiv_rn(sumsq, static_cast<float>(kNormK0)), __fmul_rn(md, md)), 0.0f)
-                                 : __fdiv_rn(sumsq, static_cast<float>(kNormK0));
+    // (x - s)'s variance; a NaN (a row holding an Inf) stays NaN, where fmaxf would make it 0
+    const float dv = kTwoPass ? __fdiv_rn(sumsq, static_cast<float>(kNormK0))
+                   : kNormLayer ? __fsub_rn(__fdiv_rn(sumsq, static_cast<float>(kNormK0)), __fmul_rn(md, md))
+                                : __fdiv_rn(sumsq, static_cast<float>(kNormK0));
+    const float var = dv < 0.0f ? 0.0f : dv;
     const float b = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(var, kNormEps)));
     elem_t* d = dst + r * ldd;
 #pragma unroll
