@@ -9,6 +9,7 @@ shared library a process loads). A model without that entry (nothing was fused) 
 from __future__ import annotations
 
 import os
+import threading
 import warnings
 import weakref
 from pathlib import Path
@@ -78,6 +79,7 @@ def copy_session_options(so: ort.SessionOptions | None) -> ort.SessionOptions:
 # domain "onnx2fused", and onnxruntime refuses a second library of the same domain on one SessionOptions
 # ("Domain already set in registry"), so an options object holds one plugin.
 _REGISTERED: "weakref.WeakKeyDictionary[ort.SessionOptions, Path]" = weakref.WeakKeyDictionary()
+_REGISTERING = threading.Lock()   # sessions opened from several threads with one options object: one registration
 
 
 def _options_with(lib: Path, so: ort.SessionOptions | None) -> ort.SessionOptions:
@@ -87,17 +89,18 @@ def _options_with(lib: Path, so: ort.SessionOptions | None) -> ort.SessionOption
     settable attributes with `lib` (the rest cannot be read back from onnxruntime: a warning says so)."""
     if so is None:
         so = ort.SessionOptions()
-    held = _REGISTERED.get(so)
-    if held == lib:
+    with _REGISTERING:
+        held = _REGISTERED.get(so)
+        if held == lib:
+            return so
+        if held is not None:
+            warnings.warn(f"these SessionOptions already hold the plugin {held.name}; the session for {lib.name} "
+                          "uses a copy of their attributes, without their session config entries, initializers "
+                          "or other libraries (use one SessionOptions per fused model)", stacklevel=3)
+            so = copy_session_options(so)
+        so.register_custom_ops_library(str(lib))
+        _REGISTERED[so] = lib
         return so
-    if held is not None:
-        warnings.warn(f"these SessionOptions already hold the plugin {held.name}; the session for {lib.name} "
-                      "uses a copy of their attributes, without their session config entries, initializers "
-                      "or other libraries (use one SessionOptions per fused model)", stacklevel=3)
-        so = copy_session_options(so)
-    so.register_custom_ops_library(str(lib))
-    _REGISTERED[so] = lib
-    return so
 
 
 def default_providers() -> list[str]:

@@ -212,6 +212,21 @@ def test_cpu_only_validation_allows_for_the_chains_conditioning(name, precision,
     assert "ill-conditioned" in res.chains[0].precision_why
 
 
+def test_sessions_opened_from_threads_with_one_options_object(nerf, cache):
+    """Eight threads open sessions of one fused model with one SessionOptions: the plugin is registered on
+    it once (a second registration of the op domain would fail every session after it)."""
+    from thread_support import run_threads
+    res = onnx2fused.convert(nerf, cache_dir=cache, with_cuda=False, validate=False)
+    so = ort.SessionOptions()
+    x = np.random.default_rng(4).standard_normal((3, 32)).astype(np.float32)
+    outs = {}
+
+    def work(t):
+        outs[t] = onnx2fused.InferenceSession(res.output_path, so, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    run_threads(work, [(t,) for t in range(8)])
+    assert len(outs) == 8 and all(np.array_equal(outs[0], y) for y in outs.values())
+
+
 def test_external_data_output(nerf, cache, monkeypatch):
     conv = importlib.import_module("onnx2fused.convert")  # the module (onnx2fused.convert is the function)
     monkeypatch.setattr(conv, "EXTERNAL_DATA_BYTES", 0)
