@@ -31,7 +31,7 @@ from .plan.options import PlanOptions
 from .plan.protocol import Plan
 from .precision import (PrecisionChoice, chain_block, chain_layers, chain_noise, choose_precision, next_step,
                         noise_note, step_label)
-from .spec import DOMAIN, PLUGIN_KEY, PRECISIONS, SpecError
+from .spec import PLUGIN_KEY, PRECISIONS, SpecError, holds_fused_nodes
 from . import validate as val
 
 EXTERNAL_DATA_BYTES = 1_500_000_000   # above this the output model keeps its weights in `<output>.data`
@@ -40,8 +40,7 @@ LIBRARY_SUFFIX = ".onnx2fused.so"
 
 def is_fused(model: onnx.ModelProto) -> bool:
     """Whether `model` is an onnx2fused output: its plugin recorded, or onnx2fused nodes in its graph."""
-    return (any(p.key == PLUGIN_KEY for p in model.metadata_props)
-            or any(n.domain == DOMAIN for n in model.graph.node))
+    return any(p.key == PLUGIN_KEY for p in model.metadata_props) or holds_fused_nodes(model)
 
 
 @dataclass
@@ -218,28 +217,26 @@ def _written_paths(out: Path) -> list[Path]:
     return [out, out.with_name(library_name(out)), out.with_name(out.name + ".data")]
 
 
-def _overwrites_input(inp: Path, path: Path) -> bool:
-    """Whether writing `path` would overwrite the input model `inp` or one of its external data files
-    (a dynamo export keeps its weights in `<model>.onnx.data`): an existing file only, so the model is
-    read (without its data) only where an output's name is already taken."""
-    if _same_file(inp, path):
-        return True
-    if not path.is_file():
-        return False
+def _input_files(inp: Path, candidates: list[Path]) -> list[Path]:
+    """The files no output may overwrite: the input model and its external data files (a dynamo export
+    keeps its weights in `<model>.onnx.data`). The model is read (once, without its data) only where one
+    of the `candidates` an output would write is already taken by a file."""
+    if not any(c.is_file() for c in candidates):
+        return [inp]
     try:
         raw = read_model(inp)
     except ConversionError:   # load_model reports it
-        return False
-    return any(_same_file(inp.parent / loc, path) for loc in _external_locations(raw))
+        return [inp]
+    return [inp] + [inp.parent / loc for loc in _external_locations(raw)]
 
 
-def _check_paths(inp: Path, out: Path) -> None:
+def _check_paths(inp: Path, out: Path, input_files: list[Path]) -> None:
     if not inp.exists():
         raise ConversionError(f"{inp}: no such file")
     if out.is_dir():
         raise ConversionError(f"{out}: is a directory; give the output model's file name")
     for c in _written_paths(out):
-        if _overwrites_input(inp, c):
+        if any(_same_file(f, c) for f in input_files):
             raise ConversionError(f"the output {out} would overwrite the input model {inp} or its data "
                                   f"({c.name}); choose another output path (-o)")
     parent = out.parent
@@ -298,8 +295,10 @@ def convert(input_path, output_path=None, precision: str = AUTO, validate: bool 
     options = plan_options or PlanOptions.from_env()
     inp = Path(input_path)
     out = Path(output_path) if output_path is not None else default_output(inp)
-    _check_paths(inp, out)
-    _check_validation_options(inp, out, validate, atol, rtol, input_shapes, save_inputs, save_outputs)
+    saved = [Path(v) for v in (save_inputs, save_outputs) if v is not None]
+    input_files = _input_files(inp, _written_paths(out) + saved)
+    _check_paths(inp, out, input_files)
+    _check_validation_options(out, input_files, validate, atol, rtol, input_shapes, save_inputs, save_outputs)
 
     model = load_model(inp)
     if is_fused(model):
@@ -463,10 +462,11 @@ def _build_and_check(model, inp: Path, out: Path, plan, choices, with_cuda, opti
     return _Built(specs, lib, lib.build_seconds, data, tmp_model, tmp_lib, lib_name, report)
 
 
-def _check_validation_options(inp: Path, out: Path, validate: bool, atol, rtol, input_shapes, save_inputs,
-                              save_outputs) -> None:
+def _check_validation_options(out: Path, input_files: list[Path], validate: bool, atol, rtol, input_shapes,
+                              save_inputs, save_outputs) -> None:
     """The polygraphy-style validation options, before any work: tolerances >= 0, and .npz paths that are
-    neither the input nor the outputs, in existing folders. Without validation they would do nothing."""
+    neither the input's files (_input_files) nor the outputs, in existing folders. Without validation they
+    would do nothing."""
     given = [n for n, v in (("--atol", atol), ("--rtol", rtol), ("--input-shapes", input_shapes),
                             ("--save-inputs", save_inputs), ("--save-outputs", save_outputs)) if v is not None]
     if given and not validate:
@@ -481,7 +481,7 @@ def _check_validation_options(inp: Path, out: Path, validate: bool, atol, rtol, 
     if len(paths) == 2 and _same_file(paths[0][1], paths[1][1]):
         raise ConversionError(f"--save-inputs and --save-outputs are the same file {paths[0][1]}")
     for n, p in paths:
-        if _overwrites_input(inp, p) or any(_same_file(p, t) for t in outputs):
+        if any(_same_file(p, t) for t in input_files + outputs):
             raise ConversionError(f"{n} {p} would overwrite the input model or the output; choose another file")
         if p.is_dir():
             raise ConversionError(f"{n} {p}: is a directory; give a file name (.npz)")

@@ -18,7 +18,7 @@ import onnx
 import onnxruntime as ort
 
 from .errors import ConversionError
-from .spec import DOMAIN, PLUGIN_KEY
+from .spec import PLUGIN_KEY, holds_fused_nodes
 
 
 # SessionOptions attributes copied where the caller's options already hold another fused model's plugin.
@@ -49,7 +49,7 @@ def plugin_path(model_path) -> Path | None:
         raise ConversionError(f"{p}: its '{PLUGIN_KEY}' entry {rel!r} is not a file name beside the model; "
                               "onnx2fused.InferenceSession loads only a library in the model's folder")
     lib = p.resolve().parent / rel
-    if not any(n.domain == DOMAIN for n in model.graph.node):
+    if not holds_fused_nodes(model):
         return None   # no fused node left (e.g. ORT's optimised copy, saved without the plugin): plain ORT runs it
     if not lib.is_file():
         raise PluginNotFoundError(f"{p}: its onnx2fused plugin library {lib} is missing (metadata "

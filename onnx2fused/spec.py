@@ -41,6 +41,11 @@ MAX_NAME = 96     # longer names (deep chains of many activations) are shortened
 SPEC_VERSION = 1  # bump when the meaning of a spec (and so of every generated kernel) changes
 
 
+def holds_fused_nodes(model) -> bool:
+    """Whether an onnx.ModelProto's graph holds fused nodes (op domain DOMAIN)."""
+    return any(n.domain == DOMAIN for n in model.graph.node)
+
+
 # Why a library with CUDA kernels does not fuse a model's gated layers (library.gated_refusal decides): a
 # gated chain no CUDA design (resident, streamed, wide) plans at fp16; `{why}` is the planner's reason.
 GATED_NO_CUDA = "gated layer: no CUDA kernel holds its chain ({why}) (CPU-only libraries fuse it)"
