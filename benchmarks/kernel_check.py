@@ -147,6 +147,11 @@ VARIANTS = {
     "w256silu_rowsoff": ("w256silu", WgmmaOptions(store_rows=False)),
     "w128gelu_rowsoff": ("w128gelu", WgmmaOptions(store_rows=False)),
     "f16io_wg_rowsoff": ("f16io", WgmmaOptions(store_rows=False)),
+    # the bias added in fp32 before the packed activations (two FADDs a pair) against BIAS16, the default
+    # (an fp16 copy added after rounding, one HADD2 a pair)
+    "w128gelu_b32": ("w128gelu", WgmmaOptions(bias16=False)),
+    "w256silu_b32": ("w256silu", WgmmaOptions(bias16=False)),
+    "sdf1m_b32": ("sdf1m", WgmmaOptions(bias16=False)),
     # 3 warpgroups where FOUR_WARPGROUP_FRAGMENTS gives 4
     "w128gelu_wg3": ("w128gelu", WgmmaOptions(nwg=3)),
     "w128gelu_f16io_wg3": ("w128gelu_f16io", WgmmaOptions(nwg=3)),

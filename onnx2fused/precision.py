@@ -16,7 +16,8 @@ The numerics model is what every tensor-core design does (docs/DESIGN.md):
                   products summed in fp32 from a bias-initialised accumulator, the activation in fp32,
                   each hidden activation rounded to the 16-bit type before the next layer (registers or
                   the wide design's 16-bit intermediates alike), the last layer's output in fp32;
-                  fp16 packed layers: the pre-activation rounded to fp16, the activation's packed form
+                  fp16 packed layers: the accumulators rounded to fp16 and the bias added in fp16
+                  (the wgmma kernel's BIAS16), the activation's packed form
                   evaluated in float16 op by op (the wide design computes these in fp32: the model is
                   then a little pessimistic);
     tf32          weights rounded to tf32 (cvt.rna: to nearest, ties away from zero), activations
@@ -39,6 +40,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from . import expr as ex
+from .plan.wgmma import BIAS16
 from .validate import FP16_MAX, NOISE_FACTOR
 
 LADDER = ("fp16", "bf16", "tf32", "fp32")
@@ -167,6 +169,18 @@ def packable(layers) -> bool:
     return any(_packed(layers, i, "fp16", "packed") for i in range(len(layers)))
 
 
+def _packed_preactivation(acc: np.ndarray, bias) -> np.ndarray:
+    """A packed layer's fp16 pre-activations from its fp32 accumulators: with BIAS16 (the wgmma kernel) the
+    accumulators rounded to fp16 and the bias's fp16 copy added in fp16, else the bias added in fp32 and the
+    sum rounded. The mma.sync kernels and the wide design do the latter, which the former's error bounds."""
+    with np.errstate(all="ignore"):
+        if bias is None:
+            return acc.astype(np.float32).astype(np.float16)
+        if BIAS16:
+            return acc.astype(np.float32).astype(np.float16) + np.asarray(bias, np.float32).astype(np.float16)
+        return (acc + np.asarray(bias, np.float64)).astype(np.float32).astype(np.float16)
+
+
 def model_chain(layers, x: np.ndarray, precision: str, act_math: str = "packed", block=None) -> ChainRun:
     """Run a chain's layers (objects with .weight [K, N], .bias [N] or None, .activation Expr, and
     optionally .gated: weight [K, 2N], act(gate) * up) on the rows `x` (..., K0) as the CUDA kernel at
@@ -184,16 +198,18 @@ def model_chain(layers, x: np.ndarray, precision: str, act_math: str = "packed",
         w = rnd_w(np.asarray(layer.weight, np.float32)).astype(np.float64)
         with np.errstate(all="ignore"):  # inf inputs (an fp16 overflow) give inf/NaN, which is the point
             acc = h.astype(np.float64) @ w
-        if layer.bias is not None:
-            acc += np.asarray(layer.bias, np.float64)
         form = _packed(layers, i, precision, act_math)
         if form is not None:
-            pre = acc.astype(np.float32)
-            peak = max(peak, _finite_peak(pre))
+            pre = _packed_preactivation(acc, layer.bias)
+            # the accumulators, the bias (BIAS16 holds both in fp16) and their sum all stay in fp16's range
+            bias_peak = _finite_peak(np.asarray(layer.bias, np.float32)) if layer.bias is not None else 0.0
+            peak = max(peak, _finite_peak(acc.astype(np.float32)), bias_peak, _finite_peak(pre))
             with np.errstate(all="ignore"):
-                h = form.model(pre.astype(np.float16)).astype(np.float32)
+                h = form.model(pre).astype(np.float32)
             peak = max(peak, _finite_peak(h))
             continue
+        if layer.bias is not None:
+            acc += np.asarray(layer.bias, np.float64)
         if getattr(layer, "gated", False):   # act(gate) * up: the weight's first half of columns is the gate
             n = acc.shape[-1] // 2
             with np.errstate(all="ignore"):

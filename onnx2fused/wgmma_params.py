@@ -117,6 +117,7 @@ def _layer_params(plan: WgmmaPlan) -> list[dict]:
             "k_steps": l.k_steps, "next_k_steps": l.hidden // 16, "offset": l.offset, "chunk_bytes": l.chunk_bytes,
             "gated": l.gated, "quads": last and plan.quad_stores,
             "bias_offset": l.bias_offset, "last": last, "next": l.index + 1, "steps": steps,
+            "bias16": plan.bias16 and not last and not l.gated and l.index in plan.spec.packed_layers,
         })
     return out
 
@@ -144,6 +145,8 @@ def wgmma_params(plan: WgmmaPlan) -> dict:
         "staged": plan.staged_input, "in_smem_offset": plan.smem.input_offset,
         "staged_col0": 16 * plan.prefetch, "staged_cols": plan.staged_cols,
         "store_rows": plan.store_rows,
+        "bias16": plan.bias16, "bias16_smem_offset": plan.smem.bias16_offset,
+        "bias_halves": plan.bias_halves,
         "bulk_input": plan.bulk_input, "in_bar_smem_offset": plan.smem.input_bar_offset,
         "in_row_bytes": plan.input_row_bytes, "input_parts": plan.input_parts,
         "ring_chunks": sum(l.chunks for l in plan.layers),

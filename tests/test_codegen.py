@@ -184,6 +184,14 @@ def test_packed_activations_only_where_they_apply():
     src = sources[f"{gelu.name}_cuda.cu"]
     assert "o2f_h2_bits(o2f_h2_gelu(" in src and re.findall(r"wgmma_pack_bias<<<.*?, (\S+)\);", src) == ["1.0f"] * 3
     assert "o2f_h2_bits(o2f_h2_gelu_h(" in sources[f"{gelu.name}_mma_cuda.cu"]   # its mma.sync fallback still prescales
+    # BIAS16: the wgmma kernel's packed layers (0 and 1) add an fp16 copy of their bias after rounding;
+    # the last layer, in fp32, and every layer of the override without it add the fp32 bias
+    wg = codegen.render([gelu], True, plans=make_plans([gelu], PlanOptions(design="wgmma")))[f"{gelu.name}_cuda.cu"]
+    assert re.findall(r"= act_pack16(?:_part)?<(\d)>", wg) and set(re.findall(r"= act_pack16(?:_part)?<(\d)>", wg)) == {"0", "1"}
+    assert "__hadd2(__floats2half2_rn(a, b), bias)" in wg and "sbias16[i] = __float2half_rn(bias[i])" in wg
+    b32 = PlanOptions(design="wgmma", wgmma_overrides=WgmmaOptions(bias16=False))
+    src32 = codegen.render([gelu], True, plans=make_plans([gelu], b32))[f"{gelu.name}_cuda.cu"]
+    assert "act_pack16" not in src32 and "sbias16" not in src32 and "= act_pack<0>(" in src32
     with pytest.raises(ValueError, match="activation arithmetic"):
         replace(gelu, act_math="fp8")
 

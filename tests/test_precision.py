@@ -260,6 +260,27 @@ def test_relu_has_no_packed_form_and_one_fp16_step():
     assert np.array_equal(a, prec.model_chain(layers, x, "fp16", "fp32").output)
 
 
+def test_a_packed_layer_rounds_its_accumulator_before_the_bias():
+    """The wgmma kernel (BIAS16) rounds a packed layer's fp32 accumulators to fp16 and adds the bias's fp16
+    copy in fp16, as stock ORT's fp16 MatMul then Add does: where the bias cancels the accumulator the
+    rounding of the larger value shows. The accumulator 1000 + 0.2998 (the weights 1000 and 0.3 in fp16) is
+    1000.5 in fp16 (steps of 0.5): 1000.5 - 1000 = 0.5, where the fp32 sum would leave 0.2998."""
+    from onnx2fused.plan import wgmma
+    assert wgmma.BIAS16
+    w0 = np.array([[1000.0], [0.3]], np.float32)
+    layers = [SimpleNamespace(weight=w0, bias=np.array([-1000.0], np.float32), activation=ex.gelu_erf()),
+              SimpleNamespace(weight=np.ones((1, 1), np.float32), bias=None, activation=ex.identity())]
+    x = np.ones((1, 2), np.float32)
+    pre = np.float16(np.float16(np.float32(1000.0) + np.float32(np.float16(0.3))) + np.float16(-1000.0))
+    assert pre == 0.5
+    got = prec.model_chain(layers, x, "fp16").output
+    want = ex.packed_form(ex.gelu_erf()).model(np.array([[pre]], np.float16)).astype(np.float32)
+    assert np.array_equal(got, want) and abs(float(got[0, 0]) - 0.3457) < 1e-3   # gelu(0.5), not gelu(0.3)
+    # fp16 with fp32 activations (the kernels' fp32 forms) adds the bias in fp32, before any rounding
+    a32 = prec.model_chain(layers, x, "fp16", "fp32").output
+    assert abs(float(a32[0, 0]) - 0.1854) < 2e-3   # gelu(0.2998)
+
+
 def test_pre_activations_beyond_fp16_move_a_packed_chain_to_fp32_activations():
     """silu of pre-activations near -1e5: 0 in fp32, but -inf * sigmoid(-inf) = NaN once rounded to fp16
     first. The range check sees the packed layers' pre-activations; fp16 with fp32 activations is fine."""

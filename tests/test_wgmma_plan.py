@@ -13,6 +13,7 @@ import pytest
 from onnx2fused import build, codegen, targets
 from onnx2fused import expr as ex
 from onnx2fused.plan import choose, cost, wgmma
+from onnx2fused.plan.padding import round_up
 from onnx2fused.plan.options import DESIGN_ENV, WGMMA_ENV, PlanOptions
 from onnx2fused.convert import plan_text
 from onnx2fused.spec import LayerSpec, MLPSpec, SpecError
@@ -107,13 +108,29 @@ def test_warpgroup_override_is_held_to_the_estimate_without_its_per_chunk_term()
 
 def test_ring_size_follows_the_shared_memory_limit():
     """Fewer slots where less shared memory is left; refused, with the reason, where 3 do not fit."""
-    smem = lambda stages: stages * 32768 + 1024 * 4 + 8 * stages + 4 * stages + wgmma.SLACK
+    # slots, the fp32 bias, the hidden layers' fp16 bias (BIAS16), mbarriers, release counters, slack
+    smem = lambda stages, halves=768: stages * 32768 + 1024 * 4 + halves * 2 + 8 * stages + 4 * stages + wgmma.SLACK
     assert wgmma.make_wgmma_plan(SILU, choose.make_plan(SILU).fallback, smem_limit=smem(4), stages=4).stages == 4
     assert wgmma.make_wgmma_plan(SILU, choose.make_plan(SILU).fallback, stages=3).stages == 3   # an override
     with pytest.raises(SpecError, match="3 to 6 fit"):
         wgmma.make_wgmma_plan(SILU, choose.make_plan(SILU).fallback, stages=7)
-    why = wgmma.wgmma_reason_refused(SILU, smem(3) - 1)
+    why = wgmma.wgmma_reason_refused(SILU, smem(3, halves=0) - 1)   # (the fp16 bias copy gives way first)
     assert "512 KB" in why and "ring of 3" in why and "32 KB chunks" in why
+
+
+def test_the_fp16_bias_copy_gives_way_where_it_would_cost_a_ring_slot():
+    """BIAS16 holds the hidden layers' bias in fp16 beside the fp32 one (silu: 768 halves); where those
+    bytes would leave one ring slot fewer, the plan adds the bias in fp32 instead, and an override still
+    asks for it."""
+    fallback = choose.make_plan(SILU).fallback
+    base = 3 * 32768 + 1024 * 4 + 8 * 3 + 4 * 3 + wgmma.SLACK   # 3 slots, fp32 bias, mbarriers, counters
+    assert wgmma.make_wgmma_plan(SILU, fallback, smem_limit=base + 768 * 2).bias16
+    tight = wgmma.make_wgmma_plan(SILU, fallback, smem_limit=base + 768)
+    assert not tight.bias16 and tight.stages == 3 and tight.bias_halves == 0
+    with pytest.raises(SpecError, match="does not fit|3 to"):
+        wgmma.make_wgmma_plan(SILU, fallback, smem_limit=base + 768, bias16=True, stages=3)
+    relu = MLPSpec([LayerSpec(64, 128, True, ex.relu()), LayerSpec(128, 64, True, ex.identity())])
+    assert not choose.make_plan(relu, WGMMA).bias16   # no packed layer: nothing to add in fp16
 
 
 def test_clusters_are_an_override_of_streamed_plans():
@@ -486,9 +503,11 @@ def test_shared_memory_layout_is_the_one_the_plan_sized(spec):
     the size the planner fitted into shared memory is the one the launch asks for: one layout, not two sums."""
     plan = choose.make_plan(spec, WGMMA)
     lay = plan.smem
-    assert plan.smem_bytes == wgmma._smem(list(plan.layers), plan.stages, plan.input_bytes)
+    assert plan.smem_bytes == wgmma._smem(list(plan.layers), plan.stages, plan.input_bytes, bias16=plan.bias16)
     assert lay.bias_offset == (plan.stages * plan.slot_bytes or plan.image_bytes)
-    assert lay.bar_offset - lay.bias_offset == 4 * plan.bias_floats
+    assert lay.bias16_offset - lay.bias_offset == 4 * plan.bias_floats
+    hidden = sum(l.np_ for l in plan.layers[:-1])   # BIAS16: the hidden layers' bias again, in fp16
+    assert lay.bar_offset - lay.bias16_offset == (round_up(2 * hidden, 8) if plan.bias16 else 0)
     src = _render(spec, WGMMA)[0][f"{spec.name}_cuda.cu"]
     assert f"constexpr int kBiasSmem = {lay.bias_offset};" in src and f"constexpr int kBarSmem = {lay.bar_offset};" in src
     assert (f"constexpr int kCntSmem = {lay.cnt_offset};" in src) == plan.streamed

@@ -82,6 +82,7 @@ class WgmmaOptions:
     input_parts: int | None = None     # the next tile's rows copied in parts over a pass (plan.wgmma._input_parts)
     prescale: bool | None = None       # packed activations of halved accumulators (PRESCALE)
     store_rows: bool | None = None     # quads stored from per-tile row pointers (STORE_ROWS)
+    bias16: bool | None = None         # packed hidden activations add their bias in fp16 (BIAS16)
 
     def given(self) -> dict:
         return _given(self)

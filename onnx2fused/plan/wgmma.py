@@ -107,6 +107,13 @@ PRESCALE = True
 # pointers and row predicates once a tile, and a store is that pointer plus a constant, where each one
 # recomputed its 64-bit address and branched on the alignment (silu: ~12 instructions a 16-byte store).
 STORE_ROWS = True
+# BIAS16: a hidden layer with a packed activation adds its bias in fp16 (one HADD2 a pair, after the
+# accumulators are rounded to fp16x2) where the fp32 adds took two FADDs a pair; the hidden layers' bias is
+# then also held as fp16 in shared memory. It rounds the accumulator before the bias, as stock ORT's fp16
+# MatMul then Add does (errors ~10 % larger: silu 8.0e-4 -> 8.9e-4; the numerics model, precision.py,
+# computes it so), and took 2-5 % off gelu, silu and sdf in 200 launches on an H100 (RESULTS.md,
+# twenty-fifth run).
+BIAS16 = True
 
 
 @dataclass(frozen=True)
@@ -175,6 +182,7 @@ class WgmmaPlan:
     input_parts: int = 1         # BULK_INPUT: the next tile's rows copied in this many parts over a pass (_input_parts; 1 without)
     prescale: bool = False       # PRESCALE: packed activations take prescaled accumulators
     store_rows: bool = False     # STORE_ROWS: quads stored from per-tile row pointers (y 16-byte aligned, else the fallback)
+    bias16: bool = False         # BIAS16: packed hidden activations add an fp16 copy of their bias after rounding
 
     design = "wgmma"
     uses_scratch = False      # the kernels only read their packed weights
@@ -215,10 +223,15 @@ class WgmmaPlan:
         return self.nwg * ROWS * self.input_row_bytes
 
     @property
+    def bias_halves(self) -> int:
+        """BIAS16: the hidden layers' bias held as fp16 in shared memory too (0 without)."""
+        return _bias_halves(list(self.layers), self.bias16)
+
+    @property
     def smem(self) -> SmemLayout:
         """Where the kernel's shared memory holds what."""
         return SmemLayout.of(self.image_bytes, self.slot_bytes, self.stages, self.bias_floats, self.input_bytes,
-                             self.nwg if self.bulk_input else 0, self.cluster)
+                             self.nwg if self.bulk_input else 0, self.cluster, self.bias_halves)
 
     @property
     def smem_bytes(self) -> int:
@@ -354,7 +367,8 @@ def _slot_bytes(layers: list[WgmmaLayer]) -> int:
 
 @dataclass(frozen=True)
 class SmemLayout:
-    """The kernel's dynamic shared memory: [image, or `stages` ring slots][bias (fp32)][mbarriers: one, or
+    """The kernel's dynamic shared memory: [image, or `stages` ring slots][bias (fp32)][BIAS16: the bias
+    as fp16][mbarriers: one, or
     one per slot; BULK_INPUT: one per warpgroup's input tile; clusters: one per slot for the other CTAs'
     releases][release counters: one per slot][staged input tiles, 128-byte aligned][alignment slack].
     The plan sizes it, the template places its parts at these offsets (wgmma_params)."""
@@ -364,21 +378,26 @@ class SmemLayout:
     input_bytes: int = 0   # staged input tiles (STAGED_INPUT), all warpgroups'
     input_bars: int = 0    # their mbarriers (BULK_INPUT: one a warpgroup)
     peer_bars: int = 0     # clusters: a slot's mbarrier that the cluster's other CTAs arrive on once done with it
+    bias_halves: int = 0   # BIAS16: the hidden layers' bias as fp16 (the bias array's first values), or 0
 
     @classmethod
     def of(cls, image_bytes: int, slot_bytes: int, stages: int, bias_floats: int, input_bytes: int = 0,
-           input_bars: int = 0, cluster: int = 1) -> SmemLayout:
+           input_bars: int = 0, cluster: int = 1, bias_halves: int = 0) -> SmemLayout:
         """The layout with the image resident (stages 0) or `stages` ring slots of `slot_bytes`."""
         return cls(stages * slot_bytes if stages else image_bytes, bias_floats, stages, input_bytes, input_bars,
-                   stages if cluster > 1 else 0)
+                   stages if cluster > 1 else 0, bias_halves)
 
     @property
     def bias_offset(self) -> int:
         return self.weights
 
     @property
-    def bar_offset(self) -> int:
+    def bias16_offset(self) -> int:
         return self.bias_offset + self.bias_floats * 4
+
+    @property
+    def bar_offset(self) -> int:
+        return self.bias16_offset + round_up(self.bias_halves * 2, 8)
 
     @property
     def input_bar_offset(self) -> int:
@@ -401,19 +420,28 @@ class SmemLayout:
         return (self.input_offset + self.input_bytes if self.input_bytes else self.cnt_offset + 4 * self.stages) + SLACK
 
 
-def _smem(layers: list[WgmmaLayer], stages: int = 0, input_bytes: int = 0, input_bars: int = 0, cluster: int = 1) -> int:
+def _smem(layers: list[WgmmaLayer], stages: int = 0, input_bytes: int = 0, input_bars: int = 0, cluster: int = 1,
+          bias16: bool = False) -> int:
     """Bytes of dynamic shared memory with `stages` ring slots (0: the image resident), `input_bytes` of
-    staged input tiles and `input_bars` mbarriers for them, in a cluster of `cluster` CTAs."""
+    staged input tiles and `input_bars` mbarriers for them, in a cluster of `cluster` CTAs (BIAS16: with
+    the bias's fp16 copy)."""
     return SmemLayout.of(_image_bytes(layers), _slot_bytes(layers), stages, sum(l.np_ for l in layers),
-                         input_bytes, input_bars, cluster).bytes
+                         input_bytes, input_bars, cluster, _bias_halves(layers, bias16)).bytes
 
 
-def _stages(layers: list[WgmmaLayer], smem_limit: int, resident: bool = True) -> int | None:
+def _bias_halves(layers: list[WgmmaLayer], bias16: bool) -> int:
+    """BIAS16's fp16 copy: the hidden layers' padded bias (the bias array holds the last layer's last;
+    only hidden layers add in fp16), or 0. A few KB: the copy of the whole array took silu's last staged
+    input k-step back into registers (256 KB of ring and tiles beside it)."""
+    return layers[-1].bias_offset if bias16 else 0
+
+
+def _stages(layers: list[WgmmaLayer], smem_limit: int, resident: bool = True, bias16: bool = False) -> int | None:
     """0 where the image stays resident (and `resident`), else the most ring slots (up to STAGES_MAX) that
     fit; None where not even STAGES_MIN do."""
-    if resident and _smem(layers) <= smem_limit:
+    if resident and _smem(layers, bias16=bias16) <= smem_limit:
         return 0
-    fits = [s for s in range(STAGES_MIN, STAGES_MAX + 1) if _smem(layers, s) <= smem_limit]
+    fits = [s for s in range(STAGES_MIN, STAGES_MAX + 1) if _smem(layers, s, bias16=bias16) <= smem_limit]
     return fits[-1] if fits else None
 
 
@@ -422,14 +450,15 @@ def make_wgmma_plan(spec: MLPSpec, fallback, reason: str = "", smem_limit: int =
                     cluster: int | None = None, stages: int | None = None,
                     staged_input: bool | None = None, bulk_input: bool | None = None,
                     quad_stores: bool | None = None, input_parts: int | None = None,
-                    prescale: bool | None = None, store_rows: bool | None = None) -> WgmmaPlan:
+                    prescale: bool | None = None, store_rows: bool | None = None,
+                    bias16: bool | None = None) -> WgmmaPlan:
     """The wgmma plan of `spec`, with `fallback` (its resident or streamed plan) for other GPUs. SpecError
     where the design cannot take it. `nwg`, `prefetch`, `chunk_max` (the widest chunk, a multiple of 8 up
     to CHUNK_MAX), `cluster` (streamed plans: 1, 2 or 4 CTAs sharing each chunk's copy), `stages` (ring
     slots, STAGES_MIN up to what fits; streams weights that would stay resident too), `staged_input`
     (STAGED_INPUT), `bulk_input` (BULK_INPUT), `quad_stores` (QUAD_STORES, where possible), `input_parts`
-    (_input_parts, at most a pass's chunks), `prescale` (PRESCALE), `store_rows` (STORE_ROWS, where possible):
-    overrides of the heuristics (benchmarks)."""
+    (_input_parts, at most a pass's chunks), `prescale` (PRESCALE), `store_rows` (STORE_ROWS, where possible),
+    `bias16` (BIAS16, where a hidden layer has a packed activation): overrides of the heuristics (benchmarks)."""
     why = wgmma_reason_refused(spec, smem_limit)
     if why:
         raise SpecError(f"{spec.describe()}: no wgmma plan: {why}")
@@ -438,11 +467,17 @@ def make_wgmma_plan(spec: MLPSpec, fallback, reason: str = "", smem_limit: int =
     if chunk_max is not None and (chunk_max % 8 or not 8 <= chunk_max <= CHUNK_MAX):
         raise SpecError(f"chunk width {chunk_max}: a multiple of 8 up to {CHUNK_MAX}")
     layers = _layers(spec, chunk_max or CHUNK_MAX)
-    most = _stages(layers, smem_limit)
+    # fp16 bias adds where a hidden layer's activation is packed (the others add in fp32 as before); by
+    # default not where the fp16 copy's few KB would take the weights out of residency or a ring slot away
+    packed = any(i < len(layers) - 1 for i in spec.packed_layers)
+    if bias16 is None:
+        bias16 = BIAS16 and packed and _stages(layers, smem_limit, bias16=True) == _stages(layers, smem_limit)
+    bias16 = bias16 and packed
+    most = _stages(layers, smem_limit, bias16=bias16)
     if most is None:   # a narrower chunk_max may leave too many chunks for the ring: say so
         raise SpecError(f"{spec.describe()}: no wgmma plan with chunks of {chunk_max}: the ring does not fit")
     if stages is not None:   # an override streams even weights that would stay resident
-        most = _stages(layers, smem_limit, resident=False) or 0
+        most = _stages(layers, smem_limit, resident=False, bias16=bias16) or 0
         if not STAGES_MIN <= stages <= most:
             raise SpecError(f"{spec.describe()}: a ring of {stages} slots: {STAGES_MIN} to {most} fit")
     else:
@@ -473,7 +508,7 @@ def make_wgmma_plan(spec: MLPSpec, fallback, reason: str = "", smem_limit: int =
     bulk = BULK_INPUT if bulk_input is None else bulk_input
     fits = [p for p in range(k0_steps)
             if _smem(layers, stages, nwg * ROWS * _input_row_bytes(16 * (k0_steps - p), bulk), nwg if bulk else 0,
-                     cluster) <= smem_limit]
+                     cluster, bias16) <= smem_limit]
     if staged_input is None:   # where registers cannot hold the next tile's whole input (and it fits)
         staged_input = stageable and register_prefetch < k0_steps and bool(fits) and (prefetch is None or prefetch in fits)
     if staged_input:
@@ -496,4 +531,4 @@ def make_wgmma_plan(spec: MLPSpec, fallback, reason: str = "", smem_limit: int =
                      quads,
                      max(1, min(_input_parts(layers, stages) if input_parts is None else input_parts,
                                 sum(l.chunks for l in layers))) if bulk_staged else 1,
-                     PRESCALE if prescale is None else prescale, store_rows)
+                     PRESCALE if prescale is None else prescale, store_rows, bias16)
