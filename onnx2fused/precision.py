@@ -3,8 +3,9 @@
     choose_precisions(chains, reference, with_cuda) -> [PrecisionChoice]
 
 The ladder is fp16 -> bf16 -> tf32 -> fp32 (fastest first); fp16 is tried with the hidden activations
-in packed fp16x2 arithmetic first (act_math "packed", expr.PACKED_FORMS; reports say `fp16`) and then,
-where the chain has such layers, with fp32 activations (`fp16a32`). Each chain is judged on its own: its input
+in packed fp16x2 arithmetic first (act_math "packed", expr.PACKED_FORMS; reports say `fp16`; the wgmma
+kernel adds the bias in fp16), then, where the chain has such layers, the same with the bias added in
+fp32 (`fp16b32`) and with fp32 activations (`fp16a32`). Each chain is judged on its own: its input
 and output tensors come from stock ONNX Runtime running the original model on the validation inputs
 (`reference`: tensor name -> list of arrays, one per input set), and a NUMERICS MODEL of the CUDA
 kernels computes the chain at each precision from that reference input. The first precision whose
@@ -41,6 +42,7 @@ import numpy as np
 
 from . import expr as ex
 from .plan.wgmma import BIAS16
+from .spec import ACT_MATH_TAGS
 from .validate import FP16_MAX, NOISE_FACTOR
 
 LADDER = ("fp16", "bf16", "tf32", "fp32")
@@ -60,7 +62,8 @@ class PrecisionChoice:
     why: str                                  # one line: why this one (and why not the faster ones)
     errors: dict[str, float] | None = None    # modelled rel L2 per step tried ("fp16", "fp16a32", "bf16", ...)
     noise: float = 0.0                        # stock fp32 vs float64-accumulated fp32: the chain's conditioning
-    act_math: str = "packed"                  # fp16: hidden activations in packed fp16x2 forms, or "fp32"
+    act_math: str = "packed"                  # fp16: hidden activations in packed fp16x2 forms ("packed_b32":
+                                              # the bias added in fp32), or "fp32"
 
     def tolerance(self, tolerances: dict[str, float]) -> float:
         """What validation holds this chain to: its precision's tolerance, or more for an ill-conditioned
@@ -75,17 +78,19 @@ def next_precision(precision: str) -> str | None:
 
 
 def next_step(precision: str, act_math: str, has_packed: bool) -> tuple[str, str] | None:
-    """The step after (precision, act_math): fp16 with packed activations -> fp16 with fp32 activations
-    (where the chain has packed layers) -> bf16 -> tf32 -> fp32; None after fp32."""
-    if precision == "fp16" and act_math == "packed" and has_packed:
-        return "fp16", "fp32"
+    """The step after (precision, act_math): fp16 with packed activations -> the same with the bias added
+    in fp32 -> fp16 with fp32 activations (those two where the chain has packed layers) -> bf16 -> tf32 ->
+    fp32; None after fp32."""
+    if precision == "fp16" and has_packed and act_math in ("packed", "packed_b32"):
+        return "fp16", "packed_b32" if act_math == "packed" else "fp32"
     p = next_precision(precision)
     return (p, "packed") if p else None
 
 
 def step_label(precision: str, act_math: str, has_packed: bool) -> str:
-    """How reports name a step: `fp16` (packed activations where the chain has them) or `fp16a32`."""
-    return precision + ("a32" if precision == "fp16" and act_math == "fp32" and has_packed else "")
+    """How reports name a step: `fp16` (packed activations where the chain has them), `fp16b32` (the
+    same, the bias added in fp32) or `fp16a32` (fp32 activations)."""
+    return precision + (ACT_MATH_TAGS[act_math] if precision == "fp16" and has_packed else "")
 
 
 # ------------------------------------------------------------------------------------------ rounding
@@ -159,7 +164,8 @@ def chain_layers(chain) -> list[SimpleNamespace]:
 
 def _packed(layers, i: int, precision: str, act_math: str) -> ex.PackedForm | None:
     """Layer i's packed fp16x2 form where the kernel uses it (as MLPSpec.packed_layers decides)."""
-    if precision != "fp16" or act_math != "packed" or i + 1 >= len(layers) or getattr(layers[i], "gated", False):
+    if (precision != "fp16" or act_math not in ("packed", "packed_b32") or i + 1 >= len(layers)
+            or getattr(layers[i], "gated", False)):
         return None
     return ex.packed_form(layers[i].activation)
 
@@ -169,14 +175,15 @@ def packable(layers) -> bool:
     return any(_packed(layers, i, "fp16", "packed") for i in range(len(layers)))
 
 
-def _packed_preactivation(acc: np.ndarray, bias) -> np.ndarray:
-    """A packed layer's fp16 pre-activations from its fp32 accumulators: with BIAS16 (the wgmma kernel) the
-    accumulators rounded to fp16 and the bias's fp16 copy added in fp16, else the bias added in fp32 and the
-    sum rounded. The mma.sync kernels and the wide design do the latter, which the former's error bounds."""
+def _packed_preactivation(acc: np.ndarray, bias, bias16: bool) -> np.ndarray:
+    """A packed layer's fp16 pre-activations from its fp32 accumulators: `bias16` (act_math "packed": the
+    wgmma kernel's BIAS16) the accumulators rounded to fp16 and the bias's fp16 copy added in fp16, else
+    the bias added in fp32 and the sum rounded (act_math "packed_b32"; the mma.sync kernels and the wide
+    design always, for which the former is then a little pessimistic on average)."""
     with np.errstate(all="ignore"):
         if bias is None:
             return acc.astype(np.float32).astype(np.float16)
-        if BIAS16:
+        if bias16:
             return acc.astype(np.float32).astype(np.float16) + np.asarray(bias, np.float32).astype(np.float16)
         return (acc + np.asarray(bias, np.float64)).astype(np.float32).astype(np.float16)
 
@@ -200,7 +207,7 @@ def model_chain(layers, x: np.ndarray, precision: str, act_math: str = "packed",
             acc = h.astype(np.float64) @ w
         form = _packed(layers, i, precision, act_math)
         if form is not None:
-            pre = _packed_preactivation(acc, layer.bias)
+            pre = _packed_preactivation(acc, layer.bias, BIAS16 and act_math == "packed")
             # the accumulators, the bias (BIAS16 holds both in fp16) and their sum all stay in fp16's range
             bias_peak = _finite_peak(np.asarray(layer.bias, np.float32)) if layer.bias is not None else 0.0
             peak = max(peak, _finite_peak(acc.astype(np.float32)), bias_peak, _finite_peak(pre))

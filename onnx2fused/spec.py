@@ -18,9 +18,11 @@ add to `key_text` only when present, so every other spec keeps its name and sour
 
 `act_math` says how an fp16 chain's hidden activations are computed on the GPU: "packed" (the default:
 the pre-activations rounded to fp16 and the activation evaluated in fp16x2 arithmetic, two elements an
-instruction, where expr.PACKED_FORMS has a form for it) or "fp32" (evaluated in fp32, then rounded). A
-spec with act_math "fp32" and packable layers is written `fp16a32` and hashes differently; every other
-spec keeps its name.
+instruction, where expr.PACKED_FORMS has a form for it; the wgmma kernel rounds the accumulators and adds
+the bias in fp16, plan.wgmma.BIAS16), "packed_b32" (the same with the bias added in fp32 before rounding:
+what validation falls back to where the fp16 bias add costs too much accuracy) or "fp32" (evaluated in
+fp32, then rounded). A spec with act_math "packed_b32" or "fp32" and packable layers is written
+`fp16b32` / `fp16a32` and hashes differently; every other spec keeps its name.
 """
 from __future__ import annotations
 
@@ -32,7 +34,8 @@ from . import expr as ex
 PRECISIONS = ("fp16", "bf16", "tf32", "fp32")
 # How fp16 chains' hidden activations are computed: "packed" (fp16x2 arithmetic on the rounded
 # pre-activations, expr.PACKED_FORMS, where the activation has such a form) or "fp32" (then rounded).
-ACT_MATHS = ("packed", "fp32")
+ACT_MATHS = ("packed", "packed_b32", "fp32")
+ACT_MATH_TAGS = {"packed": "", "packed_b32": "b32", "fp32": "a32"}   # in names and reports: fp16, fp16b32, fp16a32
 IO_DTYPES = ("f32", "f16")
 DOMAIN = "onnx2fused"
 PLUGIN_KEY = "onnx2fused.plugin"   # the fused model's metadata entry: its plugin library, a file beside it
@@ -147,7 +150,13 @@ class MLPSpec:
 
     @property
     def packed_layers(self) -> frozenset[int]:
-        return self.packable_layers if self.act_math == "packed" else frozenset()
+        return self.packable_layers if self.act_math in ("packed", "packed_b32") else frozenset()
+
+    @property
+    def bias16(self) -> bool:
+        """Whether the packed layers may add their bias in fp16 after rounding (act_math "packed"; the
+        wgmma kernel does, plan.wgmma.BIAS16)."""
+        return self.act_math == "packed" and bool(self.packed_layers)
 
     def prescale(self, i: int) -> float:
         """What the tensor-core kernels pack layer i's weights and bias times: its packed form's prescale
@@ -220,7 +229,7 @@ class MLPSpec:
         if self.residual:
             acts += "_res"
         digest = hashlib.sha256(self.key_text().encode()).hexdigest()[:8]
-        math = "a32" if self.act_math != "packed" and self.packable_layers else ""
+        math = ACT_MATH_TAGS[self.act_math] if self.packable_layers else ""
         name = f"{OP_PREFIX}_{widths}_{acts}_{self.precision}{math}_{self.io_dtype}_{digest}"
         if len(name) > MAX_NAME:  # deep chains: the name is also file names (`<name>_cuda.cu`, nvcc's temps)
             name = (f"{OP_PREFIX}_{self.widths[0]}to{self.widths[-1]}_{len(self.layers)}layers_"

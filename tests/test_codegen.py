@@ -165,6 +165,9 @@ def test_packed_activations_only_where_they_apply():
     assert gelu.packed_layers == {0, 1}                       # the last layer writes the output in fp32
     a32 = replace(gelu, act_math="fp32")
     assert a32.packed_layers == frozenset() and "_fp16a32_" in a32.name and a32.name != gelu.name
+    b32 = replace(gelu, act_math="packed_b32")   # packed, the bias added in fp32: its own name and kernel
+    assert b32.packed_layers == gelu.packed_layers and "_fp16b32_" in b32.name and b32.name not in (gelu.name, a32.name)
+    assert gelu.bias16 and not b32.bias16 and not a32.bias16
     bf16 = mlp([32, 64, 16], [ex.gelu_erf(), ex.identity()], precision="bf16")
     assert bf16.packable_layers == frozenset() and replace(bf16, act_math="fp32").name == bf16.name
     mish = mlp([32, 64, 16], [ex.mish(), ex.identity()])      # no packed form: act_math changes nothing
@@ -189,9 +192,12 @@ def test_packed_activations_only_where_they_apply():
     wg = codegen.render([gelu], True, plans=make_plans([gelu], PlanOptions(design="wgmma")))[f"{gelu.name}_cuda.cu"]
     assert re.findall(r"= act_pack16(?:_part)?<(\d)>", wg) and set(re.findall(r"= act_pack16(?:_part)?<(\d)>", wg)) == {"0", "1"}
     assert "__hadd2(__floats2half2_rn(a, b), bias)" in wg and "sbias16[i] = __float2half_rn(bias[i])" in wg
-    b32 = PlanOptions(design="wgmma", wgmma_overrides=WgmmaOptions(bias16=False))
-    src32 = codegen.render([gelu], True, plans=make_plans([gelu], b32))[f"{gelu.name}_cuda.cu"]
+    off = PlanOptions(design="wgmma", wgmma_overrides=WgmmaOptions(bias16=False))
+    src32 = codegen.render([gelu], True, plans=make_plans([gelu], off))[f"{gelu.name}_cuda.cu"]
     assert "act_pack16" not in src32 and "sbias16" not in src32 and "= act_pack<0>(" in src32
+    # act_math "packed_b32" (validation's next step where the fp16 bias add failed): the fp32 adds, packed forms
+    srcb = codegen.render([b32], True, plans=make_plans([b32], PlanOptions(design="wgmma")))[f"{b32.name}_cuda.cu"]
+    assert "act_pack16" not in srcb and "= act_pack<0>(" in srcb and "o2f_h2_bits(o2f_h2_gelu_h(" in srcb
     with pytest.raises(ValueError, match="activation arithmetic"):
         replace(gelu, act_math="fp8")
 

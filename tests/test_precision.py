@@ -279,6 +279,9 @@ def test_a_packed_layer_rounds_its_accumulator_before_the_bias():
     # fp16 with fp32 activations (the kernels' fp32 forms) adds the bias in fp32, before any rounding
     a32 = prec.model_chain(layers, x, "fp16", "fp32").output
     assert abs(float(a32[0, 0]) - 0.1854) < 2e-3   # gelu(0.2998)
+    # and so does act_math "packed_b32" (validation's next step), then rounds and runs the packed form
+    b32 = prec.model_chain(layers, x, "fp16", "packed_b32").output
+    assert abs(float(b32[0, 0]) - 0.1854) < 2e-3 and not np.array_equal(b32, got)
 
 
 def test_pre_activations_beyond_fp16_move_a_packed_chain_to_fp32_activations():
@@ -294,7 +297,10 @@ def test_pre_activations_beyond_fp16_move_a_packed_chain_to_fp32_activations():
 
 
 def test_steps_after_packed_fp16():
-    assert prec.next_step("fp16", "packed", True) == ("fp16", "fp32")
+    # packed with the bias in fp16 (BIAS16) -> packed with the bias in fp32 -> fp32 activations -> bf16
+    assert prec.next_step("fp16", "packed", True) == ("fp16", "packed_b32")
+    assert prec.next_step("fp16", "packed_b32", True) == ("fp16", "fp32")
+    assert [prec.step_label("fp16", m, True) for m in ("packed", "packed_b32", "fp32")] == ["fp16", "fp16b32", "fp16a32"]
     assert prec.next_step("fp16", "packed", False) == ("bf16", "packed")   # nothing packed: no second fp16 step
     assert prec.next_step("fp16", "fp32", True) == ("bf16", "packed")
     assert prec.next_step("fp32", "packed", True) is None

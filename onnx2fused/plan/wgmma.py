@@ -469,7 +469,7 @@ def make_wgmma_plan(spec: MLPSpec, fallback, reason: str = "", smem_limit: int =
     layers = _layers(spec, chunk_max or CHUNK_MAX)
     # fp16 bias adds where a hidden layer's activation is packed (the others add in fp32 as before); by
     # default not where the fp16 copy's few KB would take the weights out of residency or a ring slot away
-    packed = any(i < len(layers) - 1 for i in spec.packed_layers)
+    packed = spec.bias16 and any(i < len(layers) - 1 for i in spec.packed_layers)
     if bias16 is None:
         bias16 = BIAS16 and packed and _stages(layers, smem_limit, bias16=True) == _stages(layers, smem_limit)
     bias16 = bias16 and packed
