@@ -136,9 +136,22 @@ def asked_precisions(model, chains, cases, precision: str, why: str) -> list[Pre
     return [PrecisionChoice(precision, why + noise_note(n, val.TOLERANCES), noise=n) for n in noises]
 
 
-def _next_step(chain, choice: PrecisionChoice) -> tuple[str, str] | None:
-    """Where a chain goes after its validation failed at `choice` (precision.next_step)."""
-    return next_step(choice.precision, choice.act_math, bool(chain.to_spec("fp16").packable_layers))
+def _next_step(chain, choice: PrecisionChoice, options: PlanOptions | None = None) -> tuple[str, str] | None:
+    """Where a chain goes after its validation failed at `choice` (precision.next_step). With `options`,
+    past `fp16b32` where the chain's plan adds no bias in fp16 (not wgmma): that step would rebuild the
+    same kernel."""
+    step = next_step(choice.precision, choice.act_math, bool(chain.to_spec("fp16").packable_layers))
+    if step == ("fp16", "packed_b32") and options is not None and not _adds_bias16(chain, options):
+        step = next_step(*step, True)
+    return step
+
+
+def _adds_bias16(chain, options: PlanOptions) -> bool:
+    """Whether the chain's packed fp16 plan adds its bias in fp16 (plan.wgmma.BIAS16)."""
+    try:
+        return bool(getattr(make_plan(chain.to_spec("fp16", "packed"), options), "bias16", False))
+    except SpecError:
+        return False
 
 
 def _step_label(chain, precision: str, act_math: str) -> str:
@@ -355,7 +368,8 @@ def convert(input_path, output_path=None, precision: str = AUTO, validate: bool 
             on_gpu = report is not None and report.provider == "CUDAExecutionProvider"
             # auto moves a failed chain up the ladder; an explicit fp16 still moves from packed to fp32
             # activations (the precision asked for, computed more exactly)
-            steps = {k: _next_step(plan.chains[k], choices[k]) for k in (report.chain_failures if on_gpu else [])}
+            steps = {k: _next_step(plan.chains[k], choices[k], options)
+                     for k in (report.chain_failures if on_gpu else [])}
             moving = [k for k, st in steps.items() if st and (auto or st[0] == choices[k].precision)]
             if not moving:
                 break

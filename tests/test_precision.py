@@ -326,3 +326,20 @@ def test_large_input_sets_are_modelled_on_a_sample_that_keeps_the_largest_rows()
                                                          activation=ex.identity())],
                                  [x], [x * 4], True, {"fp16": 2e-3, "bf16": 1e-2, "tf32": 1e-3, "fp32": 1e-5})
     assert choice.precision != "fp16" and "overflow" in choice.why
+
+
+def test_validation_skips_the_fp32_bias_step_where_no_kernel_adds_it_in_fp16():
+    """After packed fp16 fails GPU validation, fp16b32 (the bias added in fp32) is tried only where the
+    chain's plan adds it in fp16 (the wgmma kernel, BIAS16); an mma.sync chain would rebuild the same
+    kernel, so it goes on to fp32 activations."""
+    from onnx2fused.convert import _next_step
+    from onnx2fused.plan.options import PlanOptions
+    from onnx_builders import mlp
+    failed = prec.PrecisionChoice("fp16", "modelled", act_math="packed")
+    wide = find_chains(mlp([64, 128, 128, 64], act="Tanh")).chains[0]
+    wgmma, mma_sync = PlanOptions(design="wgmma"), PlanOptions(design="resident")
+    assert _next_step(wide, failed, wgmma) == ("fp16", "packed_b32")
+    assert _next_step(wide, failed, mma_sync) == ("fp16", "fp32")
+    assert _next_step(wide, failed) == ("fp16", "packed_b32")   # no plan to ask: the whole ladder
+    b32 = prec.PrecisionChoice("fp16", "fp16 failed", act_math="packed_b32")
+    assert _next_step(wide, b32, wgmma) == ("fp16", "fp32")
