@@ -31,7 +31,7 @@ from .plan.options import PlanOptions
 from .plan.protocol import Plan
 from .precision import (PrecisionChoice, chain_block, chain_layers, chain_noise, choose_precision, next_step,
                         noise_note, step_label)
-from .spec import PLUGIN_KEY, PRECISIONS, SpecError, holds_fused_nodes
+from .spec import ACT_MATHS, PLUGIN_KEY, PRECISIONS, SpecError, holds_fused_nodes
 from . import validate as val
 
 EXTERNAL_DATA_BYTES = 1_500_000_000   # above this the output model keeps its weights in `<output>.data`
@@ -354,7 +354,7 @@ def convert(input_path, output_path=None, precision: str = AUTO, validate: bool 
             choices = asked_precisions(model, plan.chains, cases if validate else None, precision,
                                        "asked for (--precision)")
 
-        for attempt in range(len(PRECISIONS) + 1):   # + 1: fp16's two steps (packed, then fp32 activations)
+        for attempt in range(len(PRECISIONS) + len(ACT_MATHS) - 1):   # fp16's extra steps: fp16b32, fp16a32
             # each round in a folder of its own: a library that a session loaded must not be overwritten
             # (it is mapped), and dlopen would hand back the first one loaded from the same path
             round_dir = tmpdir / f"round{attempt}"

@@ -207,10 +207,12 @@ def model_chain(layers, x: np.ndarray, precision: str, act_math: str = "packed",
             acc = h.astype(np.float64) @ w
         form = _packed(layers, i, precision, act_math)
         if form is not None:
-            pre = _packed_preactivation(acc, layer.bias, BIAS16 and act_math == "packed")
-            # the accumulators, the bias (BIAS16 holds both in fp16) and their sum all stay in fp16's range
-            bias_peak = _finite_peak(np.asarray(layer.bias, np.float32)) if layer.bias is not None else 0.0
-            peak = max(peak, _finite_peak(acc.astype(np.float32)), bias_peak, _finite_peak(pre))
+            bias16 = BIAS16 and act_math == "packed"
+            pre = _packed_preactivation(acc, layer.bias, bias16)
+            peak = max(peak, _finite_peak(pre))
+            if bias16:   # the accumulators and the bias are held in fp16 too, not only their sum
+                bias_peak = _finite_peak(np.asarray(layer.bias, np.float32)) if layer.bias is not None else 0.0
+                peak = max(peak, _finite_peak(acc.astype(np.float32)), bias_peak)
             with np.errstate(all="ignore"):
                 h = form.model(pre).astype(np.float32)
             peak = max(peak, _finite_peak(h))

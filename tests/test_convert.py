@@ -327,3 +327,32 @@ def test_validation_sets_of_large_items_get_smaller_batches():
     assert batches == [1, val.SET_ELEMENTS // item] and all(b * item <= val.SET_ELEMENTS for b in batches)
     small = mlp([8, 16, 4], act="Relu")
     assert [f["x"].shape[0] for _, f in val.random_inputs(small)] == list(val.BATCHES)
+
+
+def test_a_chain_that_fails_every_gpu_validation_climbs_the_whole_ladder(tmp_path, monkeypatch):
+    """A packed tanh chain planned wgmma whose CUDA validation always fails is rebuilt at every step:
+    fp16 (bias in fp16), fp16b32, fp16a32, bf16, tf32, and last fp32 (the build then kept), not stopped a
+    step short with the failed tf32 build."""
+    import types
+
+    from onnx2fused.plan.options import PlanOptions
+    cv = importlib.import_module("onnx2fused.convert")   # (the package's `convert` is the function)
+    src = tmp_path / "m.onnx"
+    onnx.save(mlp([64, 128, 128, 64], act="Tanh"), str(src))
+    built = []
+
+    class Stop(Exception):
+        pass
+
+    def failing(model, inp, out, plan, choices, *args, **kwargs):
+        built.append([(c.precision, c.act_math) for c in choices])
+        if choices[0].precision == "fp32":
+            raise Stop   # the last step: what convert would keep
+        report = types.SimpleNamespace(provider="CUDAExecutionProvider", chain_failures=[0], chain_errors=[])
+        return types.SimpleNamespace(validation=report)
+
+    monkeypatch.setattr(cv, "_build_and_check", failing)
+    with pytest.raises(Stop):
+        cv.convert(str(src), str(tmp_path / "out.onnx"), with_cuda=True, plan_options=PlanOptions(design="wgmma"))
+    assert [b[0] for b in built] == [("fp16", "packed"), ("fp16", "packed_b32"), ("fp16", "fp32"),
+                                     ("bf16", "packed"), ("tf32", "packed"), ("fp32", "packed")]

@@ -343,3 +343,16 @@ def test_validation_skips_the_fp32_bias_step_where_no_kernel_adds_it_in_fp16():
     assert _next_step(wide, failed) == ("fp16", "packed_b32")   # no plan to ask: the whole ladder
     b32 = prec.PrecisionChoice("fp16", "fp16 failed", act_math="packed_b32")
     assert _next_step(wide, b32, wgmma) == ("fp16", "fp32")
+
+
+def test_the_range_check_counts_what_each_bias_add_holds_in_fp16():
+    """BIAS16 holds a packed layer's accumulators and bias in fp16 as well as their sum: an accumulator
+    of 2 x 35008 cancelled by a bias of -70000 overflows there, not where the bias is added in fp32
+    first (fp16b32 holds only the sum, 16)."""
+    layers = [SimpleNamespace(weight=np.array([[35008.0]], np.float32), bias=np.array([-70000.0], np.float32),
+                              activation=ex.silu()),
+              SimpleNamespace(weight=np.ones((1, 1), np.float32), bias=None, activation=ex.identity())]
+    x = np.full((1, 1), 2.0, np.float32)
+    assert prec.model_chain(layers, x, "fp16", "packed").peak_stored > val.FP16_MAX
+    b32 = prec.model_chain(layers, x, "fp16", "packed_b32")
+    assert b32.peak_stored < val.FP16_MAX and abs(float(b32.output[0, 0]) - 16.0) < 0.05   # silu(16)

@@ -133,6 +133,18 @@ def test_the_fp16_bias_copy_gives_way_where_it_would_cost_a_ring_slot():
     assert not choose.make_plan(relu, WGMMA).bias16   # no packed layer: nothing to add in fp16
 
 
+def test_the_fp16_bias_copy_gives_way_where_it_would_cost_a_staged_input_k_step():
+    """256 -> 128 x 3 -> 16: the copy's bytes would move the first staged input k-step of the next tile into
+    registers (prefetch one more: ~8 registers a thread); the default plan adds the bias in fp32 there,
+    with the plan it would have without BIAS16."""
+    spec = _spec([256, 128, 128, 128, 16], ex.silu())
+    plan = choose.make_plan(spec, WGMMA)
+    forced = wgmma.make_wgmma_plan(spec, plan.fallback, bias16=True)
+    assert plan.staged_input and forced.staged_input and forced.bias16
+    assert not plan.bias16 and forced.prefetch == plan.prefetch + 1
+    assert wgmma.make_wgmma_plan(spec, plan.fallback, plan.reason, bias16=False) == plan
+
+
 def test_clusters_are_an_override_of_streamed_plans():
     """Each CTA copies its own chunks by default (clusters sharing the copies measured slower); a cluster
     of 2 or 4 on request, streamed plans only."""
@@ -510,5 +522,10 @@ def test_shared_memory_layout_is_the_one_the_plan_sized(spec):
     assert lay.bar_offset - lay.bias16_offset == (round_up(2 * hidden, 8) if plan.bias16 else 0)
     src = _render(spec, WGMMA)[0][f"{spec.name}_cuda.cu"]
     assert f"constexpr int kBiasSmem = {lay.bias_offset};" in src and f"constexpr int kBarSmem = {lay.bar_offset};" in src
+    # BIAS16: the fp16 copy where the plan put it, as many halves as it sized, each layer reading its own
+    assert (f"constexpr int kBias16Smem = {lay.bias16_offset};" in src) == plan.bias16
+    assert (f"constexpr int kBiasHalves = {plan.bias_halves};" in src) == plan.bias16
+    reads = set(re.findall(r"O2F_BIAS16\(sbias16 \+ (\d+) \+ col\)", src))
+    assert reads == ({str(l.bias_offset) for l in plan.layers[:-1]} if plan.bias16 else set()), reads
     assert (f"constexpr int kCntSmem = {lay.cnt_offset};" in src) == plan.streamed
     assert lay.cnt_offset + 4 * plan.stages <= lay.bytes <= 227 * 1024

@@ -469,13 +469,17 @@ def make_wgmma_plan(spec: MLPSpec, fallback, reason: str = "", smem_limit: int =
     layers = _layers(spec, chunk_max or CHUNK_MAX)
     # fp16 bias adds where a hidden layer's activation is packed (the others add in fp32 as before); by
     # default not where the fp16 copy's few KB would take the weights out of residency or a ring slot away
+    # (nor, below, an input k-step out of shared memory)
     packed = spec.bias16 and any(i < len(layers) - 1 for i in spec.packed_layers)
-    if bias16 is None:
+    bias16_default = bias16 is None
+    if bias16_default:
         bias16 = BIAS16 and packed and _stages(layers, smem_limit, bias16=True) == _stages(layers, smem_limit)
     bias16 = bias16 and packed
     most = _stages(layers, smem_limit, bias16=bias16)
-    if most is None:   # a narrower chunk_max may leave too many chunks for the ring: say so
-        raise SpecError(f"{spec.describe()}: no wgmma plan with chunks of {chunk_max}: the ring does not fit")
+    if most is None:   # a narrower chunk_max (or the fp16 bias copy) may leave too many chunks for the ring
+        what = " and ".join(w for w in (f"chunks of {chunk_max}" if chunk_max else "",
+                                        "the fp16 bias copy" if bias16 else "") if w)
+        raise SpecError(f"{spec.describe()}: no wgmma plan{' with ' + what if what else ''}: the ring does not fit")
     if stages is not None:   # an override streams even weights that would stay resident
         most = _stages(layers, smem_limit, resident=False, bias16=bias16) or 0
         if not STAGES_MIN <= stages <= most:
@@ -506,9 +510,15 @@ def make_wgmma_plan(spec: MLPSpec, fallback, reason: str = "", smem_limit: int =
     # a chunk's slice per CTA must stay a multiple of 16 bytes (bulk copies): chunks are multiples of 256
     cluster = (cluster or CLUSTER) if stages else 1
     bulk = BULK_INPUT if bulk_input is None else bulk_input
-    fits = [p for p in range(k0_steps)
-            if _smem(layers, stages, nwg * ROWS * _input_row_bytes(16 * (k0_steps - p), bulk), nwg if bulk else 0,
-                     cluster, bias16) <= smem_limit]
+    def input_fits(b16: bool) -> list[int]:
+        return [p for p in range(k0_steps)
+                if _smem(layers, stages, nwg * ROWS * _input_row_bytes(16 * (k0_steps - p), bulk), nwg if bulk else 0,
+                         cluster, b16) <= smem_limit]
+    fits = input_fits(bias16)
+    if bias16 and bias16_default and stageable and fits[:1] != input_fits(False)[:1]:
+        # the copy would hold one more of the next tile's input k-steps in registers (silu 256x6: 225 -> 233
+        # registers a thread): the bias in fp32 instead
+        bias16, fits = False, input_fits(False)
     if staged_input is None:   # where registers cannot hold the next tile's whole input (and it fits)
         staged_input = stageable and register_prefetch < k0_steps and bool(fits) and (prefetch is None or prefetch in fits)
     if staged_input:
