@@ -42,7 +42,7 @@ import numpy as np
 
 from . import expr as ex
 from .plan.wgmma import BIAS16
-from .spec import ACT_MATH_TAGS
+from .spec import ACT_MATH_TAGS, PACKED_MATHS
 from .validate import FP16_MAX, NOISE_FACTOR
 
 LADDER = ("fp16", "bf16", "tf32", "fp32")
@@ -81,7 +81,7 @@ def next_step(precision: str, act_math: str, has_packed: bool) -> tuple[str, str
     """The step after (precision, act_math): fp16 with packed activations -> the same with the bias added
     in fp32 -> fp16 with fp32 activations (those two where the chain has packed layers) -> bf16 -> tf32 ->
     fp32; None after fp32."""
-    if precision == "fp16" and has_packed and act_math in ("packed", "packed_b32"):
+    if precision == "fp16" and has_packed and act_math in PACKED_MATHS:
         return "fp16", "packed_b32" if act_math == "packed" else "fp32"
     p = next_precision(precision)
     return (p, "packed") if p else None
@@ -164,7 +164,7 @@ def chain_layers(chain) -> list[SimpleNamespace]:
 
 def _packed(layers, i: int, precision: str, act_math: str) -> ex.PackedForm | None:
     """Layer i's packed fp16x2 form where the kernel uses it (as MLPSpec.packed_layers decides)."""
-    if (precision != "fp16" or act_math not in ("packed", "packed_b32") or i + 1 >= len(layers)
+    if (precision != "fp16" or act_math not in PACKED_MATHS or i + 1 >= len(layers)
             or getattr(layers[i], "gated", False)):
         return None
     return ex.packed_form(layers[i].activation)

@@ -36,6 +36,7 @@ PRECISIONS = ("fp16", "bf16", "tf32", "fp32")
 # pre-activations, expr.PACKED_FORMS, where the activation has such a form) or "fp32" (then rounded).
 ACT_MATHS = ("packed", "packed_b32", "fp32")
 ACT_MATH_TAGS = {"packed": "", "packed_b32": "b32", "fp32": "a32"}   # in names and reports: fp16, fp16b32, fp16a32
+PACKED_MATHS = ("packed", "packed_b32")   # the act_maths whose hidden activations use the packed forms
 IO_DTYPES = ("f32", "f16")
 DOMAIN = "onnx2fused"
 PLUGIN_KEY = "onnx2fused.plugin"   # the fused model's metadata entry: its plugin library, a file beside it
@@ -150,7 +151,7 @@ class MLPSpec:
 
     @property
     def packed_layers(self) -> frozenset[int]:
-        return self.packable_layers if self.act_math in ("packed", "packed_b32") else frozenset()
+        return self.packable_layers if self.act_math in PACKED_MATHS else frozenset()
 
     @property
     def bias16(self) -> bool:

@@ -117,7 +117,7 @@ def _layer_params(plan: WgmmaPlan) -> list[dict]:
             "k_steps": l.k_steps, "next_k_steps": l.hidden // 16, "offset": l.offset, "chunk_bytes": l.chunk_bytes,
             "gated": l.gated, "quads": last and plan.quad_stores,
             "bias_offset": l.bias_offset, "last": last, "next": l.index + 1, "steps": steps,
-            "bias16": plan.bias16 and not last and not l.gated and l.index in plan.spec.packed_layers,
+            "bias16": plan.bias16 and l.index in plan.spec.packed_layers,   # (hidden, not gated, packed)
         })
     return out
 

@@ -470,11 +470,10 @@ def make_wgmma_plan(spec: MLPSpec, fallback, reason: str = "", smem_limit: int =
     # fp16 bias adds where a hidden layer's activation is packed (the others add in fp32 as before); by
     # default not where the fp16 copy's few KB would take the weights out of residency or a ring slot away
     # (nor, below, an input k-step out of shared memory)
-    packed = spec.bias16 and any(i < len(layers) - 1 for i in spec.packed_layers)
     bias16_default = bias16 is None
     if bias16_default:
-        bias16 = BIAS16 and packed and _stages(layers, smem_limit, bias16=True) == _stages(layers, smem_limit)
-    bias16 = bias16 and packed
+        bias16 = BIAS16 and spec.bias16 and _stages(layers, smem_limit, bias16=True) == _stages(layers, smem_limit)
+    bias16 = bias16 and spec.bias16   # (packed hidden layers, act_math "packed")
     most = _stages(layers, smem_limit, bias16=bias16)
     if most is None:   # a narrower chunk_max (or the fp16 bias copy) may leave too many chunks for the ring
         what = " and ".join(w for w in (f"chunks of {chunk_max}" if chunk_max else "",
