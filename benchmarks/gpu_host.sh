@@ -40,6 +40,8 @@
 #                                         sweep: GELU packed / through fp32 / none, K 768..3072)
 #   benchmarks/gpu_host.sh lightncu [M K N [RASTER]] benchmarks/sm90/light_ncu.sh: Nsight Compute's full set on it
 #                                         and on cuBLAS's GEMM for one shape (default ViT-B's up projection)
+#   benchmarks/gpu_host.sh gluab OLD [CASES [BATCHES]] gated wide cases (default swiglu256; llama7b at BATCHES,
+#                                         default 256,4096) through ORT on this tree, then on commit OLD (A/B)
 #   benchmarks/gpu_host.sh lightab [CASES] wide_cases.py (default vitb_block,ffn) converted twice, the untuned Hopper
 #                                         kernels ours, then CUTLASS's (Pingpong128x128 and Tf32Pingpong128x128:
 #                                         ONNX2FUSED_WIDE_DEFAULT_KERNEL, ONNX2FUSED_WIDE_DEFAULT_TF32_KERNEL)
@@ -221,6 +223,23 @@ lightgemm)
 lightncu)
   shift
   bash benchmarks/sm90/light_ncu.sh "$@"
+  ;;
+gluab)
+  # the glu in the light kernel's epilogue against the GEMM + glu pass of commit OLD (argument 2, run from a
+  # git worktree: the device's .git is the session's first copy), wide_cases.py's gated cases (CASES,
+  # argument 3: default swiglu256; llama7b at BATCHES, argument 4), new then old per case
+  old=${2:?gluab needs OLD, the commit to compare with}
+  git worktree add -f /tmp/gluab_old "$old" > /dev/null 2>&1; ln -sfn "$R/.deps" /tmp/gluab_old/.deps
+  for case in $(echo "${3:-swiglu256}" | tr , ' '); do
+    batch=(); [ "$case" = llama7b ] && batch=(--batch "${4:-256,4096}")
+    for tree in "$R" /tmp/gluab_old; do
+      tag=$([ "$tree" = "$R" ] && echo new || echo old)
+      echo "== $case, $tag ($(git -C "$tree" rev-parse --short HEAD)$([ "$tree" = "$R" ] && echo ' + working tree'))"
+      (cd "$tree" && timeout 290 python3 benchmarks/wide_cases.py --out "/tmp/gluab_$tag" --cases "$case" "${batch[@]}" \
+        --kernels sm90 --reps 50 2>&1 | grep "^| \|rror")
+      cp "/tmp/gluab_$tag/wide_cases.json" "$OUT/gluab_${case}_$tag.json" 2>/dev/null
+    done
+  done
   ;;
 lightab)
   # ours (Light128x128, and Tf32Light128x128 for a first layer read in place) against CUTLASS's ping-pong

@@ -44,14 +44,20 @@ def _sm80_config() -> str:
     return "Sm80T" + hashlib.sha256(table.encode()).hexdigest()[:6]
 
 
-def epilogue_text(act_code: str, residual: bool = False, packed: str = "", sm90: bool = False) -> str:
+def epilogue_text(act_code: str, residual: bool = False, packed: str = "", sm90: bool = False,
+                  gated: bool = False) -> str:
     """What an instance's epilogue computes (its name's hash is of this): D = act(acc + bias[n]) in fp32,
     bias always present (zeros where the layer has none), act the activation's CUDA code of `v`; with
     `residual` (a block's last layer), a Hopper (`sm90`) kernel adds the block's input rows as its source
     operand, D = act(acc + C[m, n] + bias[n]); a CUTLASS 2.x one computes D = act(acc + C[m, n]) with C
     the output rows themselves, which hold x + bias when it runs. `packed`: the fp16x2 function that
-    computes act instead, on pairs of pre-activations rounded to fp16 (a hidden layer of spec.packed_layers)."""
+    computes act instead, on pairs of pre-activations rounded to fp16 (a hidden layer of spec.packed_layers).
+    `gated`: the glu in the epilogue (a gated layer's light kernel, W = n gate rows then n up rows): D[m, j] =
+    act(g) * u, g and u the two products plus bias, each rounded to D's type first, the product in fp32."""
     act = f"act(v) = {packed}(fp16x2 pairs)" if packed else f"act(v) = {act_code}"
+    if gated:
+        return (f"D[m, j] = act(g) * u, g = out(acc[m, j] + bias[j]), u = out(acc[m, n + j] + bias[n + j]), "
+                f"fp32 product; {act}")
     if residual and sm90:
         return f"D = act(acc + C[m, n] + bias[n]), C = the block's input rows, fp32; {act}"
     if residual:
@@ -60,17 +66,20 @@ def epilogue_text(act_code: str, residual: bool = False, packed: str = "", sm90:
 
 
 def instance_params(config: str, elem: str, out: str, align: int, act_code: str, residual: bool = False,
-                    packed: str = "") -> dict:
+                    packed: str = "", gated: bool = False) -> dict:
     """One kernel instance's parameters (cuda_wide_instance.cu.j2): `config` a Hopper kernel's name
     (plan.sm90.Sm90Kernel.name) or the sm80 kernels' (_sm80_config), `elem` the 16-bit operand type (a
     tf32 kernel's operands are fp32), `out` the output and bias type, `align` the epilogue's elements
     per access, `act_code` the activation (expr.render_c of `v`), `residual`: the epilogue adds the
     block's input rows (epilogue_text), `packed`: the activation's fp16x2 function where
-    the layer's activations are packed (templates/o2f_packed_act.cuh), else ""."""
+    the layer's activations are packed (templates/o2f_packed_act.cuh), else ""; `gated`: a gated layer's
+    glu in the epilogue (the light kernel only)."""
     kernel = next((k for k in SM90_KERNELS if k.name == config), None)
     sm90 = kernel is not None
+    if gated and not (sm90 and kernel.light and not kernel.tf32 and not residual and not packed and out == elem):
+        raise ValueError(f"{config}: only the 16-bit light kernel has a gated epilogue (hidden, fp32 activation)")
     operand = "float" if sm90 and kernel.tf32 else elem
-    epi = epilogue_text(act_code, residual, packed, sm90)
+    epi = epilogue_text(act_code, residual, packed, sm90, gated)
     name = (f"{INSTANCE_PREFIX}{config}_{_TYPE_TOKEN[operand]}_{_TYPE_TOKEN[out]}_a{align}_"
             f"{hashlib.sha256(epi.encode()).hexdigest()[:12]}")
     light = sm90 and kernel.light
@@ -80,7 +89,7 @@ def instance_params(config: str, elem: str, out: str, align: int, act_code: str,
         "template": LIGHT_TEMPLATE if light else INSTANCE_TEMPLATE, "name": name, "file": f"{name}.cu", "sm90": sm90,
         "light": light, "config": config,
         "elem": elem, "out": out, "align": align, "act_code": act_code, "prelude": ex.C_PRELUDE,
-        "residual": residual, "packed": packed,
+        "residual": residual, "packed": packed, "gated": gated,
         "describe": (f"{config} ({family}), {_TYPE_TOKEN[operand]} operands, {_TYPE_TOKEN[out]} output, "
                      f"alignment {align}, epilogue {epi}"),
     }
@@ -107,7 +116,9 @@ IDENTITY_CODE = ex.render_c(ex.X, "v")
 
 def _gemm_instances(plan: WidePlan) -> list[dict]:
     """Per GEMM: its sm80 instance (None for a narrow layer), and (kernel index, instance) of each Hopper
-    kernel its dispatch holds (16-bit ones; for layer 0, the tf32 ones of layer0_tf32 as well)."""
+    kernel its dispatch holds (16-bit ones; for layer 0, the tf32 ones of layer0_tf32 as well). A gated
+    layer's light kernel is its `glu` instance (the glu in the epilogue: gatedN in cuda_wide.cu.j2), not
+    one of its dispatch's (which write the gate and up products for the glu pass)."""
     spec = plan.spec
     acts = act_params(spec, [g.np_ for g in plan.gemms])
     elem = _elem_type(spec)
@@ -122,10 +133,14 @@ def _gemm_instances(plan: WidePlan) -> list[dict]:
             return instance_params(config, elem, o, g.align_out, code, res, packed)
 
         chosen = [i for i in plan.sm90_kernels if plan.tuning or any(c.kernel == i for c in per)]
-        sm90 = [(i, instance(SM90_KERNELS[i].name)) for i in chosen if g.sm90 and not SM90_KERNELS[i].tf32]
+        glu = [(i, instance_params(SM90_KERNELS[i].name, elem, o, g.align_out, acts[g.index]["code"], gated=True))
+               for i in chosen if g.gated and g.sm90 and SM90_KERNELS[i].light and not SM90_KERNELS[i].tf32]
+        sm90 = [(i, instance(SM90_KERNELS[i].name)) for i in chosen
+                if g.sm90 and not SM90_KERNELS[i].tf32 and i not in dict(glu)]
         tf32 = [(i, instance(SM90_KERNELS[i].name))
                 for i in plan.sm90_kernels if SM90_KERNELS[i].tf32 and g.index == 0 and plan.tf32_first and g.sm90]
-        out.append({"sm80": None if g.narrow else instance(_sm80_config()), "sm90": sm90, "tf32": tf32})
+        out.append({"sm80": None if g.narrow else instance(_sm80_config()), "sm90": sm90, "tf32": tf32,
+                    "glu": glu[0] if glu else None})
     return out
 
 
@@ -133,7 +148,8 @@ def wide_instances(plan: WidePlan) -> dict[str, dict]:
     """The kernel instances the chain's unit calls: {file name: instance_params}, each once."""
     found: dict[str, dict] = {}
     for per in _gemm_instances(plan):
-        for p in ([per["sm80"]] if per["sm80"] else []) + [p for _, p in per["sm90"] + per["tf32"]]:
+        for p in ([per["sm80"]] if per["sm80"] else []) + [p for _, p in per["sm90"] + per["tf32"]] + \
+                ([per["glu"][1]] if per["glu"] else []):
             found.setdefault(p["file"], p)
     return dict(sorted(found.items()))
 
@@ -192,7 +208,9 @@ def wide_params(plan: WidePlan) -> dict:
                    # its sm80 instance, and the 16-bit Hopper kernels its dispatch switch holds (tf32 ones
                    # go to layer0_tf32)
                    "sm80_inst": ins["sm80"]["name"] if ins["sm80"] else None,
-                   "sm90_cases": [{"kernel": i, "inst": p["name"]} for i, p in ins["sm90"]]}
+                   "sm90_cases": [{"kernel": i, "inst": p["name"]} for i, p in ins["sm90"]],
+                   # a gated layer's light kernel with the glu in its epilogue (None: GEMM + glu pass only)
+                   "glu_case": {"kernel": ins["glu"][0], "inst": ins["glu"][1]["name"]} if ins["glu"] else None}
                   for g, per, ins in zip(plan.gemms, plan.choices, insts)],
         "tail": _tail_params(plan),
         "tf32_first": plan.tf32_first,

@@ -7,6 +7,13 @@
 //   D[m, n] = PairAct(A[m, K] W^T + bias[n] (+ C[m, n]))   A row-major (row stride k), W n-major ([n][k]),
 //   Elem operands (fp16 or bf16; fp32 read as tf32), fp32 accumulation, bias, C (the residual: kResidual)
 //   and D of type Out.
+// kGated (a gated layer: SwiGLU, GeGLU): W holds 2n rows, the gate products' n then the up products' n,
+// and the kernel writes the hidden rows D[m, j] = act(g_j) * u_j, with g_j and u_j the gate and up
+// products plus their bias, each rounded to Out first (the numbers the separate GEMM + glu pass computed:
+// stock ORT's fp16 model rounds its two MatMuls' outputs too), the product in fp32 and rounded once. Its
+// tiles are 128 x 64 outputs: a W stage holds 64 gate rows and the 64 up rows of the same columns (two
+// TMA boxes), so a thread's accumulators hold both products of each of its columns, and neither the 2n
+// products nor a glu pass ever touch memory.
 //
 // Static code included inside a kernel instance unit's namespace (templates/cuda_wide_light.cu.j2),
 // after <cuda.h>, <cudaTypedefs.h>, o2f_wide_launch.cuh and the unit's Elem, Out, kResidual and PairAct
@@ -51,12 +58,12 @@ constexpr int kBoxBytes = 64 * 128;   // a staging box: 64 rows of 128 bytes (64
 //
 // (A variant with 256 x 128 CTA tiles, both consumers on one tile sharing each W stage, 3 slots, measured
 // slower in every case, twice: RESULTS.md nineteenth run; its code is in git history up to commit 9f606dd.)
-template <typename Out, bool kResidual>
+template <typename Out, bool kResidual, int kTileN = kBN>   // kTileN: output columns a tile (a gated one's 64)
 struct Layout {
   static constexpr int kStageBytes = kABytes + kWBytes;
   static constexpr bool kHalved = sizeof(Out) == 4;
   static constexpr int kBoxCols = 128 / static_cast<int>(sizeof(Out));
-  static constexpr int kHalfBoxes = kBN / kBoxCols;           // the column boxes of an m64 half
+  static constexpr int kHalfBoxes = kTileN / kBoxCols;        // the column boxes of an m64 half
   static constexpr int kOwnBoxes = kHalved ? kHalfBoxes : 2 * kHalfBoxes;
   static constexpr int kOutBytes = kConsumers * kOwnBoxes * kBoxBytes;
   // as many slots as fit beside the boxes and the barriers, at most 5
@@ -150,15 +157,16 @@ __device__ __forceinline__ float2 lds_pair(float, uint32_t addr) {
   asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(addr) : "memory");
   return v;
 }
-__device__ __forceinline__ float2 lds_pair(__half, uint32_t addr) {
-  uint32_t u;
-  asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(u) : "r"(addr) : "memory");
-  return __half22float2(*reinterpret_cast<const __half2*>(&u));
-}
-__device__ __forceinline__ float2 lds_pair(__nv_bfloat16, uint32_t addr) {
-  uint32_t u;
-  asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(u) : "r"(addr) : "memory");
+// A 16-bit pair's bits as fp32 values.
+__device__ __forceinline__ float2 unpack_pair(__half, uint32_t u) { return __half22float2(*reinterpret_cast<const __half2*>(&u)); }
+__device__ __forceinline__ float2 unpack_pair(__nv_bfloat16, uint32_t u) {
   return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u));
+}
+template <typename Out>
+__device__ __forceinline__ float2 lds_pair(Out, uint32_t addr) {   // (16-bit Out)
+  uint32_t u;
+  asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(u) : "r"(addr) : "memory");
+  return unpack_pair(Out{}, u);
 }
 __device__ __forceinline__ void sts_pair(float, uint32_t addr, float2 v) {
   asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(v.x), "f"(v.y) : "memory");
@@ -179,12 +187,24 @@ struct PackedStore : std::false_type {};
 template <class Act>
 struct PackedStore<Act, __half, std::void_t<decltype(Act{}.packed(0.f, 0.f))>> : std::true_type {};
 
-template <typename Elem, typename Out, class PairAct, bool kResidual>
+// A pair rounded to Out and back: the value a 16-bit output of it holds.
+template <typename Out>
+__device__ __forceinline__ float2 rounded_pair(float a, float b) {
+  return unpack_pair(Out{}, pack_pair(Out{}, make_float2(a, b)));
+}
+
+// A tile's output columns: 128, or 64 of a gated layer (its W tile: their gate and up rows).
+template <bool kGated>
+constexpr int kTileCols = kGated ? kBN / 2 : kBN;
+
+template <typename Elem, typename Out, class PairAct, bool kResidual, bool kGated>
 __global__ void __launch_bounds__(kThreads, 1)
     light_gemm(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_w,
                const __grid_constant__ CUtensorMap map_d, const __grid_constant__ CUtensorMap map_c,
                const Out* __restrict__ bias, int m, int n, int k, int n_fastest) {
-  using L = Layout<Out, kResidual>;
+  static_assert(!kGated || (!kResidual && sizeof(Out) == 2), "a gated layer is hidden: 16-bit D, no residual");
+  constexpr int kTileN = kTileCols<kGated>;
+  using L = Layout<Out, kResidual, kTileN>;
   constexpr int kStages = L::kStages;
   extern __shared__ uint8_t smem_raw[];
   const uint32_t base = (smem_u32(smem_raw) + 1023) & ~1023u;   // swizzled tiles: 1024-aligned
@@ -212,11 +232,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   __syncthreads();
   // Tile order: across the columns first when A is the larger operand (n_fastest: each row band of A is
   // read from memory once while W stays in the L2), else down the rows.
-  const int mt = (m + kBM - 1) / kBM, nt = (n + kBN - 1) / kBN, tiles = mt * nt;
+  const int mt = (m + kBM - 1) / kBM, nt = (n + kTileN - 1) / kTileN, tiles = mt * nt;
   const int kbs = (k + kBK<Elem> - 1) / kBK<Elem>;
   auto origin = [&](int t, int& m0, int& n0) {
     m0 = (n_fastest ? t / nt : t % mt) * kBM;
-    n0 = (n_fastest ? t % nt : t / mt) * kBN;
+    n0 = (n_fastest ? t % nt : t / mt) * kTileN;
   };
 
   if (wg == 0) {   // producer
@@ -231,7 +251,10 @@ __global__ void __launch_bounds__(kThreads, 1)
           mbar_wait(empty(s), phase ^ 1);
           mbar_expect_tx(full(s), L::kStageBytes);   // out-of-bounds parts are zero-filled and counted
           tma_load_2d(stage_a(s), &map_a, kb * kBK<Elem>, m0, full(s));
-          tma_load_2d(stage_w(s), &map_w, kb * kBK<Elem>, n0, full(s));
+          tma_load_2d(stage_w(s), &map_w, kb * kBK<Elem>, n0, full(s));   // (gated: the gate rows n0..)
+          // the up rows of the same columns, n + n0.. (a last tile's gate box runs into the first up rows:
+          // columns past n, which the TMA store clips; the up box's rows past 2n are zero-filled)
+          if constexpr (kGated) tma_load_2d(stage_w(s) + kWBytes / 2, &map_w, kb * kBK<Elem>, n + n0, full(s));
           if (++s == kStages) {
             s = 0;
             phase ^= 1;
@@ -256,16 +279,20 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int i = 0, t = first; t < tiles; ++i, t += step) {
     int m0, n0;
     origin(t, m0, n0);
-    // The bias of this thread's columns n0 + 8f + 2 (lane % 4) (+ 1), loaded before the mainloop's waits.
+    // The bias of this thread's accumulator columns 8f + 2 (lane % 4) (+ 1), loaded before the mainloop's
+    // waits: output columns n0 + those, or gated, f < 8 the gate products' and f >= 8 the up products' of
+    // output columns n0 + 8 (f - 8) + ... (bias index n + that).
+    auto out_col = [&](int f) { return n0 + 8 * (kGated ? f % 8 : f) + 2 * (lane % 4); };
+    auto bias_at = [&](int f) { return bias + (kGated && f >= 8 ? n : 0) + out_col(f); };
     float2 bias_r[kBN / 8];
-    if (n0 + kBN <= n && n % 2 == 0) {   // a whole column tile: every pair there, aligned (no branches)
+    if (n0 + kTileN <= n && n % 2 == 0) {   // a whole column tile: every pair there, aligned (no branches)
 #pragma unroll
-      for (int f = 0; f < kBN / 8; ++f) bias_r[f] = load_pair(bias + n0 + 8 * f + 2 * (lane % 4), true);
+      for (int f = 0; f < kBN / 8; ++f) bias_r[f] = load_pair(bias_at(f), true);
     } else {
 #pragma unroll
       for (int f = 0; f < kBN / 8; ++f) {
-        const int col = n0 + 8 * f + 2 * (lane % 4);
-        bias_r[f] = col < n ? load_pair(bias + col, col + 1 < n) : make_float2(0.f, 0.f);
+        const int col = out_col(f);
+        bias_r[f] = col < n ? load_pair(bias_at(f), col + 1 < n) : make_float2(0.f, 0.f);
       }
     }
     const uint32_t out = staging + c * (L::kOutBytes / kConsumers);   // this consumer's boxes
@@ -349,28 +376,45 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       }
       const int row = warp * 16 + lane / 4;
+      if constexpr (kGated) {   // output column t = 8f + 2 (lane % 4) from accumulator pairs f (gate), f + 8 (up)
 #pragma unroll
-      for (int f = 0; f < kBN / 8; ++f) {
-        const int t = 8 * f + 2 * (lane % 4);
-        const int cb = t % L::kBoxCols;
-        const uint32_t box = out + ((L::kHalved ? 0 : h * L::kHalfBoxes) + t / L::kBoxCols) * kBoxBytes;
-        const uint32_t word = ((cb / kPerChunk) ^ (row % 8)) * 16 + (cb % kPerChunk) * static_cast<int>(sizeof(Out));
-        const uint32_t at_lo = box + row * 128 + word, at_hi = box + (row + 8) * 128 + word;   // (row + 8) % 8 == row % 8
-        float2 lo = make_float2(acc[h][4 * f] + bias_r[f].x, acc[h][4 * f + 1] + bias_r[f].y);
-        float2 hi = make_float2(acc[h][4 * f + 2] + bias_r[f].x, acc[h][4 * f + 3] + bias_r[f].y);
-        if constexpr (kResidual) {   // the block's input rows (zeros past the tails)
-          const float2 xl = lds_pair(Out{}, at_lo), xh = lds_pair(Out{}, at_hi);
-          lo.x += xl.x;
-          lo.y += xl.y;
-          hi.x += xh.x;
-          hi.y += xh.y;
+        for (int f = 0; f < kBN / 16; ++f) {
+          const int t = 8 * f + 2 * (lane % 4);
+          const uint32_t box = out + h * kBoxBytes;   // one box of 64 columns an m64 half
+          const uint32_t word = ((t / kPerChunk) ^ (row % 8)) * 16 + (t % kPerChunk) * static_cast<int>(sizeof(Out));
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {   // rows `row` and row + 8: accumulators 4f + 2r (+ 1)
+            const float2 g = rounded_pair<Out>(acc[h][4 * f + 2 * r] + bias_r[f].x, acc[h][4 * f + 2 * r + 1] + bias_r[f].y);
+            const float2 u = rounded_pair<Out>(acc[h][4 * (f + 8) + 2 * r] + bias_r[f + 8].x,
+                                               acc[h][4 * (f + 8) + 2 * r + 1] + bias_r[f + 8].y);
+            sts_pair(Out{}, box + (row + 8 * r) * 128 + word,
+                     make_float2(__fmul_rn(PairAct::act(g.x), u.x), __fmul_rn(PairAct::act(g.y), u.y)));
+          }
         }
-        if constexpr (PackedStore<PairAct, Out>::value) {
-          sts_b32(at_lo, PairAct{}.packed(lo.x, lo.y));
-          sts_b32(at_hi, PairAct{}.packed(hi.x, hi.y));
-        } else {
-          sts_pair(Out{}, at_lo, PairAct{}(lo.x, lo.y));
-          sts_pair(Out{}, at_hi, PairAct{}(hi.x, hi.y));
+      } else {
+#pragma unroll
+        for (int f = 0; f < kBN / 8; ++f) {
+          const int t = 8 * f + 2 * (lane % 4);
+          const int cb = t % L::kBoxCols;
+          const uint32_t box = out + ((L::kHalved ? 0 : h * L::kHalfBoxes) + t / L::kBoxCols) * kBoxBytes;
+          const uint32_t word = ((cb / kPerChunk) ^ (row % 8)) * 16 + (cb % kPerChunk) * static_cast<int>(sizeof(Out));
+          const uint32_t at_lo = box + row * 128 + word, at_hi = box + (row + 8) * 128 + word;   // (row + 8) % 8 == row % 8
+          float2 lo = make_float2(acc[h][4 * f] + bias_r[f].x, acc[h][4 * f + 1] + bias_r[f].y);
+          float2 hi = make_float2(acc[h][4 * f + 2] + bias_r[f].x, acc[h][4 * f + 3] + bias_r[f].y);
+          if constexpr (kResidual) {   // the block's input rows (zeros past the tails)
+            const float2 xl = lds_pair(Out{}, at_lo), xh = lds_pair(Out{}, at_hi);
+            lo.x += xl.x;
+            lo.y += xl.y;
+            hi.x += xh.x;
+            hi.y += xh.y;
+          }
+          if constexpr (PackedStore<PairAct, Out>::value) {
+            sts_b32(at_lo, PairAct{}.packed(lo.x, lo.y));
+            sts_b32(at_hi, PairAct{}.packed(hi.x, hi.y));
+          } else {
+            sts_pair(Out{}, at_lo, PairAct{}(lo.x, lo.y));
+            sts_pair(Out{}, at_hi, PairAct{}(hi.x, hi.y));
+          }
         }
       }
     }
@@ -437,11 +481,13 @@ struct MapKey {
 // 16-byte aligned: TMA). c.raster picks the tile order (plan.sm90.RASTERS: 0 by the operands' sizes,
 // 1 down the rows, 2 across the columns). The tensor maps of the last call on this thread are reused
 // when nothing they depend on changed (ORT hands a session the same buffers run after run).
-template <typename Elem, typename Out, class PairAct, bool kResidual>
+template <typename Elem, typename Out, class PairAct, bool kResidual, bool kGated = false>
 cudaError_t run(const o2f_wide::DeviceInfo& dev, const o2f_wide::Choice& c, int m, int n, int k, const void* a,
                 const void* w, const Out* bias, const Out* src, Out* d, int ldd, cudaStream_t s) {
   if (m <= 0 || n <= 0) return cudaSuccess;
-  using L = Layout<Out, kResidual>;
+  constexpr int kTileN = kTileCols<kGated>;
+  using L = Layout<Out, kResidual, kTileN>;
+  const int w_rows = kGated ? 2 * n : n;   // gated: n gate rows, then n up rows
   struct Maps {
     MapKey key;
     CUtensorMap a, w, d, c;
@@ -449,10 +495,10 @@ cudaError_t run(const o2f_wide::DeviceInfo& dev, const o2f_wide::Choice& c, int 
   };
   thread_local Maps last;
   const MapKey key{dev.id, m, n, k, ldd, a, w, kResidual ? src : nullptr, d};
-  auto kernel = light_gemm<Elem, Out, PairAct, kResidual>;
+  auto kernel = light_gemm<Elem, Out, PairAct, kResidual, kGated>;
   if (!last.ready || !(last.key == key)) {
     last.ready = false;
-    if (!tile_map<Elem>(&last.a, a, m, k, k, kBM) || !tile_map<Elem>(&last.w, w, n, k, k, kBN))
+    if (!tile_map<Elem>(&last.a, a, m, k, k, kBM) || !tile_map<Elem>(&last.w, w, w_rows, k, k, kGated ? kBN / 2 : kBN))
       return cudaErrorInvalidValue;
     last.c = last.a;   // unused where C is not read
     if (!tile_map<Out>(&last.d, d, m, n, ldd, 64)) return cudaErrorInvalidValue;
@@ -462,8 +508,8 @@ cudaError_t run(const o2f_wide::DeviceInfo& dev, const o2f_wide::Choice& c, int 
     last.key = key;
     last.ready = true;
   }
-  const int tiles = ((m + kBM - 1) / kBM) * ((n + kBN - 1) / kBN);
-  const int n_fastest = c.raster == 1 ? 0 : c.raster == 2 ? 1 : m >= n;
+  const int tiles = ((m + kBM - 1) / kBM) * ((n + kTileN - 1) / kTileN);
+  const int n_fastest = c.raster == 1 ? 0 : c.raster == 2 ? 1 : m >= w_rows;
   const int grid = tiles < dev.sms ? tiles : dev.sms;
   kernel<<<grid, kThreads, L::kSmemBytes, s>>>(last.a, last.w, last.d, last.c, bias, m, n, k, n_fastest);
   return cudaGetLastError();

@@ -127,20 +127,62 @@ def test_gated_odd_widths(k, widths, gated, precision, design, cache_dir, tmp_pa
     _check(sess, src, k, precision, f"{k}->{widths} gated {sorted(gated)} {precision} {design}")
 
 
-# -- the wide design: one GEMM of gate and up columns, the glu pass, the next GEMM ------------------------
+# -- the wide design: one GEMM of gate and up columns, the glu in its epilogue (Hopper's light kernel) or a
+# glu pass after it (the sm80 kernels), the next GEMM ------------------------------------------------------
+
+def _hopper() -> bool:
+    return torch.cuda.get_device_capability() == (9, 0)
+
+
+def _kernel_names(sess, x) -> str:
+    """The CUDA kernels one run of `sess` on x launches (after a warm-up run), by name."""
+    from torch.profiler import ProfilerActivity, profile
+    sess.run(None, {"x": x})
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        sess.run(None, {"x": x})
+    return " ".join(e.name for e in prof.events())
+
 
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
 @pytest.mark.parametrize("k,widths,gated", [
-    (256, [1000, 250], {0}),        # odd halves (padded to 1000 -> 1000, 250 out: the sm80 last GEMM)
+    (256, [1000, 250], {0}),        # odd halves (1000: the last 64-column tile's gate box runs into the up rows)
     (96, [520, 300, 64], {0, 1}),   # two gated layers in a row, padded halves, a plain last layer
     (64, [256, 512, 64], {1}),      # a gated layer after a plain one (its input the first GEMM's buffer)
 ])
-def test_gated_layers_in_the_wide_design(k, widths, gated, precision, cache_dir, tmp_path):
+def test_gated_layers_in_the_wide_design(k, widths, gated, precision, cache_dir, tmp_path, monkeypatch):
+    """Against stock ORT with NaN-poisoned outputs; on Hopper with both kernel families of one session: the
+    light kernel's gated epilogue (the untuned default) and the sm80 GEMM + glu pass
+    (ONNX2FUSED_WIDE_KERNELS=sm80, read on every run)."""
+    from onnx2fused.plan import wide
     src = tmp_path / "swiglu.onnx"
     onnx.save(_swiglu_chain(k, widths, gated), str(src))
     sess = _fused_session(src, precision, "wide", cache_dir, tmp_path / "fused.onnx")
-    _check(sess, src, k, precision, f"{k}->{widths} gated {sorted(gated)} {precision} wide",
-           batches=(1, 37, 129, 4099, 70001))
+    for family in ("default", "sm80") if _hopper() else ("default",):
+        if family == "sm80":
+            monkeypatch.setenv(wide.SM80_ENV, "sm80")
+        _check(sess, src, k, precision, f"{k}->{widths} gated {sorted(gated)} {precision} wide, {family} kernels",
+               batches=(1, 37, 129, 4099, 70001))
+    monkeypatch.delenv(wide.SM80_ENV, raising=False)
+
+
+def test_hopper_runs_the_glu_in_the_light_kernels_epilogue(cache_dir, tmp_path, monkeypatch):
+    """Which kernels one run launches (torch's profiler): on Hopper the gated GEMM is the light kernel and
+    no glu pass runs (the products never reach memory); with the sm80 kernels, the glu pass does."""
+    if not _hopper():
+        pytest.skip("the light kernel runs on compute capability 9.0 only")
+    from onnx2fused.plan import wide
+    src = tmp_path / "swiglu.onnx"
+    onnx.save(_swiglu_chain(256, [1000, 250], {0}), str(src))
+    sess = _fused_session(src, "fp16", "wide", cache_dir, tmp_path / "fused.onnx")
+    x = np.random.default_rng(3).standard_normal((4099, 256)).astype(np.float32)
+    names = _kernel_names(sess, x)
+    if not names:
+        pytest.skip("the profiler recorded no CUDA kernels here (CUPTI unavailable)")
+    assert "light_gemm" in names and "glu_rows" not in names, names
+    monkeypatch.setenv(wide.SM80_ENV, "sm80")
+    names = _kernel_names(sess, x)
+    monkeypatch.delenv(wide.SM80_ENV, raising=False)
+    assert "glu_rows" in names and "light_gemm" not in names, names
 
 
 def test_big_swiglu_goes_wide_by_default_and_matches_stock(tmp_path):

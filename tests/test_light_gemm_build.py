@@ -19,19 +19,24 @@ NVCC = shutil.which("nvcc")
 F16, BF16, F32 = "cutlass::half_t", "cutlass::bfloat16_t", "float"
 GELU = ex.render_c(ex.gelu_erf(), "v")
 RELU = ex.render_c(ex.relu(), "v")
+SILU = ex.render_c(ex.silu(), "v")
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
-@pytest.mark.parametrize("config,elem,out,residual,packed", [
-    ("Light128x128", F16, F16, False, "o2f_h2_gelu"),   # a hidden fp16 layer, packed GELU: D staged, TMA stores
-    ("Light128x128", F16, F32, False, ""),              # an fp32 last layer: D one m64 half at a time, no C
-    ("Light128x128", F16, F32, True, ""),               # a block's last layer, fp32 rows: C and D by halves
-    ("Light128x128", BF16, BF16, True, ""),             # bf16 operands and output, the residual staged whole
-    ("Tf32Light128x128", F16, F16, False, ""),          # a first layer on the fp32 input in place (tf32), ReLU
-], ids=["f16_packed", "f32_out", "f32_residual", "bf16_residual", "tf32_first"])
-def test_light_instance_compiles_to_wgmma_without_spills(config, elem, out, residual, packed, tmp_path, monkeypatch):
+@pytest.mark.parametrize("config,elem,out,residual,packed,gated", [
+    ("Light128x128", F16, F16, False, "o2f_h2_gelu", False),   # a hidden fp16 layer, packed GELU: D staged, TMA stores
+    ("Light128x128", F16, F32, False, "", False),              # an fp32 last layer: D one m64 half at a time, no C
+    ("Light128x128", F16, F32, True, "", False),               # a block's last layer, fp32 rows: C and D by halves
+    ("Light128x128", BF16, BF16, True, "", False),             # bf16 operands and output, the residual staged whole
+    ("Tf32Light128x128", F16, F16, False, "", False),          # a first layer on the fp32 input in place (tf32), ReLU
+    ("Light128x128", F16, F16, False, "", True),               # a gated layer (SwiGLU): the glu in the epilogue
+    ("Light128x128", BF16, BF16, False, "", True),             # the same on bf16
+], ids=["f16_packed", "f32_out", "f32_residual", "bf16_residual", "tf32_first", "f16_gated", "bf16_gated"])
+def test_light_instance_compiles_to_wgmma_without_spills(config, elem, out, residual, packed, gated, tmp_path,
+                                                         monkeypatch):
     monkeypatch.setenv("ONNX2FUSED_CUDA_ARCHS", "80,90")
-    params = instance_params(config, elem, out, 8, RELU if config.startswith("Tf32") else GELU, residual, packed)
+    act = RELU if config.startswith("Tf32") else SILU if gated else GELU
+    params = instance_params(config, elem, out, 8, act, residual, packed, gated)
     assert params["light"] and params["file"].startswith(f"o2f_inst_{config}_")
     files = codegen._with_headers({params["file"]: codegen._render(params["template"], params)})
     for name, text in files.items():
@@ -48,7 +53,10 @@ def test_light_instance_compiles_to_wgmma_without_spills(config, elem, out, resi
     shape = "m64n128k8.f32.tf32.tf32" if config.startswith("Tf32") else (
         "m64n128k16.f32.bf16.bf16" if elem == BF16 else "m64n128k16.f32.f16.f16")
     assert ptx.count(f"wgmma.mma_async.sync.aligned.{shape}") >= 8
-    assert "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes" in ptx
+    # a k-block's TMA loads: A and W (gated: W's gate box and its up box), and C's boxes where it is read
+    tma_loads = ptx.count("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes")
+    assert tma_loads > 2 if residual else tma_loads == 2 + gated, tma_loads
+    assert ("constexpr bool kGated = true;" in src) == gated
     # every D leaves through the staging boxes and TMA stores; none by global stores from registers
     assert "cp.async.bulk.tensor.2d.global.shared::cta.bulk_group" in ptx
     assert "st.global" not in ptx

@@ -528,10 +528,12 @@ def test_rendered_wide_source_names_the_abi_and_needs_cutlass():
 
 
 def test_gated_layer_renders_one_gemm_of_both_halves_and_the_glu_pass():
-    """LLaMA-7B's MLP with fp16 rows: the gate and up products come from ONE GEMM of 2 x 11008 columns with
-    an identity epilogue (the same instance as the down GEMM: one Hopper instance for the whole chain),
-    the glu pass applies SiLU to the gate half and multiplies by the up half into the hidden buffer the
-    down GEMM reads, and packing splits W [K, 2N] into the two padded halves."""
+    """LLaMA-7B's MLP with fp16 rows: the gate and up products come from ONE GEMM of 2 x 11008 columns. On
+    sm_90 with the light kernel (the untuned default) the glu runs in its epilogue (its own instance: the
+    SiLU gate times the up product, h0 written directly, 11008 columns); any other kernel writes the gate
+    buffer with an identity epilogue (the same instance as the down GEMM's) and the glu pass applies SiLU
+    to the gate half and multiplies by the up half into the hidden buffer the down GEMM reads; packing
+    splits W [K, 2N] into the two padded halves."""
     spec = MLPSpec((LayerSpec(4096, 11008, False, ex.silu(), gated=True), LayerSpec(11008, 4096, False, ex.identity())),
                    "fp16", "f16")
     plan = choose.make_plan(spec)
@@ -539,16 +541,28 @@ def test_gated_layer_renders_one_gemm_of_both_halves_and_the_glu_pass():
     src = files[f"{spec.name}_cuda.cu"]
     assert plan.design == "wide" and plan.hg_width == 2 * 11008
     assert f"reinterpret_cast<elem_t*>(ws + {plan.hg_offset});" in src
-    assert "hg, 22016, sm90_scratch, s);" in src   # layer 0 writes the gate buffer, 2 NP wide
-    act = next(line for line in src.splitlines() if "glu<" in line and "act(gate) * up -> h0" in line)
-    assert "glu<Act0<float>, 11008>(dev, hg, h0, m, s);" in act
+    gated = src[src.index("cudaError_t gated0("):]
+    gated = gated[: gated.index("\n}\n")]
+    # the light kernel's choice: one launch, 11008 output columns over K 4096, straight into h
+    glu_inst = next(f[:-3] for f in _instances(files) if f"{f[:-3]}::run(dev, c, m, 11008, 4096, a, w, bias, nullptr, h, 11008," in gated)
+    assert f"c.kernel == {sm90.LIGHT_KERNEL} && dev.sm90" in gated
+    # otherwise: the GEMM into the gate buffer, 2 NP wide, then the glu pass
+    assert "layer0(dev, c, m, a, w, bias, hg, 22016, sm90_scratch, s);" in gated
+    assert "return glu<Act0<float>, 11008>(dev, hg, h, m, s);" in gated
+    assert "gated0(dev, c0, m, " in src and ", hg, h0," in src   # run_chain's call
     assert "pack_gated_layer<elem_t>(w[0], b[0], ws, 0," in src and "4096, 11008, 4096, 11008, s);" in src
     assert src.count("struct Act") == 2   # SiLU (the glu pass's) and the down layer's identity
-    # both GEMMs run the identity epilogue: one sm80 and one Hopper instance for the whole chain
+    # the GEMMs without the glu run the identity epilogue: one sm80 and one Hopper instance for both layers
     identity = hashlib.sha256(wide_params.epilogue_text("v").encode()).hexdigest()[:12]
-    insts = sorted(_instances(files))
+    insts = sorted(set(_instances(files)) - {glu_inst + ".cu"})
     assert len(insts) == 2 and all(f.endswith(f"_f16_f16_a8_{identity}.cu") for f in insts), insts
     assert insts[0].startswith(f"o2f_inst_{DEFAULT_KERNEL}_") and insts[1].startswith("o2f_inst_Sm80T")
+    # the glu instance: the light kernel's unit with kGated and SiLU as its act
+    glu_src = files[glu_inst + ".cu"]
+    assert glu_inst.startswith(f"o2f_inst_{DEFAULT_KERNEL}_f16_f16_a8_") and "constexpr bool kGated = true;" in glu_src
+    # the same SiLU code as the glu pass's functor: the two paths compute the same numbers
+    code = act_params(spec, [g.np_ for g in plan.gemms])[0]["code"]
+    assert "sigmoid" in code and f"act(float v) {{ return {code}; }}" in glu_src and f"return {code}; }}" in src
 
 
 def _instances(files: dict[str, str]) -> dict[str, str]:
@@ -643,7 +657,7 @@ def test_rendered_source_has_guarded_sm90_kernels_and_per_layer_choice():
     # (no CUTLASS in its unit); a CUTLASS 3.x instance (a tuned choice) holds CUTLASS's kernel instead
     assert "#if defined(ONNX2FUSED_WIDE_SM90A)" in h_text and h_text.rstrip().endswith("#endif  // ONNX2FUSED_WIDE_SM90A")
     assert DEFAULT_KERNEL == "Light128x128" and '#include "cutlass/' not in h_text
-    for needle in ("namespace o2f_light", "o2f_light::run<Elem, Out, PairAct, kResidual>"):
+    for needle in ("namespace o2f_light", "o2f_light::run<Elem, Out, PairAct, kResidual, kGated>"):
         assert needle in h_text and needle not in src, needle
         assert all(needle not in t for n, t in insts.items() if n != h_name), needle
     cutlass_ping = sm90.Sm90Choice(sm90.kernel_index("Pingpong128x128"), "data_parallel")

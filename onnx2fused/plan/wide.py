@@ -37,6 +37,11 @@ pass (templates/o2f_wide_glu.cuh): h[r, j] = act(hg[r, j]) * hg[r, NP + j] in fp
 padded hidden columns are zeros. The gate and up products are rounded to 16 bits before act(g) * u, as
 stock ORT's fp16 model rounds its two GEMMs' outputs. A gated last layer is refused (the GEMM would need
 the io type's gate buffer; no exporter writes one), and a gated first layer never reads fp32 in place.
+On sm_90, where a row bucket's choice is the light kernel (the untuned default), the glu runs in that
+kernel's epilogue instead (templates/o2f_light_gemm.cuh, kGated): each 128 x 64 output tile's W stage holds
+its 64 gate rows and the 64 matching up rows, so the same roundings give h directly, and the 2NP-wide
+products never reach memory (LLaMA-7B's MLP at 4096 rows: 360 MB of the gate buffer's traffic, and a
+launch, fewer). The gate buffer stays in the workspace for the other kernels (CUTLASS's, sm80).
 
 Padding: K of every GEMM and the widths of the hidden tensors are rounded up to ALIGN (16-byte vectors).
 Padded weight entries and biases are zero, so a padded hidden column holds act(0), and the next layer
@@ -254,9 +259,12 @@ class WidePlan:
         last = len(self.spec.layers) - 1
         tail = (f"; segmented: layers {self.tail_from}..{last} in one fused kernel on the 16-bit hidden tensor "
                 f"({self.tail.describe()})" if self.tail_from else "")
+        fused_glu = any(SM90_KERNELS[c.kernel].light for g, per in zip(self.gemms, self.choices) if g.gated
+                        for c in per)
         glu = (f", gated layer{'s' if sum(g.gated for g in self.gemms) > 1 else ''} "
                + ", ".join(str(g.index) for g in self.gemms if g.gated)
-               + " as one GEMM of gate and up columns and a glu pass" if self.hg_width else "")
+               + " as one GEMM of gate and up columns and a glu pass"
+               + (" (on sm_90 the glu in the light kernel's epilogue)" if fused_glu else "") if self.hg_width else "")
         gemv = f", passes of <= {self.gemv_rows} rows as weight-streaming GEMV kernels" if self.gemv_rows else ""
         if self.spec.norm is not None:   # the norm pass is the conversion pass
             conv = f"a {self.spec.norm.label} pass writing the 16-bit rows, "
