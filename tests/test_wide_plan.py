@@ -737,6 +737,20 @@ def test_tuning_build_holds_every_kernel_and_the_timing_entry():
     assert table.count("{ ") == len(sm90.sm90_candidates())
 
 
+def test_tuning_build_of_a_gated_chain_times_the_hidden_rows_with_whole_weights():
+    """A gated layer in the tuning build: its pseudo-random weights are [K, 2N] and its bias 2N (gate and up
+    columns, as cuda_pack reads them: allocating K x N made the LLaMA tuning run read past them, CUDA
+    error 700), and each candidate is timed as gatedN (GEMM + glu pass, or the light kernel's gated
+    epilogue) on the N hidden columns."""
+    spec = _spec([256, 1000, 250], ex.silu(), gated={0})
+    text = render_cuda([spec], wide={spec.name: WideOptions(tuning=True)})[f"{spec.name}_cuda.cu"]
+    assert "const int wcols[] = { 2000, 250 };" in text
+    assert "cudaMalloc(&wf[i], kn * 4)" in text and "int64_t(widths[i]) * wcols[i]" in text
+    assert "cudaMalloc(&bf[i], wcols[i] * 4)" in text
+    tune = text[text.index("_cuda_tune(int reps"):]
+    assert "return gated0(dev, c, m, tb.a," in tune and "tune_layer<elem_t>(launch, m, 1000, tb," in tune
+
+
 @pytest.mark.parametrize("bad", [
     [[sm90.Sm90Choice(len(sm90.SM90_KERNELS))] * 4] * 2,      # no such kernel
     [[sm90.Sm90Choice(0, "fastest")] * 4] * 2,                      # no such mode
