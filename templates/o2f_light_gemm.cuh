@@ -485,6 +485,9 @@ template <typename Elem, typename Out, class PairAct, bool kResidual, bool kGate
 cudaError_t run(const o2f_wide::DeviceInfo& dev, const o2f_wide::Choice& c, int m, int n, int k, const void* a,
                 const void* w, const Out* bias, const Out* src, Out* d, int ldd, cudaStream_t s) {
   if (m <= 0 || n <= 0) return cudaSuccess;
+  // gated: the up rows start at row n, and each thread loads its bias as aligned pairs there (gatedN's n is
+  // the layer's padded half, a multiple of 8)
+  if (kGated && n % 8 != 0) return cudaErrorInvalidValue;
   constexpr int kTileN = kTileCols<kGated>;
   using L = Layout<Out, kResidual, kTileN>;
   const int w_rows = kGated ? 2 * n : n;   // gated: n gate rows, then n up rows

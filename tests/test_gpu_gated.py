@@ -148,6 +148,7 @@ def _kernel_names(sess, x) -> str:
     (256, [1000, 250], {0}),        # odd halves (1000: the last 64-column tile's gate box runs into the up rows)
     (96, [520, 300, 64], {0, 1}),   # two gated layers in a row, padded halves, a plain last layer
     (64, [256, 512, 64], {1}),      # a gated layer after a plain one (its input the first GEMM's buffer)
+    (72, [40, 24], {0}),            # a half under one 64-column tile: the up box runs past the 2n rows
 ])
 def test_gated_layers_in_the_wide_design(k, widths, gated, precision, cache_dir, tmp_path, monkeypatch):
     """Against stock ORT with NaN-poisoned outputs; on Hopper with both kernel families of one session: the
