@@ -501,7 +501,7 @@ cudaError_t run(const o2f_wide::DeviceInfo& dev, const o2f_wide::Choice& c, int 
   auto kernel = light_gemm<Elem, Out, PairAct, kResidual, kGated>;
   if (!last.ready || !(last.key == key)) {
     last.ready = false;
-    if (!tile_map<Elem>(&last.a, a, m, k, k, kBM) || !tile_map<Elem>(&last.w, w, w_rows, k, k, kGated ? kBN / 2 : kBN))
+    if (!tile_map<Elem>(&last.a, a, m, k, k, kBM) || !tile_map<Elem>(&last.w, w, w_rows, k, k, kTileN))   // gated: a box per half of a W stage
       return cudaErrorInvalidValue;
     last.c = last.a;   // unused where C is not read
     if (!tile_map<Out>(&last.d, d, m, n, ldd, 64)) return cudaErrorInvalidValue;

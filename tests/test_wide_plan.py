@@ -544,11 +544,11 @@ def test_gated_layer_renders_one_gemm_of_both_halves_and_the_glu_pass():
     gated = src[src.index("cudaError_t gated0("):]
     gated = gated[: gated.index("\n}\n")]
     # the light kernel's choice: one launch, 11008 output columns over K 4096, straight into h
-    glu_inst = next(f[:-3] for f in _instances(files) if f"{f[:-3]}::run(dev, c, m, 11008, 4096, a, w, bias, nullptr, h, 11008," in gated)
+    glu_inst = next(f[:-3] for f in _instances(files) if f"{f[:-3]}::run(dev, c, m, 11008, 4096, a, w, bias, nullptr, d, 11008," in gated)
     assert f"c.kernel == {sm90.LIGHT_KERNEL} && dev.sm90" in gated
     # otherwise: the GEMM into the gate buffer, 2 NP wide, then the glu pass
     assert "layer0(dev, c, m, a, w, bias, hg, 22016, sm90_scratch, s);" in gated
-    assert "return glu<Act0<float>, 11008>(dev, hg, h, m, s);" in gated
+    assert "return glu<Act0<float>, 11008>(dev, hg, d, m, s);" in gated
     assert "gated0(dev, c0, m, " in src and ", hg, h0," in src   # run_chain's call
     assert "pack_gated_layer<elem_t>(w[0], b[0], ws, 0," in src and "4096, 11008, 4096, 11008, s);" in src
     assert src.count("struct Act") == 2   # SiLU (the glu pass's) and the down layer's identity
