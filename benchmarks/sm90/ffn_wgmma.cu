@@ -1,0 +1,437 @@
+// The transformer FFN in one Hopper kernel, the hidden layer never leaving the SM (issue 16's next step,
+// docs/DESIGN.md "Gated layers"): y = act(x W1g) * (x W1u) W2 (gated, as LLaMA's and timm's SwiGLU) or
+// y = act(x W1) W2, fp32 rows in and out, fp16 operands, fp32 accumulation; no bias (LLaMA's MLP has none).
+// A standalone prototype with its harness (time, TFLOP/s, error against float64 on sampled rows, and
+// cuBLAS's two GEMMs alone on the same operands for scale); it needs no CUTLASS and no ORT.
+//
+// Design (FlashAttention's shape, with the hidden width in the role of the keys):
+//  * A CTA is 2 warpgroups, persistent; a pass is one 64-row tile per warpgroup; both run every pass.
+//  * The tile's rows are converted once to fp16 into a 128-byte-swizzled shared-memory tile: layer 1's A
+//    operand by descriptor (SS wgmma), so that the 64 x 256 input does not hold 64 registers a thread.
+//  * The hidden width runs in chunks of HC columns (HC gate + HC up for a gated block): one
+//    m64n{HC or 2 HC}k16 wgmma per k-step of K0 into the chunk's accumulators; act(g) * u in fp32,
+//    rounded to fp16, is in registers the A operand of layer 2's slice of HC rows (RS wgmma
+//    m64nNk16), which accumulates into the tile's 64 x N output (N/2 registers a thread) across chunks.
+//  * Each ring slot holds one chunk's weights: layer 1's HC (2 HC) columns then layer 2's HC rows, copied
+//    by cp.async.bulk through the library's streamed-weight ring (templates/o2f_wgmma_ring.cuh): the
+//    warps of both warpgroups release a slot, the last refills it kStages chunks ahead.
+//  * A warpgroup waits for its chunk's layer-1 product before its epilogue (the tensor core then runs the
+//    other warpgroup's wgmmas: the two warpgroups overlap each other's epilogues).
+//
+// Build and run: benchmarks/sm90/ffn_wgmma.sh (a binary per shape: -DFFN_K0, FFN_H, FFN_N, FFN_GATED).
+#include <cuda.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+#if __has_include(<cublas_v2.h>)
+#include <cublas_v2.h>
+#define O2F_WITH_CUBLAS 1
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "sm90_proto.cuh"
+#include "o2f_packed_act.cuh"
+
+#ifndef FFN_K0
+#define FFN_K0 256
+#endif
+#ifndef FFN_H
+#define FFN_H 1024
+#endif
+#ifndef FFN_N
+#define FFN_N 256
+#endif
+#ifndef FFN_GATED
+#define FFN_GATED 1
+#endif
+#ifndef FFN_STAGES
+#define FFN_STAGES 3
+#endif
+
+namespace ffn {
+constexpr int kK0 = FFN_K0;        // input features (a multiple of 64: whole 128-byte swizzle atoms)
+constexpr int kH = FFN_H;          // hidden features (a multiple of kHC)
+constexpr int kN = FFN_N;          // output features (64..256, a multiple of 64)
+constexpr bool kGated = FFN_GATED;
+constexpr int kHC = 32;            // hidden features per chunk
+constexpr int kL1N = kGated ? 2 * kHC : kHC;   // layer 1's columns per chunk (gate block, then up block)
+constexpr int kChunks = kH / kHC;
+constexpr int kL1Bytes = kL1N * kK0 * 2;        // a chunk's layer-1 weights: kL1N x kK0, K-major, 128 B swizzle
+constexpr int kL2Bytes = kN * kHC * 2;          // its layer-2 rows: kN x kHC, K-major, 64 B swizzle
+constexpr int kXTileBytes = 64 * kK0 * 2;       // a warpgroup's input tile, fp16, K-major, 128 B swizzle
+static_assert(kK0 % 64 == 0 && kK0 <= 256, "K0: whole 128-byte atoms, at most 256");
+static_assert(kH % kHC == 0 && kN % 64 == 0 && kN <= 256, "shapes");
+constexpr int kNwg = 2;
+constexpr int kThreads = 128 * kNwg;
+
+// What the library's ring (o2f_wgmma_ring.cuh) reads from its translation unit.
+constexpr uint32_t kStages = FFN_STAGES;
+constexpr uint32_t kSlotBytes = (kL1Bytes + kL2Bytes + 1023) / 1024 * 1024;
+constexpr uint32_t kRingChunks = kChunks;
+constexpr uint32_t kWarps = kThreads / 32;
+constexpr uint32_t kCluster = 1;
+__device__ __forceinline__ uint2 stream_chunk(uint32_t p) { return make_uint2(p * (kL1Bytes + kL2Bytes), kL1Bytes + kL2Bytes); }
+__device__ __forceinline__ void bulk_g2s(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+               ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+// Generated operand lists (CuTe's MMA_64xNx16_F32F16F16_{SS,RS} forms): scale-d a predicate, scale-a/b 1,
+// no transposes (both operands K-major).
+template <int N> struct WgmmaSS;
+template <int N> struct WgmmaRS;
+template <> struct WgmmaSS<32> {
+  static __device__ __forceinline__ void run(float (&d)[16], uint64_t da, uint64_t db, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+        : "l"(da), "l"(db), "r"(scale_d));
+  }
+};
+template <> struct WgmmaSS<64> {
+  static __device__ __forceinline__ void run(float (&d)[32], uint64_t da, uint64_t db, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "l"(da), "l"(db), "r"(scale_d));
+  }
+};
+template <> struct WgmmaRS<64> {
+  static __device__ __forceinline__ void run(float (&d)[32], const uint32_t (&a)[4], uint64_t db, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
+  }
+};
+template <> struct WgmmaRS<128> {
+  static __device__ __forceinline__ void run(float (&d)[64], const uint32_t (&a)[4], uint64_t db, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
+  }
+};
+template <> struct WgmmaRS<192> {
+  static __device__ __forceinline__ void run(float (&d)[96], const uint32_t (&a)[4], uint64_t db, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %101, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n192k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95}, {%96, %97, %98, %99}, %100, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
+  }
+};
+template <> struct WgmmaRS<256> {
+  static __device__ __forceinline__ void run(float (&d)[128], const uint32_t (&a)[4], uint64_t db, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, {%128, %129, %130, %131}, %132, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
+  }
+};
+#include "o2f_wgmma_ring.cuh"
+
+constexpr int kRingSmem = 0;
+constexpr int kXSmem = kStages * kSlotBytes;
+constexpr int kBarSmem = kXSmem + kNwg * kXTileBytes;
+constexpr int kCntSmem = kBarSmem + 8 * kStages;
+constexpr int kSmemBytes = kCntSmem + 4 * kStages + 1024;   // + alignment slack
+
+__device__ __forceinline__ uint64_t desc(uint32_t hi, uint32_t lo) { return (static_cast<uint64_t>(hi) << 32) | lo; }
+constexpr uint32_t kHi128 = (1024 >> 4) | (1u << 30);   // 128-byte swizzle, 8-row groups 1024 bytes apart
+constexpr uint32_t kHi64 = (512 >> 4) | (2u << 30);     // 64-byte swizzle, 8-row groups 512 bytes apart
+// Byte offset of k-step ks in a K-major 128-byte-swizzled tile of `rows` rows: 32 bytes on within an atom
+// row, then the next K atom (rows x 128 bytes on).
+__host__ __device__ constexpr uint32_t kstep_off(int ks, int rows) { return (32 * ks) % 128 + (32 * ks / 128) * rows * 128; }
+__device__ __forceinline__ void wg_sync(int wg) { asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory"); }
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+__device__ __forceinline__ float4 ld4(const float* p) {
+  float4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ void st2(float* p, float a, float b) {
+  asm volatile("st.global.cs.v2.f32 [%0], {%1, %2};\n" ::"l"(p), "f"(a), "f"(b) : "memory");
+}
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  uint32_t r;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+template <int R>
+__device__ __forceinline__ void fence_frag(uint32_t (&a)[R][4]) {
+#pragma unroll
+  for (int k = 0; k < R; ++k)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(a[k][i])::"memory");
+}
+
+// The hidden activation: SiLU (gated blocks) or GELU (the library's packed fp16x2 form).
+__device__ __forceinline__ float silu(float g) { return __fdividef(g, 1.0f + __expf(-g)); }
+
+// A warpgroup's 64 input rows from `row0` (fp32) into its fp16 tile (zeros past the batch): warp w converts
+// rows w, w + 4, ...; lane l holds columns 8l..8l+7 (one 16-byte unit of the swizzled tile).
+__device__ __forceinline__ void fill_x(unsigned char* tile, const float* __restrict__ x, int64_t rows, int64_t row0,
+                                       int warp, int lane) {
+  if (lane >= kK0 / 8) return;
+  const int atom = lane / 8, unit = lane % 8;
+#pragma unroll
+  for (int rb = 0; rb < 16; rb += 4) {
+    float4 v[4][2];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int r = warp + 4 * (rb + i);
+      const int64_t g = row0 + r;
+      if (g < rows) {
+        v[i][0] = ld4(x + g * kK0 + 8 * lane);
+        v[i][1] = ld4(x + g * kK0 + 8 * lane + 4);
+      } else {
+        v[i][0] = v[i][1] = make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int r = warp + 4 * (rb + i);
+      uint4 h;
+      h.x = pack2(v[i][0].x, v[i][0].y);
+      h.y = pack2(v[i][0].z, v[i][0].w);
+      h.z = pack2(v[i][1].x, v[i][1].y);
+      h.w = pack2(v[i][1].z, v[i][1].w);
+      *reinterpret_cast<uint4*>(tile + atom * 64 * 128 + r * 128 + ((unit ^ (r & 7)) * 16)) = h;
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kThreads, 1)
+ffn_kernel(const float* __restrict__ x, float* __restrict__ y, int64_t rows, const unsigned char* __restrict__ wimg) {
+  extern __shared__ unsigned char smem_raw[];
+  const uint32_t raw = smem_u32(smem_raw);
+  const uint32_t base = (raw + 1023u) & ~1023u;
+  unsigned char* smem = smem_raw + (base - raw);
+  const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
+  if (tid == 0) {
+    for (uint32_t s = 0; s < kStages; ++s) mbar_init(base + kBarSmem + 8 * s, 1);
+    mbar_init_fence();
+  }
+  for (uint32_t i = tid; i < kStages; i += kThreads) reinterpret_cast<uint32_t*>(smem + kCntSmem)[i] = 0u;
+  __syncthreads();
+  const int64_t ntiles = (rows + 63) / 64;
+  const int64_t npasses = (ntiles + kNwg - 1) / kNwg;
+  const int64_t mine = (npasses - 1 - blockIdx.x) / gridDim.x + 1;   // grid <= npasses
+  Ring ring{base + kRingSmem, base + kBarSmem, base + kCntSmem, 0u, wimg, static_cast<uint32_t>(mine) * kRingChunks,
+            0u, 0u, 0u, 0u, 0u};
+  if (tid == 0) ring.prime();
+  unsigned char* xtile = smem + kXSmem + wg * kXTileBytes;
+  const uint32_t xlo = ((base + kXSmem + wg * kXTileBytes) >> 4) | (1u << 16);
+  const int t2 = 2 * (lane & 3);
+  const int rin = 16 * warp + (lane >> 2);
+
+#pragma unroll 1
+  for (int64_t pass = blockIdx.x; pass < npasses; pass += gridDim.x) {
+    const int64_t row0 = (pass * kNwg + wg) * 64;
+    fill_x(xtile, x, rows, row0, warp, lane);
+    fence_proxy_async();   // the generic stores, before wgmma (async proxy) reads the tile
+    wg_sync(wg);
+    float out[kN / 2];
+    uint32_t h[kHC / 16][4];
+#pragma unroll 1
+    for (int c = 0; c < kChunks; ++c) {
+      const uint32_t slot = ring.acquire();
+      float d[kL1N / 2];
+      wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < kK0 / 16; ++ks)
+        WgmmaSS<kL1N>::run(d, desc(kHi128, xlo + (kstep_off(ks, 64) >> 4)),
+                           desc(kHi128, slot + (kstep_off(ks, kL1N) >> 4)), ks);
+      wgmma_commit();
+      wgmma_wait<0>();   // this chunk's layer-1 product, and the previous chunk's layer-2 wgmmas
+      fence_acc(d);
+      fence_acc(out);
+      if (c > 0) ring.release(lane);   // the previous chunk's slot
+      // act(g) * u (or act(a)) of this thread's hidden columns, as layer 2's A fragments: n8 block j of the
+      // hidden chunk is k-step j / 2, registers 0/1 (rows r, r + 8) for even j, 2/3 for odd j
+#pragma unroll
+      for (int j = 0; j < kHC / 8; ++j) {
+        uint32_t lo, hi;
+        if constexpr (kGated) {
+          const int u = j + kHC / 8;
+          lo = pack2(silu(d[4 * j]) * d[4 * u], silu(d[4 * j + 1]) * d[4 * u + 1]);
+          hi = pack2(silu(d[4 * j + 2]) * d[4 * u + 2], silu(d[4 * j + 3]) * d[4 * u + 3]);
+        } else {
+          lo = o2f_h2_bits(o2f_h2_gelu(__floats2half2_rn(d[4 * j], d[4 * j + 1])));
+          hi = o2f_h2_bits(o2f_h2_gelu(__floats2half2_rn(d[4 * j + 2], d[4 * j + 3])));
+        }
+        h[j / 2][(j % 2) * 2] = lo;
+        h[j / 2][(j % 2) * 2 + 1] = hi;
+      }
+      fence_frag(h);
+      wgmma_fence();
+#pragma unroll
+      for (int kt = 0; kt < kHC / 16; ++kt)
+        WgmmaRS<kN>::run(out, h[kt], desc(kHi64, slot + ((kL1Bytes + 32 * kt) >> 4)), c > 0 || kt > 0);
+      wgmma_commit();
+    }
+    wgmma_wait<0>();
+    fence_acc(out);
+    ring.release(lane);   // the last chunk's slot
+    wg_sync(wg);          // every warp's layer-1 reads of the tile are done: the next pass refills it
+    const int64_t r0 = row0 + rin;
+#pragma unroll
+    for (int j = 0; j < kN / 8; ++j) {
+      const int col = 8 * j + t2;
+      if (r0 < rows) st2(y + r0 * kN + col, out[4 * j], out[4 * j + 1]);
+      if (r0 + 8 < rows) st2(y + (r0 + 8) * kN + col, out[4 * j + 2], out[4 * j + 3]);
+    }
+  }
+}
+}  // namespace ffn
+
+using namespace ffn;
+
+static uint16_t f2h(float v) { __half h = __float2half_rn(v); uint16_t r; std::memcpy(&r, &h, 2); return r; }
+static float h2f(uint16_t r) { __half h; std::memcpy(&h, &r, 2); return __half2float(h); }
+static double gelu_ref(double a) { return 0.5 * a * (1 + std::erf(a / std::sqrt(2.0))); }
+static double silu_ref(double a) { return a / (1 + std::exp(-a)); }
+static unsigned swz(unsigned b, int atom) { return b ^ (((b >> 7) & static_cast<unsigned>(atom / 16 - 1)) << 4); }
+
+int main(int argc, char** argv) {
+  std::vector<int64_t> batches;
+  for (int i = 1; i < argc; ++i) batches.push_back(std::atoll(argv[i]));
+  if (batches.empty()) batches = {262144, 65536, 1048576, 1000003, 1};
+  const int l1cols = kGated ? 2 * kH : kH;
+  std::mt19937 rng(0);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  // weights as y = x @ W (W1: K0 x l1cols, gate columns then up; W2: H x N), rounded to fp16 once
+  std::vector<uint16_t> w1(static_cast<size_t>(kK0) * l1cols), w2(static_cast<size_t>(kH) * kN);
+  for (auto& v : w1) v = f2h(nd(rng) / std::sqrt(float(kK0)));
+  for (auto& v : w2) v = f2h(nd(rng) / std::sqrt(float(kH)));
+  // the image: per chunk, layer 1's kL1N columns (K-major, 128 B swizzle), then layer 2's kHC rows (64 B)
+  const size_t chunk_bytes = kL1Bytes + kL2Bytes;
+  std::vector<unsigned char> img(chunk_bytes * kChunks, 0);
+  for (int c = 0; c < kChunks; ++c) {
+    unsigned char* ch = img.data() + c * chunk_bytes;
+    for (int n = 0; n < kL1N; ++n) {
+      const int src = kGated ? (n < kHC ? c * kHC + n : kH + c * kHC + n - kHC) : c * kHC + n;
+      for (int k = 0; k < kK0; ++k) {
+        const unsigned off = (n % 8) * 128 + (n / 8) * 1024 + (2 * k) % 128 + (2 * k / 128) * (kL1N / 8) * 1024;
+        std::memcpy(ch + swz(off, 128), &w1[static_cast<size_t>(k) * l1cols + src], 2);
+      }
+    }
+    for (int n = 0; n < kN; ++n)
+      for (int kk = 0; kk < kHC; ++kk) {
+        const unsigned off = (n % 8) * 64 + (n / 8) * 512 + 2 * kk;
+        std::memcpy(ch + kL1Bytes + swz(off, 64), &w2[static_cast<size_t>(c * kHC + kk) * kN + n], 2);
+      }
+  }
+  unsigned char* dimg;
+  CHECK(cudaMalloc(&dimg, img.size()));
+  CHECK(cudaMemcpy(dimg, img.data(), img.size(), cudaMemcpyHostToDevice));
+  CHECK(cudaFuncSetAttribute(ffn_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+  int sms = 0;
+  CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  cudaDeviceProp prop;
+  CHECK(cudaGetDeviceProperties(&prop, 0));
+  std::printf("%s, %d SMs; FFN %d -> %s%d -> %d, fp32 I/O, no bias; %d-wide hidden chunks, %u ring slots of %u KB, "
+              "%d KB smem\n", prop.name, sms, kK0, kGated ? "SwiGLU " : "GELU ", kH, kN, kHC, kStages, kSlotBytes / 1024,
+              kSmemBytes / 1024);
+  std::printf("%10s %10s %9s %9s %10s %9s %11s %11s\n", "rows", "fused ms", "TFLOP/s", "floor ms", "vs floor",
+              "rel.L2", "cuBLAS ms", "(2 GEMMs)");
+  bool ok = true;
+  for (int64_t rows : batches) {
+    std::vector<float> hx(static_cast<size_t>(rows) * kK0);
+    for (auto& v : hx) v = nd(rng);
+    float *dx, *dy;
+    CHECK(cudaMalloc(&dx, std::max<size_t>(1, hx.size()) * 4));
+    CHECK(cudaMalloc(&dy, std::max<size_t>(1, static_cast<size_t>(rows) * kN) * 4));
+    CHECK(cudaMemcpy(dx, hx.data(), hx.size() * 4, cudaMemcpyHostToDevice));
+    CHECK(cudaMemset(dy, 0xFF, static_cast<size_t>(rows) * kN * 4));   // NaNs: an unwritten output shows
+    const int64_t npasses = ((rows + 63) / 64 + kNwg - 1) / kNwg;
+    const int grid = static_cast<int>(std::min<int64_t>(sms, npasses));
+    auto run = [&] { ffn_kernel<<<grid, kThreads, kSmemBytes>>>(dx, dy, rows, dimg); };
+    run();
+    CHECK(cudaGetLastError());
+    CHECK(cudaDeviceSynchronize());
+    // error against float64 on sampled rows (the kernel's roundings: x and the hidden values to fp16)
+    std::vector<int64_t> sample;
+    for (int i = 0; i < 48 && i < rows; ++i) sample.push_back(rows <= 48 ? i : (rows - 1) * i / 47);
+    double num = 0, den = 0;
+    std::vector<float> yrow(kN);
+    std::vector<double> hid(kH);
+    for (int64_t r : sample) {
+      CHECK(cudaMemcpy(yrow.data(), dy + r * kN, kN * 4, cudaMemcpyDeviceToHost));
+      for (int j = 0; j < kH; ++j) {
+        double g = 0, u = 0;
+        for (int k = 0; k < kK0; ++k) {
+          const double xv = h2f(f2h(hx[r * kK0 + k]));
+          g += xv * h2f(w1[static_cast<size_t>(k) * l1cols + j]);
+          if (kGated) u += xv * h2f(w1[static_cast<size_t>(k) * l1cols + kH + j]);
+        }
+        hid[j] = h2f(f2h(static_cast<float>(kGated ? silu_ref(g) * u : gelu_ref(g))));
+      }
+      for (int n = 0; n < kN; ++n) {
+        double acc = 0;
+        for (int j = 0; j < kH; ++j) acc += hid[j] * h2f(w2[static_cast<size_t>(j) * kN + n]);
+        num += (yrow[n] - acc) * (yrow[n] - acc);
+        den += acc * acc;
+      }
+    }
+    const double rel = std::sqrt(num / std::max(den, 1e-300));
+    const bool good = std::isfinite(rel) && rel < 2e-3;
+    ok = ok && good;
+    const int bt = rows >= 65536 ? 10 : 50;
+    const float ms = median_ms(run, 30, bt);
+    const double flops = 2.0 * rows * (static_cast<double>(kK0) * l1cols + static_cast<double>(kH) * kN);
+    const double bytes = 4.0 * rows * (kK0 + kN) + 2.0 * (static_cast<double>(kK0) * l1cols + kH * kN);
+    const double floor_ms = std::max(flops / 665e12, bytes / 3.0e12) * 1e3;
+    float blas = -1;
+#ifdef O2F_WITH_CUBLAS
+    if (rows >= 64) {
+      cublasHandle_t hb;
+      cublasCreate(&hb);
+      __half *a16, *w1d, *w2d, *hmid, *o16;
+      CHECK(cudaMalloc(&a16, static_cast<size_t>(rows) * kK0 * 2));
+      CHECK(cudaMalloc(&hmid, static_cast<size_t>(rows) * l1cols * 2));
+      CHECK(cudaMalloc(&o16, static_cast<size_t>(rows) * kN * 2));
+      CHECK(cudaMalloc(&w1d, w1.size() * 2));
+      CHECK(cudaMalloc(&w2d, w2.size() * 2));
+      CHECK(cudaMemcpy(w1d, w1.data(), w1.size() * 2, cudaMemcpyHostToDevice));
+      CHECK(cudaMemcpy(w2d, w2.data(), w2.size() * 2, cudaMemcpyHostToDevice));
+      CHECK(cudaMemset(a16, 0, static_cast<size_t>(rows) * kK0 * 2));
+      const float one = 1.f, zero = 0.f;
+      auto gemms = [&] {   // row-major C = A B as column-major C^T = B^T A^T
+        cublasGemmEx(hb, CUBLAS_OP_N, CUBLAS_OP_N, l1cols, static_cast<int>(rows), kK0, &one, w1d, CUDA_R_16F, l1cols,
+                     a16, CUDA_R_16F, kK0, &zero, hmid, CUDA_R_16F, l1cols, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+        cublasGemmEx(hb, CUBLAS_OP_N, CUBLAS_OP_N, kN, static_cast<int>(rows), kH, &one, w2d, CUDA_R_16F, kN,
+                     hmid, CUDA_R_16F, kH, &zero, o16, CUDA_R_16F, kN, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+      };
+      blas = median_ms(gemms, 30, bt);
+      CHECK(cudaFree(a16)); CHECK(cudaFree(hmid)); CHECK(cudaFree(o16)); CHECK(cudaFree(w1d)); CHECK(cudaFree(w2d));
+      cublasDestroy(hb);
+    }
+#endif
+    std::printf("%10lld %10.4f %9.1f %9.4f %9.2fx %9.2e %11.4f %s\n", static_cast<long long>(rows), ms,
+                flops / (ms * 1e-3) / 1e12, floor_ms, ms / floor_ms, rel, blas, good ? "" : "  <-- WRONG");
+    CHECK(cudaFree(dx));
+    CHECK(cudaFree(dy));
+  }
+  CHECK(cudaFree(dimg));
+  return ok ? 0 : 1;
+}
