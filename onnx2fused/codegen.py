@@ -29,7 +29,7 @@ from .plan.protocol import Plan
 from .resources import templates_dir
 from .spec import MLPSpec
 from .wgmma_params import fallback_symbol, wgmma_params
-from .wide_params import tail_symbol, wide_instances, wide_params
+from .wide_params import FFN_TEMPLATE, ffn_unit, tail_symbol, wide_instances, wide_params
 
 CPU_TEMPLATE = "cpu_kernel.cc.j2"
 REGISTRY_TEMPLATE = "registry.cc.j2"
@@ -196,6 +196,9 @@ def cuda_sources(plan: Plan) -> dict[str, str]:
     if plan.design == "wide":
         for file, params in wide_instances(plan).items():
             files[file] = _render(params["template"], params)
+        unit = ffn_unit(plan)
+        if unit is not None:   # the whole FFN in one kernel on sm_90 (plan/ffn.py)
+            files[unit[0]] = _render(FFN_TEMPLATE, unit[1])
     tail = plan.tail if plan.design == "wide" else None
     if tail is not None:
         params = cuda_params(tail)

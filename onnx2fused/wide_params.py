@@ -16,6 +16,7 @@ import hashlib
 
 from . import expr as ex
 from .cuda_params import act_params, spec_params
+from .plan.ffn import FFN_ENV, HC, MIN_ROWS_PER_SM
 from .plan.sm90 import MODES, default_choice, RASTERS, SM90_KERNELS, SM90_SCRATCH, Sm90Choice, sm90_candidates
 from .plan.wide import LAUNCH_CACHE_ENV, ROW_QUANTUM, SM80_ENV, TILE_TABLE, WidePlan, sm80_tiles
 from .spec import MLPSpec
@@ -217,6 +218,32 @@ def wide_params(plan: WidePlan) -> dict:
         "w0f_offset": plan.w0f_offset,
         "tf32_cases": [{"kernel": i, "inst": p["name"]} for i, p in insts[0]["tf32"]],
         "is_tf32": [int(k.tf32) for k in SM90_KERNELS],
+        "ffn": ({"name": ffn_symbol(spec), "min_rows_per_sm": MIN_ROWS_PER_SM, "env": FFN_ENV}
+                if plan.ffn else None),
+    }
+
+
+FFN_TEMPLATE = "cuda_wide_ffn.cu.j2"
+
+
+def ffn_symbol(spec: MLPSpec) -> str:
+    """The namespace of a wide plan's one-kernel FFN (its own unit, `<symbol>_cuda.cu`)."""
+    return f"{spec.name}_ffn"
+
+
+def ffn_unit(plan: WidePlan) -> tuple[str, dict] | None:
+    """The one-kernel FFN's unit (templates/cuda_wide_ffn.cu.j2): (file name, parameters), or None."""
+    f = plan.ffn
+    if f is None:
+        return None
+    spec = plan.spec
+    acts = act_params(spec, [2 * f.hp if f.gated else f.hp, f.np_])
+    return f"{ffn_symbol(spec)}_cuda.cu", {
+        "template": FFN_TEMPLATE, "name": ffn_symbol(spec), "describe": spec.describe(), "prelude": ex.C_PRELUDE,
+        "io_half": spec.io_dtype == "f16", "k0": f.k0, "kp0": f.kp0, "h": f.h, "hp": f.hp, "n": f.n, "np": f.np_,
+        "gated": f.gated, "hc": HC, "stages": f.stages, "slot_bytes": f.slot_bytes,
+        "image_offset": f.image_offset, "bias_offset": f.bias_offset, "min_rows_per_sm": MIN_ROWS_PER_SM,
+        "act_code": acts[0]["code"], "packed": "" if f.gated else acts[0]["packed"], "out_code": acts[1]["code"],
     }
 
 

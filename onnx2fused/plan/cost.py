@@ -6,6 +6,8 @@ bound). Plans come in as arguments; this module imports neither design.
 from __future__ import annotations
 
 from ..spec import MLPSpec
+from . import ffn
+from .ffn import ffn_reason_refused
 from .padding import ALIGN, round_up
 
 # H100 SXM figures: NOTES.md measured 665 TFLOP/s fp16 matmul, 3.0 TB/s copy.
@@ -22,6 +24,9 @@ TF32_FLOPS = TC_FLOPS / 2       # tf32 wgmma: half the fp16 rate
 # Streamed kernel, 128-row tiles: 183 TFLOP/s measured on silu (RESULTS.md, kernel only); shorter tiles
 # re-read each weight chunk for fewer rows: x sqrt(bm/128) fits mnist's 32-row tiles (108 TFLOP/s).
 STREAMED_EFF_128 = 0.28
+FFN_EFF = 0.69                  # the one-kernel FFN: 458 TFLOP/s on SwiGLU 256 -> 1024 -> 256, 456 on a GELU
+                                # 256 -> 4096 -> 256 (H100, kernel alone: RESULTS.md twenty-seventh run)
+SMS = 132                       # an H100 SXM's SMs (the FFN kernel's row threshold)
 WIDE_MARGIN = 1.25              # wide replaces a working streamed plan only when estimated this much faster
                                 # (the estimates are rooflines: keep near-ties on the single fused kernel)
 
@@ -124,7 +129,18 @@ def estimate_wide(spec: MLPSpec, rows: int = NOMINAL_ROWS, tail_from: int = 0, t
         launches -= len(spec.layers) - tail_from - 1 - (io != 2)   # one kernel (and the widening pass)
     for i, l in enumerate(spec.layers[1:n_gemms], start=1):
         t += _wide_layer_seconds(rows, l, round_up(l.in_features, ALIGN), i == len(spec.layers) - 1, io)
-    return max(t, launches * HOST_LAUNCH_S)   # the GPU's time, or the host's when the kernels are short
+    t = max(t, launches * HOST_LAUNCH_S)   # the GPU's time, or the host's when the kernels are short
+    if not tail_from and ffn_reason_refused(spec) is None and rows >= ffn.MIN_ROWS_PER_SM * SMS:
+        t = min(t, estimate_ffn(spec, rows))   # the wide plan's one-kernel FFN on sm_90 (plan/ffn.py)
+    return t
+
+
+def estimate_ffn(spec: MLPSpec, rows: int = NOMINAL_ROWS) -> float:
+    """Seconds of the whole FFN in one kernel (plan/ffn.py): both layers' flops at FFN_EFF of the tensor-core
+    rate, or the input and output rows at HBM speed (the weights come from L2)."""
+    io = 2 if spec.io_dtype == "f16" else 4
+    compute = spec.flops_per_row * rows / (TC_FLOPS * FFN_EFF)
+    return max(compute, rows * (spec.widths[0] + spec.widths[-1]) * io / HBM_BPS) + LAUNCH_S
 
 
 def _residual_seconds(spec: MLPSpec, rows: int, in_epilogue: bool = False) -> float:

@@ -107,6 +107,7 @@ import numpy as np
 
 from .. import expr as ex
 from ..spec import MLPSpec, SpecError
+from .ffn import ffn_pair
 from .cost import converts_input, tf32_eligible, tf32_first_wins
 from .padding import ALIGN, norm_floats, round_up
 from .sm90 import (default_choice, default_tf32_choice, ROW_BUCKETS, SM90_KERNELS, SM90_SCRATCH, Sm90Choice,
@@ -227,6 +228,7 @@ class WidePlan:
     hg_width: int = 0       # its row stride: the widest gated GEMM's 2 * NP (0: no gated layer)
     gemv_rows: int = 0      # passes of at most this many rows run GEMV kernels, not GEMMs (0: never)
     norm_offset: int = 0    # bytes: a block's norm scale (and bias) as fp32 (padding.norm_floats; with spec.norm)
+    ffn: object = None      # plan.ffn.FfnPair: the whole FFN in one kernel on sm_90 (its workspace regions), or None
 
     design = "wide"
     uses_scratch = True     # cuda_run writes the workspace's scratch regions: the plugin orders runs
@@ -272,9 +274,10 @@ class WidePlan:
             conv += "the residual as the last GEMM's source operand (x's rows on sm_90, else y = x + b first), "
         light = {SM90_KERNELS[c.kernel].light for per in self.choices for c in per}
         family = "onnx2fused's" if light == {True} else "CUTLASS 3.x" if light == {False} else "onnx2fused's and CUTLASS 3.x"
+        ffn = f"; {self.ffn.describe()}" if self.ffn else ""
         return (f"wide: {n} tensor-core GEMM{'s' if n > 1 else ''} with a bias+activation epilogue{glu} (on sm_90: {hopper} as {family} "
                 f"wgmma/TMA kernels, {tuned}, the rest CUTLASS 2.x; other GPUs: CUTLASS 2.x sm80 mma.sync), "
-                f"{conv}16-bit intermediates in the workspace, {self.row_block}-row blocks{passes}{gemv}{tail}; {self.reason}")
+                f"{conv}16-bit intermediates in the workspace, {self.row_block}-row blocks{passes}{gemv}{tail}{ffn}; {self.reason}")
 
     def choice_text(self) -> str:
         """Per GEMM, the Hopper kernel of each row bucket: `inspect` shows it."""
@@ -404,9 +407,13 @@ def make_wide_plan(spec: MLPSpec, reason: str = "", *, tail_from: int = 0, tail=
         raise SpecError(f"{spec.describe()}: the GEMV kernels take at most {GEMV_MAX_ROWS} rows, not {gemv_rows}")
     norm_off = off
     off = round_up(off + norm_floats(spec) * 4, REGION_ALIGN)
+    # the one-kernel FFN (not in a tuning build, which times the GEMMs): its image and bias after the rest
+    pair = None if tuning or tail_from else ffn_pair(spec, off)
+    if pair is not None:
+        off = pair.end
     return WidePlan(spec, tuple(layouts), mb, convert, xc_off, sm90_off, (h0, h1), h_width, off, reason,
                     buckets, choices, tuning, tuned_on, tf32_first, w0f_off, chain_block or mb,
-                    tail_from, tail_off, tail_bytes, tail_out_off, tail, hg, hg_width, gemv_rows, norm_off)
+                    tail_from, tail_off, tail_bytes, tail_out_off, tail, hg, hg_width, gemv_rows, norm_off, pair)
 
 
 def with_kernels(plan: WidePlan, choices=None, tuning: bool = False, tuned_on: str = "",

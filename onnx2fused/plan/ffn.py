@@ -1,0 +1,119 @@
+"""The whole FFN in one Hopper kernel: a wide plan's path for a two-layer chain (gated or not) on
+compute capability 9.0 (templates/cuda_wide_ffn.cu.j2, o2f_ffn_pair.cuh; docs/DESIGN.md, "The FFN in one
+kernel"; the prototype: benchmarks/sm90/ffn_wgmma.cu).
+
+The wide design runs an FFN as two GEMMs with the hidden tensor written to the workspace in 16 bits and
+read back (for SwiGLU 256 -> 1024 -> 256, 1 GB per 2^18 rows), after an fp32 -> fp16 conversion pass. This
+kernel keeps the hidden values in registers: each warpgroup converts its 64 input rows into a swizzled
+fp16 tile in shared memory, computes the hidden features a chunk of HC at a time (layer 0 as wgmma from
+shared memory), and feeds each chunk's activations straight from registers into layer 1's wgmma, which
+accumulates the tile's outputs across the chunks. The weights stream through a ring of chunk slots
+(the streamed wgmma design's), read from L2 by every CTA once per pass of 128 rows.
+
+`ffn_pair(spec, workspace_offset)` is the kernel's layout where it can run the spec, else None;
+`ffn_reason_refused(spec)` says why not. The chain's unit takes it on a 9.0 device for batches of at least
+MIN_ROWS_PER_SM rows per SM (fewer leave SMs idle: the GEMMs split the columns too), with 16-byte aligned
+x and y, unless ONNX2FUSED_WIDE_FFN=0 (FFN_ENV: A/B timing and tests) or the sm80 kernels are forced.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..spec import MLPSpec
+from .padding import round_up
+
+FFN_ENV = "ONNX2FUSED_WIDE_FFN"   # "0": the chain's GEMMs even where the FFN kernel could run
+HC = 32                 # hidden features per chunk: the layer-0 accumulators (32 or 64 a thread) stay small
+K0_MAX = 256            # the input tile: 64 rows x K0 fp16 per warpgroup, a whole-atom multiple of 64 features
+N_MAX = 256             # layer 1's accumulators: 64 x N fp32 per warpgroup, N/2 registers a thread
+STAGES = 3              # ring slots (the streamed wgmma design's measured best)
+SMEM_LIMIT = 227 * 1024
+NWG = 2                 # warpgroups a CTA, each on its own 64-row tile
+# Rows a batch needs per SM before the kernel is taken: one pass (2 x 64 rows) per SM. Below that the
+# kernel leaves SMs idle, where the wide design's GEMMs also split the columns.
+MIN_ROWS_PER_SM = 64 * NWG
+REGION_ALIGN = 1024      # the image's and the bias's start (bulk copies need 16 bytes)
+
+
+@dataclass(frozen=True)
+class FfnPair:
+    k0: int             # input features
+    kp0: int            # padded to a multiple of 64
+    h: int              # hidden features
+    hp: int             # padded to a multiple of HC
+    n: int              # outputs
+    np_: int            # padded to a multiple of 64 (the layer-1 wgmma's N)
+    gated: bool
+    image_offset: int   # bytes into the workspace: the weight image (fp16, chunk by chunk)
+    image_bytes: int
+    bias_offset: int    # bytes: the biases, fp32 (layer 0's (2) HP, then layer 1's NP)
+    bias_bytes: int
+    stages: int = STAGES
+
+    @property
+    def l1_cols(self) -> int:
+        """Layer 0's columns per chunk: HC, or HC gate and HC up columns."""
+        return 2 * HC if self.gated else HC
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self.l1_cols * self.kp0 * 2 + self.np_ * HC * 2
+
+    @property
+    def slot_bytes(self) -> int:
+        return round_up(self.chunk_bytes, 1024)
+
+    @property
+    def end(self) -> int:
+        """The workspace bytes up to and past the kernel's regions."""
+        return round_up(self.bias_offset + self.bias_bytes, REGION_ALIGN)
+
+    @property
+    def smem_bytes(self) -> int:
+        return smem_bytes(self.kp0, self.hp, self.np_, self.gated, self.stages, self.slot_bytes)
+
+    def describe(self) -> str:
+        return (f"on sm_90 from {MIN_ROWS_PER_SM} rows per SM the whole FFN in one kernel (the hidden "
+                f"{'act(gate) * up ' if self.gated else ''}values kept on chip, {self.hp // HC} chunks of {HC} "
+                f"through a ring of {self.stages} x {self.slot_bytes // 1024} KB)")
+
+
+def smem_bytes(kp0: int, hp: int, np_: int, gated: bool, stages: int, slot_bytes: int) -> int:
+    """The kernel's dynamic shared memory (o2f_ffn_pair.cuh's layout): ring, input tiles, biases,
+    barriers and counters, alignment slack."""
+    return stages * slot_bytes + NWG * 64 * kp0 * 2 + 4 * ((2 if gated else 1) * hp + np_) + 12 * stages + 1024
+
+
+def ffn_reason_refused(spec: MLPSpec) -> str | None:
+    """Why the FFN kernel cannot run this spec, or None."""
+    if len(spec.layers) != 2:
+        return f"{len(spec.layers)} layers (it runs exactly two)"
+    if spec.precision != "fp16":
+        return f"{spec.precision} operands (its wgmma forms are fp16)"
+    if spec.norm is not None or spec.residual:
+        return "a norm in front or a residual behind (the wide design's passes and epilogue take those)"
+    first, last = spec.layers
+    if last.gated:
+        return "a gated last layer"
+    k0, n = first.in_features, last.out_features
+    if k0 % 8 or k0 > K0_MAX:
+        return f"{k0} input features (it takes multiples of 8 up to {K0_MAX})"
+    if n % 2 or n > N_MAX:
+        return f"{n} outputs (it takes even counts up to {N_MAX})"
+    return None
+
+
+def ffn_pair(spec: MLPSpec, offset: int) -> FfnPair | None:
+    """The kernel's layout with its workspace regions from byte `offset`, or None (ffn_reason_refused, or
+    its shared memory would not fit)."""
+    if ffn_reason_refused(spec):
+        return None
+    first, last = spec.layers
+    kp0, hp, np_ = round_up(first.in_features, 64), round_up(first.out_features, HC), round_up(last.out_features, 64)
+    cols = 2 * HC if first.gated else HC
+    chunk = cols * kp0 * 2 + np_ * HC * 2
+    image, image_off = (hp // HC) * chunk, round_up(offset, REGION_ALIGN)
+    bias_off = round_up(image_off + image, REGION_ALIGN)
+    pair = FfnPair(first.in_features, kp0, first.out_features, hp, last.out_features, np_, first.gated,
+                   image_off, image, bias_off, 4 * ((2 if first.gated else 1) * hp + np_))
+    return pair if pair.smem_bytes <= SMEM_LIMIT else None

@@ -1,0 +1,207 @@
+// o2f_ffn_pair.cuh: a two-layer FFN in one Hopper kernel, the hidden layer never leaving the SM
+// (plan/ffn.py; templates/cuda_wide_ffn.cu.j2 renders the unit that includes this; the prototype and its
+// measurements: benchmarks/sm90/ffn_wgmma.cu, docs/DESIGN.md "The FFN in one kernel").
+//
+//   y = act1(h W2 + b2),  h = round16(act0(g) * u) (gated: g, u = round16(x W0 + b0) halves)
+//                         or round16(act0(x W0 + b0))
+//
+//  * A CTA is 2 warpgroups, persistent; a pass is one 64-row tile per warpgroup, and both run every pass.
+//  * A tile's rows are converted once to fp16 into a 128-byte-swizzled shared-memory tile: layer 0's A
+//    operand by descriptor (SS wgmma), so that the input does not hold K0/4 registers a thread beside the
+//    output's accumulators.
+//  * The hidden width runs in chunks of kHC features (kHC gate + kHC up columns when gated): one
+//    m64n{kL1N}k16 wgmma per k-step of K0 into the chunk's accumulators; the epilogue's hidden values,
+//    rounded to fp16, are in registers the A operand of layer 1's kHC rows (RS wgmma m64n{kNP}k16),
+//    which accumulate into the tile's 64 x kNP outputs (kNP/2 registers a thread) across all chunks.
+//  * A ring slot holds one chunk's weights (layer 0's columns, then layer 1's rows), copied by
+//    cp.async.bulk through the streamed wgmma design's ring (o2f_wgmma_ring.cuh); the two warpgroups'
+//    epilogues overlap each other's wgmmas.
+//
+// Static device code (sm_90a), included inside the unit's namespace after: io_t, the shape constants
+// (kK0, kKP0, kHP, kN, kNP, kGated, kHC, kL1N, kL1Bytes, kL2Bytes, kChunks, kStages, kSlotBytes, kRingChunks,
+// kWarps, kCluster, stream_chunk), and o2f_sm90_ptx.cuh, o2f_wgmma_ring.cuh and the wgmma wrappers (WgmmaSS, WgmmaRS).
+#pragma once
+
+namespace o2f_ffn {
+constexpr int kNwg = 2;
+constexpr int kThreads = 128 * kNwg;
+constexpr int kXTileBytes = 64 * kKP0 * 2;       // a warpgroup's input tile, fp16, K-major, 128 B swizzle
+constexpr int kRingSmem = 0;
+constexpr int kXSmem = kStages * kSlotBytes;
+constexpr int kB0Smem = kXSmem + kNwg * kXTileBytes;        // layer 0's bias (fp32, kL1N x kChunks values)
+constexpr int kB1Smem = kB0Smem + 4 * (kGated ? 2 : 1) * kHP;   // layer 1's (fp32, kNP values)
+constexpr int kBarSmem = kB1Smem + 4 * kNP;
+constexpr int kCntSmem = kBarSmem + 8 * kStages;
+constexpr int kSmemBytes = kCntSmem + 4 * kStages + 1024;   // + the alignment slack
+static_assert(kKP0 % 64 == 0 && kKP0 <= 256 && kK0 % 8 == 0 && kK0 <= kKP0, "K0: 8-column units, whole atoms");
+static_assert(kHP % kHC == 0 && kNP % 64 == 0 && kNP <= 256 && kN <= kNP && kN % 2 == 0,
+              "hidden and output widths (outputs stored in pairs)");
+static_assert(kB0Smem % 16 == 0 && kBarSmem % 8 == 0, "shared-memory alignment");
+
+__device__ __forceinline__ uint64_t desc(uint32_t hi, uint32_t lo) { return (static_cast<uint64_t>(hi) << 32) | lo; }
+constexpr uint32_t kHi128 = (1024 >> 4) | (1u << 30);   // 128-byte swizzle, 8-row groups 1024 bytes apart
+constexpr uint32_t kHi64 = (512 >> 4) | (2u << 30);     // 64-byte swizzle, 8-row groups 512 bytes apart
+// Byte offset of k-step ks in a K-major 128-byte-swizzled tile of `rows` rows: 32 bytes on within an atom
+// row, then the next K atom (rows x 128 bytes on).
+__host__ __device__ constexpr uint32_t kstep_off(int ks, int rows) { return (32 * ks) % 128 + (32 * ks / 128) * rows * 128; }
+__device__ __forceinline__ void wg_sync(int wg) { asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory"); }
+// Generic-proxy stores into shared memory, before the async proxy (wgmma) reads them.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+__device__ __forceinline__ uint4 ld16(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ uint32_t pack_h2(float lo, float hi) {
+  uint32_t r;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+template <int R>
+__device__ __forceinline__ void fence_frag(uint32_t (&a)[R][4]) {
+#pragma unroll
+  for (int k = 0; k < R; ++k)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(a[k][i])::"memory");
+}
+__device__ __forceinline__ void st_out2(float* p, float a, float b) {
+  asm volatile("st.global.cs.v2.f32 [%0], {%1, %2};\n" ::"l"(p), "f"(a), "f"(b) : "memory");
+}
+__device__ __forceinline__ void st_out2(__half* p, float a, float b) {
+  asm volatile("st.global.cs.b32 [%0], %1;\n" ::"l"(p), "r"(pack_h2(a, b)) : "memory");
+}
+
+// 8 input values of a row (16 or 32 bytes at p) as 8 fp16 values (one 16-byte unit of the tile).
+__device__ __forceinline__ uint4 load_unit(const float* p) {
+  const uint4 a = ld16(p), b = ld16(p + 4);
+  return make_uint4(pack_h2(__uint_as_float(a.x), __uint_as_float(a.y)), pack_h2(__uint_as_float(a.z), __uint_as_float(a.w)),
+                    pack_h2(__uint_as_float(b.x), __uint_as_float(b.y)), pack_h2(__uint_as_float(b.z), __uint_as_float(b.w)));
+}
+__device__ __forceinline__ uint4 load_unit(const __half* p) { return ld16(p); }
+
+// A warpgroup's 64 rows from `row0` into its fp16 tile, zeros past the batch and in the padded columns:
+// warp w converts rows w, w + 4, ...; lane l holds columns 8l..8l+7 (one 16-byte unit of the tile). Four
+// rows' loads are issued before their stores.
+__device__ __forceinline__ void fill_x(unsigned char* tile, const io_t* __restrict__ x, int64_t rows, int64_t row0,
+                                       int warp, int lane) {
+  if (lane >= kKP0 / 8) return;
+  const bool real = 8 * lane < kK0;
+  const int atom = lane / 8, unit = lane % 8;
+#pragma unroll
+  for (int rb = 0; rb < 16; rb += 4) {
+    uint4 v[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int64_t g = row0 + warp + 4 * (rb + i);
+      v[i] = real && g < rows ? load_unit(x + g * kK0 + 8 * lane) : make_uint4(0u, 0u, 0u, 0u);
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int r = warp + 4 * (rb + i);
+      *reinterpret_cast<uint4*>(tile + atom * 64 * 128 + r * 128 + ((unit ^ (r & 7)) * 16)) = v[i];
+    }
+  }
+}
+
+// Epi: the unit's epilogue arithmetic, Epi::gated_pair(g0, u0, g1, u1, col) (gated) or Epi::pair(a, b, col)
+// -> one packed fp16x2 A register of hidden features col, col + 1; Epi::out(v, col) the output's activation.
+template <class Epi>
+__global__ void __launch_bounds__(kThreads, 1)
+ffn_kernel(const io_t* __restrict__ x, io_t* __restrict__ y, int64_t rows, const unsigned char* __restrict__ wimg,
+           const float* __restrict__ bias) {
+  extern __shared__ unsigned char smem_raw[];
+  const uint32_t raw = smem_u32(smem_raw);
+  const uint32_t base = (raw + 1023u) & ~1023u;   // swizzle atoms repeat on 1024-byte boundaries
+  unsigned char* smem = smem_raw + (base - raw);
+  const float* sb0 = reinterpret_cast<const float*>(smem + kB0Smem);
+  const float* sb1 = reinterpret_cast<const float*>(smem + kB1Smem);
+  const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
+  if (tid == 0) {
+    for (uint32_t s = 0; s < kStages; ++s) mbar_init(base + kBarSmem + 8 * s, 1);
+    mbar_init_fence();
+  }
+  for (uint32_t i = tid; i < kStages; i += kThreads) reinterpret_cast<uint32_t*>(smem + kCntSmem)[i] = 0u;
+  for (int i = tid; i < (kB1Smem - kB0Smem) / 4 + kNP; i += kThreads) reinterpret_cast<float*>(smem + kB0Smem)[i] = bias[i];
+  __syncthreads();   // barriers, counters and bias in place
+  const int64_t ntiles = (rows + 63) / 64;
+  const int64_t npasses = (ntiles + kNwg - 1) / kNwg;
+  const int64_t mine = (npasses - 1 - blockIdx.x) / gridDim.x + 1;   // >= 1: the grid is at most npasses
+  Ring ring{base + kRingSmem, base + kBarSmem, base + kCntSmem, 0u, wimg, static_cast<uint32_t>(mine) * kRingChunks,
+            0u, 0u, 0u, 0u, 0u};
+  if (tid == 0) ring.prime();
+  unsigned char* xtile = smem + kXSmem + wg * kXTileBytes;
+  const uint32_t xlo = ((base + kXSmem + wg * kXTileBytes) >> 4) | (1u << 16);   // descriptor low word, LBO 1
+  const int t2 = 2 * (lane & 3);             // this thread's first column in every n8 block
+  const int rin = 16 * warp + (lane >> 2);   // its first row in the tile (the second: + 8)
+
+#pragma unroll 1
+  for (int64_t pass = blockIdx.x; pass < npasses; pass += gridDim.x) {
+    const int64_t row0 = (pass * kNwg + wg) * 64;
+    fill_x(xtile, x, rows, row0, warp, lane);
+    fence_proxy_async();
+    wg_sync(wg);   // the whole tile stored
+    float out[kNP / 2];
+    uint32_t h[kHC / 16][4];
+#pragma unroll 1
+    for (int c = 0; c < kChunks; ++c) {
+      const uint32_t slot = ring.acquire();   // this chunk's weights have landed
+      float d[kL1N / 2];
+      wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < kKP0 / 16; ++ks)
+        WgmmaSS<kL1N>::run(d, desc(kHi128, xlo + (kstep_off(ks, 64) >> 4)),
+                           desc(kHi128, slot + (kstep_off(ks, kL1N) >> 4)), ks);
+      wgmma_commit();
+      wgmma_wait<0>();   // this chunk's layer-0 product (and the previous chunk's layer-1 wgmmas)
+      fence_acc(d);
+      fence_acc(out);
+      if (c > 0) ring.release(lane);   // the previous chunk's slot
+      // the hidden values of this thread's columns as layer 1's A fragments: n8 block j of the chunk is
+      // k-step j / 2, registers 0/1 (rows r, r + 8) for even j, 2/3 for odd j
+#pragma unroll
+      for (int j = 0; j < kHC / 8; ++j) {
+        const int col = c * kHC + 8 * j + t2;   // hidden feature
+        uint32_t lo, hi;
+        if constexpr (kGated) {
+          const int u = j + kHC / 8;   // the up block of the same features
+          const float2 bg = *reinterpret_cast<const float2*>(sb0 + col);
+          const float2 bu = *reinterpret_cast<const float2*>(sb0 + kHP + col);
+          lo = Epi::gated_pair(d[4 * j] + bg.x, d[4 * u] + bu.x, d[4 * j + 1] + bg.y, d[4 * u + 1] + bu.y, col);
+          hi = Epi::gated_pair(d[4 * j + 2] + bg.x, d[4 * u + 2] + bu.x, d[4 * j + 3] + bg.y, d[4 * u + 3] + bu.y, col);
+        } else {
+          const float2 b = *reinterpret_cast<const float2*>(sb0 + col);
+          lo = Epi::pair(d[4 * j] + b.x, d[4 * j + 1] + b.y, col);
+          hi = Epi::pair(d[4 * j + 2] + b.x, d[4 * j + 3] + b.y, col);
+        }
+        h[j / 2][(j % 2) * 2] = lo;
+        h[j / 2][(j % 2) * 2 + 1] = hi;
+      }
+      fence_frag(h);
+      wgmma_fence();
+#pragma unroll
+      for (int kt = 0; kt < kHC / 16; ++kt)
+        WgmmaRS<kNP>::run(out, h[kt], desc(kHi64, slot + ((kL1Bytes + 32 * kt) >> 4)), c > 0 || kt > 0);
+      wgmma_commit();
+    }
+    wgmma_wait<0>();
+    fence_acc(out);
+    ring.release(lane);   // the last chunk's slot
+    wg_sync(wg);          // every warp's reads of the tile are done: the next pass refills it
+    const int64_t r0 = row0 + rin;
+#pragma unroll
+    for (int j = 0; j < kNP / 8; ++j) {
+      const int col = 8 * j + t2;
+      if (col >= kN) continue;
+      const float2 b = *reinterpret_cast<const float2*>(sb1 + col);
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int64_t r = r0 + 8 * half;
+        if (r >= rows) continue;
+        const float v0 = Epi::out(out[4 * j + 2 * half] + b.x, col), v1 = Epi::out(out[4 * j + 2 * half + 1] + b.y, col + 1);
+        st_out2(y + r * kN + col, v0, v1);
+      }
+    }
+  }
+}
+}  // namespace o2f_ffn

@@ -1,0 +1,140 @@
+"""The whole FFN in one Hopper kernel (onnx2fused/plan/ffn.py, templates/cuda_wide_ffn.cu.j2): which wide
+plans carry it and why not, its workspace regions, the chain unit's dispatch, and its unit compiled as
+build.py compiles it (sm_90a alone: no spills, the wgmma forms it needs). No GPU needed; the numbers
+against stock ORT: tests/test_gpu_ffn.py."""
+from __future__ import annotations
+
+import re
+import shutil
+
+import pytest
+from nvcc_support import compile_kept, ptxas_entry
+
+from onnx2fused import codegen, targets
+from onnx2fused import expr as ex
+from onnx2fused.plan import choose, cost, ffn
+from onnx2fused.plan.options import WideOptions
+from onnx2fused.spec import LayerSpec, MLPSpec, NormSpec
+from onnx2fused.wide_params import ffn_symbol, ffn_unit, wide_params
+
+NVCC = shutil.which("nvcc")
+
+
+def _spec(widths, act=ex.silu(), gated=True, precision="fp16", io="f32", bias=True, last=ex.identity()):
+    """Two layers (or more, for refusals) between `widths`; the first gated (act(x Wg) * (x Wu)) if asked."""
+    n = len(widths) - 1
+    return MLPSpec(tuple(LayerSpec(a, b, bias, act if i < n - 1 else last, gated=gated and i == 0)
+                         for i, (a, b) in enumerate(zip(widths, widths[1:]))), precision, io)
+
+
+@pytest.mark.parametrize("widths,gated", [
+    ([256, 1024, 256], True),    # issue 16's SwiGLU block
+    ([72, 1000, 50], True),      # every width padded: K0 to 128, the hidden to 1024, the outputs to 64
+    ([256, 4096, 256], False),   # a GELU FFN pair
+    ([192, 768, 192], False),    # ViT-tiny's FFN
+])
+def test_a_two_layer_wide_plan_carries_the_ffn_kernel_in_its_own_regions(widths, gated):
+    spec = _spec(widths, ex.silu() if gated else ex.gelu_erf(), gated)
+    plan = choose.wide_plan(spec, WideOptions())
+    f = plan.ffn
+    assert f is not None and f.gated == gated and (f.k0, f.h, f.n) == tuple(widths)
+    assert f.kp0 % 64 == 0 and f.kp0 >= f.k0 and f.hp % ffn.HC == 0 and f.hp >= f.h and f.np_ % 64 == 0
+    # its image and bias after every other region, 1 KB aligned, inside the workspace
+    others = max(plan.norm_offset, plan.hg_offset, plan.h_offsets[1], plan.xc_offset, plan.sm90_offset)
+    assert others <= f.image_offset and f.image_offset % 1024 == 0 and f.bias_offset % 1024 == 0
+    assert f.image_offset + f.image_bytes <= f.bias_offset and f.bias_offset + f.bias_bytes <= plan.workspace_bytes
+    assert f.image_bytes == (f.hp // ffn.HC) * f.chunk_bytes
+    assert f.bias_bytes == 4 * ((2 if gated else 1) * f.hp + f.np_)
+    assert f.smem_bytes <= ffn.SMEM_LIMIT and f.slot_bytes >= f.chunk_bytes
+    assert "whole FFN in one kernel" in plan.describe()
+
+
+@pytest.mark.parametrize("spec,why", [
+    (_spec([256, 512, 512, 256]), "3 layers"),
+    (_spec([256, 1024, 256], precision="bf16"), "bf16 operands"),
+    (_spec([300, 1024, 256]), "300 input features"),
+    (_spec([20, 1024, 256]), "20 input features"),
+    (_spec([256, 1024, 320]), "320 outputs"),
+    (_spec([256, 1024, 255]), "255 outputs"),
+    (MLPSpec(_spec([256, 1024, 256]).layers, "fp16", "f32", norm=NormSpec("layernorm", 1e-5, True), residual=True),
+     "a norm in front or a residual behind"),
+])
+def test_the_ffn_kernel_says_why_it_declines(spec, why):
+    reason = ffn.ffn_reason_refused(spec)
+    assert reason is not None and why in reason
+    assert ffn.ffn_pair(spec, 0) is None
+
+
+def test_a_hidden_layer_whose_bias_leaves_no_room_for_the_ring_keeps_the_gemms():
+    # 2 x 16384 gate and up biases (128 KB) beside three 48 KB ring slots: over the shared memory
+    spec = _spec([256, 16384, 256])
+    assert ffn.ffn_reason_refused(spec) is None and ffn.ffn_pair(spec, 0) is None
+    assert choose.wide_plan(spec, WideOptions()).ffn is None
+
+
+def test_a_tuning_build_times_the_gemms_without_the_ffn_kernel():
+    spec = _spec([256, 1024, 256])
+    assert choose.wide_plan(spec, WideOptions(tuning=True)).ffn is None
+    assert "_ffn_cuda.cu" not in " ".join(codegen.cuda_sources(choose.wide_plan(spec, WideOptions(tuning=True))))
+
+
+def test_the_cost_model_counts_the_ffn_kernel_from_a_pass_per_sm(monkeypatch):
+    spec = _spec([256, 1024, 256])
+    rows = ffn.MIN_ROWS_PER_SM * cost.SMS
+    with_ffn = {r: cost.estimate_wide(spec, r) for r in (rows - 1, rows, 2 ** 18)}
+    monkeypatch.setattr(cost, "ffn_reason_refused", lambda s: "refused")
+    gemms = {r: cost.estimate_wide(spec, r) for r in with_ffn}
+    # below a pass per SM the GEMMs' estimate stands; from there the cheaper of the two
+    assert with_ffn[rows - 1] == gemms[rows - 1]
+    assert with_ffn[rows] == min(gemms[rows], cost.estimate_ffn(spec, rows))
+    # at SwiGLU 256's 2^18 rows one kernel is modelled under the GEMMs and the conversion pass
+    assert with_ffn[2 ** 18] == cost.estimate_ffn(spec, 2 ** 18) < gemms[2 ** 18]
+
+
+def test_the_chain_unit_packs_and_takes_the_ffn_kernel_on_hopper_only():
+    spec = _spec([256, 1024, 256])
+    plan = choose.wide_plan(spec, WideOptions())
+    files = codegen.cuda_sources(plan)
+    chain = files[f"{spec.name}_cuda.cu"]
+    unit_name, params = ffn_unit(plan)
+    assert unit_name in files and targets.sm90a_only(files[unit_name])
+    sym = ffn_symbol(spec)
+    # declared, packed and run only where the sm_90a units were compiled; run under the env switch, from a
+    # pass per SM, on aligned rows; everything else the GEMMs (run_chain)
+    run = chain[chain.index(f'extern "C" int {spec.name}_cuda_run'):]
+    assert re.search(rf"#ifdef ONNX2FUSED_WIDE_SM90A\s+namespace {sym} ", chain)
+    assert f"{sym}::pack(w[0], b[0], w[1], b[1], ws, s)" in chain and "major == 9 && minor == 0" in chain
+    call = run.index(f"{sym}::run(")
+    assert run.index("#ifdef ONNX2FUSED_WIDE_SM90A") < call < run.index("return run_chain(")
+    assert f'getenv("{ffn.FFN_ENV}")' in run and f"rows >= static_cast<int64_t>({ffn.MIN_ROWS_PER_SM}) * dev.sms" in run
+    assert "dev.sm90" in run and "aligned16(x) && aligned16(y)" in run
+    assert wide_params(plan)["ffn"]["name"] == sym and params["gated"]
+
+
+@pytest.mark.cuda_build
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+@pytest.mark.parametrize("widths,gated,act,io,bias", [
+    ([256, 1024, 256], True, ex.silu(), "f32", False),      # issue 16's SwiGLU block, LLaMA-style (no bias)
+    ([72, 1000, 50], True, ex.silu(), "f16", True),         # padded widths, fp16 rows, biases
+    ([256, 4096, 256], False, ex.gelu_erf(), "f32", True),  # a GELU pair: the packed fp16x2 GELU
+], ids=["swiglu256", "odd_f16", "gelu_pair"])
+def test_the_ffn_unit_compiles_to_wgmma_without_spills(widths, gated, act, io, bias, tmp_path, monkeypatch):
+    monkeypatch.setenv("ONNX2FUSED_CUDA_ARCHS", "80,90")
+    spec = _spec(widths, act, gated, io=io, bias=bias)
+    plan = choose.wide_plan(spec, WideOptions())
+    name, params = ffn_unit(plan)
+    files = codegen._with_headers({name: codegen._render(params["template"], params)})
+    for n, text in files.items():
+        (tmp_path / n).write_text(text)
+    flags = targets.sm90a_nvcc_flags(targets.nvcc_flags())
+    assert targets.WIDE_SM90A_DEFINE in flags
+    log, keep = compile_kept(NVCC, flags, tmp_path, files[name])
+    ptxas_entry(log, "ffn_kernel")   # no spills, no serialized wgmma (nvcc_support checks)
+    ptx = next(keep.glob("*.ptx")).read_text()
+    # a chunk's layer-0 k-steps (m64n64 gated, m64n32 not) and its layer-1 k-steps (m64n<NP>), once each
+    expected = {64 if gated else 32: plan.ffn.kp0 // 16}
+    expected[plan.ffn.np_] = expected.get(plan.ffn.np_, 0) + ffn.HC // 16
+    for n, count in expected.items():
+        assert ptx.count(f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.f16.f16") == count, n
+    assert "fence.proxy.async.shared::cta" in ptx and "cp.async.bulk.shared::cluster.global" in ptx
+    assert ("tanh.approx.f16x2" in ptx) == (not gated)   # the packed GELU

@@ -1,0 +1,90 @@
+"""The whole FFN in one Hopper kernel (onnx2fused/plan/ffn.py) against stock ONNX Runtime (GPU host only).
+
+Two-layer chains in the wide design, gated (SwiGLU) and not, with every width padded somewhere; batches
+below the kernel's threshold (the GEMMs run) and above it (one kernel), outputs poisoned with NaN so
+unwritten elements show; the same session with ONNX2FUSED_WIDE_FFN=0 (the GEMMs at every batch), and
+the kernels one run launches (torch's profiler)."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+
+from gpu_support import rel_l2, require_cuda, run_poisoned  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+ort, torch = require_cuda()
+
+from onnx2fused import library, passes  # noqa: E402
+from onnx2fused.loader import load_model  # noqa: E402
+from onnx2fused.plan import ffn  # noqa: E402
+from onnx2fused.plan.choose import make_plans  # noqa: E402
+from onnx2fused.plan.options import PlanOptions  # noqa: E402
+from test_gpu_gated import TOL, _hopper, _kernel_names, _reference, _swiglu_chain  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("gpu_ffn_cache")
+
+
+def _fused_session(src, cache_dir, out):
+    """An fp16 session of the model's one chain in the wide design, which carries the FFN kernel."""
+    model = load_model(str(src))
+    plan = passes.find_chains(model, **library.fusion_refusals(True))
+    specs = [c.to_spec("fp16") for c in plan.chains]
+    plans = make_plans(specs, PlanOptions(design="wide", wgmma=False))
+    assert len(specs) == 1 and plans[specs[0].name].ffn is not None, plans[specs[0].name].describe()
+    lib = library.build_plugin(specs, with_cuda=True, cache_dir=cache_dir, plans=plans)
+    onnx.save(passes.rewrite(model, plan, specs), str(out))
+    so = ort.SessionOptions()
+    so.register_custom_ops_library(str(lib.path))
+    return ort.InferenceSession(str(out), so, providers=["CUDAExecutionProvider", "CPUExecutionProvider"])
+
+
+def _rows_for_the_kernel() -> int:
+    """A batch just over the kernel's threshold on this GPU (a pass of rows per SM), odd."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    return ffn.MIN_ROWS_PER_SM * sms + 37
+
+
+@pytest.mark.parametrize("k,widths,gated", [
+    (256, [1024, 256], {0}),    # issue 16's SwiGLU block (with biases)
+    (72, [1000, 50], {0}),      # K0 padded to 128, the hidden to 1024, the outputs to 64
+    (192, [768, 192], set()),   # ViT-tiny's widths, ReLU: a plain (not gated) hidden layer
+])
+def test_the_ffn_kernel_matches_stock_ort(k, widths, gated, cache_dir, tmp_path, monkeypatch):
+    src = tmp_path / "ffn.onnx"
+    onnx.save(_swiglu_chain(k, widths, gated), str(src))
+    sess = _fused_session(src, cache_dir, tmp_path / "fused.onnx")
+    rng = np.random.default_rng(11)
+    big = _rows_for_the_kernel()
+    for batch in (1, 4099, big, 2 * big + 1):
+        x = rng.standard_normal((batch, k)).astype(np.float32)
+        ref = _reference(src, x)
+        y = run_poisoned(sess, x, ref.shape)
+        err = rel_l2(y, ref)
+        assert err <= TOL["fp16"], f"{k}->{widths} batch {batch}: rel L2 {err:.2e}"
+        monkeypatch.setenv(ffn.FFN_ENV, "0")   # the GEMMs on the same session
+        y_gemms = run_poisoned(sess, x, ref.shape)
+        monkeypatch.delenv(ffn.FFN_ENV)
+        assert rel_l2(y_gemms, ref) <= TOL["fp16"] and rel_l2(y, y_gemms) <= TOL["fp16"], batch
+
+
+def test_hopper_runs_the_ffn_as_one_kernel_from_a_pass_per_sm(cache_dir, tmp_path, monkeypatch):
+    if not _hopper():
+        pytest.skip("the FFN kernel runs on compute capability 9.0 only")
+    src = tmp_path / "swiglu.onnx"
+    onnx.save(_swiglu_chain(256, [1024, 256], {0}), str(src))
+    sess = _fused_session(src, cache_dir, tmp_path / "fused.onnx")
+    x = np.random.default_rng(3).standard_normal((_rows_for_the_kernel(), 256)).astype(np.float32)
+    names = _kernel_names(sess, x)
+    if not names:
+        pytest.skip("the profiler recorded no CUDA kernels here (CUPTI unavailable)")
+    assert "ffn_kernel" in names and "light_gemm" not in names and "convert_rows" not in names, names
+    small = _kernel_names(sess, x[:4099])   # under the threshold: the GEMMs
+    assert "ffn_kernel" not in small and "light_gemm" in small, small
+    monkeypatch.setenv(ffn.FFN_ENV, "0")
+    off = _kernel_names(sess, x)
+    monkeypatch.delenv(ffn.FFN_ENV)
+    assert "ffn_kernel" not in off and "light_gemm" in off, off
