@@ -146,6 +146,12 @@ template <> struct WgmmaRS<256> {
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
   }
 };
+// Diagnostic builds (where the time goes; results wrong by design, the check then fails): FFN_DIAG_NO_FILL
+// moves no weight bytes (the ring's O2F_DIAG_NO_FILL), FFN_DIAG_NO_X converts the input tile on the first
+// pass only, FFN_DIAG_NO_EPI packs the layer-0 products without the activation.
+#ifdef FFN_DIAG_NO_FILL
+#define O2F_DIAG_NO_FILL 1
+#endif
 #include "o2f_wgmma_ring.cuh"
 
 constexpr int kRingSmem = 0;
@@ -247,6 +253,9 @@ ffn_kernel(const float* __restrict__ x, float* __restrict__ y, int64_t rows, con
 #pragma unroll 1
   for (int64_t pass = blockIdx.x; pass < npasses; pass += gridDim.x) {
     const int64_t row0 = (pass * kNwg + wg) * 64;
+#ifdef FFN_DIAG_NO_X
+    if (pass == blockIdx.x)
+#endif
     fill_x(xtile, x, rows, row0, warp, lane);
     fence_proxy_async();   // the generic stores, before wgmma (async proxy) reads the tile
     wg_sync(wg);
@@ -271,6 +280,12 @@ ffn_kernel(const float* __restrict__ x, float* __restrict__ y, int64_t rows, con
 #pragma unroll
       for (int j = 0; j < kHC / 8; ++j) {
         uint32_t lo, hi;
+#ifdef FFN_DIAG_NO_EPI
+        if (true) {
+          lo = pack2(d[4 * j], d[4 * j + 1]);
+          hi = pack2(d[4 * j + 2], d[4 * j + 3]);
+        } else
+#endif
         if constexpr (kGated) {
           const int u = j + kHC / 8;
           lo = pack2(silu(d[4 * j]) * d[4 * u], silu(d[4 * j + 1]) * d[4 * u + 1]);
