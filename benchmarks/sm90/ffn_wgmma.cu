@@ -76,7 +76,12 @@ constexpr uint32_t kStages = FFN_STAGES;
 constexpr uint32_t kSlotBytes = (kL1Bytes + kL2Bytes + 1023) / 1024 * 1024;
 constexpr uint32_t kRingChunks = kChunks;
 constexpr uint32_t kWarps = kThreads / 32;
-constexpr uint32_t kCluster = 1;
+#ifndef FFN_CLUSTER
+#define FFN_CLUSTER 1
+#endif
+// CTAs of a cluster (FFN_CLUSTER > 1): they run their passes in step and each copies 1/kCluster of every
+// chunk into the slot of all of them (the ring's multicast): a chunk leaves L2 once per cluster.
+constexpr uint32_t kCluster = FFN_CLUSTER;
 __device__ __forceinline__ uint2 stream_chunk(uint32_t p) { return make_uint2(p * (kL1Bytes + kL2Bytes), kL1Bytes + kL2Bytes); }
 __device__ __forceinline__ void bulk_g2s(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
@@ -157,7 +162,8 @@ template <> struct WgmmaRS<256> {
 constexpr int kRingSmem = 0;
 constexpr int kXSmem = kStages * kSlotBytes;
 constexpr int kBarSmem = kXSmem + kNwg * kXTileBytes;
-constexpr int kCntSmem = kBarSmem + 8 * kStages;
+constexpr int kPeerBarSmem = kBarSmem + 8 * kStages;   // clusters: the slots' "the other CTAs are done"
+constexpr int kCntSmem = kPeerBarSmem + 8 * kStages;
 constexpr int kSmemBytes = kCntSmem + 4 * kStages + 1024;   // + alignment slack
 
 __device__ __forceinline__ uint64_t desc(uint32_t hi, uint32_t lo) { return (static_cast<uint64_t>(hi) << 32) | lo; }
@@ -235,15 +241,21 @@ ffn_kernel(const float* __restrict__ x, float* __restrict__ y, int64_t rows, con
   const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
   if (tid == 0) {
     for (uint32_t s = 0; s < kStages; ++s) mbar_init(base + kBarSmem + 8 * s, 1);
+    if constexpr (kCluster > 1)
+      for (uint32_t s = 0; s < kStages; ++s) mbar_init(base + kPeerBarSmem + 8 * s, kCluster - 1);
     mbar_init_fence();
   }
   for (uint32_t i = tid; i < kStages; i += kThreads) reinterpret_cast<uint32_t*>(smem + kCntSmem)[i] = 0u;
   __syncthreads();
+  if constexpr (kCluster > 1) cluster_sync();
   const int64_t ntiles = (rows + 63) / 64;
   const int64_t npasses = (ntiles + kNwg - 1) / kNwg;
-  const int64_t mine = (npasses - 1 - blockIdx.x) / gridDim.x + 1;   // grid <= npasses
-  Ring ring{base + kRingSmem, base + kBarSmem, base + kCntSmem, 0u, wimg, static_cast<uint32_t>(mine) * kRingChunks,
-            0u, 0u, 0u, 0u, 0u};
+  // a cluster makes kCluster passes in step (a super-pass); its CTA of rank r takes pass kCluster * sp + r
+  const int64_t nsuper = (npasses + kCluster - 1) / kCluster;
+  const int64_t mine = (nsuper - 1 - blockIdx.x / kCluster) / (gridDim.x / kCluster) + 1;   // grid <= kCluster * nsuper
+  const uint32_t rank = kCluster > 1 ? cluster_rank() : 0u;
+  Ring ring{base + kRingSmem, base + kBarSmem, base + kCntSmem, base + kPeerBarSmem, wimg,
+            static_cast<uint32_t>(mine) * kRingChunks, 0u, 0u, 0u, 0u, rank};
   if (tid == 0) ring.prime();
   unsigned char* xtile = smem + kXSmem + wg * kXTileBytes;
   const uint32_t xlo = ((base + kXSmem + wg * kXTileBytes) >> 4) | (1u << 16);
@@ -251,10 +263,11 @@ ffn_kernel(const float* __restrict__ x, float* __restrict__ y, int64_t rows, con
   const int rin = 16 * warp + (lane >> 2);
 
 #pragma unroll 1
-  for (int64_t pass = blockIdx.x; pass < npasses; pass += gridDim.x) {
+  for (int64_t sp = blockIdx.x / kCluster; sp < nsuper; sp += gridDim.x / kCluster) {
+    const int64_t pass = sp * kCluster + rank;
     const int64_t row0 = (pass * kNwg + wg) * 64;
 #ifdef FFN_DIAG_NO_X
-    if (pass == blockIdx.x)
+    if (sp == blockIdx.x / kCluster)
 #endif
     fill_x(xtile, x, rows, row0, warp, lane);
     fence_proxy_async();   // the generic stores, before wgmma (async proxy) reads the tile
@@ -316,6 +329,7 @@ ffn_kernel(const float* __restrict__ x, float* __restrict__ y, int64_t rows, con
       if (r0 + 8 < rows) st2(y + (r0 + 8) * kN + col, out[4 * j + 2], out[4 * j + 3]);
     }
   }
+  if constexpr (kCluster > 1) cluster_sync();   // no CTA leaves while the others' copies and arrivals may target it
 }
 }  // namespace ffn
 
@@ -379,8 +393,24 @@ int main(int argc, char** argv) {
     CHECK(cudaMemcpy(dx, hx.data(), hx.size() * 4, cudaMemcpyHostToDevice));
     CHECK(cudaMemset(dy, 0xFF, static_cast<size_t>(rows) * kN * 4));   // NaNs: an unwritten output shows
     const int64_t npasses = ((rows + 63) / 64 + kNwg - 1) / kNwg;
-    const int grid = static_cast<int>(std::min<int64_t>(sms, npasses));
-    auto run = [&] { ffn_kernel<<<grid, kThreads, kSmemBytes>>>(dx, dy, rows, dimg); };
+    const int64_t nsuper = (npasses + kCluster - 1) / kCluster;
+    cudaLaunchConfig_t cfg = {};
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = kCluster;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.blockDim = dim3(kThreads);
+    cfg.dynamicSmemBytes = kSmemBytes;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    cfg.gridDim = dim3(sms / kCluster * kCluster);
+    int clusters = sms / kCluster;
+    CHECK(cudaOccupancyMaxActiveClusters(&clusters, ffn_kernel, &cfg));
+    const int grid = static_cast<int>(std::min<int64_t>(clusters, nsuper)) * kCluster;
+    cfg.gridDim = dim3(grid);
+    if (rows == batches[0]) std::printf("(grid %d CTAs: %d clusters of %u can be resident)\n", grid, clusters, kCluster);
+    auto run = [&] { cudaLaunchKernelEx(&cfg, ffn_kernel, static_cast<const float*>(dx), dy, rows, static_cast<const unsigned char*>(dimg)); };
     run();
     CHECK(cudaGetLastError());
     CHECK(cudaDeviceSynchronize());
