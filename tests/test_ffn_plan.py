@@ -106,7 +106,8 @@ def test_the_chain_unit_packs_and_takes_the_ffn_kernel_on_hopper_only():
     assert f"{sym}::pack(w[0], b[0], w[1], b[1], ws, s)" in chain and "major == 9 && minor == 0" in chain
     call = run.index(f"{sym}::run(")
     assert run.index("#ifdef ONNX2FUSED_WIDE_SM90A") < call < run.index("return run_chain(")
-    assert f'getenv("{ffn.FFN_ENV}")' in run and f"rows >= static_cast<int64_t>({ffn.MIN_ROWS_PER_SM}) * dev.sms" in run
+    assert f'getenv("{ffn.FFN_ENV}")' in run and f": {ffn.MIN_ROWS_PER_SM}L;" in run
+    assert "ffn_rows > 0 && dev.sm90 && rows >= static_cast<int64_t>(ffn_rows) * dev.sms" in run
     assert "dev.sm90" in run and "aligned16(x) && aligned16(y)" in run
     assert wide_params(plan)["ffn"]["name"] == sym and params["gated"]
 

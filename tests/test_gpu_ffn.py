@@ -2,8 +2,8 @@
 
 Two-layer chains in the wide design, gated (SwiGLU) and not, with every width padded somewhere; batches
 below the kernel's threshold (the GEMMs run) and above it (one kernel), outputs poisoned with NaN so
-unwritten elements show; the same session with ONNX2FUSED_WIDE_FFN=0 (the GEMMs at every batch), and
-the kernels one run launches (torch's profiler)."""
+unwritten elements show; the same session with ONNX2FUSED_WIDE_FFN=0 (the GEMMs at every batch) and =1
+(the kernel at every batch), and the kernels one run launches (torch's profiler)."""
 from __future__ import annotations
 
 import numpy as np
@@ -67,8 +67,11 @@ def test_the_ffn_kernel_matches_stock_ort(k, widths, gated, cache_dir, tmp_path,
         assert err <= TOL["fp16"], f"{k}->{widths} batch {batch}: rel L2 {err:.2e}"
         monkeypatch.setenv(ffn.FFN_ENV, "0")   # the GEMMs on the same session
         y_gemms = run_poisoned(sess, x, ref.shape)
+        monkeypatch.setenv(ffn.FFN_ENV, "1")   # the kernel from 1 row per SM: every batch here (1 row: 1 CTA)
+        y_kernel = run_poisoned(sess, x, ref.shape)
         monkeypatch.delenv(ffn.FFN_ENV)
-        assert rel_l2(y_gemms, ref) <= TOL["fp16"] and rel_l2(y, y_gemms) <= TOL["fp16"], batch
+        for other in (y_gemms, y_kernel):
+            assert rel_l2(other, ref) <= TOL["fp16"] and rel_l2(y, other) <= TOL["fp16"], batch
 
 
 def test_hopper_runs_the_ffn_as_one_kernel_from_a_pass_per_sm(cache_dir, tmp_path, monkeypatch):
@@ -86,5 +89,8 @@ def test_hopper_runs_the_ffn_as_one_kernel_from_a_pass_per_sm(cache_dir, tmp_pat
     assert "ffn_kernel" not in small and "light_gemm" in small, small
     monkeypatch.setenv(ffn.FFN_ENV, "0")
     off = _kernel_names(sess, x)
+    monkeypatch.setenv(ffn.FFN_ENV, "16")   # the threshold moved to 16 rows per SM: 4099 rows take the kernel
+    moved = _kernel_names(sess, x[:4099])
     monkeypatch.delenv(ffn.FFN_ENV)
     assert "ffn_kernel" not in off and "light_gemm" in off, off
+    assert "ffn_kernel" in moved and "light_gemm" not in moved, moved

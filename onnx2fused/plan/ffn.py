@@ -13,7 +13,8 @@ accumulates the tile's outputs across the chunks. The weights stream through a r
 `ffn_pair(spec, workspace_offset)` is the kernel's layout where it can run the spec, else None;
 `ffn_reason_refused(spec)` says why not. The chain's unit takes it on a 9.0 device for batches of at least
 MIN_ROWS_PER_SM rows per SM (fewer leave SMs idle: the GEMMs split the columns too), with 16-byte aligned
-x and y, unless ONNX2FUSED_WIDE_FFN=0 (FFN_ENV: A/B timing and tests) or the sm80 kernels are forced.
+x and y, unless ONNX2FUSED_WIDE_FFN=0 (FFN_ENV: A/B timing and tests; =N moves the threshold to N rows
+per SM) or the sm80 kernels are forced.
 """
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ from dataclasses import dataclass
 from ..spec import MLPSpec
 from .padding import round_up
 
-FFN_ENV = "ONNX2FUSED_WIDE_FFN"   # "0": the chain's GEMMs even where the FFN kernel could run
+FFN_ENV = "ONNX2FUSED_WIDE_FFN"   # "0": the chain's GEMMs even where the FFN kernel could run; "N": the
+                                  # kernel from N rows per SM (in place of MIN_ROWS_PER_SM)
 HC = 32                 # hidden features per chunk: the layer-0 accumulators (32 or 64 a thread) stay small
 K0_MAX = 256            # the input tile: 64 rows x K0 fp16 per warpgroup, a whole-atom multiple of 64 features
 N_MAX = 256             # layer 1's accumulators: 64 x N fp32 per warpgroup, N/2 registers a thread
