@@ -13,12 +13,13 @@
 //    m64n{kL1N}k16 wgmma per k-step of K0 into the chunk's accumulators; the epilogue's hidden values,
 //    rounded to fp16, are in registers the A operand of layer 1's kHC rows (RS wgmma m64n{kNP}k16),
 //    which accumulate into the tile's 64 x kNP outputs (kNP/2 registers a thread) across all chunks.
-//  * A ring slot holds one chunk's weights (layer 0's columns, then layer 1's rows), copied by
+//  * A ring slot holds one chunk's weights (layer 0's columns, then layer 1's rows, then layer 0's bias of
+//    the chunk's columns, fp32: no bias array limits the hidden width), copied by
 //    cp.async.bulk through the streamed wgmma design's ring (o2f_wgmma_ring.cuh); the two warpgroups'
 //    epilogues overlap each other's wgmmas.
 //
 // Static device code (sm_90a), included inside the unit's namespace after: io_t, the shape constants
-// (kK0, kKP0, kHP, kN, kNP, kGated, kHC, kL1N, kL1Bytes, kL2Bytes, kChunks, kStages, kSlotBytes, kRingChunks,
+// (kK0, kKP0, kHP, kN, kNP, kGated, kHC, kL1N, kL1Bytes, kL2Bytes, kChunkBytes, kChunks, kStages, kSlotBytes, kRingChunks,
 // kWarps, kCluster, stream_chunk), and o2f_sm90_ptx.cuh, o2f_wgmma_ring.cuh and the wgmma wrappers (WgmmaSS, WgmmaRS).
 #pragma once
 
@@ -28,15 +29,15 @@ constexpr int kThreads = 128 * kNwg;
 constexpr int kXTileBytes = 64 * kKP0 * 2;       // a warpgroup's input tile, fp16, K-major, 128 B swizzle
 constexpr int kRingSmem = 0;
 constexpr int kXSmem = kStages * kSlotBytes;
-constexpr int kB0Smem = kXSmem + kNwg * kXTileBytes;        // layer 0's bias (fp32, kL1N x kChunks values)
-constexpr int kB1Smem = kB0Smem + 4 * (kGated ? 2 : 1) * kHP;   // layer 1's (fp32, kNP values)
+constexpr int kB1Smem = kXSmem + kNwg * kXTileBytes;        // layer 1's bias (fp32, kNP values); layer 0's
+                                                             // comes with each chunk, in its ring slot
 constexpr int kBarSmem = kB1Smem + 4 * kNP;
 constexpr int kCntSmem = kBarSmem + 8 * kStages;
 constexpr int kSmemBytes = kCntSmem + 4 * kStages + 1024;   // + the alignment slack
 static_assert(kKP0 % 64 == 0 && kKP0 <= 256 && kK0 % 8 == 0 && kK0 <= kKP0, "K0: 8-column units, whole atoms");
 static_assert(kHP % kHC == 0 && kNP % 64 == 0 && kNP <= 256 && kN <= kNP && kN % 2 == 0,
               "hidden and output widths (outputs stored in pairs)");
-static_assert(kB0Smem % 16 == 0 && kBarSmem % 8 == 0, "shared-memory alignment");
+static_assert(kB1Smem % 16 == 0 && kBarSmem % 8 == 0 && kChunkBytes % 16 == 0, "alignment");
 
 __device__ __forceinline__ uint64_t desc(uint32_t hi, uint32_t lo) { return (static_cast<uint64_t>(hi) << 32) | lo; }
 constexpr uint32_t kHi128 = (1024 >> 4) | (1u << 30);   // 128-byte swizzle, 8-row groups 1024 bytes apart
@@ -114,7 +115,6 @@ ffn_kernel(const io_t* __restrict__ x, io_t* __restrict__ y, int64_t rows, const
   const uint32_t raw = smem_u32(smem_raw);
   const uint32_t base = (raw + 1023u) & ~1023u;   // swizzle atoms repeat on 1024-byte boundaries
   unsigned char* smem = smem_raw + (base - raw);
-  const float* sb0 = reinterpret_cast<const float*>(smem + kB0Smem);
   const float* sb1 = reinterpret_cast<const float*>(smem + kB1Smem);
   const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
   if (tid == 0) {
@@ -122,7 +122,7 @@ ffn_kernel(const io_t* __restrict__ x, io_t* __restrict__ y, int64_t rows, const
     mbar_init_fence();
   }
   for (uint32_t i = tid; i < kStages; i += kThreads) reinterpret_cast<uint32_t*>(smem + kCntSmem)[i] = 0u;
-  for (int i = tid; i < (kB1Smem - kB0Smem) / 4 + kNP; i += kThreads) reinterpret_cast<float*>(smem + kB0Smem)[i] = bias[i];
+  for (int i = tid; i < kNP; i += kThreads) reinterpret_cast<float*>(smem + kB1Smem)[i] = bias[i];
   __syncthreads();   // barriers, counters and bias in place
   const int64_t ntiles = (rows + 63) / 64;
   const int64_t npasses = (ntiles + kNwg - 1) / kNwg;
@@ -157,20 +157,24 @@ ffn_kernel(const io_t* __restrict__ x, io_t* __restrict__ y, int64_t rows, const
       fence_acc(d);
       fence_acc(out);
       if (c > 0) ring.release(lane);   // the previous chunk's slot
+      // this chunk's layer-0 bias, after its weights in the slot (gate values, then up): the slot's shared
+      // address is the descriptor's start field (bits 0-13, address >> 4)
+      const float* sb0 = reinterpret_cast<const float*>(smem_raw + (((slot & 0x3FFFu) << 4) - raw) + kL1Bytes + kL2Bytes);
       // the hidden values of this thread's columns as layer 1's A fragments: n8 block j of the chunk is
       // k-step j / 2, registers 0/1 (rows r, r + 8) for even j, 2/3 for odd j
 #pragma unroll
       for (int j = 0; j < kHC / 8; ++j) {
         const int col = c * kHC + 8 * j + t2;   // hidden feature
+        const int lc = 8 * j + t2;               // ... within the chunk
         uint32_t lo, hi;
         if constexpr (kGated) {
           const int u = j + kHC / 8;   // the up block of the same features
-          const float2 bg = *reinterpret_cast<const float2*>(sb0 + col);
-          const float2 bu = *reinterpret_cast<const float2*>(sb0 + kHP + col);
+          const float2 bg = *reinterpret_cast<const float2*>(sb0 + lc);
+          const float2 bu = *reinterpret_cast<const float2*>(sb0 + kHC + lc);
           lo = Epi::gated_pair(d[4 * j] + bg.x, d[4 * u] + bu.x, d[4 * j + 1] + bg.y, d[4 * u + 1] + bu.y, col);
           hi = Epi::gated_pair(d[4 * j + 2] + bg.x, d[4 * u + 2] + bu.x, d[4 * j + 3] + bg.y, d[4 * u + 3] + bu.y, col);
         } else {
-          const float2 b = *reinterpret_cast<const float2*>(sb0 + col);
+          const float2 b = *reinterpret_cast<const float2*>(sb0 + lc);
           lo = Epi::pair(d[4 * j] + b.x, d[4 * j + 1] + b.y, col);
           hi = Epi::pair(d[4 * j + 2] + b.x, d[4 * j + 3] + b.y, col);
         }

@@ -43,7 +43,7 @@ def _fused_session(src, cache_dir, out):
 
 
 def _rows_for_the_kernel() -> int:
-    """A batch just over the kernel's threshold on this GPU (a pass of rows per SM), odd."""
+    """A batch just over the kernel's threshold on this GPU (MIN_ROWS_PER_SM rows per SM), odd."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     return ffn.MIN_ROWS_PER_SM * sms + 37
 
@@ -67,7 +67,7 @@ def test_the_ffn_kernel_matches_stock_ort(k, widths, gated, cache_dir, tmp_path,
         assert err <= TOL["fp16"], f"{k}->{widths} batch {batch}: rel L2 {err:.2e}"
         monkeypatch.setenv(ffn.FFN_ENV, "0")   # the GEMMs on the same session
         y_gemms = run_poisoned(sess, x, ref.shape)
-        monkeypatch.setenv(ffn.FFN_ENV, "1")   # the kernel from 1 row per SM: every batch here (1 row: 1 CTA)
+        monkeypatch.setenv(ffn.FFN_ENV, "1")   # the kernel from 1 row: every batch here (1 row: one CTA)
         y_kernel = run_poisoned(sess, x, ref.shape)
         monkeypatch.delenv(ffn.FFN_ENV)
         for other in (y_gemms, y_kernel):
@@ -89,7 +89,7 @@ def test_hopper_runs_the_ffn_as_one_kernel_from_a_pass_per_sm(cache_dir, tmp_pat
     assert "ffn_kernel" not in small and "light_gemm" in small, small
     monkeypatch.setenv(ffn.FFN_ENV, "0")
     off = _kernel_names(sess, x)
-    monkeypatch.setenv(ffn.FFN_ENV, "16")   # the threshold moved to 16 rows per SM: 4099 rows take the kernel
+    monkeypatch.setenv(ffn.FFN_ENV, "4000")   # the threshold moved to 4000 rows: 4099 rows take the kernel
     moved = _kernel_names(sess, x[:4099])
     monkeypatch.delenv(ffn.FFN_ENV)
     assert "ffn_kernel" not in off and "light_gemm" in off, off

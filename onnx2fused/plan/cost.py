@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from ..spec import MLPSpec
 from . import ffn
-from .ffn import ffn_reason_refused
 from .padding import ALIGN, round_up
 
 # H100 SXM figures: NOTES.md measured 665 TFLOP/s fp16 matmul, 3.0 TB/s copy.
@@ -130,9 +129,14 @@ def estimate_wide(spec: MLPSpec, rows: int = NOMINAL_ROWS, tail_from: int = 0, t
     for i, l in enumerate(spec.layers[1:n_gemms], start=1):
         t += _wide_layer_seconds(rows, l, round_up(l.in_features, ALIGN), i == len(spec.layers) - 1, io)
     t = max(t, launches * HOST_LAUNCH_S)   # the GPU's time, or the host's when the kernels are short
-    if not tail_from and ffn_reason_refused(spec) is None and rows >= ffn.MIN_ROWS_PER_SM * SMS:
+    if not tail_from and ffn_possible(spec) and rows >= ffn.MIN_ROWS_PER_SM * SMS:
         t = min(t, estimate_ffn(spec, rows))   # the wide plan's one-kernel FFN on sm_90 (plan/ffn.py)
     return t
+
+
+def ffn_possible(spec: MLPSpec) -> bool:
+    """Whether a wide plan of `spec` carries the one-kernel FFN (plan/ffn.py: its conditions and its fit)."""
+    return ffn.ffn_pair(spec, 0) is not None
 
 
 def estimate_ffn(spec: MLPSpec, rows: int = NOMINAL_ROWS) -> float:

@@ -14,7 +14,9 @@ accumulates the tile's outputs across the chunks. The weights stream through a r
 `ffn_reason_refused(spec)` says why not. The chain's unit takes it on a 9.0 device for batches of at least
 MIN_ROWS_PER_SM rows per SM (fewer leave SMs idle: the GEMMs split the columns too), with 16-byte aligned
 x and y, unless ONNX2FUSED_WIDE_FFN=0 (FFN_ENV: A/B timing and tests; =N moves the threshold to N rows
-per SM) or the sm80 kernels are forced.
+in all) or the sm80 kernels are forced. Its image is reserved in the workspace on every GPU (the size of
+the weights again, in fp16). It rounds x to fp16 as the conversion pass does, where a plan's first GEMM may
+read fp32 rows in place as tf32: the numerics model judges fp16 chains with fp16 operands either way.
 """
 from __future__ import annotations
 
@@ -24,16 +26,18 @@ from ..spec import MLPSpec
 from .padding import round_up
 
 FFN_ENV = "ONNX2FUSED_WIDE_FFN"   # "0": the chain's GEMMs even where the FFN kernel could run; "N": the
-                                  # kernel from N rows per SM (in place of MIN_ROWS_PER_SM)
+                                  # kernel from N rows (in place of MIN_ROWS_PER_SM per SM)
 HC = 32                 # hidden features per chunk: the layer-0 accumulators (32 or 64 a thread) stay small
 K0_MAX = 256            # the input tile: 64 rows x K0 fp16 per warpgroup, a whole-atom multiple of 64 features
 N_MAX = 256             # layer 1's accumulators: 64 x N fp32 per warpgroup, N/2 registers a thread
 STAGES = 3              # ring slots (the streamed wgmma design's measured best)
 SMEM_LIMIT = 227 * 1024
 NWG = 2                 # warpgroups a CTA, each on its own 64-row tile
-# Rows a batch needs per SM before the kernel is taken: one pass (2 x 64 rows) per SM. Below that the
-# kernel leaves SMs idle, where the wide design's GEMMs also split the columns.
-MIN_ROWS_PER_SM = 64 * NWG
+# Rows a batch needs per SM before the kernel is taken. A pass is 2 x 64 rows and one round of passes takes
+# about the same time from half the SMs busy to all (SwiGLU 256 -> 1024 -> 256 through ORT on an H100:
+# 0.091 ms at 8192 rows, 0.095 at 16384), where the GEMMs took 0.080 and 0.113 (RESULTS.md, twenty-seventh
+# run): the kernel from three quarters of a pass per SM.
+MIN_ROWS_PER_SM = 96
 REGION_ALIGN = 1024      # the image's and the bias's start (bulk copies need 16 bytes)
 
 
@@ -48,7 +52,7 @@ class FfnPair:
     gated: bool
     image_offset: int   # bytes into the workspace: the weight image (fp16, chunk by chunk)
     image_bytes: int
-    bias_offset: int    # bytes: the biases, fp32 (layer 0's (2) HP, then layer 1's NP)
+    bias_offset: int    # bytes: layer 1's bias, fp32, NP values (layer 0's is in the image, chunk by chunk)
     bias_bytes: int
     stages: int = STAGES
 
@@ -59,7 +63,8 @@ class FfnPair:
 
     @property
     def chunk_bytes(self) -> int:
-        return self.l1_cols * self.kp0 * 2 + self.np_ * HC * 2
+        """A chunk of the image: layer 0's columns, layer 1's rows (fp16), layer 0's bias (fp32)."""
+        return chunk_bytes(self.kp0, self.np_, self.gated)
 
     @property
     def slot_bytes(self) -> int:
@@ -72,7 +77,7 @@ class FfnPair:
 
     @property
     def smem_bytes(self) -> int:
-        return smem_bytes(self.kp0, self.hp, self.np_, self.gated, self.stages, self.slot_bytes)
+        return smem_bytes(self.kp0, self.np_, self.stages, self.slot_bytes)
 
     def describe(self) -> str:
         return (f"on sm_90 from {MIN_ROWS_PER_SM} rows per SM the whole FFN in one kernel (the hidden "
@@ -80,10 +85,15 @@ class FfnPair:
                 f"through a ring of {self.stages} x {self.slot_bytes // 1024} KB)")
 
 
-def smem_bytes(kp0: int, hp: int, np_: int, gated: bool, stages: int, slot_bytes: int) -> int:
-    """The kernel's dynamic shared memory (o2f_ffn_pair.cuh's layout): ring, input tiles, biases,
-    barriers and counters, alignment slack."""
-    return stages * slot_bytes + NWG * 64 * kp0 * 2 + 4 * ((2 if gated else 1) * hp + np_) + 12 * stages + 1024
+def chunk_bytes(kp0: int, np_: int, gated: bool) -> int:
+    cols = 2 * HC if gated else HC
+    return cols * kp0 * 2 + np_ * HC * 2 + 4 * cols
+
+
+def smem_bytes(kp0: int, np_: int, stages: int, slot_bytes: int) -> int:
+    """The kernel's dynamic shared memory (o2f_ffn_pair.cuh's layout): ring, input tiles, layer 1's bias,
+    barriers and counters, alignment slack. It does not grow with the hidden width."""
+    return stages * slot_bytes + NWG * 64 * kp0 * 2 + 4 * np_ + 12 * stages + 1024
 
 
 def ffn_reason_refused(spec: MLPSpec) -> str | None:
@@ -112,10 +122,8 @@ def ffn_pair(spec: MLPSpec, offset: int) -> FfnPair | None:
         return None
     first, last = spec.layers
     kp0, hp, np_ = round_up(first.in_features, 64), round_up(first.out_features, HC), round_up(last.out_features, 64)
-    cols = 2 * HC if first.gated else HC
-    chunk = cols * kp0 * 2 + np_ * HC * 2
-    image, image_off = (hp // HC) * chunk, round_up(offset, REGION_ALIGN)
+    image, image_off = (hp // HC) * chunk_bytes(kp0, np_, first.gated), round_up(offset, REGION_ALIGN)
     bias_off = round_up(image_off + image, REGION_ALIGN)
     pair = FfnPair(first.in_features, kp0, first.out_features, hp, last.out_features, np_, first.gated,
-                   image_off, image, bias_off, 4 * ((2 if first.gated else 1) * hp + np_))
+                   image_off, image, bias_off, 4 * np_)
     return pair if pair.smem_bytes <= SMEM_LIMIT else None
