@@ -52,6 +52,7 @@ def _rows_for_the_kernel() -> int:
     (256, [1024, 256], {0}),    # issue 16's SwiGLU block (with biases)
     (72, [1000, 50], {0}),      # K0 padded to 128, the hidden to 1024, the outputs to 64
     (192, [768, 192], set()),   # ViT-tiny's widths, ReLU: a plain (not gated) hidden layer
+    (256, [4096, 256], {0}),    # a wide gated hidden layer: 128 chunks, each with its bias in the ring slot
 ])
 def test_the_ffn_kernel_matches_stock_ort(k, widths, gated, cache_dir, tmp_path, monkeypatch):
     src = tmp_path / "ffn.onnx"
