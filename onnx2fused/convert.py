@@ -26,6 +26,7 @@ from .library import build_plugin, find_fusions
 from .errors import ConversionError
 from .loader import load_model, read_model
 from .passes import rewrite
+from .plan.ffn import FFN_ENV
 from .plan.choose import make_plan, short_reason, wgmma_note
 from .plan.options import PlanOptions
 from .plan.protocol import Plan
@@ -472,8 +473,18 @@ def _build_and_check(model, inp: Path, out: Path, plan, choices, with_cuda, opti
         report = val.validate(str(inp), tmp_model, tmp_lib, specs[0].precision, original_model=model,
                               chains=plan.chains, with_cuda=lib.with_cuda, user_inputs=user_inputs,
                               progress=say, chain_precisions=[s.precision for s in specs], cases=cases,
-                              vacuous=vacuous, chain_noise=[c.noise for c in choices], **(checks or {}))
+                              vacuous=vacuous, chain_noise=[c.noise for c in choices],
+                              run_variants=_run_variants(plans), **(checks or {}))
     return _Built(specs, lib, lib.build_seconds, data, tmp_model, tmp_lib, lib_name, report)
+
+
+def _run_variants(plans: dict) -> tuple:
+    """The run-time switches validation repeats every set under: a wide plan's FFN kernel (plan/ffn.py)
+    runs from thousands of rows, which no validation set reaches, so the sets run again with it taken at
+    every batch."""
+    if any(getattr(p, "ffn", None) is not None for p in plans.values()):
+        return ((FFN_ENV, "1", "the FFN kernel at every batch"),)
+    return ()
 
 
 def _check_validation_options(out: Path, input_files: list[Path], validate: bool, atol, rtol, input_shapes,

@@ -16,6 +16,7 @@ measured on the original model; above 65504 it would overflow.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping
@@ -399,7 +400,7 @@ def validate(original, fused, library, precision: str, *, original_model: onnx.M
              batches=BATCHES, progress: Callable[[str], None] | None = None,
              chain_precisions: list[str] | None = None, cases=None, vacuous=None, chain_noise=None,
              atol: float | None = None, rtol: float | None = None, save_inputs=None,
-             save_outputs=None) -> ValidationReport:
+             save_outputs=None, run_variants=()) -> ValidationReport:
     """Compare `fused` (path, run with `library`) against `original` (path or ModelProto) on stock ORT.
 
     `chain_precisions`: each chain's precision (default: `precision` for all); the model outputs are held
@@ -409,6 +410,9 @@ def validate(original, fused, library, precision: str, *, original_model: onnx.M
     `atol`/`rtol`: the model outputs pass when every element has |fused - ref| <= atol + rtol * |ref| (a
     missing one is 0), instead of the precision's relative-L2 tolerance. `save_inputs`/`save_outputs`:
     .npz files written with the input sets, and the reference (and fused) outputs (save_arrays).
+    `run_variants`: (environment variable, value, label) switches the plugin reads on every run, under
+    which a CUDA session runs every set again, against the same references (a row-dependent path the
+    sets' batches never reach: a wide plan's FFN kernel, plan/ffn.py).
     Never raises for a tolerance violation: the report's `failures` say what is wrong; `check(report)`
     raises. Raises ConversionError when a model cannot run at all.
     """
@@ -464,7 +468,7 @@ def validate(original, fused, library, precision: str, *, original_model: onnx.M
     if names != fused_names:
         raise ValidationError(f"the fused model's outputs {fused_names} differ from the original's {names}")
     errs = {n: OutputError(n) for n in names}
-    refs, fuseds = [], []
+    refs, fuseds, all_refs = [], [], []
     for case, feeds in cases:
         try:
             ref = ref_sess.run(None, feeds)
@@ -476,9 +480,28 @@ def validate(original, fused, library, precision: str, *, original_model: onnx.M
             raise ValidationError(f"the fused model fails with {case}: {_one_line(e)}") from None
         for n, a, b in zip(names, out, ref):
             _compare(n, np.asarray(a), np.asarray(b), case, errs[n], atol, rtol)
+        all_refs.append(ref)
         if save_outputs is not None:
             refs.append(dict(zip(names, ref)))
             fuseds.append(dict(zip(names, out)))
+    for var, value, label in (() if on_cpu else run_variants):
+        say(f"validating again with {label} ({var}={value})")
+        before = os.environ.get(var)
+        os.environ[var] = value
+        try:
+            for (case, feeds), ref in zip(cases, all_refs):
+                try:
+                    out = fused_sess.run(None, feeds)
+                except Exception as e:
+                    raise ValidationError(f"the fused model fails with {case} and {label}: {_one_line(e)}") from None
+                for n, a, b in zip(names, out, ref):
+                    _compare(n, np.asarray(a), np.asarray(b), f"{case}, {label}", errs[n], atol, rtol)
+        finally:
+            if before is None:
+                os.environ.pop(var, None)
+            else:
+                os.environ[var] = before
+        report.note += f"; every set again with {label}"
     report.outputs = list(errs.values())
     if save_inputs is not None:
         save_arrays(save_inputs, {f"{k}/{n}": a for k, (_, feeds) in enumerate(cases) for n, a in feeds.items()},

@@ -140,3 +140,14 @@ def test_the_ffn_unit_compiles_to_wgmma_without_spills(widths, gated, act, io, b
         assert ptx.count(f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.f16.f16") == count, n
     assert "fence.proxy.async.shared::cta" in ptx and "cp.async.bulk.shared::cluster.global" in ptx
     assert ("tanh.approx.f16x2" in ptx) == (not gated)   # the packed GELU
+
+
+def test_validation_runs_every_set_again_with_the_kernel_where_a_plan_carries_it():
+    # the validation sets' batches (1, 37, 256) never reach the kernel's threshold: convert asks for a second
+    # round with it taken at every batch, where a plan has it
+    from onnx2fused.convert import _run_variants
+    ffn_plan = choose.wide_plan(_spec([256, 1024, 256]), WideOptions())
+    three = choose.wide_plan(_spec([256, 512, 512, 256]), WideOptions())
+    assert _run_variants({"a": three}) == ()
+    ((var, value, label),) = _run_variants({"a": three, "b": ffn_plan})
+    assert (var, value) == (ffn.FFN_ENV, "1") and "FFN kernel" in label

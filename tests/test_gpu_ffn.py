@@ -95,3 +95,17 @@ def test_hopper_runs_the_ffn_as_one_kernel_from_a_pass_per_sm(cache_dir, tmp_pat
     monkeypatch.delenv(ffn.FFN_ENV)
     assert "ffn_kernel" not in off and "light_gemm" in off, off
     assert "ffn_kernel" in moved and "light_gemm" not in moved, moved
+
+
+def test_convert_validates_the_kernel_at_every_batch(tmp_path):
+    """convert() with defaults: the SwiGLU block goes wide with the kernel, and validation runs its sets
+    (1, 37 and 256 rows: under the threshold) again with the kernel taken at every batch."""
+    import onnx2fused
+    src = tmp_path / "swiglu.onnx"
+    onnx.save(_swiglu_chain(256, [1024, 256], {0}), str(src))
+    res = onnx2fused.convert(src, tmp_path / "swiglu.fused.onnx", cache_dir=tmp_path / "cache")
+    (chain,) = res.chains
+    assert "whole FFN in one kernel" in chain.cuda_plan
+    v = res.validation
+    assert v.provider == "CUDAExecutionProvider" and v.passed, v
+    assert "every set again with the FFN kernel at every batch" in v.note, v.note

@@ -143,8 +143,16 @@ def estimate_ffn(spec: MLPSpec, rows: int = NOMINAL_ROWS) -> float:
     """Seconds of the whole FFN in one kernel (plan/ffn.py): both layers' flops at FFN_EFF of the tensor-core
     rate, or the input and output rows at HBM speed (the weights come from L2)."""
     io = 2 if spec.io_dtype == "f16" else 4
-    compute = spec.flops_per_row * rows / (TC_FLOPS * FFN_EFF)
+    compute = spec.flops_per_row * rows / (TC_FLOPS * ffn_efficiency(spec))
     return max(compute, rows * (spec.widths[0] + spec.widths[-1]) * io / HBM_BPS) + LAUNCH_S
+
+
+def ffn_efficiency(spec: MLPSpec) -> float:
+    """The one-kernel FFN's fraction of TC_FLOPS: FFN_EFF at 256 inputs and outputs, less for narrower ones
+    (a chunk's wgmmas are K0 and N wide, its epilogue and weight copy are not): x sqrt(K0/256 * N/256).
+    Measured (H100, kernel alone): 192 -> 768 -> 192 at 0.55 (model 0.52), 64 -> 1000 -> 48 at 0.26 (0.15)."""
+    k0, n = min(spec.widths[0], 256), min(spec.widths[-1], 256)
+    return FFN_EFF * (k0 * n / 65536) ** 0.5
 
 
 def _residual_seconds(spec: MLPSpec, rows: int, in_epilogue: bool = False) -> float:
