@@ -501,7 +501,7 @@ def validate(original, fused, library, precision: str, *, original_model: onnx.M
                 os.environ.pop(var, None)
             else:
                 os.environ[var] = before
-        report.note += f"; every set again with {label}"
+        report.tolerance_note += f"; every set again with {label}"
     report.outputs = list(errs.values())
     if save_inputs is not None:
         save_arrays(save_inputs, {f"{k}/{n}": a for k, (_, feeds) in enumerate(cases) for n, a in feeds.items()},
