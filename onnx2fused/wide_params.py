@@ -240,7 +240,7 @@ def ffn_unit(plan: WidePlan) -> tuple[str, dict] | None:
     acts = act_params(spec, [2 * f.hp if f.gated else f.hp, f.np_])
     return f"{ffn_symbol(spec)}_cuda.cu", {
         "template": FFN_TEMPLATE, "name": ffn_symbol(spec), "describe": spec.describe(), "prelude": ex.C_PRELUDE,
-        "io_half": spec.io_dtype == "f16", "k0": f.k0, "kp0": f.kp0, "h": f.h, "hp": f.hp, "n": f.n, "np": f.np_,
+        "io_half": spec.io_dtype == "f16", "bf16": spec.precision == "bf16", "k0": f.k0, "kp0": f.kp0, "h": f.h, "hp": f.hp, "n": f.n, "np": f.np_,
         "gated": f.gated, "hc": HC, "stages": f.stages, "slot_bytes": f.slot_bytes,
         "image_offset": f.image_offset, "bias_offset": f.bias_offset, "min_rows_per_sm": MIN_ROWS_PER_SM,
         "act_code": acts[0]["code"], "packed": "" if f.gated else acts[0]["packed"], "out_code": acts[1]["code"],

@@ -6,7 +6,7 @@
 //                         or round16(act0(x W0 + b0))
 //
 //  * A CTA is 2 warpgroups, persistent; a pass is one 64-row tile per warpgroup, and both run every pass.
-//  * A tile's rows are converted once to fp16 into a 128-byte-swizzled shared-memory tile: layer 0's A
+//  * A tile's rows are converted once to fp16 (bf16) into a 128-byte-swizzled shared-memory tile: layer 0's A
 //    operand by descriptor (SS wgmma), so that the input does not hold K0/4 registers a thread beside the
 //    output's accumulators.
 //  * The hidden width runs in chunks of kHC features (kHC gate + kHC up columns when gated): one
@@ -18,7 +18,7 @@
 //    cp.async.bulk through the streamed wgmma design's ring (o2f_wgmma_ring.cuh); the two warpgroups'
 //    epilogues overlap each other's wgmmas.
 //
-// Static device code (sm_90a), included inside the unit's namespace after: io_t, the shape constants
+// Static device code (sm_90a), included inside the unit's namespace after: io_t, kBf16, the shape constants
 // (kK0, kKP0, kHP, kN, kNP, kGated, kHC, kL1N, kL1Bytes, kL2Bytes, kChunkBytes, kChunks, kStages, kSlotBytes, kRingChunks,
 // kWarps, kCluster, stream_chunk), and o2f_sm90_ptx.cuh, o2f_wgmma_ring.cuh and the wgmma wrappers (WgmmaSS, WgmmaRS).
 #pragma once
@@ -26,7 +26,7 @@
 namespace o2f_ffn {
 constexpr int kNwg = 2;
 constexpr int kThreads = 128 * kNwg;
-constexpr int kXTileBytes = 64 * kKP0 * 2;       // a warpgroup's input tile, fp16, K-major, 128 B swizzle
+constexpr int kXTileBytes = 64 * kKP0 * 2;       // a warpgroup's input tile, 16-bit, K-major, 128 B swizzle
 constexpr int kRingSmem = 0;
 constexpr int kXSmem = kStages * kSlotBytes;
 constexpr int kB1Smem = kXSmem + kNwg * kXTileBytes;        // layer 1's bias (fp32, kNP values); layer 0's
@@ -59,6 +59,24 @@ __device__ __forceinline__ uint32_t pack_h2(float lo, float hi) {
   asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
   return r;
 }
+// Two fp32 values as one register of the operand type (elem_t: fp16 or bf16), the first in the low half.
+__device__ __forceinline__ uint32_t pack_elem2(float lo, float hi) {
+  if constexpr (kBf16) {
+    uint32_t r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+  } else {
+    return pack_h2(lo, hi);
+  }
+}
+__device__ __forceinline__ uint32_t h2_to_elem2(uint32_t h) {   // fp16 pair -> the operand type's
+  if constexpr (kBf16) {
+    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h));
+    return pack_elem2(f.x, f.y);
+  } else {
+    return h;
+  }
+}
 template <int R>
 __device__ __forceinline__ void fence_frag(uint32_t (&a)[R][4]) {
 #pragma unroll
@@ -73,13 +91,16 @@ __device__ __forceinline__ void st_out2(__half* p, float a, float b) {
   asm volatile("st.global.cs.b32 [%0], %1;\n" ::"l"(p), "r"(pack_h2(a, b)) : "memory");
 }
 
-// 8 input values of a row (16 or 32 bytes at p) as 8 fp16 values (one 16-byte unit of the tile).
+// 8 input values of a row (16 or 32 bytes at p) as 8 operand values (one 16-byte unit of the tile).
 __device__ __forceinline__ uint4 load_unit(const float* p) {
   const uint4 a = ld16(p), b = ld16(p + 4);
-  return make_uint4(pack_h2(__uint_as_float(a.x), __uint_as_float(a.y)), pack_h2(__uint_as_float(a.z), __uint_as_float(a.w)),
-                    pack_h2(__uint_as_float(b.x), __uint_as_float(b.y)), pack_h2(__uint_as_float(b.z), __uint_as_float(b.w)));
+  return make_uint4(pack_elem2(__uint_as_float(a.x), __uint_as_float(a.y)), pack_elem2(__uint_as_float(a.z), __uint_as_float(a.w)),
+                    pack_elem2(__uint_as_float(b.x), __uint_as_float(b.y)), pack_elem2(__uint_as_float(b.z), __uint_as_float(b.w)));
 }
-__device__ __forceinline__ uint4 load_unit(const __half* p) { return ld16(p); }
+__device__ __forceinline__ uint4 load_unit(const __half* p) {
+  const uint4 v = ld16(p);
+  return make_uint4(h2_to_elem2(v.x), h2_to_elem2(v.y), h2_to_elem2(v.z), h2_to_elem2(v.w));
+}
 
 // A warpgroup's 64 rows from `row0` into its fp16 tile, zeros past the batch and in the padded columns:
 // warp w converts rows w, w + 4, ...; lane l holds columns 8l..8l+7 (one 16-byte unit of the tile). Four

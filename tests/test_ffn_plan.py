@@ -52,7 +52,7 @@ def test_a_two_layer_wide_plan_carries_the_ffn_kernel_in_its_own_regions(widths,
 
 @pytest.mark.parametrize("spec,why", [
     (_spec([256, 512, 512, 256]), "3 layers"),
-    (_spec([256, 1024, 256], precision="bf16"), "bf16 operands"),
+    (_spec([256, 1024, 256], precision="tf32"), "tf32 operands"),
     (_spec([300, 1024, 256]), "300 input features"),
     (_spec([20, 1024, 256]), "20 input features"),
     (_spec([256, 1024, 320]), "320 outputs"),
@@ -115,14 +115,16 @@ def test_the_chain_unit_packs_and_takes_the_ffn_kernel_on_hopper_only():
 
 @pytest.mark.cuda_build
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
-@pytest.mark.parametrize("widths,gated,act,io,bias", [
-    ([256, 1024, 256], True, ex.silu(), "f32", False),      # issue 16's SwiGLU block, LLaMA-style (no bias)
-    ([72, 1000, 50], True, ex.silu(), "f16", True),         # padded widths, fp16 rows, biases
-    ([256, 4096, 256], False, ex.gelu_erf(), "f32", True),  # a GELU pair: the packed fp16x2 GELU
-], ids=["swiglu256", "odd_f16", "gelu_pair"])
-def test_the_ffn_unit_compiles_to_wgmma_without_spills(widths, gated, act, io, bias, tmp_path, monkeypatch):
+@pytest.mark.parametrize("widths,gated,act,io,bias,precision", [
+    ([256, 1024, 256], True, ex.silu(), "f32", False, "fp16"),      # issue 16's SwiGLU block, LLaMA-style (no bias)
+    ([72, 1000, 50], True, ex.silu(), "f16", True, "fp16"),         # padded widths, fp16 rows, biases
+    ([256, 4096, 256], False, ex.gelu_erf(), "f32", True, "fp16"),  # a GELU pair: the packed fp16x2 GELU
+    ([256, 1024, 256], True, ex.silu(), "f32", True, "bf16"),       # bf16 operands
+    ([64, 512, 64], False, ex.gelu_erf(), "f16", True, "bf16"),     # bf16 operands from fp16 rows, fp32 GELU
+], ids=["swiglu256", "odd_f16", "gelu_pair", "swiglu256_bf16", "gelu_bf16_f16io"])
+def test_the_ffn_unit_compiles_to_wgmma_without_spills(widths, gated, act, io, bias, precision, tmp_path, monkeypatch):
     monkeypatch.setenv("ONNX2FUSED_CUDA_ARCHS", "80,90")
-    spec = _spec(widths, act, gated, io=io, bias=bias)
+    spec = _spec(widths, act, gated, io=io, bias=bias, precision=precision)
     plan = choose.wide_plan(spec, WideOptions())
     name, params = ffn_unit(plan)
     files = codegen._with_headers({name: codegen._render(params["template"], params)})
@@ -136,10 +138,12 @@ def test_the_ffn_unit_compiles_to_wgmma_without_spills(widths, gated, act, io, b
     # a chunk's layer-0 k-steps (m64n64 gated, m64n32 not) and its layer-1 k-steps (m64n<NP>), once each
     expected = {64 if gated else 32: plan.ffn.kp0 // 16}
     expected[plan.ffn.np_] = expected.get(plan.ffn.np_, 0) + ffn.HC // 16
+    ab = "bf16" if precision == "bf16" else "f16"
     for n, count in expected.items():
-        assert ptx.count(f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.f16.f16") == count, n
+        assert ptx.count(f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ab}.{ab}") == count, n
     assert "fence.proxy.async.shared::cta" in ptx and "cp.async.bulk.shared::cluster.global" in ptx
-    assert ("tanh.approx.f16x2" in ptx) == (not gated)   # the packed GELU
+    assert ("tanh.approx.f16x2" in ptx) == (not gated and precision == "fp16")   # the packed GELU (fp16 only)
+    assert ("cvt.rn.bf16x2.f32" in ptx) == (precision == "bf16")
 
 
 def test_validation_runs_every_set_again_with_the_kernel_where_a_plan_carries_it():

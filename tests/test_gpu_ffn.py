@@ -28,11 +28,11 @@ def cache_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("gpu_ffn_cache")
 
 
-def _fused_session(src, cache_dir, out):
-    """An fp16 session of the model's one chain in the wide design, which carries the FFN kernel."""
+def _fused_session(src, cache_dir, out, precision="fp16"):
+    """A session of the model's one chain at `precision` in the wide design, which carries the FFN kernel."""
     model = load_model(str(src))
     plan = passes.find_chains(model, **library.fusion_refusals(True))
-    specs = [c.to_spec("fp16") for c in plan.chains]
+    specs = [c.to_spec(precision) for c in plan.chains]
     plans = make_plans(specs, PlanOptions(design="wide", wgmma=False))
     assert len(specs) == 1 and plans[specs[0].name].ffn is not None, plans[specs[0].name].describe()
     lib = library.build_plugin(specs, with_cuda=True, cache_dir=cache_dir, plans=plans)
@@ -48,16 +48,18 @@ def _rows_for_the_kernel() -> int:
     return ffn.MIN_ROWS_PER_SM * sms + 37
 
 
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
 @pytest.mark.parametrize("k,widths,gated", [
     (256, [1024, 256], {0}),    # issue 16's SwiGLU block (with biases)
     (72, [1000, 50], {0}),      # K0 padded to 128, the hidden to 1024, the outputs to 64
     (192, [768, 192], set()),   # ViT-tiny's widths, ReLU: a plain (not gated) hidden layer
     (256, [4096, 256], {0}),    # a wide gated hidden layer: 128 chunks, each with its bias in the ring slot
 ])
-def test_the_ffn_kernel_matches_stock_ort(k, widths, gated, cache_dir, tmp_path, monkeypatch):
+def test_the_ffn_kernel_matches_stock_ort(k, widths, gated, precision, cache_dir, tmp_path, monkeypatch):
     src = tmp_path / "ffn.onnx"
     onnx.save(_swiglu_chain(k, widths, gated), str(src))
-    sess = _fused_session(src, cache_dir, tmp_path / "fused.onnx")
+    sess = _fused_session(src, cache_dir, tmp_path / "fused.onnx", precision)
+    tol = TOL[precision]
     rng = np.random.default_rng(11)
     big = _rows_for_the_kernel()
     for batch in (1, 4099, big, 2 * big + 1):
@@ -65,14 +67,14 @@ def test_the_ffn_kernel_matches_stock_ort(k, widths, gated, cache_dir, tmp_path,
         ref = _reference(src, x)
         y = run_poisoned(sess, x, ref.shape)
         err = rel_l2(y, ref)
-        assert err <= TOL["fp16"], f"{k}->{widths} batch {batch}: rel L2 {err:.2e}"
+        assert err <= tol, f"{k}->{widths} {precision} batch {batch}: rel L2 {err:.2e}"
         monkeypatch.setenv(ffn.FFN_ENV, "0")   # the GEMMs on the same session
         y_gemms = run_poisoned(sess, x, ref.shape)
         monkeypatch.setenv(ffn.FFN_ENV, "1")   # the kernel from 1 row: every batch here (1 row: one CTA)
         y_kernel = run_poisoned(sess, x, ref.shape)
         monkeypatch.delenv(ffn.FFN_ENV)
         for other in (y_gemms, y_kernel):
-            assert rel_l2(other, ref) <= TOL["fp16"] and rel_l2(y, other) <= TOL["fp16"], batch
+            assert rel_l2(other, ref) <= tol and rel_l2(y, other) <= tol, batch
 
 
 def test_hopper_runs_the_ffn_as_one_kernel_from_a_pass_per_sm(cache_dir, tmp_path, monkeypatch):

@@ -100,8 +100,8 @@ def ffn_reason_refused(spec: MLPSpec) -> str | None:
     """Why the FFN kernel cannot run this spec, or None."""
     if len(spec.layers) != 2:
         return f"{len(spec.layers)} layers (it runs exactly two)"
-    if spec.precision != "fp16":
-        return f"{spec.precision} operands (its wgmma forms are fp16)"
+    if spec.precision not in ("fp16", "bf16"):
+        return f"{spec.precision} operands (its wgmma forms are fp16 and bf16)"
     if spec.norm is not None or spec.residual:
         return "a norm in front or a residual behind (the wide design's passes and epilogue take those)"
     first, last = spec.layers
