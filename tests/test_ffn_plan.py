@@ -64,6 +64,9 @@ def test_the_ffn_kernel_says_why_it_declines(spec, why):
     reason = ffn.ffn_reason_refused(spec)
     assert reason is not None and why in reason
     assert ffn.ffn_pair(spec, 0) is None
+    if len(spec.layers) == 2 and spec.precision in ("fp16", "bf16") and not spec.has_block:
+        # inspect's plan text says it too
+        assert f"no one-kernel FFN: {reason}" in choose.wide_plan(spec, WideOptions()).describe()
 
 
 def test_the_kernels_shared_memory_does_not_grow_with_the_hidden_width():

@@ -107,7 +107,7 @@ import numpy as np
 
 from .. import expr as ex
 from ..spec import MLPSpec, SpecError
-from .ffn import ffn_pair
+from .ffn import ffn_pair, ffn_reason_refused
 from .cost import converts_input, tf32_eligible, tf32_first_wins
 from .padding import ALIGN, norm_floats, round_up
 from .sm90 import (default_choice, default_tf32_choice, ROW_BUCKETS, SM90_KERNELS, SM90_SCRATCH, Sm90Choice,
@@ -275,6 +275,8 @@ class WidePlan:
         light = {SM90_KERNELS[c.kernel].light for per in self.choices for c in per}
         family = "onnx2fused's" if light == {True} else "CUTLASS 3.x" if light == {False} else "onnx2fused's and CUTLASS 3.x"
         ffn = f"; {self.ffn.describe()}" if self.ffn else ""
+        if not self.ffn and len(self.spec.layers) == 2 and not self.tuning:   # say why an FFN pair keeps its GEMMs
+            ffn = f"; no one-kernel FFN: {ffn_reason_refused(self.spec) or 'a segmented plan'}"
         return (f"wide: {n} tensor-core GEMM{'s' if n > 1 else ''} with a bias+activation epilogue{glu} (on sm_90: {hopper} as {family} "
                 f"wgmma/TMA kernels, {tuned}, the rest CUTLASS 2.x; other GPUs: CUTLASS 2.x sm80 mma.sync), "
                 f"{conv}16-bit intermediates in the workspace, {self.row_block}-row blocks{passes}{gemv}{tail}{ffn}; {self.reason}")
