@@ -51,6 +51,12 @@
 #ifndef FFN_GATED
 #define FFN_GATED 1
 #endif
+#ifndef FFN_FILL_ROWS
+#define FFN_FILL_ROWS 4   // input rows a lane loads before it converts and stores them (4, 8 or 16)
+#endif
+#ifndef FFN_PREFETCH
+#define FFN_PREFETCH 0    // 1: each pass prefetches its warpgroup's next rows into L2 (cp.async.bulk.prefetch)
+#endif
 #ifndef FFN_STAGES
 #define FFN_STAGES 3
 #endif
@@ -206,10 +212,10 @@ __device__ __forceinline__ void fill_x(unsigned char* tile, const float* __restr
   if (lane >= kK0 / 8) return;
   const int atom = lane / 8, unit = lane % 8;
 #pragma unroll
-  for (int rb = 0; rb < 16; rb += 4) {
-    float4 v[4][2];
+  for (int rb = 0; rb < 16; rb += FFN_FILL_ROWS) {
+    float4 v[FFN_FILL_ROWS][2];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
+    for (int i = 0; i < FFN_FILL_ROWS; ++i) {
       const int r = warp + 4 * (rb + i);
       const int64_t g = row0 + r;
       if (g < rows) {
@@ -220,7 +226,7 @@ __device__ __forceinline__ void fill_x(unsigned char* tile, const float* __restr
       }
     }
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
+    for (int i = 0; i < FFN_FILL_ROWS; ++i) {
       const int r = warp + 4 * (rb + i);
       uint4 h;
       h.x = pack2(v[i][0].x, v[i][0].y);
@@ -270,6 +276,16 @@ ffn_kernel(const float* __restrict__ x, float* __restrict__ y, int64_t rows, con
     if (sp == blockIdx.x / kCluster)
 #endif
     fill_x(xtile, x, rows, row0, warp, lane);
+#if FFN_PREFETCH
+    {  // the next pass's rows of this warpgroup into L2 (one bulk prefetch a row), for its fill
+      const int64_t next = row0 + static_cast<int64_t>(gridDim.x / kCluster) * kCluster * kNwg * 64;
+      const int r = (tid & 127) >> 1;   // two threads a row: the row's halves
+      if (next + r < rows) {
+        const float* p = x + (next + r) * kK0 + (tid & 1) * (kK0 / 2);
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p), "r"(static_cast<uint32_t>(kK0 * 2)) : "memory");
+      }
+    }
+#endif
     fence_proxy_async();   // the generic stores, before wgmma (async proxy) reads the tile
     wg_sync(wg);
     float out[kN / 2];
