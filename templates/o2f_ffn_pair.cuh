@@ -3,7 +3,7 @@
 // measurements: benchmarks/sm90/ffn_wgmma.cu, docs/DESIGN.md "The FFN in one kernel").
 //
 //   y = act1(h W2 + b2),  h = round16(act0(g) * u) (gated: g, u = round16(x W0 + b0) halves)
-//                         or round16(act0(x W0 + b0))
+//                         or round16(act0(x W0 + b0)),  round16: to the operand type (fp16 or bf16)
 //
 //  * A CTA is 2 warpgroups, persistent; a pass is one 64-row tile per warpgroup, and both run every pass.
 //  * A tile's rows are converted once to fp16 (bf16) into a 128-byte-swizzled shared-memory tile: layer 0's A
@@ -11,7 +11,7 @@
 //    output's accumulators.
 //  * The hidden width runs in chunks of kHC features (kHC gate + kHC up columns when gated): one
 //    m64n{kL1N}k16 wgmma per k-step of K0 into the chunk's accumulators; the epilogue's hidden values,
-//    rounded to fp16, are in registers the A operand of layer 1's kHC rows (RS wgmma m64n{kNP}k16),
+//    rounded to the operand type, are in registers the A operand of layer 1's kHC rows (RS wgmma m64n{kNP}k16),
 //    which accumulate into the tile's 64 x kNP outputs (kNP/2 registers a thread) across all chunks.
 //  * A ring slot holds one chunk's weights (layer 0's columns, then layer 1's rows, then layer 0's bias of
 //    the chunk's columns, fp32: no bias array limits the hidden width), copied by
