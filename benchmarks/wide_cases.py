@@ -28,6 +28,8 @@ by several percent between calls on one machine (ORT fp16 0.44-0.50 ms on the Vi
 timed one after another can disagree on their ratio by more than a target's margin.
 Every variant also runs once on the same seeded rows, untimed: the table's last column is the fused
 model's relative L2 distance from ORT fp32 on them (NaN if any output is not finite).
+A two-layer case on Hopper runs as one kernel from 96 rows per SM (plan/ffn.py): `--env ONNX2FUSED_WIDE_FFN=0`
+times its GEMMs beside it, `=1` the kernel at every batch.
 `--batch N[,N...]` replaces a case's batch (N = 1: the per-run overhead of each path); several batches
 time each case at each, building its models and converting once.
 The models are built here with onnx.helper (random weights, seed 0; the FFN as MatMul + Add with GELU in
