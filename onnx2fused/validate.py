@@ -412,7 +412,8 @@ def validate(original, fused, library, precision: str, *, original_model: onnx.M
     .npz files written with the input sets, and the reference (and fused) outputs (save_arrays).
     `run_variants`: (environment variable, value, label) switches the plugin reads on every run, under
     which a CUDA session runs every set again, against the same references (a row-dependent path the
-    sets' batches never reach: a wide plan's FFN kernel, plan/ffn.py).
+    sets' batches never reach: a wide plan's FFN kernel, plan/ffn.py). Those runs count in the outputs'
+    errors and element counts; the per-chain errors (chain_errors) and save_outputs are the first round's.
     Never raises for a tolerance violation: the report's `failures` say what is wrong; `check(report)`
     raises. Raises ConversionError when a model cannot run at all.
     """

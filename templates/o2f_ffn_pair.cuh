@@ -102,7 +102,7 @@ __device__ __forceinline__ uint4 load_unit(const __half* p) {
   return make_uint4(h2_to_elem2(v.x), h2_to_elem2(v.y), h2_to_elem2(v.z), h2_to_elem2(v.w));
 }
 
-// A warpgroup's 64 rows from `row0` into its fp16 tile, zeros past the batch and in the padded columns:
+// A warpgroup's 64 rows from `row0` into its 16-bit tile, zeros past the batch and in the padded columns:
 // warp w converts rows w, w + 4, ...; lane l holds columns 8l..8l+7 (one 16-byte unit of the tile). Four
 // rows' loads are issued before their stores.
 __device__ __forceinline__ void fill_x(unsigned char* tile, const io_t* __restrict__ x, int64_t rows, int64_t row0,
@@ -127,7 +127,7 @@ __device__ __forceinline__ void fill_x(unsigned char* tile, const io_t* __restri
 }
 
 // Epi: the unit's epilogue arithmetic, Epi::gated_pair(g0, u0, g1, u1, col) (gated) or Epi::pair(a, b, col)
-// -> one packed fp16x2 A register of hidden features col, col + 1; Epi::out(v, col) the output's activation.
+// -> one packed 16-bit pair A register of hidden features col, col + 1; Epi::out(v, col) the output's activation.
 template <class Epi>
 __global__ void __launch_bounds__(kThreads, 1)
 ffn_kernel(const io_t* __restrict__ x, io_t* __restrict__ y, int64_t rows, const unsigned char* __restrict__ wimg,

@@ -276,7 +276,7 @@ class WidePlan:
         family = "onnx2fused's" if light == {True} else "CUTLASS 3.x" if light == {False} else "onnx2fused's and CUTLASS 3.x"
         ffn = f"; {self.ffn.describe()}" if self.ffn else ""
         if not self.ffn and len(self.spec.layers) == 2 and not self.tuning:   # say why an FFN pair keeps its GEMMs
-            ffn = f"; no one-kernel FFN: {ffn_reason_refused(self.spec) or 'a segmented plan'}"
+            ffn = f"; no one-kernel FFN: {ffn_reason_refused(self.spec) or ('a segmented plan' if self.tail_from else 'its shared memory would not fit')}"
         return (f"wide: {n} tensor-core GEMM{'s' if n > 1 else ''} with a bias+activation epilogue{glu} (on sm_90: {hopper} as {family} "
                 f"wgmma/TMA kernels, {tuned}, the rest CUTLASS 2.x; other GPUs: CUTLASS 2.x sm80 mma.sync), "
                 f"{conv}16-bit intermediates in the workspace, {self.row_block}-row blocks{passes}{gemv}{tail}{ffn}; {self.reason}")
