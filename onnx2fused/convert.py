@@ -21,7 +21,7 @@ import onnx
 
 
 from .cpu_policy import cpu_kernel_wins
-from .targets import find_nvcc
+from .targets import cuda_archs, find_nvcc
 from .library import build_plugin, find_fusions
 from .errors import ConversionError
 from .loader import load_model, read_model
@@ -478,14 +478,21 @@ def _build_and_check(model, inp: Path, out: Path, plan, choices, with_cuda, opti
     return _Built(specs, lib, lib.build_seconds, data, tmp_model, tmp_lib, lib_name, report)
 
 
-def _run_variants(plans: dict) -> tuple:
+def _run_variants(plans: dict, gpus: list[dict] | None = None) -> tuple:
     """The run-time switches validation repeats every set under: a wide plan's FFN kernel (plan/ffn.py)
     runs from thousands of rows, which no validation set reaches, so the sets run again with it taken at
-    every batch."""
-    if any(getattr(p, "ffn", None) is not None for p in plans.values()):
-        # (on a GPU that does not run the kernel, sm_90 only, the second round runs the GEMMs again)
-        return ((FFN_ENV, "1", "the FFN kernel at every batch (where the GPU runs it)"),)
-    return ()
+    every batch. Only where the library holds the kernel (sm_90 among the CUDA archs) and the GPUs
+    (`gpus`: doctor.detected_gpus() when None) are not all of another compute capability: elsewhere the
+    second round would run the same GEMMs again."""
+    if (not any(getattr(p, "ffn", None) is not None for p in plans.values())
+            or not any(a.startswith("90") for a in cuda_archs())):
+        return ()
+    if gpus is None:
+        from .doctor import detected_gpus
+        gpus = detected_gpus()
+    if gpus and not any(g.get("compute_capability") == "9.0" for g in gpus):
+        return ()
+    return ((FFN_ENV, "1", "the FFN kernel at every batch"),)
 
 
 def _check_validation_options(out: Path, input_files: list[Path], validate: bool, atol, rtol, input_shapes,

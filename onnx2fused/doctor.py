@@ -188,10 +188,17 @@ def _gpus_from_torch() -> list[dict] | None:
         return []
 
 
-def check_gpu() -> Check:
+def detected_gpus() -> list[dict] | None:
+    """The GPUs nvidia-smi (else torch.cuda) reports, each {name, compute_capability, ...}; [] where a
+    tool answers that there is none, None where neither can ask."""
     gpus = _gpus_from_nvidia_smi()
     if not gpus:
         gpus = _gpus_from_torch() or gpus
+    return gpus
+
+
+def check_gpu() -> Check:
+    gpus = detected_gpus()
     if not gpus:
         return Check("gpu", WARN, "no GPU: fused models run their CPU kernels (or stock-op fallback)",
                      "for the CUDA kernels, run on a host with an NVIDIA GPU (compute capability 8.0 or newer) "

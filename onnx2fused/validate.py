@@ -17,6 +17,7 @@ measured on the original model; above 65504 it would overflow.
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping
@@ -413,7 +414,8 @@ def validate(original, fused, library, precision: str, *, original_model: onnx.M
     `run_variants`: (environment variable, value, label) switches the plugin reads on every run, under
     which a CUDA session runs every set again, against the same references (a row-dependent path the
     sets' batches never reach: a wide plan's FFN kernel, plan/ffn.py). Those runs count in the outputs'
-    errors and element counts; the per-chain errors (chain_errors) and save_outputs are the first round's.
+    errors, the per-chain errors (chain_errors) and the element counts (the messages say how many rounds);
+    save_outputs holds the first round's.
     Never raises for a tolerance violation: the report's `failures` say what is wrong; `check(report)`
     raises. Raises ConversionError when a model cannot run at all.
     """
@@ -485,11 +487,10 @@ def validate(original, fused, library, precision: str, *, original_model: onnx.M
         if save_outputs is not None:
             refs.append(dict(zip(names, ref)))
             fuseds.append(dict(zip(names, out)))
-    for var, value, label in (() if on_cpu else run_variants):
+    variants = () if on_cpu else tuple(run_variants)
+    for var, value, label in variants:
         say(f"validating again with {label} ({var}={value})")
-        before = os.environ.get(var)
-        os.environ[var] = value
-        try:
+        with _env(var, value):
             for (case, feeds), ref in zip(cases, all_refs):
                 try:
                     out = fused_sess.run(None, feeds)
@@ -497,12 +498,8 @@ def validate(original, fused, library, precision: str, *, original_model: onnx.M
                     raise ValidationError(f"the fused model fails with {case} and {label}: {_one_line(e)}") from None
                 for n, a, b in zip(names, out, ref):
                     _compare(n, np.asarray(a), np.asarray(b), f"{case}, {label}", errs[n], atol, rtol)
-        finally:
-            if before is None:
-                os.environ.pop(var, None)
-            else:
-                os.environ[var] = before
         report.tolerance_note += f"; every set again with {label}"
+    rounds = f" over {len(variants) + 1} rounds of the sets" if variants else ""
     report.outputs = list(errs.values())
     if save_inputs is not None:
         save_arrays(save_inputs, {f"{k}/{n}": a for k, (_, feeds) in enumerate(cases) for n, a in feeds.items()},
@@ -520,7 +517,7 @@ def validate(original, fused, library, precision: str, *, original_model: onnx.M
                                        "element(s) from stock ORT (near-ties of the fused values)")
         elif report.elementwise:
             if e.beyond:
-                report.failures.append(f"output '{e.name}': {e.beyond} of {e.elements} element(s) outside "
+                report.failures.append(f"output '{e.name}': {e.beyond} of {e.elements} element(s){rounds} outside "
                                        f"|fused - ref| <= {atol or 0:g} + {rtol or 0:g} * |ref| (max abs error "
                                        f"{e.max_abs:.3g}; {provider}, worst rel L2 on {e.worst_case})")
         elif not e.within(tol):
@@ -530,7 +527,7 @@ def validate(original, fused, library, precision: str, *, original_model: onnx.M
                                    f"({provider}, {e.worst_case})")
 
     if chains:
-        report.chain_errors = _chain_errors(original_model, fused, library, providers, chains, cases)
+        report.chain_errors = _chain_errors(original_model, fused, library, providers, chains, cases, variants)
         for k, (e, t) in enumerate(zip(report.chain_errors, chain_tols)):
             if e is not None and not e.within(t):
                 report.chain_failures.append(k)
@@ -563,9 +560,11 @@ def validate(original, fused, library, precision: str, *, original_model: onnx.M
     return report
 
 
-def _chain_errors(original_model, fused, library, providers, chains, cases) -> list[OutputError | None]:
+def _chain_errors(original_model, fused, library, providers, chains, cases, variants=()) -> list[OutputError | None]:
     """Each chain's own output tensor, fused vs stock (the upstream chains' errors included): which chain
-    to move up when the model outputs fail. None for a chain whose output cannot be read back."""
+    to move up when the model outputs fail. Under each of `variants` too (validate's run_variants), so that
+    a failure only one round shows is laid on the chain that fails it. None for a chain whose output
+    cannot be read back."""
     outs = list(dict.fromkeys(c.output for c in chains))
     types = _elem_types(original_model)
     ref_m, fused_m = _with_outputs(original_model, outs, types), _with_outputs(fused, outs, types)
@@ -577,12 +576,32 @@ def _chain_errors(original_model, fused, library, providers, chains, cases) -> l
     except Exception:  # noqa: BLE001 - a refinement only (the model outputs were compared above)
         return [None] * len(chains)
     errs = {t: OutputError(t) for t in outs}
-    for case, feeds in cases:
-        r = dict(zip(outs, ref_s.run(outs, feeds)))
-        f = dict(zip(outs, fused_s.run(outs, feeds)))
-        for t in outs:
-            _compare(t, np.asarray(f[t]), np.asarray(r[t]), case, errs[t])
+    refs = [dict(zip(outs, ref_s.run(outs, feeds))) for _, feeds in cases]
+    for var, value, label in ((None, None, ""), *variants):
+        with _env(var, value):
+            for (case, feeds), r in zip(cases, refs):
+                f = dict(zip(outs, fused_s.run(outs, feeds)))
+                for t in outs:
+                    _compare(t, np.asarray(f[t]), np.asarray(r[t]), f"{case}, {label}" if label else case, errs[t])
     return [errs[c.output] for c in chains]
+
+
+@contextmanager
+def _env(var: str | None, value: str | None):
+    """The environment variable `var` set to `value` inside the block (None: nothing changed), then as it
+    was: the plugin reads its run-time switches on every run."""
+    if var is None:
+        yield
+        return
+    before = os.environ.get(var)
+    os.environ[var] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(var, None)
+        else:
+            os.environ[var] = before
 
 
 def save_arrays(path, arrays: dict[str, np.ndarray], cases: list[str]) -> None:

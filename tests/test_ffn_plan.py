@@ -149,12 +149,70 @@ def test_the_ffn_unit_compiles_to_wgmma_without_spills(widths, gated, act, io, b
     assert ("cvt.rn.bf16x2.f32" in ptx) == (precision == "bf16")
 
 
-def test_validation_runs_every_set_again_with_the_kernel_where_a_plan_carries_it():
+def test_validation_runs_every_set_again_with_the_kernel_where_a_plan_carries_it(monkeypatch):
     # the validation sets' batches (1, 37, 256) never reach the kernel's threshold: convert asks for a second
-    # round with it taken at every batch, where a plan has it
+    # round with it taken at every batch, where a plan has it and the GPU can run it
     from onnx2fused.convert import _run_variants
     ffn_plan = choose.wide_plan(_spec([256, 1024, 256]), WideOptions())
     three = choose.wide_plan(_spec([256, 512, 512, 256]), WideOptions())
-    assert _run_variants({"a": three}) == ()
-    ((var, value, label),) = _run_variants({"a": three, "b": ffn_plan})
+    hopper, ampere = [{"compute_capability": "9.0"}], [{"compute_capability": "8.0"}]
+    assert _run_variants({"a": three}, hopper) == ()
+    ((var, value, label),) = _run_variants({"a": three, "b": ffn_plan}, hopper)
     assert (var, value) == (ffn.FFN_ENV, "1") and "FFN kernel" in label
+    assert _run_variants({"b": ffn_plan}, ampere + hopper) != ()   # some GPU of the host may run it
+    assert _run_variants({"b": ffn_plan}, ampere) == ()            # there the round would rerun the GEMMs
+    assert _run_variants({"b": ffn_plan}, []) != ()                 # no GPU reported: the round runs
+    monkeypatch.setenv("ONNX2FUSED_CUDA_ARCHS", "80")              # no sm_90 code in the library
+    assert _run_variants({"b": ffn_plan}, hopper) == ()
+
+
+def test_a_failure_only_the_second_round_shows_is_laid_on_the_chain_that_fails_it(monkeypatch, tmp_path):
+    # validate's run_variants on a CUDA session: the fused model here goes wrong only under the switch, and
+    # only from its second chain's output on. The per-chain errors run that round too, so automatic
+    # precision moves that chain up, not every chain; the element counts say they span both rounds.
+    import os
+
+    import numpy as np
+    import onnx
+    from onnx_builders import mlp
+
+    from onnx2fused import validate as val
+    model = mlp([6, 12, 10, 4])
+    path = tmp_path / "m.onnx"
+    onnx.save(model, str(path))
+    acts = [n.output[0] for n in model.graph.node if n.op_type == "Relu"]
+    downstream = {acts[1], "y"}
+    real_session = val._session
+
+    class Switched:
+        """The model on the CPU EP, its tensors downstream of the second chain off by 1 under the switch."""
+        def __init__(self, sess):
+            self.sess = sess
+
+        def get_outputs(self):
+            return self.sess.get_outputs()
+
+        def run(self, names, feeds):
+            names = names or [o.name for o in self.sess.get_outputs()]
+            outs = self.sess.run(names, feeds)
+            if os.environ.get("O2F_TEST_SWITCH") == "1":
+                outs = [o + np.float32(1) if n in downstream else o for n, o in zip(names, outs)]
+            return outs
+
+    def session(model, library=None, providers=("CPUExecutionProvider",), optimize=True):
+        s = real_session(model, None, ["CPUExecutionProvider"], optimize)
+        return Switched(s) if library is not None else s
+
+    monkeypatch.setattr(val, "_session", session)
+    monkeypatch.setattr(val, "choose_providers", lambda with_cuda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
+    chains = [type("Chain", (), {"output": t})() for t in acts]
+    kwargs = dict(original_model=model, chains=chains, with_cuda=True, chain_precisions=["bf16", "bf16"])
+    clean = val.validate(str(path), str(path), "lib", "bf16", **kwargs)
+    assert clean.passed and clean.chain_failures == []
+    switch = [("O2F_TEST_SWITCH", "1", "the test switch")]
+    report = val.validate(str(path), str(path), "lib", "bf16", run_variants=switch, **kwargs)
+    assert not report.passed and report.chain_failures == [1]
+    assert "the test switch" in report.outputs[0].worst_case and "O2F_TEST_SWITCH" not in os.environ
+    elementwise = val.validate(str(path), str(path), "lib", "bf16", run_variants=switch, atol=0.5, **kwargs)
+    assert elementwise.outputs[0].elements == 2 * clean.outputs[0].elements
+    assert "over 2 rounds of the sets" in elementwise.failures[0]
