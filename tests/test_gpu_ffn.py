@@ -10,7 +10,8 @@ import numpy as np
 import onnx
 import pytest
 
-from gpu_support import rel_l2, require_cuda, run_poisoned  # noqa: E402
+from gpu_support import check_cuda_graph_replay, rel_l2, require_cuda, run_poisoned  # noqa: E402
+from thread_support import run_threads  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 ort, torch = require_cuda()
@@ -30,6 +31,11 @@ def cache_dir(tmp_path_factory):
 
 def _fused_session(src, cache_dir, out, precision="fp16"):
     """A session of the model's one chain at `precision` in the wide design, which carries the FFN kernel."""
+    return _session_with(out, _fused_library(src, cache_dir, out, precision))
+
+
+def _fused_library(src, cache_dir, out, precision="fp16"):
+    """The model's one chain at `precision` in the wide design, written to `out`; its library's path."""
     model = load_model(str(src))
     plan = passes.find_chains(model, **library.fusion_refusals(True))
     specs = [c.to_spec(precision) for c in plan.chains]
@@ -37,9 +43,14 @@ def _fused_session(src, cache_dir, out, precision="fp16"):
     assert len(specs) == 1 and plans[specs[0].name].ffn is not None, plans[specs[0].name].describe()
     lib = library.build_plugin(specs, with_cuda=True, cache_dir=cache_dir, plans=plans)
     onnx.save(passes.rewrite(model, plan, specs), str(out))
+    return lib.path
+
+
+def _session_with(fused, lib, cuda_options=None):
     so = ort.SessionOptions()
-    so.register_custom_ops_library(str(lib.path))
-    return ort.InferenceSession(str(out), so, providers=["CUDAExecutionProvider", "CPUExecutionProvider"])
+    so.register_custom_ops_library(str(lib))
+    return ort.InferenceSession(str(fused), so, providers=[("CUDAExecutionProvider", cuda_options or {}),
+                                                           "CPUExecutionProvider"])
 
 
 def _rows_for_the_kernel() -> int:
@@ -111,3 +122,35 @@ def test_convert_validates_the_kernel_at_every_batch(tmp_path):
     v = res.validation
     assert v.provider == "CUDAExecutionProvider" and v.passed, v
     assert "every set again with the FFN kernel at every batch" in v.tolerance_note, v.tolerance_note
+
+
+def test_the_ffn_kernel_under_a_cuda_graph_and_eight_threads(cache_dir, tmp_path, monkeypatch):
+    """The kernel taken at every batch (ONNX2FUSED_WIDE_FFN=1): a CUDA graph captured around its run replays
+    with new inputs, and eight threads on one session (ORT gives each Run its own stream; the kernel's
+    image is shared, read-only) each get their own rows back."""
+    if not _hopper():
+        pytest.skip("the FFN kernel runs on compute capability 9.0 only")
+    monkeypatch.setenv(ffn.FFN_ENV, "1")
+    src = tmp_path / "swiglu.onnx"
+    onnx.save(_swiglu_chain(256, [1024, 256], {0}), str(src))
+    fused = tmp_path / "fused.onnx"
+    lib = _fused_library(src, cache_dir, fused)
+    sess = _session_with(fused, lib)
+    graphed = _session_with(fused, lib, {"enable_cuda_graph": "1"})
+    check_cuda_graph_replay(graphed, lambda x: _reference(src, x), 3001, 256, 256, TOL["fp16"], replays=2)
+
+    rng = np.random.default_rng(5)
+    xs = [[rng.standard_normal((int(rng.integers(1, 3000)), 256)).astype(np.float32) for _ in range(12)]
+          for _ in range(8)]
+    alone = [[sess.run(None, {"x": x})[0] for x in per] for per in xs]
+    assert rel_l2(alone[0][0], _reference(src, xs[0][0])) <= TOL["fp16"]
+    bad: list[str] = []
+
+    def work(t):
+        for r, x in enumerate(xs[t]):
+            y, ref = sess.run(None, {"x": x})[0], alone[t][r]
+            if y.shape != ref.shape or not np.array_equal(y, ref):   # the same kernel on the same rows
+                bad.append(f"thread {t} run {r} ({len(x)} rows)")
+
+    run_threads(work, [(t,) for t in range(8)])
+    assert not bad, bad[:10]
