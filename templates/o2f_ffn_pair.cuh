@@ -20,7 +20,8 @@
 //
 // Static device code (sm_90a), included inside the unit's namespace after: io_t, kBf16, the shape constants
 // (kK0, kKP0, kHP, kN, kNP, kGated, kHC, kL1N, kL1Bytes, kL2Bytes, kChunkBytes, kChunks, kStages, kSlotBytes, kRingChunks,
-// kWarps, kCluster, stream_chunk), and o2f_sm90_ptx.cuh, o2f_wgmma_ring.cuh and the wgmma wrappers (WgmmaSS, WgmmaRS).
+// kWarps, kCluster, stream_chunk), and o2f_sm90_ptx.cuh, o2f_wgmma_ring.cuh and o2f_ffn_wgmma.cuh (the wgmma
+// wrappers WgmmaSS, WgmmaRS, the descriptors and small PTX helpers).
 #pragma once
 
 namespace o2f_ffn {
@@ -39,25 +40,11 @@ static_assert(kHP % kHC == 0 && kNP % 64 == 0 && kNP <= 256 && kN <= kNP && kN %
               "hidden and output widths (outputs stored in pairs)");
 static_assert(kB1Smem % 16 == 0 && kBarSmem % 8 == 0 && kChunkBytes % 16 == 0, "alignment");
 
-__device__ __forceinline__ uint64_t desc(uint32_t hi, uint32_t lo) { return (static_cast<uint64_t>(hi) << 32) | lo; }
-constexpr uint32_t kHi128 = (1024 >> 4) | (1u << 30);   // 128-byte swizzle, 8-row groups 1024 bytes apart
-constexpr uint32_t kHi64 = (512 >> 4) | (2u << 30);     // 64-byte swizzle, 8-row groups 512 bytes apart
-// Byte offset of k-step ks in a K-major 128-byte-swizzled tile of `rows` rows: 32 bytes on within an atom
-// row, then the next K atom (rows x 128 bytes on).
-__host__ __device__ constexpr uint32_t kstep_off(int ks, int rows) { return (32 * ks) % 128 + (32 * ks / 128) * rows * 128; }
-__device__ __forceinline__ void wg_sync(int wg) { asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory"); }
-// Generic-proxy stores into shared memory, before the async proxy (wgmma) reads them.
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 __device__ __forceinline__ uint4 ld16(const void* p) {
   uint4 v;
   asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
   return v;
-}
-__device__ __forceinline__ uint32_t pack_h2(float lo, float hi) {
-  uint32_t r;
-  asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
-  return r;
 }
 // Two fp32 values as one register of the operand type (elem_t: fp16 or bf16), the first in the low half.
 __device__ __forceinline__ uint32_t pack_elem2(float lo, float hi) {
@@ -76,13 +63,6 @@ __device__ __forceinline__ uint32_t h2_to_elem2(uint32_t h) {   // fp16 pair -> 
   } else {
     return h;
   }
-}
-template <int R>
-__device__ __forceinline__ void fence_frag(uint32_t (&a)[R][4]) {
-#pragma unroll
-  for (int k = 0; k < R; ++k)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(a[k][i])::"memory");
 }
 __device__ __forceinline__ void st_out2(float* p, float a, float b) {
   asm volatile("st.global.cs.v2.f32 [%0], {%1, %2};\n" ::"l"(p), "f"(a), "f"(b) : "memory");

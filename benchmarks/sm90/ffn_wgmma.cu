@@ -112,14 +112,7 @@ constexpr int kPeerBarSmem = kBarSmem + 8 * kStages;   // clusters: the slots' "
 constexpr int kCntSmem = kPeerBarSmem + 8 * kStages;
 constexpr int kSmemBytes = kCntSmem + 4 * kStages + 1024;   // + alignment slack
 
-__device__ __forceinline__ uint64_t desc(uint32_t hi, uint32_t lo) { return (static_cast<uint64_t>(hi) << 32) | lo; }
-constexpr uint32_t kHi128 = (1024 >> 4) | (1u << 30);   // 128-byte swizzle, 8-row groups 1024 bytes apart
-constexpr uint32_t kHi64 = (512 >> 4) | (2u << 30);     // 64-byte swizzle, 8-row groups 512 bytes apart
-// Byte offset of k-step ks in a K-major 128-byte-swizzled tile of `rows` rows: 32 bytes on within an atom
-// row, then the next K atom (rows x 128 bytes on).
-__host__ __device__ constexpr uint32_t kstep_off(int ks, int rows) { return (32 * ks) % 128 + (32 * ks / 128) * rows * 128; }
-__device__ __forceinline__ void wg_sync(int wg) { asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory"); }
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// (desc, kHi128, kHi64, kstep_off, wg_sync, fence_proxy_async, pack_h2, fence_frag: o2f_ffn_wgmma.cuh)
 __device__ __forceinline__ float4 ld4(const float* p) {
   float4 v;
   asm volatile("ld.global.nc.L1::no_allocate.v4.f32 {%0, %1, %2, %3}, [%4];\n"
@@ -128,18 +121,6 @@ __device__ __forceinline__ float4 ld4(const float* p) {
 }
 __device__ __forceinline__ void st2(float* p, float a, float b) {
   asm volatile("st.global.cs.v2.f32 [%0], {%1, %2};\n" ::"l"(p), "f"(a), "f"(b) : "memory");
-}
-__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
-  uint32_t r;
-  asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
-  return r;
-}
-template <int R>
-__device__ __forceinline__ void fence_frag(uint32_t (&a)[R][4]) {
-#pragma unroll
-  for (int k = 0; k < R; ++k)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(a[k][i])::"memory");
 }
 
 // The hidden activation: SiLU (gated blocks) or GELU (the library's packed fp16x2 form).
@@ -169,10 +150,10 @@ __device__ __forceinline__ void fill_x(unsigned char* tile, const float* __restr
     for (int i = 0; i < FFN_FILL_ROWS; ++i) {
       const int r = warp + 4 * (rb + i);
       uint4 h;
-      h.x = pack2(v[i][0].x, v[i][0].y);
-      h.y = pack2(v[i][0].z, v[i][0].w);
-      h.z = pack2(v[i][1].x, v[i][1].y);
-      h.w = pack2(v[i][1].z, v[i][1].w);
+      h.x = pack_h2(v[i][0].x, v[i][0].y);
+      h.y = pack_h2(v[i][0].z, v[i][0].w);
+      h.z = pack_h2(v[i][1].x, v[i][1].y);
+      h.w = pack_h2(v[i][1].z, v[i][1].w);
       *reinterpret_cast<uint4*>(tile + atom * 64 * 128 + r * 128 + ((unit ^ (r & 7)) * 16)) = h;
     }
   }
@@ -251,14 +232,14 @@ ffn_kernel(const float* __restrict__ x, float* __restrict__ y, int64_t rows, con
         uint32_t lo, hi;
 #ifdef FFN_DIAG_NO_EPI
         if (true) {
-          lo = pack2(d[4 * j], d[4 * j + 1]);
-          hi = pack2(d[4 * j + 2], d[4 * j + 3]);
+          lo = pack_h2(d[4 * j], d[4 * j + 1]);
+          hi = pack_h2(d[4 * j + 2], d[4 * j + 3]);
         } else
 #endif
         if constexpr (kGated) {
           const int u = j + kHC / 8;
-          lo = pack2(silu(d[4 * j]) * d[4 * u], silu(d[4 * j + 1]) * d[4 * u + 1]);
-          hi = pack2(silu(d[4 * j + 2]) * d[4 * u + 2], silu(d[4 * j + 3]) * d[4 * u + 3]);
+          lo = pack_h2(silu(d[4 * j]) * d[4 * u], silu(d[4 * j + 1]) * d[4 * u + 1]);
+          hi = pack_h2(silu(d[4 * j + 2]) * d[4 * u + 2], silu(d[4 * j + 3]) * d[4 * u + 3]);
         } else {
           lo = o2f_h2_bits(o2f_h2_gelu(__floats2half2_rn(d[4 * j], d[4 * j + 1])));
           hi = o2f_h2_bits(o2f_h2_gelu(__floats2half2_rn(d[4 * j + 2], d[4 * j + 3])));
