@@ -4,7 +4,7 @@ Bad inputs give an ORT error naming the expected shape and the process lives on;
 device is copied by ORT; batch 0 gives an empty output; NaN and ±Inf propagate as stock ORT (CPU, fp32)
 would; one session from 8 threads x 200 runs, and from 8 threads on the wide design (whose runs write
 scratch in the workspace); two models (two libraries) at once; one library loaded twice; and sessions
-on GPU 0 and GPU 1 at once (skipped with fewer than 2 GPUs).
+on GPU 0 and GPU 1 at once, the resident kernels and the Hopper designs (skipped with fewer than 2 GPUs).
 """
 from __future__ import annotations
 
@@ -249,3 +249,30 @@ def test_sessions_on_two_gpus_at_once(converted):
     sess.run_with_iobinding(io)
     torch.cuda.synchronize(1)
     assert rel_l2(yt.cpu().numpy(), stock(src, x)) <= TOL["fp16"]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_the_hopper_designs_on_two_gpus_at_once(tmp_path, monkeypatch):
+    """The wgmma design (the zoo's silu) and the wide design's one-kernel FFN (256 -> SwiGLU 1024 -> 256,
+    taken at every batch) on GPU 1 first, then on both GPUs at once from threads: each device gets its own
+    packed weights and its own kernel attributes (a kernel's shared-memory size is set per device)."""
+    from test_gpu_gated import _swiglu_chain
+
+    from onnx2fused.plan.ffn import FFN_ENV
+    swiglu = tmp_path / "swiglu.onnx"
+    onnx.save(_swiglu_chain(256, [1024, 256], {0}), str(swiglu))
+    sources = {"silu": ROOT / "models" / "silu.opset17.onnx", "swiglu": swiglu}
+    expected = {"silu": "GPU: wgmma", "swiglu": "whole FFN in one kernel"}
+    fused = {}
+    for name, src in sources.items():
+        fused[name] = tmp_path / f"{name}.fused.onnx"
+        res = onnx2fused.convert(src, fused[name], cache_dir=tmp_path / "cache", with_cuda=True)
+        assert len(res.chains) == 1 and expected[name] in res.chains[0].cuda_plan, res.chains[0].cuda_plan
+    monkeypatch.setenv(FFN_ENV, "1")
+    rng = np.random.default_rng(8)
+    sessions = {(name, dev): cuda_session(fused[name], device_id=dev) for name in sources for dev in (1, 0)}
+    for (name, dev), sess in sessions.items():   # the library's first launches on GPU 1 (then GPU 0)
+        x = rng.standard_normal((3001, width(sources[name]))).astype(np.float32)
+        assert rel_l2(sess.run(None, {"x": x})[0], stock(sources[name], x)) <= TOL["fp16"], (name, dev)
+    jobs = [(sess, sources[name], seed) for seed, ((name, _), sess) in enumerate(sessions.items())]
+    assert not _run_concurrently(jobs)
