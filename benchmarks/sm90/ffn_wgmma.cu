@@ -159,6 +159,16 @@ __device__ __forceinline__ void fill_x(unsigned char* tile, const float* __restr
   }
 }
 
+// FFN_PINGPONG: the two warpgroups issue their wgmmas in turns (named barriers 3 and 4, FlashAttention-3's
+// warp-scheduler barriers), so that one's activation and input conversion run while the other's wgmmas
+// keep the tensor cores busy; without it both wait on the same ring slot and work in step.
+#ifndef FFN_PINGPONG
+#define FFN_PINGPONG 0
+#endif
+// Wait for this warpgroup's turn to issue wgmmas / give the turn to the other warpgroup.
+__device__ __forceinline__ void turn_wait(int wg) { asm volatile("bar.sync %0, 256;\n" ::"r"(3 + wg) : "memory"); }
+__device__ __forceinline__ void turn_pass(int wg) { asm volatile("bar.arrive %0, 256;\n" ::"r"(4 - wg) : "memory"); }
+
 __global__ void __launch_bounds__(kThreads, 1)
 ffn_kernel(const float* __restrict__ x, float* __restrict__ y, int64_t rows, const unsigned char* __restrict__ wimg) {
   extern __shared__ unsigned char smem_raw[];
@@ -189,6 +199,9 @@ ffn_kernel(const float* __restrict__ x, float* __restrict__ y, int64_t rows, con
   const int t2 = 2 * (lane & 3);
   const int rin = 16 * warp + (lane >> 2);
 
+#if FFN_PINGPONG
+  if (wg == 1) turn_pass(wg);   // warpgroup 0 issues first
+#endif
 #pragma unroll 1
   for (int64_t sp = blockIdx.x / kCluster; sp < nsuper; sp += gridDim.x / kCluster) {
     const int64_t pass = sp * kCluster + rank;
@@ -209,6 +222,80 @@ ffn_kernel(const float* __restrict__ x, float* __restrict__ y, int64_t rows, con
 #endif
     fence_proxy_async();   // the generic stores, before wgmma (async proxy) reads the tile
     wg_sync(wg);
+#if FFN_PINGPONG
+    float out[kN / 2];
+    uint32_t h[kHC / 16][4];
+    float d[kL1N / 2];
+    // In turns: chunk c's layer-1 wgmmas go out together with chunk c - 1's layer-2 ones, then the other
+    // warpgroup's; the first and the last chunk are peeled, so that every wgmma sequence is straight-line
+    // code (a branch between them has ptxas inject warpgroup.arrive, C7519).
+    auto layer1 = [&](uint32_t slot) {
+#pragma unroll
+      for (int ks = 0; ks < kK0 / 16; ++ks)
+        WgmmaSS<kL1N>::run(d, desc(kHi128, xlo + (kstep_off(ks, 64) >> 4)),
+                           desc(kHi128, slot + (kstep_off(ks, kL1N) >> 4)), ks);
+    };
+    auto layer2 = [&](uint32_t slot, bool first) {
+#pragma unroll
+      for (int kt = 0; kt < kHC / 16; ++kt)
+        WgmmaRS<kN>::run(out, h[kt], desc(kHi64, slot + ((kL1Bytes + 32 * kt) >> 4)), !first || kt > 0);
+    };
+    auto hidden = [&]() {   // act(g) * u (or act(a)) of this thread's hidden columns as layer 2's A fragments
+#pragma unroll
+      for (int j = 0; j < kHC / 8; ++j) {
+        uint32_t lo, hi;
+#ifdef FFN_DIAG_NO_EPI
+        if (true) {
+          lo = pack_h2(d[4 * j], d[4 * j + 1]);
+          hi = pack_h2(d[4 * j + 2], d[4 * j + 3]);
+        } else
+#endif
+        if constexpr (kGated) {
+          const int u = j + kHC / 8;
+          lo = pack_h2(silu(d[4 * j]) * d[4 * u], silu(d[4 * j + 1]) * d[4 * u + 1]);
+          hi = pack_h2(silu(d[4 * j + 2]) * d[4 * u + 2], silu(d[4 * j + 3]) * d[4 * u + 3]);
+        } else {
+          lo = o2f_h2_bits(o2f_h2_gelu(__floats2half2_rn(d[4 * j], d[4 * j + 1])));
+          hi = o2f_h2_bits(o2f_h2_gelu(__floats2half2_rn(d[4 * j + 2], d[4 * j + 3])));
+        }
+        h[j / 2][(j % 2) * 2] = lo;
+        h[j / 2][(j % 2) * 2 + 1] = hi;
+      }
+      fence_frag(h);
+    };
+    uint32_t prev = ring.acquire();
+    turn_wait(wg);
+    wgmma_fence();
+    layer1(prev);
+    wgmma_commit();
+    turn_pass(wg);
+    wgmma_wait<0>();
+    fence_acc(d);
+    hidden();
+#pragma unroll 1
+    for (int c = 1; c < kChunks; ++c) {
+      const uint32_t slot = ring.acquire();
+      turn_wait(wg);
+      wgmma_fence();
+      layer2(prev, c == 1);
+      layer1(slot);
+      wgmma_commit();
+      turn_pass(wg);
+      wgmma_wait<0>();
+      fence_acc(d);
+      fence_acc(out);
+      ring.release(lane);   // chunk c - 1's slot
+      hidden();
+      prev = slot;
+    }
+    turn_wait(wg);
+    wgmma_fence();
+    layer2(prev, kChunks == 1);
+    wgmma_commit();
+    turn_pass(wg);
+    wgmma_wait<0>();
+    fence_acc(out);
+#else
     float out[kN / 2];
     uint32_t h[kHC / 16][4];
 #pragma unroll 1
@@ -256,6 +343,7 @@ ffn_kernel(const float* __restrict__ x, float* __restrict__ y, int64_t rows, con
     }
     wgmma_wait<0>();
     fence_acc(out);
+#endif
     ring.release(lane);   // the last chunk's slot
     wg_sync(wg);          // every warp's layer-1 reads of the tile are done: the next pass refills it
     const int64_t r0 = row0 + rin;
@@ -266,6 +354,9 @@ ffn_kernel(const float* __restrict__ x, float* __restrict__ y, int64_t rows, con
       if (r0 + 8 < rows) st2(y + (r0 + 8) * kN + col, out[4 * j + 2], out[4 * j + 3]);
     }
   }
+#if FFN_PINGPONG
+  if (wg == 0) turn_wait(wg);   // warpgroup 1's last turn, passed to nobody
+#endif
   if constexpr (kCluster > 1) cluster_sync();   // no CTA leaves while the others' copies and arrivals may target it
 }
 }  // namespace ffn

@@ -12,6 +12,10 @@ declare -A CASES=(
   [swiglu256]="-DFFN_K0=256 -DFFN_H=1024 -DFFN_N=256 -DFFN_GATED=1"
   [pair256]="-DFFN_K0=256 -DFFN_H=4096 -DFFN_N=256 -DFFN_GATED=0"
   [vitt]="-DFFN_K0=192 -DFFN_H=768 -DFFN_N=192 -DFFN_GATED=0"
+  # the two warpgroups' wgmmas issued in turns (FFN_PINGPONG)
+  [swiglu256_pp]="-DFFN_K0=256 -DFFN_H=1024 -DFFN_N=256 -DFFN_GATED=1 -DFFN_PINGPONG=1"
+  [pair256_pp]="-DFFN_K0=256 -DFFN_H=4096 -DFFN_N=256 -DFFN_GATED=0 -DFFN_PINGPONG=1"
+  [vitt_pp]="-DFFN_K0=192 -DFFN_H=768 -DFFN_N=192 -DFFN_GATED=0 -DFFN_PINGPONG=1"
 )
 NAMES=("$@")
 [ ${#NAMES[@]} -eq 0 ] && NAMES=(swiglu256 pair256 vitt)
