@@ -79,6 +79,10 @@ constexpr uint32_t kHi64 = (512 >> 4) | (2u << 30);     // 64-byte swizzle, 8-ro
 // row, then the next K atom (rows x 128 bytes on).
 __host__ __device__ constexpr uint32_t kstep_off(int ks, int rows) { return (32 * ks) % 128 + (32 * ks / 128) * rows * 128; }
 __device__ __forceinline__ void wg_sync(int wg) { asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory"); }
+// Two warpgroups' turns to issue wgmmas (named barriers 3 and 4, as FlashAttention-3's warp-scheduler
+// barriers): wait for warpgroup wg's turn (the other one passed it), pass the turn to the other one.
+__device__ __forceinline__ void turn_wait(int wg) { asm volatile("bar.sync %0, 256;\n" ::"r"(3 + wg) : "memory"); }
+__device__ __forceinline__ void turn_pass(int wg) { asm volatile("bar.arrive %0, 256;\n" ::"r"(4 - wg) : "memory"); }
 // Generic-proxy stores into shared memory, before the async proxy (wgmma) reads them.
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 __device__ __forceinline__ uint32_t pack_h2(float lo, float hi) {

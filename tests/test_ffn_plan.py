@@ -137,10 +137,13 @@ def test_the_ffn_unit_compiles_to_wgmma_without_spills(widths, gated, act, io, b
     assert targets.WIDE_SM90A_DEFINE in flags
     log, keep = compile_kept(NVCC, flags, tmp_path, files[name])
     ptxas_entry(log, "ffn_kernel")   # no spills, no serialized wgmma (nvcc_support checks)
+    assert "C7519" not in log, log[-3000:]   # no warpgroup.arrive injected between the wgmmas of a turn
     ptx = next(keep.glob("*.ptx")).read_text()
-    # a chunk's layer-0 k-steps (m64n64 gated, m64n32 not) and its layer-1 k-steps (m64n<NP>), once each
-    expected = {64 if gated else 32: plan.ffn.kp0 // 16}
-    expected[plan.ffn.np_] = expected.get(plan.ffn.np_, 0) + ffn.HC // 16
+    # a chunk's layer-0 k-steps (m64n64 gated, m64n32 not) and its layer-1 k-steps (m64n<NP>), each twice:
+    # in the chunk loop and in the peeled first (layer 0) or last (layer 1) chunk
+    expected = {64 if gated else 32: 2 * (plan.ffn.kp0 // 16)}
+    expected[plan.ffn.np_] = expected.get(plan.ffn.np_, 0) + 2 * (ffn.HC // 16)
+    assert "bar.arrive" in ptx   # the warpgroups' turns
     ab = "bf16" if precision == "bf16" else "f16"
     for n, count in expected.items():
         assert ptx.count(f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ab}.{ab}") == count, n

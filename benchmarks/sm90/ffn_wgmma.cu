@@ -165,9 +165,7 @@ __device__ __forceinline__ void fill_x(unsigned char* tile, const float* __restr
 #ifndef FFN_PINGPONG
 #define FFN_PINGPONG 0
 #endif
-// Wait for this warpgroup's turn to issue wgmmas / give the turn to the other warpgroup.
-__device__ __forceinline__ void turn_wait(int wg) { asm volatile("bar.sync %0, 256;\n" ::"r"(3 + wg) : "memory"); }
-__device__ __forceinline__ void turn_pass(int wg) { asm volatile("bar.arrive %0, 256;\n" ::"r"(4 - wg) : "memory"); }
+// (turn_wait, turn_pass: o2f_ffn_wgmma.cuh)
 
 __global__ void __launch_bounds__(kThreads, 1)
 ffn_kernel(const float* __restrict__ x, float* __restrict__ y, int64_t rows, const unsigned char* __restrict__ wimg) {
