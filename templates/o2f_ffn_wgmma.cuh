@@ -81,8 +81,17 @@ __host__ __device__ constexpr uint32_t kstep_off(int ks, int rows) { return (32 
 __device__ __forceinline__ void wg_sync(int wg) { asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory"); }
 // Two warpgroups' turns to issue wgmmas (named barriers 3 and 4, as FlashAttention-3's warp-scheduler
 // barriers): wait for warpgroup wg's turn (the other one passed it), pass the turn to the other one.
-__device__ __forceinline__ void turn_wait(int wg) { asm volatile("bar.sync %0, 256;\n" ::"r"(3 + wg) : "memory"); }
-__device__ __forceinline__ void turn_pass(int wg) { asm volatile("bar.arrive %0, 256;\n" ::"r"(4 - wg) : "memory"); }
+// (O2F_DIAG_NO_TURNS: a diagnostic build without them, the warpgroups in step; benchmarks/ffn_unit_check.py)
+__device__ __forceinline__ void turn_wait(int wg) {
+#ifndef O2F_DIAG_NO_TURNS
+  asm volatile("bar.sync %0, 256;\n" ::"r"(3 + wg) : "memory");
+#endif
+}
+__device__ __forceinline__ void turn_pass(int wg) {
+#ifndef O2F_DIAG_NO_TURNS
+  asm volatile("bar.arrive %0, 256;\n" ::"r"(4 - wg) : "memory");
+#endif
+}
 // Generic-proxy stores into shared memory, before the async proxy (wgmma) reads them.
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 __device__ __forceinline__ uint32_t pack_h2(float lo, float hi) {

@@ -219,3 +219,21 @@ def test_a_failure_only_the_second_round_shows_is_laid_on_the_chain_that_fails_i
     elementwise = val.validate(str(path), str(path), "lib", "bf16", run_variants=switch, atol=0.5, **kwargs)
     assert elementwise.outputs[0].elements == 2 * clean.outputs[0].elements
     assert "over 2 rounds of the sets" in elementwise.failures[0]
+
+
+@pytest.mark.cuda_build
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+def test_the_unit_alone_harness_builds_against_the_units_interface(tmp_path, monkeypatch):
+    # benchmarks/ffn_unit_check.py times the library's unit without ORT (its pack, run and the constants it
+    # reads): it must keep compiling as the unit changes, with and without the turns' diagnostic switch
+    import importlib.util
+    from pathlib import Path
+    monkeypatch.setenv("ONNX2FUSED_CUDA_ARCHS", "90")
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "ffn_unit_check.py"
+    spec = importlib.util.spec_from_file_location("ffn_unit_check", path)
+    harness = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(harness)
+    for name, defines in (("turns", []), ("in_step", ["-DO2F_DIAG_NO_TURNS"])):
+        assert harness.build("swiglu256", tmp_path / name, defines).is_file()
+        log = (tmp_path / name / "nvcc.txt").read_text()
+        assert "0 bytes spill stores" in log and "C75" not in log, log[-2000:]
