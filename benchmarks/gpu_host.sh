@@ -41,7 +41,8 @@
 #   benchmarks/gpu_host.sh lightncu [M K N [RASTER]] benchmarks/sm90/light_ncu.sh: Nsight Compute's full set on it
 #                                         and on cuBLAS's GEMM for one shape (default ViT-B's up projection)
 #   benchmarks/gpu_host.sh ffnunit [ARGS]  benchmarks/ffn_unit_check.py: the library's one-kernel FFN unit alone (no ORT),
-#                                         default swiglu256 and pair256, each also with the warpgroups in step (NO_TURNS)
+#                                         default swiglu256, pair256 and pair64, each also with the warpgroups in step
+#                                         (NO_TURNS; pair64's short layer 0 may lose from the turns: twenty-ninth run)
 #   benchmarks/gpu_host.sh gluab OLD [CASES [BATCHES]] gated wide cases (default swiglu256; llama7b at BATCHES,
 #                                         default 256,4096) through ORT on this tree, then on commit OLD (A/B)
 #   benchmarks/gpu_host.sh lightab [CASES] wide_cases.py (default vitb_block,ffn) converted twice, the untuned Hopper
@@ -229,7 +230,8 @@ lightncu)
 ffnunit)
   shift
   args=("$@")
-  [ ${#args[@]} -eq 0 ] && args=(--cases swiglu256 pair256 --diag swiglu256_nt=swiglu256:no_turns pair256_nt=pair256:no_turns)
+  [ ${#args[@]} -eq 0 ] && args=(--cases swiglu256 pair256 pair64 --diag swiglu256_nt=swiglu256:no_turns
+    pair256_nt=pair256:no_turns pair64_nt=pair64:no_turns)
   timeout 500 python3 benchmarks/ffn_unit_check.py --out "$OUT/ffn_unit" "${args[@]}" 2>&1 | tail -40
   ;;
 gluab)
