@@ -40,6 +40,9 @@ static_assert(kKP0 % 64 == 0 && kKP0 <= 256 && kK0 % 8 == 0 && kK0 <= kKP0, "K0:
 static_assert(kHP % kHC == 0 && kNP % 64 == 0 && kNP <= 256 && kN <= kNP && kN % 2 == 0,
               "hidden and output widths (outputs stored in pairs)");
 static_assert(kB1Smem % 16 == 0 && kBarSmem % 8 == 0 && kChunkBytes % 16 == 0, "alignment");
+// A slot is refilled only once both warpgroups released it, and a warpgroup acquires the next chunk before it
+// waits for its turn: with one slot, each would wait for the other (a deadlock from 2 chunks).
+static_assert(kStages >= 2, "the ring needs 2 slots or more");
 
 __device__ __forceinline__ uint4 ld16(const void* p) {
   uint4 v;
