@@ -65,6 +65,7 @@ def _rows_for_the_kernel() -> int:
     (72, [1000, 50], {0}),      # K0 padded to 128, the hidden to 1024, the outputs to 64
     (192, [768, 192], set()),   # ViT-tiny's widths, ReLU: a plain (not gated) hidden layer
     (256, [4096, 256], {0}),    # a wide gated hidden layer: 128 chunks, each with its bias in the ring slot
+    (16, [32, 24], {0}),        # one chunk: the peeled first and last turns are the same chunk's
 ])
 def test_the_ffn_kernel_matches_stock_ort(k, widths, gated, precision, cache_dir, tmp_path, monkeypatch):
     src = tmp_path / "ffn.onnx"
