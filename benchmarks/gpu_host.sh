@@ -231,7 +231,7 @@ ffnunit)
   shift
   args=("$@")
   [ ${#args[@]} -eq 0 ] && args=(--cases swiglu256 pair256 pair64 --diag swiglu256_nt=swiglu256:no_turns
-    pair256_nt=pair256:no_turns pair64_nt=pair64:no_turns)
+    pair256_nt=pair256:no_turns pair64_nt=pair64:no_turns swiglu256_eb=swiglu256:O2F_FFN_EARLY_BIAS)
   timeout 500 python3 benchmarks/ffn_unit_check.py --out "$OUT/ffn_unit" "${args[@]}" 2>&1 | tail -40
   ;;
 gluab)
