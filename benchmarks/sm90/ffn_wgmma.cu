@@ -220,13 +220,9 @@ ffn_kernel(const float* __restrict__ x, float* __restrict__ y, int64_t rows, con
 #endif
     fence_proxy_async();   // the generic stores, before wgmma (async proxy) reads the tile
     wg_sync(wg);
-#if FFN_PINGPONG
     float out[kN / 2];
     uint32_t h[kHC / 16][4];
     float d[kL1N / 2];
-    // In turns: chunk c's layer-1 wgmmas go out together with chunk c - 1's layer-2 ones, then the other
-    // warpgroup's; the first and the last chunk are peeled, so that every wgmma sequence is straight-line
-    // code (a branch between them has ptxas inject warpgroup.arrive, C7519).
     auto layer1 = [&](uint32_t slot) {
 #pragma unroll
       for (int ks = 0; ks < kK0 / 16; ++ks)
@@ -261,6 +257,10 @@ ffn_kernel(const float* __restrict__ x, float* __restrict__ y, int64_t rows, con
       }
       fence_frag(h);
     };
+#if FFN_PINGPONG
+    // In turns: chunk c's layer-1 wgmmas go out together with chunk c - 1's layer-2 ones, then the other
+    // warpgroup's; the first and the last chunk are peeled, so that every wgmma sequence is straight-line
+    // code (a branch between them has ptxas inject warpgroup.arrive, C7519).
     uint32_t prev = ring.acquire();
     turn_wait(wg);
     wgmma_fence();
@@ -294,49 +294,20 @@ ffn_kernel(const float* __restrict__ x, float* __restrict__ y, int64_t rows, con
     wgmma_wait<0>();
     fence_acc(out);
 #else
-    float out[kN / 2];
-    uint32_t h[kHC / 16][4];
+    // In step: both warpgroups wait on the same ring slot, then each issues its chunk's wgmmas
 #pragma unroll 1
     for (int c = 0; c < kChunks; ++c) {
       const uint32_t slot = ring.acquire();
-      float d[kL1N / 2];
       wgmma_fence();
-#pragma unroll
-      for (int ks = 0; ks < kK0 / 16; ++ks)
-        WgmmaSS<kL1N>::run(d, desc(kHi128, xlo + (kstep_off(ks, 64) >> 4)),
-                           desc(kHi128, slot + (kstep_off(ks, kL1N) >> 4)), ks);
+      layer1(slot);
       wgmma_commit();
       wgmma_wait<0>();   // this chunk's layer-1 product, and the previous chunk's layer-2 wgmmas
       fence_acc(d);
       fence_acc(out);
       if (c > 0) ring.release(lane);   // the previous chunk's slot
-      // act(g) * u (or act(a)) of this thread's hidden columns, as layer 2's A fragments: n8 block j of the
-      // hidden chunk is k-step j / 2, registers 0/1 (rows r, r + 8) for even j, 2/3 for odd j
-#pragma unroll
-      for (int j = 0; j < kHC / 8; ++j) {
-        uint32_t lo, hi;
-#ifdef FFN_DIAG_NO_EPI
-        if (true) {
-          lo = pack_h2(d[4 * j], d[4 * j + 1]);
-          hi = pack_h2(d[4 * j + 2], d[4 * j + 3]);
-        } else
-#endif
-        if constexpr (kGated) {
-          const int u = j + kHC / 8;
-          lo = pack_h2(silu(d[4 * j]) * d[4 * u], silu(d[4 * j + 1]) * d[4 * u + 1]);
-          hi = pack_h2(silu(d[4 * j + 2]) * d[4 * u + 2], silu(d[4 * j + 3]) * d[4 * u + 3]);
-        } else {
-          lo = o2f_h2_bits(o2f_h2_gelu(__floats2half2_rn(d[4 * j], d[4 * j + 1])));
-          hi = o2f_h2_bits(o2f_h2_gelu(__floats2half2_rn(d[4 * j + 2], d[4 * j + 3])));
-        }
-        h[j / 2][(j % 2) * 2] = lo;
-        h[j / 2][(j % 2) * 2 + 1] = hi;
-      }
-      fence_frag(h);
+      hidden();
       wgmma_fence();
-#pragma unroll
-      for (int kt = 0; kt < kHC / 16; ++kt)
-        WgmmaRS<kN>::run(out, h[kt], desc(kHi64, slot + ((kL1Bytes + 32 * kt) >> 4)), c > 0 || kt > 0);
+      layer2(slot, c == 0);
       wgmma_commit();
     }
     wgmma_wait<0>();
