@@ -171,3 +171,22 @@ def test_cost_model_cases_are_what_the_matrix_assumes():
     plan = find_chains(two_chain_model())
     wins = [cpu_kernel_wins(c.to_spec("fp16"))[0] for c in plan.chains]
     assert wins == [True, False]
+
+
+def test_a_lone_linear_layer_runs_its_stock_body_on_the_cpu():
+    """One linear layer with nothing after it (a transformer's qkv projection) has nothing to fuse: the
+    CPU runs its stock body (MLAS), while an activation, a second layer, a norm or a gate keep the kernel."""
+    from onnx2fused import expr as ex
+    from onnx2fused.spec import LayerSpec, MLPSpec, NormSpec
+
+    def spec(layers, norm=None, residual=False):
+        return MLPSpec(tuple(layers), "fp16", "f32", norm=norm, residual=residual)
+
+    lone = spec([LayerSpec(192, 576, True, ex.identity())])
+    wins, why = cpu_kernel_wins(lone)
+    assert not wins and "one linear layer" in why
+    keep = [spec([LayerSpec(192, 576, True, ex.relu())]),
+            spec([LayerSpec(192, 64, True, ex.identity()), LayerSpec(64, 8, True, ex.identity())]),
+            spec([LayerSpec(64, 64, True, ex.identity())], norm=NormSpec("layernorm", 1e-5, True), residual=True),
+            spec([LayerSpec(64, 32, True, ex.identity(), gated=True)])]
+    assert [cpu_kernel_wins(s)[0] for s in keep] == [True] * 4
