@@ -25,6 +25,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "fused_mlp_registry.h"
@@ -341,8 +342,13 @@ struct StockCpuKernel {
       if (OrtStatusPtr st = Prepare(*e, ctx, call)) return st;
       if (call.rows == 0) return nullptr;
       // Equal tasks (300 rows on 2 threads: 150 + 150, not 256 + 44), each of at least kMinRowsPerTask
-      // rows, at most kMaxTasks of them.
-      const int64_t tasks = std::min<int64_t>(kMaxTasks, std::max<int64_t>(1, call.rows / kMinRowsPerTask));
+      // rows, at most kMaxTasks of them and no more than the host has hardware threads (ORT's default
+      // pool size is its cores): each task is an inner Run of ~10 us, and a ViT image's 197 rows in 6
+      // tasks on a 2-core host cost 4 Runs more per node than in 2 (RESULTS.md, "lone linear layers on
+      // the CPU run their stock body").
+      static const int64_t hw = std::max<int64_t>(1, static_cast<int64_t>(std::thread::hardware_concurrency()));
+      const int64_t tasks = std::min<int64_t>(std::min<int64_t>(kMaxTasks, hw),
+                                              std::max<int64_t>(1, call.rows / kMinRowsPerTask));
       const int64_t per = (call.rows + tasks - 1) / tasks;
       if (tasks <= 1) {
         RunRows(call, 0, call.rows);
