@@ -162,13 +162,13 @@ ffn_kernel(const io_t* __restrict__ x, io_t* __restrict__ y, int64_t rows, const
     auto layer0 = [&](uint32_t slot) {   // a chunk's layer-0 products into d
 #pragma unroll
       for (int ks = 0; ks < kKP0 / 16; ++ks)
-        WgmmaSS<kL1N>::run(d, desc(kHi128, xlo + (kstep_off(ks, 64) >> 4)),
-                           desc(kHi128, slot + (kstep_off(ks, kL1N) >> 4)), ks);
+        WgmmaSS<kL1N>::run(d, wdesc(kHi128, xlo + (kstep_off(ks, 64) >> 4)),
+                           wdesc(kHi128, slot + (kstep_off(ks, kL1N) >> 4)), ks);
     };
     auto layer1 = [&](uint32_t slot, bool first) {   // a chunk's hidden values (h) into the outputs
 #pragma unroll
       for (int kt = 0; kt < kHC / 16; ++kt)
-        WgmmaRS<kNP>::run(out, h[kt], desc(kHi64, slot + ((kL1Bytes + 32 * kt) >> 4)), !first || kt > 0);
+        WgmmaRS<kNP>::run(out, h[kt], wdesc(kHi64, slot + ((kL1Bytes + 32 * kt) >> 4)), !first || kt > 0);
     };
     float2 b0r[kHC / 8][kL1N / kHC];   // kEarlyBias: this thread's layer-0 bias of the chunk
     auto load_bias = [&](uint32_t slot) {

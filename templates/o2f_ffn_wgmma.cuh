@@ -3,7 +3,7 @@
 // WgmmaSS<N> with both operands from shared memory (layer 0: N = 32 or 64 columns of a hidden chunk) and
 // WgmmaRS<N> with A from registers (layer 1: N = 64..256 outputs). The operand lists are written out per
 // N as CuTe's MMA_64xNx16_F32F16F16_{SS,RS} do: scale-d a predicate, scale-a/b 1, no transposes (both
-// operands K-major). Then the descriptors' constant halves and the small PTX helpers the kernel and its
+// operands K-major). Then the descriptors' high words and the small PTX helpers the kernel and its
 // prototype (benchmarks/sm90/ffn_wgmma.cu) share. Static sm_90a device code, included inside the unit's
 // namespace.
 #pragma once
@@ -70,9 +70,8 @@ template <> struct WgmmaRS<256> {
   }
 };
 
-// Shared-memory matrix descriptors: the high word (layout, stride) is a constant per tile kind, the low
-// word the start address >> 4 (plus 2 for each 32 bytes along K).
-__device__ __forceinline__ uint64_t desc(uint32_t hi, uint32_t lo) { return (static_cast<uint64_t>(hi) << 32) | lo; }
+// The descriptors' high words (wdesc, o2f_sm90_ptx.cuh), one per tile kind; the low word is the start
+// address >> 4 (plus 2 for each 32 bytes along K).
 constexpr uint32_t kHi128 = (1024 >> 4) | (1u << 30);   // 128-byte swizzle, 8-row groups 1024 bytes apart
 constexpr uint32_t kHi64 = (512 >> 4) | (2u << 30);     // 64-byte swizzle, 8-row groups 512 bytes apart
 // Byte offset of k-step ks in a K-major 128-byte-swizzled tile of `rows` rows: 32 bytes on within an atom
@@ -98,13 +97,4 @@ __device__ __forceinline__ uint32_t pack_h2(float lo, float hi) {
   uint32_t r;
   asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
   return r;
-}
-// The register fragments of RS wgmmas' A operands: the compiler may neither move their writes past the
-// wgmma that reads them nor reuse their registers early (CUTLASS's warpgroup_fence_operand).
-template <int R>
-__device__ __forceinline__ void fence_frag(uint32_t (&a)[R][4]) {
-#pragma unroll
-  for (int k = 0; k < R; ++k)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(a[k][i])::"memory");
 }

@@ -1,5 +1,6 @@
 // o2f_sm90_ptx.cuh: the sm_90a PTX both Hopper designs use: shared-memory addresses, mbarriers (init,
-// expected bytes, arrival, phase wait) and wgmma group control (fence, commit, wait, accumulator pins).
+// expected bytes, arrival, phase wait), bulk copies, wgmma group control (fence, commit, wait, accumulator
+// and fragment pins) and descriptors.
 // Static device code, included by o2f_wgmma.cuh (the wgmma design) and o2f_light_gemm.cuh (the wide
 // design's GEMM without CUTLASS) inside their units' namespaces.
 #pragma once
@@ -34,4 +35,22 @@ template <int R>
 __device__ __forceinline__ void fence_acc(float (&d)[R]) {
 #pragma unroll
   for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+// The same for RS wgmmas' A fragments (4 registers a k-step): their writes stay above the wgmma that reads
+// them, and their registers are not reused before it completes.
+template <int KT>
+__device__ __forceinline__ void fence_frag(uint32_t (&a)[KT][4]) {
+#pragma unroll
+  for (int k = 0; k < KT; ++k)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(a[k][i])::"memory");
+}
+// A shared-memory matrix descriptor from its high word (stride byte offset, swizzle mode) and low word
+// (start address >> 4, leading byte offset 1).
+__device__ __forceinline__ uint64_t wdesc(uint32_t hi, uint32_t lo) { return (static_cast<uint64_t>(hi) << 32) | lo; }
+// Bulk global -> shared copy (the async proxy, like TMA; no tensor map for a contiguous block), completing
+// on an mbarrier (the weight rings' refills: o2f_wgmma_ring.cuh).
+__device__ __forceinline__ void bulk_g2s(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+               ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
 }

@@ -5,23 +5,7 @@
 #pragma once
 #include "o2f_sm90_ptx.cuh"
 #include "o2f_cp_async.cuh"   // commit and wait of the staged input's cp.async copies
-// Bulk global -> shared copy (async proxy, like TMA, without a tensor map), completing on an mbarrier.
-__device__ __forceinline__ void bulk_g2s(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
-               ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
-}
-
-template <int KT>
-__device__ __forceinline__ void fence_frag(uint32_t (&a)[KT][4]) {
-#pragma unroll
-  for (int k = 0; k < KT; ++k)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(a[k][i])::"memory");
-}
-// A descriptor from its high word (stride byte offset, swizzle mode) and low word (start address >> 4,
-// leading byte offset 1).
-__device__ __forceinline__ uint64_t wdesc(uint32_t hi, uint32_t lo) { return (static_cast<uint64_t>(hi) << 32) | lo; }
-
+// (bulk_g2s, fence_frag, wdesc: o2f_sm90_ptx.cuh)
 // Two fp32 values -> one register of the chain's operand type (fp16x2, kBf16: bf16x2), the first (lower
 // column) in the low half, as A fragments want.
 __device__ __forceinline__ uint32_t pack_ab2(float lo, float hi) {

@@ -89,10 +89,6 @@ constexpr uint32_t kWarps = kThreads / 32;
 // chunk into the slot of all of them (the ring's multicast): a chunk leaves L2 once per cluster.
 constexpr uint32_t kCluster = FFN_CLUSTER;
 __device__ __forceinline__ uint2 stream_chunk(uint32_t p) { return make_uint2(p * (kL1Bytes + kL2Bytes), kL1Bytes + kL2Bytes); }
-__device__ __forceinline__ void bulk_g2s(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
-               ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
-}
 // The wgmma forms: the library's FFN kernel's (fp16 operands here).
 #define O2F_FFN_AB "f16"
 #include "o2f_ffn_wgmma.cuh"
@@ -112,7 +108,8 @@ constexpr int kPeerBarSmem = kBarSmem + 8 * kStages;   // clusters: the slots' "
 constexpr int kCntSmem = kPeerBarSmem + 8 * kStages;
 constexpr int kSmemBytes = kCntSmem + 4 * kStages + 1024;   // + alignment slack
 
-// (desc, kHi128, kHi64, kstep_off, wg_sync, fence_proxy_async, pack_h2, fence_frag: o2f_ffn_wgmma.cuh)
+// (kHi128, kHi64, kstep_off, wg_sync, fence_proxy_async, pack_h2: o2f_ffn_wgmma.cuh; wdesc, fence_frag,
+// bulk_g2s: o2f_sm90_ptx.cuh)
 __device__ __forceinline__ float4 ld4(const float* p) {
   float4 v;
   asm volatile("ld.global.nc.L1::no_allocate.v4.f32 {%0, %1, %2, %3}, [%4];\n"
@@ -226,13 +223,13 @@ ffn_kernel(const float* __restrict__ x, float* __restrict__ y, int64_t rows, con
     auto layer1 = [&](uint32_t slot) {
 #pragma unroll
       for (int ks = 0; ks < kK0 / 16; ++ks)
-        WgmmaSS<kL1N>::run(d, desc(kHi128, xlo + (kstep_off(ks, 64) >> 4)),
-                           desc(kHi128, slot + (kstep_off(ks, kL1N) >> 4)), ks);
+        WgmmaSS<kL1N>::run(d, wdesc(kHi128, xlo + (kstep_off(ks, 64) >> 4)),
+                           wdesc(kHi128, slot + (kstep_off(ks, kL1N) >> 4)), ks);
     };
     auto layer2 = [&](uint32_t slot, bool first) {
 #pragma unroll
       for (int kt = 0; kt < kHC / 16; ++kt)
-        WgmmaRS<kN>::run(out, h[kt], desc(kHi64, slot + ((kL1Bytes + 32 * kt) >> 4)), !first || kt > 0);
+        WgmmaRS<kN>::run(out, h[kt], wdesc(kHi64, slot + ((kL1Bytes + 32 * kt) >> 4)), !first || kt > 0);
     };
     auto hidden = [&]() {   // act(g) * u (or act(a)) of this thread's hidden columns as layer 2's A fragments
 #pragma unroll

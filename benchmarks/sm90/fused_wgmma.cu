@@ -228,12 +228,7 @@ __device__ __forceinline__ uint32_t atom_add_acq_rel(uint32_t addr, uint32_t v) 
   return old;
 }
 
-// Bulk global -> shared copy (the async proxy, like TMA; no tensor map needed for a contiguous block).
-__device__ __forceinline__ void bulk_g2s(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
-               "l"(src), "r"(bytes), "r"(bar)
-               : "memory");
-}
+// (bulk_g2s: o2f_sm90_ptx.cuh)
 
 // wgmma.mma_async.m64nNk16.f32.f16.f16, A from registers (4 x b32), B K-major by descriptor.
 template <int N> struct RS;
