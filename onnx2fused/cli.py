@@ -20,6 +20,7 @@ import sys
 import warnings
 
 from ._version import __version__
+from .envvars import environment
 from .errors import ConversionError
 
 PROG = "onnx2fused"
@@ -102,25 +103,14 @@ def add_target_arguments(parser) -> None:
 def build_targets(args):
     """The build-target options of `args` as the environment build.py reads, for the command's duration;
     bad values are a ConversionError before any work."""
-    saved = {}
-    try:
-        for opt, env in TARGET_ENV.items():
-            v = getattr(args, opt, None)
-            if v is not None:
-                saved[env] = os.environ.get(env)
-                os.environ[env] = v
-        if saved:
+    values = {env: v for opt, env in TARGET_ENV.items() if (v := getattr(args, opt, None)) is not None}
+    with environment(values):
+        if values:
             from .targets import cpu_arch, cuda_archs, cuda_ptx_arch, find_cxx, native_flags
-            if "ONNX2FUSED_CPU_ARCH" in saved:
+            if "ONNX2FUSED_CPU_ARCH" in values:
                 native_flags(find_cxx(), cpu_arch())   # the compiler knows the -march value
             cuda_ptx_arch(cuda_archs())
         yield
-    finally:
-        for env, old in saved.items():
-            if old is None:
-                os.environ.pop(env, None)
-            else:
-                os.environ[env] = old
 
 
 def _hook_available(name: str) -> bool:

@@ -16,8 +16,6 @@ measured on the original model; above 65504 it would overflow.
 """
 from __future__ import annotations
 
-import os
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping
@@ -25,6 +23,7 @@ from typing import Callable, Mapping
 import numpy as np
 import onnx
 
+from .envvars import environment
 from .errors import ConversionError, ValidationError
 
 TOLERANCES = {"fp16": 2e-3, "bf16": 1e-2, "tf32": 1e-3, "fp32": 1e-5}
@@ -490,7 +489,7 @@ def validate(original, fused, library, precision: str, *, original_model: onnx.M
     variants = () if on_cpu else tuple(run_variants)
     for var, value, label in variants:
         say(f"validating again with {label} ({var}={value})")
-        with _env(var, value):
+        with environment({var: value}):
             for (case, feeds), ref in zip(cases, all_refs):
                 try:
                     out = fused_sess.run(None, feeds)
@@ -578,30 +577,12 @@ def _chain_errors(original_model, fused, library, providers, chains, cases, vari
     errs = {t: OutputError(t) for t in outs}
     refs = [dict(zip(outs, ref_s.run(outs, feeds))) for _, feeds in cases]
     for var, value, label in ((None, None, ""), *variants):
-        with _env(var, value):
+        with environment({var: value} if var else {}):
             for (case, feeds), r in zip(cases, refs):
                 f = dict(zip(outs, fused_s.run(outs, feeds)))
                 for t in outs:
                     _compare(t, np.asarray(f[t]), np.asarray(r[t]), f"{case}, {label}" if label else case, errs[t])
     return [errs[c.output] for c in chains]
-
-
-@contextmanager
-def _env(var: str | None, value: str | None):
-    """The environment variable `var` set to `value` inside the block (None: nothing changed), then as it
-    was: the plugin reads its run-time switches on every run."""
-    if var is None:
-        yield
-        return
-    before = os.environ.get(var)
-    os.environ[var] = value
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(var, None)
-        else:
-            os.environ[var] = before
 
 
 def save_arrays(path, arrays: dict[str, np.ndarray], cases: list[str]) -> None:
