@@ -170,10 +170,13 @@ ffn_kernel(const io_t* __restrict__ x, io_t* __restrict__ y, int64_t rows, const
       for (int kt = 0; kt < kHC / 16; ++kt)
         WgmmaRS<kNP>::run(out, h[kt], wdesc(kHi64, slot + ((kL1Bytes + 32 * kt) >> 4)), !first || kt > 0);
     };
+    // a chunk's layer-0 bias, after its weights in the slot (gate values, then up): the slot's shared
+    // address is the descriptor's start field (bits 0-13, address >> 4)
+    auto chunk_bias = [&](uint32_t slot) { return reinterpret_cast<const float*>(smem_raw + (((slot & 0x3FFFu) << 4) - raw) + kL1Bytes + kL2Bytes); };
     float2 b0r[kHC / 8][kL1N / kHC];   // kEarlyBias: this thread's layer-0 bias of the chunk
     auto load_bias = [&](uint32_t slot) {
       if constexpr (kEarlyBias) {
-        const float* sb0 = reinterpret_cast<const float*>(smem_raw + (((slot & 0x3FFFu) << 4) - raw) + kL1Bytes + kL2Bytes);
+        const float* sb0 = chunk_bias(slot);
 #pragma unroll
         for (int j = 0; j < kHC / 8; ++j)
 #pragma unroll
@@ -181,9 +184,7 @@ ffn_kernel(const io_t* __restrict__ x, io_t* __restrict__ y, int64_t rows, const
       }
     };
     auto hidden = [&](int c, uint32_t slot) {   // chunk c's act(g) * u (or act(a)) as layer 1's A fragments
-      // this chunk's layer-0 bias, after its weights in the slot (gate values, then up): the slot's shared
-      // address is the descriptor's start field (bits 0-13, address >> 4)
-      const float* sb0 = reinterpret_cast<const float*>(smem_raw + (((slot & 0x3FFFu) << 4) - raw) + kL1Bytes + kL2Bytes);
+      const float* sb0 = chunk_bias(slot);
       // the hidden values of this thread's columns as layer 1's A fragments: n8 block j of the chunk is
       // k-step j / 2, registers 0/1 (rows r, r + 8) for even j, 2/3 for odd j
 #pragma unroll
