@@ -11,7 +11,7 @@ import onnx
 import pytest
 
 from gpu_support import check_cuda_graph_replay, rel_l2, require_cuda, run_poisoned  # noqa: E402
-from thread_support import run_threads  # noqa: E402
+from thread_support import runs_unlike_alone  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 ort, torch = require_cuda()
@@ -143,15 +143,7 @@ def test_the_ffn_kernel_under_a_cuda_graph_and_eight_threads(cache_dir, tmp_path
     rng = np.random.default_rng(5)
     xs = [[rng.standard_normal((int(rng.integers(1, 3000)), 256)).astype(np.float32) for _ in range(12)]
           for _ in range(8)]
-    alone = [[sess.run(None, {"x": x})[0] for x in per] for per in xs]
+    alone, bad = runs_unlike_alone(lambda x: sess.run(None, {"x": x})[0], xs,
+                                   lambda y, ref: y.shape == ref.shape and np.array_equal(y, ref))   # same kernel, same rows
     assert rel_l2(alone[0][0], _reference(src, xs[0][0])) <= TOL["fp16"]
-    bad: list[str] = []
-
-    def work(t):
-        for r, x in enumerate(xs[t]):
-            y, ref = sess.run(None, {"x": x})[0], alone[t][r]
-            if y.shape != ref.shape or not np.array_equal(y, ref):   # the same kernel on the same rows
-                bad.append(f"thread {t} run {r} ({len(x)} rows)")
-
-    run_threads(work, [(t,) for t in range(8)])
     assert not bad, bad[:10]

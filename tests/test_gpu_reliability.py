@@ -25,7 +25,7 @@ from onnx2fused.targets import find_nvcc  # noqa: E402
 from onnx2fused.session import plugin_path  # noqa: E402
 
 from onnx_builders import mlp  # noqa: E402
-from thread_support import run_threads  # noqa: E402
+from thread_support import run_threads, runs_unlike_alone  # noqa: E402
 
 if find_nvcc() is None:
     pytest.skip("nvcc not found: the CUDA kernels cannot be built", allow_module_level=True)
@@ -174,18 +174,10 @@ def test_wide_design_one_session_eight_threads(wide_converted):
     rng = np.random.default_rng(7)
     xs = [[rng.standard_normal((int(rng.integers(1, 2000)), 256)).astype(np.float32) for _ in range(30)]
           for _ in range(8)]
-    alone = [[sess.run(None, {"x": x})[0] for x in per] for per in xs]
+    # another run's rows (or half-written ones) differ by O(1); reordered fp32 sums by far less
+    alone, bad = runs_unlike_alone(lambda x: sess.run(None, {"x": x})[0], xs,
+                                   lambda y, ref: y.shape == ref.shape and np.abs(y - ref).max() <= 1e-2 * np.abs(ref).max())
     assert rel_l2(alone[0][0], stock(src, xs[0][0])) <= TOL["fp16"]
-    bad: list[str] = []
-
-    def work(t):
-        for r, x in enumerate(xs[t]):
-            y, ref = sess.run(None, {"x": x})[0], alone[t][r]
-            # another run's rows (or half-written ones) differ by O(1); reordered fp32 sums by far less
-            if y.shape != ref.shape or not np.abs(y - ref).max() <= 1e-2 * np.abs(ref).max():
-                bad.append(f"thread {t} run {r} ({len(x)} rows)")
-
-    run_threads(work, [(t,) for t in range(8)])
     assert not bad, bad[:10]
 
 

@@ -23,3 +23,20 @@ def run_threads(work, args_list) -> None:
         t.join()
     if errors:
         raise errors[0]
+
+
+def runs_unlike_alone(run, inputs, same) -> tuple[list, list[str]]:
+    """`inputs[t]`: thread t's inputs. Each is run once alone first (one thread, in order), then every
+    thread runs its own again, all threads at once. Returns the outputs alone and, for each threaded output
+    that is not same(output, its output alone), "thread t run r (n rows)": concurrent runs must not see
+    each other's rows or scratch."""
+    alone = [[run(x) for x in per] for per in inputs]
+    bad: list[str] = []
+
+    def work(t):
+        for r, x in enumerate(inputs[t]):
+            if not same(run(x), alone[t][r]):
+                bad.append(f"thread {t} run {r} ({len(x)} rows)")
+
+    run_threads(work, [(t,) for t in range(len(inputs))])
+    return alone, bad
