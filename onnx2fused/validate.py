@@ -470,33 +470,35 @@ def validate(original, fused, library, precision: str, *, original_model: onnx.M
     if names != fused_names:
         raise ValidationError(f"the fused model's outputs {fused_names} differ from the original's {names}")
     errs = {n: OutputError(n) for n in names}
-    refs, fuseds, all_refs = [], [], []
+
+    def compare_fused(case: str, feeds, ref, label: str = ""):
+        """The fused model's outputs on `feeds`, folded into `errs` against `ref` (under the run variant
+        `label`, if any)."""
+        under = f" and {label}" if label else ""
+        try:
+            out = fused_sess.run(None, feeds)
+        except Exception as e:
+            raise ValidationError(f"the fused model fails with {case}{under}: {_one_line(e)}") from None
+        for n, a, b in zip(names, out, ref):
+            _compare(n, np.asarray(a), np.asarray(b), f"{case}, {label}" if label else case, errs[n], atol, rtol)
+        return out
+
+    refs, fuseds = [], []
     for case, feeds in cases:
         try:
             ref = ref_sess.run(None, feeds)
         except Exception as e:
             raise ConversionError(f"stock onnxruntime fails on the original model with {case}: {_one_line(e)}") from None
-        try:
-            out = fused_sess.run(None, feeds)
-        except Exception as e:
-            raise ValidationError(f"the fused model fails with {case}: {_one_line(e)}") from None
-        for n, a, b in zip(names, out, ref):
-            _compare(n, np.asarray(a), np.asarray(b), case, errs[n], atol, rtol)
-        all_refs.append(ref)
+        out = compare_fused(case, feeds, ref)
+        refs.append(ref)
         if save_outputs is not None:
-            refs.append(dict(zip(names, ref)))
             fuseds.append(dict(zip(names, out)))
     variants = () if on_cpu else tuple(run_variants)
     for var, value, label in variants:
         say(f"validating again with {label} ({var}={value})")
         with environment({var: value}):
-            for (case, feeds), ref in zip(cases, all_refs):
-                try:
-                    out = fused_sess.run(None, feeds)
-                except Exception as e:
-                    raise ValidationError(f"the fused model fails with {case} and {label}: {_one_line(e)}") from None
-                for n, a, b in zip(names, out, ref):
-                    _compare(n, np.asarray(a), np.asarray(b), f"{case}, {label}", errs[n], atol, rtol)
+            for (case, feeds), ref in zip(cases, refs):
+                compare_fused(case, feeds, ref, label)
         report.tolerance_note += f"; every set again with {label}"
     rounds = f" over {len(variants) + 1} rounds of the sets" if variants else ""
     report.outputs = list(errs.values())
@@ -504,7 +506,7 @@ def validate(original, fused, library, precision: str, *, original_model: onnx.M
         save_arrays(save_inputs, {f"{k}/{n}": a for k, (_, feeds) in enumerate(cases) for n, a in feeds.items()},
                     [c for c, _ in cases])
     if save_outputs is not None:
-        save_arrays(save_outputs, {**{f"{k}/{n}": a for k, r in enumerate(refs) for n, a in r.items()},
+        save_arrays(save_outputs, {**{f"{k}/{n}": a for k, r in enumerate(refs) for n, a in zip(names, r)},
                                    **{f"fused/{k}/{n}": a for k, f in enumerate(fuseds) for n, a in f.items()}},
                     [c for c, _ in cases])
     mismatched_labels = False
