@@ -5,13 +5,13 @@ fp32 rows, checks sampled rows against a float64 reference and times the launche
 ONNX Runtime: the kernel's own time, where `wide_cases.py` measures it through ORT (RESULTS.md, twenty-ninth
 run: the prototype gained 11 % from the warpgroups' turns, the library through ORT 2 %).
 
-    python3 benchmarks/ffn_unit_check.py [--cases swiglu256 pair256] [--rows 262144,65536]
+    python3 benchmarks/ffn_unit_check.py [--cases swiglu256 swiglu256_a32 pair256] [--rows 262144,65536]
                                          [--diag NAME=CASE:MACRO[+MACRO]] [--out DIR]
 
+A case is a spec (CASES); `_a32` renders it with act_math "fp32" (the glu in fp32 where the default packs it).
 --diag builds CASE again with O2F_DIAG_<MACRO> defined (NO_TURNS: the two warpgroups in step, as before the
 turns; NO_FILL: the ring moves no weight bytes, its results then wrong by design), or with a macro named in
-full (O2F_FFN_EARLY_BIAS: an experiment in o2f_ffn_pair.cuh). Every build prints its error on the sampled
-rows (a NO_FILL build's is wrong by design).
+full (O2F_...). Every build prints its error on the sampled rows (a NO_FILL build's is wrong by design).
 """
 from __future__ import annotations
 
@@ -32,21 +32,23 @@ from onnx2fused.plan.options import WideOptions  # noqa: E402
 from onnx2fused.spec import LayerSpec, MLPSpec  # noqa: E402
 from onnx2fused.wide_params import ffn_unit  # noqa: E402
 
-# name -> (K0, H, N, gated, hidden activation, its reference in ffn_unit_main.cu, precision)
+# name -> (K0, H, N, gated, hidden activation, its reference in ffn_unit_main.cu, precision, act_math)
 CASES = {
-    "swiglu256": (256, 1024, 256, True, ex.silu(), "SILU", "fp16"),
-    "swiglu256_bf16": (256, 1024, 256, True, ex.silu(), "SILU", "bf16"),
-    "pair256": (256, 4096, 256, False, ex.gelu_erf(), "GELU", "fp16"),
-    "pair64": (64, 1000, 48, False, ex.gelu_erf(), "GELU", "fp16"),
-    "vitt": (192, 768, 192, False, ex.gelu_erf(), "GELU", "fp16"),
+    "swiglu256": (256, 1024, 256, True, ex.silu(), "SILU", "fp16", "packed"),
+    "swiglu256_a32": (256, 1024, 256, True, ex.silu(), "SILU", "fp16", "fp32"),   # the glu in fp32
+    "swiglu256_bf16": (256, 1024, 256, True, ex.silu(), "SILU", "bf16", "packed"),
+    "pair256": (256, 4096, 256, False, ex.gelu_erf(), "GELU", "fp16", "packed"),
+    "pair64": (64, 1000, 48, False, ex.gelu_erf(), "GELU", "fp16", "packed"),
+    "vitt": (192, 768, 192, False, ex.gelu_erf(), "GELU", "fp16", "packed"),
 }
 MAIN = Path(__file__).with_name("ffn_unit_main.cu")
 
 
 def render(case: str, folder: Path) -> Path:
     """The case's FFN unit and the headers it includes, written into `folder`; the unit's path."""
-    k0, h, n, gated, act, _, precision = CASES[case]
-    spec = MLPSpec((LayerSpec(k0, h, True, act, gated=gated), LayerSpec(h, n, True, ex.identity())), precision, "f32")
+    k0, h, n, gated, act, _, precision, act_math = CASES[case]
+    spec = MLPSpec((LayerSpec(k0, h, True, act, gated=gated), LayerSpec(h, n, True, ex.identity())), precision, "f32",
+                   act_math=act_math)
     unit = ffn_unit(choose.wide_plan(spec, WideOptions()))
     if unit is None:
         raise SystemExit(f"{case}: no one-kernel FFN for this spec")
@@ -79,7 +81,7 @@ def build(case: str, folder: Path, defines: list[str]) -> Path:
 def main() -> None:
     os.environ.setdefault("ONNX2FUSED_CUDA_ARCHS", "90")   # the unit holds sm_90a code only
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--cases", nargs="*", default=["swiglu256", "pair256"], choices=sorted(CASES))
+    ap.add_argument("--cases", nargs="*", default=["swiglu256", "swiglu256_a32", "pair256"], choices=sorted(CASES))
     ap.add_argument("--rows", default="262144,65536", help="batches, comma-separated")
     ap.add_argument("--diag", nargs="*", default=[], metavar="NAME=CASE:MACRO")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/ffn_unit"))

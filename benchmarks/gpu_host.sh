@@ -230,8 +230,7 @@ lightncu)
 ffnunit)
   shift
   args=("$@")
-  [ ${#args[@]} -eq 0 ] && args=(--cases swiglu256 pair256 pair64 --diag swiglu256_nt=swiglu256:no_turns
-    pair256_nt=pair256:no_turns pair64_nt=pair64:no_turns swiglu256_eb=swiglu256:O2F_FFN_EARLY_BIAS)
+  [ ${#args[@]} -eq 0 ] && args=(--cases swiglu256 swiglu256_a32 pair256 pair64 --diag swiglu256_nt=swiglu256:no_turns)
   timeout 500 python3 benchmarks/ffn_unit_check.py --out "$OUT/ffn_unit" "${args[@]}" 2>&1 | tail -40
   ;;
 gluab)

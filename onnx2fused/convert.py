@@ -141,7 +141,7 @@ def _next_step(chain, choice: PrecisionChoice, options: PlanOptions | None = Non
     """Where a chain goes after its validation failed at `choice` (precision.next_step). With `options`,
     past `fp16b32` where the chain's plan adds no bias in fp16 (not wgmma): that step would rebuild the
     same kernel."""
-    step = next_step(choice.precision, choice.act_math, bool(chain.to_spec("fp16").packable_layers))
+    step = next_step(choice.precision, choice.act_math, chain.to_spec("fp16").has_packable)
     if step == ("fp16", "packed_b32") and options is not None and not _adds_bias16(chain, options):
         step = next_step(*step, True)
     return step
@@ -156,7 +156,7 @@ def _adds_bias16(chain, options: PlanOptions) -> bool:
 
 
 def _step_label(chain, precision: str, act_math: str) -> str:
-    return step_label(precision, act_math, bool(chain.to_spec("fp16").packable_layers))
+    return step_label(precision, act_math, chain.to_spec("fp16").has_packable)
 
 
 def plannable(chain, choice: PrecisionChoice, options: PlanOptions) -> PrecisionChoice:

@@ -20,7 +20,9 @@ The numerics model is what every tensor-core design does (docs/DESIGN.md):
                   fp16 packed layers: the accumulators rounded to fp16 and the bias added in fp16
                   (the wgmma kernel's BIAS16), the activation's packed form
                   evaluated in float16 op by op (the wide design computes these in fp32: the model is
-                  then a little pessimistic);
+                  then a little pessimistic); fp16 packed gated layers: g and u rounded to fp16 after
+                  their fp32 bias, act(g) in the packed form's steps times u in fp16 (the one-kernel
+                  FFN; the other kernels compute that glu in fp32, for which the model is pessimistic);
     tf32          weights rounded to tf32 (cvt.rna: to nearest, ties away from zero), activations
                   carried as two tf32 terms (hi + lo), i.e. within ~2^-22 of fp32: modelled as exact;
     fp32          CUDA cores, exact.
@@ -77,12 +79,12 @@ def next_precision(precision: str) -> str | None:
     return LADDER[i + 1] if i + 1 < len(LADDER) else None
 
 
-def next_step(precision: str, act_math: str, has_packed: bool) -> tuple[str, str] | None:
+def next_step(precision: str, act_math: str, has_packed: bool, bias16_matters: bool = True) -> tuple[str, str] | None:
     """The step after (precision, act_math): fp16 with packed activations -> the same with the bias added
-    in fp32 -> fp16 with fp32 activations (those two where the chain has packed layers) -> bf16 -> tf32 ->
-    fp32; None after fp32."""
+    in fp32 (where `bias16_matters`: a packed glu adds its bias in fp32 anyway) -> fp16 with fp32
+    activations (those two where the chain has packed layers) -> bf16 -> tf32 -> fp32; None after fp32."""
     if precision == "fp16" and has_packed and act_math in PACKED_MATHS:
-        return "fp16", "packed_b32" if act_math == "packed" else "fp32"
+        return "fp16", "packed_b32" if act_math == "packed" and bias16_matters else "fp32"
     p = next_precision(precision)
     return (p, "packed") if p else None
 
@@ -170,9 +172,31 @@ def _packed(layers, i: int, precision: str, act_math: str) -> ex.PackedForm | No
     return ex.packed_form(layers[i].activation)
 
 
+def _packed_glu(layers, i: int, precision: str, act_math: str) -> ex.PackedForm | None:
+    """Gated hidden layer i's packed form where the one-kernel FFN uses it (MLPSpec.packed_glu_layers)."""
+    if (precision != "fp16" or act_math not in PACKED_MATHS or i + 1 >= len(layers)
+            or not getattr(layers[i], "gated", False)):
+        return None
+    return ex.packed_form(layers[i].activation)
+
+
 def packable(layers) -> bool:
     """Whether an fp16 chain of these layers has hidden activations with packed forms (act_math matters)."""
-    return any(_packed(layers, i, "fp16", "packed") for i in range(len(layers)))
+    return any(_packed(layers, i, "fp16", "packed") or _packed_glu(layers, i, "fp16", "packed")
+               for i in range(len(layers)))
+
+
+def _packed_glu_hidden(acc: np.ndarray, bias, form: ex.PackedForm) -> tuple[np.ndarray, float]:
+    """A packed gated layer's hidden values from its fp32 accumulators [rows, 2H] (gate columns first), as
+    the one-kernel FFN computes them: g and u each with its bias added in fp32 and rounded to fp16, then
+    act(g) in the form's fp16 steps and one fp16 multiply by u. Also the largest finite value stored."""
+    n = acc.shape[-1] // 2
+    bias = None if bias is None else np.asarray(bias, np.float64)
+    g = _packed_preactivation(acc[:, :n], None if bias is None else bias[:n], False)
+    u = _packed_preactivation(acc[:, n:], None if bias is None else bias[n:], False)
+    with np.errstate(all="ignore"):
+        h = (form.model(g).astype(np.float16) * u).astype(np.float16)
+    return h.astype(np.float32), max(_finite_peak(g), _finite_peak(u), _finite_peak(h))
 
 
 def _packed_preactivation(acc: np.ndarray, bias, bias16: bool) -> np.ndarray:
@@ -216,6 +240,11 @@ def model_chain(layers, x: np.ndarray, precision: str, act_math: str = "packed",
             with np.errstate(all="ignore"):
                 h = form.model(pre).astype(np.float32)
             peak = max(peak, _finite_peak(h))
+            continue
+        glu = _packed_glu(layers, i, precision, act_math)
+        if glu is not None:
+            h, stored = _packed_glu_hidden(acc, layer.bias, glu)
+            peak = max(peak, stored)
             continue
         if layer.bias is not None:
             acc += np.asarray(layer.bias, np.float64)
@@ -302,6 +331,7 @@ def choose_precision(layers, inputs: list[np.ndarray], outputs: list[np.ndarray]
     noise = chain_noise(layers, inputs, outputs, block)
     note = noise_note(noise, tolerances)
     has_packed = packable(layers)
+    bias16_matters = any(_packed(layers, i, "fp16", "packed") for i in range(len(layers)))
     step: tuple[str, str] | None = (start, "packed")
     while step is not None:
         p, math = step
@@ -309,7 +339,7 @@ def choose_precision(layers, inputs: list[np.ndarray], outputs: list[np.ndarray]
         if p == "fp32":
             why = "exact (CUDA cores)" + (f"; {'; '.join(refused)}" if refused else "") + note
             return PrecisionChoice("fp32", why, errors, noise)
-        step = next_step(p, math, has_packed)
+        step = next_step(p, math, has_packed, bias16_matters)
         runs = [model_chain(layers, x, p, math, block) for x in inputs]
         err = max((rel_l2(r.output, y) for r, y in zip(runs, outputs)), default=0.0)
         errors[label] = err

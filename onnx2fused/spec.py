@@ -21,8 +21,9 @@ the pre-activations rounded to fp16 and the activation evaluated in fp16x2 arith
 instruction, where expr.PACKED_FORMS has a form for it; the wgmma kernel rounds the accumulators and adds
 the bias in fp16, plan.wgmma.BIAS16), "packed_b32" (the same with the bias added in fp32 before rounding:
 what validation falls back to where the fp16 bias add costs too much accuracy) or "fp32" (evaluated in
-fp32, then rounded). A spec with act_math "packed_b32" or "fp32" and packable layers is written
-`fp16b32` / `fp16a32` and hashes differently; every other spec keeps its name.
+fp32, then rounded). A gated hidden layer's glu, act(g) * u, follows act_math in the one-kernel FFN only
+(`packable_glu_layers`). A spec with act_math "packed_b32" or "fp32" and packable layers of either kind
+is written `fp16b32` / `fp16a32` and hashes differently; every other spec keeps its name.
 """
 from __future__ import annotations
 
@@ -154,6 +155,26 @@ class MLPSpec:
         return self.packable_layers if self.act_math in PACKED_MATHS else frozenset()
 
     @property
+    def packable_glu_layers(self) -> frozenset[int]:
+        """Gated hidden layers of an fp16 chain whose activation has a packed form: with act_math "packed" or
+        "packed_b32" the one-kernel FFN (plan/ffn.py) computes act(g) * u on pairs of fp16 values (g and u
+        rounded after their fp32 bias, then the form and one HMUL2). The other kernels keep that glu in fp32;
+        the numerics model follows the FFN kernel, so it is a little pessimistic for them."""
+        if self.precision != "fp16":
+            return frozenset()
+        return frozenset(i for i, l in enumerate(self.layers[:-1])
+                         if l.gated and ex.packed_form(l.activation) is not None)
+
+    @property
+    def packed_glu_layers(self) -> frozenset[int]:
+        return self.packable_glu_layers if self.act_math in PACKED_MATHS else frozenset()
+
+    @property
+    def has_packable(self) -> bool:
+        """Whether act_math changes this chain's CUDA code: it has packable layers of either kind."""
+        return bool(self.packable_layers or self.packable_glu_layers)
+
+    @property
     def bias16(self) -> bool:
         """Whether the packed layers may add their bias in fp16 after rounding (act_math "packed"; the
         wgmma kernel does, plan.wgmma.BIAS16)."""
@@ -209,7 +230,7 @@ class MLPSpec:
             parts.append(self.norm.key_text())
         if self.residual:
             parts.append("residual")
-        if self.act_math != "packed" and self.packable_layers:
+        if self.act_math != "packed" and self.has_packable:
             parts.append(f"act:{self.act_math}")
         return "|".join(parts)
 
@@ -230,7 +251,7 @@ class MLPSpec:
         if self.residual:
             acts += "_res"
         digest = hashlib.sha256(self.key_text().encode()).hexdigest()[:8]
-        math = ACT_MATH_TAGS[self.act_math] if self.packable_layers else ""
+        math = ACT_MATH_TAGS[self.act_math] if self.has_packable else ""
         name = f"{OP_PREFIX}_{widths}_{acts}_{self.precision}{math}_{self.io_dtype}_{digest}"
         if len(name) > MAX_NAME:  # deep chains: the name is also file names (`<name>_cuda.cu`, nvcc's temps)
             name = (f"{OP_PREFIX}_{self.widths[0]}to{self.widths[-1]}_{len(self.layers)}layers_"

@@ -231,6 +231,17 @@ def ffn_symbol(spec: MLPSpec) -> str:
     return f"{spec.name}_ffn"
 
 
+def _ffn_packed(spec: MLPSpec, gated: bool) -> tuple[str, float]:
+    """The FFN's hidden activation in fp16x2 arithmetic, or ("", 1.0): the prescaled form's function
+    (expr.PackedForm: pack_image scales the columns it reads, the gate's alone when gated, by `prescale`,
+    and the form starts from the accumulators, one HMUL2 a pair fewer) and that scale, for a packed layer
+    (spec.packed_layers) or a packed glu (spec.packed_glu_layers)."""
+    if 0 not in (spec.packed_glu_layers if gated else spec.packed_layers):
+        return "", 1.0
+    form = ex.packed_form(spec.layers[0].activation)
+    return form.prescaled_device, form.prescale
+
+
 def ffn_unit(plan: WidePlan) -> tuple[str, dict] | None:
     """The one-kernel FFN's unit (templates/cuda_wide_ffn.cu.j2): (file name, parameters), or None."""
     f = plan.ffn
@@ -238,12 +249,13 @@ def ffn_unit(plan: WidePlan) -> tuple[str, dict] | None:
         return None
     spec = plan.spec
     acts = act_params(spec, [2 * f.hp if f.gated else f.hp, f.np_])
+    packed, prescale = _ffn_packed(spec, f.gated)
     return f"{ffn_symbol(spec)}_cuda.cu", {
         "template": FFN_TEMPLATE, "name": ffn_symbol(spec), "describe": spec.describe(), "prelude": ex.C_PRELUDE,
         "io_half": spec.io_dtype == "f16", "bf16": spec.precision == "bf16", "k0": f.k0, "kp0": f.kp0, "h": f.h, "hp": f.hp, "n": f.n, "np": f.np_,
         "gated": f.gated, "hc": HC, "stages": f.stages, "slot_bytes": f.slot_bytes,
         "image_offset": f.image_offset, "bias_offset": f.bias_offset, "min_rows_per_sm": MIN_ROWS_PER_SM,
-        "act_code": acts[0]["code"], "packed": "" if f.gated else acts[0]["packed"], "out_code": acts[1]["code"],
+        "act_code": acts[0]["code"], "packed": packed, "prescale": f"{prescale!r}f", "out_code": acts[1]["code"],
     }
 
 

@@ -2,7 +2,8 @@
 // (plan/ffn.py; templates/cuda_wide_ffn.cu.j2 renders the unit that includes this; the prototype and its
 // measurements: benchmarks/sm90/ffn_wgmma.cu, docs/DESIGN.md "The FFN in one kernel").
 //
-//   y = act1(h W2 + b2),  h = round16(act0(g) * u) (gated: g, u = round16(x W0 + b0) halves)
+//   y = act1(h W2 + b2),  h = round16(act0(g) * u) (gated: g, u = x W0 + b0 halves; with a packed glu
+//                         g and u rounded to fp16 first, the rest in fp16x2 arithmetic)
 //                         or round16(act0(x W0 + b0)),  round16: to the operand type (fp16 or bf16)
 //
 //  * A CTA is 2 warpgroups, persistent; a pass is one 64-row tile per warpgroup, and both run every pass.
@@ -43,16 +44,6 @@ static_assert(kB1Smem % 16 == 0 && kBarSmem % 8 == 0 && kChunkBytes % 16 == 0, "
 // A slot is refilled only once both warpgroups released it, and a warpgroup acquires the next chunk before it
 // waits for its turn: with one slot, each would wait for the other (a deadlock from 2 chunks).
 static_assert(kStages >= 2, "the ring needs 2 slots or more");
-// (An experiment, off by default and not yet timed: `benchmarks/ffn_unit_check.py --diag
-// NAME=CASE:O2F_FFN_EARLY_BIAS`.) Each chunk's layer-0 bias loaded while its wgmmas run, between the turn's
-// pass and the wgmma wait, instead of in the activation after the wait (whose memory clobber keeps the
-// loads there, their latency then on every chunk's path). swiglu256: 244 registers, no spills.
-#ifdef O2F_FFN_EARLY_BIAS
-constexpr bool kEarlyBias = true;
-#else
-constexpr bool kEarlyBias = false;
-#endif
-
 __device__ __forceinline__ uint4 ld16(const void* p) {
   uint4 v;
   asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
@@ -173,16 +164,6 @@ ffn_kernel(const io_t* __restrict__ x, io_t* __restrict__ y, int64_t rows, const
     // a chunk's layer-0 bias, after its weights in the slot (gate values, then up): the slot's shared
     // address is the descriptor's start field (bits 0-13, address >> 4)
     auto chunk_bias = [&](uint32_t slot) { return reinterpret_cast<const float*>(smem_raw + (((slot & 0x3FFFu) << 4) - raw) + kL1Bytes + kL2Bytes); };
-    float2 b0r[kHC / 8][kL1N / kHC];   // kEarlyBias: this thread's layer-0 bias of the chunk
-    auto load_bias = [&](uint32_t slot) {
-      if constexpr (kEarlyBias) {
-        const float* sb0 = chunk_bias(slot);
-#pragma unroll
-        for (int j = 0; j < kHC / 8; ++j)
-#pragma unroll
-          for (int g = 0; g < kL1N / kHC; ++g) b0r[j][g] = *reinterpret_cast<const float2*>(sb0 + g * kHC + 8 * j + t2);
-      }
-    };
     auto hidden = [&](int c, uint32_t slot) {   // chunk c's act(g) * u (or act(a)) as layer 1's A fragments
       const float* sb0 = chunk_bias(slot);
       // the hidden values of this thread's columns as layer 1's A fragments: n8 block j of the chunk is
@@ -194,12 +175,12 @@ ffn_kernel(const io_t* __restrict__ x, io_t* __restrict__ y, int64_t rows, const
         uint32_t lo, hi;
         if constexpr (kGated) {
           const int u = j + kHC / 8;   // the up block of the same features
-          const float2 bg = kEarlyBias ? b0r[j][0] : *reinterpret_cast<const float2*>(sb0 + lc);
-          const float2 bu = kEarlyBias ? b0r[j][1] : *reinterpret_cast<const float2*>(sb0 + kHC + lc);
+          const float2 bg = *reinterpret_cast<const float2*>(sb0 + lc);
+          const float2 bu = *reinterpret_cast<const float2*>(sb0 + kHC + lc);
           lo = Epi::gated_pair(d[4 * j] + bg.x, d[4 * u] + bu.x, d[4 * j + 1] + bg.y, d[4 * u + 1] + bu.y, col);
           hi = Epi::gated_pair(d[4 * j + 2] + bg.x, d[4 * u + 2] + bu.x, d[4 * j + 3] + bg.y, d[4 * u + 3] + bu.y, col);
         } else {
-          const float2 b = kEarlyBias ? b0r[j][0] : *reinterpret_cast<const float2*>(sb0 + lc);
+          const float2 b = *reinterpret_cast<const float2*>(sb0 + lc);
           lo = Epi::pair(d[4 * j] + b.x, d[4 * j + 1] + b.y, col);
           hi = Epi::pair(d[4 * j + 2] + b.x, d[4 * j + 3] + b.y, col);
         }
@@ -221,7 +202,6 @@ ffn_kernel(const io_t* __restrict__ x, io_t* __restrict__ y, int64_t rows, const
     layer0(prev);
     wgmma_commit();
     turn_pass(wg);
-    load_bias(prev);
     wgmma_wait<0>();
     fence_acc(d);
     hidden(0, prev);
@@ -234,7 +214,6 @@ ffn_kernel(const io_t* __restrict__ x, io_t* __restrict__ y, int64_t rows, const
       layer0(slot);
       wgmma_commit();
       turn_pass(wg);
-      load_bias(slot);
       wgmma_wait<0>();   // this chunk's layer-0 product and the previous chunk's layer-1 wgmmas
       fence_acc(d);
       fence_acc(out);

@@ -20,11 +20,12 @@ from onnx2fused.wide_params import ffn_symbol, ffn_unit, wide_params
 NVCC = shutil.which("nvcc")
 
 
-def _spec(widths, act=ex.silu(), gated=True, precision="fp16", io="f32", bias=True, last=ex.identity()):
+def _spec(widths, act=ex.silu(), gated=True, precision="fp16", io="f32", bias=True, last=ex.identity(),
+          act_math="packed"):
     """Two layers (or more, for refusals) between `widths`; the first gated (act(x Wg) * (x Wu)) if asked."""
     n = len(widths) - 1
     return MLPSpec(tuple(LayerSpec(a, b, bias, act if i < n - 1 else last, gated=gated and i == 0)
-                         for i, (a, b) in enumerate(zip(widths, widths[1:]))), precision, io)
+                         for i, (a, b) in enumerate(zip(widths, widths[1:]))), precision, io, act_math=act_math)
 
 
 @pytest.mark.parametrize("widths,gated", [
@@ -118,17 +119,19 @@ def test_the_chain_unit_packs_and_takes_the_ffn_kernel_on_hopper_only():
 
 @pytest.mark.cuda_build
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
-@pytest.mark.parametrize("widths,gated,act,io,bias,precision", [
-    ([256, 1024, 256], True, ex.silu(), "f32", False, "fp16"),      # issue 16's SwiGLU block, LLaMA-style (no bias)
-    ([72, 1000, 50], True, ex.silu(), "f16", True, "fp16"),         # padded widths, fp16 rows, biases
-    ([256, 4096, 256], False, ex.gelu_erf(), "f32", True, "fp16"),  # a GELU pair: the packed fp16x2 GELU
-    ([256, 1024, 256], True, ex.silu(), "f32", True, "bf16"),       # bf16 operands
-    ([64, 512, 64], False, ex.gelu_erf(), "f16", True, "bf16"),     # bf16 operands from fp16 rows, fp32 GELU
-    ([16, 32, 24], True, ex.silu(), "f32", True, "fp16"),           # one chunk: the first turn's is the last's
-], ids=["swiglu256", "odd_f16", "gelu_pair", "swiglu256_bf16", "gelu_bf16_f16io", "one_chunk"])
-def test_the_ffn_unit_compiles_to_wgmma_without_spills(widths, gated, act, io, bias, precision, tmp_path, monkeypatch):
+@pytest.mark.parametrize("widths,gated,act,io,bias,precision,act_math", [
+    ([256, 1024, 256], True, ex.silu(), "f32", False, "fp16", "packed"),   # issue 16's SwiGLU, LLaMA-style (no bias)
+    ([72, 1000, 50], True, ex.silu(), "f16", True, "fp16", "packed"),      # padded widths, fp16 rows, biases
+    ([256, 4096, 256], False, ex.gelu_erf(), "f32", True, "fp16", "packed"),  # a GELU pair: the packed GELU
+    ([256, 1024, 256], True, ex.silu(), "f32", True, "bf16", "packed"),    # bf16 operands: the glu in fp32
+    ([64, 512, 64], False, ex.gelu_erf(), "f16", True, "bf16", "packed"),  # bf16 operands from fp16 rows, fp32 GELU
+    ([16, 32, 24], True, ex.silu(), "f32", True, "fp16", "packed"),        # one chunk: the first turn's is the last's
+    ([256, 1024, 256], True, ex.silu(), "f32", True, "fp16", "fp32"),      # fp16a32: the glu in fp32
+], ids=["swiglu256", "odd_f16", "gelu_pair", "swiglu256_bf16", "gelu_bf16_f16io", "one_chunk", "swiglu256_a32"])
+def test_the_ffn_unit_compiles_to_wgmma_without_spills(widths, gated, act, io, bias, precision, act_math, tmp_path,
+                                                       monkeypatch):
     monkeypatch.setenv("ONNX2FUSED_CUDA_ARCHS", "80,90")
-    spec = _spec(widths, act, gated, io=io, bias=bias, precision=precision)
+    spec = _spec(widths, act, gated, io=io, bias=bias, precision=precision, act_math=act_math)
     plan = choose.wide_plan(spec, WideOptions())
     name, params = ffn_unit(plan)
     files = codegen._with_headers({name: codegen._render(params["template"], params)})
@@ -150,7 +153,9 @@ def test_the_ffn_unit_compiles_to_wgmma_without_spills(widths, gated, act, io, b
     for n, count in expected.items():
         assert ptx.count(f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ab}.{ab}") == count, n
     assert "fence.proxy.async.shared::cta" in ptx and "cp.async.bulk.shared::cluster.global" in ptx
-    assert ("tanh.approx.f16x2" in ptx) == (not gated and precision == "fp16")   # the packed GELU (fp16 only)
+    # the packed GELU or glu (fp16 only; act_math "fp32" keeps fp32): SiLU's form is x/2 + x/2 tanh(x/2)
+    assert ("tanh.approx.f16x2" in ptx) == (precision == "fp16" and act_math == "packed")
+    assert ("ex2.approx" in ptx) == (gated and not (precision == "fp16" and act_math == "packed"))   # fp32 SiLU
     assert ("cvt.rn.bf16x2.f32" in ptx) == (precision == "bf16")
 
 

@@ -307,6 +307,62 @@ def test_steps_after_packed_fp16():
     assert prec.step_label("fp16", "fp32", True) == "fp16a32" and prec.step_label("bf16", "fp32", True) == "bf16"
 
 
+def _swiglu(k, h, n, seed=0):
+    """A gated FFN pair k -> SwiGLU h -> n, as chain_layers gives it (weight [k, 2h]: gate columns first)."""
+    rng = np.random.default_rng(seed)
+    w0 = (rng.standard_normal((k, 2 * h)) / np.sqrt(k)).astype(np.float32)
+    w1 = (rng.standard_normal((h, n)) / np.sqrt(h)).astype(np.float32)
+    return [SimpleNamespace(weight=w0, bias=(rng.standard_normal(2 * h) * 0.1).astype(np.float32),
+                            activation=ex.silu(), gated=True),
+            SimpleNamespace(weight=w1, bias=(rng.standard_normal(n) * 0.1).astype(np.float32),
+                            activation=ex.identity())]
+
+
+def test_a_packed_glu_is_modelled_as_the_ffn_kernel_computes_it():
+    """The one-kernel FFN's packed glu: g and u (fp32 products + bias) each rounded to fp16, SiLU's packed
+    form on g, one fp16 multiply by u. The model gives exactly that hidden tensor (the last layer then from
+    it), and its error sits between fp16 rounding alone (the glu in fp32, act_math "fp32") and twice that."""
+    layers = _swiglu(64, 96, 32)
+    assert prec.packable(layers) and not prec.packable(layers[1:])
+    x = np.random.default_rng(4).standard_normal((1024, 64)).astype(np.float32)
+    x16 = x.astype(np.float16).astype(np.float64)
+    acc = x16 @ layers[0].weight.astype(np.float16).astype(np.float64) + layers[0].bias.astype(np.float64)
+    g, u = (acc[:, :96].astype(np.float32).astype(np.float16), acc[:, 96:].astype(np.float32).astype(np.float16))
+    hidden = (ex.packed_form(ex.silu()).model(g) * u).astype(np.float16)
+    want = (hidden.astype(np.float64) @ layers[1].weight.astype(np.float16).astype(np.float64)
+            + layers[1].bias).astype(np.float32)
+    got = prec.model_chain(layers, x, "fp16").output
+    assert np.allclose(got, want, rtol=1e-6, atol=1e-6)
+    ref = _exact_glu(layers, x)
+    packed, a32 = prec.rel_l2(got, ref), prec.rel_l2(prec.model_chain(layers, x, "fp16", "fp32").output, ref)
+    assert a32 < packed < 2.5 * a32
+    # bf16 has no packed forms: the glu in fp32 there
+    assert np.array_equal(prec.model_chain(layers, x, "bf16").output, prec.model_chain(layers, x, "bf16", "fp32").output)
+
+
+def _exact_glu(layers, x):
+    acc = x.astype(np.float64) @ layers[0].weight.astype(np.float64) + layers[0].bias
+    n = acc.shape[1] // 2
+    h = ex.evaluate(ex.silu(), acc[:, :n].astype(np.float32)).astype(np.float64) * acc[:, n:]
+    return h @ layers[1].weight.astype(np.float64) + layers[1].bias
+
+
+def test_a_glu_only_chain_goes_from_packed_fp16_to_fp32_activations():
+    """A packed glu adds its bias in fp32 whatever act_math says, so a chain whose only packable layer is
+    gated has no `fp16b32` step: a packed glu that fails goes to the glu in fp32 (`fp16a32`)."""
+    layers = _swiglu(32, 64, 16)
+    x = np.random.default_rng(5).standard_normal((512, 32)).astype(np.float32)
+    ref = _exact_glu(layers, x).astype(np.float32)
+    packed = prec.rel_l2(prec.model_chain(layers, x, "fp16").output, ref)
+    a32 = prec.rel_l2(prec.model_chain(layers, x, "fp16", "fp32").output, ref)
+    # a tolerance between the two errors: packed fails, the fp32 glu passes
+    tol = {**val.TOLERANCES, "fp16": (packed + a32) / 2 / prec.MARGIN}
+    choice = prec.choose_precision(layers, [x], [ref], range_check=True, tolerances=tol)
+    assert (choice.precision, choice.act_math) == ("fp16", "fp32"), choice.why
+    assert list(choice.errors) == ["fp16", "fp16a32"]
+    assert prec.next_step("fp16", "packed", True, bias16_matters=False) == ("fp16", "fp32")
+
+
 def test_large_input_sets_are_modelled_on_a_sample_that_keeps_the_largest_rows():
     """The numerics model computes at most about MODEL_ROWS rows of an input set: evenly spaced ones, and
     the rows of largest magnitude, so an fp16 overflow that starts in one row is still found."""
