@@ -230,7 +230,8 @@ lightncu)
 ffnunit)
   shift
   args=("$@")
-  [ ${#args[@]} -eq 0 ] && args=(--cases swiglu256 swiglu256_a32 pair256 pair64 --diag swiglu256_nt=swiglu256:no_turns)
+  [ ${#args[@]} -eq 0 ] && args=(--cases swiglu256 swiglu256_a32 pair256 pair64 --diag swiglu256_nt=swiglu256:no_turns
+    swiglu256_be=swiglu256:bias_epi)
   timeout 500 python3 benchmarks/ffn_unit_check.py --out "$OUT/ffn_unit" "${args[@]}" 2>&1 | tail -40
   ;;
 gluab)

@@ -44,6 +44,16 @@ static_assert(kB1Smem % 16 == 0 && kBarSmem % 8 == 0 && kChunkBytes % 16 == 0, "
 // A slot is refilled only once both warpgroups released it, and a warpgroup acquires the next chunk before it
 // waits for its turn: with one slot, each would wait for the other (a deadlock from 2 chunks).
 static_assert(kStages >= 2, "the ring needs 2 slots or more");
+// Each chunk's layer-0 accumulators start as its bias (loaded from the ring slot before the warpgroup waits
+// for its turn, scale-d 1 on every k-step): the activation then adds none, and the bias loads' latency, long
+// while the other warpgroup's wgmmas keep shared memory busy, leaves its path. `O2F_DIAG_BIAS_EPI`
+// (ffn_unit_check.py --diag NAME=CASE:bias_epi) adds the bias in the activation instead, as before.
+#ifdef O2F_DIAG_BIAS_EPI
+constexpr bool kBiasInAcc = false;
+#else
+constexpr bool kBiasInAcc = true;
+#endif
+
 __device__ __forceinline__ uint4 ld16(const void* p) {
   uint4 v;
   asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
@@ -87,23 +97,26 @@ __device__ __forceinline__ uint4 load_unit(const __half* p) {
 }
 
 // A warpgroup's 64 rows from `row0` into its 16-bit tile, zeros past the batch and in the padded columns:
-// warp w converts rows w, w + 4, ...; lane l holds columns 8l..8l+7 (one 16-byte unit of the tile). Four
-// rows' loads are issued before their stores.
+// warp w converts rows w, w + 4, ...; lane l holds columns 8l..8l+7 (one 16-byte unit of the tile).
+// kFillRows rows' loads are issued before their stores (all 16 of a warp, one trip to memory, measured no
+// faster and took 4 registers more: RESULTS.md, thirtieth run).
+constexpr int kFillRows = 4;
+static_assert(16 % kFillRows == 0, "a warp's 16 rows in whole batches");
 __device__ __forceinline__ void fill_x(unsigned char* tile, const io_t* __restrict__ x, int64_t rows, int64_t row0,
                                        int warp, int lane) {
   if (lane >= kKP0 / 8) return;
   const bool real = 8 * lane < kK0;
   const int atom = lane / 8, unit = lane % 8;
 #pragma unroll
-  for (int rb = 0; rb < 16; rb += 4) {
-    uint4 v[4];
+  for (int rb = 0; rb < 16; rb += kFillRows) {
+    uint4 v[kFillRows];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
+    for (int i = 0; i < kFillRows; ++i) {
       const int64_t g = row0 + warp + 4 * (rb + i);
       v[i] = real && g < rows ? load_unit(x + g * kK0 + 8 * lane) : make_uint4(0u, 0u, 0u, 0u);
     }
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
+    for (int i = 0; i < kFillRows; ++i) {
       const int r = warp + 4 * (rb + i);
       *reinterpret_cast<uint4*>(tile + atom * 64 * 128 + r * 128 + ((unit ^ (r & 7)) * 16)) = v[i];
     }
@@ -150,11 +163,11 @@ ffn_kernel(const io_t* __restrict__ x, io_t* __restrict__ y, int64_t rows, const
     float out[kNP / 2];
     uint32_t h[kHC / 16][4];
     float d[kL1N / 2];
-    auto layer0 = [&](uint32_t slot) {   // a chunk's layer-0 products into d
+    auto layer0 = [&](uint32_t slot) {   // a chunk's layer-0 products into d (onto its bias: kBiasInAcc)
 #pragma unroll
       for (int ks = 0; ks < kKP0 / 16; ++ks)
         WgmmaSS<kL1N>::run(d, wdesc(kHi128, xlo + (kstep_off(ks, 64) >> 4)),
-                           wdesc(kHi128, slot + (kstep_off(ks, kL1N) >> 4)), ks);
+                           wdesc(kHi128, slot + (kstep_off(ks, kL1N) >> 4)), kBiasInAcc || ks > 0);
     };
     auto layer1 = [&](uint32_t slot, bool first) {   // a chunk's hidden values (h) into the outputs
 #pragma unroll
@@ -164,6 +177,24 @@ ffn_kernel(const io_t* __restrict__ x, io_t* __restrict__ y, int64_t rows, const
     // a chunk's layer-0 bias, after its weights in the slot (gate values, then up): the slot's shared
     // address is the descriptor's start field (bits 0-13, address >> 4)
     auto chunk_bias = [&](uint32_t slot) { return reinterpret_cast<const float*>(smem_raw + (((slot & 0x3FFFu) << 4) - raw) + kL1Bytes + kL2Bytes); };
+    auto bias_init = [&](uint32_t slot) {   // kBiasInAcc: d = the chunk's bias (n8 block j: columns 8j..8j+7)
+      if constexpr (kBiasInAcc) {
+        const float* sb0 = chunk_bias(slot);
+#pragma unroll
+        for (int j = 0; j < kL1N / 8; ++j) {
+          const float2 b = *reinterpret_cast<const float2*>(sb0 + 8 * j + t2);
+          d[4 * j] = d[4 * j + 2] = b.x;   // rows r and r + 8
+          d[4 * j + 1] = d[4 * j + 3] = b.y;
+        }
+        fence_acc(d);   // the moves stay before the turn's wgmma fence (else ptxas injects one, C7519)
+      }
+    };
+    // accumulator k of n8 block j with the bias the activation still adds (none: kBiasInAcc; spelled out,
+    // as x + 0.0f is not x for x = -0 and would keep its FADD)
+    auto pre = [&](const float* sb0, int j, int k) {
+      if constexpr (kBiasInAcc) return d[4 * j + k];
+      else return d[4 * j + k] + sb0[8 * j + t2 + (k & 1)];
+    };
     auto hidden = [&](int c, uint32_t slot) {   // chunk c's act(g) * u (or act(a)) as layer 1's A fragments
       const float* sb0 = chunk_bias(slot);
       // the hidden values of this thread's columns as layer 1's A fragments: n8 block j of the chunk is
@@ -171,18 +202,14 @@ ffn_kernel(const io_t* __restrict__ x, io_t* __restrict__ y, int64_t rows, const
 #pragma unroll
       for (int j = 0; j < kHC / 8; ++j) {
         const int col = c * kHC + 8 * j + t2;   // hidden feature
-        const int lc = 8 * j + t2;               // ... within the chunk
         uint32_t lo, hi;
         if constexpr (kGated) {
           const int u = j + kHC / 8;   // the up block of the same features
-          const float2 bg = *reinterpret_cast<const float2*>(sb0 + lc);
-          const float2 bu = *reinterpret_cast<const float2*>(sb0 + kHC + lc);
-          lo = Epi::gated_pair(d[4 * j] + bg.x, d[4 * u] + bu.x, d[4 * j + 1] + bg.y, d[4 * u + 1] + bu.y, col);
-          hi = Epi::gated_pair(d[4 * j + 2] + bg.x, d[4 * u + 2] + bu.x, d[4 * j + 3] + bg.y, d[4 * u + 3] + bu.y, col);
+          lo = Epi::gated_pair(pre(sb0, j, 0), pre(sb0, u, 0), pre(sb0, j, 1), pre(sb0, u, 1), col);
+          hi = Epi::gated_pair(pre(sb0, j, 2), pre(sb0, u, 2), pre(sb0, j, 3), pre(sb0, u, 3), col);
         } else {
-          const float2 b = *reinterpret_cast<const float2*>(sb0 + lc);
-          lo = Epi::pair(d[4 * j] + b.x, d[4 * j + 1] + b.y, col);
-          hi = Epi::pair(d[4 * j + 2] + b.x, d[4 * j + 3] + b.y, col);
+          lo = Epi::pair(pre(sb0, j, 0), pre(sb0, j, 1), col);
+          hi = Epi::pair(pre(sb0, j, 2), pre(sb0, j, 3), col);
         }
         h[j / 2][(j % 2) * 2] = lo;
         h[j / 2][(j % 2) * 2 + 1] = hi;
@@ -197,6 +224,7 @@ ffn_kernel(const io_t* __restrict__ x, io_t* __restrict__ y, int64_t rows, const
     // first and the last chunk are peeled so that every wgmma sequence is straight-line code (a branch
     // between them has ptxas inject warpgroup.arrive, C7519).
     uint32_t prev = ring.acquire();
+    bias_init(prev);
     turn_wait(wg);
     wgmma_fence();
     layer0(prev);
@@ -208,6 +236,7 @@ ffn_kernel(const io_t* __restrict__ x, io_t* __restrict__ y, int64_t rows, const
 #pragma unroll 1
     for (int c = 1; c < kChunks; ++c) {
       const uint32_t slot = ring.acquire();   // this chunk's weights have landed
+      bias_init(slot);
       turn_wait(wg);
       wgmma_fence();
       layer1(prev, c == 1);
