@@ -54,16 +54,6 @@ constexpr bool kBiasInAcc = false;
 constexpr bool kBiasInAcc = true;
 #endif
 
-// A warp releases a chunk's slot once the wgmmas that read it are complete: right after that wait, its
-// atomic's latency (and fence) stands between the wait and the activation, the kernel's critical path; so
-// each chunk's slot is released one chunk later, while the next wgmmas run (the refill then has one chunk
-// less of lead: 3 slots give it as much as 2 did). `O2F_DIAG_RELEASE_NOW`: right after the wait.
-#ifdef O2F_DIAG_RELEASE_NOW
-constexpr bool kReleaseLate = false;
-#else
-constexpr bool kReleaseLate = true;
-#endif
-
 __device__ __forceinline__ uint4 ld16(const void* p) {
   uint4 v;
   asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
@@ -253,11 +243,10 @@ ffn_kernel(const io_t* __restrict__ x, io_t* __restrict__ y, int64_t rows, const
       layer0(slot);
       wgmma_commit();
       turn_pass(wg);
-      if (kReleaseLate && c >= 2) ring.release(lane);   // chunk c - 2's slot, while the wgmmas run
       wgmma_wait<0>();   // this chunk's layer-0 product and the previous chunk's layer-1 wgmmas
       fence_acc(d);
       fence_acc(out);
-      if (!kReleaseLate) ring.release(lane);   // the previous chunk's slot
+      ring.release(lane);   // the previous chunk's slot
       hidden(c, slot);
       prev = slot;
     }
@@ -266,7 +255,6 @@ ffn_kernel(const io_t* __restrict__ x, io_t* __restrict__ y, int64_t rows, const
     layer1(prev, kChunks == 1);
     wgmma_commit();
     turn_pass(wg);
-    if (kReleaseLate && kChunks >= 2) ring.release(lane);   // the last but one chunk's slot
     wgmma_wait<0>();
     fence_acc(out);
     ring.release(lane);   // the last chunk's slot
