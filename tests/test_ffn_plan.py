@@ -153,8 +153,12 @@ def test_the_ffn_unit_compiles_to_wgmma_without_spills(widths, gated, act, io, b
     for n, count in expected.items():
         assert ptx.count(f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ab}.{ab}") == count, n
     assert "fence.proxy.async.shared::cta" in ptx and "cp.async.bulk.shared::cluster.global" in ptx
-    # the packed GELU or glu (fp16 only; act_math "fp32" keeps fp32): SiLU's form is x/2 + x/2 tanh(x/2)
-    assert ("tanh.approx.f16x2" in ptx) == (precision == "fp16" and act_math == "packed")
+    # the packed GELU or glu (fp16 only; act_math "fp32" keeps fp32): SiLU's form is x/2 + x/2 tanh(x/2),
+    # its prescaled form on layer 0's (gate) columns packed halved
+    packed = precision == "fp16" and act_math == "packed"
+    assert ("tanh.approx.f16x2" in ptx) == packed
+    assert f"constexpr float kPrescale = {'0.5f' if packed else '1.0f'};" in files[name]
+    assert ("_h(__floats2half2_rn(" in files[name]) == packed
     assert ("ex2.approx" in ptx) == (gated and not (precision == "fp16" and act_math == "packed"))   # fp32 SiLU
     assert ("cvt.rn.bf16x2.f32" in ptx) == (precision == "bf16")
 
