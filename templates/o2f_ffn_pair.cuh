@@ -15,7 +15,7 @@
 //    rounded to the operand type, are in registers the A operand of layer 1's kHC rows (RS wgmma m64n{kNP}k16),
 //    which accumulate into the tile's 64 x kNP outputs (kNP/2 registers a thread) across all chunks.
 //  * A ring slot holds one chunk's weights (layer 0's columns, then layer 1's rows, then layer 0's bias of
-//    the chunk's columns, fp32: no bias array limits the hidden width), copied by
+//    the chunk's columns, fp32, the start of its accumulators: no bias array limits the hidden width), copied by
 //    cp.async.bulk through the streamed wgmma design's ring (o2f_wgmma_ring.cuh).
 //  * The two warpgroups issue their wgmmas in turns, so that each one's activation overlaps the other's
 //    wgmmas (below, at the chunk loop).
