@@ -41,8 +41,9 @@
 #   benchmarks/gpu_host.sh lightncu [M K N [RASTER]] benchmarks/sm90/light_ncu.sh: Nsight Compute's full set on it
 #                                         and on cuBLAS's GEMM for one shape (default ViT-B's up projection)
 #   benchmarks/gpu_host.sh ffnunit [ARGS]  benchmarks/ffn_unit_check.py: the library's one-kernel FFN unit alone (no ORT),
-#                                         default swiglu256, pair256 and pair64, each also with the warpgroups in step
-#                                         (NO_TURNS; pair64's short layer 0 may lose from the turns: twenty-ninth run)
+#                                         default swiglu256 (packed glu), swiglu256_a32 (fp32 glu), pair256 and pair64,
+#                                         and swiglu256 again with the warpgroups in step (NO_TURNS) and with the bias
+#                                         added in the activation (BIAS_EPI): RESULTS.md thirtieth run
 #   benchmarks/gpu_host.sh gluab OLD [CASES [BATCHES]] gated wide cases (default swiglu256; llama7b at BATCHES,
 #                                         default 256,4096) through ORT on this tree, then on commit OLD (A/B)
 #   benchmarks/gpu_host.sh lightab [CASES] wide_cases.py (default vitb_block,ffn) converted twice, the untuned Hopper
