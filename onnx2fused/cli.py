@@ -172,6 +172,10 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     c.add_argument("--force", action="store_true", help="write the model even when validation fails")
     c.add_argument("--cache-dir", metavar="DIR", help="build cache (default $ONNX2FUSED_CACHE or ~/.cache/onnx2fused)")
     c.add_argument("--cpu-only", action="store_true", help="build the C++ (CPU) kernels only, no CUDA")
+    c.add_argument("--stock-where-faster", action="store_true",
+                   help="with --cpu-only: leave as stock ops the chains whose fused CPU kernel would be slower "
+                        "than stock ORT (large weights, a lone linear layer, scalar activations), instead of "
+                        "fused nodes that run those stock ops inside")
     c.add_argument("--json", action="store_true", help="print the report as JSON")
     c.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
     add_target_arguments(c)
@@ -185,6 +189,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     i.add_argument("--json", action="store_true", help="print JSON")
     i.add_argument("--cpu-only", action="store_true",
                    help="show what convert --cpu-only would fuse (gated layers fuse only without CUDA)")
+    i.add_argument("--stock-where-faster", action="store_true",
+                   help="show what convert --cpu-only --stock-where-faster would fuse")
     i.add_argument("--cache-dir", metavar="DIR", help="build cache whose tuned wide kernels to show "
                                                      "(default $ONNX2FUSED_CACHE or ~/.cache/onnx2fused)")
 
@@ -223,7 +229,7 @@ def _convert(args) -> int:
                          inputs=args.inputs, force=args.force, cache_dir=args.cache_dir,
                          with_cuda=False if args.cpu_only else None, progress=_progress(args), tune=args.tune,
                          atol=args.atol, rtol=args.rtol, input_shapes=shapes, save_inputs=args.save_inputs,
-                         save_outputs=args.save_outputs)
+                         save_outputs=args.save_outputs, stock_where_faster=args.stock_where_faster)
     if args.json:
         print(json.dumps(result.to_dict(), indent=1))
     else:
@@ -234,7 +240,7 @@ def _convert(args) -> int:
 def _inspect(args) -> int:
     from .convert import inspect
     result = inspect(args.input, precision=args.precision, cache_dir=args.cache_dir,
-                     with_cuda=False if args.cpu_only else None)
+                     with_cuda=False if args.cpu_only else None, stock_where_faster=args.stock_where_faster)
     if args.json:
         print(json.dumps(result.to_dict(), indent=1))
     else:

@@ -287,7 +287,8 @@ def convert(input_path, output_path=None, precision: str = AUTO, validate: bool 
             force: bool = False, cache_dir=None, with_cuda: bool | None = None,
             progress: Callable[[str], None] | None = None, tune: bool = False, *, atol: float | None = None,
             rtol: float | None = None, input_shapes: dict | None = None, save_inputs=None,
-            save_outputs=None, plan_options: PlanOptions | None = None) -> ConversionResult:
+            save_outputs=None, plan_options: PlanOptions | None = None,
+            stock_where_faster: bool = False) -> ConversionResult:
     """Fuse the MLP chains of `input_path` into one custom op each; write `output_path` and its plugin.
 
     precision: auto (default: per chain, the fastest of fp16, bf16, tf32, fp32 whose numerics pass; see
@@ -301,7 +302,9 @@ def convert(input_path, output_path=None, precision: str = AUTO, validate: bool 
     validation inputs (instead of batches 1, 37, 256). save_inputs/save_outputs: .npz paths for the
     validation input sets and the reference (and fused) outputs (validate.save_arrays; written whenever
     validation ran, also when it fails). plan_options: how the CUDA kernels are planned (None: from the
-    environment, PlanOptions.from_env).
+    environment, PlanOptions.from_env). stock_where_faster: a library without CUDA kernels leaves the chains
+    whose fused CPU kernel would be slower than stock ORT as the model's stock ops (cpu_policy), instead of
+    fused nodes that run their stock body; with CUDA kernels it is an error (they fuse for the GPU).
     """
     t0 = time.monotonic()
     say = progress or (lambda msg: None)
@@ -325,7 +328,8 @@ def convert(input_path, output_path=None, precision: str = AUTO, validate: bool 
         if with_cuda and val.choose_providers(True)[0] != "CUDAExecutionProvider":
             say("nvcc found: building CUDA kernels too, for a GPU host (this onnxruntime has no CUDA EP, so "
                 "validation runs the CPU kernels; --cpu-only skips the CUDA build)")
-    plan = find_fusions(model, with_cuda)
+    _check_stock_where_faster(stock_where_faster, with_cuda)
+    plan = find_fusions(model, with_cuda, stock_faster=stock_where_faster)
     result = ConversionResult(str(inp), str(out), precision, refusals=[r.reason for r in plan.refusals])
 
     tmpdir = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
@@ -652,14 +656,20 @@ class InspectResult:
         return "\n".join(lines)
 
 
+def _check_stock_where_faster(stock_where_faster: bool, with_cuda: bool) -> None:
+    if stock_where_faster and with_cuda:
+        raise ConversionError("--stock-where-faster is for CPU-only libraries (add --cpu-only): a library with "
+                              "CUDA kernels fuses every chain for the GPU")
+
+
 def inspect(input_path, precision: str = AUTO, cache_dir=None, plan_options: PlanOptions | None = None,
-            with_cuda: bool | None = None) -> InspectResult:
+            with_cuda: bool | None = None, stock_where_faster: bool = False) -> InspectResult:
     """The chains `convert` would fuse (with the precision automatic precision would give each, and its
     reason, or `precision` for all; the CUDA plan at that precision, with the wide kernels tuned for this
     GPU when the build cache holds them) and why other layers are not. On a fused model: the precision
     and reason convert recorded for each chain. `with_cuda`: the library convert would build (None: with
     CUDA when nvcc is found), which decides whether gated layers and transformer blocks' norms and residuals fuse
-    (library.find_fusions)."""
+    (library.find_fusions); `stock_where_faster` as for convert."""
     from .build import default_cache_dir
     from .wide_tune import cached_plan
     cache = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
@@ -669,7 +679,8 @@ def inspect(input_path, precision: str = AUTO, cache_dir=None, plan_options: Pla
     cpu_only = with_cuda is False   # asked for (--cpu-only): precisions and plans as convert --cpu-only has them
     if with_cuda is None:
         with_cuda = find_nvcc() is not None
-    plan = find_fusions(model, with_cuda, options)
+    _check_stock_where_faster(stock_where_faster, with_cuda)
+    plan = find_fusions(model, with_cuda, options, stock_where_faster)
     res = InspectResult(str(input_path), refusals=[r.reason for r in plan.refusals], plan=plan.describe())
     recorded = {p.key: p.value for p in model.metadata_props}.get(CHAINS_KEY)
     if recorded:

@@ -15,7 +15,8 @@ from typing import Callable
 from . import build, targets, wide_tune
 from .codegen import render
 from .errors import ConversionError
-from .passes import block_key, find_chains
+from .cpu_policy import cpu_kernel_wins
+from .passes import FusionPlan, Refusal, block_key, find_chains
 from .plan.choose import block_refused, make_plan, make_plans
 from .plan.options import PlanOptions
 from .spec import BLOCK_NO_CUDA, GATED_NO_CUDA, SpecError
@@ -91,14 +92,32 @@ def fusion_refusals(with_cuda: bool, chains=(), options: PlanOptions | None = No
             "block_refused": block_refusal(with_cuda, chains, options)}
 
 
-def find_fusions(model, with_cuda: bool, options: PlanOptions | None = None):
+def stock_where_faster(plan: FusionPlan) -> FusionPlan:
+    """A CPU-only library's chains with only those whose fused CPU kernel beats stock ORT (cpu_policy); the
+    others stay the model's own stock nodes, refused with the reason. As fused nodes they would run their
+    stock body inside the node, a little slower than stock itself: ORT's graph optimisations cannot reach
+    across the node (ViT-tiny, one thread: 0.90-0.96x stock with them fused)."""
+    keep, refused = [], list(plan.refusals)
+    for chain in plan.chains:
+        wins, why = cpu_kernel_wins(chain.to_spec("fp32"))
+        if wins:
+            keep.append(chain)
+        else:
+            detail = why[why.find("(") + 1:why.rfind(")")]
+            refused.append(Refusal(chain.nodes[0], f"{chain.describe()}: left as stock ops, faster on the CPU "
+                                                   f"({detail}; --stock-where-faster)"))
+    return FusionPlan(keep, refused)
+
+
+def find_fusions(model, with_cuda: bool, options: PlanOptions | None = None, stock_faster: bool = False):
     """`passes.find_chains` with what this library fuses (convert, inspect). With CUDA kernels: the
     chains found with everything fused, then found again while refusals grow: the blocks no fused kernel
     takes first (block_refusal; their layers alone may then plan), then, where one of the gated chains
-    has no plan, the gated layers split (gated_refusal). Refusals only grow, so this ends."""
+    has no plan, the gated layers split (gated_refusal). Refusals only grow, so this ends. Without CUDA
+    kernels and with `stock_faster`, the chains whose CPU kernel would lose stay stock (stock_where_faster)."""
     plan = find_chains(model)
     if not with_cuda:
-        return plan
+        return stock_where_faster(plan) if stock_faster else plan
     options = options or PlanOptions.from_env()
     blocks: dict[int, str] = {}
     gated = None

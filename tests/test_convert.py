@@ -356,3 +356,50 @@ def test_a_chain_that_fails_every_gpu_validation_climbs_the_whole_ladder(tmp_pat
         cv.convert(str(src), str(tmp_path / "out.onnx"), with_cuda=True, plan_options=PlanOptions(design="wgmma"))
     assert [b[0] for b in built] == [("fp16", "packed"), ("fp16", "packed_b32"), ("fp16", "fp32"),
                                      ("bf16", "packed"), ("tf32", "packed"), ("fp32", "packed")]
+
+
+def _winner_then_loser():
+    """x -> 16 -> ReLU 32 -> 16 (a chain whose CPU kernel wins) -> Softmax -> 16 -> 8 (a lone linear layer,
+    whose kernel would lose: cpu_policy) -> y."""
+    from onnx_builders import G
+    g = G()
+    h = g.linear("x", 16, 32, name="fc0")
+    h = g.op("Relu", [h], name="act0")
+    h = g.linear(h, 32, 16, name="fc1")
+    h = g.op("Softmax", [h], name="soft", axis=-1)
+    g.linear(h, 16, 8, name="fc2")
+    g.nodes[-1].output[0] = "y"
+    return g.model([("x", ["B", 16])], [("y", ["B", 8])])
+
+
+def test_stock_where_faster_leaves_the_chains_whose_cpu_kernel_loses(cache, tmp_path):
+    """--stock-where-faster (a CPU-only library): the two-layer chain is fused, the lone linear layer after
+    the Softmax stays the model's own Gemm, with the reason; mnist (2.6 MiB of weights) is written unchanged.
+    Without it both are fused (the lone layer as a node running its stock body)."""
+    src = tmp_path / "two.onnx"
+    onnx.save(_winner_then_loser(), src)
+    res = onnx2fused.convert(src, tmp_path / "a.onnx", cache_dir=cache, with_cuda=False, stock_where_faster=True)
+    assert res.validation.passed and len(res.chains) == 1 and res.chains[0].widths == [16, 32, 16]
+    assert any("left as stock ops, faster on the CPU (one linear layer" in r for r in res.refusals)
+    fused = onnx.load(tmp_path / "a.onnx")
+    assert [n.op_type for n in fused.graph.node if n.domain != "onnx2fused"][-2:] == ["Softmax", "Gemm"]
+    every = onnx2fused.convert(src, tmp_path / "b.onnx", cache_dir=cache, with_cuda=False)
+    assert len(every.chains) == 2
+    x = np.random.default_rng(0).standard_normal((37, 16)).astype(np.float32)
+    sess = onnx2fused.InferenceSession(str(tmp_path / "a.onnx"), providers=["CPUExecutionProvider"])
+    np.testing.assert_allclose(sess.run(None, {"x": x})[0], run(_winner_then_loser(), {"x": x})[0], rtol=1e-4,
+                               atol=1e-6)
+
+    mnist = tmp_path / "mnist.onnx"
+    shutil.copyfile(MODELS / "mnist.opset17.onnx", mnist)
+    res = onnx2fused.convert(mnist, tmp_path / "m.onnx", cache_dir=cache, with_cuda=False, stock_where_faster=True)
+    assert res.nothing_to_fuse and "weights 2.6 MiB > 1 MiB" in res.format()
+    assert onnx.load(tmp_path / "m.onnx").graph == onnx.load(mnist).graph
+
+
+def test_stock_where_faster_with_cuda_kernels_is_an_error_that_writes_nothing(tmp_path):
+    src = tmp_path / "m.onnx"
+    shutil.copyfile(MODELS / "mnist.opset17.onnx", src)
+    with pytest.raises(ConversionError, match="--stock-where-faster is for CPU-only libraries"):
+        onnx2fused.convert(src, tmp_path / "out.onnx", with_cuda=True, stock_where_faster=True)
+    assert names(tmp_path) == ["m.onnx"]
