@@ -97,16 +97,20 @@ def stock_where_faster(plan: FusionPlan) -> FusionPlan:
     others stay the model's own stock nodes, refused with the reason. As fused nodes they would run their
     stock body inside the node, a little slower than stock itself: ORT's graph optimisations cannot reach
     across the node (ViT-tiny, one thread: 0.90-0.96x stock with them fused)."""
-    keep, refused = [], list(plan.refusals)
-    for chain in plan.chains:
+    keep, new_index, left = [], {}, []
+    for k, chain in enumerate(plan.chains):
         wins, why = cpu_kernel_wins(chain.to_spec("fp32"))
         if wins:
+            new_index[k] = len(keep)
             keep.append(chain)
         else:
             detail = why[why.find("(") + 1:why.rfind(")")]
-            refused.append(Refusal(chain.nodes[0], f"{chain.describe()}: left as stock ops, faster on the CPU "
-                                                   f"({detail}; --stock-where-faster)"))
-    return FusionPlan(keep, refused)
+            left.append(Refusal(chain.nodes[0], f"{chain.describe()}: left as stock ops, faster on the CPU "
+                                                f"({detail}; --stock-where-faster)"))
+    # the notes on where chains start and end: those of the chains kept, renumbered; a chain left has none
+    notes = [r if r.chain < 0 else r.renumbered(new_index[r.chain]) for r in plan.refusals
+             if r.chain < 0 or r.chain in new_index]
+    return FusionPlan(keep, notes + left)
 
 
 def find_fusions(model, with_cuda: bool, options: PlanOptions | None = None, stock_faster: bool = False):

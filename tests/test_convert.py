@@ -358,18 +358,37 @@ def test_a_chain_that_fails_every_gpu_validation_climbs_the_whole_ladder(tmp_pat
                                      ("bf16", "packed"), ("tf32", "packed"), ("fp32", "packed")]
 
 
-def _winner_then_loser():
+def _winner_then_loser(loser_first=False):
     """x -> 16 -> ReLU 32 -> 16 (a chain whose CPU kernel wins) -> Softmax -> 16 -> 8 (a lone linear layer,
-    whose kernel would lose: cpu_policy) -> y."""
+    whose kernel would lose: cpu_policy) -> y; `loser_first`: x -> 16 -> 16 -> Softmax -> the two layers ->
+    Softmax -> 16 -> 8 -> y (three chains, the middle one kept, with a note: where it ends)."""
     from onnx_builders import G
     g = G()
-    h = g.linear("x", 16, 32, name="fc0")
-    h = g.op("Relu", [h], name="act0")
-    h = g.linear(h, 32, 16, name="fc1")
+
+    def winner(h):
+        h = g.op("Relu", [g.linear(h, 16, 32, name="fc0")], name="act0")
+        return g.linear(h, 32, 16, name="fc1")
+    h = g.linear("x", 16, 16, name="fc2") if loser_first else winner("x")
     h = g.op("Softmax", [h], name="soft", axis=-1)
-    g.linear(h, 16, 8, name="fc2")
+    if loser_first:
+        h = g.op("Softmax", [winner(h)], name="soft2", axis=-1)
+    g.linear(h, 16, 8, name="fc3" if loser_first else "fc2")
     g.nodes[-1].output[0] = "y"
     return g.model([("x", ["B", 16])], [("y", ["B", 8])])
+
+
+def test_stock_where_faster_keeps_the_notes_of_the_chains_it_keeps_renumbered():
+    """Chains end and start with notes ("chain N ends: ..."): a chain left stock takes its notes with it,
+    and the kept chains' notes follow their new numbers."""
+    from onnx2fused.library import stock_where_faster
+    plan = find_chains(_winner_then_loser(loser_first=True))
+    assert len(plan.chains) == 3 and any(r.reason.startswith("chain 1 ends") for r in plan.refusals)
+    kept = stock_where_faster(plan)
+    assert [c.widths for c in kept.chains] == [(16, 32, 16)]
+    notes = [r.reason for r in kept.refusals if r.chain >= 0]
+    assert notes and all(n.startswith("chain 0 ") for n in notes)
+    assert not any(r.reason.startswith(("chain 1 ", "chain 2 ")) for r in kept.refusals)
+    assert sum("left as stock ops" in r.reason for r in kept.refusals) == 2
 
 
 def test_stock_where_faster_leaves_the_chains_whose_cpu_kernel_loses(cache, tmp_path):

@@ -98,9 +98,16 @@ class Chain:
 class Refusal:
     node: str
     reason: str
+    chain: int = -1   # a note on where chain `chain` starts or ends ("chain N starts: ..."), else -1
 
     def __str__(self) -> str:
         return self.reason
+
+    def renumbered(self, chain: int) -> Refusal:
+        """This note about chain `self.chain` as the note of chain `chain` (its index in a smaller plan)."""
+        prefix = f"chain {self.chain} "
+        assert self.reason.startswith(prefix), self.reason
+        return Refusal(self.node, f"chain {chain} " + self.reason[len(prefix):], chain)
 
 
 @dataclass
@@ -258,11 +265,12 @@ def find_chains(model: onnx.ModelProto, gated_refused: str | None = None,
         plan.chains.append(chain)
         if block.start_reason:
             plan.refusals.append(Refusal(ix.keys[min(first.node_indices)],
-                                         f"chain {len(plan.chains) - 1} starts: {block.start_reason}"))
+                                         f"chain {len(plan.chains) - 1} starts: {block.start_reason}",
+                                         len(plan.chains) - 1))
         if last.start in ends:
             end_node = ix.keys[(last.act.node_indices or last.linear.node_indices)[-1]]
             plan.refusals.append(Refusal(end_node, f"chain {len(plan.chains) - 1} ends: output of layer "
-                                                   f"{len(seq)} ('{out_t}') {ends[last.start]}"))
+                                                   f"{len(seq)} ('{out_t}') {ends[last.start]}", len(plan.chains) - 1))
     for i in sorted(refused):
         plan.refusals.append(Refusal(ix.keys[i], refused[i]))
     plan.refusals.sort(key=lambda r: ix.index_of.get(r.node, 0))
