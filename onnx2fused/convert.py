@@ -323,12 +323,12 @@ def convert(input_path, output_path=None, precision: str = AUTO, validate: bool 
                               "model; to move a fused model, copy it with its plugin library")
     user_inputs = val.load_user_inputs(inputs, model) if (inputs is not None and validate) else None
     shapes = val.check_input_shapes(input_shapes, model) if input_shapes else None
-    if with_cuda is None:
-        with_cuda = find_nvcc() is not None
-        if with_cuda and val.choose_providers(True)[0] != "CUDAExecutionProvider":
-            say("nvcc found: building CUDA kernels too, for a GPU host (this onnxruntime has no CUDA EP, so "
-                "validation runs the CPU kernels; --cpu-only skips the CUDA build)")
+    found_nvcc = with_cuda is None and find_nvcc() is not None
+    with_cuda = found_nvcc if with_cuda is None else with_cuda
     _check_stock_where_faster(stock_where_faster, with_cuda)
+    if found_nvcc and val.choose_providers(True)[0] != "CUDAExecutionProvider":
+        say("nvcc found: building CUDA kernels too, for a GPU host (this onnxruntime has no CUDA EP, so "
+            "validation runs the CPU kernels; --cpu-only skips the CUDA build)")
     plan = find_fusions(model, with_cuda, stock_faster=stock_where_faster)
     result = ConversionResult(str(inp), str(out), precision, refusals=[r.reason for r in plan.refusals])
 

@@ -372,3 +372,22 @@ def test_tune_without_a_hopper_gpu_says_why(tmp_path):
         assert p.returncode == 2 and p.stderr.startswith("onnx2fused: error: nothing to tune"), p.stderr
         assert len(p.stderr.strip().splitlines()) == 1
     assert sorted(x.name for x in tmp_path.iterdir() if x.name != "cache") == ["m.onnx"]
+
+
+def test_stock_where_faster_on_the_command_line(tmp_path):
+    """`inspect --cpu-only --stock-where-faster` lists mnist's chain (2.6 MiB of weights) as left stock; with a
+    library that gets CUDA kernels (an nvcc on PATH: a stand-in script, never run) the flag is refused in one
+    line, exit 2 (bad input), and convert writes nothing."""
+    mnist = ROOT / "models" / "mnist.opset17.onnx"
+    r = run_cli("inspect", mnist, "--cpu-only", "--stock-where-faster")
+    assert r.returncode == 0, r.stderr
+    assert "0 chain(s)" in r.stdout and "left as stock ops, faster on the CPU (weights 2.6 MiB" in r.stdout
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "nvcc").write_text("#!/bin/sh\nexit 1\n")
+    (fake / "nvcc").chmod(0o755)
+    env = {"PATH": f"{fake}{os.pathsep}{os.environ['PATH']}"}
+    r = run_cli("convert", mnist, "-o", tmp_path / "m.onnx", "--stock-where-faster", env_extra=env)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "--stock-where-faster is for CPU-only libraries (add --cpu-only)" in r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bin"]
