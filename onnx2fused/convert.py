@@ -138,13 +138,26 @@ def asked_precisions(model, chains, cases, precision: str, why: str) -> list[Pre
 
 
 def _next_step(chain, choice: PrecisionChoice, options: PlanOptions | None = None) -> tuple[str, str] | None:
-    """Where a chain goes after its validation failed at `choice` (precision.next_step). With `options`,
-    past `fp16b32` where the chain's plan adds no bias in fp16 (not wgmma): that step would rebuild the
-    same kernel."""
-    step = next_step(choice.precision, choice.act_math, chain.to_spec("fp16").has_packable)
+    """Where a chain goes after its validation failed at `choice` (precision.next_step): fp16b32 only where
+    the chain has packed layers (a packed glu adds its bias in fp32 anyway). With `options`, past a step
+    that would rebuild the same kernel: `fp16b32` where the chain's plan adds no bias in fp16 (not wgmma),
+    `fp16a32` where its only packed part is a glu and the plan has no one-kernel FFN to compute it."""
+    spec = chain.to_spec("fp16")
+    step = next_step(choice.precision, choice.act_math, spec.has_packable, bool(spec.packable_layers))
     if step == ("fp16", "packed_b32") and options is not None and not _adds_bias16(chain, options):
         step = next_step(*step, True)
+    if (step == ("fp16", "fp32") and options is not None and not spec.packable_layers
+            and not _packs_glu(chain, options)):
+        step = next_step(*step, True)
     return step
+
+
+def _packs_glu(chain, options: PlanOptions) -> bool:
+    """Whether the chain's packed fp16 plan computes a glu in fp16x2 (a wide plan with the one-kernel FFN)."""
+    try:
+        return getattr(make_plan(chain.to_spec("fp16", "packed"), options), "ffn", None) is not None
+    except SpecError:
+        return False
 
 
 def _adds_bias16(chain, options: PlanOptions) -> bool:
@@ -335,7 +348,7 @@ def convert(input_path, output_path=None, precision: str = AUTO, validate: bool 
     tmpdir = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         if not plan.chains:
-            result.nothing_to_fuse = ("no MLP chain to fuse" + (f" ({len(plan.refusals)} layer(s) refused, see below)"
+            result.nothing_to_fuse = ("no MLP chain to fuse" + (f" ({len(plan.refusals)} not fused, see below)"
                                                                if plan.refusals else
                                                                ": the model has no Gemm/MatMul layer with constant weights"))
             say(f"{result.nothing_to_fuse}; writing the model unchanged")

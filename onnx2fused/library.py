@@ -17,6 +17,7 @@ from .codegen import render
 from .errors import ConversionError
 from .cpu_policy import cpu_kernel_wins
 from .passes import FusionPlan, Refusal, block_key, find_chains
+from .passes.constants import node_keys
 from .plan.choose import block_refused, make_plan, make_plans
 from .plan.options import PlanOptions
 from .spec import BLOCK_NO_CUDA, GATED_NO_CUDA, SpecError
@@ -92,11 +93,12 @@ def fusion_refusals(with_cuda: bool, chains=(), options: PlanOptions | None = No
             "block_refused": block_refusal(with_cuda, chains, options)}
 
 
-def stock_where_faster(plan: FusionPlan) -> FusionPlan:
+def stock_where_faster(plan: FusionPlan, model=None) -> FusionPlan:
     """A CPU-only library's chains with only those whose fused CPU kernel beats stock ORT (cpu_policy); the
     others stay the model's own stock nodes, refused with the reason. As fused nodes they would run their
-    stock body inside the node, a little slower than stock itself: ORT's graph optimisations cannot reach
-    across the node (ViT-tiny, one thread: 0.90-0.96x stock with them fused)."""
+    stock body inside the node, a little slower than stock itself (ViT-tiny, one thread: 0.90-0.96x stock
+    with them fused: the inner runs, and ORT's graph fusions stop at the node). `model`: to list the
+    refusals in graph order."""
     keep, new_index, left = [], {}, []
     for k, chain in enumerate(plan.chains):
         wins, why = cpu_kernel_wins(chain.to_spec("fp32"))
@@ -110,7 +112,11 @@ def stock_where_faster(plan: FusionPlan) -> FusionPlan:
     # the notes on where chains start and end: those of the chains kept, renumbered; a chain left has none
     notes = [r if r.chain < 0 else r.renumbered(new_index[r.chain]) for r in plan.refusals
              if r.chain < 0 or r.chain in new_index]
-    return FusionPlan(keep, notes + left)
+    refusals = notes + left
+    if model is not None:   # in graph order, as find_chains lists them
+        order = {k: i for i, k in enumerate(node_keys(model.graph))}
+        refusals.sort(key=lambda r: order.get(r.node, len(order)))
+    return FusionPlan(keep, refusals)
 
 
 def find_fusions(model, with_cuda: bool, options: PlanOptions | None = None, stock_faster: bool = False):
@@ -121,7 +127,7 @@ def find_fusions(model, with_cuda: bool, options: PlanOptions | None = None, sto
     kernels and with `stock_faster`, the chains whose CPU kernel would lose stay stock (stock_where_faster)."""
     plan = find_chains(model)
     if not with_cuda:
-        return stock_where_faster(plan) if stock_faster else plan
+        return stock_where_faster(plan, model) if stock_faster else plan
     options = options or PlanOptions.from_env()
     blocks: dict[int, str] = {}
     gated = None

@@ -20,9 +20,10 @@ The numerics model is what every tensor-core design does (docs/DESIGN.md):
                   fp16 packed layers: the accumulators rounded to fp16 and the bias added in fp16
                   (the wgmma kernel's BIAS16), the activation's packed form
                   evaluated in float16 op by op (the wide design computes these in fp32: the model is
-                  then a little pessimistic); fp16 packed gated layers: g and u rounded to fp16 after
-                  their fp32 bias, act(g) in the packed form's steps times u in fp16 (the one-kernel
-                  FFN; the other kernels compute that glu in fp32, for which the model is pessimistic);
+                  then a little pessimistic); hidden gated layers: the bias held in the 16-bit type, g and
+                  u rounded to it before act(g) * u (the wide design's gate buffer; the FFN and wgmma
+                  kernels keep them in fp32), and with a packed form (fp16, the one-kernel FFN) act(g)
+                  in the form's steps times u in fp16;
     tf32          weights rounded to tf32 (cvt.rna: to nearest, ties away from zero), activations
                   carried as two tf32 terms (hi + lo), i.e. within ~2^-22 of fp32: modelled as exact;
     fp32          CUDA cores, exact.
@@ -188,10 +189,11 @@ def packable(layers) -> bool:
 
 def _packed_glu_hidden(acc: np.ndarray, bias, form: ex.PackedForm) -> tuple[np.ndarray, float]:
     """A packed gated layer's hidden values from its fp32 accumulators [rows, 2H] (gate columns first), as
-    the one-kernel FFN computes them: g and u each with its bias added in fp32 and rounded to fp16, then
-    act(g) in the form's fp16 steps and one fp16 multiply by u. Also the largest finite value stored."""
+    the one-kernel FFN computes them: g and u each with its bias (held in fp16) added in fp32 and rounded to
+    fp16, then act(g) in the form's fp16 steps (op by op: the kernel's HFMA2 rounds once where the model
+    rounds twice) and one fp16 multiply by u. Also the largest finite value stored."""
     n = acc.shape[-1] // 2
-    bias = None if bias is None else np.asarray(bias, np.float64)
+    bias = None if bias is None else round_fp16(np.asarray(bias, np.float32)).astype(np.float64)   # as packed
     g = _packed_preactivation(acc[:, :n], None if bias is None else bias[:n], False)
     u = _packed_preactivation(acc[:, n:], None if bias is None else bias[n:], False)
     with np.errstate(all="ignore"):
@@ -246,12 +248,21 @@ def model_chain(layers, x: np.ndarray, precision: str, act_math: str = "packed",
             h, stored = _packed_glu_hidden(acc, layer.bias, glu)
             peak = max(peak, stored)
             continue
+        # a hidden gated layer as the wide design computes it: its bias held in the operand type, g and u
+        # stored in it (the gate buffer) before the glu; the FFN and wgmma kernels keep both in fp32, for
+        # which this is a little pessimistic
+        glu_hidden = getattr(layer, "gated", False) and i + 1 < len(layers)
         if layer.bias is not None:
-            acc += np.asarray(layer.bias, np.float64)
+            bias = np.asarray(layer.bias, np.float32)
+            acc += (rnd(bias) if glu_hidden else bias).astype(np.float64)
         if getattr(layer, "gated", False):   # act(gate) * up: the weight's first half of columns is the gate
             n = acc.shape[-1] // 2
+            g, u = acc[:, :n].astype(np.float32), acc[:, n:].astype(np.float32)
+            if glu_hidden:
+                g, u = rnd(g), rnd(u)
+                peak = max(peak, _finite_peak(g), _finite_peak(u))
             with np.errstate(all="ignore"):
-                h = ex.evaluate(layer.activation, acc[:, :n].astype(np.float32)) * acc[:, n:].astype(np.float32)
+                h = ex.evaluate(layer.activation, g) * u
         else:
             h = ex.evaluate(layer.activation, acc.astype(np.float32))
         if i + 1 < len(layers):

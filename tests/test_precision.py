@@ -319,14 +319,16 @@ def _swiglu(k, h, n, seed=0):
 
 
 def test_a_packed_glu_is_modelled_as_the_ffn_kernel_computes_it():
-    """The one-kernel FFN's packed glu: g and u (fp32 products + bias) each rounded to fp16, SiLU's packed
-    form on g, one fp16 multiply by u. The model gives exactly that hidden tensor (the last layer then from
-    it), and its error sits between fp16 rounding alone (the glu in fp32, act_math "fp32") and twice that."""
+    """The one-kernel FFN's packed glu: g and u (fp32 products + the bias held in fp16) each rounded to fp16,
+    SiLU's packed form on g, one fp16 multiply by u. The model gives that hidden tensor (the last layer then
+    from it), and its error is above the fp32 glu's (act_math "fp32": g and u rounded, act(g) * u in fp32)
+    and below 2.5 times it."""
     layers = _swiglu(64, 96, 32)
     assert prec.packable(layers) and not prec.packable(layers[1:])
     x = np.random.default_rng(4).standard_normal((1024, 64)).astype(np.float32)
     x16 = x.astype(np.float16).astype(np.float64)
-    acc = x16 @ layers[0].weight.astype(np.float16).astype(np.float64) + layers[0].bias.astype(np.float64)
+    acc = (x16 @ layers[0].weight.astype(np.float16).astype(np.float64)
+           + layers[0].bias.astype(np.float16).astype(np.float64))
     g, u = (acc[:, :96].astype(np.float32).astype(np.float16), acc[:, 96:].astype(np.float32).astype(np.float16))
     hidden = (ex.packed_form(ex.silu()).model(g) * u).astype(np.float16)
     want = (hidden.astype(np.float64) @ layers[1].weight.astype(np.float16).astype(np.float64)
@@ -337,7 +339,8 @@ def test_a_packed_glu_is_modelled_as_the_ffn_kernel_computes_it():
     packed, a32 = prec.rel_l2(got, ref), prec.rel_l2(prec.model_chain(layers, x, "fp16", "fp32").output, ref)
     assert a32 < packed < 2.5 * a32
     # bf16 has no packed forms: the glu in fp32 there
-    assert np.array_equal(prec.model_chain(layers, x, "bf16").output, prec.model_chain(layers, x, "bf16", "fp32").output)
+    bf16 = prec.model_chain(layers, x, "bf16").output
+    assert np.array_equal(bf16, prec.model_chain(layers, x, "bf16", "fp32").output)
 
 
 def _exact_glu(layers, x):
@@ -399,6 +402,27 @@ def test_validation_skips_the_fp32_bias_step_where_no_kernel_adds_it_in_fp16():
     assert _next_step(wide, failed) == ("fp16", "packed_b32")   # no plan to ask: the whole ladder
     b32 = prec.PrecisionChoice("fp16", "fp16 failed", act_math="packed_b32")
     assert _next_step(wide, b32, wgmma) == ("fp16", "fp32")
+
+
+def test_validation_steps_past_fp32_activations_where_no_kernel_packs_the_glu():
+    """A chain whose only packable layer is a glu (the zoo's 64 -> SwiGLU 256 -> 64): after packed fp16
+    fails GPU validation it goes to fp16a32 (no fp16b32: the packed glu adds its bias in fp32 anyway) where
+    its plan carries the one-kernel FFN, which computes the glu packed; any other plan computes it in fp32
+    at both steps, so it goes straight to bf16."""
+    from onnx2fused.convert import _next_step
+    from onnx2fused.plan.choose import make_plan
+    from onnx2fused.plan.options import PlanOptions
+    from pathlib import Path
+    zoo = Path(__file__).resolve().parent.parent / "models"
+    chain = find_chains(onnx.load(str(zoo / "swiglu.opset17.onnx"))).chains[0]
+    spec = chain.to_spec("fp16")
+    assert spec.packable_glu_layers and not spec.packable_layers
+    failed = prec.PrecisionChoice("fp16", "modelled", act_math="packed")
+    wide, mma_sync = PlanOptions(design="wide"), PlanOptions(design="resident")
+    assert make_plan(chain.to_spec("fp16", "packed"), wide).ffn is not None
+    assert _next_step(chain, failed, wide) == ("fp16", "fp32")
+    assert _next_step(chain, failed, mma_sync) == ("bf16", "packed")
+    assert _next_step(chain, failed) == ("fp16", "fp32")   # no plan to ask: fp16a32, never fp16b32
 
 
 def test_the_range_check_counts_what_each_bias_add_holds_in_fp16():
