@@ -165,26 +165,18 @@ def chain_layers(chain) -> list[SimpleNamespace]:
                             gated=getattr(l, "gated", False)) for l in chain.layers]
 
 
-def _packed(layers, i: int, precision: str, act_math: str) -> ex.PackedForm | None:
-    """Layer i's packed fp16x2 form where the kernel uses it (as MLPSpec.packed_layers decides)."""
+def _packed(layers, i: int, precision: str, act_math: str, gated: bool = False) -> ex.PackedForm | None:
+    """Hidden layer i's packed fp16x2 form where the kernels use it: a plain layer's (MLPSpec.packed_layers),
+    or with `gated` a gated layer's glu (the one-kernel FFN, MLPSpec.packed_glu_layers); else None."""
     if (precision != "fp16" or act_math not in PACKED_MATHS or i + 1 >= len(layers)
-            or getattr(layers[i], "gated", False)):
-        return None
-    return ex.packed_form(layers[i].activation)
-
-
-def _packed_glu(layers, i: int, precision: str, act_math: str) -> ex.PackedForm | None:
-    """Gated hidden layer i's packed form where the one-kernel FFN uses it (MLPSpec.packed_glu_layers)."""
-    if (precision != "fp16" or act_math not in PACKED_MATHS or i + 1 >= len(layers)
-            or not getattr(layers[i], "gated", False)):
+            or getattr(layers[i], "gated", False) != gated):
         return None
     return ex.packed_form(layers[i].activation)
 
 
 def packable(layers) -> bool:
     """Whether an fp16 chain of these layers has hidden activations with packed forms (act_math matters)."""
-    return any(_packed(layers, i, "fp16", "packed") or _packed_glu(layers, i, "fp16", "packed")
-               for i in range(len(layers)))
+    return any(_packed(layers, i, "fp16", "packed", gated) for i in range(len(layers)) for gated in (False, True))
 
 
 def _packed_glu_hidden(acc: np.ndarray, bias, form: ex.PackedForm) -> tuple[np.ndarray, float]:
@@ -243,7 +235,7 @@ def model_chain(layers, x: np.ndarray, precision: str, act_math: str = "packed",
                 h = form.model(pre).astype(np.float32)
             peak = max(peak, _finite_peak(h))
             continue
-        glu = _packed_glu(layers, i, precision, act_math)
+        glu = _packed(layers, i, precision, act_math, gated=True)
         if glu is not None:
             h, stored = _packed_glu_hidden(acc, layer.bias, glu)
             peak = max(peak, stored)

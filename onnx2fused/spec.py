@@ -145,10 +145,14 @@ class MLPSpec:
     def packable_layers(self) -> frozenset[int]:
         """Hidden layers of an fp16 chain whose activation has a packed fp16x2 form (expr.PACKED_FORMS):
         with act_math "packed" the tensor-core kernels evaluate them on pairs of fp16 values."""
+        return self._packable(gated=False)
+
+    def _packable(self, gated: bool) -> frozenset[int]:
+        """Hidden layers (gated or not, as asked) of an fp16 chain whose activation has a packed form."""
         if self.precision != "fp16":
             return frozenset()
         return frozenset(i for i, l in enumerate(self.layers[:-1])
-                         if not l.gated and ex.packed_form(l.activation) is not None)
+                         if l.gated == gated and ex.packed_form(l.activation) is not None)
 
     @property
     def packed_layers(self) -> frozenset[int]:
@@ -160,10 +164,7 @@ class MLPSpec:
         "packed_b32" the one-kernel FFN (plan/ffn.py) computes act(g) * u on pairs of fp16 values (g and u
         rounded after their fp32 bias, then the form and one HMUL2). The other kernels keep that glu in fp32;
         the numerics model follows the FFN kernel, so it is a little pessimistic for them."""
-        if self.precision != "fp16":
-            return frozenset()
-        return frozenset(i for i, l in enumerate(self.layers[:-1])
-                         if l.gated and ex.packed_form(l.activation) is not None)
+        return self._packable(gated=True)
 
     @property
     def packed_glu_layers(self) -> frozenset[int]:
