@@ -144,28 +144,22 @@ def _next_step(chain, choice: PrecisionChoice, options: PlanOptions | None = Non
     `fp16a32` where its only packed part is a glu and the plan has no one-kernel FFN to compute it."""
     spec = chain.to_spec("fp16")
     step = next_step(choice.precision, choice.act_math, spec.has_packable, bool(spec.packable_layers))
-    if step == ("fp16", "packed_b32") and options is not None and not _adds_bias16(chain, options):
+    # (the two never both ask for the plan: fp16b32 comes only where plain layers pack)
+    if (step == ("fp16", "packed_b32") and options is not None
+            and not getattr(_packed_fp16_plan(chain, options), "bias16", False)):   # BIAS16: the wgmma kernel's
         step = next_step(*step, True)
     if (step == ("fp16", "fp32") and options is not None and not spec.packable_layers
-            and not _packs_glu(chain, options)):
+            and getattr(_packed_fp16_plan(chain, options), "ffn", None) is None):   # no one-kernel FFN
         step = next_step(*step, True)
     return step
 
 
-def _packs_glu(chain, options: PlanOptions) -> bool:
-    """Whether the chain's packed fp16 plan computes a glu in fp16x2 (a wide plan with the one-kernel FFN)."""
+def _packed_fp16_plan(chain, options: PlanOptions):
+    """The chain's CUDA plan at fp16 with packed activations, or None where none plans it."""
     try:
-        return getattr(make_plan(chain.to_spec("fp16", "packed"), options), "ffn", None) is not None
+        return make_plan(chain.to_spec("fp16", "packed"), options)
     except SpecError:
-        return False
-
-
-def _adds_bias16(chain, options: PlanOptions) -> bool:
-    """Whether the chain's packed fp16 plan adds its bias in fp16 (plan.wgmma.BIAS16)."""
-    try:
-        return bool(getattr(make_plan(chain.to_spec("fp16", "packed"), options), "bias16", False))
-    except SpecError:
-        return False
+        return None
 
 
 def _step_label(chain, precision: str, act_math: str) -> str:
