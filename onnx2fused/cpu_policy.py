@@ -74,21 +74,29 @@ def lone_linear(spec: MLPSpec) -> bool:
             and not spec.residual)
 
 
-def cpu_kernel_wins(spec: MLPSpec) -> tuple[bool, str]:
-    """(register the fused CPU kernel?, the reason, as `inspect` and the convert report print it)."""
+def stock_faster(spec: MLPSpec) -> str | None:
+    """Why stock ORT beats the fused CPU kernel on this chain (one clause), or None where the kernel wins."""
     if lone_linear(spec):
-        return False, ("stock ops on the CPU (one linear layer, nothing to fuse with it: MLAS's GEMM is "
-                       "faster from a few rows on)")
+        return "one linear layer, nothing to fuse with it: MLAS's GEMM is faster from a few rows on"
     wb = weight_bytes(spec)
     if wb > MAX_WEIGHT_BYTES:
-        return False, (f"stock ops on the CPU (weights {wb / 2**20:.1f} MiB > {MAX_WEIGHT_BYTES / 2**20:g} MiB: "
-                       "MLAS's blocked GEMMs are faster there)")
+        return (f"weights {wb / 2**20:.1f} MiB > {MAX_WEIGHT_BYTES / 2**20:g} MiB: MLAS's blocked GEMMs are "
+                "faster there")
     for i, layer in enumerate(spec.layers):
         slow = scalar_ops(layer.activation)
         if slow:
             calls = ", ".join(SCALAR_OPS[s] for s in slow)
-            return False, (f"stock ops on the CPU (layer {i}'s activation needs scalar {calls} per element "
-                           "in the fused kernel; stock ORT vectorises it)")
+            return (f"layer {i}'s activation needs scalar {calls} per element in the fused kernel; stock ORT "
+                    "vectorises it")
+    return None
+
+
+def cpu_kernel_wins(spec: MLPSpec) -> tuple[bool, str]:
+    """(register the fused CPU kernel?, the reason, as `inspect` and the convert report print it)."""
+    why = stock_faster(spec)
+    if why is not None:
+        return False, f"stock ops on the CPU ({why})"
+    wb = weight_bytes(spec)
     block = ((f", {spec.norm.label} in front" if spec.norm is not None else "")
              + (", residual behind" if spec.residual else ""))
     return True, (f"fused CPU kernel (weights {wb / 1024:.0f} KiB <= {MAX_WEIGHT_BYTES / 2**20:g} MiB, "

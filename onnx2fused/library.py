@@ -15,7 +15,7 @@ from typing import Callable
 from . import build, targets, wide_tune
 from .codegen import render
 from .errors import ConversionError
-from .cpu_policy import cpu_kernel_wins
+from .cpu_policy import stock_faster
 from .passes import FusionPlan, Refusal, block_key, find_chains
 from .passes.constants import node_keys
 from .plan.choose import block_refused, make_plan, make_plans
@@ -101,14 +101,13 @@ def stock_where_faster(plan: FusionPlan, model=None) -> FusionPlan:
     refusals in graph order."""
     keep, new_index, left = [], {}, []
     for k, chain in enumerate(plan.chains):
-        wins, why = cpu_kernel_wins(chain.to_spec("fp32"))
-        if wins:
+        why = stock_faster(chain.to_spec("fp32"))
+        if why is None:
             new_index[k] = len(keep)
             keep.append(chain)
         else:
-            detail = why[why.find("(") + 1:why.rfind(")")]
             left.append(Refusal(chain.nodes[0], f"{chain.describe()}: left as stock ops, faster on the CPU "
-                                                f"({detail}; --stock-where-faster)"))
+                                                f"({why}; --stock-where-faster)"))
     # the notes on where chains start and end: those of the chains kept, renumbered; a chain left has none
     notes = [r if r.chain < 0 else r.renumbered(new_index[r.chain]) for r in plan.refusals
              if r.chain < 0 or r.chain in new_index]
