@@ -41,6 +41,7 @@ CASES = {
     "pair256": (256, 4096, 256, False, ex.gelu_erf(), "GELU", "fp16", "packed"),
     "pair64": (64, 1000, 48, False, ex.gelu_erf(), "GELU", "fp16", "packed"),
     "vitt": (192, 768, 192, False, ex.gelu_erf(), "GELU", "fp16", "packed"),
+    "one_chunk": (16, 32, 24, True, ex.silu(), "SILU", "fp16", "packed"),   # padded widths, a single chunk
 }
 MAIN = Path(__file__).with_name("ffn_unit_main.cu")
 

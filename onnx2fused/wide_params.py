@@ -253,7 +253,7 @@ def ffn_unit(plan: WidePlan) -> tuple[str, dict] | None:
     return f"{ffn_symbol(spec)}_cuda.cu", {
         "template": FFN_TEMPLATE, "name": ffn_symbol(spec), "describe": spec.describe(), "prelude": ex.C_PRELUDE,
         "io_half": spec.io_dtype == "f16", "bf16": spec.precision == "bf16", "k0": f.k0, "kp0": f.kp0, "h": f.h, "hp": f.hp, "n": f.n, "np": f.np_,
-        "gated": f.gated, "hc": HC, "stages": f.stages, "slot_bytes": f.slot_bytes,
+        "gated": f.gated, "hc": HC, "stages": f.stages, "slot_bytes": f.slot_bytes, "x_reg_steps": f.x_reg_steps,
         "image_offset": f.image_offset, "bias_offset": f.bias_offset, "min_rows_per_sm": MIN_ROWS_PER_SM,
         "act_code": acts[0]["code"], "packed": packed, "prescale": f"{prescale!r}f", "out_code": acts[1]["code"],
     }

@@ -8,8 +8,8 @@
 //
 //  * A CTA is 2 warpgroups, persistent; a pass is one 64-row tile per warpgroup, and both run every pass.
 //  * A tile's rows are converted once to fp16 (bf16) into a 128-byte-swizzled shared-memory tile: layer 0's A
-//    operand by descriptor (SS wgmma), so that the input does not hold K0/4 registers a thread beside the
-//    output's accumulators.
+//    operand, its first k-steps loaded once a pass into registers (RS wgmma) as far as the registers beside
+//    the output's accumulators allow, the rest by descriptor (SS wgmma).
 //  * The hidden width runs in chunks of kHC features (kHC gate + kHC up columns when gated): one
 //    m64n{kL1N}k16 wgmma per k-step of K0 into the chunk's accumulators; the epilogue's hidden values,
 //    rounded to the operand type, are in registers the A operand of layer 1's kHC rows (RS wgmma m64n{kNP}k16),
@@ -123,6 +123,32 @@ __device__ __forceinline__ void fill_x(unsigned char* tile, const io_t* __restri
   }
 }
 
+// Layer 0's first kXRegSteps k-steps (the unit's kXRegStepsPlanned, plan/ffn.py: as many as the registers
+// hold beside the accumulators) take the input tile's A fragments from registers (RS wgmma), loaded once a
+// pass; the rest read them from shared memory (SS) for every chunk. Each register k-step takes 2 KB of
+// operand reads a chunk and warpgroup off shared memory for 4 registers a thread: SwiGLU 256 -> 1024 -> 256
+// 3 % faster with 12 of 16, the GELU pair 256 -> 4096 -> 256 6 % with all 16 (RESULTS.md, thirty-first
+// run). O2F_DIAG_X_SMEM: all from shared memory, as before (ffn_unit_check.py --diag NAME=CASE:x_smem).
+#ifdef O2F_DIAG_X_SMEM
+constexpr int kXRegSteps = 0;
+#else
+constexpr int kXRegSteps = kXRegStepsPlanned;
+#endif
+static_assert(kXRegSteps >= 0 && kXRegSteps <= kKP0 / 16, "k-steps of layer 0");
+// The A fragments of k-steps [0, kXRegSteps) of a warpgroup's tile (ldmatrix x4 per k-step: lane l gives the
+// address of row 16 warp + l % 16, columns 16 ks + 8 (l / 16)).
+__device__ __forceinline__ void load_xfrag(uint32_t (&xa)[kXRegSteps > 0 ? kXRegSteps : 1][4], uint32_t tile, int warp,
+                                           int lane) {
+  const int r = 16 * warp + (lane & 15);
+#pragma unroll
+  for (int ks = 0; ks < kXRegSteps; ++ks) {
+    const int k = 16 * ks + 8 * (lane >> 4), atom = k / 64, unit = (k % 64) / 8;
+    const uint32_t addr = tile + atom * 64 * 128 + r * 128 + ((unit ^ (r & 7)) * 16);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(xa[ks][0]), "=r"(xa[ks][1]), "=r"(xa[ks][2]), "=r"(xa[ks][3]) : "r"(addr) : "memory");
+  }
+}
+
 // Epi: the unit's epilogue arithmetic, Epi::gated_pair(g0, u0, g1, u1, col) (gated) or Epi::pair(a, b, col)
 // -> one packed 16-bit pair A register of hidden features col, col + 1; Epi::out(v, col) the output's activation.
 template <class Epi>
@@ -160,14 +186,24 @@ ffn_kernel(const io_t* __restrict__ x, io_t* __restrict__ y, int64_t rows, const
     fill_x(xtile, x, rows, row0, warp, lane);
     fence_proxy_async();
     wg_sync(wg);   // the whole tile stored
+    uint32_t xa[kXRegSteps > 0 ? kXRegSteps : 1][4];
+    if constexpr (kXRegSteps > 0) {
+      load_xfrag(xa, base + kXSmem + wg * kXTileBytes, warp, lane);
+      fence_frag(xa);
+    }
     float out[kNP / 2];
     uint32_t h[kHC / 16][4];
     float d[kL1N / 2];
     auto layer0 = [&](uint32_t slot) {   // a chunk's layer-0 products into d (onto its bias: kBiasInAcc)
 #pragma unroll
-      for (int ks = 0; ks < kKP0 / 16; ++ks)
-        WgmmaSS<kL1N>::run(d, wdesc(kHi128, xlo + (kstep_off(ks, 64) >> 4)),
-                           wdesc(kHi128, slot + (kstep_off(ks, kL1N) >> 4)), kBiasInAcc || ks > 0);
+      for (int ks = 0; ks < kKP0 / 16; ++ks) {
+        if (ks < kXRegSteps)   // (the index clamped: it compiles for every ks, the branch is resolved statically)
+          WgmmaRS<kL1N>::run(d, xa[ks < kXRegSteps ? ks : 0], wdesc(kHi128, slot + (kstep_off(ks, kL1N) >> 4)),
+                             kBiasInAcc || ks > 0);
+        else
+          WgmmaSS<kL1N>::run(d, wdesc(kHi128, xlo + (kstep_off(ks, 64) >> 4)),
+                             wdesc(kHi128, slot + (kstep_off(ks, kL1N) >> 4)), kBiasInAcc || ks > 0);
+      }
     };
     auto layer1 = [&](uint32_t slot, bool first) {   // a chunk's hidden values (h) into the outputs
 #pragma unroll

@@ -152,6 +152,14 @@ def test_the_ffn_unit_compiles_to_wgmma_without_spills(widths, gated, act, io, b
     ab = "bf16" if precision == "bf16" else "f16"
     for n, count in expected.items():
         assert ptx.count(f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ab}.{ab}") == count, n
+    # layer 0's first x_reg_steps k-steps with the input's A fragments from registers ({...} operand), loaded by
+    # ldmatrix once a pass; the rest from the shared tile (a descriptor)
+    l0n = 64 if gated else 32
+    l0 = [line for line in ptx.splitlines() if f"wgmma.mma_async.sync.aligned.m64n{l0n}k16" in line]
+    layer1_alike = times * (ffn.HC // 16) if plan.ffn.np_ == l0n else 0   # layer 1's (always RS) of the same N
+    assert 0 < plan.ffn.x_reg_steps <= plan.ffn.kp0 // 16
+    assert sum("}, {" in line for line in l0) == times * plan.ffn.x_reg_steps + layer1_alike
+    assert ("ldmatrix.sync.aligned.m8n8.x4.shared.b16" in ptx)
     assert "fence.proxy.async.shared::cta" in ptx and "cp.async.bulk.shared::cluster.global" in ptx
     # the packed GELU or glu (fp16 only; act_math "fp32" keeps fp32): SiLU's form is x/2 + x/2 tanh(x/2),
     # its prescaled form on layer 0's (gate) columns packed halved

@@ -38,6 +38,10 @@ NWG = 2                 # warpgroups a CTA, each on its own 64-row tile
 # 0.091 ms at 8192 rows, 0.095 at 16384), where the GEMMs took 0.080 and 0.113 (RESULTS.md, twenty-seventh
 # run): the kernel from three quarters of a pass per SM.
 MIN_ROWS_PER_SM = 96
+# Registers a thread may give the accumulators (outputs, a chunk's layer-0 products), the hidden values' A
+# fragments and the input's register k-steps (4 each): the rest of the kernel's 255 took ~30-40 (ptxas on
+# SwiGLU 256 -> 1024 -> 256: 12 k-steps in registers 247, no spills; 16 spilled and serialized its wgmmas).
+REG_BUDGET = 216
 REGION_ALIGN = 1024      # the image's and the bias's start (bulk copies need 16 bytes)
 
 
@@ -69,6 +73,15 @@ class FfnPair:
     @property
     def slot_bytes(self) -> int:
         return round_up(self.chunk_bytes, 1024)
+
+    @property
+    def x_reg_steps(self) -> int:
+        """Layer 0's k-steps whose A fragments (the input tile's, 4 registers a thread each) stay in registers
+        for the whole pass, the rest read from shared memory by every chunk: as many as REG_BUDGET leaves
+        beside the output accumulators (np_/2), a chunk's layer-0 products (l1_cols/2) and its hidden
+        values (HC/4)."""
+        free = REG_BUDGET - self.np_ // 2 - self.l1_cols // 2 - HC // 4
+        return max(0, min(self.kp0 // 16, free // 4))
 
     @property
     def end(self) -> int:
