@@ -10,8 +10,9 @@ run: the prototype gained 11 % from the warpgroups' turns, the library through O
 
 A case is a spec (CASES); `_a32` renders it with act_math "fp32" (the glu in fp32 where the default packs it).
 --diag builds CASE again with O2F_DIAG_<MACRO> defined (NO_TURNS: the two warpgroups in step, as before the
-turns; BIAS_EPI: the hidden bias added in the activation, not as the accumulators' start; NO_FILL: the ring
-moves no weight bytes, its results then wrong by design), or with a macro named in
+turns; BIAS_EPI: the hidden bias added in the activation, not as the accumulators' start; X_SMEM: layer 0's
+input A operand all from shared memory; NO_FILL: the ring moves no weight bytes; NO_X: the input tile
+converted on the first pass only; NO_STORE: no output stores; the last three wrong by design), or with a macro named in
 full (O2F_...). Every build prints its error on the sampled rows (a NO_FILL build's is wrong by design).
 """
 from __future__ import annotations

@@ -183,6 +183,9 @@ ffn_kernel(const io_t* __restrict__ x, io_t* __restrict__ y, int64_t rows, const
 #pragma unroll 1
   for (int64_t pass = blockIdx.x; pass < npasses; pass += gridDim.x) {
     const int64_t row0 = (pass * kNwg + wg) * 64;
+#ifdef O2F_DIAG_NO_X   // a diagnostic build: the input tile converted on the first pass only (results wrong)
+    if (pass == blockIdx.x)
+#endif
     fill_x(xtile, x, rows, row0, warp, lane);
     fence_proxy_async();
     wg_sync(wg);   // the whole tile stored
@@ -306,6 +309,9 @@ ffn_kernel(const io_t* __restrict__ x, io_t* __restrict__ y, int64_t rows, const
         const int64_t r = r0 + 8 * half;
         if (r >= rows) continue;
         const float v0 = Epi::out(out[4 * j + 2 * half] + b.x, col), v1 = Epi::out(out[4 * j + 2 * half + 1] + b.y, col + 1);
+#ifdef O2F_DIAG_NO_STORE   // a diagnostic build: the outputs computed, stored only if a NaN (never: results wrong)
+        if (v0 != v0)
+#endif
         st_out2(y + r * kN + col, v0, v1);
       }
     }
