@@ -6,7 +6,10 @@ ONNX Runtime: the kernel's own time, where `wide_cases.py` measures it through O
 run: the prototype gained 11 % from the warpgroups' turns, the library through ORT 2 %).
 
     python3 benchmarks/ffn_unit_check.py [--cases swiglu256 swiglu256_a32 pair256] [--rows 262144,65536]
-                                         [--diag NAME=CASE:MACRO[+MACRO]] [--out DIR]
+                                         [--diag NAME=CASE:MACRO[+MACRO]] [--out DIR] [--build-only]
+
+--build-only builds the programs on a host without a GPU (nvcc only) for a later run on the GPU host (carry the
+folder; RESULTS.md, thirty-first run, ran its builds that way).
 
 A case is a spec (CASES); `_a32` renders it with act_math "fp32" (the glu in fp32 where the default packs it).
 --diag builds CASE again with O2F_DIAG_<MACRO> defined (NO_TURNS: the two warpgroups in step, as before the
@@ -88,6 +91,9 @@ def main() -> None:
     ap.add_argument("--rows", default="262144,65536", help="batches, comma-separated")
     ap.add_argument("--diag", nargs="*", default=[], metavar="NAME=CASE:MACRO")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/ffn_unit"))
+    ap.add_argument("--build-only", action="store_true",
+                    help="build every program into OUT/NAME/ffn_unit and stop (nvcc here, the runs on the GPU host: "
+                         "carry OUT, run OUT/NAME/ffn_unit ROWS...)")
     a = ap.parse_args()
     out = Path(a.out)
     builds = [(c, c, []) for c in a.cases]
@@ -100,6 +106,9 @@ def main() -> None:
         builds.append((name, case, [f"-D{m}" if m.startswith("O2F_") else f"-DO2F_DIAG_{m.upper()}"
                                     for m in macros.split("+")]))
     exes = {name: build(case, out / name, defines) for name, case, defines in builds}
+    if a.build_only:
+        print("\n".join(f"{exe} {a.rows.replace(',', ' ')}" for exe in exes.values()))
+        return
     rows = [r for r in a.rows.split(",") if r]
     results = {}
     for name, _, defines in builds:
