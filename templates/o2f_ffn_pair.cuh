@@ -96,6 +96,10 @@ __device__ __forceinline__ uint4 load_unit(const __half* p) {
   return make_uint4(h2_to_elem2(v.x), h2_to_elem2(v.y), h2_to_elem2(v.z), h2_to_elem2(v.w));
 }
 
+// Byte offset of row r's 16-byte unit `unit` (8 features) of K atom `atom` (64 features) in a warpgroup's
+// input tile: K-major, 128-byte swizzle, 64 rows an atom (fill_x writes it, load_xfrag and the SS wgmmas read it).
+__device__ __forceinline__ int xtile_off(int r, int atom, int unit) { return atom * 64 * 128 + r * 128 + ((unit ^ (r & 7)) * 16); }
+
 // A warpgroup's 64 rows from `row0` into its 16-bit tile, zeros past the batch and in the padded columns:
 // warp w converts rows w, w + 4, ...; lane l holds columns 8l..8l+7 (one 16-byte unit of the tile).
 // kFillRows rows' loads are issued before their stores (all 16 of a warp, one trip to memory, measured no
@@ -118,7 +122,7 @@ __device__ __forceinline__ void fill_x(unsigned char* tile, const io_t* __restri
 #pragma unroll
     for (int i = 0; i < kFillRows; ++i) {
       const int r = warp + 4 * (rb + i);
-      *reinterpret_cast<uint4*>(tile + atom * 64 * 128 + r * 128 + ((unit ^ (r & 7)) * 16)) = v[i];
+      *reinterpret_cast<uint4*>(tile + xtile_off(r, atom, unit)) = v[i];
     }
   }
 }
@@ -143,7 +147,7 @@ __device__ __forceinline__ void load_xfrag(uint32_t (&xa)[kXRegSteps > 0 ? kXReg
 #pragma unroll
   for (int ks = 0; ks < kXRegSteps; ++ks) {
     const int k = 16 * ks + 8 * (lane >> 4), atom = k / 64, unit = (k % 64) / 8;
-    const uint32_t addr = tile + atom * 64 * 128 + r * 128 + ((unit ^ (r & 7)) * 16);
+    const uint32_t addr = tile + xtile_off(r, atom, unit);
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                  : "=r"(xa[ks][0]), "=r"(xa[ks][1]), "=r"(xa[ks][2]), "=r"(xa[ks][3]) : "r"(addr) : "memory");
   }
@@ -175,7 +179,8 @@ ffn_kernel(const io_t* __restrict__ x, io_t* __restrict__ y, int64_t rows, const
             0u, 0u, 0u, 0u, 0u};
   if (tid == 0) ring.prime();
   unsigned char* xtile = smem + kXSmem + wg * kXTileBytes;
-  const uint32_t xlo = ((base + kXSmem + wg * kXTileBytes) >> 4) | (1u << 16);   // descriptor low word, LBO 1
+  const uint32_t xaddr = base + kXSmem + wg * kXTileBytes;   // its shared address
+  const uint32_t xlo = (xaddr >> 4) | (1u << 16);            // descriptor low word, LBO 1
   const int t2 = 2 * (lane & 3);             // this thread's first column in every n8 block
   const int rin = 16 * warp + (lane >> 2);   // its first row in the tile (the second: + 8)
 
@@ -191,7 +196,7 @@ ffn_kernel(const io_t* __restrict__ x, io_t* __restrict__ y, int64_t rows, const
     wg_sync(wg);   // the whole tile stored
     uint32_t xa[kXRegSteps > 0 ? kXRegSteps : 1][4];
     if constexpr (kXRegSteps > 0) {
-      load_xfrag(xa, base + kXSmem + wg * kXTileBytes, warp, lane);
+      load_xfrag(xa, xaddr, warp, lane);
       fence_frag(xa);
     }
     float out[kNP / 2];

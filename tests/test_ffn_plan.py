@@ -146,7 +146,8 @@ def test_the_ffn_unit_compiles_to_wgmma_without_spills(widths, gated, act, io, b
     # a chunk's layer-0 k-steps (m64n64 gated, m64n32 not) and its layer-1 k-steps (m64n<NP>), each twice:
     # in the chunk loop and in the peeled first (layer 0) or last (layer 1) chunk; once with one chunk (no loop)
     times = 1 if plan.ffn.hp == ffn.HC else 2
-    expected = {64 if gated else 32: times * (plan.ffn.kp0 // 16)}
+    l0n = plan.ffn.l1_cols   # layer 0's N: 64 gated, 32 not
+    expected = {l0n: times * (plan.ffn.kp0 // 16)}
     expected[plan.ffn.np_] = expected.get(plan.ffn.np_, 0) + times * (ffn.HC // 16)
     assert "bar.arrive" in ptx   # the warpgroups' turns
     ab = "bf16" if precision == "bf16" else "f16"
@@ -154,7 +155,6 @@ def test_the_ffn_unit_compiles_to_wgmma_without_spills(widths, gated, act, io, b
         assert ptx.count(f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ab}.{ab}") == count, n
     # layer 0's first x_reg_steps k-steps with the input's A fragments from registers ({...} operand), loaded by
     # ldmatrix once a pass; the rest from the shared tile (a descriptor)
-    l0n = 64 if gated else 32
     l0 = [line for line in ptx.splitlines() if f"wgmma.mma_async.sync.aligned.m64n{l0n}k16" in line]
     layer1_alike = times * (ffn.HC // 16) if plan.ffn.np_ == l0n else 0   # layer 1's (always RS) of the same N
     assert 0 < plan.ffn.x_reg_steps <= plan.ffn.kp0 // 16
