@@ -14,7 +14,8 @@ from .spec import MLPSpec
 def act_params(spec: MLPSpec, padded_widths: list[int], prescaled: bool = False) -> list[dict]:
     """Each layer's activation code, and its per-channel constant arrays sized to the columns the kernel
     computes (`padded_widths`). Hidden layers of the tensor-core kernel round their activations to
-    fp16/bf16/tf32 at once: they use the fast intrinsic forms. The last layer (written in the io type) and
+    fp16/bf16/tf32 at once: they use the fast intrinsic forms, and those of bf16 chains the hardware
+    approximations too (expr.render_c's fast="bf16"). The last layer (written in the io type) and
     fp32 keep libm's. `packed`: the fp16x2 function of a hidden layer whose pair of outputs is computed in
     packed fp16 arithmetic (spec.packed_layers), else ""; `prescaled`: its form of prescaled accumulators
     (expr.PackedForm.prescale: the kernel packs such a layer's weights and bias scaled)."""
@@ -23,6 +24,7 @@ def act_params(spec: MLPSpec, padded_widths: list[int], prescaled: bool = False)
     for i, (l, size) in enumerate(zip(spec.layers, padded_widths)):
         arrays = ex.chan_arrays(l.activation, f"kChan{i}_")
         fast = spec.precision in ELEM_BYTES and i < len(spec.layers) - 1
+        fast = "bf16" if fast and spec.precision == "bf16" else fast   # (hardware approximations: ex.FAST_C_BF16)
         chans = [{"name": name, "size": size, "init": ex.c_array_values(c, size)} for c, name in arrays.items()]
         out.append({"index": i, "chans": chans,
                     "code": ex.render_c(l.activation, "v", fast=fast, col="col", arrays=arrays,

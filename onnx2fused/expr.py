@@ -258,6 +258,22 @@ __device__ __forceinline__ float o2f_gelu_fast(float x) {
   return x * fmaf(z, q, 0.5f);
 }
 __device__ __forceinline__ float o2f_sigmoid_fast(float x) { return __fdividef(1.0f, 1.0f + __expf(-x)); }
+// bf16-grade forms (render_c's fast="bf16": hidden layers of bf16 chains, rounded to bf16 right after, whose
+// half step is 2^-9 relative): the hardware tanh, one MUFU operation, relative error ~2^-11 (PTX ISA), a
+// quarter of that step; sigmoid as 1/2 + tanh(x/2)/2 (one MUFU where o2f_sigmoid_fast takes ex2 and rcp) and
+// both GELUs in the tanh form (within 4.7e-4 absolute of the erf form: the fp16 kernels' packed GELU is the
+// same form), 5 FMA-pipe instructions and one MUFU a value where o2f_gelu_fast takes 14 (bf16 gelu 64 ->
+// 128x4 -> 64 on an H100: RESULTS.md, thirty-second run).
+__device__ __forceinline__ float o2f_tanh_approx(float x) {
+  float r;
+  asm("tanh.approx.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+}
+__device__ __forceinline__ float o2f_sigmoid_approx(float x) { return fmaf(0.5f, o2f_tanh_approx(0.5f * x), 0.5f); }
+__device__ __forceinline__ float o2f_gelu_approx(float x) {
+  const float h = 0.5f * x, u = x * fmaf(0.0356774081f, x * x, 0.7978845608f);   // sqrt(2/pi) (x + 0.044715 x^3)
+  return fmaf(h, o2f_tanh_approx(u), h);
+}
 __device__ __forceinline__ float o2f_softplus_fast(float x) { return (x > 0.0f ? x : 0.0f) + __logf(1.0f + __expf(-fabsf(x))); }
 #endif
 """
@@ -288,13 +304,24 @@ def _fast_div(e: Op, args: list[str]) -> str:
 
 # Whole activations with a dedicated fast form (filled below, once the named constructors exist).
 FAST_WHOLE: dict = {}
+# fast="bf16": the hardware approximations where a bf16 rounding follows (C_PRELUDE's *_approx forms), on
+# top of FAST_C / FAST_WHOLE.
+FAST_C_BF16 = {
+    "tanh": lambda a: f"o2f_tanh_approx({a})",
+    "sigmoid": lambda a: f"o2f_sigmoid_approx({a})",
+}
+FAST_WHOLE_BF16: dict = {}
 
 
-def render_c(e: Expr, var: str = "v", fast: bool = False, col: str = "col",
+def render_c(e: Expr, var: str = "v", fast: bool | str = False, col: str = "col",
              arrays: dict | None = None, load: str = "{array}[{col}]") -> str:
     """C expression text computing `e` with the input value named `var`. `fast` picks CUDA intrinsic
-    forms (FAST_C) for use where the result is rounded to a 16-bit type right after. A per-channel
-    constant reads `load` of its array name (`arrays[chan]`, see `chan_arrays`) at the column `col`."""
+    forms (FAST_C, FAST_WHOLE) for use where the result is rounded to a 16-bit type right after (errors far
+    below fp16's step); "bf16" also the hardware approximations (FAST_C_BF16, FAST_WHOLE_BF16) where it is
+    rounded to bf16, whose step is 8 times fp16's. A per-channel constant reads `load` of its array name
+    (`arrays[chan]`, see `chan_arrays`) at the column `col`."""
+    if fast == "bf16" and e in FAST_WHOLE_BF16:
+        return FAST_WHOLE_BF16[e](var)
     if fast and e in FAST_WHOLE:
         return FAST_WHOLE[e](var)
     if isinstance(e, Var):
@@ -309,6 +336,8 @@ def render_c(e: Expr, var: str = "v", fast: bool = False, col: str = "col",
         args = [render_c(a, var, fast, col, arrays, load) for a in e.args]
         if fast and e.name == "div":
             return _fast_div(e, args)
+        if fast == "bf16" and e.name in FAST_C_BF16:
+            return FAST_C_BF16[e.name](*args)
         if fast and e.name in FAST_C:
             return FAST_C[e.name](*args)
         return PRIMITIVES[e.name].c(*args)
@@ -425,6 +454,7 @@ def _named() -> dict[Expr, str]:
 
 NAMED = _named()
 FAST_WHOLE[gelu_erf()] = lambda a: f"o2f_gelu_fast({a})"
+FAST_WHOLE_BF16[gelu_erf()] = FAST_WHOLE_BF16[gelu_tanh()] = lambda a: f"o2f_gelu_approx({a})"
 
 
 # ------------------------------------------------------------------------------ packed fp16x2 forms

@@ -218,3 +218,36 @@ def test_fast_division_multiplies_by_the_reciprocal_of_a_constant():
     by_mul = (v * inv).astype(np.float16).astype(np.float32)
     step = np.spacing(np.abs(by_div).astype(np.float16)).astype(np.float32)
     assert np.all(np.abs(by_mul - by_div) <= step) and np.mean(by_mul != by_div) < 1e-3
+
+
+@pytest.mark.parametrize("act,fast_bf16", [(ex.gelu_erf(), "o2f_gelu_approx(v)"), (ex.gelu_tanh(), "o2f_gelu_approx(v)"),
+                                            (ex.tanh(), "o2f_tanh_approx(v)"), (ex.silu(), "(v * o2f_sigmoid_approx(v))"),
+                                            (ex.sigmoid(), "o2f_sigmoid_approx(v)")],
+                         ids=["gelu", "gelutanh", "tanh", "silu", "sigmoid"])
+def test_bf16_hidden_layers_use_the_hardware_approximations(act, fast_bf16):
+    """A bf16 chain's hidden activations are rounded to bf16 (half step 2^-9) right after: they take the
+    hardware tanh (one MUFU operation, ~2^-11 relative) and the forms built on it; fp16 and tf32 chains'
+    keep the accurate fast forms (fp16's half step is 2^-12), and every chain's last layer the libm ones."""
+    from onnx2fused.cuda_params import act_params
+    assert ex.render_c(act, "v", fast="bf16") == fast_bf16
+    assert "approx" not in ex.render_c(act, "v", fast=True) and "approx" not in ex.render_c(act, "v")
+    for precision in ("bf16", "fp16", "tf32"):
+        spec = MLPSpec((LayerSpec(16, 32, True, act), LayerSpec(32, 8, True, act)), precision, "f32")
+        hidden, last = act_params(spec, [32, 8])
+        assert ("approx" in hidden["code"]) == (precision == "bf16"), (precision, hidden["code"])
+        assert "approx" not in last["code"]
+
+
+def test_the_bf16_gelu_form_stays_within_a_quarter_of_bf16s_step():
+    """o2f_gelu_approx is GELU's tanh form: within 4.7e-4 absolute of the erf form, where bf16's rounding of
+    GELU's result moves it by up to 2^-9 relative. Here in float64 with tanh exact; the hardware tanh's
+    ~2^-11 relative error comes on top (GPU: tests/test_gpu.py's bf16 chains against stock ORT)."""
+    import numpy as np
+    from math import erf
+    x = np.linspace(-10, 10, 200001)
+    tanh_form = 0.5 * x * (1 + np.tanh(x * (0.7978845608 + 0.0356774081 * x * x)))
+    erf_form = 0.5 * x * (1 + np.vectorize(erf)(x / np.sqrt(2)))
+    gap = np.abs(tanh_form - erf_form)
+    assert gap.max() < 4.8e-4
+    big = np.abs(erf_form) > 0.25   # where a bf16 step (relative) is at least ~5e-4 absolute
+    assert np.all(gap[big] <= 0.25 * 2.0 ** -8 * np.abs(erf_form[big]))
