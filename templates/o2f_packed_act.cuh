@@ -1,9 +1,10 @@
 // o2f_packed_act.cuh: activations of fp16 hidden layers in packed fp16x2 arithmetic (expr.PACKED_FORMS).
 // A hidden layer's output is rounded to fp16 for the next layer's MMA anyway; these forms round the
 // pre-activation pair first and evaluate the activation on both halves at once: HFMA2-pipe instructions
-// handle two elements each, and tanh.approx.f16x2 is one special-function (MUFU) operation for two
-// values, where fp32 tanhf costs ~2 MUFU operations and ~15 FMA-pipe instructions per element (MUFU
-// issue, 16 a clock per SM, bounded the tanh and GELU chains). The error is about 1.5-2x fp16's rounding
+// handle two elements each, and tanh.approx.f16x2 is one instruction for two values (on sm_90 it issues
+// two MUFU.TANH.F16, one a half: RESULTS.md, thirty-second run), where fp32 tanhf costs ~2 MUFU operations
+// and ~15 FMA-pipe instructions per element (MUFU issue, 16 a clock per SM, bounded the tanh and GELU
+// chains). The error is about 1.5-2x fp16's rounding
 // alone; the numerics model (precision.py) evaluates the same forms op by op in numpy float16, and a
 // chain that fails it gets act_math "fp32" (the fp32 forms) instead.
 // Static device code included inside the generated kernel's anonymous namespace (sm_80 or newer).
@@ -22,7 +23,7 @@ __device__ __forceinline__ __half2 o2f_h2_tanh(__half2 x) {
 // The _h forms take h = x/2 (expr.PackedForm.prescale: the wgmma and mma.sync kernels pack the producing
 // layer's weights and bias halved, so its accumulators hold h): the same values without the first HMUL2
 // (gelu in wgmma: 2 % faster, RESULTS.md twenty-third run).
-// sigmoid(x) = 1/2 + tanh(x/2)/2: one MUFU operation for two values instead of ex2 + rcp for each.
+// sigmoid(x) = 1/2 + tanh(x/2)/2: one MUFU operation a value instead of two (ex2 and rcp).
 __device__ __forceinline__ __half2 o2f_h2_sigmoid_h(__half2 h) {
   const __half2 half = o2f_h2_const(0.5f);
   return __hfma2(o2f_h2_tanh(h), half, half);
