@@ -182,6 +182,7 @@ VARIANTS = {
     "sdf1m_st3": ("sdf1m", WgmmaOptions(stages=3)),
     "w128gelu_st6": ("w128gelu", WgmmaOptions(stages=6)),
     # blocks in the other fused design (an empty override forces it)
+    "ffn64_wg": ("ffn64", WgmmaOptions()),   # the plain chain of preln's widths in the wgmma design
     "preln_streamed": ("preln", StreamedOptions()),
     "preln_tf32_streamed": ("preln_tf32", StreamedOptions()),
     "preln_f16io_streamed": ("preln_f16io", StreamedOptions()),

@@ -167,7 +167,9 @@ def test_the_ffn_unit_compiles_to_wgmma_without_spills(widths, gated, act, io, b
     assert ("tanh.approx.f16x2" in ptx) == packed
     assert f"constexpr float kPrescale = {'0.5f' if packed else '1.0f'};" in files[name]
     assert ("_h(__floats2half2_rn(" in files[name]) == packed
-    assert ("ex2.approx" in ptx) == (gated and not (precision == "fp16" and act_math == "packed"))   # fp32 SiLU
+    # fp32 activations: fp16's SiLU (act_math "fp32") by __expf and a division; bf16's SiLU and GELU by the hardware tanh
+    assert ("ex2.approx" in ptx) == (gated and precision == "fp16" and act_math != "packed")
+    assert ("tanh.approx.f32" in ptx) == (precision == "bf16")
     assert ("cvt.rn.bf16x2.f32" in ptx) == (precision == "bf16")
 
 

@@ -469,7 +469,7 @@ def test_gated_chains_take_wgmma_where_it_wins():
     for a plain one, a gated layer of >= 128 outputs counting as two wide layers, and says why it does or
     does not; a gated last layer is refused."""
     plan = choose.make_plan(GATED2)
-    assert plan.design == "wgmma" and "chosen: 5 layers of >= 128 outputs (a gated one of >= 256 counted twice)" in plan.reason
+    assert plan.design == "wgmma" and "chosen: 6 layers of >= 128 outputs (one of >= 256 counted twice)" in plan.reason
     one = MLPSpec((LayerSpec(64, 256, True, ex.silu(), gated=True), LayerSpec(256, 64, True, ex.identity())), "fp16", "f32")
     assert choose.make_plan(one).design == "wgmma"   # 64 -> SwiGLU 256 -> 64: 0.351 ms vs 0.634 streamed
     # the zoo's geglu shape: 0.119 ms vs 0.105 for mma.sync through ORT at 2^18 rows
@@ -529,3 +529,15 @@ def test_shared_memory_layout_is_the_one_the_plan_sized(spec):
     assert reads == ({str(l.bias_offset) for l in plan.layers[:-1]} if plan.bias16 else set()), reads
     assert (f"constexpr int kCntSmem = {lay.cnt_offset};" in src) == plan.streamed
     assert lay.cnt_offset + 4 * plan.stages <= lay.bytes <= 227 * 1024
+
+
+def test_a_plain_256_wide_layer_counts_twice():
+    """The zoo's ffn3d (64 -> GELU 256 -> 64) took the resident mma.sync kernel: one layer of >= 128 outputs.
+    wgmma ran it at 0.280 ms against 0.687 at 2^20 rows on an H100 (RESULTS.md, thirty-second run), so a
+    256-wide layer counts twice as a gated one does; a 128-wide one alone still leaves the chain to mma.sync."""
+    ffn = MLPSpec((LayerSpec(64, 256, True, ex.gelu_erf()), LayerSpec(256, 64, True, ex.identity())), "fp16", "f32")
+    plan = choose.make_plan(ffn)
+    assert plan.design == "wgmma" and "chosen: 2 layers of >= 128 outputs" in plan.reason
+    narrow = MLPSpec((LayerSpec(64, 128, True, ex.gelu_erf()), LayerSpec(128, 64, True, ex.identity())), "fp16", "f32")
+    plan = choose.make_plan(narrow)
+    assert plan.design == "resident" and "fewer than 2 layers of >= 128 outputs" in plan_text(narrow, plan)
