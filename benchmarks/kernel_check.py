@@ -78,6 +78,7 @@ CASES = {
     "sdf1m": (mlp([3, 128, 128, 128, 128, 1], ex.tanh()), 2**20),   # issue 15's batch
     # transformer blocks (issue 16): a norm prologue and a residual epilogue; ffn64 is preln's layers alone
     "ffn64": (mlp([64, 256, 64], ex.gelu_erf()), 2**20),
+    "ffn128": (mlp([64, 128, 64], ex.gelu_erf()), 2**20),   # one 128-wide layer: mma.sync by the cost model
     "preln": (mlp([64, 256, 64], ex.gelu_erf(), norm=LN, residual=True), 2**20),
     "preln_bf16": (mlp([64, 256, 64], ex.gelu_erf(), "bf16", norm=LN, residual=True), 2**20),
     "preln_tf32": (mlp([64, 256, 64], ex.gelu_erf(), "tf32", norm=LN, residual=True), 2**20),
@@ -182,7 +183,8 @@ VARIANTS = {
     "sdf1m_st3": ("sdf1m", WgmmaOptions(stages=3)),
     "w128gelu_st6": ("w128gelu", WgmmaOptions(stages=6)),
     # blocks in the other fused design (an empty override forces it)
-    "ffn64_wg": ("ffn64", WgmmaOptions()),   # the plain chain of preln's widths in the wgmma design
+    "ffn64_res": ("ffn64", ResidentOptions()),   # the zoo's ffn3d (preln's widths, no block) on mma.sync
+    "ffn128_wg": ("ffn128", WgmmaOptions()),
     "preln_streamed": ("preln", StreamedOptions()),
     "preln_tf32_streamed": ("preln_tf32", StreamedOptions()),
     "preln_f16io_streamed": ("preln_f16io", StreamedOptions()),
