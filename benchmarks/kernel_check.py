@@ -69,6 +69,7 @@ CASES = {
     # 256-wide one whose weights stream (the mma.sync kernels by the cost model; _wg: wgmma, forced)
     "glu64": (mlp([64, 256, 64], [ex.silu(), ex.identity()], gated={0}), 2**20),
     "glu256": (mlp([256, 256, 256], [ex.silu(), ex.identity()], gated={0}), 2**18),
+    "geglu128": (mlp([64, 128, 64], [ex.gelu_erf(), ex.identity()], gated={0}), 2**20),   # the zoo's geglu
     # bf16 operands: the wgmma kernel on Hopper (its mma.sync fallback with ONNX2FUSED_WGMMA_RUN=off)
     "w128gelu_bf16": (mlp([64, 128, 128, 128, 128, 64], ex.gelu_erf(), "bf16"), 2**20),
     "w256silu_bf16": (mlp([256, 256, 256, 256, 256], ex.silu(), "bf16"), 2**18),
@@ -178,6 +179,7 @@ VARIANTS = {
     # gated layers in the wgmma design (the cost model's choice on Hopper since the fourteenth run)
     "glu64_wg": ("glu64", WgmmaOptions()),
     "glu256_wg": ("glu256", WgmmaOptions()),
+    "geglu128_wg": ("geglu128", WgmmaOptions()),
     # weights that fit shared memory streamed anyway (the ring's coupling of the warpgroups)
     "w128gelu_st3": ("w128gelu", WgmmaOptions(stages=3)),
     "sdf1m_st3": ("sdf1m", WgmmaOptions(stages=3)),

@@ -143,7 +143,7 @@ def test_plain_specs_render_no_block_code():
 def test_block_plans_skip_wgmma_and_take_wide_where_forced():
     """The wgmma design refuses blocks with a reason and planning takes resident or streamed; the wide
     design takes the block (its norm pass and residual epilogue) where forced."""
-    spec = block_spec([128, 256, 128])   # its layers alone: wgmma on Hopper (2 layers of >= 128 outputs)
+    spec = block_spec([128, 256, 128])   # its layers alone: wgmma on Hopper (layers of >= 128 outputs)
     assert choose.make_plan(replace(spec, norm=None, residual=False)).design == "wgmma"
     assert choose.make_plan(spec).design == "resident"
     assert "transformer block" in choose.wgmma_refused(spec)

@@ -156,8 +156,7 @@ def wgmma_note(spec: MLPSpec, plan: Plan) -> str:
 def _wgmma_not_chosen(spec: MLPSpec) -> str | None:
     """Why the cost model leaves a spec the wgmma design can run to mma.sync (None: it picks wgmma)."""
     if not cost.wgmma_wins(spec):
-        return (f"fewer than {cost.WGMMA_MIN_WIDE_LAYERS} layers of >= {cost.WGMMA_MIN_WIDTH} outputs, one of "
-                f">= {cost.WGMMA_TWICE} counted twice (mma.sync is as fast there)")
+        return f"no layer of >= {cost.WGMMA_MIN_WIDTH} outputs (mma.sync is as fast there)"
     return None
 
 
@@ -168,8 +167,8 @@ def _wgmma(spec: MLPSpec, fallback, smem: int, forced: bool, overrides: dict) ->
     if forced:
         reason = f"forced by {DESIGN_ENV}=wgmma"
     elif _wgmma_not_chosen(spec) is None:
-        reason = (f"chosen: {cost.wgmma_wide_layers(spec)} layers of >= {cost.WGMMA_MIN_WIDTH} outputs (one of "
-                  f">= {cost.WGMMA_TWICE} counted twice), where wgmma beat mma.sync on the H100")
+        reason = (f"chosen: {cost.wgmma_wide_layers(spec)} layer(s) of >= {cost.WGMMA_MIN_WIDTH} outputs, where wgmma "
+                  "beat mma.sync on the H100")
     else:
         return None
     return wgmma.make_wgmma_plan(spec, fallback, reason, smem, **overrides)

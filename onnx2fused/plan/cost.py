@@ -197,25 +197,24 @@ def estimate_streamed(spec: MLPSpec, streamed_plan, rows: int = NOMINAL_ROWS) ->
 # 0.192 ms, gelu 64->128x4->64 2^20 0.532 vs 0.70, sdf 3->128x4->1 Tanh 2^20 0.196 vs 0.657. The integrated
 # design through ORT (benchmarks/RESULTS.md, seventh run): gelu 0.598 vs 0.760, sdf 0.489 vs 0.704, but
 # nerf 0.214 vs 0.199 (64-wide layers: too little tensor work per epilogue to pay for the chunked
-# schedule). So: chains with at least WGMMA_MIN_WIDE_LAYERS layers of at least WGMMA_MIN_WIDTH outputs. A
-# layer of at least WGMMA_TWICE outputs counts twice: its tensor work per epilogue is that of two 128-wide
-# layers (a gated one's gate and up products too). On the H100 (RESULTS.md, fourteenth run): kernels alone,
-# 64 -> SwiGLU 256 -> 64 at 2^20 rows 0.351 ms vs 0.634 streamed mma.sync, 256 -> SwiGLU 256 -> 256 at 2^18
-# 0.325 vs 0.489; through ORT the zoo's swiglu (64 -> 256 gated -> 64) 0.122 vs 0.233 ms at 2^18 rows, but
-# its geglu (64 -> 128 gated -> 64) 0.119 vs 0.105: a 128-wide gated layer alone does not pay for the
-# chunked schedule. A plain 256-wide one does (thirty-second run: the zoo's ffn3d, 64 -> GELU 256 -> 64, at
-# 2^20 rows 0.280 ms vs 0.687 resident mma.sync; before, only gated layers counted twice and it stayed on
-# mma.sync). It only runs on compute capability 9.0; the library keeps the mma.sync kernel for the others.
+# schedule). On the H100 (RESULTS.md, fourteenth run): kernels alone, 64 -> SwiGLU 256 -> 64 at 2^20 rows
+# 0.351 ms vs 0.634 streamed mma.sync, 256 -> SwiGLU 256 -> 256 at 2^18 0.325 vs 0.489; through ORT the
+# zoo's swiglu (64 -> 256 gated -> 64) 0.122 vs 0.233 ms at 2^18 rows, but then its geglu (64 -> 128 gated
+# -> 64) 0.119 vs 0.105, so a chain needed two layers of >= 128 outputs (a gated one of >= 256 counting
+# twice). The kernel has gained since (turns of the input copies, quad stores, packed activations on
+# prescaled accumulators, the fp16 bias): on an H100 (thirty-second run) one layer of >= 128 outputs pays:
+# geglu through ORT 0.090 vs 0.117 ms at 2^18 rows and 0.233 vs 0.339 at 2^20, the zoo's ffn3d (64 -> GELU
+# 256 -> 64) 0.311 vs 0.738 at 2^20, kernels alone 64 -> GELU 128 -> 64 0.209 vs 0.231. nerf's 64-wide
+# layers still do not (0.168 vs 0.160 ms, twentieth run). It only runs on compute capability 9.0; the
+# library keeps the mma.sync kernel for the others.
 WGMMA_MIN_WIDTH = 128
-WGMMA_MIN_WIDE_LAYERS = 2
-WGMMA_TWICE = 256
 
 
 def wgmma_wide_layers(spec: MLPSpec) -> int:
-    """The chain's layers of at least WGMMA_MIN_WIDTH outputs, one of at least WGMMA_TWICE counted twice."""
-    return sum(2 if l.out_features >= WGMMA_TWICE else 1 for l in spec.layers if l.out_features >= WGMMA_MIN_WIDTH)
+    """The chain's layers of at least WGMMA_MIN_WIDTH outputs."""
+    return sum(l.out_features >= WGMMA_MIN_WIDTH for l in spec.layers)
 
 
 def wgmma_wins(spec: MLPSpec) -> bool:
     """Whether the wgmma kernel is expected to beat the mma.sync fused kernels on an H100."""
-    return wgmma_wide_layers(spec) >= WGMMA_MIN_WIDE_LAYERS
+    return wgmma_wide_layers(spec) >= 1
