@@ -66,7 +66,7 @@ CASES = {
     "w128relu": (mlp([64, 128, 128, 128, 128, 64], ex.relu()), 2**20),
     "w128gelu_f16io": (mlp([64, 128, 128, 128, 128, 64], ex.gelu_erf(), io="f16"), 2**20),
     # SwiGLU pairs (silu(x Wg + bg) * (x Wu + bu)): the zoo's 64 -> 256 -> 64 shape at 2^20 rows, and a
-    # 256-wide one whose weights stream (the mma.sync kernels by the cost model; _wg: wgmma, forced)
+    # 256-wide one whose weights stream (wgmma by the cost model)
     "glu64": (mlp([64, 256, 64], [ex.silu(), ex.identity()], gated={0}), 2**20),
     "glu256": (mlp([256, 256, 256], [ex.silu(), ex.identity()], gated={0}), 2**18),
     "geglu128": (mlp([64, 128, 64], [ex.gelu_erf(), ex.identity()], gated={0}), 2**20),   # the zoo's geglu
@@ -79,7 +79,7 @@ CASES = {
     "sdf1m": (mlp([3, 128, 128, 128, 128, 1], ex.tanh()), 2**20),   # issue 15's batch
     # transformer blocks (issue 16): a norm prologue and a residual epilogue; ffn64 is preln's layers alone
     "ffn64": (mlp([64, 256, 64], ex.gelu_erf()), 2**20),
-    "ffn128": (mlp([64, 128, 64], ex.gelu_erf()), 2**20),   # one 128-wide layer: mma.sync by the cost model
+    "ffn128": (mlp([64, 128, 64], ex.gelu_erf()), 2**20),   # one 128-wide hidden layer: wgmma since the thirty-second run
     "preln": (mlp([64, 256, 64], ex.gelu_erf(), norm=LN, residual=True), 2**20),
     "preln_bf16": (mlp([64, 256, 64], ex.gelu_erf(), "bf16", norm=LN, residual=True), 2**20),
     "preln_tf32": (mlp([64, 256, 64], ex.gelu_erf(), "tf32", norm=LN, residual=True), 2**20),
@@ -179,14 +179,17 @@ VARIANTS = {
     # gated layers in the wgmma design (the cost model's choice on Hopper since the fourteenth run)
     "glu64_wg": ("glu64", WgmmaOptions()),
     "glu256_wg": ("glu256", WgmmaOptions()),
-    "geglu128_wg": ("geglu128", WgmmaOptions()),
+    "geglu128_res": ("geglu128", ResidentOptions()),
     # weights that fit shared memory streamed anyway (the ring's coupling of the warpgroups)
     "w128gelu_st3": ("w128gelu", WgmmaOptions(stages=3)),
     "sdf1m_st3": ("sdf1m", WgmmaOptions(stages=3)),
     "w128gelu_st6": ("w128gelu", WgmmaOptions(stages=6)),
     # blocks in the other fused design (an empty override forces it)
     "ffn64_res": ("ffn64", ResidentOptions()),   # the zoo's ffn3d (preln's widths, no block) on mma.sync
-    "ffn128_wg": ("ffn128", WgmmaOptions()),
+    # transformer blocks in the wgmma design (its norm prologue, residual epilogue: plan.wgmma.BLOCKS)
+    **{f"{c}_wg": (c, WgmmaOptions(blocks=True)) for c in ("preln", "preln_bf16", "llama", "block40", "block37_res",
+                                                         "block72_rms")},
+    "ffn128_res": ("ffn128", ResidentOptions()),
     "preln_streamed": ("preln", StreamedOptions()),
     "preln_tf32_streamed": ("preln_tf32", StreamedOptions()),
     "preln_f16io_streamed": ("preln_f16io", StreamedOptions()),

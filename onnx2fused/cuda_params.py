@@ -15,7 +15,8 @@ def act_params(spec: MLPSpec, padded_widths: list[int], prescaled: bool = False)
     """Each layer's activation code, and its per-channel constant arrays sized to the columns the kernel
     computes (`padded_widths`). Hidden layers of the tensor-core kernel round their activations to
     fp16/bf16/tf32 at once: they use the fast intrinsic forms, and those of bf16 chains the hardware
-    approximations too (expr.render_c's fast="bf16"). The last layer (written in the io type) and
+    approximations too (expr.render_c's fast="bf16"; every design that renders activations from here: the
+    fused kernels, and the wide design's GEMM epilogues, GEMV and FFN unit). The last layer (written in the io type) and
     fp32 keep libm's. `packed`: the fp16x2 function of a hidden layer whose pair of outputs is computed in
     packed fp16 arithmetic (spec.packed_layers), else ""; `prescaled`: its form of prescaled accumulators
     (expr.PackedForm.prescale: the kernel packs such a layer's weights and bias scaled)."""

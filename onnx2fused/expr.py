@@ -259,8 +259,9 @@ __device__ __forceinline__ float o2f_gelu_fast(float x) {
 }
 __device__ __forceinline__ float o2f_sigmoid_fast(float x) { return __fdividef(1.0f, 1.0f + __expf(-x)); }
 // bf16-grade forms (render_c's fast="bf16": hidden layers of bf16 chains, rounded to bf16 right after, whose
-// half step is 2^-9 relative): the hardware tanh, one MUFU operation, relative error ~2^-11 (PTX ISA), a
-// quarter of that step; sigmoid as 1/2 + tanh(x/2)/2 (one MUFU where o2f_sigmoid_fast takes ex2 and rcp) and
+// half step is 2^-9 to 2^-8 relative): the hardware tanh, one MUFU operation, relative error ~2^-11 (PTX
+// ISA), a quarter of the smallest half step (where 1 + tanh cancels, for negative x, ~2^-12 absolute, as in
+// the fp16 kernels' packed forms); sigmoid as 1/2 + tanh(x/2)/2 (one MUFU where o2f_sigmoid_fast takes ex2 and rcp) and
 // both GELUs in the tanh form (within 4.7e-4 absolute of the erf form: the fp16 kernels' packed GELU is the
 // same form), 5 FMA-pipe instructions and one MUFU a value where o2f_gelu_fast takes 14 (bf16 gelu 64 ->
 // 128x4 -> 64 on an H100: RESULTS.md, thirty-second run).

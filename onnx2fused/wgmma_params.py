@@ -5,6 +5,7 @@ words and offsets, the chunk schedule, fragment indices, columns; the template o
 from __future__ import annotations
 
 from .cuda_params import act_params, spec_params
+from .plan.fused import elem_bytes
 from .plan.wgmma import BULK_PIECE, ROWS, WgmmaLayer, WgmmaPlan
 from .spec import MLPSpec
 
@@ -146,6 +147,9 @@ def wgmma_params(plan: WgmmaPlan) -> dict:
         "staged_col0": 16 * plan.prefetch, "staged_cols": plan.staged_cols,
         "store_rows": plan.store_rows,
         "bias16": plan.bias16, "bias16_smem_offset": plan.smem.bias16_offset,
+        # a block's norm parameters: the fallback's packed bias array holds them (its pack runs first)
+        "norm_params_bytes": (plan.fallback.weight_elems * elem_bytes(spec) + 4 * plan.fallback.norm_offset
+                              if spec.norm is not None else 0),
         "bias_halves": plan.bias_halves,
         "bulk_input": plan.bulk_input, "in_bar_smem_offset": plan.smem.input_bar_offset,
         "in_row_bytes": plan.input_row_bytes, "input_parts": plan.input_parts,

@@ -106,14 +106,7 @@ __device__ __forceinline__ float norm_group_sum(float v) {
   return v;
 }
 
-// One normalised value: `a`, `b` are the row's mean and 1 / sqrt(var + eps) (layer norm) or 0 and
-// 1 / sqrt(mean(x^2) + eps) (RMS norm); `scale` and `bias` the norm's parameters of the value's feature.
-__device__ __forceinline__ float norm_value(float v, float a, float b, float scale, float bias) {
-  float r = __fmul_rn(__fmul_rn(kNormLayer ? __fsub_rn(v, a) : v, b), scale);
-  if (kNormLayer && kNormBias) r = __fadd_rn(r, bias);
-  // fp16 I/O with a layer norm: ORT's fp16 LayerNormalization kernel writes fp16, as the stock body does
-  return kNormRoundHalf ? __half2float(__float2half_rn(r)) : r;
-}
+#include "o2f_norm_value.cuh"
 
 // Two values as one 32-bit word of 16-bit operands (the first in the low half, as store2 writes them).
 __device__ __forceinline__ uint32_t norm_pack2(const __half*, float a, float b) {

@@ -290,7 +290,7 @@ def test_gated_plans_are_fused_or_wide():
     streamed 2.942, RESULTS.md); no plan without the wide design where no fused kernel holds them."""
     small = _gated_spec([64, 100, 64], "fp16", {0})
     assert choose.make_plan(small, PlanOptions(wgmma=True)).design == "resident"
-    assert "no layer of >= 128 outputs (mma.sync is as fast there)" in choose.wgmma_note(small, choose.make_plan(small))
+    assert "no hidden layer of >= 128 outputs (mma.sync is as fast there)" in choose.wgmma_note(small, choose.make_plan(small))
     big = _gated_spec([256, 1000, 256], "fp16", {0}, io="f16")
     plan = choose.make_plan(big)
     assert plan.design == "wide" and "cost model" in plan.reason

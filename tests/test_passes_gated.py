@@ -386,7 +386,7 @@ def test_plan_takes_a_gated_spec():
     plan = make_plan(spec)
     assert plan.design == "resident" and plan.layers[0].gated and plan.layers[0].cols == 2 * plan.layers[0].np_
     # wgmma: it could run it, but a gated layer of < 128 outputs does not win (tests/test_wgmma_plan.py)
-    assert H < 128 and wgmma_refused(spec) is None and "no layer of >= 128 outputs (mma.sync" in wgmma_note(spec, plan)
+    assert H < 128 and wgmma_refused(spec) is None and "no hidden layer of >= 128 outputs (mma.sync" in wgmma_note(spec, plan)
     assert wide_reason_refused(replace(spec, precision="bf16")) is None
     glu_head = MLPSpec((LayerSpec(K, H, True, ex.identity()), LayerSpec(H, N, True, ex.silu(), gated=True)))
     assert "gated last layer" in wide_reason_refused(glu_head)

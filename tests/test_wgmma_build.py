@@ -14,7 +14,7 @@ from onnx2fused import build, codegen, targets
 from onnx2fused import expr as ex
 from onnx2fused.plan import choose
 from onnx2fused.plan.options import PlanOptions, WgmmaOptions
-from onnx2fused.spec import LayerSpec, MLPSpec
+from onnx2fused.spec import LayerSpec, MLPSpec, NormSpec
 from onnx2fused.wgmma_params import fallback_symbol
 from nvcc_support import compile_kept, ptxas_entry
 
@@ -45,6 +45,12 @@ STREAMED = MLPSpec(tuple(LayerSpec(a, b, True, ex.silu() if i < 4 else ex.identi
 # gated layers (SwiGLU: silu(x Wg + bg) * (x Wu + bu)): a resident one with an odd hidden width, and two
 # in a row with their weights streamed
 GATED = MLPSpec((LayerSpec(64, 200, True, ex.silu(), gated=True), LayerSpec(200, 40, True, ex.identity())), "fp16", "f32")
+# transformer blocks in the wgmma kernel (plan.wgmma.BLOCKS, off by default): models/preln's LayerNorm + GELU
+# FFN + residual, and a padded-K0 RMS-normed SwiGLU block with its residual (K0 40, an odd hidden width)
+PRELN = MLPSpec((LayerSpec(64, 256, True, ex.gelu_erf()), LayerSpec(256, 64, True, ex.identity())), "fp16", "f32",
+                norm=NormSpec("layernorm", 1e-5, True), residual=True)
+RMS_GLU = MLPSpec((LayerSpec(40, 100, True, ex.silu(), gated=True), LayerSpec(100, 40, True, ex.identity())), "fp16", "f32",
+                  norm=NormSpec("rmsnorm", 1e-6), residual=True)
 GATED_STREAMED = MLPSpec((LayerSpec(256, 256, True, ex.silu(), gated=True), LayerSpec(256, 256, True, ex.gelu_erf(), gated=True),
                           LayerSpec(256, 256, True, ex.identity())), "fp16", "f32")
 
@@ -52,8 +58,10 @@ GATED_STREAMED = MLPSpec((LayerSpec(256, 256, True, ex.silu(), gated=True), Laye
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
 @pytest.mark.parametrize("spec,with_sm80,overrides", [(SDF_F16, True, {}), (ODD, False, {}), (STREAMED, False, {}),
                                                       (STREAMED, True, {"cluster": 2}), (BF16, False, {}),
-                                                      (GATED, False, {}), (GATED_STREAMED, False, {})],
-                         ids=["sdf_f16", "odd_widths", "streamed", "streamed_cluster2", "bf16", "gated", "gated_streamed"])
+                                                      (GATED, False, {}), (GATED_STREAMED, False, {}),
+                                                      (PRELN, False, {"blocks": True}), (RMS_GLU, False, {"blocks": True})],
+                         ids=["sdf_f16", "odd_widths", "streamed", "streamed_cluster2", "bf16", "gated", "gated_streamed",
+                              "preln_block", "rms_glu_block"])
 def test_wgmma_source_compiles_to_hgmma_without_spills(spec, with_sm80, overrides, tmp_path):
     plan = choose.make_plan(spec, PlanOptions(design="wgmma", wgmma_overrides=WgmmaOptions(**overrides)))
     assert plan.design == "wgmma"
@@ -91,6 +99,9 @@ def test_wgmma_source_compiles_to_hgmma_without_spills(spec, with_sm80, override
     assert ("cvt.rn.f16x2.f32" in ptx90) == (ab == "f16")
     # packed fp16x2 activations (sdf's tanh; ODD's gelu): one tanh.approx.f16x2 per pair of hidden values
     assert ("tanh.approx.f16x2" in ptx90) == bool(spec.packed_layers)
+    # a block: the norm's row sums across the quad (xor shuffles), one IEEE square root a row, the residual's loads
+    assert ("shfl.sync.bfly" in ptx90 and "sqrt.rn.f32" in ptx90) == (spec.norm is not None)
+    assert ("residual_at" in src) == spec.residual
     if with_sm80:   # the sm_80 code has the packing kernels and an empty wgmma kernel
         ptx80 = (keep / "k.compute_80.ptx").read_text()
         assert "wgmma" not in ptx80.replace("wgmma_pack", "").replace("fused_wgmma", "")

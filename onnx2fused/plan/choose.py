@@ -156,18 +156,18 @@ def wgmma_note(spec: MLPSpec, plan: Plan) -> str:
 def _wgmma_not_chosen(spec: MLPSpec) -> str | None:
     """Why the cost model leaves a spec the wgmma design can run to mma.sync (None: it picks wgmma)."""
     if not cost.wgmma_wins(spec):
-        return f"no layer of >= {cost.WGMMA_MIN_WIDTH} outputs (mma.sync is as fast there)"
+        return f"no hidden layer of >= {cost.WGMMA_MIN_WIDTH} outputs (mma.sync is as fast there)"
     return None
 
 
 def _wgmma(spec: MLPSpec, fallback, smem: int, forced: bool, overrides: dict) -> wgmma.WgmmaPlan | None:
     """The wgmma plan where the design applies and (unless forced) the cost model prefers it."""
-    if fallback is None or wgmma.wgmma_reason_refused(spec, smem) is not None:
+    if fallback is None or wgmma.wgmma_reason_refused(spec, smem, overrides.get("blocks")) is not None:
         return None
     if forced:
         reason = f"forced by {DESIGN_ENV}=wgmma"
     elif _wgmma_not_chosen(spec) is None:
-        reason = (f"chosen: {cost.wgmma_wide_layers(spec)} layer(s) of >= {cost.WGMMA_MIN_WIDTH} outputs, where wgmma "
+        reason = (f"chosen: {cost.wgmma_wide_layers(spec)} hidden layer(s) of >= {cost.WGMMA_MIN_WIDTH} outputs, where wgmma "
                   "beat mma.sync on the H100")
     else:
         return None

@@ -83,6 +83,7 @@ class WgmmaOptions:
     prescale: bool | None = None       # packed activations of halved accumulators (PRESCALE)
     store_rows: bool | None = None     # quads stored from per-tile row pointers (STORE_ROWS)
     bias16: bool | None = None         # packed hidden activations add their bias in fp16 (BIAS16)
+    blocks: bool | None = None         # transformer blocks (norm, residual) in the wgmma kernel (BLOCKS)
 
     def given(self) -> dict:
         return _given(self)

@@ -114,6 +114,16 @@ STORE_ROWS = True
 # computes it so), and took 2-5 % off gelu, silu and sdf in 200 launches on an H100 (RESULTS.md,
 # twenty-fifth run).
 BIAS16 = True
+# Transformer blocks (a norm in front, a residual behind; fp32 I/O): the norm normalises each input row in
+# fp32 from the A fragments' values, held in registers for the whole row (all of K0's k-steps loaded before
+# any is converted: 8 registers a k-step, so rows of up to BLOCK_K0_MAX features), the statistics summed
+# across the row's quad of lanes; the residual adds x's row in the last layer's stores (o2f_wgmma_norm.cuh).
+BLOCK_K0_MAX = 128
+# Off until the GPU has run it: compiled without spills for the zoo's preln and llama and for padded, odd
+# and RMS blocks (tests/test_wgmma_build.py), not yet checked against float64 on a GPU nor timed (the
+# session that wrote it had no device time left). WgmmaOptions(blocks=True) takes it (benchmarks/
+# kernel_check.py's preln_wg, llama_wg, block*_wg cases).
+BLOCKS = False
 
 
 @dataclass(frozen=True)
@@ -312,12 +322,19 @@ def _registers(layers: list[WgmmaLayer], per_chunk: int = CHUNK_REGISTERS) -> in
                + per_chunk * max(0, l.chunks - 2) for l in layers)
 
 
-def wgmma_reason_refused(spec: MLPSpec, smem_limit: int = SMEM_LIMIT) -> str | None:
-    """Why the wgmma design cannot run this spec, or None."""
+def wgmma_reason_refused(spec: MLPSpec, smem_limit: int = SMEM_LIMIT, blocks: bool | None = None) -> str | None:
+    """Why the wgmma design cannot run this spec, or None. `blocks`: take transformer blocks (BLOCKS)."""
     if spec.layers[-1].gated:
         return "a gated last layer (no exporter writes one) runs in the mma.sync kernels only"
     if spec.has_block:
-        return "a norm in front or a residual behind (transformer block) runs in the mma.sync kernels only"
+        if not (BLOCKS if blocks is None else blocks):
+            return ("a norm in front or a residual behind (transformer block) runs in the mma.sync kernels only "
+                    "(the wgmma kernel's, plan.wgmma.BLOCKS, has not run on a GPU yet)")
+        if spec.io_dtype != "f32":
+            return "a norm in front or a residual behind (transformer block) with fp16 I/O runs in the mma.sync kernels only"
+        if spec.norm is not None and spec.layers[0].in_features > BLOCK_K0_MAX:
+            return (f"a norm in front of {spec.layers[0].in_features} features: the wgmma kernel normalises rows of up to "
+                    f"{BLOCK_K0_MAX} in registers")
     if spec.precision not in ("fp16", "bf16"):
         return (f"{spec.precision} operands: the wgmma kernel takes fp16 and bf16 (tf32 would halve the k of a "
                 "wgmma and needs another fragment layout)")
@@ -451,15 +468,16 @@ def make_wgmma_plan(spec: MLPSpec, fallback, reason: str = "", smem_limit: int =
                     staged_input: bool | None = None, bulk_input: bool | None = None,
                     quad_stores: bool | None = None, input_parts: int | None = None,
                     prescale: bool | None = None, store_rows: bool | None = None,
-                    bias16: bool | None = None) -> WgmmaPlan:
+                    bias16: bool | None = None, blocks: bool | None = None) -> WgmmaPlan:
     """The wgmma plan of `spec`, with `fallback` (its resident or streamed plan) for other GPUs. SpecError
     where the design cannot take it. `nwg`, `prefetch`, `chunk_max` (the widest chunk, a multiple of 8 up
     to CHUNK_MAX), `cluster` (streamed plans: 1, 2 or 4 CTAs sharing each chunk's copy), `stages` (ring
     slots, STAGES_MIN up to what fits; streams weights that would stay resident too), `staged_input`
     (STAGED_INPUT), `bulk_input` (BULK_INPUT), `quad_stores` (QUAD_STORES, where possible), `input_parts`
     (_input_parts, at most a pass's chunks), `prescale` (PRESCALE), `store_rows` (STORE_ROWS, where possible),
-    `bias16` (BIAS16, where a hidden layer has a packed activation): overrides of the heuristics (benchmarks)."""
-    why = wgmma_reason_refused(spec, smem_limit)
+    `bias16` (BIAS16, where a hidden layer has a packed activation), `blocks` (BLOCKS): overrides of the
+    heuristics (benchmarks)."""
+    why = wgmma_reason_refused(spec, smem_limit, blocks)
     if why:
         raise SpecError(f"{spec.describe()}: no wgmma plan: {why}")
     if fallback is None:
@@ -501,7 +519,8 @@ def make_wgmma_plan(spec: MLPSpec, fallback, reason: str = "", smem_limit: int =
     nwg, cap = (nwg, OVERRIDE_CAPS[nwg]) if nwg is not None else next((n, c) for n, c in REGISTER_CAPS if base <= c)
     k0_steps = layers[0].k_steps
     register_prefetch = min(k0_steps, PREFETCH_MAX, max(0, cap - base) // 8)   # the registers the cap leaves, 8 a k-step
-    stageable = spec.io_dtype == "f32" and spec.layers[0].in_features % IN_ROW_ALIGN == 0
+    # (a norm needs each row's k-steps in registers together: the register path)
+    stageable = spec.io_dtype == "f32" and spec.layers[0].in_features % IN_ROW_ALIGN == 0 and spec.norm is None
     # the k-steps past `prefetch` wait in shared memory: the fewest prefetched ones that let them fit
     # (silu's 256-wide rows beside a 96 KB ring: 1 in registers, 15 staged)
     if cluster is not None and cluster not in (1, 2, CLUSTER_MAX):
@@ -528,7 +547,9 @@ def make_wgmma_plan(spec: MLPSpec, fallback, reason: str = "", smem_limit: int =
         if prefetch not in fits:
             raise SpecError(f"{spec.describe()}: {nwg} staged input tiles do not fit in shared memory beside the weights")
     if prefetch is None:
-        prefetch = register_prefetch
+        # a norm holds every k-step of a tile's rows in fp32 while it sums them: no registers are left for the
+        # next tile's (preln 64 -> 256 -> 64 spilled at 255 registers with its 4 k-steps prefetched)
+        prefetch = 0 if spec.norm is not None else register_prefetch
     prefetch = max(0, min(k0_steps, prefetch))
     bias = sum(l.np_ for l in layers)
     quads = (QUAD_STORES if quad_stores is None else quad_stores) and _quads_fit(layers[-1])
