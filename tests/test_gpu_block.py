@@ -30,7 +30,7 @@ import onnx2fused  # noqa: E402
 from onnx2fused import library, passes  # noqa: E402
 from onnx2fused.loader import load_model  # noqa: E402
 from onnx2fused.plan.choose import make_plans  # noqa: E402
-from onnx2fused.plan.options import DESIGN_ENV, PlanOptions  # noqa: E402
+from onnx2fused.plan.options import DESIGN_ENV, PlanOptions, WgmmaOptions  # noqa: E402
 from onnx2fused.spec import DOMAIN  # noqa: E402
 from onnx_builders import G  # noqa: E402
 
@@ -58,8 +58,10 @@ def _stock(model_path, x, providers):
 def _fuse(src: Path, precision: str, design: str, cache_dir: Path, out: Path):
     """The block converted by a library WITH CUDA kernels, `design` forced: one fused op (norm, layers and
     residual all in it). Returns (fused model path, library path, the chain)."""
-    # the wide design with its GEMV path too: a pass of <= 16 rows runs it (batch 1 below)
-    options = PlanOptions(design="auto" if design == "fp32" else design, wgmma=False, wide_gemv=design == "wide")
+    # the wide design with its GEMV path too: a pass of <= 16 rows runs it (batch 1 below); the wgmma design
+    # with its block support asked for (plan.wgmma.BLOCKS, off by default until these tests pass on a GPU)
+    options = (PlanOptions(design="wgmma", wgmma_overrides=WgmmaOptions(blocks=True)) if design == "wgmma" else
+               PlanOptions(design="auto" if design == "fp32" else design, wgmma=False, wide_gemv=design == "wide"))
     model = load_model(str(src))
     plan = library.find_fusions(model, True, options)
     (chain,) = plan.chains
@@ -135,11 +137,11 @@ def test_zoo_block_on_cuda_ep(name, kind, precision, design, cache_dir, tmp_path
     check_block(src, fused, lib, chain, precision, label=f"{name}/{kind} {design}")
 
 
-@pytest.mark.parametrize("design", DESIGNS + ["fp32", "wide"])
+@pytest.mark.parametrize("design", DESIGNS + ["fp32", "wide", "wgmma"])
 def test_layer_norm_of_rows_with_a_large_mean_and_a_small_spread(design, cache_dir, tmp_path):
     """Rows offset + 0.1 N(0, 1): the FFN branch y - x against stock's, on the CUDA EP, in every design
     that runs a norm (norm_rows of o2f_block_norm.cuh, the fp32 kernel's normalise_row, the wide design's
-    norm pass). mean(x^2) - mean^2 in fp32 cancelled there (the CPU kernel: 22 % off at 100, NaN at 300)."""
+    norm pass, the wgmma kernel's norm_tile: on a GPU other than compute capability 9.0 its mma.sync fallback). mean(x^2) - mean^2 in fp32 cancelled there (the CPU kernel: 22 % off at 100, NaN at 300)."""
     src = ROOT / "models" / ZOO["preln"]["files"]["opset17"]["file"]
     if design == "wide":   # the zoo block is narrow: a hand-built one the wide design takes
         src = tmp_path / "wide_block.onnx"
@@ -278,3 +280,27 @@ def test_vit_base_block_in_the_wide_design(cache_dir, tmp_path, monkeypatch):
     check_block(src, fused, lib, chain, "fp16", (1, 300, 16384), label="vit-b sm90")
     monkeypatch.setenv(SM80_ENV, "sm80")
     check_block(src, fused, lib, chain, "fp16", (300,), label="vit-b sm80")
+
+
+# -- blocks in the wgmma kernel (plan.wgmma.BLOCKS: fp32 I/O, a norm over <= 128 features), asked for --------
+
+WGMMA_BLOCKS = ["k40_ln", "k72_rms", "k72_residual_alone", "k40_rms_swiglu", "k30_ln"]
+
+
+@pytest.mark.parametrize("name,precision", [(n, p) for n in ("preln", "llama") for p in ("fp16", "bf16")])
+def test_zoo_block_in_the_wgmma_kernel(name, precision, cache_dir, tmp_path):
+    """The zoo's blocks in the wgmma kernel's norm prologue and residual epilogue, against stock ORT (on a GPU
+    of another compute capability the same library runs its mma.sync fallback)."""
+    src = ROOT / "models" / ZOO[name]["files"]["opset17"]["file"]
+    fused, lib, chain = _fuse(src, precision, "wgmma", cache_dir, tmp_path / "fused.onnx")
+    check_block(src, fused, lib, chain, precision, (0, 1, 37, 129, LARGE), label=f"{name} wgmma")
+
+
+@pytest.mark.parametrize("block", WGMMA_BLOCKS)
+def test_hand_built_block_in_the_wgmma_kernel(block, cache_dir, tmp_path):
+    """Padded K0 (40, 30: odd pieces of a row in the quad's lanes), RMS norms, a residual alone, a gated
+    block, at fp16, against stock ORT."""
+    src = tmp_path / f"{block}.onnx"
+    onnx.save(block_model(**BLOCKS[block]), str(src))
+    fused, lib, chain = _fuse(src, "fp16", "wgmma", cache_dir, tmp_path / "fused.onnx")
+    check_block(src, fused, lib, chain, "fp16", (0, 1, 37, 129, LARGE), label=f"{block} wgmma")
