@@ -559,7 +559,7 @@ def test_transformer_blocks_take_wgmma_only_when_asked():
         return MLPSpec((LayerSpec(k0, 256, True, ex.gelu_erf()), LayerSpec(256, k0, True, ex.identity())), "fp16", io,
                        norm=norm, residual=True)
     assert not wgmma.BLOCKS
-    assert "has not run on a GPU yet" in choose.wgmma_refused(block(64))
+    assert "not yet validated on a GPU" in choose.wgmma_refused(block(64))
     assert choose.make_plan(block(64)).design == "resident"
     asked = PlanOptions(wgmma_overrides=WgmmaOptions(blocks=True))
     plan = choose.make_plan(block(64), asked)

@@ -329,7 +329,7 @@ def wgmma_reason_refused(spec: MLPSpec, smem_limit: int = SMEM_LIMIT, blocks: bo
     if spec.has_block:
         if not (BLOCKS if blocks is None else blocks):
             return ("a norm in front or a residual behind (transformer block) runs in the mma.sync kernels only "
-                    "(the wgmma kernel's, plan.wgmma.BLOCKS, has not run on a GPU yet)")
+                    "(the wgmma kernel's block support is not yet validated on a GPU)")
         if spec.io_dtype != "f32":
             return "a norm in front or a residual behind (transformer block) with fp16 I/O runs in the mma.sync kernels only"
         if spec.norm is not None and spec.layers[0].in_features > BLOCK_K0_MAX:
