@@ -92,6 +92,7 @@ CASES = {
     "block72_rms": (mlp([72, 120, 72], ex.silu(), "bf16", norm=RMS, residual=True), 100003),
     "block30_f16io": (mlp([30, 37, 30], ex.tanh(), io="f16", norm=LN, residual=False), 100003),
     "block37_res": (mlp([37, 64, 37], ex.relu(), residual=True), 100003),
+    "res64": (mlp([64, 256, 64], ex.gelu_erf(), residual=True), 2**20),   # ffn64 with a residual, no norm
     "block48_gres": (mlp([48, 96, 48], [ex.relu(), ex.silu()], "bf16", norm=RMS, residual=True, gated={1}), 100003),
 }
 
@@ -188,7 +189,9 @@ VARIANTS = {
     "ffn64_res": ("ffn64", ResidentOptions()),   # the zoo's ffn3d (preln's widths, no block) on mma.sync
     # transformer blocks in the wgmma design (its norm prologue, residual epilogue: plan.wgmma.BLOCKS)
     **{f"{c}_wg": (c, WgmmaOptions(blocks=True)) for c in ("preln", "preln_bf16", "llama", "block40", "block37_res",
-                                                         "block72_rms")},
+                                                         "block72_rms", "res64")},
+    # ... with the tile loaded straight into registers and the residual read from global memory (no staging)
+    **{f"{c}_wg_regs": (c, WgmmaOptions(blocks=True, staged_input=False)) for c in ("preln", "llama", "res64")},
     "ffn128_res": ("ffn128", ResidentOptions()),
     "preln_streamed": ("preln", StreamedOptions()),
     "preln_tf32_streamed": ("preln_tf32", StreamedOptions()),

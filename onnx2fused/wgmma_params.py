@@ -153,6 +153,8 @@ def wgmma_params(plan: WgmmaPlan) -> dict:
         "bias_halves": plan.bias_halves,
         "bulk_input": plan.bulk_input, "in_bar_smem_offset": plan.smem.input_bar_offset,
         "in_row_bytes": plan.input_row_bytes, "input_parts": plan.input_parts,
+        # staged tiles a warpgroup has; two: the residual reads x from the tile (o2f_wgmma_norm.cuh)
+        "in_buffers": plan.in_buffers, "residual_smem": plan.in_buffers > 1,
         "ring_chunks": sum(l.chunks for l in plan.layers),
         "image_offset": plan.image_offset, "bias_offset": plan.bias_offset,
         "workspace_bytes": plan.workspace_bytes, "fallback_bytes": plan.fallback_bytes,

@@ -206,6 +206,16 @@ template <int RB>
 __device__ __forceinline__ void bulk_staged_ks(uint32_t (&a)[4], uint32_t buf, int rin, int ks, int t2) {
   staged_frags(a, rin, ks, t2, [=](int row, int col) { return buf + row * RB + col * 4; });
 }
+// The same values unconverted (fp32, load_ks's pattern: v[2q], v[2q + 1] are the pair q of staged_frags):
+// a norm's input (o2f_wgmma_norm.cuh).
+template <int RB>
+__device__ __forceinline__ void bulk_staged_vals(float (&v)[8], uint32_t buf, int rin, int ks, int t2) {
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const uint32_t addr = buf + (rin + 8 * (q & 1)) * RB + (16 * ks + t2 + 8 * (q >> 1)) * 4;
+    asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(v[2 * q]), "=f"(v[2 * q + 1]) : "r"(addr) : "memory");
+  }
+}
 // The 128 threads of warpgroup wg (named barrier 1 + wg; barrier 0 is __syncthreads').
 __device__ __forceinline__ void wg_sync(int wg) { asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory"); }
 // k-step ks's A fragments for rows rin and rin + 8 of the swizzled staged tile (staged_frags).

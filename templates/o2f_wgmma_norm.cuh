@@ -72,4 +72,21 @@ __device__ __forceinline__ void norm_tile(float (&v)[KS][8], int t2, const float
 __device__ __forceinline__ float residual_at(const float* __restrict__ x, int64_t rows, int64_t row, int col) {
   return row < rows && col < kNOut ? __ldg(x + row * kNOut + col) : 0.0f;
 }
+// ... or, where the tile's rows are staged (plan.wgmma IN_BUFFERS_RESIDUAL: the tile's buffer stays until its
+// last layer), x's values (row, col..col + 3) or (row, col..col + 1) of the tile from its buffer `buf` (rows RB
+// bytes apart; col a multiple of 4, or of 2: aligned loads). Columns past K0 hold zeros (bulk_zero_pad); rows
+// past the batch hold stale values, whose outputs are never stored.
+template <int RB>
+__device__ __forceinline__ float4 residual4_staged(uint32_t buf, int row, int col) {
+  float4 v;
+  asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+               : "r"(buf + row * RB + col * 4) : "memory");
+  return v;
+}
+template <int RB>
+__device__ __forceinline__ float2 residual2_staged(uint32_t buf, int row, int col) {
+  float2 v;
+  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(buf + row * RB + col * 4) : "memory");
+  return v;
+}
 #endif  // O2F_WGMMA_RESIDUAL

@@ -101,7 +101,10 @@ def test_wgmma_source_compiles_to_hgmma_without_spills(spec, with_sm80, override
     assert ("tanh.approx.f16x2" in ptx90) == bool(spec.packed_layers)
     # a block: the norm's row sums across the quad (xor shuffles), one IEEE square root a row, the residual's loads
     assert ("shfl.sync.bfly" in ptx90 and "sqrt.rn.f32" in ptx90) == (spec.norm is not None)
-    assert ("residual_at" in src) == spec.residual
+    # (staged rows: x's values read from the tile's buffer, 4 or 2 at a time; else from global memory)
+    staged_res = "residual4_staged<kInRowBytes>(inb" in src or "residual2_staged<kInRowBytes>(inb" in src
+    assert staged_res == (spec.residual and plan.in_buffers == 2)
+    assert ("residual_at(x, rows" in src) == (spec.residual and plan.in_buffers == 1)
     if with_sm80:   # the sm_80 code has the packing kernels and an empty wgmma kernel
         ptx80 = (keep / "k.compute_80.ptx").read_text()
         assert "wgmma" not in ptx80.replace("wgmma_pack", "").replace("fused_wgmma", "")

@@ -266,7 +266,7 @@ def test_staged_input_where_registers_cannot_hold_the_next_tile():
     assert gelu.input_parts == 1   # resident: at the tile's start
     one = codegen.cuda_sources(wgmma.make_wgmma_plan(SILU, fallback, input_parts=1))[f"{SILU.name}_cuda.cu"]
     assert one.count("bulk_stage_tile<kK0, kStageCol0, kInRowBytes>(") == 2 and "kInRowBytes, 0, " not in one
-    assert "bulk_staged_ks<kInRowBytes>(a0[ks], inbuf, rin, ks - 1, t2)" in body and "load_ks<kK0>(v[" not in body
+    assert "bulk_staged_ks<kInRowBytes>(a0[ks], inb, rin, ks - 1, t2)" in body and "load_ks<kK0>(v[" not in body
     assert body.count("mbar_wait(inbar, in_phase)") == 2   # each tile's copies, and the last ones before leaving
     assert "cp_async_wait" not in body and "stage_tile<kK0, kStageCol0, kStageCols>" not in body
     assert "% 16 != 0) return " in src[src.index("_cuda_run("):]
@@ -551,7 +551,8 @@ def test_one_layer_of_128_outputs_takes_wgmma():
 def test_transformer_blocks_take_wgmma_only_when_asked():
     """plan.wgmma.BLOCKS (off until a GPU has run it): a norm in front and a residual behind in the wgmma kernel,
     fp32 I/O, a norm over at most BLOCK_K0_MAX features; the norm holds each row's k-steps in registers, so
-    no staged input and no next-tile prefetch."""
+    no next-tile prefetch: the tile is staged whole (BLOCK_STAGED, bulk copies of rows of K0 % 4 == 0), with
+    a residual in two buffers a warpgroup (the residual reads x there), else loaded straight into registers."""
     from onnx2fused.spec import NormSpec
     ln = NormSpec("layernorm", 1e-5, True)
 
@@ -563,7 +564,25 @@ def test_transformer_blocks_take_wgmma_only_when_asked():
     assert choose.make_plan(block(64)).design == "resident"
     asked = PlanOptions(wgmma_overrides=WgmmaOptions(blocks=True))
     plan = choose.make_plan(block(64), asked)
-    assert plan.design == "wgmma" and plan.prefetch == 0 and not plan.staged_input
+    assert plan.design == "wgmma" and plan.prefetch == 0 and plan.staged_input and plan.bulk_input
+    assert plan.in_buffers == 2 and plan.input_bytes == plan.nwg * 2 * 64 * (64 * 4 + wgmma.BULK_ROW_PAD)
+    assert plan.smem.input_bars == 2 * plan.nwg and "2 a warpgroup (the residual reads x's rows there)" in plan.describe()
+    src = codegen.cuda_sources(plan)[f"{block(64).name}_cuda.cu"]
+    assert "constexpr int kInBuffers = 2;" in src and "residual4_staged<kInRowBytes>(inb" in src and "residual_at" not in src
+    assert "bulk_staged_vals<kInRowBytes>(v[ks], inb" in src and "load_ks<kK0>(v[ks]" not in src
+    # rows of K0 % 4 != 0 cannot be bulk copied: straight into registers, the residual from global memory
+    odd = choose.make_plan(block(62), asked)
+    assert odd.design == "wgmma" and not odd.staged_input and odd.prefetch == 0
+    odd_src = codegen.cuda_sources(odd)[f"{block(62).name}_cuda.cu"]
+    assert "residual_at(x, rows" in odd_src and "load_ks<kK0>(v[ks]" in odd_src
+    # cp.async staging (bulk_input=False) cannot take a norm; a residual alone then reads x from global memory
+    forced = PlanOptions(wgmma_overrides=WgmmaOptions(blocks=True, bulk_input=False))
+    assert not choose.make_plan(block(64), forced).staged_input
+    no_norm = choose.make_plan(block(64, norm=None), asked)
+    assert no_norm.staged_input and no_norm.in_buffers == 2
+    with pytest.raises(SpecError, match="with a norm, bulk copies"):
+        wgmma.make_wgmma_plan(block(64), choose.make_plan(block(64)), staged_input=True, bulk_input=False,
+                              blocks=True)
     assert "fp16 I/O" in wgmma.wgmma_reason_refused(block(64, io="f16"), blocks=True)
     assert "normalises rows of up to 128" in wgmma.wgmma_reason_refused(block(144), blocks=True)
     residual_only = choose.make_plan(block(144, norm=None), asked)   # no norm: any K0 the design takes

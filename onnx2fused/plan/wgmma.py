@@ -119,6 +119,14 @@ BIAS16 = True
 # any is converted: 8 registers a k-step, so rows of up to BLOCK_K0_MAX features), the statistics summed
 # across the row's quad of lanes; the residual adds x's row in the last layer's stores (o2f_wgmma_norm.cuh).
 BLOCK_K0_MAX = 128
+# A block's input tiles staged (BULK_INPUT, fp32 rows of K0 % 4 == 0): the norm reads the tile's values from
+# shared memory, so the next tile's rows land a whole tile ahead, where register prefetch has no registers
+# left beside the held row (preln 64 -> 256 -> 64 spilled with its 4 k-steps prefetched; without either,
+# H100: 0.478 ms at 2^20 rows against ffn64's 0.28). With a residual each warpgroup has two tile buffers,
+# used in turn: the residual then reads x's row from the tile it computes while the next one lands in the
+# other (IN_BUFFERS_RESIDUAL).
+BLOCK_STAGED = True
+IN_BUFFERS_RESIDUAL = 2
 # Off until the GPU has run it: compiled without spills for the zoo's preln and llama and for padded, odd
 # and RMS blocks (tests/test_wgmma_build.py), not yet checked against float64 on a GPU nor timed (the
 # session that wrote it had no device time left). WgmmaOptions(blocks=True) takes it (benchmarks/
@@ -193,6 +201,7 @@ class WgmmaPlan:
     prescale: bool = False       # PRESCALE: packed activations take prescaled accumulators
     store_rows: bool = False     # STORE_ROWS: quads stored from per-tile row pointers (y 16-byte aligned, else the fallback)
     bias16: bool = False         # BIAS16: packed hidden activations add an fp16 copy of their bias after rounding
+    in_buffers: int = 1          # staged input tiles a warpgroup has (a staged block's residual: IN_BUFFERS_RESIDUAL)
 
     design = "wgmma"
     uses_scratch = False      # the kernels only read their packed weights
@@ -230,7 +239,7 @@ class WgmmaPlan:
     @property
     def input_bytes(self) -> int:
         """Shared memory of the staged input tiles: 64 rows of staged_cols fp32 values per warpgroup."""
-        return self.nwg * ROWS * self.input_row_bytes
+        return self.nwg * self.in_buffers * ROWS * self.input_row_bytes
 
     @property
     def bias_halves(self) -> int:
@@ -241,7 +250,7 @@ class WgmmaPlan:
     def smem(self) -> SmemLayout:
         """Where the kernel's shared memory holds what."""
         return SmemLayout.of(self.image_bytes, self.slot_bytes, self.stages, self.bias_floats, self.input_bytes,
-                             self.nwg if self.bulk_input else 0, self.cluster, self.bias_halves)
+                             self.nwg * self.in_buffers if self.bulk_input else 0, self.cluster, self.bias_halves)
 
     @property
     def smem_bytes(self) -> int:
@@ -267,7 +276,8 @@ class WgmmaPlan:
         inp = f"input prefetch {self.prefetch} k-steps"
         if self.staged_input:
             inp = ("input tiles staged in shared memory a tile ahead" +
-                   (f" (the first {self.prefetch} k-step(s) in registers)" if self.prefetch else ""))
+                   (f" (the first {self.prefetch} k-step(s) in registers)" if self.prefetch else "") +
+                   (f", {self.in_buffers} a warpgroup (the residual reads x's rows there)" if self.in_buffers > 1 else ""))
         return (f"wgmma (sm_90a): {self.nwg} warpgroups x 64 rows, activations in registers, {weights}, "
                 f"{self.smem_bytes // 1024} KB smem), chunks {chunks}, "
                 f"{inp}; other GPUs: {self.fallback.design} "
@@ -519,29 +529,34 @@ def make_wgmma_plan(spec: MLPSpec, fallback, reason: str = "", smem_limit: int =
     nwg, cap = (nwg, OVERRIDE_CAPS[nwg]) if nwg is not None else next((n, c) for n, c in REGISTER_CAPS if base <= c)
     k0_steps = layers[0].k_steps
     register_prefetch = min(k0_steps, PREFETCH_MAX, max(0, cap - base) // 8)   # the registers the cap leaves, 8 a k-step
-    # (a norm needs each row's k-steps in registers together: the register path)
-    stageable = spec.io_dtype == "f32" and spec.layers[0].in_features % IN_ROW_ALIGN == 0 and spec.norm is None
+    bulk = BULK_INPUT if bulk_input is None else bulk_input
+    # a norm holds each row's k-steps together in registers: its tile is staged whole (prefetch 0) by bulk
+    # copies (the template's norm reads them from there), or loaded straight into registers
+    stageable = (spec.io_dtype == "f32" and spec.layers[0].in_features % IN_ROW_ALIGN == 0
+                 and (spec.norm is None or bulk))
+    buffers = IN_BUFFERS_RESIDUAL if spec.residual and bulk else 1
     # the k-steps past `prefetch` wait in shared memory: the fewest prefetched ones that let them fit
     # (silu's 256-wide rows beside a 96 KB ring: 1 in registers, 15 staged)
     if cluster is not None and cluster not in (1, 2, CLUSTER_MAX):
         raise SpecError(f"cluster of {cluster} CTAs: 1, 2 or {CLUSTER_MAX}")
     # a chunk's slice per CTA must stay a multiple of 16 bytes (bulk copies): chunks are multiples of 256
     cluster = (cluster or CLUSTER) if stages else 1
-    bulk = BULK_INPUT if bulk_input is None else bulk_input
     def input_fits(b16: bool) -> list[int]:
-        return [p for p in range(k0_steps)
-                if _smem(layers, stages, nwg * ROWS * _input_row_bytes(16 * (k0_steps - p), bulk), nwg if bulk else 0,
-                         cluster, b16) <= smem_limit]
+        return [p for p in range(k0_steps) if spec.norm is None or p == 0
+                if _smem(layers, stages, nwg * buffers * ROWS * _input_row_bytes(16 * (k0_steps - p), bulk),
+                         nwg * buffers if bulk else 0, cluster, b16) <= smem_limit]
     fits = input_fits(bias16)
     if bias16 and bias16_default and stageable and fits[:1] != input_fits(False)[:1]:
         # the copy would hold one more of the next tile's input k-steps in registers (silu 256x6: 225 -> 233
         # registers a thread): the bias in fp32 instead
         bias16, fits = False, input_fits(False)
-    if staged_input is None:   # where registers cannot hold the next tile's whole input (and it fits)
-        staged_input = stageable and register_prefetch < k0_steps and bool(fits) and (prefetch is None or prefetch in fits)
+    if staged_input is None:   # where registers cannot hold the next tile's whole input, or a block (and it fits)
+        staged_input = (stageable and (register_prefetch < k0_steps or (BLOCK_STAGED and spec.has_block))
+                        and bool(fits) and (prefetch is None or prefetch in fits))
     if staged_input:
         if not stageable:
-            raise SpecError(f"{spec.describe()}: staged input takes fp32 rows of a multiple of {IN_ROW_ALIGN} features")
+            raise SpecError(f"{spec.describe()}: staged input takes fp32 rows of a multiple of {IN_ROW_ALIGN} features"
+                            + (" and, with a norm, bulk copies" if spec.norm is not None else ""))
         if prefetch is None and fits:
             prefetch = fits[0]
         if prefetch not in fits:
@@ -561,4 +576,4 @@ def make_wgmma_plan(spec: MLPSpec, fallback, reason: str = "", smem_limit: int =
                      quads,
                      max(1, min(_input_parts(layers, stages) if input_parts is None else input_parts,
                                 sum(l.chunks for l in layers))) if bulk_staged else 1,
-                     PRESCALE if prescale is None else prescale, store_rows, bias16)
+                     PRESCALE if prescale is None else prescale, store_rows, bias16, buffers if bulk_staged else 1)
