@@ -192,6 +192,7 @@ VARIANTS = {
                                                          "block72_rms", "res64")},
     # ... with the tile loaded straight into registers and the residual read from global memory (no staging)
     **{f"{c}_wg_regs": (c, WgmmaOptions(blocks=True, staged_input=False)) for c in ("preln", "llama", "res64")},
+    "ffn64_staged": ("ffn64", WgmmaOptions(staged_input=True)),   # its tile staged too (as res64_wg's), not in registers
     "ffn128_res": ("ffn128", ResidentOptions()),
     "preln_streamed": ("preln", StreamedOptions()),
     "preln_tf32_streamed": ("preln_tf32", StreamedOptions()),

@@ -19,7 +19,7 @@ import pytest
 from onnx2fused import codegen
 from onnx2fused import expr as ex
 from onnx2fused.plan import choose
-from onnx2fused.plan.options import PlanOptions
+from onnx2fused.plan.options import PlanOptions, WgmmaOptions
 from onnx2fused.plan.padding import norm_floats
 from onnx2fused.spec import DOMAIN, LayerSpec, MLPSpec, NormSpec
 
@@ -141,13 +141,14 @@ def test_plain_specs_render_no_block_code():
 
 
 def test_block_plans_skip_wgmma_and_take_wide_where_forced():
-    """The wgmma design refuses blocks with a reason and planning takes resident or streamed; the wide
-    design takes the block (its norm pass and residual epilogue) where forced."""
+    """The wgmma design takes blocks (plan.wgmma.BLOCKS; without, planning takes resident or streamed and
+    says why); the wide design takes the block (its norm pass and residual epilogue) where forced."""
     spec = block_spec([128, 256, 128])   # its layers alone: wgmma on Hopper (layers of >= 128 outputs)
     assert choose.make_plan(replace(spec, norm=None, residual=False)).design == "wgmma"
-    assert choose.make_plan(spec).design == "resident"
-    assert "transformer block" in choose.wgmma_refused(spec)
-    assert choose.make_plan(spec, PlanOptions(design="wgmma")).design == "resident"
+    assert choose.make_plan(spec).design == "wgmma" and choose.wgmma_refused(spec) is None
+    off = PlanOptions(wgmma_overrides=WgmmaOptions(blocks=False))
+    assert choose.make_plan(spec, off).design == "resident"
+    assert "transformer block" in choose.wgmma_refused(spec, off)
     forced = choose.make_plan(spec, PlanOptions(design="wide"))
     assert forced.design == "wide" and forced.convert_input and forced.norm_offset >= forced.gemms[-1].b_offset
 
@@ -166,7 +167,7 @@ def test_zoo_block_converts_with_cuda_kernels(name, tmp_path, monkeypatch):
     (chain,) = res.chains
     assert res.with_cuda and res.validation.passed and res.refusals == []
     assert ("_ln_" if name == "preln" else "_rms_") in chain.name and "_res_" in chain.name
-    assert "GPU: resident weights" in chain.cuda_plan
+    assert "GPU: wgmma (sm_90a)" in chain.cuda_plan and "other GPUs: resident" in chain.cuda_plan
     fused = onnx.load(res.output_path)
     assert [n.domain for n in fused.graph.node] == [DOMAIN]
     node = fused.graph.node[0]

@@ -22,7 +22,7 @@ from onnx2fused.library import block_refusal, find_fusions, fusion_refusals
 from onnx2fused.loader import load_model
 from onnx2fused.passes import block_key, find_chains
 from onnx2fused.plan.choose import make_plan, wgmma_refused, wide_plan
-from onnx2fused.plan.options import PlanOptions
+from onnx2fused.plan.options import PlanOptions, WgmmaOptions
 from onnx2fused.plan.wide import WIDE_RESIDUAL_ACT, WIDE_RESIDUAL_NARROW
 from onnx2fused.spec import BLOCK_NO_CUDA, DOMAIN, LayerSpec, MLPSpec, NormSpec, SpecError
 from onnx2fused import expr as ex
@@ -356,14 +356,16 @@ def test_cuda_library_fuses_norm_and_residual():
 @pytest.mark.parametrize("name", ["preln", "llama"])
 def test_cuda_library_zoo_blocks(name, kind):
     """preln (LayerNorm, GELU FFN) and LLaMA's block (RMSNorm, gated SwiGLU): one chain with the norm
-    and the residual, on a CUDA library too; a fused kernel plans it at every precision."""
+    and the residual, on a CUDA library too; a fused kernel plans it at every precision (fp16 and bf16 on
+    Hopper: the wgmma kernel, its hidden layer >= 128 wide)."""
     m = _zoo_model(name, kind)
     plan = find_fusions(m, True, WIDE)
     (c,) = plan.chains
     assert plan.refusals == [] and c.norm is not None and c.residual
     assert list(c.widths) == ZOO[name]["widths"]
     for precision in ("fp16", "bf16", "tf32", "fp32"):
-        assert make_plan(c.to_spec(precision), WIDE).design in ("resident", "streamed", "fp32")
+        want = ("wgmma",) if precision in ("fp16", "bf16") else ("resident", "streamed", "fp32")
+        assert make_plan(c.to_spec(precision), WIDE).design in want
 
 
 def test_refused_block_keeps_norm_and_residual_stock():
@@ -453,14 +455,17 @@ def test_forced_wide_takes_blocks_but_not_a_narrow_residual():
 
 
 def test_plan_takes_a_block_spec():
-    """make_plan plans a block in the fused kernels and the wide design; wgmma refuses it with a reason."""
+    """make_plan plans a block in the fused kernels, the wgmma kernel (forced here: its hidden layer is narrow)
+    and the wide design; wgmma with its block support off refuses it with a reason, and fp16 I/O."""
     layers = (LayerSpec(K, H, True, ex.relu()), LayerSpec(H, K, True, ex.identity()))
     ln = MLPSpec(layers, norm=NormSpec("layernorm", 1e-5, True), residual=True)
     assert make_plan(ln).design == "resident"
     assert make_plan(replace(ln, precision="fp32")).design == "fp32"
     assert make_plan(ln, PlanOptions(design="streamed")).design == "streamed"
-    assert make_plan(ln, PlanOptions(design="wgmma")).design == "resident"
-    assert "transformer block" in wgmma_refused(ln)
+    assert make_plan(ln, PlanOptions(design="wgmma")).design == "wgmma" and wgmma_refused(ln) is None
+    off = PlanOptions(design="wgmma", wgmma_overrides=WgmmaOptions(blocks=False))
+    assert make_plan(ln, off).design == "resident" and "transformer block" in wgmma_refused(ln, off)
+    assert "fp16 I/O" in wgmma_refused(replace(ln, io_dtype="f16"))
     with pytest.raises(SpecError, match="a residual after a last layer of at most 8 outputs"):
         wide_plan(MLPSpec(layers, residual=True))
     wide40 = (LayerSpec(40, H, True, ex.relu()), LayerSpec(H, 40, True, ex.identity()))

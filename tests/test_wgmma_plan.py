@@ -548,22 +548,26 @@ def test_one_layer_of_128_outputs_takes_wgmma():
         assert plan.design == "resident" and "no hidden layer of >= 128 outputs" in plan_text(narrow, plan)
 
 
-def test_transformer_blocks_take_wgmma_only_when_asked():
-    """plan.wgmma.BLOCKS (off until a GPU has run it): a norm in front and a residual behind in the wgmma kernel,
-    fp32 I/O, a norm over at most BLOCK_K0_MAX features; the norm holds each row's k-steps in registers, so
-    no next-tile prefetch: the tile is staged whole (BLOCK_STAGED, bulk copies of rows of K0 % 4 == 0), with
-    a residual in two buffers a warpgroup (the residual reads x there), else loaded straight into registers."""
+def test_transformer_blocks_take_wgmma():
+    """plan.wgmma.BLOCKS (on since an H100 checked it): a norm in front and a residual behind in the wgmma
+    kernel, fp32 I/O, a norm over at most BLOCK_K0_MAX features; the norm holds each row's k-steps in
+    registers, so no next-tile prefetch: the tile is staged whole (BLOCK_STAGED, bulk copies of rows of
+    K0 % 4 == 0), with a residual in two buffers a warpgroup (the residual reads x there), else loaded
+    straight into registers. WgmmaOptions(blocks=False) keeps a block on mma.sync."""
     from onnx2fused.spec import NormSpec
     ln = NormSpec("layernorm", 1e-5, True)
 
     def block(k0, io="f32", norm=ln):
         return MLPSpec((LayerSpec(k0, 256, True, ex.gelu_erf()), LayerSpec(256, k0, True, ex.identity())), "fp16", io,
                        norm=norm, residual=True)
-    assert not wgmma.BLOCKS
-    assert "not yet validated on a GPU" in choose.wgmma_refused(block(64))
-    assert choose.make_plan(block(64)).design == "resident"
+    assert wgmma.BLOCKS and choose.wgmma_refused(block(64)) is None
+    plan = choose.make_plan(block(64))
+    assert plan.design == "wgmma" and "chosen" in plan.reason
+    off = PlanOptions(wgmma_overrides=WgmmaOptions(blocks=False))
+    assert "switched off" in wgmma.wgmma_reason_refused(block(64), blocks=False)
+    assert choose.make_plan(block(64), off).design == "resident"
     asked = PlanOptions(wgmma_overrides=WgmmaOptions(blocks=True))
-    plan = choose.make_plan(block(64), asked)
+    assert choose.make_plan(block(64), asked) == plan
     assert plan.design == "wgmma" and plan.prefetch == 0 and plan.staged_input and plan.bulk_input
     assert plan.in_buffers == 2 and plan.input_bytes == plan.nwg * 2 * 64 * (64 * 4 + wgmma.BULK_ROW_PAD)
     assert plan.smem.input_bars == 2 * plan.nwg and "2 a warpgroup (the residual reads x's rows there)" in plan.describe()

@@ -141,7 +141,7 @@ def wgmma_refused(spec: MLPSpec, options: PlanOptions = DEFAULT_OPTIONS) -> str 
     """Why the wgmma design cannot run `spec` (None: it can), for `inspect` and the tests."""
     if spec.precision not in fused.ELEM_BYTES:
         return f"{spec.precision} has no tensor-core kernel"
-    return wgmma.wgmma_reason_refused(spec, options.smem_limit or fused.SMEM_LIMIT)
+    return wgmma.wgmma_reason_refused(spec, options.smem_limit or fused.SMEM_LIMIT, options.wgmma_overrides.blocks)
 
 
 def wgmma_note(spec: MLPSpec, plan: Plan) -> str:
