@@ -584,6 +584,14 @@ def test_transformer_blocks_take_wgmma():
     assert not choose.make_plan(block(64), forced).staged_input
     no_norm = choose.make_plan(block(64, norm=None), asked)
     assert no_norm.staged_input and no_norm.in_buffers == 2
+    # the residual reads the tile's whole row: where two buffers of whole rows do not fit, no staging (a
+    # staged tile holds only the columns past the prefetched k-steps)
+    for k0, hidden in ((72, 120), (72, 256), (40, 100), (128, 256), (64, 128), (96, 200)):
+        for norm in (ln, None):
+            p = choose.make_plan(MLPSpec((LayerSpec(k0, hidden, True, ex.silu()), LayerSpec(hidden, k0, True, ex.identity())),
+                                         "fp16", "f32", norm=norm, residual=True), PlanOptions(design="wgmma"))
+            assert p.design == "wgmma" and (p.in_buffers == 2) == p.staged_input, (k0, hidden, norm)
+            assert not p.staged_input or (p.prefetch == 0 and p.staged_cols == p.layers[0].kp), (k0, hidden, norm)
     with pytest.raises(SpecError, match="with a norm, bulk copies"):
         wgmma.make_wgmma_plan(block(64), choose.make_plan(block(64)), staged_input=True, bulk_input=False,
                               blocks=True)

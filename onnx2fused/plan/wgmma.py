@@ -536,6 +536,8 @@ def make_wgmma_plan(spec: MLPSpec, fallback, reason: str = "", smem_limit: int =
     stageable = (spec.io_dtype == "f32" and spec.layers[0].in_features % IN_ROW_ALIGN == 0
                  and (spec.norm is None or bulk))
     buffers = IN_BUFFERS_RESIDUAL if spec.residual and bulk else 1
+    # the norm's sums and the residual's reads take the whole row from the tile: none of it in registers
+    whole_rows = spec.norm is not None or buffers > 1
     # the k-steps past `prefetch` wait in shared memory: the fewest prefetched ones that let them fit
     # (silu's 256-wide rows beside a 96 KB ring: 1 in registers, 15 staged)
     if cluster is not None and cluster not in (1, 2, CLUSTER_MAX):
@@ -543,7 +545,7 @@ def make_wgmma_plan(spec: MLPSpec, fallback, reason: str = "", smem_limit: int =
     # a chunk's slice per CTA must stay a multiple of 16 bytes (bulk copies): chunks are multiples of 256
     cluster = (cluster or CLUSTER) if stages else 1
     def input_fits(b16: bool) -> list[int]:
-        return [p for p in range(k0_steps) if spec.norm is None or p == 0
+        return [p for p in range(k0_steps) if not whole_rows or p == 0
                 if _smem(layers, stages, nwg * buffers * ROWS * _input_row_bytes(16 * (k0_steps - p), bulk),
                          nwg * buffers if bulk else 0, cluster, b16) <= smem_limit]
     fits = input_fits(bias16)
