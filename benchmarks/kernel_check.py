@@ -192,7 +192,9 @@ VARIANTS = {
                                                          "block72_rms", "res64")},
     # ... with the tile loaded straight into registers and the residual read from global memory (no staging)
     **{f"{c}_wg_regs": (c, WgmmaOptions(blocks=True, staged_input=False)) for c in ("preln", "llama", "res64")},
-    "ffn64_staged": ("ffn64", WgmmaOptions(staged_input=True)),   # its tile staged too (as res64_wg's), not in registers
+    # the two chains whose next tile sits in registers (4 k-steps, 2 warpgroups), staged in shared memory instead
+    "ffn64_staged": ("ffn64", WgmmaOptions(staged_input=True)),
+    "glu64_staged": ("glu64", WgmmaOptions(staged_input=True)),
     "ffn128_res": ("ffn128", ResidentOptions()),
     "preln_streamed": ("preln", StreamedOptions()),
     "preln_tf32_streamed": ("preln_tf32", StreamedOptions()),
