@@ -40,7 +40,7 @@ AUTO_WGMMA = PlanOptions(wgmma=True)     # auto (the default), wgmma allowed
 
 
 @pytest.mark.parametrize("spec,nwg,prefetch,staged,chunks", [
-    (NERF, 4, 2, False, (64, 64, 64, 64, 16)),   # its 2 input k-steps fit the registers
+    (NERF, 4, 0, True, (64, 64, 64, 64, 16)),    # its 2 input k-steps would fit the registers: staged (STAGED_WHOLE)
     (GELU, 4, 0, True, (64, 64, 64, 64, 64)),    # 4 do not: the next tile's input waits in shared memory
     (SDF, 4, 0, False, (64, 64, 64, 64, 8)),     # K0 = 3: no 16-byte copies of its rows
     (_spec([3, 128, 128, 128, 128, 1], ex.tanh(), io="f16"), 4, 0, False, (64, 64, 64, 64, 8)),
@@ -242,8 +242,14 @@ def test_staged_input_where_registers_cannot_hold_the_next_tile():
     mbarrier; bulk_input=False copies 16-byte pieces by cp.async into swizzled rows. Either way the tile is
     read back as A fragments before a warpgroup barrier, and a call whose x is not 16-byte aligned runs the
     fallback. staged_input=False keeps the register prefetch; True is refused for fp16 rows and for rows
-    of K0 % 4 != 0 (16-byte copies)."""
-    assert choose.make_plan(SILU).staged_input and not choose.make_plan(NERF, WGMMA).staged_input
+    of K0 % 4 != 0 (16-byte copies). Where the registers could hold the whole tile, a chain without a gated
+    layer stages it too (STAGED_WHOLE), a gated one keeps it in registers."""
+    assert choose.make_plan(SILU).staged_input and choose.make_plan(NERF, WGMMA).staged_input
+    glu64 = MLPSpec((LayerSpec(64, 256, True, ex.silu(), gated=True), LayerSpec(256, 64, True, ex.identity())), "fp16", "f32")
+    regs = choose.make_plan(glu64, WGMMA)
+    assert regs.design == "wgmma" and not regs.staged_input and regs.prefetch == regs.layers[0].k_steps == 4
+    nerf_regs = wgmma.make_wgmma_plan(NERF, choose.make_plan(NERF), staged_input=False)   # (auto: mma.sync, the fallback)
+    assert not nerf_regs.staged_input and nerf_regs.prefetch == 2
     fallback = choose.make_plan(SILU).fallback
     silu = wgmma.make_wgmma_plan(SILU, fallback)
     row = 240 * 4 + wgmma.BULK_ROW_PAD

@@ -82,8 +82,12 @@ CLUSTER_MAX = 4
 # register prefetch holds at most PREFETCH_MAX k-steps (silu's 256-wide rows: 2 of 16; its warps' top stall
 # was the input's loads). The default where the registers cannot hold the next tile's whole input and the
 # tiles fit (H100, kernel alone: silu 256x4 at 2^18 rows 0.372 -> 0.332 ms, gelu 128x4 0.343 -> 0.343,
-# RESULTS.md twentieth run). fp32 rows of K0 % 4 == 0 only (16-byte copies of whole rows' chunks); a call
-# whose x is not 16-byte aligned runs the mma.sync fallback.
+# RESULTS.md twentieth run), and (STAGED_WHOLE) for chains without a gated layer even where the registers
+# could hold it (ffn64, 64 -> GELU 256 -> 64, 2 warpgroups: 0.279 -> 0.250 ms, its registers no longer at the
+# cap of 255; a gated one, glu64 64 -> SwiGLU 256 -> 64, went 0.340 -> 0.363, so gated chains keep their
+# registers: RESULTS.md, thirty-third run). fp32 rows of K0 % 4 == 0 only (16-byte copies of whole rows'
+# chunks); a call whose x is not 16-byte aligned runs the mma.sync fallback.
+STAGED_WHOLE = True
 IN_ROW_ALIGN = 4          # K0 % IN_ROW_ALIGN == 0: a row's 16-byte chunks start 16-byte aligned
 # BULK_INPUT: the staged tile's rows copied by cp.async.bulk, one copy a row issued by one thread each and
 # completing on the warpgroup's mbarrier, instead of 16-byte cp.async copies by every thread. The rows sit
@@ -553,8 +557,10 @@ def make_wgmma_plan(spec: MLPSpec, fallback, reason: str = "", smem_limit: int =
         # the copy would hold one more of the next tile's input k-steps in registers (silu 256x6: 225 -> 233
         # registers a thread): the bias in fp32 instead
         bias16, fits = False, input_fits(False)
-    if staged_input is None:   # where registers cannot hold the next tile's whole input, or a block (and it fits)
-        staged_input = (stageable and (register_prefetch < k0_steps or (BLOCK_STAGED and spec.has_block))
+    if staged_input is None:   # where registers cannot hold the next tile's whole input, a block, or not gated (and it fits)
+        gated = any(l.gated for l in layers)
+        staged_input = (stageable and (register_prefetch < k0_steps or (BLOCK_STAGED and spec.has_block)
+                                       or (STAGED_WHOLE and not gated))
                         and bool(fits) and (prefetch is None or prefetch in fits))
     if staged_input:
         if not stageable:
