@@ -150,6 +150,9 @@ def wgmma_params(plan: WgmmaPlan) -> dict:
         # a block's norm parameters: the fallback's packed bias array holds them (its pack runs first)
         "norm_params_bytes": (plan.fallback.weight_elems * elem_bytes(spec) + 4 * plan.fallback.norm_offset
                               if spec.norm is not None else 0),
+        # ... copied by the pack after the layers' bias in the wgmma bias array (scale, then bias, kp floats
+        # each), which the kernel holds in shared memory
+        "norm_at": sum(l.np_ for l in plan.layers), "norm_kp": plan.layers[0].kp,
         "bias_halves": plan.bias_halves,
         "bulk_input": plan.bulk_input, "in_bar_smem_offset": plan.smem.input_bar_offset,
         "in_row_bytes": plan.input_row_bytes, "input_parts": plan.input_parts,

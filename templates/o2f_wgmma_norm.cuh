@@ -1,7 +1,7 @@
 // o2f_wgmma_norm.cuh: a transformer block in the wgmma kernel (plan/wgmma.py, BLOCK_K0_MAX): the norm of each
 // input row in front, the residual add of x behind. Static device code included inside the generated kernel's
 // anonymous namespace after o2f_wgmma.cuh (its load_ks pattern) and, with a norm, the constants kNormK0,
-// kNormEps, kNormLayer, kNormBias, kNormRoundHalf and kNormBiasOffset; fp32 I/O (in_t is float).
+// kNormEps, kNormLayer, kNormBias, kNormRoundHalf and kNormKp; fp32 I/O (in_t is float).
 //
 // The norm works on the A fragments' values of a tile's rows: a thread's load_ks values of every k-step of
 // rows r and r + 8 (columns 16 ks + t2 + {0, 1, 8, 9}), all k-steps in registers before any is converted;
@@ -28,9 +28,9 @@ __device__ __forceinline__ constexpr int norm_idx(int h, int j) { return 2 * h +
 __device__ __forceinline__ constexpr int norm_col(int j) { return (j & 1) + 8 * (j >> 1); }
 
 // The KS k-steps' values of a thread's two rows, normalised in place; `params`: the norm's scale, then its
-// bias at kNormBiasOffset (the fallback's packed bias array, global memory).
+// bias kNormKp floats on (shared memory, zero-padded; a thread's columns come in pairs: one 8-byte load each).
 template <int KS>
-__device__ __forceinline__ void norm_tile(float (&v)[KS][8], int t2, const float* __restrict__ params) {
+__device__ __forceinline__ void norm_tile(float (&v)[KS][8], int t2, const float* params) {
   const float k0 = static_cast<float>(kNormK0);
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -57,11 +57,14 @@ __device__ __forceinline__ void norm_tile(float (&v)[KS][8], int t2, const float
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks)
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int c = 16 * ks + t2 + norm_col(j);
-        float& x = v[ks][norm_idx(h, j)];
-        x = c < kNormK0 ? norm_value(x, mean, b, __ldg(params + c), kNormBias ? __ldg(params + kNormBiasOffset + c) : 0.0f)
-                        : 0.0f;
+      for (int p = 0; p < 2; ++p) {   // columns c and c + 1
+        const int c = 16 * ks + t2 + 8 * p;
+        const float2 sc = *reinterpret_cast<const float2*>(params + c);
+        const float2 bi = kNormBias ? *reinterpret_cast<const float2*>(params + kNormKp + c) : make_float2(0.0f, 0.0f);
+        float& x0 = v[ks][norm_idx(h, 2 * p)];
+        float& x1 = v[ks][norm_idx(h, 2 * p + 1)];
+        x0 = c < kNormK0 ? norm_value(x0, mean, b, sc.x, bi.x) : 0.0f;
+        x1 = c + 1 < kNormK0 ? norm_value(x1, mean, b, sc.y, bi.y) : 0.0f;
       }
   }
 }

@@ -357,7 +357,7 @@ def wgmma_reason_refused(spec: MLPSpec, smem_limit: int = SMEM_LIMIT, blocks: bo
         if max(l.in_features, l.out_features) > WIDTH_MAX:
             return f"layer {i} is {l.in_features} -> {l.out_features}: the wgmma kernel takes layers up to {WIDTH_MAX} wide"
     layers = _layers(spec)
-    stages = _stages(layers, smem_limit)
+    stages = _stages(layers, smem_limit, norm_floats=2 * layers[0].kp if spec.norm is not None else 0)
     if stages is None:
         return (f"its padded {spec.precision} weights ({_image_bytes(layers) // 1024} KB) do not stay resident in "
                 f"{smem_limit // 1024} KB of shared memory, and a ring of {STAGES_MIN} of its "
@@ -453,11 +453,11 @@ class SmemLayout:
 
 
 def _smem(layers: list[WgmmaLayer], stages: int = 0, input_bytes: int = 0, input_bars: int = 0, cluster: int = 1,
-          bias16: bool = False) -> int:
+          bias16: bool = False, norm_floats: int = 0) -> int:
     """Bytes of dynamic shared memory with `stages` ring slots (0: the image resident), `input_bytes` of
     staged input tiles and `input_bars` mbarriers for them, in a cluster of `cluster` CTAs (BIAS16: with
-    the bias's fp16 copy)."""
-    return SmemLayout.of(_image_bytes(layers), _slot_bytes(layers), stages, sum(l.np_ for l in layers),
+    the bias's fp16 copy; a norm's parameters, `norm_floats`, after the layers' bias)."""
+    return SmemLayout.of(_image_bytes(layers), _slot_bytes(layers), stages, sum(l.np_ for l in layers) + norm_floats,
                          input_bytes, input_bars, cluster, _bias_halves(layers, bias16)).bytes
 
 
@@ -468,12 +468,14 @@ def _bias_halves(layers: list[WgmmaLayer], bias16: bool) -> int:
     return layers[-1].bias_offset if bias16 else 0
 
 
-def _stages(layers: list[WgmmaLayer], smem_limit: int, resident: bool = True, bias16: bool = False) -> int | None:
+def _stages(layers: list[WgmmaLayer], smem_limit: int, resident: bool = True, bias16: bool = False,
+            norm_floats: int = 0) -> int | None:
     """0 where the image stays resident (and `resident`), else the most ring slots (up to STAGES_MAX) that
     fit; None where not even STAGES_MIN do."""
-    if resident and _smem(layers, bias16=bias16) <= smem_limit:
+    if resident and _smem(layers, bias16=bias16, norm_floats=norm_floats) <= smem_limit:
         return 0
-    fits = [s for s in range(STAGES_MIN, STAGES_MAX + 1) if _smem(layers, s, bias16=bias16) <= smem_limit]
+    fits = [s for s in range(STAGES_MIN, STAGES_MAX + 1)
+            if _smem(layers, s, bias16=bias16, norm_floats=norm_floats) <= smem_limit]
     return fits[-1] if fits else None
 
 
@@ -500,20 +502,24 @@ def make_wgmma_plan(spec: MLPSpec, fallback, reason: str = "", smem_limit: int =
     if chunk_max is not None and (chunk_max % 8 or not 8 <= chunk_max <= CHUNK_MAX):
         raise SpecError(f"chunk width {chunk_max}: a multiple of 8 up to {CHUNK_MAX}")
     layers = _layers(spec, chunk_max or CHUNK_MAX)
+    # a norm's scale and bias (first layer's K each, zero-padded) after the layers' bias: in shared memory with
+    # it, read as pairs (the fallback's packed copy in global memory took two loads a value per tile)
+    norm_floats = 2 * layers[0].kp if spec.norm is not None else 0
     # fp16 bias adds where a hidden layer's activation is packed (the others add in fp32 as before); by
     # default not where the fp16 copy's few KB would take the weights out of residency or a ring slot away
     # (nor, below, an input k-step out of shared memory)
     bias16_default = bias16 is None
     if bias16_default:
-        bias16 = BIAS16 and spec.bias16 and _stages(layers, smem_limit, bias16=True) == _stages(layers, smem_limit)
+        bias16 = BIAS16 and spec.bias16 and (_stages(layers, smem_limit, bias16=True, norm_floats=norm_floats)
+                                             == _stages(layers, smem_limit, norm_floats=norm_floats))
     bias16 = bias16 and spec.bias16   # (packed hidden layers, act_math "packed")
-    most = _stages(layers, smem_limit, bias16=bias16)
+    most = _stages(layers, smem_limit, bias16=bias16, norm_floats=norm_floats)
     if most is None:   # a narrower chunk_max (or the fp16 bias copy) may leave too many chunks for the ring
         what = " and ".join(w for w in (f"chunks of {chunk_max}" if chunk_max else "",
                                         "the fp16 bias copy" if bias16 else "") if w)
         raise SpecError(f"{spec.describe()}: no wgmma plan{' with ' + what if what else ''}: the ring does not fit")
     if stages is not None:   # an override streams even weights that would stay resident
-        most = _stages(layers, smem_limit, resident=False, bias16=bias16) or 0
+        most = _stages(layers, smem_limit, resident=False, bias16=bias16, norm_floats=norm_floats) or 0
         if not STAGES_MIN <= stages <= most:
             raise SpecError(f"{spec.describe()}: a ring of {stages} slots: {STAGES_MIN} to {most} fit")
     else:
@@ -551,7 +557,7 @@ def make_wgmma_plan(spec: MLPSpec, fallback, reason: str = "", smem_limit: int =
     def input_fits(b16: bool) -> list[int]:
         return [p for p in range(k0_steps) if not whole_rows or p == 0
                 if _smem(layers, stages, nwg * buffers * ROWS * _input_row_bytes(16 * (k0_steps - p), bulk),
-                         nwg * buffers if bulk else 0, cluster, b16) <= smem_limit]
+                         nwg * buffers if bulk else 0, cluster, b16, norm_floats) <= smem_limit]
     fits = input_fits(bias16)
     if bias16 and bias16_default and stageable and fits[:1] != input_fits(False)[:1]:
         # the copy would hold one more of the next tile's input k-steps in registers (silu 256x6: 225 -> 233
@@ -575,7 +581,7 @@ def make_wgmma_plan(spec: MLPSpec, fallback, reason: str = "", smem_limit: int =
         # next tile's (preln 64 -> 256 -> 64 spilled at 255 registers with its 4 k-steps prefetched)
         prefetch = 0 if spec.norm is not None else register_prefetch
     prefetch = max(0, min(k0_steps, prefetch))
-    bias = sum(l.np_ for l in layers)
+    bias = sum(l.np_ for l in layers) + norm_floats
     quads = (QUAD_STORES if quad_stores is None else quad_stores) and _quads_fit(layers[-1])
     store_rows = (STORE_ROWS if store_rows is None else store_rows) and quads and spec.layers[-1].out_features % 4 == 0
     bulk_staged = bool(staged_input) and bulk
