@@ -133,8 +133,9 @@ BLOCK_STAGED = True
 IN_BUFFERS_RESIDUAL = 2
 # Checked against float64 on an H100 (kernel_check: 0 to 1000003 rows; and against stock ORT, test_gpu_block)
 # and on by default since; the cost rule (cost.wgmma_wins) then takes the zoo's preln and llama here. H100,
-# kernel alone, 2^20 rows: preln 64 -> 256 -> 64 0.692 ms on mma.sync -> 0.316 (1.76x its floor), llama
-# 0.503 -> 0.222 (1.24x), with the tile staged (BLOCK_STAGED; RESULTS.md, thirty-third run).
+# kernel alone, 2^20 rows: preln 64 -> 256 -> 64 0.692 ms on mma.sync -> 0.295 (1.65x its floor), llama
+# 0.503 -> 0.215 (1.20x), with the tile staged (BLOCK_STAGED) and the norm's parameters in shared memory
+# (RESULTS.md, thirty-third run).
 # WgmmaOptions(blocks=False) keeps blocks on the mma.sync kernels (comparisons).
 BLOCKS = True
 
