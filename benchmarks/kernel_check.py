@@ -93,6 +93,9 @@ CASES = {
     "block30_f16io": (mlp([30, 37, 30], ex.tanh(), io="f16", norm=LN, residual=False), 100003),
     "block37_res": (mlp([37, 64, 37], ex.relu(), residual=True), 100003),
     "res64": (mlp([64, 256, 64], ex.gelu_erf(), residual=True), 2**20),   # ffn64 with a residual, no norm
+    # too wide for two staged tiles a warpgroup: one, with k-steps prefetched, the residual from global memory
+    "res200": (mlp([200, 256, 200], ex.gelu_erf(), residual=True), 2**19),
+    "block72_rms_1m": (mlp([72, 120, 72], ex.silu(), "bf16", norm=RMS, residual=True), 2**20),   # ... whole rows
     "block48_gres": (mlp([48, 96, 48], [ex.relu(), ex.silu()], "bf16", norm=RMS, residual=True, gated={1}), 100003),
 }
 
@@ -189,9 +192,10 @@ VARIANTS = {
     "ffn64_res": ("ffn64", ResidentOptions()),   # the zoo's ffn3d (preln's widths, no block) on mma.sync
     # transformer blocks in the wgmma design (its norm prologue, residual epilogue: plan.wgmma.BLOCKS)
     **{f"{c}_wg": (c, WgmmaOptions(blocks=True)) for c in ("preln", "preln_bf16", "llama", "block40", "block37_res",
-                                                         "block72_rms", "res64")},
+                                                         "block72_rms", "res64", "res200", "block72_rms_1m")},
     # ... with the tile loaded straight into registers and the residual read from global memory (no staging)
-    **{f"{c}_wg_regs": (c, WgmmaOptions(blocks=True, staged_input=False)) for c in ("preln", "llama", "res64")},
+    **{f"{c}_wg_regs": (c, WgmmaOptions(blocks=True, staged_input=False)) for c in ("preln", "llama", "res64", "res200",
+                                                                                "block72_rms_1m")},
     # the two chains whose next tile sits in registers (4 k-steps, 2 warpgroups), staged in shared memory instead
     "ffn64_staged": ("ffn64", WgmmaOptions(staged_input=True)),
     "glu64_staged": ("glu64", WgmmaOptions(staged_input=True)),

@@ -590,14 +590,28 @@ def test_transformer_blocks_take_wgmma():
     assert not choose.make_plan(block(64), forced).staged_input
     no_norm = choose.make_plan(block(64, norm=None), asked)
     assert no_norm.staged_input and no_norm.in_buffers == 2
-    # the residual reads the tile's whole row: where two buffers of whole rows do not fit, no staging (a
-    # staged tile holds only the columns past the prefetched k-steps)
-    for k0, hidden in ((72, 120), (72, 256), (40, 100), (128, 256), (64, 128), (96, 200)):
-        for norm in (ln, None):
-            p = choose.make_plan(MLPSpec((LayerSpec(k0, hidden, True, ex.silu()), LayerSpec(hidden, k0, True, ex.identity())),
-                                         "fp16", "f32", norm=norm, residual=True), PlanOptions(design="wgmma"))
-            assert p.design == "wgmma" and (p.in_buffers == 2) == p.staged_input, (k0, hidden, norm)
-            assert not p.staged_input or (p.prefetch == 0 and p.staged_cols == p.layers[0].kp), (k0, hidden, norm)
+    # the residual reads the tile's whole row from two buffers; where those do not fit, one buffer and the
+    # residual from global memory, its rows whole only for a norm (a staged tile holds only the columns past
+    # the prefetched k-steps, which the residual must not read from there)
+    buffers_seen = set()
+    for k0, hidden, norm in ((72, 120, ln), (72, 256, ln), (40, 100, ln), (128, 256, ln), (64, 128, ln),
+                             (96, 200, ln), (72, 120, None), (96, 200, None), (200, 256, None)):
+        spec = MLPSpec((LayerSpec(k0, hidden, True, ex.silu()), LayerSpec(hidden, k0, True, ex.identity())),
+                       "fp16", "f32", norm=norm, residual=True)
+        p = choose.make_plan(spec, PlanOptions(design="wgmma"))
+        assert p.design == "wgmma" and p.staged_input, (k0, hidden, norm)
+        src = codegen.cuda_sources(p)[f"{spec.name}_cuda.cu"]
+        whole = p.prefetch == 0 and p.staged_cols == p.layers[0].kp
+        if p.in_buffers == 2:
+            assert whole and "_staged<kInRowBytes>(inb" in src and "residual_at" not in src, (k0, hidden, norm)
+        else:
+            assert p.in_buffers == 1 and "residual_at(x, rows" in src and "_staged<kInRowBytes>(inb" not in src, (k0, hidden, norm)
+            assert whole or norm is None, (k0, hidden, norm)
+            # the one buffer is the fallback: two would not fit
+            two_whole = 2 * p.nwg * 64 * wgmma._input_row_bytes(p.layers[0].kp, True)
+            assert p.smem_bytes - p.input_bytes + two_whole > wgmma.SMEM_LIMIT, (k0, hidden, norm)
+        buffers_seen.add((p.in_buffers, whole))
+    assert buffers_seen >= {(2, True), (1, True), (1, False)}   # every form taken by some width
     with pytest.raises(SpecError, match="with a norm, bulk copies"):
         wgmma.make_wgmma_plan(block(64), choose.make_plan(block(64)), staged_input=True, bulk_input=False,
                               blocks=True)

@@ -547,23 +547,28 @@ def make_wgmma_plan(spec: MLPSpec, fallback, reason: str = "", smem_limit: int =
     stageable = (spec.io_dtype == "f32" and spec.layers[0].in_features % IN_ROW_ALIGN == 0
                  and (spec.norm is None or bulk))
     buffers = IN_BUFFERS_RESIDUAL if spec.residual and bulk else 1
-    # the norm's sums and the residual's reads take the whole row from the tile: none of it in registers
-    whole_rows = spec.norm is not None or buffers > 1
     # the k-steps past `prefetch` wait in shared memory: the fewest prefetched ones that let them fit
     # (silu's 256-wide rows beside a 96 KB ring: 1 in registers, 15 staged)
     if cluster is not None and cluster not in (1, 2, CLUSTER_MAX):
         raise SpecError(f"cluster of {cluster} CTAs: 1, 2 or {CLUSTER_MAX}")
     # a chunk's slice per CTA must stay a multiple of 16 bytes (bulk copies): chunks are multiples of 256
     cluster = (cluster or CLUSTER) if stages else 1
-    def input_fits(b16: bool) -> list[int]:
+    def input_fits(b16: bool, buffers: int) -> list[int]:
+        # the norm's sums and the residual's reads from the tile take the whole row there: none in registers
+        whole_rows = spec.norm is not None or buffers > 1
         return [p for p in range(k0_steps) if not whole_rows or p == 0
                 if _smem(layers, stages, nwg * buffers * ROWS * _input_row_bytes(16 * (k0_steps - p), bulk),
                          nwg * buffers if bulk else 0, cluster, b16, norm_floats) <= smem_limit]
-    fits = input_fits(bias16)
-    if bias16 and bias16_default and stageable and fits[:1] != input_fits(False)[:1]:
+    fits = input_fits(bias16, buffers)
+    if not fits and buffers > 1:
+        # two whole tiles a warpgroup do not fit beside the weights: one, the residual then read from global
+        # memory as the register path does (a 200 -> 256 -> 200 residual chain keeps its staged columns)
+        buffers = 1
+        fits = input_fits(bias16, buffers)
+    if bias16 and bias16_default and stageable and fits[:1] != input_fits(False, buffers)[:1]:
         # the copy would hold one more of the next tile's input k-steps in registers (silu 256x6: 225 -> 233
         # registers a thread): the bias in fp32 instead
-        bias16, fits = False, input_fits(False)
+        bias16, fits = False, input_fits(False, buffers)
     if staged_input is None:   # where registers cannot hold the next tile's whole input, a block, or not gated (and it fits)
         gated = any(l.gated for l in layers)
         staged_input = (stageable and (register_prefetch < k0_steps or (BLOCK_STAGED and spec.has_block)
