@@ -95,6 +95,8 @@ CASES = {
     "res64": (mlp([64, 256, 64], ex.gelu_erf(), residual=True), 2**20),   # ffn64 with a residual, no norm
     # too wide for two staged tiles a warpgroup: one, with k-steps prefetched, the residual from global memory
     "res200": (mlp([200, 256, 200], ex.gelu_erf(), residual=True), 2**19),
+    "ffn200": (mlp([200, 256, 200], ex.gelu_erf()), 2**19),   # res200 without its residual
+    "ffn192": (mlp([192, 256, 192], ex.gelu_erf()), 2**19),   # ... at widths of whole 64-column chunks
     "block72_rms_1m": (mlp([72, 120, 72], ex.silu(), "bf16", norm=RMS, residual=True), 2**20),   # ... whole rows
     "block48_gres": (mlp([48, 96, 48], [ex.relu(), ex.silu()], "bf16", norm=RMS, residual=True, gated={1}), 100003),
 }
@@ -200,6 +202,9 @@ VARIANTS = {
     "ffn64_staged": ("ffn64", WgmmaOptions(staged_input=True)),
     "glu64_staged": ("glu64", WgmmaOptions(staged_input=True)),
     "ffn128_res": ("ffn128", ResidentOptions()),
+    "res200_res": ("res200", ResidentOptions()),
+    "res200_st": ("res200", StreamedOptions()),
+    "ffn200_st": ("ffn200", StreamedOptions()),
     "preln_streamed": ("preln", StreamedOptions()),
     "preln_tf32_streamed": ("preln_tf32", StreamedOptions()),
     "preln_f16io_streamed": ("preln_f16io", StreamedOptions()),

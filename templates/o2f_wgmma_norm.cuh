@@ -75,6 +75,16 @@ __device__ __forceinline__ void norm_tile(float (&v)[KS][8], int t2, const float
 __device__ __forceinline__ float residual_at(const float* __restrict__ x, int64_t rows, int64_t row, int col) {
   return row < rows && col < kNOut ? __ldg(x + row * kNOut + col) : 0.0f;
 }
+// x's values (row, col..col + 1) and (row, col..col + 3): what a pair or quad store adds. A chunk's epilogue
+// loads all of its stores' values first: every store orders memory ("memory" clobber), so a load between two
+// stores could not start before the first had issued, and each paid the whole global-memory latency in turn.
+__device__ __forceinline__ float2 residual2_at(const float* __restrict__ x, int64_t rows, int64_t row, int col) {
+  return make_float2(residual_at(x, rows, row, col), residual_at(x, rows, row, col + 1));
+}
+__device__ __forceinline__ float4 residual4_at(const float* __restrict__ x, int64_t rows, int64_t row, int col) {
+  return make_float4(residual_at(x, rows, row, col), residual_at(x, rows, row, col + 1),
+                     residual_at(x, rows, row, col + 2), residual_at(x, rows, row, col + 3));
+}
 // ... or, where the tile's rows are staged (plan.wgmma IN_BUFFERS_RESIDUAL: the tile's buffer stays until its
 // last layer), x's values (row, col..col + 3) or (row, col..col + 1) of the tile from its buffer `buf` (rows RB
 // bytes apart; col a multiple of 4, or of 2: aligned loads). Columns past K0 hold zeros (bulk_zero_pad); rows

@@ -104,7 +104,7 @@ def test_wgmma_source_compiles_to_hgmma_without_spills(spec, with_sm80, override
     # (staged rows: x's values read from the tile's buffer, 4 or 2 at a time; else from global memory)
     staged_res = "residual4_staged<kInRowBytes>(inb" in src or "residual2_staged<kInRowBytes>(inb" in src
     assert staged_res == (spec.residual and plan.in_buffers == 2)
-    assert ("residual_at(x, rows" in src) == (spec.residual and plan.in_buffers == 1)
+    assert ("_at(x, rows, row0" in src) == (spec.residual and plan.in_buffers == 1)
     if with_sm80:   # the sm_80 code has the packing kernels and an empty wgmma kernel
         ptx80 = (keep / "k.compute_80.ptx").read_text()
         assert "wgmma" not in ptx80.replace("wgmma_pack", "").replace("fused_wgmma", "")

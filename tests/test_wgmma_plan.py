@@ -578,13 +578,13 @@ def test_transformer_blocks_take_wgmma():
     assert plan.in_buffers == 2 and plan.input_bytes == plan.nwg * 2 * 64 * (64 * 4 + wgmma.BULK_ROW_PAD)
     assert plan.smem.input_bars == 2 * plan.nwg and "2 a warpgroup (the residual reads x's rows there)" in plan.describe()
     src = codegen.cuda_sources(plan)[f"{block(64).name}_cuda.cu"]
-    assert "constexpr int kInBuffers = 2;" in src and "residual4_staged<kInRowBytes>(inb" in src and "residual_at" not in src
+    assert "constexpr int kInBuffers = 2;" in src and "residual4_staged<kInRowBytes>(inb" in src and "_at(x, rows, row0" not in src
     assert "bulk_staged_vals<kInRowBytes>(v[ks], inb" in src and "load_ks<kK0>(v[ks]" not in src
     # rows of K0 % 4 != 0 cannot be bulk copied: straight into registers, the residual from global memory
     odd = choose.make_plan(block(62), asked)
     assert odd.design == "wgmma" and not odd.staged_input and odd.prefetch == 0
     odd_src = codegen.cuda_sources(odd)[f"{block(62).name}_cuda.cu"]
-    assert "residual_at(x, rows" in odd_src and "load_ks<kK0>(v[ks]" in odd_src
+    assert "_at(x, rows, row0" in odd_src and "load_ks<kK0>(v[ks]" in odd_src
     # cp.async staging (bulk_input=False) cannot take a norm; a residual alone then reads x from global memory
     forced = PlanOptions(wgmma_overrides=WgmmaOptions(blocks=True, bulk_input=False))
     assert not choose.make_plan(block(64), forced).staged_input
@@ -603,15 +603,16 @@ def test_transformer_blocks_take_wgmma():
         src = codegen.cuda_sources(p)[f"{spec.name}_cuda.cu"]
         whole = p.prefetch == 0 and p.staged_cols == p.layers[0].kp
         if p.in_buffers == 2:
-            assert whole and "_staged<kInRowBytes>(inb" in src and "residual_at" not in src, (k0, hidden, norm)
+            assert whole and "_staged<kInRowBytes>(inb" in src and "_at(x, rows, row0" not in src, (k0, hidden, norm)
         else:
-            assert p.in_buffers == 1 and "residual_at(x, rows" in src and "_staged<kInRowBytes>(inb" not in src, (k0, hidden, norm)
+            assert p.in_buffers == 1 and "_at(x, rows, row0" in src and "_staged<kInRowBytes>(inb" not in src, (k0, hidden, norm)
             assert whole or norm is None, (k0, hidden, norm)
             # the one buffer is the fallback: two would not fit
             two_whole = 2 * p.nwg * 64 * wgmma._input_row_bytes(p.layers[0].kp, True)
             assert p.smem_bytes - p.input_bytes + two_whole > wgmma.SMEM_LIMIT, (k0, hidden, norm)
         buffers_seen.add((p.in_buffers, whole))
     assert buffers_seen >= {(2, True), (1, True), (1, False)}   # every form taken by some width
+
     with pytest.raises(SpecError, match="with a norm, bulk copies"):
         wgmma.make_wgmma_plan(block(64), choose.make_plan(block(64)), staged_input=True, bulk_input=False,
                               blocks=True)
@@ -619,3 +620,39 @@ def test_transformer_blocks_take_wgmma():
     assert "normalises rows of up to 128" in wgmma.wgmma_reason_refused(block(144), blocks=True)
     residual_only = choose.make_plan(block(144, norm=None), asked)   # no norm: any K0 the design takes
     assert residual_only.design == "wgmma"
+
+def test_residual_from_global_memory_loads_a_chunk_ahead_of_its_stores():
+    """plan.wgmma RESIDUAL_GROUP_ROOMY: where x's values come from global memory, a chunk's stores have them
+    loaded first where registers allow (each store orders memory: a load between two stores waited alone),
+    else each store loads its own; the two-buffer residual reads the staged tile instead."""
+    import re
+
+    def residual_spec(k0, hidden, norm=None):
+        return MLPSpec((LayerSpec(k0, hidden, True, ex.silu()), LayerSpec(hidden, k0, True, ex.identity())),
+                       "fp16", "f32", norm=norm, residual=True)
+
+    def last_layer_src(spec, plan):
+        src = codegen.cuda_sources(plan)[f"{spec.name}_cuda.cu"]
+        return src[src.index(f"// layer {len(spec.layers) - 1}:"):]
+
+    seen = set()
+    for k0, hidden in ((200, 256), (37, 64), (72, 120), (64, 256), (62, 256)):
+        spec = residual_spec(k0, hidden)
+        plan = choose.make_plan(spec, PlanOptions(design="wgmma"))
+        src = last_layer_src(spec, plan)
+        if plan.in_buffers == 2:
+            assert plan.residual_group == 0 and "_at(x, rows" not in src
+            continue
+        chunk = plan.layers[-1].nc // 2
+        assert plan.residual_group in (0, chunk), (k0, hidden)
+        first_store = src.index("store_")
+        if plan.residual_group:
+            # every load of the first chunk's x values comes before its first store
+            loads = [m.start() for m in re.finditer(r"residual[24]_at\(x, rows", src)]
+            assert loads and loads[len(loads) // plan.layers[-1].chunks - 1] < first_store, (k0, hidden)
+            assert "residual_at(x, rows" not in src
+        else:
+            assert re.search(r"residual[24]_at", src) is None and "residual_at(x, rows" in src
+        seen.add((plan.nwg >= 4, bool(plan.residual_group)))
+    # a roomy cap (2 or 3 warpgroups), a tight one with room left (37 -> 64 -> 37) and one without (72 -> 120 -> 72)
+    assert seen >= {(False, True), (True, True), (True, False)}, seen

@@ -131,6 +131,14 @@ BLOCK_K0_MAX = 128
 # other (IN_BUFFERS_RESIDUAL).
 BLOCK_STAGED = True
 IN_BUFFERS_RESIDUAL = 2
+# A residual read from global memory (one staged buffer, or none): a group of the last layer's stores have
+# their x values loaded before the first of them, since each store orders memory and a load between two
+# stores waited its whole latency alone (H200, kernel alone: 200 -> 256 -> 200 with x, 2^19 rows, 1.27 ->
+# 0.71 ms, where the chain without x takes 0.52). The group is the whole chunk (nc / 2 values a thread)
+# under a cap of RESIDUAL_GROUP_ROOMY registers or more, or where the estimate leaves that many below the
+# cap; else none, each store loading its own (at 4 warpgroups' 128, a 72 -> 120 -> 72 block's whole
+# 64-column chunk spilled: 0.29 -> 0.37 ms; 37 -> 64 -> 37's 40 columns fit: 0.045 -> 0.037 ms).
+RESIDUAL_GROUP_ROOMY = 168
 # Checked against float64 on an H100 (kernel_check: 0 to 1000003 rows; and against stock ORT, test_gpu_block)
 # and on by default since; the cost rule (cost.wgmma_wins) then takes the zoo's preln and llama here. H100,
 # kernel alone, 2^20 rows: preln 64 -> 256 -> 64 0.692 ms on mma.sync -> 0.295 (1.65x its floor), llama
@@ -208,6 +216,7 @@ class WgmmaPlan:
     store_rows: bool = False     # STORE_ROWS: quads stored from per-tile row pointers (y 16-byte aligned, else the fallback)
     bias16: bool = False         # BIAS16: packed hidden activations add an fp16 copy of their bias after rounding
     in_buffers: int = 1          # staged input tiles a warpgroup has (a staged block's residual: IN_BUFFERS_RESIDUAL)
+    residual_group: int = 0      # a residual from global memory: x's values a thread loads ahead of a group of stores
 
     design = "wgmma"
     uses_scratch = False      # the kernels only read their packed weights
@@ -597,4 +606,13 @@ def make_wgmma_plan(spec: MLPSpec, fallback, reason: str = "", smem_limit: int =
                      quads,
                      max(1, min(_input_parts(layers, stages) if input_parts is None else input_parts,
                                 sum(l.chunks for l in layers))) if bulk_staged else 1,
-                     PRESCALE if prescale is None else prescale, store_rows, bias16, buffers if bulk_staged else 1)
+                     PRESCALE if prescale is None else prescale, store_rows, bias16, buffers if bulk_staged else 1,
+                     _residual_group(spec, layers[-1], cap, base + 8 * prefetch)
+                     if not (bulk_staged and buffers > 1) else 0)
+
+
+def _residual_group(spec: MLPSpec, last: WgmmaLayer, cap: int, estimate: int) -> int:
+    """x's values a thread loads ahead of a group of the last layer's stores (RESIDUAL_GROUP_ROOMY); 0: each
+    store loads its own, or no residual from global memory."""
+    chunk = last.nc // 2   # a 64-row tile's chunk of nc columns over 128 threads
+    return chunk if spec.residual and (cap >= RESIDUAL_GROUP_ROOMY or estimate + chunk <= cap) else 0
