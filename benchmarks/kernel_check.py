@@ -238,7 +238,8 @@ def all_cases(base: PlanOptions, a32: bool = False) -> dict:
 def diag_cases(items: list[str], cases: dict) -> dict:
     """--diag NAME=BASE:MACRO[+MACRO...]: case BASE built with O2F_DIAG_<MACRO> defined (templates: NO_FILL,
     no weight copies through the ring; NO_LOAD, no input copies; NO_STORE, no output stores; STORE_WB,
-    stores without the evict-first hint; NO_BIAS, no bias loaded or added; NO_MUFU, packed tanh as the
+    stores without the evict-first hint; ST_FREE, stores that do not order memory (loads move ahead of
+    them); NO_BIAS, no bias loaded or added; NO_MUFU, packed tanh as the
     identity; CLOCKS, the warps' waits counted), timed but not checked (its outputs are wrong by design):
     what a cost would be if it were gone, or where the warps wait. name -> (base, defines)."""
     out = {}
@@ -461,7 +462,7 @@ def main():
                     help="time the cases after every check, in ROUNDS rounds of 200/ROUNDS launches each, taking "
                          "turns (interleaved_rounds): for A/B comparisons within one call")
     ap.add_argument("--diag", nargs="*", default=[], metavar="NAME=BASE:MACRO",
-                    help="also BASE built with O2F_DIAG_MACRO (NO_FILL, NO_LOAD, NO_STORE, STORE_WB, NO_BIAS, NO_MUFU; CLOCKS: "
+                    help="also BASE built with O2F_DIAG_MACRO (NO_FILL, NO_LOAD, NO_STORE, STORE_WB, ST_FREE, NO_BIAS, NO_MUFU; CLOCKS: "
                          "the warps' waits counted; + joins several), "
                          "timed unchecked as NAME: what the kernel would take without that work")
     ap.add_argument("--sustain", type=float, default=0, metavar="SECONDS",

@@ -56,16 +56,23 @@ __device__ __forceinline__ float o2f_ld1(const __half* p) {
 #else
 #define O2F_ST_HINT ".cs"
 #endif
+// The output stores order memory ("memory" clobber): no load moves across one. O2F_DIAG_ST_FREE, a diagnostic
+// build, lets the compiler move loads (x's residual, the bias in shared memory) ahead of them.
+#ifdef O2F_DIAG_ST_FREE
+#define O2F_ST_ORDER
+#else
+#define O2F_ST_ORDER : "memory"
+#endif
 __device__ __forceinline__ void o2f_st2(float* p, float a, float b) {
-  asm volatile("st.global" O2F_ST_HINT ".v2.f32 [%0], {%1, %2};\n" ::"l"(p), "f"(a), "f"(b) : "memory");
+  asm volatile("st.global" O2F_ST_HINT ".v2.f32 [%0], {%1, %2};\n" ::"l"(p), "f"(a), "f"(b) O2F_ST_ORDER);
 }
 __device__ __forceinline__ void o2f_st2(__half* p, float a, float b) {
   __half2 h = __floats2half2_rn(a, b);
-  asm volatile("st.global" O2F_ST_HINT ".b32 [%0], %1;\n" ::"l"(p), "r"(*reinterpret_cast<uint32_t*>(&h)) : "memory");
+  asm volatile("st.global" O2F_ST_HINT ".b32 [%0], %1;\n" ::"l"(p), "r"(*reinterpret_cast<uint32_t*>(&h)) O2F_ST_ORDER);
 }
-__device__ __forceinline__ void o2f_st1(float* p, float a) { asm volatile("st.global" O2F_ST_HINT ".f32 [%0], %1;\n" ::"l"(p), "f"(a) : "memory"); }
+__device__ __forceinline__ void o2f_st1(float* p, float a) { asm volatile("st.global" O2F_ST_HINT ".f32 [%0], %1;\n" ::"l"(p), "f"(a) O2F_ST_ORDER); }
 __device__ __forceinline__ void o2f_st1(__half* p, float a) {
-  asm volatile("st.global" O2F_ST_HINT ".b16 [%0], %1;\n" ::"l"(p), "h"(__half_as_ushort(__float2half_rn(a))) : "memory");
+  asm volatile("st.global" O2F_ST_HINT ".b16 [%0], %1;\n" ::"l"(p), "h"(__half_as_ushort(__float2half_rn(a))) O2F_ST_ORDER);
 }
 
 // fp16 rows into fp16 operands: a loaded pair already is the A fragment's register (converting to fp32
@@ -225,12 +232,12 @@ __device__ __forceinline__ void staged_ks(uint32_t (&a)[4], uint32_t buf, int ri
 }
 
 __device__ __forceinline__ void o2f_st4(float* p, float a, float b, float c, float d) {
-  asm volatile("st.global" O2F_ST_HINT ".v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "f"(a), "f"(b), "f"(c), "f"(d) : "memory");
+  asm volatile("st.global" O2F_ST_HINT ".v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "f"(a), "f"(b), "f"(c), "f"(d) O2F_ST_ORDER);
 }
 __device__ __forceinline__ void o2f_st4(__half* p, float a, float b, float c, float d) {
   __half2 h0 = __floats2half2_rn(a, b), h1 = __floats2half2_rn(c, d);
   asm volatile("st.global" O2F_ST_HINT ".v2.b32 [%0], {%1, %2};\n" ::"l"(p), "r"(*reinterpret_cast<uint32_t*>(&h0)),
-               "r"(*reinterpret_cast<uint32_t*>(&h1)) : "memory");
+               "r"(*reinterpret_cast<uint32_t*>(&h1)) O2F_ST_ORDER);
 }
 // Row r, columns col and col + 1 of the NO-wide output (only those that exist); vec != 0: y's rows hold
 // pairs aligned for one store.
