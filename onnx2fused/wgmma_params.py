@@ -21,7 +21,7 @@ def _schedule(l: WgmmaLayer) -> list[dict]:
     issued into the buffer just freed."""
     steps = [{"op": "issue", "chunk": c, "buf": c % 2} for c in range(min(2, l.chunks))]
     for c in range(l.chunks):
-        steps.append({"op": "wait", "pending": 1 if c + 1 < l.chunks else 0, "buf": c % 2})
+        steps.append({"op": "wait", "pending": 1 if c + 1 < l.chunks else 0, "buf": c % 2, "chunk": c})
         steps.append({"op": "epilogue", "chunk": c, "buf": c % 2})
         if c + 2 < l.chunks:
             steps.append({"op": "issue", "chunk": c + 2, "buf": c % 2})
@@ -158,11 +158,9 @@ def wgmma_params(plan: WgmmaPlan) -> dict:
         "in_row_bytes": plan.input_row_bytes, "input_parts": plan.input_parts,
         # staged tiles a warpgroup has; two: the residual reads x from the tile (o2f_wgmma_norm.cuh)
         "in_buffers": plan.in_buffers, "residual_smem": plan.in_buffers > 1,
-        # ... else from global memory, a group of stores' values loaded before the first of them (in n8
-        # blocks of pair stores, 4 values a thread, or quads, 8; 0: each store's own in its arguments):
-        # plan.wgmma RESIDUAL_GROUP
-        "residual_group": ({"blocks": plan.residual_group // 4, "quads": plan.residual_group // 8}
-                           if plan.residual_group else None),
+        # ... else from global memory: a chunk's values loaded ahead of its stores (plan.wgmma
+        # RESIDUAL_GROUP_ROOMY), or each store's own in its arguments
+        "residual_group": plan.residual_group,
         "ring_chunks": sum(l.chunks for l in plan.layers),
         "image_offset": plan.image_offset, "bias_offset": plan.bias_offset,
         "workspace_bytes": plan.workspace_bytes, "fallback_bytes": plan.fallback_bytes,

@@ -75,9 +75,10 @@ __device__ __forceinline__ void norm_tile(float (&v)[KS][8], int t2, const float
 __device__ __forceinline__ float residual_at(const float* __restrict__ x, int64_t rows, int64_t row, int col) {
   return row < rows && col < kNOut ? __ldg(x + row * kNOut + col) : 0.0f;
 }
-// x's values (row, col..col + 1) and (row, col..col + 3): what a pair or quad store adds. A chunk's epilogue
-// loads all of its stores' values first: every store orders memory ("memory" clobber), so a load between two
-// stores could not start before the first had issued, and each paid the whole global-memory latency in turn.
+// x's values (row, col..col + 1) and (row, col..col + 3): what a pair or quad store adds. A chunk's stores
+// have all their values loaded ahead (cuda_wgmma.cu.j2, residual_loads): every store orders memory ("memory"
+// clobber), so a load between two stores could not start before the first had issued, and each paid the
+// whole global-memory latency in turn.
 __device__ __forceinline__ float2 residual2_at(const float* __restrict__ x, int64_t rows, int64_t row, int col) {
   return make_float2(residual_at(x, rows, row, col), residual_at(x, rows, row, col + 1));
 }

@@ -131,13 +131,13 @@ BLOCK_K0_MAX = 128
 # other (IN_BUFFERS_RESIDUAL).
 BLOCK_STAGED = True
 IN_BUFFERS_RESIDUAL = 2
-# A residual read from global memory (one staged buffer, or none): a group of the last layer's stores have
-# their x values loaded before the first of them, since each store orders memory and a load between two
-# stores waited its whole latency alone (H200, kernel alone: 200 -> 256 -> 200 with x, 2^19 rows, 1.27 ->
-# 0.71 ms, where the chain without x takes 0.52). The group is the whole chunk (nc / 2 values a thread)
-# under a cap of RESIDUAL_GROUP_ROOMY registers or more, or where the estimate leaves that many below the
-# cap; else none, each store loading its own (at 4 warpgroups' 128, a 72 -> 120 -> 72 block's whole
-# 64-column chunk spilled: 0.29 -> 0.37 ms; 37 -> 64 -> 37's 40 columns fit: 0.045 -> 0.037 ms).
+# A residual read from global memory (one staged buffer, or none): the x values of a chunk of the last
+# layer's stores are loaded before the wait for its MMAs, since each store orders memory and a load between
+# two stores waited its whole latency alone (H200, kernel alone: 200 -> 256 -> 200 with x, 2^19 rows, 1.27
+# -> 0.70 ms, where the chain without x takes 0.52; 64 -> 256 -> 64 with x, rows in registers, 0.28). The
+# whole chunk (nc / 2 values a thread) under a cap of RESIDUAL_GROUP_ROOMY registers or more, or where the
+# estimate leaves that many below the cap; else each store loads its own (at 4 warpgroups' 128, a 72 -> 120
+# -> 72 block's 64-column chunk spilled: 0.29 -> 0.37 ms; 37 -> 64 -> 37's 40 columns fit: 0.045 -> 0.038).
 RESIDUAL_GROUP_ROOMY = 168
 # Checked against float64 on an H100 (kernel_check: 0 to 1000003 rows; and against stock ORT, test_gpu_block)
 # and on by default since; the cost rule (cost.wgmma_wins) then takes the zoo's preln and llama here. H100,
