@@ -115,7 +115,7 @@ VARIANTS = {
     "w256silu_kc32_bm64": ("w256silu", StreamedOptions(kc_max=32, tall_rows=(64,), stages_choices=(2,))),
     # wgmma: warpgroups a CTA against input k-steps prefetched into registers (gelu's 3 x 1 by default)
     "w128gelu_wg2_pf4": ("w128gelu", WgmmaOptions(nwg=2, prefetch=4)),
-    "w128gelu_wg2_pf2": ("w128gelu", WgmmaOptions(nwg=2, prefetch=2)),
+    "w128gelu_wg2_pf2": ("w128gelu", WgmmaOptions(nwg=2, prefetch=2, staged_input=False)),
     "w128gelu_wg3_pf0": ("w128gelu", WgmmaOptions(nwg=3, prefetch=0)),
     "w128gelu_wg3_pf4": ("w128gelu", WgmmaOptions(nwg=3, prefetch=4)),
     "sdf1m_wg2": ("sdf1m", WgmmaOptions(nwg=2)),
