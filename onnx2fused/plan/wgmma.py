@@ -139,7 +139,8 @@ IN_BUFFERS_RESIDUAL = 2
 # estimate leaves that many below the cap; else each store loads its own (at 4 warpgroups' 128, a 72 -> 120
 # -> 72 block's 64-column chunk spilled: 0.29 -> 0.37 ms; 37 -> 64 -> 37's 40 columns fit: 0.045 -> 0.038).
 # The two-buffer residual's shared-memory reads loaded the same way measured even or worse (H200: preln
-# 0.299 -> 0.298 ms, llama 0.219 -> 0.228): they keep their place beside each store.
+# 0.299 -> 0.298 ms, llama 0.219 -> 0.228): they keep their place beside each store. Pairs of x values in
+# one 8-byte load where x allows it measured worse too (res64 in registers 0.271 -> 0.288 ms, res200 even).
 RESIDUAL_GROUP_ROOMY = 168
 # Checked against float64 on an H100 (kernel_check: 0 to 1000003 rows; and against stock ORT, test_gpu_block)
 # and on by default since; the cost rule (cost.wgmma_wins) then takes the zoo's preln and llama here. H100,
