@@ -202,7 +202,6 @@ VARIANTS = {
     "ffn64_staged": ("ffn64", WgmmaOptions(staged_input=True)),
     "glu64_staged": ("glu64", WgmmaOptions(staged_input=True)),
     "ffn128_res": ("ffn128", ResidentOptions()),
-    "res200_res": ("res200", ResidentOptions()),
     "res200_st": ("res200", StreamedOptions()),
     "ffn200_st": ("ffn200", StreamedOptions()),
     "preln_streamed": ("preln", StreamedOptions()),

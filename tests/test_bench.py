@@ -457,6 +457,26 @@ def test_kernel_check_interleaves_its_timings_in_alternating_rounds():
     assert kernel_check.interleaved_rounds(["a"], 0) == []
 
 
+def test_every_kernel_check_case_plans_and_renders_in_the_design_it_names():
+    """Each case and variant of kernel_check (the GPU host's A/B harness) still makes a plan and renders its
+    CUDA sources (no nvcc), and a variant's override lands in the design it overrides: a stale variant would
+    otherwise surface only as a failed call on the GPU host."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import kernel_check
+    from onnx2fused import codegen
+    from onnx2fused.plan.options import PlanOptions, ResidentOptions, WgmmaOptions
+    cases = kernel_check.all_cases(PlanOptions())
+    assert set(kernel_check.CASES) | set(kernel_check.VARIANTS) == set(cases)
+    for name, (spec, _, options) in cases.items():
+        plan = kernel_check.make_plan(spec, options)
+        assert codegen.cuda_sources(plan), name
+        override = kernel_check.VARIANTS.get(name, (None, None))[1]
+        if override is not None and spec.precision != "fp32":
+            want = ("wgmma" if isinstance(override, WgmmaOptions) else
+                    "resident" if isinstance(override, ResidentOptions) else "streamed")
+            assert plan.design == want, (name, plan.design)
+
+
 def test_kernel_check_diag_cases_name_a_base_case_and_its_macros():
     """kernel_check --diag NAME=BASE:MACRO[+MACRO]: BASE built with O2F_DIAG_<MACRO> defined (upper-cased);
     a BASE that is no case, or no macro, stops the run with the item named."""
