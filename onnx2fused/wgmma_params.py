@@ -159,8 +159,8 @@ def wgmma_params(plan: WgmmaPlan) -> dict:
         # staged tiles a warpgroup has; two: the residual reads x from the tile (o2f_wgmma_norm.cuh)
         "in_buffers": plan.in_buffers, "residual_smem": plan.in_buffers > 1,
         # ... else from global memory: a chunk's values loaded ahead of its stores (plan.wgmma
-        # RESIDUAL_GROUP_ROOMY), or each store's own in its arguments
-        "residual_group": plan.residual_group,
+        # RESIDUAL_AHEAD_ROOMY), or each store's own in its arguments
+        "residual_ahead": plan.residual_ahead,
         "ring_chunks": sum(l.chunks for l in plan.layers),
         "image_offset": plan.image_offset, "bias_offset": plan.bias_offset,
         "workspace_bytes": plan.workspace_bytes, "fallback_bytes": plan.fallback_bytes,

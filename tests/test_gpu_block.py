@@ -285,7 +285,7 @@ def test_vit_base_block_in_the_wide_design(cache_dir, tmp_path, monkeypatch):
 # -- blocks in the wgmma kernel (plan.wgmma.BLOCKS: fp32 I/O, a norm over <= 128 features), asked for --------
 
 # wgmma only: rows too wide for two staged tiles a warpgroup (one, k-steps prefetched, x from global memory
-# a chunk's stores at a time: plan.wgmma RESIDUAL_GROUP_ROOMY)
+# a chunk's stores at a time: plan.wgmma RESIDUAL_AHEAD_ROOMY)
 WGMMA_ONLY = {"k200_residual_alone": dict(k=200, h=256, norm=None, act="Sigmoid")}
 WGMMA_BLOCKS = ["k40_ln", "k72_rms", "k72_residual_alone", "k40_rms_swiglu", "k30_ln", *WGMMA_ONLY]
 

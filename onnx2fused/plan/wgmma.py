@@ -135,13 +135,13 @@ IN_BUFFERS_RESIDUAL = 2
 # layer's stores are loaded before the wait for its MMAs, since each store orders memory and a load between
 # two stores waited its whole latency alone (H200, kernel alone: 200 -> 256 -> 200 with x, 2^19 rows, 1.27
 # -> 0.70 ms, where the chain without x takes 0.52; 64 -> 256 -> 64 with x, rows in registers, 0.28). The
-# whole chunk (nc / 2 values a thread) under a cap of RESIDUAL_GROUP_ROOMY registers or more, or where the
+# whole chunk (nc / 2 values a thread) under a cap of RESIDUAL_AHEAD_ROOMY registers or more, or where the
 # estimate leaves that many below the cap; else each store loads its own (at 4 warpgroups' 128, a 72 -> 120
 # -> 72 block's 64-column chunk spilled: 0.29 -> 0.37 ms; 37 -> 64 -> 37's 40 columns fit: 0.045 -> 0.038).
 # The two-buffer residual's shared-memory reads loaded the same way measured even or worse (H200: preln
 # 0.299 -> 0.298 ms, llama 0.219 -> 0.228): they keep their place beside each store. Pairs of x values in
 # one 8-byte load where x allows it measured worse too (res64 in registers 0.271 -> 0.288 ms, res200 even).
-RESIDUAL_GROUP_ROOMY = 168
+RESIDUAL_AHEAD_ROOMY = 168
 # Checked against float64 on an H100 (kernel_check: 0 to 1000003 rows; and against stock ORT, test_gpu_block)
 # and on by default since; the cost rule (cost.wgmma_wins) then takes the zoo's preln and llama here. H100,
 # kernel alone, 2^20 rows: preln 64 -> 256 -> 64 0.692 ms on mma.sync -> 0.295 (1.65x its floor), llama
@@ -219,7 +219,7 @@ class WgmmaPlan:
     store_rows: bool = False     # STORE_ROWS: quads stored from per-tile row pointers (y 16-byte aligned, else the fallback)
     bias16: bool = False         # BIAS16: packed hidden activations add an fp16 copy of their bias after rounding
     in_buffers: int = 1          # staged input tiles a warpgroup has (a staged block's residual: IN_BUFFERS_RESIDUAL)
-    residual_group: int = 0      # a residual from global memory: x's values a thread loads ahead of a group of stores
+    residual_ahead: bool = False   # a residual from global memory: a chunk's x values loaded ahead of its stores
 
     design = "wgmma"
     uses_scratch = False      # the kernels only read their packed weights
@@ -603,19 +603,19 @@ def make_wgmma_plan(spec: MLPSpec, fallback, reason: str = "", smem_limit: int =
     quads = (QUAD_STORES if quad_stores is None else quad_stores) and _quads_fit(layers[-1])
     store_rows = (STORE_ROWS if store_rows is None else store_rows) and quads and spec.layers[-1].out_features % 4 == 0
     bulk_staged = bool(staged_input) and bulk
+    in_buffers = buffers if bulk_staged else 1   # two: the residual reads x from the staged tile
     return WgmmaPlan(spec, tuple(layers), nwg, prefetch, base + 8 * prefetch, _image_bytes(layers), bias, fallback,
                      fallback.workspace_bytes, reason, stages, _slot_bytes(layers) if stages else 0, cluster,
                      bool(staged_input), bulk_staged,
                      quads,
                      max(1, min(_input_parts(layers, stages) if input_parts is None else input_parts,
                                 sum(l.chunks for l in layers))) if bulk_staged else 1,
-                     PRESCALE if prescale is None else prescale, store_rows, bias16, buffers if bulk_staged else 1,
-                     _residual_group(spec, layers[-1], cap, base + 8 * prefetch)
-                     if not (bulk_staged and buffers > 1) else 0)
+                     PRESCALE if prescale is None else prescale, store_rows, bias16, in_buffers,
+                     in_buffers == 1 and _residual_ahead(spec, layers[-1], cap, base + 8 * prefetch))
 
 
-def _residual_group(spec: MLPSpec, last: WgmmaLayer, cap: int, estimate: int) -> int:
-    """x's values a thread loads ahead of a group of the last layer's stores (RESIDUAL_GROUP_ROOMY); 0: each
-    store loads its own, or no residual from global memory."""
-    chunk = last.nc // 2   # a 64-row tile's chunk of nc columns over 128 threads
-    return chunk if spec.residual and (cap >= RESIDUAL_GROUP_ROOMY or estimate + chunk <= cap) else 0
+def _residual_ahead(spec: MLPSpec, last: WgmmaLayer, cap: int, estimate: int) -> bool:
+    """Whether a residual read from global memory has a chunk's x values loaded ahead of its stores
+    (RESIDUAL_AHEAD_ROOMY), else each store loads its own."""
+    chunk = last.nc // 2   # x's values a thread adds: a 64-row tile's chunk of nc columns over 128 threads
+    return spec.residual and (cap >= RESIDUAL_AHEAD_ROOMY or estimate + chunk <= cap)
