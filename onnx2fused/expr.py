@@ -562,6 +562,7 @@ def _per_channel_named() -> dict[Expr, str]:
         Op("select", (Op("lt", (X, Const(0.0))), X * s, X)): "prelu",
         X * s: "scale", s * X: "scale", X + s: "shift", s + X: "shift",
         X * s + s: "affine", s * X + s: "affine",
+        Op("max", (X * s + s, Const(0.0))): "affine_relu",   # BatchNorm1d then ReLU (passes.activations)
     }
 
 

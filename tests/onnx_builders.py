@@ -208,6 +208,9 @@ CONTINUOUS_ACTS = {
     "scale_shift_per_channel": lambda g, x, n: g.op("Add", [g.op("Mul", [x, _vec(g, n, -2, 2)]), _vec(g, n, -1, 1)]),
     "clamp_per_channel": lambda g, x, n: g.op("Min", [g.op("Max", [x, _vec(g, n, -2, -0.1)]), _vec(g, n, 0.1, 2)]),
     "div_sub_per_channel": lambda g, x, n: g.op("Sub", [g.op("Div", [x, _vec(g, n, 0.5, 2)]), _vec(g, n, -1, 1)]),
+    # torch's Linear, BatchNorm1d, ReLU in inference mode (scale, B, mean, var per channel)
+    "batchnorm_relu_per_channel": lambda g, x, n: g.op("Relu", [g.op("BatchNormalization", [
+        x, _vec(g, n, 0.5, 2), _vec(g, n, -1, 1), _vec(g, n, -1, 1), _vec(g, n, 0.25, 4)])]),
     "where_slope_per_channel": lambda g, x, n: g.op("Where", [g.op("Greater", [x, _s(g, 0.0)]), x,
                                                              g.op("Mul", [x, _vec(g, n, 0, 0.3)])]),
     "tanh_squared": lambda g, x, n: g.op("Pow", [g.op("Tanh", [x]), _s(g, 2.0)]),

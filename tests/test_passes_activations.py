@@ -18,6 +18,11 @@ def c(v):
     return np.array(v, dtype=np.float32)
 
 
+# BatchNormalization's scale, B, mean and var for the 6-wide layer (one variance 0: 1/sqrt(eps))
+_BN = (c([1.5, -0.5, 2, 0.25, 1, 3]), c([0.1, -1, 0, 2, 0.5, -3]), c([0.3, -2, 5, 0, 1e3, 0.01]),
+       c([0.5, 4, 1e-3, 2, 1e4, 0]))
+
+
 # name -> (builder(g, x) -> output, opset, expected named expr or None)
 CASES = {
     "relu": (lambda g, x: g.op("Relu", [x]), 17, ex.relu()),
@@ -97,6 +102,10 @@ CASES = {
        for op in ("Sinh", "Cosh", "Tan", "Asin", "Acos", "Atan", "Asinh", "Acosh", "Atanh", "Floor", "Ceil", "Round",
                   "Sign")},
     "sum_variadic": (lambda g, x: g.op("Sum", [x, g.init(c(0.5)), x]), 17, None),
+    # torch's BatchNorm1d after a Linear, inference mode: a per-channel affine map (eps default and set)
+    "batchnorm": (lambda g, x: g.op("BatchNormalization", [x, *(g.init(v) for v in _BN)]), 15, None),
+    "batchnorm_eps_relu": (lambda g, x: g.op("Relu", [g.op("BatchNormalization", [x, *(g.init(v) for v in _BN)],
+                                                           epsilon=0.1)]), 9, None),
     # onnx's function bodies cast their constants to the input's type: a CastLike to the chain's type
     "castlike_constant": (lambda g, x: g.op("Mul", [x, g.op("CastLike", [g.const_node(c(0.5)), x])]), 17, None),
     "castlike_double_roundtrip": (lambda g, x: g.op("Relu", [g.op("CastLike", [
@@ -221,6 +230,27 @@ def test_dropout_with_used_mask_and_int_cast_refused():
     m = g.model([("x", ["B", 6])], [("y", ["B", 6])], check=False)
     act = match_activation(GraphIndex(m), "x")
     assert act.rejected == {0: "Cast 'to_int': Cast to int32 (only casts to float types are elementwise no-ops)"}
+
+
+@pytest.mark.parametrize("case,why", [
+    ("rank3", "BatchNormalization normalises axis 1, which is the layer's features only for a rank-2 value "
+              "(this one's rank is 3)"),
+    ("training", "BatchNormalization in training mode (it updates its statistics)"),
+    ("input_mean", "its mean 'mean_in' is not a constant"),
+])
+def test_batchnorm_refusals(case, why):
+    g = G(opset=15)
+    ins = ["x", *(g.init(v) for v in _BN)]
+    extra = {}
+    if case == "input_mean":
+        ins[3] = "mean_in"
+    if case == "training":
+        extra = {"training_mode": 1}
+    g.op("BatchNormalization", ins, name="bn", outputs=["y"], **extra)
+    inputs = [("x", ["B", 6] if case != "rank3" else ["B", 6, 6])] + ([("mean_in", [6])] if case == "input_mean" else [])
+    m = g.model(inputs, [("y", None)], check=False)
+    act = match_activation(GraphIndex(m), "x", width=6)
+    assert act.output == "x" and act.rejected == {0: f"BatchNormalization 'bn': {why}"}
 
 
 def test_non_constant_other_operand_refused():

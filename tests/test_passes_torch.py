@@ -12,6 +12,7 @@ from torch import nn  # noqa: E402
 from onnx2fused import expr as ex  # noqa: E402
 from onnx2fused.loader import load_model  # noqa: E402
 from onnx2fused.passes import find_chains, rewrite  # noqa: E402
+from onnx2fused.passes.activations import describe_expr  # noqa: E402
 from onnx_builders import rand, run  # noqa: E402
 
 ACTS = {
@@ -102,3 +103,30 @@ def test_no_bias_and_3d_input(tmp_path, dynamo):
     c = _check(m, x, (8, 16, 4), "relu")
     assert [l.linear.has_bias for l in c.layers] == [False, True]
     assert c.activations[0] == ex.relu()
+
+
+@pytest.mark.parametrize("dynamo", [False, True])
+def test_batchnorm1d_after_linear_joins_the_chain(tmp_path, dynamo):
+    """A tabular MLP: Linear, BatchNorm1d, ReLU, Dropout. The TorchScript exporter keeps the
+    BatchNormalization nodes (the dynamo exporter folds them): either way one chain, with statistics
+    that are not the identity's."""
+    torch.manual_seed(0)
+    mod = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.2),
+                        nn.Linear(16, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
+    mod.train()
+    with torch.no_grad():
+        for _ in range(3):   # running statistics away from (0, 1)
+            mod(torch.randn(64, 8) * 4 + 1)
+    x = torch.randn(5, 8) * 3
+    m = _export(mod, x, tmp_path / "m.onnx", dynamo=dynamo)
+    if not dynamo:
+        assert sum(n.op_type == "BatchNormalization" for n in m.graph.node) == 2
+    plan = find_chains(m)
+    assert [c.widths for c in plan.chains] == [(8, 16, 16, 3)], plan.describe()
+    if not dynamo:
+        assert [describe_expr(a) for a in plan.chains[0].activations] == ["affine_relu[16]"] * 2 + ["id"]
+    r = rewrite(m, plan, [plan.chains[0].to_spec("fp32")])
+    xa = x.numpy()
+    (a,), (b,) = run(m, {"x" if not dynamo else m.graph.input[0].name: xa}), \
+        run(r, {"x" if not dynamo else r.graph.input[0].name: xa})
+    np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5)

@@ -18,6 +18,10 @@ and then t = f(v) elementwise, with f an `expr.Expr` built node by node:
                                           expanded Elu, cast each constant like the input)
     a constant c of shape [1, ..., 1, N] -> Chan(c) (c[col] for output column col), or Const when all
     its values are equal; a bool constant (a Where condition) -> 1.0 / 0.0
+    BatchNormalization in inference mode on a rank-2 value (its channel axis 1 is then the layer's
+    features; torch's BatchNorm1d after a Linear, which the TorchScript exporter leaves unfolded)
+                                       -> a * s + t with s = scale / sqrt(var + eps), t = B - mean * s
+                                          per channel, in float32 as ORT's CPU kernel folds them
 
 With no such nodes, f = x (`expr.identity()`). The tree is finally normalised to a named constructor of
 `expr` (relu, silu, gelu_erf, ...) when it is numerically the same function on a probe set that covers
@@ -77,7 +81,7 @@ _VARIADIC = {"Max": "max", "Min": "min", "Sum": "add"}
 ELEMENTWISE_OPS = (set(_UNARY) | set(_BINARY) | set(_VARIADIC) |
                    {"Relu", "LeakyRelu", "Gelu", "Elu", "Selu", "Celu", "HardSigmoid", "HardSwish", "Mish",
                     "Clip", "Where", "Softsign", "ThresholdedRelu", "Identity", "Dropout", "Cast", "PRelu",
-                    "Shrink", "Swish", "CastLike"})
+                    "Shrink", "Swish", "CastLike", "BatchNormalization"})
 
 # Ops that are not elementwise, with why (after the op's name), for the reason a chain ends at one.
 _ROW_NORMS = ("LayerNormalization", "RMSNormalization", "SimplifiedLayerNormalization", "SkipLayerNormalization",
@@ -180,6 +184,8 @@ def node_expr(ctx: _Ctx, i: int) -> Expr:
         raise ActivationRefusal(f"{what}: {unsupported(node)}")
     ins = list(node.input)
     extra_outs = [o for o in node.output[1:] if o]
+    if op == "BatchNormalization":
+        return _batch_norm(ctx, node, what, extra_outs)
     if op == "Dropout":
         if any(ix.users(o) or o in ix.graph_outputs for o in extra_outs):
             raise ActivationRefusal(f"{what}: its mask output is used")
@@ -271,6 +277,32 @@ def node_expr(ctx: _Ctx, i: int) -> Expr:
         c, a, b = ctx.operand(ins[0], what), ctx.operand(ins[1], what), ctx.operand(ins[2], what)
         return Op("select", (c, a, b))
     raise ActivationRefusal(f"{what}: {op} is not a supported elementwise op")  # pragma: no cover
+
+
+def _batch_norm(ctx: _Ctx, node: onnx.NodeProto, what: str, extra_outs: list[str]) -> Expr:
+    """BatchNormalization in inference mode as the per-channel affine map it is there."""
+    if _attr(node, "training_mode", 0) or extra_outs:
+        raise ActivationRefusal(f"{what}: BatchNormalization in training mode (it updates its statistics)")
+    if ctx.rank != 2:
+        rank = "unknown" if ctx.rank is None else str(ctx.rank)
+        raise ActivationRefusal(f"{what}: BatchNormalization normalises axis 1, which is the layer's features "
+                                f"only for a rank-2 value (this one's rank is {rank})")
+    ins = list(node.input)
+    params = []
+    for role, name in zip(("scale", "B", "mean", "var"), ins[1:5]):
+        c = ctx.ix.const(name) if name else None
+        if c is None:
+            raise ActivationRefusal(f"{what}: its {role} '{name}' is not a constant")
+        params.append(np.asarray(c, dtype=np.float32).reshape(-1))
+    scale, bias, mean, var = params
+    if len({p.size for p in params}) != 1:
+        raise ActivationRefusal(f"{what}: its scale, B, mean and var differ in length")
+    eps = np.float32(_attr(node, "epsilon", 1e-5))
+    with np.errstate(all="ignore"):   # var + eps <= 0 gives NaN or inf here as in ORT
+        s = (scale * (np.float32(1) / np.sqrt(var + eps))).astype(np.float32)
+        t = (bias - mean * s).astype(np.float32)
+    x = ctx.operand(ins[0], what)
+    return Op("add", (Op("mul", (x, ctx.constant(s, ins[1], what))), ctx.constant(t, ins[2], what)))
 
 
 # -- normalisation ---------------------------------------------------------------------------------
