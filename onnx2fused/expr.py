@@ -345,6 +345,32 @@ def render_c(e: Expr, var: str = "v", fast: bool | str = False, col: str = "col"
     raise TypeError(f"not an expression: {e!r}")
 
 
+def leading_shift(e: Expr) -> tuple[Expr, tuple[float, ...]] | None:
+    """(g, c) when e(x) = g(x + c) with c a per-channel constant, every x in e being inside that one
+    x + c (a bias added after the layer: it can join the layer's bias), else None."""
+    shifts: set[Chan] = set()
+    bare = False
+
+    def walk(n: Expr) -> Expr:
+        nonlocal bare
+        if isinstance(n, Op) and n.name == "add" and len(n.args) == 2:
+            a, b = n.args
+            if isinstance(a, Var) and isinstance(b, Chan) or isinstance(b, Var) and isinstance(a, Chan):
+                shifts.add(b if isinstance(b, Chan) else a)
+                return X
+        if isinstance(n, Var):
+            bare = True
+            return n
+        if isinstance(n, Op):
+            return Op(n.name, tuple(walk(a) for a in n.args))
+        return n
+
+    g = walk(e)
+    if bare or len(shifts) != 1:
+        return None
+    return g, shifts.pop().values
+
+
 def chan_leaves(e: Expr) -> tuple[Chan, ...]:
     """The distinct per-channel constants of `e`, in first-visit order (deterministic)."""
     found: dict[Chan, None] = {}

@@ -53,7 +53,9 @@ class G:
             [helper.make_tensor_value_info(n, elem, s) for n, s in inputs],
             [helper.make_tensor_value_info(o, elem, s) for o, s in outputs],
             initializer=self.inits)
-        m = helper.make_model(g, opset_imports=[helper.make_opsetid("", self.opset)])
+        others = sorted({n.domain for n in self.nodes} - {"", "ai.onnx"})   # com.microsoft: ORT's own ops
+        m = helper.make_model(g, opset_imports=[helper.make_opsetid("", self.opset)] +
+                              [helper.make_opsetid(d, 1) for d in others])
         m.ir_version = self.ir
         if check:
             onnx.checker.check_model(m)

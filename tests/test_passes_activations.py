@@ -102,6 +102,16 @@ CASES = {
        for op in ("Sinh", "Cosh", "Tan", "Asin", "Acos", "Atan", "Asinh", "Acosh", "Atanh", "Floor", "Ceil", "Round",
                   "Sign")},
     "sum_variadic": (lambda g, x: g.op("Sum", [x, g.init(c(0.5)), x]), 17, None),
+    # ONNX Runtime's own activations (com.microsoft), as its graph optimiser writes them
+    "ort_gelu": (lambda g, x: g.op("Gelu", [x], domain="com.microsoft"), 17, ex.gelu_erf()),
+    "ort_quickgelu": (lambda g, x: g.op("QuickGelu", [x], domain="com.microsoft"), 17, ex.swish(1.702)),
+    "ort_quickgelu_alpha1_is_silu": (lambda g, x: g.op("QuickGelu", [x], domain="com.microsoft", alpha=1.0), 17,
+                                     ex.silu()),
+    "ort_fastgelu": (lambda g, x: g.op("FastGelu", [x], domain="com.microsoft"), 17, ex.gelu_tanh()),
+    "ort_fastgelu_bias": (lambda g, x: g.op("FastGelu", [x, g.init(c([0.1, -0.2, 0.3, 1, -1, 0]))],
+                                            domain="com.microsoft"), 17, None),
+    "ort_biasgelu": (lambda g, x: g.op("BiasGelu", [x, g.init(c([0.5, -2, 0, 1, 3, -0.25]))],
+                                       domain="com.microsoft"), 17, None),
     # torch's BatchNorm1d after a Linear, inference mode: a per-channel affine map (eps default and set)
     "batchnorm": (lambda g, x: g.op("BatchNormalization", [x, *(g.init(v) for v in _BN)]), 15, None),
     "batchnorm_eps_relu": (lambda g, x: g.op("Relu", [g.op("BatchNormalization", [x, *(g.init(v) for v in _BN)],

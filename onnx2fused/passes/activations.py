@@ -14,6 +14,9 @@ and then t = f(v) elementwise, with f an `expr.Expr` built node by node:
     Shrink(a) -> shrink[x := a] Swish(a) -> swish[x := a]     Round(a) -> round(a) (half to even)
     Identity / Dropout (inference) / Cast between float types -> a  (not a Cast that rounds a float32
                                                                       value to float16/bfloat16)
+    ONNX Runtime's contrib activations (domain com.microsoft, in models saved by its graph optimiser):
+    Gelu(a) -> gelu_erf[x := a]   QuickGelu(a) -> swish(alpha)[x := a]   FastGelu(a[, b]) ->
+    gelu_tanh[x := a (+ b)]      BiasGelu(a, b) -> gelu_erf[x := a + b]
     CastLike(a, t) with t of a float type -> a, by the same rule (onnx's function bodies, such as the
                                           expanded Elu, cast each constant like the input)
     a constant c of shape [1, ..., 1, N] -> Chan(c) (c[col] for output column col), or Const when all
@@ -44,6 +47,8 @@ from ..expr import Const, Expr, Op, Var
 from .constants import FLOAT_TYPES, GraphIndex, elem_name
 
 NOT_PER_CHANNEL = "does not broadcast per channel"
+ORT_DOMAIN = "com.microsoft"
+ORT_ACTIVATIONS = ("Gelu", "QuickGelu", "FastGelu", "BiasGelu")   # ONNX Runtime's contrib ops
 
 
 class ActivationRefusal(Exception):
@@ -103,7 +108,7 @@ _NOT_ELEMENTWISE = {
 
 def unsupported(node: onnx.NodeProto) -> str:
     """Why `node`, an op the recogniser does not know, cannot join an activation."""
-    if node.domain in ("", "ai.onnx") and node.op_type in _NOT_ELEMENTWISE:
+    if node.domain in ("", "ai.onnx", ORT_DOMAIN) and node.op_type in _NOT_ELEMENTWISE:
         return f"{node.op_type} {_NOT_ELEMENTWISE[node.op_type]}"
     if node.domain not in ("", "ai.onnx"):
         return f"{node.op_type} of domain '{node.domain}' is not a supported elementwise op"
@@ -162,6 +167,49 @@ def _attr(node, name, default=None):
     return default
 
 
+def attr_activation(op: str, attr) -> Expr | None:
+    """f(x) of the one-input activation op `op` (ai.onnx), its attributes read by attr(name, default);
+    None when `op` is not one. Shared by the node walk and the activation attribute of ORT's FusedGemm."""
+    x = ex.X
+    if op in _UNARY:
+        return Op(_UNARY[op], (x,))
+    if op == "Relu":
+        return ex.relu()
+    if op == "LeakyRelu":
+        return ex.leaky_relu(float(attr("alpha", 0.01)))
+    if op == "Gelu":
+        approx = attr("approximate", "none")
+        approx = approx.decode("utf-8", "replace") if isinstance(approx, bytes) else approx  # any bytes
+        return ex.gelu_tanh() if approx == "tanh" else ex.gelu_erf()
+    if op == "Elu":
+        return ex.elu(float(attr("alpha", 1.0)))
+    if op == "Selu":
+        alpha = float(attr("alpha", 1.67326319217681884765625))
+        gamma = float(attr("gamma", 1.05070102214813232421875))
+        neg = Const(gamma) * (Const(alpha) * Op("exp", (x,)) - Const(alpha))
+        return Op("select", (Op("le", (x, Const(0.0))), neg, Const(gamma) * x))
+    if op == "Celu":
+        alpha = float(attr("alpha", 1.0))
+        neg = Const(alpha) * (Op("exp", (x / Const(alpha),)) - Const(1.0))
+        return Op("add", (Op("max", (Const(0.0), x)), Op("min", (Const(0.0), neg))))
+    if op == "HardSigmoid":
+        return ex.hard_sigmoid(float(attr("alpha", 0.2)), float(attr("beta", 0.5)))
+    if op == "HardSwish":
+        return ex.hard_swish()
+    if op == "Mish":
+        return ex.mish()
+    if op == "Swish":
+        return ex.swish(float(attr("alpha", 1.0)))
+    if op == "Shrink":
+        return ex.shrink(float(attr("lambd", 0.5)), float(attr("bias", 0.0)))
+    if op == "Softsign":
+        return x / (Const(1.0) + Op("abs", (x,)))
+    if op == "ThresholdedRelu":
+        alpha = float(attr("alpha", 1.0))
+        return Op("select", (Op("gt", (x, Const(alpha))), x, Const(0.0)))
+    return None
+
+
 def _check_float_cast(ctx: _Ctx, what: str, src_name: str, to: int | None, cast: str) -> None:
     """Raise unless casting `src_name` to element type `to` leaves the chain's fp32 value unchanged."""
     src = ctx.ix.types.get(src_name)
@@ -180,6 +228,8 @@ def node_expr(ctx: _Ctx, i: int) -> Expr:
     node = ix.node(i)
     what = ix.describe(i)
     op = node.op_type
+    if node.domain == ORT_DOMAIN and op in ORT_ACTIVATIONS:
+        return _ort_activation(ctx, node, what)
     if node.domain not in ("", "ai.onnx") or op not in ELEMENTWISE_OPS:
         raise ActivationRefusal(f"{what}: {unsupported(node)}")
     ins = list(node.input)
@@ -220,43 +270,12 @@ def node_expr(ctx: _Ctx, i: int) -> Expr:
             e = Op(_VARIADIC[op], (e, b))
         return e
     x = ctx.operand(ins[0], what)
-    if op == "Relu":
-        return Op("max", (x, Const(0.0)))
-    if op == "LeakyRelu":
-        return subst(ex.leaky_relu(float(_attr(node, "alpha", 0.01))), x)
     if op == "PRelu":
         slope = ctx.operand(ins[1], what)
         return Op("select", (Op("lt", (x, Const(0.0))), Op("mul", (x, slope)), x))
-    if op == "Gelu":
-        approx = _attr(node, "approximate", "none")
-        approx = approx.decode("utf-8", "replace") if isinstance(approx, bytes) else approx  # any bytes
-        return subst(ex.gelu_tanh() if approx == "tanh" else ex.gelu_erf(), x)
-    if op == "Elu":
-        return subst(ex.elu(float(_attr(node, "alpha", 1.0))), x)
-    if op == "Selu":
-        alpha = float(_attr(node, "alpha", 1.67326319217681884765625))
-        gamma = float(_attr(node, "gamma", 1.05070102214813232421875))
-        neg = Const(gamma) * (Const(alpha) * Op("exp", (x,)) - Const(alpha))
-        return Op("select", (Op("le", (x, Const(0.0))), neg, Const(gamma) * x))
-    if op == "Celu":
-        alpha = float(_attr(node, "alpha", 1.0))
-        neg = Const(alpha) * (Op("exp", (x / Const(alpha),)) - Const(1.0))
-        return Op("add", (Op("max", (Const(0.0), x)), Op("min", (Const(0.0), neg))))
-    if op == "HardSigmoid":
-        return subst(ex.hard_sigmoid(float(_attr(node, "alpha", 0.2)), float(_attr(node, "beta", 0.5))), x)
-    if op == "HardSwish":
-        return subst(ex.hard_swish(), x)
-    if op == "Mish":
-        return subst(ex.mish(), x)
-    if op == "Swish":
-        return subst(ex.swish(float(_attr(node, "alpha", 1.0))), x)
-    if op == "Shrink":
-        return subst(ex.shrink(float(_attr(node, "lambd", 0.5)), float(_attr(node, "bias", 0.0))), x)
-    if op == "Softsign":
-        return x / (Const(1.0) + Op("abs", (x,)))
-    if op == "ThresholdedRelu":
-        alpha = float(_attr(node, "alpha", 1.0))
-        return Op("select", (Op("gt", (x, Const(alpha))), x, Const(0.0)))
+    f = attr_activation(op, lambda name, default: _attr(node, name, default))
+    if f is not None:
+        return subst(f, x)
     if op == "Clip":
         lo = hi = None
         if len(ins) > 1 and ins[1]:
@@ -277,6 +296,25 @@ def node_expr(ctx: _Ctx, i: int) -> Expr:
         c, a, b = ctx.operand(ins[0], what), ctx.operand(ins[1], what), ctx.operand(ins[2], what)
         return Op("select", (c, a, b))
     raise ActivationRefusal(f"{what}: {op} is not a supported elementwise op")  # pragma: no cover
+
+
+def _ort_activation(ctx: _Ctx, node: onnx.NodeProto, what: str) -> Expr:
+    """ONNX Runtime's own activation ops (domain com.microsoft), which a model saved by ORT's graph
+    optimiser contains: Gelu (erf form), QuickGelu x sigmoid(alpha x), FastGelu (tanh form) of x or of
+    x + bias, BiasGelu: the erf form of a + b."""
+    op, ins = node.op_type, [n for n in node.input]
+    if any(o for o in node.output[1:]):
+        raise ActivationRefusal(f"{what}: has more than one output")
+    x = ctx.operand(ins[0], what)
+    if op == "Gelu":
+        return subst(ex.gelu_erf(), x)
+    if op == "QuickGelu":
+        return subst(ex.swish(float(_attr(node, "alpha", 1.702))), x)
+    if len(ins) > 1 and ins[1]:
+        x = Op("add", (x, ctx.operand(ins[1], what)))
+    elif op == "BiasGelu":
+        raise ActivationRefusal(f"{what}: BiasGelu without its bias input")
+    return subst(ex.gelu_tanh() if op == "FastGelu" else ex.gelu_erf(), x)
 
 
 def _batch_norm(ctx: _Ctx, node: onnx.NodeProto, what: str, extra_outs: list[str]) -> Expr:
@@ -435,5 +473,6 @@ def describe_expr(e: Expr) -> str:
     return ex.NAMED.get(e) or ex.to_text(e)
 
 
-__all__ = ["Activation", "ActivationRefusal", "match_activation", "node_expr", "normalise", "subst",
+__all__ = ["Activation", "ActivationRefusal", "match_activation", "node_expr", "normalise", "subst", "attr_activation",
+           "ORT_DOMAIN", "ORT_ACTIVATIONS",
            "ELEMENTWISE_OPS", "NOT_PER_CHANNEL", "describe_expr"]

@@ -29,15 +29,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping
 
+import numpy as np
 import onnx
 
 from .. import expr as ex
 from ..spec import LayerSpec, MLPSpec, NormSpec
-from .activations import ELEMENTWISE_OPS, Activation, describe_expr, match_activation
+from .activations import ELEMENTWISE_OPS, Activation, describe_expr, match_activation, normalise, subst
 from .block import NormMatch, find_block
 from .constants import GraphIndex, elem_name
 from .gated import fed_node, find_gated
-from .linear import LINEAR_OPS, LinearLayer, LinearRefusal, match_linear
+from .linear import LinearLayer, LinearRefusal, is_linear_node, match_linear
 
 IO_TYPES = {onnx.TensorProto.FLOAT: "f32", onnx.TensorProto.FLOAT16: "f16"}
 
@@ -150,9 +151,26 @@ def _feeding_a_layer(ix: GraphIndex) -> set[str]:
     reason goes missing)."""
     feeds: set[str] = set()
     for n in reversed(ix.graph.node):
-        if (n.op_type in LINEAR_OPS and n.domain in ("", "ai.onnx")) or any(o in feeds for o in n.output if o):
+        if is_linear_node(n) or any(o in feeds for o in n.output if o):
             feeds.update(i for i in n.input if i)
     return feeds
+
+
+def _layer_activation(ix: GraphIndex, lin: LinearLayer) -> Activation:
+    """The activation after `lin`: the elementwise nodes on its output, after FusedGemm's own activation
+    where it has one; a per-channel shift it starts with (ORT's FastGelu and BiasGelu add the bias that
+    its optimiser took from the layer) moves into the layer's bias, so that f is the named activation."""
+    act = match_activation(ix, lin.output, lin.out_features)
+    half = ix.types.get(lin.output) in (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
+    expr = act.expr if lin.activation is None else normalise(subst(act.expr, lin.activation), half)
+    shifted = ex.leading_shift(expr)
+    if shifted is not None:
+        expr, shift = shifted[0], np.asarray(shifted[1], dtype=np.float32)
+        lin.bias = shift if lin.bias is None else (lin.bias + shift).astype(np.float32)
+        expr = normalise(expr, half)
+    if expr is act.expr:
+        return act
+    return Activation(expr, act.node_indices, act.nodes, act.output, act.rejected)
 
 
 def block_key(chain: Chain) -> int:
@@ -176,7 +194,7 @@ def find_chains(model: onnx.ModelProto, gated_refused: str | None = None,
     layers: dict[int, _Layer] = {}
     refused: dict[int, str] = {}
     for i, n in enumerate(ix.graph.node):
-        if n.op_type not in LINEAR_OPS or n.domain not in ("", "ai.onnx"):
+        if not is_linear_node(n):
             continue
         try:
             lin = match_linear(ix, i)
@@ -188,7 +206,7 @@ def find_chains(model: onnx.ModelProto, gated_refused: str | None = None,
             refused[i] = (f"{ix.describe(i)}: input '{lin.input}' has element type {elem_name(t)}; "
                           "only float32/float16 are fused")
             continue
-        layers[i] = _Layer(i, lin, match_activation(ix, lin.output, lin.out_features))
+        layers[i] = _Layer(i, lin, _layer_activation(ix, lin))
     feeds_layer = _feeding_a_layer(ix)
     gated, gated_reasons = find_gated(ix, layers)
     for g in gated:

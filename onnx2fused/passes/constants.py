@@ -79,6 +79,59 @@ def constant_node_value(node: onnx.NodeProto) -> np.ndarray | None:
     return None
 
 
+# ONNX Runtime's own ops (domain com.microsoft, in models saved by its graph optimiser) that onnx's shape
+# inference does not know, and the stock op that gives their first output the same type and shape: with
+# them in place, the tensors after them keep known types (else every layer downstream would be refused
+# as "element type unknown").
+_ORT_STAND_INS = {"Gelu": "Identity", "QuickGelu": "Identity", "FastGelu": "Add", "BiasGelu": "Add",
+                  "FusedGemm": "Gemm", "FusedMatMul": "MatMul", "SkipLayerNormalization": "Identity",
+                  "SkipSimplifiedLayerNormalization": "Identity", "BiasAdd": "Identity"}
+_GEMM_ATTRS = ("alpha", "beta", "transA", "transB")
+_STAND_IN_DATA_LIMIT = 1 << 16   # initializers larger than this (bytes) lose their data in the stand-in
+
+
+def _inference_stand_in(model: onnx.ModelProto) -> onnx.ModelProto:
+    """`model` itself, or, where it has ORT ops of _ORT_STAND_INS, a copy for shape inference only with
+    each replaced by its stock stand-in (large weights' data left out: inference reads their shapes)."""
+    if not any(n.domain == "com.microsoft" and n.op_type in _ORT_STAND_INS for n in model.graph.node):
+        return model
+    src = model.graph
+    g = onnx.GraphProto(name=src.name)
+    for n in src.node:   # (copies: the user's model is not changed)
+        g.node.extend(_stand_in_nodes(n) if n.domain == "com.microsoft" and n.op_type in _ORT_STAND_INS else [n])
+    for field_name in ("input", "output", "value_info", "sparse_initializer"):
+        getattr(g, field_name).extend(getattr(src, field_name))
+    for t in src.initializer:
+        if t.data_type == onnx.TensorProto.INT64 or t.ByteSize() <= _STAND_IN_DATA_LIMIT:
+            g.initializer.append(t)
+        else:   # inference reads a weight's type and dims, not its values
+            g.initializer.append(onnx.TensorProto(name=t.name, dims=t.dims, data_type=t.data_type))
+    stand_in = onnx.ModelProto(ir_version=model.ir_version, graph=g)
+    stand_in.opset_import.extend(model.opset_import)
+    stand_in.functions.extend(model.functions)
+    return stand_in
+
+
+def _stand_in_nodes(n: onnx.NodeProto) -> list[onnx.NodeProto]:
+    """The stock nodes whose first output has the type and shape of ORT op n's first output."""
+    op = _ORT_STAND_INS[n.op_type]
+    ins, out = list(n.input), n.output[0]
+    trans = {a.name: a.i for a in n.attribute if a.name.startswith("trans")}
+    if n.op_type == "FusedMatMul":
+        if trans.get("transA") or trans.get("transBatchA") or trans.get("transBatchB"):
+            return [n]   # left unknown: no stock op of a few nodes has its shape
+        if trans.get("transB"):
+            t = onnx.helper.make_node("Transpose", [ins[1]], [out + "__o2f_bt"], perm=[1, 0])
+            return [t, onnx.helper.make_node("MatMul", [ins[0], t.output[0]], [out])]
+        return [onnx.helper.make_node("MatMul", ins[:2], [out])]
+    if op == "Gemm":
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute if a.name in _GEMM_ATTRS}
+        return [onnx.helper.make_node("Gemm", ins[:3], [out], **attrs)]
+    if op == "Add" and len(ins) > 1 and ins[1]:
+        return [onnx.helper.make_node("Add", ins[:2], [out])]
+    return [onnx.helper.make_node("Identity", ins[:1], [out])]
+
+
 @dataclass
 class GraphIndex:
     """Read-only index of a model's main graph."""
@@ -116,7 +169,7 @@ class GraphIndex:
     def _types_and_shapes(self):
         self.types, self.shapes = {}, {}
         try:
-            inferred = onnx.shape_inference.infer_shapes(self.model, strict_mode=False)
+            inferred = onnx.shape_inference.infer_shapes(_inference_stand_in(self.model), strict_mode=False)
             infos = list(inferred.graph.value_info)
         except Exception:  # shape inference is best effort here; the loader reports real failures
             infos = []

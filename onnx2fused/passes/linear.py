@@ -4,6 +4,12 @@
     MatMul(x, W)                          ->  W,                                  b = None
     Add(MatMul(x, W), c) / Add(c, MatMul(x, W))  ->  W,                           b = broadcast(c, [N])
 
+ONNX Runtime's own linear ops (domain com.microsoft, in models saved by its graph optimiser) too:
+
+    FusedGemm(x, B, C; Gemm's attributes, activation, activation_alpha/beta/gamma)
+                                          ->  as Gemm, and `activation` f: the layer's output is f(x W + b)
+    FusedMatMul(x, W; alpha, transB)      ->  W = alpha * (W^T if transB), then as MatMul (a bias Add too)
+
 where B, W, c are constants (initializers or folded constant producers) and C / c are [N], [1, N] or
 scalars. Gemm is 2-D only (transA=1 is refused); MatMul takes inputs of any rank >= 2 (the fused op
 flattens the leading dimensions). Weights of type float16 / bfloat16 / float32 become float32.
@@ -15,9 +21,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .. import expr as ex
+from .activations import ORT_DOMAIN, attr_activation
 from .constants import GraphIndex
 
 LINEAR_OPS = ("Gemm", "MatMul")
+ORT_LINEAR_OPS = ("FusedGemm", "FusedMatMul")
 _WEIGHT_DTYPES = (np.float32, np.float16)
 
 
@@ -34,6 +43,7 @@ class LinearLayer:
     output: str
     op: str = "MatMul"            # source op type, for messages
     node_indices: list[int] = field(default_factory=list, repr=False)
+    activation: ex.Expr | None = None   # FusedGemm's own activation: output = f(x @ W + b)
 
     @property
     def in_features(self) -> int:
@@ -72,14 +82,21 @@ def _bias_vector(c: np.ndarray, n: int, max_rank: int | None) -> np.ndarray | No
     return c.reshape(n).astype(np.float32)
 
 
+def is_linear_node(node) -> bool:
+    """A Gemm or MatMul, or ONNX Runtime's FusedGemm or FusedMatMul."""
+    return ((node.domain in ("", "ai.onnx") and node.op_type in LINEAR_OPS)
+            or (node.domain == ORT_DOMAIN and node.op_type in ORT_LINEAR_OPS))
+
+
 def match_linear(ix: GraphIndex, i: int) -> LinearLayer:
-    """The linear layer starting at node i (a Gemm or MatMul), or raise LinearRefusal."""
+    """The linear layer starting at node i (a Gemm or MatMul, or ORT's FusedGemm or FusedMatMul), or
+    raise LinearRefusal."""
     node = ix.node(i)
     what = ix.describe(i)
-    if node.domain not in ("", "ai.onnx") or node.op_type not in LINEAR_OPS:
+    if not is_linear_node(node):
         raise LinearRefusal(f"{what}: not a Gemm or MatMul")
     try:
-        if node.op_type == "Gemm":
+        if node.op_type in ("Gemm", "FusedGemm"):
             return _match_gemm(ix, i, what)
         return _match_matmul(ix, i, what)
     except LinearRefusal as r:
@@ -128,7 +145,21 @@ def _match_gemm(ix: GraphIndex, i: int, what: str) -> LinearLayer:
     r = ix.rank(a)
     if r is not None and r != 2:
         raise LinearRefusal(f"{what}: input '{a}' has rank {r}; Gemm takes 2-D input")
-    return LinearLayer(w, bias, [ix.keys[i]], a, node.output[0], "Gemm", [i])
+    return LinearLayer(w, bias, [ix.keys[i]], a, node.output[0], node.op_type, [i], _fused_activation(ix, i, what))
+
+
+def _fused_activation(ix: GraphIndex, i: int, what: str) -> ex.Expr | None:
+    """FusedGemm's `activation` (an ONNX op name, its attributes prefixed `activation_`), else None."""
+    if ix.node(i).op_type != "FusedGemm":
+        return None
+    name = ix.attr(i, "activation", b"")
+    name = name.decode("utf-8", "replace") if isinstance(name, bytes) else str(name)
+    if not name:
+        return None
+    f = attr_activation(name, lambda a, default: ix.attr(i, "activation_" + a, default))
+    if f is None:
+        raise LinearRefusal(f"{what}: its activation '{name}' is not one onnx2fused knows")
+    return f
 
 
 def _match_matmul(ix: GraphIndex, i: int, what: str) -> LinearLayer:
@@ -140,12 +171,21 @@ def _match_matmul(ix: GraphIndex, i: int, what: str) -> LinearLayer:
     if w.ndim != 2:
         raise LinearRefusal(f"{what}: weight '{b}' has shape {_shape(w)}, not 2-D")
     w = _as_f32(w, "weight", b)
+    if node.op_type == "FusedMatMul":
+        for t in ("transA", "transBatchA", "transBatchB"):
+            if ix.attr(i, t, 0):
+                raise LinearRefusal(f"{what}: {t}=1 (a transposed input) is not supported")
+        if ix.attr(i, "transB", 0):
+            w = np.ascontiguousarray(w.T)
+        alpha = float(ix.attr(i, "alpha", 1.0))
+        if alpha != 1.0:
+            w = np.ascontiguousarray(w * np.float32(alpha))
     r = ix.rank(a)
     if r is not None and r < 2:
         raise LinearRefusal(f"{what}: input '{a}' has rank {r}; a linear layer needs rank >= 2")
     n = w.shape[1]
     out = node.output[0]
-    layer = LinearLayer(w, None, [ix.keys[i]], a, out, "MatMul", [i])
+    layer = LinearLayer(w, None, [ix.keys[i]], a, out, node.op_type, [i])
     users = ix.users(out)
     if out in ix.graph_outputs or len(users) != 1:
         return layer
@@ -167,4 +207,4 @@ def _match_matmul(ix: GraphIndex, i: int, what: str) -> LinearLayer:
     vec = _bias_vector(c, n, out_rank)
     if vec is None:
         return layer
-    return LinearLayer(w, vec, [ix.keys[i], ix.keys[j]], a, add.output[0], "MatMul", [i, j])
+    return LinearLayer(w, vec, [ix.keys[i], ix.keys[j]], a, add.output[0], node.op_type, [i, j])
