@@ -121,6 +121,23 @@ def test_zoo_converts_with_defaults(entry, kind, cache, tmp_path):
                    lambda rng: {entry["input"]: rng.standard_normal(dims).astype(np.float32)})
 
 
+@pytest.mark.parametrize("zoo", ["nerf", "gelu", "silu", "preln", "swiglu"])
+def test_ort_optimised_zoo_model_converts_with_defaults(zoo, cache, tmp_path):
+    """The zoo model as ORT's extended graph optimisations save it (FusedGemm, Gelu, QuickGelu:
+    test_passes_ort_ops.py) converts to the chain of its export and matches stock on the CUDA EP."""
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+    so.optimized_model_filepath = str(tmp_path / "opt.onnx")
+    ort.InferenceSession(str(ROOT / "models" / f"{zoo}.opset17.onnx"), so, providers=["CPUExecutionProvider"])
+    opt = onnx.load(str(tmp_path / "opt.onnx"))
+    assert any(n.domain == "com.microsoft" for n in opt.graph.node)
+    entry = next(m for m in ZOO["models"] if m["name"] == zoo)
+    dims = [1031 if isinstance(d, str) else d for d in entry["files"]["opset17"]["input_dims"]]
+    res = check_defaults(tmp_path / "opt.onnx", tmp_path / "m.onnx", cache,
+                         lambda rng: {entry["input"]: rng.standard_normal(dims).astype(np.float32)})
+    assert len(res.chains) == 1 and list(res.chains[0].widths) == entry["widths"]
+
+
 def torch_siren(dynamo: bool, path: Path) -> Path:
     class Sine(torch.nn.Module):
         def forward(self, x):
