@@ -339,7 +339,10 @@ def convert(input_path, output_path=None, precision: str = AUTO, validate: bool 
     plan = find_fusions(model, with_cuda, stock_faster=stock_where_faster)
     result = ConversionResult(str(inp), str(out), precision, refusals=[r.reason for r in plan.refusals])
 
-    tmpdir = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        tmpdir = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    except OSError as e:   # (os.access says yes for root, even where nothing can be created: /proc)
+        raise ConversionError(f"{out.parent}: cannot create files in the output folder ({e.strerror or e})") from None
     try:
         if not plan.chains:
             result.nothing_to_fuse = ("no MLP chain to fuse" + (f" ({len(plan.refusals)} not fused, see below)"

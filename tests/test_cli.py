@@ -109,6 +109,14 @@ def test_output_into_missing_folder(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="needs /proc (Linux)")
+def test_output_into_a_folder_that_takes_no_files():
+    """/proc passes os.access for root, yet no file can be created there: one line naming the folder."""
+    p = cli("convert", MODELS / "nerf.opset17.onnx", "-o", "/proc/out.onnx", "--cpu-only")
+    assert p.returncode == 2 and len(p.stderr.splitlines()) == 1
+    assert p.stderr.startswith("onnx2fused: error: /proc") and ".tmp-" not in p.stderr
+
+
 def test_unknown_precision_names_the_choices(tmp_path):
     p = cli("convert", MODELS / "nerf.opset17.onnx", "-o", tmp_path / "o.onnx", "--precision", "fp8")
     assert p.returncode == 2 and "fp8" in p.stderr
