@@ -153,3 +153,48 @@ def test_transformers_optimizer_ffn_bias_gelu_and_skip_layer_norm(tmp_path):
     assert "SkipLayerNormalization is a normalisation across the row" in plan.refusals[0].reason
     r = rewrite(m, plan, [c.to_spec("fp32") for c in plan.chains])
     _same_outputs(m, r, rand([3, 7, 32], seed=6))
+
+
+def test_bert_layer_after_the_transformers_optimizer(tmp_path):
+    """A BERT encoder layer after onnxruntime.transformers (Attention, SkipLayerNormalization, BiasGelu):
+    its FFN is found behind the Attention op (whose output type onnx's inference does not know)."""
+    torch = pytest.importorskip("torch")
+    from onnxruntime.transformers.optimizer import optimize_model
+
+    class Layer(torch.nn.Module):
+        def __init__(self, d=32, heads=2):
+            super().__init__()
+            self.heads = heads
+            self.q, self.k, self.v, self.o = (torch.nn.Linear(d, d) for _ in range(4))
+            self.n1, self.n2 = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
+            self.f1, self.f2 = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
+
+        def forward(self, x, mask):
+            b, s, d = x.shape
+            hd = d // self.heads
+            q = self.q(x).view(b, s, self.heads, hd).permute(0, 2, 1, 3)
+            k = self.k(x).view(b, s, self.heads, hd).permute(0, 2, 3, 1)
+            v = self.v(x).view(b, s, self.heads, hd).permute(0, 2, 1, 3)
+            bias = (1.0 - mask[:, None, None, :].float()) * -10000.0
+            a = torch.softmax(torch.matmul(q, k) / 4.0 + bias, -1)
+            x = self.n1(x + self.o(torch.matmul(a, v).permute(0, 2, 1, 3).reshape(b, s, d)))
+            return self.n2(x + self.f2(torch.nn.functional.gelu(self.f1(x))))
+
+    torch.manual_seed(0)
+    src = tmp_path / "layer.onnx"
+    x, mask = torch.randn(2, 8, 32), torch.ones(2, 8, dtype=torch.int64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(Layer().eval(), (x, mask), str(src), input_names=["x", "mask"], opset_version=14,
+                          dynamo=False, dynamic_axes={"x": {0: "b", 1: "s"}, "mask": {0: "b", 1: "s"}})
+        m = optimize_model(str(src), model_type="bert", num_heads=2, hidden_size=32, opt_level=0).model
+    assert {"Attention", "SkipLayerNormalization", "BiasGelu"} <= {n.op_type for n in m.graph.node
+                                                                 if n.domain == ORT_DOMAIN}
+    plan = find_chains(m)
+    assert (32, 128, 32) in [c.widths for c in plan.chains], plan.describe()
+    ffn = next(c for c in plan.chains if c.widths == (32, 128, 32))
+    assert ffn.activations[0] == ex.gelu_erf()
+    r = rewrite(m, plan, [c.to_spec("fp32") for c in plan.chains])
+    feeds = {"x": rand([3, 5, 32], seed=8), "mask": np.ones((3, 5), np.int64)}
+    (a,), (b,) = run(m, feeds), run(r, feeds)
+    np.testing.assert_allclose(b, a, rtol=2e-5, atol=2e-5)

@@ -85,7 +85,10 @@ def constant_node_value(node: onnx.NodeProto) -> np.ndarray | None:
 # as "element type unknown").
 _ORT_STAND_INS = {"Gelu": "Identity", "QuickGelu": "Identity", "FastGelu": "Add", "BiasGelu": "Add",
                   "FusedGemm": "Gemm", "FusedMatMul": "MatMul", "SkipLayerNormalization": "Identity",
-                  "SkipSimplifiedLayerNormalization": "Identity", "BiasAdd": "Identity"}
+                  "SkipSimplifiedLayerNormalization": "Identity", "BiasAdd": "Identity",
+                  # BERT's after onnxruntime.transformers: [B, S, hidden] like the input (query) rows, and
+                  # the embedding's rows as a Gather of the word embedding by the ids
+                  "Attention": "Identity", "MultiHeadAttention": "Identity", "EmbedLayerNormalization": "Gather"}
 _GEMM_ATTRS = ("alpha", "beta", "transA", "transB")
 _STAND_IN_DATA_LIMIT = 1 << 16   # initializers larger than this (bytes) lose their data in the stand-in
 
@@ -124,6 +127,10 @@ def _stand_in_nodes(n: onnx.NodeProto) -> list[onnx.NodeProto]:
             t = onnx.helper.make_node("Transpose", [ins[1]], [out + "__o2f_bt"], perm=[1, 0])
             return [t, onnx.helper.make_node("MatMul", [ins[0], t.output[0]], [out])]
         return [onnx.helper.make_node("MatMul", ins[:2], [out])]
+    if n.op_type == "Attention" and any(a.name == "qkv_hidden_sizes" for a in n.attribute):
+        return [n]   # its output's width is the value's, which may differ from the input's
+    if op == "Gather":   # EmbedLayerNormalization(input_ids, segment_ids, word_embedding, ...)
+        return [onnx.helper.make_node("Gather", [ins[2], ins[0]], [out])] if len(ins) > 2 else [n]
     if op == "Gemm":
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute if a.name in _GEMM_ATTRS}
         return [onnx.helper.make_node("Gemm", ins[:3], [out], **attrs)]
