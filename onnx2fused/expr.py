@@ -345,30 +345,96 @@ def render_c(e: Expr, var: str = "v", fast: bool | str = False, col: str = "col"
     raise TypeError(f"not an expression: {e!r}")
 
 
-def leading_shift(e: Expr) -> tuple[Expr, tuple[float, ...]] | None:
-    """(g, c) when e(x) = g(x + c) with c a per-channel constant, every x in e being inside that one
-    x + c (a bias added after the layer: it can join the layer's bias), else None."""
-    shifts: set[Chan] = set()
-    bare = False
+def _affine_in_x(e: Expr) -> tuple | None:
+    """(s, t) with e = x * s + t, s and t floats or per-channel tuples, when e is built from x by adding,
+    subtracting, multiplying or dividing by constants (and negating); else None."""
+    if isinstance(e, Var):
+        return 1.0, 0.0
+    if not isinstance(e, Op):
+        return None
+    if e.name == "neg" and len(e.args) == 1:
+        a = _affine_in_x(e.args[0])
+        return None if a is None else (_scaled(a[0], -1.0), _scaled(a[1], -1.0))
+    if len(e.args) != 2 or e.name not in ("add", "sub", "mul", "div"):
+        return None
+    a, b = e.args
+    const_a, const_b = isinstance(a, (Const, Chan)), isinstance(b, (Const, Chan))
+    if const_a == const_b:
+        return None
+    inner = _affine_in_x(b if const_a else a)
+    if inner is None:
+        return None
+    s, t = inner
+    c = _const_value(a if const_a else b)
+    if e.name == "add":
+        return s, _plus(t, c)
+    if e.name == "sub":
+        return (s, _plus(t, _scaled(c, -1.0))) if const_b else (_scaled(s, -1.0), _plus(c, _scaled(t, -1.0)))
+    if e.name == "mul":
+        return _times(s, c), _times(t, c)
+    if const_a:   # c / (x s + t) is not affine
+        return None
+    return _times(s, _inverse(c)), _times(t, _inverse(c))
 
-    def walk(n: Expr) -> Expr:
-        nonlocal bare
-        if isinstance(n, Op) and n.name == "add" and len(n.args) == 2:
-            a, b = n.args
-            if isinstance(a, Var) and isinstance(b, Chan) or isinstance(b, Var) and isinstance(a, Chan):
-                shifts.add(b if isinstance(b, Chan) else a)
-                return X
-        if isinstance(n, Var):
-            bare = True
-            return n
+
+def _const_value(c: Expr):
+    return c.value if isinstance(c, Const) else c.values
+
+
+def _elementwise(f, a, b):
+    if isinstance(a, tuple) or isinstance(b, tuple):
+        n = len(a) if isinstance(a, tuple) else len(b)
+        av = a if isinstance(a, tuple) else (a,) * n
+        bv = b if isinstance(b, tuple) else (b,) * n
+        return tuple(f(x, y) for x, y in zip(av, bv))
+    return f(a, b)
+
+
+def _f32(v: float) -> float:
+    with np.errstate(all="ignore"):
+        return float(np.float32(v))
+
+
+def _plus(a, b): return _elementwise(lambda x, y: _f32(np.float32(x) + np.float32(y)), a, b)
+def _times(a, b): return _elementwise(lambda x, y: _f32(np.float32(x) * np.float32(y)), a, b)
+def _scaled(a, k: float): return _times(a, k)
+def _inverse(a): return _elementwise(lambda x, _: _f32(np.float32(1) / np.float32(x)) if x != 0 else _f32(np.inf), a, a)
+
+
+def leading_affine(e: Expr) -> tuple[Expr, object, object] | None:
+    """(g, s, t) when e(x) = g(x * s + t) with a per-channel s or t (tuples; the other may be a float),
+    every x in e being inside one such affine subtree (a scale and shift after a linear layer, such as
+    an inference BatchNorm or a LayerScale: they fold into the layer's weights and bias), else None.
+    Scalar-only maps (x * 30 in a SIREN, logits / T) stay in e: folding them gains little and would
+    change how a gain is rounded."""
+    candidates: dict[Expr, int] = {}
+
+    def collect(n: Expr) -> None:
         if isinstance(n, Op):
-            return Op(n.name, tuple(walk(a) for a in n.args))
+            if chan_leaves(n) and _affine_in_x(n) is not None:
+                candidates.setdefault(n, len(to_text(n)))
+            for a in n.args:
+                collect(a)
+
+    def replace(n: Expr, c: Expr) -> Expr | None:   # None: an x outside every copy of c
+        if n == c:
+            return X
+        if isinstance(n, Var):
+            return None
+        if isinstance(n, Op):
+            args = tuple(replace(a, c) for a in n.args)
+            return None if any(a is None for a in args) else Op(n.name, args)
         return n
 
-    g = walk(e)
-    if bare or len(shifts) != 1:
-        return None
-    return g, shifts.pop().values
+    collect(e)
+    # the widest first (a BatchNorm's x * s + t whole), then narrower ones: in gelu(x + c) the x + c
+    # is inside 0.5 (x + c) and (x + c) / sqrt(2), which are affine but not the same subtree
+    for c in sorted(candidates, key=lambda k: -candidates[k]):
+        g = replace(e, c)
+        if g is not None:
+            s, t = _affine_in_x(c)
+            return g, s, t
+    return None
 
 
 def chan_leaves(e: Expr) -> tuple[Chan, ...]:
@@ -588,7 +654,6 @@ def _per_channel_named() -> dict[Expr, str]:
         Op("select", (Op("lt", (X, Const(0.0))), X * s, X)): "prelu",
         X * s: "scale", s * X: "scale", X + s: "shift", s + X: "shift",
         X * s + s: "affine", s * X + s: "affine",
-        Op("max", (X * s + s, Const(0.0))): "affine_relu",   # BatchNorm1d then ReLU (passes.activations)
     }
 
 

@@ -138,6 +138,30 @@ def test_ort_optimised_zoo_model_converts_with_defaults(zoo, cache, tmp_path):
     assert len(res.chains) == 1 and list(res.chains[0].widths) == entry["widths"]
 
 
+def test_layerscale_block_folds_into_the_wide_design(cache, tmp_path):
+    """A ViT block with LayerScale (x + gamma * FFN(LN(x)): DeiT-III, CaiT, DINOv2): gamma folds into the
+    last layer, so the block runs in the wide design (it ran in the streamed kernel, 18 MB of weights
+    through a narrow kernel) and matches stock on the CUDA EP."""
+    class Block(torch.nn.Module):
+        def __init__(self, d=768):
+            super().__init__()
+            self.n = torch.nn.LayerNorm(d)
+            self.f = torch.nn.Sequential(torch.nn.Linear(d, 4 * d), torch.nn.GELU(), torch.nn.Linear(4 * d, d))
+            self.gamma = torch.nn.Parameter(torch.rand(d) * 0.1 + 0.01)
+
+        def forward(self, x):
+            return x + self.gamma * self.f(self.n(x))
+
+    torch.manual_seed(0)
+    src = tmp_path / "ls.onnx"
+    torch.onnx.export(Block().eval(), (torch.randn(2, 5, 768),), str(src), input_names=["x"], opset_version=17,
+                      dynamo=False, dynamic_axes={"x": {0: "b", 1: "s"}})
+    res = check_defaults(src, tmp_path / "m.onnx", cache,
+                         lambda rng: {"x": rng.standard_normal((3, 67, 768)).astype(np.float32)})
+    (c,) = res.chains
+    assert c.activations == ["gelu", "id"] and "wide" in c.cuda_plan, c.cuda_plan
+
+
 def torch_siren(dynamo: bool, path: Path) -> Path:
     class Sine(torch.nn.Module):
         def forward(self, x):

@@ -337,3 +337,35 @@ def test_erf_evaluation_is_math_erf_rounded_to_float32():
     nan = np.isnan(x)
     assert np.isnan(got[nan]).all() and np.array_equal(got[~nan], want[~nan])
     assert np.signbit(_erf_np(np.array([-0.0], np.float32)))[0]
+
+
+_S, _T = ex.Chan((1.0, -2.0, 0.5)), ex.Chan((0.25, 0.0, -1.0))
+
+
+@pytest.mark.parametrize("e,g,s,t", [
+    (ex.X * _S + _T, ex.X, _S.values, _T.values),                                       # BatchNorm, inference
+    (ex.Op("max", (ex.X * _S + _T, ex.Const(0.0))), ex.relu(), _S.values, _T.values),
+    (ex.Op("erf", (ex.X + _T,)) * (ex.X + _T), ex.Op("erf", (ex.X,)) * ex.X, 1.0, _T.values),   # BiasGelu-like
+    (ex.Op("div", (ex.Op("sub", (ex.X, _T)), ex.Const(2.0))), ex.X, 0.5, tuple(-v / 2 for v in _T.values)),
+    (ex.Op("sub", (_T, ex.X)), ex.X, -1.0, _T.values),                                   # c - x
+    (ex.Op("neg", (ex.X * _S,)), ex.X, tuple(-v for v in _S.values), 0.0),
+])
+def test_leading_affine_folds(e, g, s, t):
+    got = ex.leading_affine(e)
+    assert got is not None and got[0] == g
+    np.testing.assert_allclose(np.broadcast_to(got[1], 3), np.broadcast_to(s, 3))
+    np.testing.assert_allclose(np.broadcast_to(got[2], 3), np.broadcast_to(t, 3))
+    x = rand([5, 3], seed=9)
+    np.testing.assert_allclose(ex.evaluate(g, x * np.asarray(got[1], np.float32) + np.asarray(got[2], np.float32)),
+                               ex.evaluate(e, x), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("e", [
+    ex.relu() * _S,                               # the scale after a ReLU: not a map of x's linear output
+    ex.X * ex.Const(30.0),                        # scalar-only: stays (a SIREN's gain)
+    ex.Op("div", (_S, ex.X)),                     # c / x
+    ex.X * _S + ex.X,                             # x outside the affine subtree
+    ex.Op("sin", (ex.X * _S,)) + ex.Op("cos", (ex.X * _T,)),   # two different maps
+])
+def test_leading_affine_declines(e):
+    assert ex.leading_affine(e) is None

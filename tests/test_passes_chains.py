@@ -4,9 +4,9 @@ import onnx
 import pytest
 
 from onnx2fused import expr as ex
-from onnx2fused.passes import find_chains
+from onnx2fused.passes import find_chains, rewrite
 from onnx2fused.spec import MLPSpec
-from onnx_builders import F16, G, mlp
+from onnx_builders import F16, G, mlp, rand, run
 
 
 def test_single_chain_gemm_relu():
@@ -78,16 +78,41 @@ def test_non_constant_weight_refusal_and_break():
     ]
 
 
-def test_per_channel_activation_is_fused():
+def _init(m, name):
+    return onnx.numpy_helper.to_array(next(t for t in m.graph.initializer if t.name == name))
+
+
+def test_per_channel_scale_after_a_layer_folds_into_it():
+    """A LayerScale-like per-channel gamma right after a layer is part of its linear map: it folds into
+    the weights and bias (the activation is the identity, the chain the plain GEMMs the kernels like)."""
     g = G()
-    h = g.op("Mul", [g.linear("x", 8, 16, name="fc0", kind="matmul"), g.vec(16, name="gamma")], name="scale")
-    g.linear(h, 16, 4, name="fc1")
+    lin = g.linear("x", 8, 16, name="fc0", kind="matmul")
+    h = g.op("Mul", [lin, g.vec(16, name="gamma")], name="scale")
+    g.linear(g.op("Relu", [h]), 16, 4, name="fc1")
     g.nodes[-1].output[0] = "y"
     m = g.model([("x", ["B", 8])], [("y", ["B", 4])])
     plan = find_chains(m)
     assert [c.widths for c in plan.chains] == [(8, 16, 4)] and plan.refusals == []
-    gamma = onnx.numpy_helper.to_array(next(t for t in m.graph.initializer if t.name == "gamma"))
-    assert plan.chains[0].activations[0] == ex.X * ex.Chan(tuple(gamma))
+    gamma = _init(m, "gamma")
+    first = plan.chains[0].layers[0]
+    assert first.activation == ex.relu()
+    w, b = (_init(m, n) for n in (m.graph.node[0].input[1], m.graph.node[1].input[1]))
+    np.testing.assert_array_equal(first.linear.weight, w * gamma[None, :])
+    np.testing.assert_array_equal(first.linear.bias, b * gamma)
+    r = rewrite(m, plan, [plan.chains[0].to_spec("fp32")])
+    x = rand([9, 8], seed=3)
+    np.testing.assert_allclose(run(r, {"x": x})[0], run(m, {"x": x})[0], rtol=1e-5, atol=1e-6)
+
+
+def test_a_scale_inside_the_activation_stays_there():
+    """relu(x) * gamma is not a linear map of x (a negative gamma): gamma stays per-channel in f."""
+    g = G()
+    h = g.op("Mul", [g.op("Relu", [g.linear("x", 8, 16, name="fc0", kind="matmul")]), g.vec(16, name="gamma")])
+    g.linear(h, 16, 4, name="fc1")
+    g.nodes[-1].output[0] = "y"
+    m = g.model([("x", ["B", 8])], [("y", ["B", 4])])
+    plan = find_chains(m)
+    assert plan.chains[0].activations[0] == ex.relu() * ex.Chan(tuple(_init(m, "gamma")))
 
 
 def test_non_per_channel_constant_ends_chain_with_reason():

@@ -158,15 +158,25 @@ def _feeding_a_layer(ix: GraphIndex) -> set[str]:
 
 def _layer_activation(ix: GraphIndex, lin: LinearLayer) -> Activation:
     """The activation after `lin`: the elementwise nodes on its output, after FusedGemm's own activation
-    where it has one; a per-channel shift it starts with (ORT's FastGelu and BiasGelu add the bias that
-    its optimiser took from the layer) moves into the layer's bias, so that f is the named activation."""
+    where it has one. A per-channel scale and shift it starts with (an inference BatchNorm, a LayerScale,
+    the bias that ORT's FastGelu and BiasGelu add) folds into the layer's weights and bias, so that f is
+    the named activation and the last layer the plain GEMM the wide design takes."""
     act = match_activation(ix, lin.output, lin.out_features)
     half = ix.types.get(lin.output) in (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
     expr = act.expr if lin.activation is None else normalise(subst(act.expr, lin.activation), half)
-    shifted = ex.leading_shift(expr)
-    if shifted is not None:
-        expr, shift = shifted[0], np.asarray(shifted[1], dtype=np.float32)
-        lin.bias = shift if lin.bias is None else (lin.bias + shift).astype(np.float32)
+    folded = ex.leading_affine(expr) if lin.activation is None else None
+    if folded is not None:
+        n = lin.out_features
+        scale = np.broadcast_to(np.asarray(folded[1], dtype=np.float32), (n,))
+        shift = np.broadcast_to(np.asarray(folded[2], dtype=np.float32), (n,))
+        if not (np.isfinite(scale).all() and np.isfinite(shift).all()):
+            folded = None   # (x W + b) / 0 is +-inf where x (W / 0) is NaN: leave it to the epilogue
+    if folded is not None:
+        expr = folded[0]
+        with np.errstate(all="ignore"):
+            lin.weight = np.ascontiguousarray(lin.weight * scale[None, :], dtype=np.float32)
+            bias = shift if lin.bias is None else lin.bias * scale + shift
+        lin.bias = None if lin.bias is None and not shift.any() else np.ascontiguousarray(bias, dtype=np.float32)
         expr = normalise(expr, half)
     if expr is act.expr:
         return act
