@@ -7,6 +7,7 @@ LayerNorm, classifier head on the class token), written out here because timm is
     onnx2fused inspect build/vit/vit_tiny.onnx      # 12 FFN blocks, each one fused op (LN, fc1, GELU, fc2, +x)
     onnx2fused bench build/vit/vit_tiny.onnx --batches 64           # GPU: ORT fp32 / fp16 / fused
     onnx2fused bench build/vit/vit_tiny.onnx --cpu --batches 1      # CPU EP
+    python benchmarks/vit_model.py --size base --layerscale       # DeiT-III / CaiT / DINOv2 blocks: x + gamma * f(x)
 
 Weights are random (seed 0), scaled as timm initialises them (trunc normal 0.02 for linear layers), so the
 activations have the ranges of a real ViT; the attention stays stock ONNX ops, only the MLP blocks fuse.
@@ -21,8 +22,9 @@ SIZES = {"tiny": (192, 3, 12), "small": (384, 6, 12), "base": (768, 12, 12)}
 IMAGE, PATCH, CLASSES = 224, 16, 1000
 
 
-def build_vit(size: str):
-    """The ViT of `size` as a torch module in eval mode."""
+def build_vit(size: str, layerscale: bool = False):
+    """The ViT of `size` as a torch module in eval mode; `layerscale`: each branch scaled per channel
+    before its residual (timm's `LayerScale`, init 1e-5 in DeiT-III, here 0.1 +- 0.05 as trained ones are)."""
     import torch
     from torch import nn
 
@@ -47,15 +49,24 @@ def build_vit(size: str):
         def forward(self, x):
             return self.fc2(self.act(self.fc1(x)))
 
+    class LayerScale(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gamma = nn.Parameter(0.05 + 0.1 * torch.rand(dim))
+
+        def forward(self, x):
+            return x * self.gamma
+
     class Block(nn.Module):
         def __init__(self):
             super().__init__()
             self.norm1, self.attn = nn.LayerNorm(dim, eps=1e-6), Attention()
             self.norm2, self.mlp = nn.LayerNorm(dim, eps=1e-6), Mlp()
+            self.ls1, self.ls2 = (LayerScale(), LayerScale()) if layerscale else (nn.Identity(), nn.Identity())
 
         def forward(self, x):
-            x = x + self.attn(self.norm1(x))
-            return x + self.mlp(self.norm2(x))
+            x = x + self.ls1(self.attn(self.norm1(x)))
+            return x + self.ls2(self.mlp(self.norm2(x)))
 
     class VisionTransformer(nn.Module):
         def __init__(self):
@@ -81,12 +92,12 @@ def build_vit(size: str):
     return model.eval()
 
 
-def export(size: str, out: Path) -> Path:
+def export(size: str, out: Path, layerscale: bool = False) -> Path:
     """torch.onnx.export (the TorchScript exporter, opset 17) with a dynamic batch."""
     import torch
     out.parent.mkdir(parents=True, exist_ok=True)
     with torch.no_grad():
-        torch.onnx.export(build_vit(size), (torch.randn(2, 3, IMAGE, IMAGE),), str(out), input_names=["x"],
+        torch.onnx.export(build_vit(size, layerscale), (torch.randn(2, 3, IMAGE, IMAGE),), str(out), input_names=["x"],
                           output_names=["y"], dynamic_axes={"x": {0: "batch"}, "y": {0: "batch"}},
                           opset_version=17, dynamo=False)
     return out
@@ -95,10 +106,12 @@ def export(size: str, out: Path) -> Path:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size", choices=sorted(SIZES), default="tiny")
-    ap.add_argument("--out", default=None, help="the .onnx file (default build/vit/vit_<size>.onnx)")
+    ap.add_argument("--layerscale", action="store_true", help="LayerScale on both branches (DeiT-III, CaiT, DINOv2)")
+    ap.add_argument("--out", default=None, help="the .onnx file (default build/vit/vit_<size>[_ls].onnx)")
     args = ap.parse_args(argv)
-    out = Path(args.out or Path(__file__).resolve().parent.parent / "build" / "vit" / f"vit_{args.size}.onnx")
-    print(f"wrote {export(args.size, out)}")
+    name = f"vit_{args.size}{'_ls' if args.layerscale else ''}.onnx"
+    out = Path(args.out or Path(__file__).resolve().parent.parent / "build" / "vit" / name)
+    print(f"wrote {export(args.size, out, args.layerscale)}")
     return 0
 
 
