@@ -531,6 +531,7 @@ def mish() -> Expr: return X * Op("tanh", (Op("softplus", (X,)),))
 def sin() -> Expr: return Op("sin", (X,))
 def clip(lo: float, hi: float) -> Expr: return Op("min", (Op("max", (X, Const(lo))), Const(hi)))
 def swish(alpha: float = 1.0) -> Expr: return X * Op("sigmoid", (Const(alpha) * X,))
+def quick_gelu() -> Expr: return swish(1.702)   # OpenAI CLIP's QuickGELU (and ORT's QuickGelu op)
 def shrink(lambd: float = 0.5, bias: float = 0.0) -> Expr:
     # ONNX Shrink: x + bias below -lambd, x - bias above lambd, else 0 (NaN too, like ORT).
     above = Op("select", (Op("gt", (X, Const(lambd))), X - Const(bias), Const(0.0)))
@@ -541,7 +542,7 @@ def _named() -> dict[Expr, str]:
     return {
         identity(): "id", relu(): "relu", sigmoid(): "sigmoid", tanh(): "tanh", gelu_erf(): "gelu",
         gelu_tanh(): "gelutanh", silu(): "silu", softplus(): "softplus", mish(): "mish", sin(): "sin",
-        hard_swish(): "hardswish", clip(0.0, 6.0): "relu6",
+        hard_swish(): "hardswish", clip(0.0, 6.0): "relu6", quick_gelu(): "quickgelu",
     }
 
 
@@ -605,6 +606,16 @@ def _silu16_h(h: np.ndarray) -> np.ndarray:
         return h * _tanh16(h) + h
 
 
+def _quickgelu16_h(h: np.ndarray) -> np.ndarray:
+    with np.errstate(all="ignore"):
+        return h * _tanh16(h * _h16(1.702)) + h
+
+
+def _quickgelu16(x: np.ndarray) -> np.ndarray:
+    with np.errstate(all="ignore"):
+        return _quickgelu16_h(x * _h16(0.5))
+
+
 def _gelu16_h(h: np.ndarray) -> np.ndarray:
     with np.errstate(all="ignore"):
         u = (h * h * _h16(8.0 * 0.7978845608 * 0.044715) + _h16(2.0 * 0.7978845608)) * h
@@ -625,6 +636,7 @@ PACKED_FORMS: dict[Expr, PackedForm] = {
     tanh(): PackedForm("o2f_h2_tanh", _tanh16),
     sigmoid(): PackedForm("o2f_h2_sigmoid", _sigmoid16, 0.5, "o2f_h2_sigmoid_h", _sigmoid16_h),
     silu(): PackedForm("o2f_h2_silu", _silu16, 0.5, "o2f_h2_silu_h", _silu16_h),
+    quick_gelu(): PackedForm("o2f_h2_quickgelu", _quickgelu16, 0.5, "o2f_h2_quickgelu_h", _quickgelu16_h),
     gelu_erf(): PackedForm("o2f_h2_gelu", _gelu16, 0.5, "o2f_h2_gelu_h", _gelu16_h),
     gelu_tanh(): PackedForm("o2f_h2_gelu", _gelu16, 0.5, "o2f_h2_gelu_h", _gelu16_h),
 }

@@ -33,6 +33,12 @@ __device__ __forceinline__ __half2 o2f_h2_sigmoid(__half2 x) { return o2f_h2_sig
 // sigmoid above takes an HMUL2 more (and rounds twice after the tanh, this once).
 __device__ __forceinline__ __half2 o2f_h2_silu_h(__half2 h) { return __hfma2(h, o2f_h2_tanh(h), h); }
 __device__ __forceinline__ __half2 o2f_h2_silu(__half2 x) { return o2f_h2_silu_h(__hmul2(x, o2f_h2_const(0.5f))); }
+// CLIP's QuickGELU, x sigmoid(1.702 x) = x/2 + x/2 tanh(1.702 x/2): on h = x/2, h + h tanh(1.702 h), one
+// HMUL2 more than SiLU (1.702 rounds to fp16 1.7021484, as expr._quickgelu16 models it).
+__device__ __forceinline__ __half2 o2f_h2_quickgelu_h(__half2 h) {
+  return __hfma2(h, o2f_h2_tanh(__hmul2(h, o2f_h2_const(1.702f))), h);
+}
+__device__ __forceinline__ __half2 o2f_h2_quickgelu(__half2 x) { return o2f_h2_quickgelu_h(__hmul2(x, o2f_h2_const(0.5f))); }
 // GELU in its tanh form, x/2 (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), for both GELUs: it is within
 // 4.7e-4 absolute of the erf form (the largest gap, at x = 2.7, is half of fp16's half step there). Large
 // |x| overflow x^3 to inf in fp16, where tanh saturates to +-1 and the result is x or 0 as it should be.

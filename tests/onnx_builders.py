@@ -205,6 +205,7 @@ CONTINUOUS_ACTS = {
         g.op("Erf", [g.op("Div", [x, _s(g, 1.4142135)])]), _s(g, 1.0)])]), _s(g, 0.5)]),
     "mish_chain": lambda g, x, n: g.op("Mul", [x, g.op("Tanh", [g.op("Softplus", [x])])]),
     "silu": lambda g, x, n: g.op("Mul", [x, g.op("Sigmoid", [x])]),
+    "quickgelu": lambda g, x, n: g.op("Mul", [x, g.op("Sigmoid", [g.op("Mul", [_s(g, 1.702), x])])]),   # CLIP
     "sin_scaled": lambda g, x, n: g.op("Sin", [g.op("Mul", [x, _s(g, 2.0)])]),
     "relu6": lambda g, x, n: g.op("Clip", [x, _s(g, 0.0), _s(g, 6.0)]),
     "scale_shift_per_channel": lambda g, x, n: g.op("Add", [g.op("Mul", [x, _vec(g, n, -2, 2)]), _vec(g, n, -1, 1)]),

@@ -61,6 +61,7 @@ def _affine(n):
     _spec([32, 64, 64, 16], "tf32", ex.gelu_erf()),      # tf32 (m16n8k8), resident with shared-memory tiles
     _spec([256, 256, 256], "tf32", ex.silu()),           # tf32, streamed
     _spec([32, 64, 64, 16], "fp16", ex.silu()),          # packed fp16x2 silu (tanh.approx.f16x2), registers
+    _spec([32, 64, 64, 16], "fp16", ex.quick_gelu()),    # packed fp16x2 QuickGELU (CLIP)
     replace(_spec([32, 64, 64, 16], "fp16", ex.silu()), act_math="fp32"),   # the same in fp32 (fp16a32)
 ], ids=lambda s: s.name if isinstance(s, MLPSpec) else s)
 def test_ptx_uses_tensor_cores(spec, arch, tmp_path):

@@ -162,6 +162,32 @@ def test_layerscale_block_folds_into_the_wide_design(cache, tmp_path):
     assert c.activations == ["gelu", "id"] and "wide" in c.cuda_plan, c.cuda_plan
 
 
+def test_clip_quickgelu_block_runs_the_packed_form_in_the_wide_design(cache, tmp_path):
+    """OpenAI CLIP's MLP block, x + c_proj(quick_gelu(c_fc(ln_2(x)))) with QuickGELU x sigmoid(1.702 x): the
+    activation is named and evaluated in the packed fp16x2 form in the wide GEMM's epilogue; matches stock."""
+    class QuickGELU(torch.nn.Module):
+        def forward(self, x):
+            return x * torch.sigmoid(1.702 * x)
+
+    class Block(torch.nn.Module):
+        def __init__(self, d=768):
+            super().__init__()
+            self.ln_2 = torch.nn.LayerNorm(d)
+            self.mlp = torch.nn.Sequential(torch.nn.Linear(d, 4 * d), QuickGELU(), torch.nn.Linear(4 * d, d))
+
+        def forward(self, x):
+            return x + self.mlp(self.ln_2(x))
+
+    torch.manual_seed(0)
+    src = tmp_path / "clip.onnx"
+    torch.onnx.export(Block().eval(), (torch.randn(5, 2, 768),), str(src), input_names=["x"], opset_version=17,
+                      dynamo=False, dynamic_axes={"x": {0: "s", 1: "b"}})
+    res = check_defaults(src, tmp_path / "m.onnx", cache,
+                         lambda rng: {"x": rng.standard_normal((77, 3, 768)).astype(np.float32)})
+    (c,) = res.chains
+    assert c.activations == ["quickgelu", "id"] and "wide" in c.cuda_plan and c.precision == "fp16", c
+
+
 def torch_siren(dynamo: bool, path: Path) -> Path:
     class Sine(torch.nn.Module):
         def forward(self, x):

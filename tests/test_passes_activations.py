@@ -41,6 +41,9 @@ CASES = {
             x, g.op("Mul", [g.init(c(0.044715)), g.op("Pow", [x, g.init(c(3.0))])])])])])])]), 17, ex.gelu_tanh()),
     "silu": (lambda g, x: g.op("Mul", [x, g.op("Sigmoid", [x])]), 17, ex.silu()),
     "silu_swapped": (lambda g, x: g.op("Mul", [g.op("Sigmoid", [x]), x]), 17, ex.silu()),
+    # OpenAI CLIP's QuickGELU as torch exports x * torch.sigmoid(1.702 * x)
+    "quickgelu_clip": (lambda g, x: g.op("Mul", [x, g.op("Sigmoid", [g.op("Mul", [g.init(c(1.702)), x])])]), 17,
+                       ex.quick_gelu()),
     "softplus": (lambda g, x: g.op("Softplus", [x]), 17, ex.softplus()),
     "softplus_torch_dynamo": (lambda g, x: (lambda m: g.op("Where", [
         g.op("Greater", [m, g.init(c(20.0))]), x, g.op("Div", [g.op("Softplus", [m]), g.init(c(2.0))])]))(

@@ -232,10 +232,10 @@ def test_only_the_activations_that_halve_their_input_are_prescaled():
     kernels take to leave its weights unscaled)."""
     assert ex.packed_form(ex.tanh()).prescale == 1.0 and ex.packed_form(ex.tanh()).scaled_model is None
     assert all(ex.packed_form(a).prescale == 0.5 and ex.packed_form(a).scaled_model is not None
-               for a in (ex.gelu_erf(), ex.gelu_tanh(), ex.silu(), ex.sigmoid()))
+               for a in (ex.gelu_erf(), ex.gelu_tanh(), ex.silu(), ex.sigmoid(), ex.quick_gelu()))
 
 
-@pytest.mark.parametrize("act", [ex.gelu_erf(), ex.gelu_tanh(), ex.silu(), ex.sigmoid()])
+@pytest.mark.parametrize("act", [ex.gelu_erf(), ex.gelu_tanh(), ex.silu(), ex.sigmoid(), ex.quick_gelu()])
 def test_a_prescaled_packed_form_gives_the_same_fp16_value_for_every_input(act):
     """The wgmma design packs such a layer's weights and bias times `prescale` and evaluates the form of
     h = prescale * x (one HMUL2 a pair fewer): op by op in float16, that form of x * prescale is bit for
