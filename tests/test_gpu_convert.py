@@ -138,27 +138,37 @@ def test_ort_optimised_zoo_model_converts_with_defaults(zoo, cache, tmp_path):
     assert len(res.chains) == 1 and list(res.chains[0].widths) == entry["widths"]
 
 
-def test_layerscale_block_folds_into_the_wide_design(cache, tmp_path):
-    """A ViT block with LayerScale (x + gamma * FFN(LN(x)): DeiT-III, CaiT, DINOv2): gamma folds into the
-    last layer, so the block runs in the wide design (it ran in the streamed kernel, 18 MB of weights
-    through a narrow kernel) and matches stock on the CUDA EP."""
+def vit_ffn_block(path: Path, act, layerscale: bool = False) -> Path:
+    """x + [gamma *] fc2(act(fc1(LN(x)))) at ViT-B's widths (768 -> 3072 -> 768), rows [S, B, 768]."""
     class Block(torch.nn.Module):
         def __init__(self, d=768):
             super().__init__()
             self.n = torch.nn.LayerNorm(d)
-            self.f = torch.nn.Sequential(torch.nn.Linear(d, 4 * d), torch.nn.GELU(), torch.nn.Linear(4 * d, d))
-            self.gamma = torch.nn.Parameter(torch.rand(d) * 0.1 + 0.01)
+            self.f = torch.nn.Sequential(torch.nn.Linear(d, 4 * d), act, torch.nn.Linear(4 * d, d))
+            self.gamma = torch.nn.Parameter(torch.rand(d) * 0.1 + 0.01) if layerscale else None
 
         def forward(self, x):
-            return x + self.gamma * self.f(self.n(x))
+            y = self.f(self.n(x))
+            return x + (self.gamma * y if self.gamma is not None else y)
 
     torch.manual_seed(0)
-    src = tmp_path / "ls.onnx"
-    torch.onnx.export(Block().eval(), (torch.randn(2, 5, 768),), str(src), input_names=["x"], opset_version=17,
-                      dynamo=False, dynamic_axes={"x": {0: "b", 1: "s"}})
+    torch.onnx.export(Block().eval(), (torch.randn(5, 2, 768),), str(path), input_names=["x"], opset_version=17,
+                      dynamo=False, dynamic_axes={"x": {0: "s", 1: "b"}})
+    return path
+
+
+def _check_vit_block(src: Path, cache, tmp_path):
     res = check_defaults(src, tmp_path / "m.onnx", cache,
-                         lambda rng: {"x": rng.standard_normal((3, 67, 768)).astype(np.float32)})
+                         lambda rng: {"x": rng.standard_normal((77, 3, 768)).astype(np.float32)})
     (c,) = res.chains
+    return c
+
+
+def test_layerscale_block_folds_into_the_wide_design(cache, tmp_path):
+    """A ViT block with LayerScale (x + gamma * FFN(LN(x)): DeiT-III, CaiT, DINOv2): gamma folds into the
+    last layer, so the block runs in the wide design (it ran in the streamed kernel, 18 MB of weights
+    through a narrow kernel) and matches stock on the CUDA EP."""
+    c = _check_vit_block(vit_ffn_block(tmp_path / "ls.onnx", torch.nn.GELU(), layerscale=True), cache, tmp_path)
     assert c.activations == ["gelu", "id"] and "wide" in c.cuda_plan, c.cuda_plan
 
 
@@ -169,22 +179,7 @@ def test_clip_quickgelu_block_runs_the_packed_form_in_the_wide_design(cache, tmp
         def forward(self, x):
             return x * torch.sigmoid(1.702 * x)
 
-    class Block(torch.nn.Module):
-        def __init__(self, d=768):
-            super().__init__()
-            self.ln_2 = torch.nn.LayerNorm(d)
-            self.mlp = torch.nn.Sequential(torch.nn.Linear(d, 4 * d), QuickGELU(), torch.nn.Linear(4 * d, d))
-
-        def forward(self, x):
-            return x + self.mlp(self.ln_2(x))
-
-    torch.manual_seed(0)
-    src = tmp_path / "clip.onnx"
-    torch.onnx.export(Block().eval(), (torch.randn(5, 2, 768),), str(src), input_names=["x"], opset_version=17,
-                      dynamo=False, dynamic_axes={"x": {0: "s", 1: "b"}})
-    res = check_defaults(src, tmp_path / "m.onnx", cache,
-                         lambda rng: {"x": rng.standard_normal((77, 3, 768)).astype(np.float32)})
-    (c,) = res.chains
+    c = _check_vit_block(vit_ffn_block(tmp_path / "clip.onnx", QuickGELU()), cache, tmp_path)
     assert c.activations == ["quickgelu", "id"] and "wide" in c.cuda_plan and c.precision == "fp16", c
 
 
