@@ -340,7 +340,14 @@ def _batch_norm(ctx: _Ctx, node: onnx.NodeProto, what: str, extra_outs: list[str
         s = (scale * (np.float32(1) / np.sqrt(var + eps))).astype(np.float32)
         t = (bias - mean * s).astype(np.float32)
     x = ctx.operand(ins[0], what)
-    return Op("add", (Op("mul", (x, ctx.constant(s, ins[1], what))), ctx.constant(t, ins[2], what)))
+    return Op("add", (Op("mul", (x, _per_channel(ctx, s, ins[1], what))), _per_channel(ctx, t, ins[2], what)))
+
+
+def _per_channel(ctx: _Ctx, v: np.ndarray, name: str, what: str) -> Expr:
+    """v as Chan even where its values are equal (an untrained BatchNorm's): it stays a per-channel map
+    that chains.py folds into the layer, as scalar gains are not."""
+    e = ctx.constant(v, name, what)
+    return ex.Chan(tuple(v)) if isinstance(e, Const) and v.size > 1 else e
 
 
 # -- normalisation ---------------------------------------------------------------------------------
