@@ -437,6 +437,34 @@ def leading_affine(e: Expr) -> tuple[Expr, object, object] | None:
     return None
 
 
+def _peel_affine(e: Expr) -> tuple[Expr, Expr]:
+    """(u, A) with e = A(u): A the adds, subtracts, multiplies and divides by constants (and negations) at
+    the top of e, as a function of X standing for u; (e, X) when there are none."""
+    if isinstance(e, Op) and e.name == "neg" and len(e.args) == 1:
+        u, a = _peel_affine(e.args[0])
+        return u, Op("neg", (a,))
+    if isinstance(e, Op) and e.name in ("add", "sub", "mul", "div") and len(e.args) == 2:
+        a, b = e.args
+        const_a, const_b = isinstance(a, (Const, Chan)), isinstance(b, (Const, Chan))
+        if const_b and not const_a:
+            u, inner = _peel_affine(a)
+            return u, Op(e.name, (inner, b))
+        if const_a and not const_b and e.name != "div":
+            u, inner = _peel_affine(b)
+            return u, Op(e.name, (a, inner))
+    return e, X
+
+
+def trailing_affine(e: Expr) -> tuple[Expr, object, object] | None:
+    """(g, s, t) when e(x) = g(x) * s + t with a per-channel s or t and g not x itself (a BatchNorm or a
+    scale after an activation: it folds into the next layer's weights and bias), else None."""
+    g, a = _peel_affine(e)
+    if isinstance(a, Var) or isinstance(g, Var) or not chan_leaves(a):
+        return None
+    s, t = _affine_in_x(a)
+    return g, s, t
+
+
 def chan_leaves(e: Expr) -> tuple[Chan, ...]:
     """The distinct per-channel constants of `e`, in first-visit order (deterministic)."""
     found: dict[Chan, None] = {}

@@ -372,3 +372,27 @@ def test_leading_affine_folds(e, g, s, t):
 ])
 def test_leading_affine_declines(e):
     assert ex.leading_affine(e) is None
+
+
+@pytest.mark.parametrize("e,g,s,t", [
+    (ex.relu() * _S + _T, ex.relu(), _S.values, _T.values),                  # Linear, ReLU, BatchNorm
+    (ex.Op("neg", (ex.tanh() / ex.Const(2.0),)) - _T, ex.tanh(), -0.5, tuple(-v for v in _T.values)),
+])
+def test_trailing_affine_folds(e, g, s, t):
+    got = ex.trailing_affine(e)
+    assert got is not None and got[0] == g
+    np.testing.assert_allclose(np.broadcast_to(got[1], 3), np.broadcast_to(s, 3))
+    np.testing.assert_allclose(np.broadcast_to(got[2], 3), np.broadcast_to(t, 3))
+    x = rand([5, 3], seed=10)
+    np.testing.assert_allclose(ex.evaluate(g, x) * np.asarray(got[1], np.float32) + np.asarray(got[2], np.float32),
+                               ex.evaluate(e, x), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("e", [
+    ex.X * _S + _T,                  # affine in x itself: the layer's own fold (leading_affine)
+    ex.relu() * ex.Const(0.5),       # scalar-only
+    ex.relu(),                       # nothing after the activation
+    ex.Op("div", (_S, ex.relu())),   # c / f(x)
+])
+def test_trailing_affine_declines(e):
+    assert ex.trailing_affine(e) is None

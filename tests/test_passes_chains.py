@@ -104,15 +104,28 @@ def test_per_channel_scale_after_a_layer_folds_into_it():
     np.testing.assert_allclose(run(r, {"x": x})[0], run(m, {"x": x})[0], rtol=1e-5, atol=1e-6)
 
 
-def test_a_scale_inside_the_activation_stays_there():
-    """relu(x) * gamma is not a linear map of x (a negative gamma): gamma stays per-channel in f."""
+def test_a_scale_and_shift_after_the_activation_fold_into_the_next_layer():
+    """Linear, ReLU, BatchNorm, Linear: relu(x) * s + t is the next layer's input map (its rows scaled by
+    s, t W added to its bias), so the first activation is the named ReLU; on the last layer, with no
+    layer after it, it stays in f."""
     g = G()
-    h = g.op("Mul", [g.op("Relu", [g.linear("x", 8, 16, name="fc0", kind="matmul")]), g.vec(16, name="gamma")])
-    g.linear(h, 16, 4, name="fc1")
-    g.nodes[-1].output[0] = "y"
+    h = g.op("Relu", [g.linear("x", 8, 16, name="fc0", kind="matmul")])
+    h = g.op("Add", [g.op("Mul", [h, g.vec(16, name="gamma")]), g.vec(16, name="beta")])
+    h = g.linear(h, 16, 4, name="fc1", kind="matmul", bias=False)
+    g.op("Mul", [g.op("Relu", [h]), g.vec(4, name="gamma_last")], outputs=["y"])
     m = g.model([("x", ["B", 8])], [("y", ["B", 4])])
     plan = find_chains(m)
-    assert plan.chains[0].activations[0] == ex.relu() * ex.Chan(tuple(_init(m, "gamma")))
+    (c,) = plan.chains
+    assert c.widths == (8, 16, 4) and plan.refusals == []
+    assert c.activations[0] == ex.relu()
+    assert c.activations[1] == ex.relu() * ex.Chan(tuple(_init(m, "gamma_last")))
+    w1 = _init(m, next(n for n in m.graph.node if n.name == "fc1").input[1])
+    gamma, beta = _init(m, "gamma"), _init(m, "beta")
+    np.testing.assert_allclose(c.layers[1].linear.weight, w1 * gamma[:, None], rtol=1e-6)
+    np.testing.assert_allclose(c.layers[1].linear.bias, beta @ w1, rtol=1e-5, atol=1e-6)
+    r = rewrite(m, plan, [c.to_spec("fp32")])
+    x = rand([9, 8], seed=4)
+    np.testing.assert_allclose(run(r, {"x": x})[0], run(m, {"x": x})[0], rtol=1e-5, atol=1e-5)
 
 
 def test_non_per_channel_constant_ends_chain_with_reason():

@@ -105,15 +105,19 @@ def test_no_bias_and_3d_input(tmp_path, dynamo):
     assert c.activations[0] == ex.relu()
 
 
+@pytest.mark.parametrize("order", ["bn_relu", "relu_bn"])
 @pytest.mark.parametrize("trained", [True, False], ids=["trained", "fresh"])
 @pytest.mark.parametrize("dynamo", [False, True])
-def test_batchnorm1d_after_linear_joins_the_chain(tmp_path, dynamo, trained):
-    """A tabular MLP: Linear, BatchNorm1d, ReLU, Dropout. The TorchScript exporter keeps the
-    BatchNormalization nodes (the dynamo exporter folds them): either way one chain, with statistics
-    that are not the identity's."""
+def test_batchnorm1d_after_linear_joins_the_chain(tmp_path, dynamo, trained, order):
+    """A tabular MLP: Linear, BatchNorm1d, ReLU, Dropout (or Linear, ReLU, BatchNorm1d). The TorchScript
+    exporter keeps the BatchNormalization nodes (the dynamo exporter folds them into the Linear when they
+    follow it): either way one chain of plain ReLUs, the BatchNorms folded into the layer before them or
+    after them, with statistics that are not the identity's."""
     torch.manual_seed(0)
-    mod = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.2),
-                        nn.Linear(16, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
+    def block(k, n):
+        return ([nn.Linear(k, n), nn.BatchNorm1d(n), nn.ReLU()] if order == "bn_relu"
+                else [nn.Linear(k, n), nn.ReLU(), nn.BatchNorm1d(n)])
+    mod = nn.Sequential(*block(8, 16), nn.Dropout(0.2), *block(16, 16), nn.Linear(16, 3))
     mod.train()
     with torch.no_grad():
         for _ in range(3 if trained else 0):   # running statistics away from (0, 1); fresh: all equal

@@ -183,6 +183,31 @@ def _layer_activation(ix: GraphIndex, lin: LinearLayer) -> Activation:
     return Activation(expr, act.node_indices, act.nodes, act.output, act.rejected)
 
 
+def _fold_trailing_affines(seq: list[_Layer]) -> None:
+    """A per-channel scale and shift that ends a hidden layer's activation (a BatchNorm after the ReLU)
+    is the next layer's input map: x (s W) + (t W + b) for f(.) s + t then W, b. Folded there, f is the
+    named activation again. Not a gated layer's (its expression is the gate's, not its output's)."""
+    for l, nxt in zip(seq, seq[1:]):
+        folded = None if l.gated else ex.trailing_affine(l.act.expr)
+        if folded is None:
+            continue
+        k = nxt.linear.in_features
+        scale = np.broadcast_to(np.asarray(folded[1], dtype=np.float32), (k,))
+        shift = np.broadcast_to(np.asarray(folded[2], dtype=np.float32), (k,))
+        if not (np.isfinite(scale).all() and np.isfinite(shift).all()):
+            continue
+        w = nxt.linear.weight
+        with np.errstate(all="ignore"):
+            bias = (shift.astype(np.float64) @ w.astype(np.float64)).astype(np.float32)
+            nxt.linear.weight = np.ascontiguousarray(w * scale[:, None], dtype=np.float32)
+        if nxt.linear.bias is not None:
+            bias = (nxt.linear.bias + bias).astype(np.float32)
+        if nxt.linear.bias is not None or shift.any():
+            nxt.linear.bias = np.ascontiguousarray(bias)
+        a = l.act
+        l.act = Activation(folded[0], a.node_indices, a.nodes, a.output, a.rejected)
+
+
 def block_key(chain: Chain) -> int:
     """What names a chain across two find_chains calls on one model (library.block_refusal's keys): the
     index of its first layer's first node."""
@@ -287,6 +312,7 @@ def find_chains(model: onnx.ModelProto, gated_refused: str | None = None,
             ends.pop(last.start, None)
         elif block.end_reason:
             ends[last.start] = block.end_reason
+        _fold_trailing_affines(seq)
         chain = Chain(block.norm.input if block.norm is not None else first.input, block.output or out_t,
                       [ChainLayer(s.linear, s.act.expr, list(s.act.nodes), s.act.output, s.gated) for s in seq],
                       [ix.keys[j] for j in idx], IO_TYPES[in_type], block.norm, block.residual is not None)
