@@ -354,13 +354,17 @@ _S, _T = ex.Chan((1.0, -2.0, 0.5)), ex.Chan((0.25, 0.0, -1.0))
     (ex.Op("neg", (ex.X * _S,)), ex.X, tuple(-v for v in _S.values), 0.0),
 ])
 def test_leading_affine_folds(e, g, s, t):
-    got = ex.leading_affine(e)
+    scale, shift = _assert_fold(ex.leading_affine(e), g, s, t)
+    x = rand([5, 3], seed=9)
+    np.testing.assert_allclose(ex.evaluate(g, x * scale + shift), ex.evaluate(e, x), rtol=1e-6, atol=1e-6)
+
+
+def _assert_fold(got, g, s, t):
+    """got == (g, s, t); s and t as float32 arrays."""
     assert got is not None and got[0] == g
     np.testing.assert_allclose(np.broadcast_to(got[1], 3), np.broadcast_to(s, 3))
     np.testing.assert_allclose(np.broadcast_to(got[2], 3), np.broadcast_to(t, 3))
-    x = rand([5, 3], seed=9)
-    np.testing.assert_allclose(ex.evaluate(g, x * np.asarray(got[1], np.float32) + np.asarray(got[2], np.float32)),
-                               ex.evaluate(e, x), rtol=1e-6, atol=1e-6)
+    return np.asarray(got[1], np.float32), np.asarray(got[2], np.float32)
 
 
 @pytest.mark.parametrize("e", [
@@ -379,13 +383,9 @@ def test_leading_affine_declines(e):
     (ex.Op("neg", (ex.tanh() / ex.Const(2.0),)) - _T, ex.tanh(), -0.5, tuple(-v for v in _T.values)),
 ])
 def test_trailing_affine_folds(e, g, s, t):
-    got = ex.trailing_affine(e)
-    assert got is not None and got[0] == g
-    np.testing.assert_allclose(np.broadcast_to(got[1], 3), np.broadcast_to(s, 3))
-    np.testing.assert_allclose(np.broadcast_to(got[2], 3), np.broadcast_to(t, 3))
+    scale, shift = _assert_fold(ex.trailing_affine(e), g, s, t)
     x = rand([5, 3], seed=10)
-    np.testing.assert_allclose(ex.evaluate(g, x) * np.asarray(got[1], np.float32) + np.asarray(got[2], np.float32),
-                               ex.evaluate(e, x), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(ex.evaluate(g, x) * scale + shift, ex.evaluate(e, x), rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("e", [
