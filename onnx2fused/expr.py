@@ -345,34 +345,38 @@ def render_c(e: Expr, var: str = "v", fast: bool | str = False, col: str = "col"
     raise TypeError(f"not an expression: {e!r}")
 
 
-def _affine_in_x(e: Expr) -> tuple | None:
-    """(s, t) with e = x * s + t, s and t floats or per-channel tuples, when e is built from x by adding,
-    subtracting, multiplying or dividing by constants (and negating); else None."""
-    if isinstance(e, Var):
-        return 1.0, 0.0
-    if not isinstance(e, Op):
-        return None
-    if e.name == "neg" and len(e.args) == 1:
-        a = _affine_in_x(e.args[0])
-        return None if a is None else (_scaled(a[0], -1.0), _scaled(a[1], -1.0))
-    if len(e.args) != 2 or e.name not in ("add", "sub", "mul", "div"):
+def _one_constant(e: Expr) -> tuple[Expr, Expr, bool] | None:
+    """(inner, c, c_first) for e = add / sub / mul / div of one constant c (Const or Chan) and one
+    non-constant `inner` (c_first: c is the left operand), else None."""
+    if not (isinstance(e, Op) and e.name in ("add", "sub", "mul", "div") and len(e.args) == 2):
         return None
     a, b = e.args
     const_a, const_b = isinstance(a, (Const, Chan)), isinstance(b, (Const, Chan))
     if const_a == const_b:
         return None
-    inner = _affine_in_x(b if const_a else a)
+    return (b, a, True) if const_a else (a, b, False)
+
+
+def _affine_in_x(e: Expr) -> tuple | None:
+    """(s, t) with e = x * s + t, s and t floats or per-channel tuples, when e is built from x by adding,
+    subtracting, multiplying or dividing by constants (and negating); else None."""
+    if isinstance(e, Var):
+        return 1.0, 0.0
+    if isinstance(e, Op) and e.name == "neg" and len(e.args) == 1:
+        a = _affine_in_x(e.args[0])
+        return None if a is None else (_times(a[0], -1.0), _times(a[1], -1.0))
+    split = _one_constant(e)
+    inner = None if split is None else _affine_in_x(split[0])
     if inner is None:
         return None
-    s, t = inner
-    c = _const_value(a if const_a else b)
+    (s, t), c, c_first = inner, _const_value(split[1]), split[2]
     if e.name == "add":
         return s, _plus(t, c)
     if e.name == "sub":
-        return (s, _plus(t, _scaled(c, -1.0))) if const_b else (_scaled(s, -1.0), _plus(c, _scaled(t, -1.0)))
+        return (_times(s, -1.0), _plus(c, _times(t, -1.0))) if c_first else (s, _plus(t, _times(c, -1.0)))
     if e.name == "mul":
         return _times(s, c), _times(t, c)
-    if const_a:   # c / (x s + t) is not affine
+    if c_first:   # c / (x s + t) is not affine
         return None
     return _times(s, _inverse(c)), _times(t, _inverse(c))
 
@@ -397,8 +401,7 @@ def _f32(v: float) -> float:
 
 def _plus(a, b): return _elementwise(lambda x, y: _f32(np.float32(x) + np.float32(y)), a, b)
 def _times(a, b): return _elementwise(lambda x, y: _f32(np.float32(x) * np.float32(y)), a, b)
-def _scaled(a, k: float): return _times(a, k)
-def _inverse(a): return _elementwise(lambda x, _: _f32(np.float32(1) / np.float32(x)) if x != 0 else _f32(np.inf), a, a)
+def _inverse(a): return _elementwise(lambda _, x: _f32(np.float32(1) / np.float32(x)) if x != 0 else _f32(np.inf), 1.0, a)
 
 
 def leading_affine(e: Expr) -> tuple[Expr, object, object] | None:
@@ -443,16 +446,11 @@ def _peel_affine(e: Expr) -> tuple[Expr, Expr]:
     if isinstance(e, Op) and e.name == "neg" and len(e.args) == 1:
         u, a = _peel_affine(e.args[0])
         return u, Op("neg", (a,))
-    if isinstance(e, Op) and e.name in ("add", "sub", "mul", "div") and len(e.args) == 2:
-        a, b = e.args
-        const_a, const_b = isinstance(a, (Const, Chan)), isinstance(b, (Const, Chan))
-        if const_b and not const_a:
-            u, inner = _peel_affine(a)
-            return u, Op(e.name, (inner, b))
-        if const_a and not const_b and e.name != "div":
-            u, inner = _peel_affine(b)
-            return u, Op(e.name, (a, inner))
-    return e, X
+    split = _one_constant(e)
+    if split is None or (split[2] and e.name == "div"):   # c / f(x) is not an affine map of f(x)
+        return e, X
+    u, a = _peel_affine(split[0])
+    return u, Op(e.name, (split[1], a) if split[2] else (a, split[1]))
 
 
 def trailing_affine(e: Expr) -> tuple[Expr, object, object] | None:

@@ -44,10 +44,9 @@ import onnx
 
 from .. import expr as ex
 from ..expr import Const, Expr, Op, Var
-from .constants import FLOAT_TYPES, GraphIndex, elem_name
+from .constants import FLOAT_TYPES, ORT_DOMAIN, GraphIndex, elem_name
 
 NOT_PER_CHANNEL = "does not broadcast per channel"
-ORT_DOMAIN = "com.microsoft"
 ORT_ACTIVATIONS = ("Gelu", "QuickGelu", "FastGelu", "BiasGelu")   # ONNX Runtime's contrib ops
 
 
@@ -481,5 +480,5 @@ def describe_expr(e: Expr) -> str:
 
 
 __all__ = ["Activation", "ActivationRefusal", "match_activation", "node_expr", "normalise", "subst", "attr_activation",
-           "ORT_DOMAIN", "ORT_ACTIVATIONS",
+           "ORT_ACTIVATIONS",
            "ELEMENTWISE_OPS", "NOT_PER_CHANNEL", "describe_expr"]

@@ -156,6 +156,16 @@ def _feeding_a_layer(ix: GraphIndex) -> set[str]:
     return feeds
 
 
+def _fold_vectors(folded, n: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """The scale and shift of an affine map found by expr.leading_affine / trailing_affine, as float32
+    [n] vectors; None without one, or where either is not finite ((x W + b) / 0 is +-inf where x (W / 0)
+    is NaN: such a map stays in the epilogue)."""
+    if folded is None:
+        return None
+    scale, shift = (np.broadcast_to(np.asarray(v, dtype=np.float32), (n,)) for v in folded[1:])
+    return (scale, shift) if np.isfinite(scale).all() and np.isfinite(shift).all() else None
+
+
 def _layer_activation(ix: GraphIndex, lin: LinearLayer) -> Activation:
     """The activation after `lin`: the elementwise nodes on its output, after FusedGemm's own activation
     where it has one. A per-channel scale and shift it starts with (an inference BatchNorm, a LayerScale,
@@ -165,14 +175,9 @@ def _layer_activation(ix: GraphIndex, lin: LinearLayer) -> Activation:
     half = ix.types.get(lin.output) in (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
     expr = act.expr if lin.activation is None else normalise(subst(act.expr, lin.activation), half)
     folded = ex.leading_affine(expr) if lin.activation is None else None
-    if folded is not None:
-        n = lin.out_features
-        scale = np.broadcast_to(np.asarray(folded[1], dtype=np.float32), (n,))
-        shift = np.broadcast_to(np.asarray(folded[2], dtype=np.float32), (n,))
-        if not (np.isfinite(scale).all() and np.isfinite(shift).all()):
-            folded = None   # (x W + b) / 0 is +-inf where x (W / 0) is NaN: leave it to the epilogue
-    if folded is not None:
-        expr = folded[0]
+    vectors = _fold_vectors(folded, lin.out_features)
+    if vectors is not None:
+        expr, (scale, shift) = folded[0], vectors
         with np.errstate(all="ignore"):
             lin.weight = np.ascontiguousarray(lin.weight * scale[None, :], dtype=np.float32)
             bias = shift if lin.bias is None else lin.bias * scale + shift
@@ -189,13 +194,10 @@ def _fold_trailing_affines(seq: list[_Layer]) -> None:
     named activation again. Not a gated layer's (its expression is the gate's, not its output's)."""
     for l, nxt in zip(seq, seq[1:]):
         folded = None if l.gated else ex.trailing_affine(l.act.expr)
-        if folded is None:
+        vectors = _fold_vectors(folded, nxt.linear.in_features)
+        if vectors is None:
             continue
-        k = nxt.linear.in_features
-        scale = np.broadcast_to(np.asarray(folded[1], dtype=np.float32), (k,))
-        shift = np.broadcast_to(np.asarray(folded[2], dtype=np.float32), (k,))
-        if not (np.isfinite(scale).all() and np.isfinite(shift).all()):
-            continue
+        scale, shift = vectors
         w = nxt.linear.weight
         with np.errstate(all="ignore"):
             bias = (shift.astype(np.float64) @ w.astype(np.float64)).astype(np.float32)

@@ -79,6 +79,8 @@ def constant_node_value(node: onnx.NodeProto) -> np.ndarray | None:
     return None
 
 
+ORT_DOMAIN = "com.microsoft"   # ONNX Runtime's own ops (contrib ops), in models saved by its graph optimisers
+
 # ONNX Runtime's own ops (domain com.microsoft, in models saved by its graph optimiser) that onnx's shape
 # inference does not know, and the stock op that gives their first output the same type and shape: with
 # them in place, the tensors after them keep known types (else every layer downstream would be refused
@@ -96,12 +98,15 @@ _STAND_IN_DATA_LIMIT = 1 << 16   # initializers larger than this (bytes) lose th
 def _inference_stand_in(model: onnx.ModelProto) -> onnx.ModelProto:
     """`model` itself, or, where it has ORT ops of _ORT_STAND_INS, a copy for shape inference only with
     each replaced by its stock stand-in (large weights' data left out: inference reads their shapes)."""
-    if not any(n.domain == "com.microsoft" and n.op_type in _ORT_STAND_INS for n in model.graph.node):
+    def has_stand_in(n: onnx.NodeProto) -> bool:
+        return n.domain == ORT_DOMAIN and n.op_type in _ORT_STAND_INS
+
+    if not any(has_stand_in(n) for n in model.graph.node):
         return model
     src = model.graph
     g = onnx.GraphProto(name=src.name)
     for n in src.node:   # (copies: the user's model is not changed)
-        g.node.extend(_stand_in_nodes(n) if n.domain == "com.microsoft" and n.op_type in _ORT_STAND_INS else [n])
+        g.node.extend(_stand_in_nodes(n) if has_stand_in(n) else [n])
     for field_name in ("input", "output", "value_info", "sparse_initializer"):
         getattr(g, field_name).extend(getattr(src, field_name))
     for t in src.initializer:

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .. import expr as ex
-from .activations import ORT_DOMAIN, attr_activation
-from .constants import GraphIndex
+from .activations import attr_activation
+from .constants import ORT_DOMAIN, GraphIndex
 
 LINEAR_OPS = ("Gemm", "MatMul")
 ORT_LINEAR_OPS = ("FusedGemm", "FusedMatMul")
