@@ -357,16 +357,16 @@ def _one_constant(e: Expr) -> tuple[Expr, Expr, bool] | None:
     return (b, a, True) if const_a else (a, b, False)
 
 
-def _affine_in_x(e: Expr) -> tuple | None:
+def affine_in_x(e: Expr) -> tuple | None:
     """(s, t) with e = x * s + t, s and t floats or per-channel tuples, when e is built from x by adding,
     subtracting, multiplying or dividing by constants (and negating); else None."""
     if isinstance(e, Var):
         return 1.0, 0.0
     if isinstance(e, Op) and e.name == "neg" and len(e.args) == 1:
-        a = _affine_in_x(e.args[0])
+        a = affine_in_x(e.args[0])
         return None if a is None else (_times(a[0], -1.0), _times(a[1], -1.0))
     split = _one_constant(e)
-    inner = None if split is None else _affine_in_x(split[0])
+    inner = None if split is None else affine_in_x(split[0])
     if inner is None:
         return None
     (s, t), c, c_first = inner, _const_value(split[1]), split[2]
@@ -414,7 +414,7 @@ def leading_affine(e: Expr) -> tuple[Expr, object, object] | None:
 
     def collect(n: Expr) -> None:
         if isinstance(n, Op):
-            if chan_leaves(n) and _affine_in_x(n) is not None:
+            if chan_leaves(n) and affine_in_x(n) is not None:
                 candidates.setdefault(n, len(to_text(n)))
             for a in n.args:
                 collect(a)
@@ -435,7 +435,7 @@ def leading_affine(e: Expr) -> tuple[Expr, object, object] | None:
     for c in sorted(candidates, key=lambda k: -candidates[k]):
         g = replace(e, c)
         if g is not None:
-            s, t = _affine_in_x(c)
+            s, t = affine_in_x(c)
             return g, s, t
     return None
 
@@ -459,7 +459,7 @@ def trailing_affine(e: Expr) -> tuple[Expr, object, object] | None:
     g, a = _peel_affine(e)
     if isinstance(a, Var) or isinstance(g, Var) or not chan_leaves(a):
         return None
-    s, t = _affine_in_x(a)
+    s, t = affine_in_x(a)
     return g, s, t
 
 

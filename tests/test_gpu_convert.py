@@ -183,6 +183,24 @@ def test_clip_quickgelu_block_runs_the_packed_form_in_the_wide_design(cache, tmp
     assert c.activations == ["quickgelu", "id"] and "wide" in c.cuda_plan and c.precision == "fp16", c
 
 
+@pytest.mark.parametrize("name", ["nerf_std", "sdf_cube", "tabular_bn"])
+def test_input_normalisation_folds_and_keeps_fp16(name, cache, tmp_path):
+    """MLPs that normalise their input first ((x - mean) / std, x * 2 - 1, an input BatchNorm1d): the
+    scale and shift fold into the first layer, the fused op reads the model's input and is the graph's
+    only node, the chain keeps fp16 and matches stock on the CUDA EP."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from input_norm_models import export
+
+    (src,) = export(tmp_path, (name,))
+    k = onnx.load(str(src)).graph.input[0].type.tensor_type.shape.dim[1].dim_value
+    res = check_defaults(src, tmp_path / "m.onnx", cache,
+                         lambda rng: {"x": rng.uniform(0, 1, (1031, k)).astype(np.float32)})
+    (c,) = res.chains
+    assert c.precision == "fp16", c
+    fused = onnx.load(str(res.output_path))
+    assert [(n.domain, list(n.input[:1])) for n in fused.graph.node] == [(DOMAIN, ["x"])]
+
+
 def torch_siren(dynamo: bool, path: Path) -> Path:
     class Sine(torch.nn.Module):
         def forward(self, x):

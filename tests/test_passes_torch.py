@@ -135,3 +135,52 @@ def test_batchnorm1d_after_linear_joins_the_chain(tmp_path, dynamo, trained, ord
     (a,), (b,) = run(m, {"x" if not dynamo else m.graph.input[0].name: xa}), \
         run(r, {"x" if not dynamo else r.graph.input[0].name: xa})
     np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5)
+
+
+class _Standardise(nn.Module):
+    """Input normalisation as models write it: buffers for the feature statistics."""
+
+    def __init__(self, mean, std):
+        super().__init__()
+        self.register_buffer("mean", mean)
+        self.register_buffer("std", std)
+
+    def forward(self, x):
+        return (x - self.mean) / self.std
+
+
+class _ToUnitCube(nn.Module):
+    def forward(self, x):   # NeRF-style: coordinates in [0, 1] to [-1, 1]
+        return x * 2 - 1
+
+
+@pytest.mark.parametrize("front", ["batchnorm", "standardise", "unit_cube"])
+@pytest.mark.parametrize("dynamo", [False, True])
+def test_input_normalisation_folds_into_the_first_layer(tmp_path, dynamo, front):
+    """An MLP that normalises its input first (a tabular model's BatchNorm1d on the features, buffers of
+    mean and std, x * 2 - 1): the normalisation folds into the first layer, so that the chain reads the
+    model's input and no stock op is left in front of it."""
+    torch.manual_seed(1)
+    if front == "batchnorm":
+        norm = nn.BatchNorm1d(6)
+        with torch.no_grad():
+            norm.running_mean.copy_(torch.rand(6) * 2)
+            norm.running_var.copy_(torch.rand(6) * 3 + 0.5)
+            norm.weight.copy_(torch.rand(6) + 0.5)
+            norm.bias.copy_(torch.randn(6) * 0.1)
+    elif front == "standardise":
+        norm = _Standardise(torch.rand(6) * 3, torch.rand(6) * 2 + 1)
+    else:
+        norm = _ToUnitCube()
+    mod = nn.Sequential(norm, nn.Linear(6, 16), nn.SiLU(), nn.Linear(16, 2))
+    x = torch.rand(5, 6) * 2
+    m = _export(mod, x, tmp_path / "m.onnx", dynamo=dynamo)
+    plan = find_chains(m)
+    (c,) = plan.chains
+    name = m.graph.input[0].name
+    assert c.widths == (6, 16, 2) and c.input == name and plan.refusals == [], plan.describe()
+    assert "folded into layer 1" in c.describe()
+    r = rewrite(m, plan, [c.to_spec("fp32")])
+    assert len(r.graph.node) == 1, [n.op_type for n in r.graph.node]
+    (a,), (b,) = run(m, {name: x.numpy()}), run(r, {name: x.numpy()})
+    np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5)

@@ -395,6 +395,24 @@ def normalise(e: Expr, half: bool = False) -> Expr:
     return e
 
 
+def affine_step(ix: GraphIndex, i: int, width: int) -> tuple[str, object, object] | None:
+    """Node i as y = x * s + t of its one non-constant input x (s, t: floats or per-channel tuples of
+    `width` values), read as an activation node is (a Mul, Add, Sub or Div by a constant, an inference
+    BatchNorm on a rank-2 x, Identity, a Cast between float types that does not round); None when it is
+    not such a map."""
+    node = ix.node(i)
+    xs = [a for a in node.input if a and ix.const(a) is None]
+    if len(xs) != 1:
+        return None
+    ctx = _Ctx(ix, {xs[0]: ex.X}, ix.rank(xs[0]), width, ix.types.get(xs[0]))
+    try:
+        e = node_expr(ctx, i)
+    except ActivationRefusal:
+        return None
+    affine = ex.affine_in_x(e)
+    return None if affine is None else (xs[0], *affine)
+
+
 # -- the region walk -------------------------------------------------------------------------------
 
 def match_activation(ix: GraphIndex, value: str, width: int | None = None) -> Activation:

@@ -23,6 +23,9 @@ A chain then takes in a normalisation of its input in front and a residual Add o
 behind (see `block`: the transformer FFN block x + FFN(norm(x))); where `block_refused` names the chain
 (`block_key`: the library has no kernel for its block) they stay stock ops and say why ("chain N starts:
 ...", "chain N ends: ...").
+
+A chain with neither takes in a per-channel scale and shift of its input instead (see `input_affine`:
+(x - mean) / std, an input BatchNorm1d), folded into its first layer's weights and bias.
 """
 from __future__ import annotations
 
@@ -38,6 +41,7 @@ from .activations import ELEMENTWISE_OPS, Activation, describe_expr, match_activ
 from .block import NormMatch, find_block
 from .constants import GraphIndex, elem_name
 from .gated import fed_node, find_gated
+from .input_affine import match_input_affine
 from .linear import LinearLayer, LinearRefusal, is_linear_node, match_linear
 
 IO_TYPES = {onnx.TensorProto.FLOAT: "f32", onnx.TensorProto.FLOAT16: "f16"}
@@ -68,6 +72,7 @@ class Chain:
     input_dtype: str  # 'f32' or 'f16'
     norm: NormMatch | None = None  # normalisation of the input rows in front of the first layer
     residual: bool = False         # the input rows added to the last layer's output (output: the Add's)
+    input_map: str = ""            # the ops of a scale and shift of the input folded into the first layer
 
     @property
     def widths(self) -> tuple[int, ...]:
@@ -90,7 +95,9 @@ class Chain:
 
     def describe(self) -> str:
         acts = ", ".join(self.activation_labels())
-        block = (f", {self.norm.label} in front" if self.norm is not None else "") + (", residual" if self.residual else "")
+        block = ((f", {self.norm.label} in front" if self.norm is not None else "")
+                 + (f", input {self.input_map} folded into layer 1" if self.input_map else "")
+                 + (", residual" if self.residual else ""))
         return (f"'{self.input}' -> '{self.output}': widths {' -> '.join(map(str, self.widths))}, "
                 f"activations [{acts}]{block}, {self.input_dtype}, {len(self.nodes)} nodes")
 
@@ -197,17 +204,21 @@ def _fold_trailing_affines(seq: list[_Layer]) -> None:
         vectors = _fold_vectors(folded, nxt.linear.in_features)
         if vectors is None:
             continue
-        scale, shift = vectors
-        w = nxt.linear.weight
-        with np.errstate(all="ignore"):
-            bias = (shift.astype(np.float64) @ w.astype(np.float64)).astype(np.float32)
-            nxt.linear.weight = np.ascontiguousarray(w * scale[:, None], dtype=np.float32)
-        if nxt.linear.bias is not None:
-            bias = (nxt.linear.bias + bias).astype(np.float32)
-        if nxt.linear.bias is not None or shift.any():
-            nxt.linear.bias = np.ascontiguousarray(bias)
+        _fold_input_map(nxt.linear, *vectors)
         a = l.act
         l.act = Activation(folded[0], a.node_indices, a.nodes, a.output, a.rejected)
+
+
+def _fold_input_map(linear: LinearLayer, scale: np.ndarray, shift: np.ndarray) -> None:
+    """The layer reading x * s + t (s, t: float32 [K]) as one reading x: x (s W) + (t W + b)."""
+    w = linear.weight
+    with np.errstate(all="ignore"):
+        bias = (shift.astype(np.float64) @ w.astype(np.float64)).astype(np.float32)
+        linear.weight = np.ascontiguousarray(w * scale[:, None], dtype=np.float32)
+    if linear.bias is not None:
+        bias = (linear.bias + bias).astype(np.float32)
+    if linear.bias is not None or shift.any():
+        linear.bias = np.ascontiguousarray(bias)
 
 
 def block_key(chain: Chain) -> int:
@@ -245,6 +256,7 @@ def find_chains(model: onnx.ModelProto, gated_refused: str | None = None,
             continue
         layers[i] = _Layer(i, lin, _layer_activation(ix, lin))
     feeds_layer = _feeding_a_layer(ix)
+    claimed = {j for l in layers.values() for j in l.linear.node_indices + l.act.node_indices}
     gated, gated_reasons = find_gated(ix, layers)
     for g in gated:
         if gated_refused is not None:
@@ -314,14 +326,25 @@ def find_chains(model: onnx.ModelProto, gated_refused: str | None = None,
             ends.pop(last.start, None)
         elif block.end_reason:
             ends[last.start] = block.end_reason
+        chain_input, start_reason, input_map = first.input, block.start_reason, None
+        if block.norm is not None:
+            chain_input = block.norm.input
+        elif block.residual is None and not start_reason:   # a residual reads the first layer's input
+            input_map, start_reason = match_input_affine(ix, first.input, set(seq[0].entries),
+                                                         first.in_features, claimed)
+        if input_map is not None:
+            chain_input = input_map.input
+            idx = sorted(idx + input_map.node_indices)
+            _fold_input_map(first, input_map.scale, input_map.shift)
         _fold_trailing_affines(seq)
-        chain = Chain(block.norm.input if block.norm is not None else first.input, block.output or out_t,
+        chain = Chain(chain_input, block.output or out_t,
                       [ChainLayer(s.linear, s.act.expr, list(s.act.nodes), s.act.output, s.gated) for s in seq],
-                      [ix.keys[j] for j in idx], IO_TYPES[in_type], block.norm, block.residual is not None)
+                      [ix.keys[j] for j in idx], IO_TYPES[in_type], block.norm, block.residual is not None,
+                      input_map.label if input_map is not None else "")
         plan.chains.append(chain)
-        if block.start_reason:
+        if start_reason:
             plan.refusals.append(Refusal(ix.keys[min(first.node_indices)],
-                                         f"chain {len(plan.chains) - 1} starts: {block.start_reason}",
+                                         f"chain {len(plan.chains) - 1} starts: {start_reason}",
                                          len(plan.chains) - 1))
         if last.start in ends:
             end_node = ix.keys[(last.act.node_indices or last.linear.node_indices)[-1]]
