@@ -4,7 +4,7 @@ import onnx
 import pytest
 
 from onnx2fused.passes import find_chains, rewrite
-from onnx2fused.passes.input_affine import SHIFT_LIMIT
+from onnx2fused.passes.input_affine import SCALE_MAX, SCALE_MIN, SHIFT_LIMIT
 from onnx_builders import F16, F32, G, rand, run
 
 
@@ -114,3 +114,18 @@ def test_a_norm_in_front_is_not_an_input_map():
     g.nodes[-1].output[0] = "y"
     (c,) = find_chains(g.model([("x", ["B", 8])], [("y", ["B", 4])])).chains
     assert c.norm is not None and c.input == "x" and c.input_map == ""
+
+
+@pytest.mark.parametrize("std,limit", [(5000.0, "SCALE_MIN"), (1e-5, "SCALE_MAX")])
+def test_a_scale_for_inputs_outside_the_16_bit_range_stays(std, limit):
+    """(x - mean) / 5000: the raw x is of order 10^4, which the kernel would hold in fp16 (validation, whose
+    inputs are drawn near 0, could not tell); / 1e-5: x of order 10^-5, fp16's subnormals. Neither folds;
+    the Sub in front of the Div does not either (nothing after it was taken)."""
+    m = _normalised_mlp(np.zeros(8, np.float32), np.full(8, std, np.float32))
+    plan = find_chains(m)
+    (c,) = plan.chains
+    assert c.input == "xn" and c.input_map == ""
+    (r,) = plan.refusals
+    bound = {"SCALE_MIN": SCALE_MIN, "SCALE_MAX": SCALE_MAX}[limit]
+    assert r.reason.startswith("chain 0 starts: input 'xn' comes from Div 'div': it scales the input by ")
+    assert r.reason.endswith(f"in 16 bits (limit {bound:g}); it stays a stock op")

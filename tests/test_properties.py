@@ -2,7 +2,8 @@
 
 Hypothesis draws a recipe (widths 1..300, depth 1..8, an activation per layer from ACTS: named ops,
 decomposed chains, composites and per-channel forms; bias on or off; how each layer is written: Gemm
-with random attributes, MatMul + Add either way round, bare MatMul; input rank 2 or 3; or a torch
+with random attributes, MatMul + Add either way round, bare MatMul; input rank 2 or 3; an input
+normalisation in front or none (FRONTS: it folds into the first layer); or a torch
 nn.Sequential through the legacy exporter at a random opset). The model must fuse into exactly one
 chain; the fused model runs with the plugin only (its fallback functions are removed, so a kernel that
 is not registered fails the test instead of silently running stock ops) and must match stock ORT.
@@ -43,6 +44,9 @@ ACTS = {
 # BatchNormalization normalises axis 1: the layer's features only in a rank-2 value (the pass refuses it
 # at rank 3, as it should; stock ORT would normalise the sequence axis there)
 RANK2_ONLY = {"batchnorm_relu_per_channel"}
+# Normalisations of the model's input that fold into the first layer (passes/input_affine.py): statistics
+# drawn so that the shift stays within its limit, |mean| <= 2 std
+FRONTS = ("none", "standardise", "unit_cube", "batchnorm")
 FORMS_2D = ("gemm", "gemm_plain", "gemm_attrs", "matmul", "matmul_left", "matmul_nobias")
 FORMS_ND = ("matmul", "matmul_left", "matmul_nobias")
 TORCH_ACTS = ("ReLU", "GELU", "SiLU", "Tanh", "Sigmoid", "Mish", "Hardswish", "ELU", "LeakyReLU", "PReLU",
@@ -59,6 +63,7 @@ class Recipe:
     exporter: str = "onnx"     # "onnx" (hand-written graph) or "torch" (legacy exporter)
     opset: int = 17
     seed: int = 0
+    front: str = "none"        # input normalisation before the first layer (onnx): a key of FRONTS
 
 
 @st.composite
@@ -76,7 +81,22 @@ def recipes(draw) -> Recipe:
     forms = tuple(draw(st.lists(st.sampled_from(FORMS_2D if rank == 2 else FORMS_ND), min_size=depth, max_size=depth)))
     names = sorted(a for a in ACTS if rank == 2 or a not in RANK2_ONLY)
     acts = tuple(draw(st.lists(st.sampled_from(names), min_size=depth, max_size=depth)))
-    return Recipe(widths, acts, forms, bias, rank, "onnx", 17, seed)
+    front = draw(st.sampled_from(FRONTS if rank == 2 else FRONTS[:-1]))   # BatchNorm: axis 1, rank 2 only
+    return Recipe(widths, acts, forms, bias, rank, "onnx", 17, seed, front)
+
+
+def _front(g: G, x: str, k: int, front: str) -> str:
+    std = (g.rng.random(k) + 0.5).astype(np.float32)
+    mean = (g.rng.uniform(-2, 2, k) * std).astype(np.float32)
+    if front == "standardise":
+        return g.op("Div", [g.op("Sub", [x, g.init(mean)]), g.init(std)])
+    if front == "unit_cube":
+        return g.op("Sub", [g.op("Mul", [x, g.init(np.float32(2))]), g.init(np.float32(1))])
+    if front == "batchnorm":
+        gamma, beta = (g.rng.random(k) + 0.5).astype(np.float32), (g.rng.uniform(-0.3, 0.3, k)).astype(np.float32)
+        return g.op("BatchNormalization", [x, g.init(gamma), g.init(beta), g.init(mean / gamma),
+                                           g.init(std * std - 1e-5)], epsilon=1e-5)
+    return x
 
 
 def _onnx_layer(g: G, h: str, k: int, n: int, form: str, bias: bool, name: str) -> str:
@@ -91,7 +111,7 @@ def _onnx_layer(g: G, h: str, k: int, n: int, form: str, bias: bool, name: str) 
 
 def build_onnx(r: Recipe) -> onnx.ModelProto:
     g = G(opset=r.opset, seed=r.seed)
-    h = "x"
+    h = _front(g, "x", r.widths[0], r.front)
     for i, (k, n) in enumerate(zip(r.widths, r.widths[1:])):
         h = _onnx_layer(g, h, k, n, r.forms[i], r.bias[i], f"fc{i}")
         h = ACTS[r.acts[i]](g, h, n)
@@ -130,6 +150,7 @@ def check_recipe(r: Recipe, cache, tmp) -> None:
     plan, specs, fused = fuse(m, "fp32")
     assert [c.widths for c in plan.chains] == [r.widths], plan.describe()
     assert plan.refusals == [], plan.describe()
+    assert plan.chains[0].input == "x", plan.describe()   # an input normalisation folds into the chain
     lib = build_plugin(specs, with_cuda=False, cache_dir=cache)
     del fused.functions[:]  # the plugin must run every fused node: no stock-op fallback to hide behind
     sess = plugin_session(fused, lib.path)
@@ -149,7 +170,9 @@ def check_recipe(r: Recipe, cache, tmp) -> None:
 @example(recipe=Recipe((7, 13, 5, 3), ("prelu_per_channel", "scale_shift_per_channel", "clamp_per_channel"),
                        ("gemm", "matmul_left", "gemm_attrs"), (True, False, True)))
 @example(recipe=Recipe((5, 9, 9, 2), ("div_sub_per_channel", "where_slope_per_channel", "none"),
-                       ("matmul", "matmul_nobias", "matmul"), (True, True, False), rank=3))
+                       ("matmul", "matmul_nobias", "matmul"), (True, True, False), rank=3, front="standardise"))
+@example(recipe=Recipe((6, 11, 4), ("batchnorm_relu_per_channel", "none"), ("gemm_attrs", "matmul_left"),
+                       (False, True), front="batchnorm"))
 @example(recipe=Recipe((4, 17, 16, 16, 16, 16, 16, 16, 3), ("PReLU", "GELU", "Mish", "Hardswish", "ELU", "SiLU",
                                                              "Softplus", "Identity"),
                        ("torch",) * 8, (True,) * 8, exporter="torch", opset=13))

@@ -17,6 +17,13 @@ in the sum: a shift of |t| <= SHIFT_LIMIT costs at most ~2.3x the input's own ro
 relative L2 2.9e-4 -> 6.8e-4 at |t| = 2 on a 32 -> 64 layer, 2.3e-3 at 8, over fp16's 2e-3 tolerance).
 A larger shift (a feature centred far from 0: x - 1000) stays a stock op and says why, so that the chain
 keeps its 16-bit precision; the scale and the nodes after such a shift still fold.
+
+The limits on the scale: folded, the kernel holds the raw x in 16 bits, and the normalisation says how
+large x is: |x| ~ (|t| + a few) / |s|. Validation cannot see that (its inputs are drawn near 0), so a
+scale below SCALE_MIN (a feature of order 10^3 and more: prices, distances in metres) stays a stock op, and
+with it x's magnitude stays out of fp16's range (65504); SCALE_MIN leaves it 60 standard deviations of
+room. A scale above SCALE_MAX (a feature of order 10^-4) would put x among fp16's subnormals and diag(s) W
+near its largest values. Per channel; s = 0 (a feature the model ignores) is always fine.
 """
 from __future__ import annotations
 
@@ -28,6 +35,7 @@ from .activations import affine_step
 from .constants import GraphIndex
 
 SHIFT_LIMIT = 2.5
+SCALE_MIN, SCALE_MAX = 2.0 ** -10, 2.0 ** 12
 
 
 @dataclass
@@ -45,6 +53,21 @@ class InputAffine:
 
 def _vector(v, n: int) -> np.ndarray:
     return np.broadcast_to(np.asarray(v, dtype=np.float64), (n,))
+
+
+def _out_of_limits(scale: np.ndarray, shift: np.ndarray) -> str:
+    """Why x * scale + shift cannot fold into a 16-bit layer ('' when it can)."""
+    if np.abs(shift).max() > SHIFT_LIMIT:
+        return (f"it shifts the input by up to {np.abs(shift).max():.3g} (in the first layer's units), which "
+                f"would cancel in 16-bit arithmetic folded into the layer (limit {SHIFT_LIMIT:g})")
+    mag = np.abs(scale[scale != 0])
+    if mag.size and mag.min() < SCALE_MIN:
+        return (f"it scales the input by {mag.min():.3g}: folded, the kernel would hold inputs of order "
+                f"{1 / mag.min():.3g} in 16 bits (limit {SCALE_MIN:g})")
+    if mag.size and mag.max() > SCALE_MAX:
+        return (f"it scales the input by {mag.max():.3g}: folded, the kernel would hold inputs of order "
+                f"{1 / mag.max():.3g} in 16 bits (limit {SCALE_MAX:g})")
+    return ""
 
 
 def match_input_affine(ix: GraphIndex, t: str, readers: set[int], width: int,
@@ -66,10 +89,9 @@ def match_input_affine(ix: GraphIndex, t: str, readers: set[int], width: int,
             new_scale, new_shift = _vector(s, width) * scale, _vector(sh, width) * scale + shift
         if not (np.isfinite(new_scale).all() and np.isfinite(new_shift).all()):
             break
-        if np.abs(new_shift).max() > SHIFT_LIMIT:
-            reason = (f"input '{cur}' comes from {ix.describe(p)}: it shifts the input by up to "
-                      f"{np.abs(new_shift).max():.3g} (in the first layer's units), which would cancel in "
-                      f"16-bit arithmetic folded into the layer (limit {SHIFT_LIMIT:g}); it stays a stock op")
+        why = _out_of_limits(new_scale, new_shift)
+        if why:
+            reason = f"input '{cur}' comes from {ix.describe(p)}: {why}; it stays a stock op"
             break
         scale, shift, cur, readers = new_scale, new_shift, x, {p}
         nodes.append(p)
@@ -79,4 +101,4 @@ def match_input_affine(ix: GraphIndex, t: str, readers: set[int], width: int,
     return InputAffine(cur, scale.astype(np.float32), shift.astype(np.float32), sorted(nodes), ops), reason
 
 
-__all__ = ["InputAffine", "SHIFT_LIMIT", "match_input_affine"]
+__all__ = ["InputAffine", "SCALE_MAX", "SCALE_MIN", "SHIFT_LIMIT", "match_input_affine"]
