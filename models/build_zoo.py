@@ -20,6 +20,11 @@ x + fc2(gelu(fc1(LayerNorm(x)))); llama is LLaMA's MLP block with its hand-writt
 x + down(silu(gate(h)) * up(h)), h = x * rsqrt(mean(x^2) + eps) * weight. Their norms' weights (and
 LayerNorm's bias) are drawn at random, so that a fused block that dropped them could not pass.
 
+A tabular model (`block` "tabular"): BatchNorm1d on the input features, then Linear, BatchNorm1d, ReLU,
+Dropout per hidden layer and a last Linear, with running statistics and affine parameters drawn at random
+(the input's |mean| / std below 1): the norms fold into the layers (passes/input_affine.py, chains.py), so
+the whole model is one chain reading x.
+
 Deterministic: every model is built from a fixed seed (torch.manual_seed(SEED + index)).
 A model whose export fails is recorded in zoo.json under "failed" and skipped.
 
@@ -75,6 +80,8 @@ def model_table():
                       feature_shape=[64], sample_lead=[4], block="preln"),
         "llama": dict(widths=[64, 128, 64], activation="Silu", bias=False,
                       feature_shape=[64], sample_lead=[4], block="llama"),
+        "tabular": dict(widths=[24, 128, 128, 1], activation="Relu", bias=True,
+                        feature_shape=[24], sample_lead=[4], block="tabular"),
     }
 
 
@@ -141,6 +148,25 @@ def _gated(block: str, widths, act, bias: bool):
     return {"swiglu": SwiGLU, "geglu": GluMlp, "preln": PreLN, "llama": LlamaMLP}[block]()
 
 
+def _tabular(widths):
+    import torch
+    import torch.nn as nn
+
+    mods = [nn.BatchNorm1d(widths[0])]
+    for i, (k, n) in enumerate(zip(widths, widths[1:])):
+        mods.append(nn.Linear(k, n))
+        if i < len(widths) - 2:
+            mods += [nn.BatchNorm1d(n), nn.ReLU(), nn.Dropout(0.1)]
+    with torch.no_grad():
+        for bn in (m for m in mods if isinstance(m, nn.BatchNorm1d)):
+            var = torch.rand(bn.num_features) + 0.5
+            bn.running_var.copy_(var)
+            bn.running_mean.copy_((torch.rand(bn.num_features) * 2 - 1) * var.sqrt())
+            bn.weight.copy_(torch.rand(bn.num_features) + 0.5)
+            bn.bias.copy_(0.1 * torch.randn(bn.num_features))
+    return nn.Sequential(*mods)
+
+
 def build_module(name: str, index: int):
     import torch
     import torch.nn as nn
@@ -148,7 +174,9 @@ def build_module(name: str, index: int):
     acts = {"Relu": nn.ReLU, "Tanh": nn.Tanh, "Gelu": nn.GELU, "Silu": nn.SiLU}
     info = model_table()[name]
     torch.manual_seed(SEED + index)
-    if "block" in info:
+    if info.get("block") == "tabular":
+        m = _tabular(info["widths"])
+    elif "block" in info:
         m = _gated(info["block"], info["widths"], acts[info["activation"]], info["bias"])
     else:
         m = _mlp(info["widths"], acts[info["activation"]], bias=info["bias"])

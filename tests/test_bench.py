@@ -233,7 +233,8 @@ def test_gpu_batches_capped_to_memory():
 
 def test_zoo_torch_module_matches_onnx():
     torch = pytest.importorskip("torch")
-    for name in ("gelu.opset17", "nobias.dynamo"):
+    # tabular: its BatchNorms (the input's too) folded into the chain, whose weights the Sequential takes
+    for name in ("gelu.opset17", "nobias.dynamo", "tabular.opset17", "tabular.dynamo"):
         path = ROOT / "models" / f"{name}.onnx"
         entry = bench._find_zoo_entry(path)
         assert entry is not None

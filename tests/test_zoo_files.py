@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MODELS = ROOT / "models"
 ZOO_JSON = MODELS / "zoo.json"
 EXPORTERS = ("dynamo", "opset17")
-REQUIRED = ("nerf", "sdf", "gelu", "silu", "mnist", "nobias", "ffn3d", "swiglu", "geglu", "preln", "llama")
+REQUIRED = ("nerf", "sdf", "gelu", "silu", "mnist", "nobias", "ffn3d", "swiglu", "geglu", "preln", "llama", "tabular")
 
 
 def _zoo():
@@ -54,7 +54,7 @@ def _layer_shapes(e) -> list[tuple[int, int]]:
     block = e.get("block")
     if block in ("swiglu", "llama"):  # llama: RMSNorm, then swiglu's layers, then the residual
         return [(w[0], w[1]), (w[0], w[1]), (w[1], w[2])]
-    if block == "preln":
+    if block in ("preln", "tabular"):   # tabular: BatchNorm1d on the input and after each hidden Linear
         return list(zip(w[:-1], w[1:]))
     if block == "geglu":
         return [(w[0], 2 * w[1]), (w[1], w[2])]
@@ -116,6 +116,10 @@ def test_file_loads_and_checks(name, kind):
     vecs = sorted(t.dims[0] for t in init.values() if len(t.dims) == 1 and t.dims[0] > 1)
     if e["bias"]:  # and a transformer block's LayerNorm weight and bias (K0 each)
         norm = [e["widths"][0]] * 2 if e.get("block") == "preln" else []
+        if e.get("block") == "tabular":  # scale, bias, mean, var of each BatchNorm the exporter kept: the
+            # input's always, the hidden ones where it did not fold them into the Linear before (dynamo does)
+            kept = sum(n.op_type == "BatchNormalization" for n in model.graph.node)
+            norm = [v for w in e["widths"][:kept] for v in [w] * 4]
         assert sorted([n for _, n in _layer_shapes(e) if n > 1] + norm) == vecs
     for t in init.values():
         assert t.data_location == onnx.TensorProto.DEFAULT  # onnx.load resolved external data
