@@ -129,3 +129,27 @@ def test_a_scale_for_inputs_outside_the_16_bit_range_stays(std, limit):
     bound = {"SCALE_MIN": SCALE_MIN, "SCALE_MAX": SCALE_MAX}[limit]
     assert r.reason.startswith("chain 0 starts: input 'xn' comes from Div 'div': it scales the input by ")
     assert r.reason.endswith(f"in 16 bits (limit {bound:g}); it stays a stock op")
+
+
+@pytest.mark.parametrize("form", ["two_linears", "cut"])
+def test_a_gated_first_layer_takes_the_fold_in_both_halves(form):
+    """A SwiGLU (gate and up reading the normalised input) or a GluMlp (one layer cut in two): the scale and
+    shift fold into the gate's and the up projection's rows alike; the chain reads x."""
+    g = G(seed=5)
+    xn = g.op("Add", [g.op("Mul", ["x", g.init(np.linspace(0.5, 2, 8).astype(np.float32))], name="scale"),
+                      g.init(np.float32(-0.5))], name="shift")
+    if form == "two_linears":
+        gate = g.op("Sigmoid", [g.linear(xn, 8, 6, name="gate")])
+        p = g.op("Mul", [gate, g.linear(xn, 8, 6, name="up")])
+    else:
+        a, b = g.op("Split", [g.linear(xn, 8, 12, name="fc1")], outputs=2, axis=-1, num_outputs=2)
+        p = g.op("Mul", [g.op("Sigmoid", [a]), b])
+    g.linear(p, 6, 4, name="down")
+    g.nodes[-1].output[0] = "y"
+    g.opset = 18   # Split's num_outputs
+    m = g.model([("x", ["B", 8])], [("y", ["B", 4])])
+    plan = find_chains(m)
+    (c,) = plan.chains
+    assert plan.refusals == [] and c.input == "x" and c.input_map == "Mul/Add" and c.layers[0].gated
+    assert c.widths == (8, 6, 4)
+    _check_runs_as_stock(m, plan, rand([7, 8], seed=6))
