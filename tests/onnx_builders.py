@@ -231,6 +231,13 @@ STEP_ACTS = {
     "softplus_torch_form": lambda g, x, n: (lambda m: g.op("Where", [g.op("Greater", [m, _s(g, 20.0)]), x, g.op(
         "Div", [g.op("Softplus", [m]), _s(g, 2.0)])]))(g.op("Mul", [x, _s(g, 2.0)])),
     "siren_sin30": lambda g, x, n: g.op("Sin", [g.op("Mul", [_s(g, 30.0), x])]),
+    # torch's TorchScript Hardshrink (bool Casts and Or), and the other logic ops on conditions
+    "hardshrink_or": lambda g, x, n: g.op("Where", [g.op("Or", [
+        g.op("Cast", [g.op("Greater", [x, _s(g, 0.3)])], to=TensorProto.BOOL),
+        g.op("Cast", [g.op("Less", [x, _s(g, -0.3)])], to=TensorProto.BOOL)]), x, _s(g, 0.0)]),
+    "logic_and_not_xor": lambda g, x, n: g.op("Where", [g.op("Xor", [
+        g.op("And", [g.op("Greater", [x, _s(g, -1.0)]), g.op("Not", [g.op("Greater", [x, _s(g, 1.0)])])]),
+        g.op("Less", [x, _s(g, 0.0)])]), g.op("Mul", [x, _s(g, 2.0)]), x]),
 }
 OTHER_ACTS = {
     "gelu_op": lambda g, x, n: g.op("Gelu", [x]),                    # opset 20

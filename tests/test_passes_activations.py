@@ -119,6 +119,13 @@ CASES = {
     "batchnorm": (lambda g, x: g.op("BatchNormalization", [x, *(g.init(v) for v in _BN)]), 15, None),
     "batchnorm_eps_relu": (lambda g, x: g.op("Relu", [g.op("BatchNormalization", [x, *(g.init(v) for v in _BN)],
                                                            epsilon=0.1)]), 9, None),
+    # logic on conditions: torch's TorchScript Hardshrink (bool Casts, Or), and And / Not / Xor
+    "hardshrink_torchscript": (lambda g, x: g.op("Where", [g.op("Or", [
+        g.op("Cast", [g.op("Greater", [x, g.init(c(0.5))])], to=onnx.TensorProto.BOOL),
+        g.op("Cast", [g.op("Less", [x, g.init(c(-0.5))])], to=onnx.TensorProto.BOOL)]), x, g.init(c(0.0))]), 17, None),
+    "logic_and_not_xor": (lambda g, x: g.op("Where", [g.op("Xor", [
+        g.op("And", [g.op("Greater", [x, g.init(c(-1.0))]), g.op("Not", [g.op("Greater", [x, g.init(c(1.0))])])]),
+        g.op("Less", [x, g.init(c(0.0))])]), g.op("Mul", [x, g.init(c(2.0))]), x]), 17, None),
     # onnx's function bodies cast their constants to the input's type: a CastLike to the chain's type
     "castlike_constant": (lambda g, x: g.op("Mul", [x, g.op("CastLike", [g.const_node(c(0.5)), x])]), 17, None),
     "castlike_double_roundtrip": (lambda g, x: g.op("Relu", [g.op("CastLike", [

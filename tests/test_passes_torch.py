@@ -25,6 +25,7 @@ ACTS = {
     "leaky": (lambda: nn.LeakyReLU(0.1), ex.leaky_relu(0.1)),
     "hardswish": (nn.Hardswish, ex.hard_swish()),
     "elu": (nn.ELU, ex.elu(1.0)),
+    "hardshrink": (nn.Hardshrink, None),  # TorchScript: Where(Or(Cast(x > l), Cast(x < -l)), x, 0)
 }
 
 

@@ -14,6 +14,8 @@ and then t = f(v) elementwise, with f an `expr.Expr` built node by node:
     Shrink(a) -> shrink[x := a] Swish(a) -> swish[x := a]     Round(a) -> round(a) (half to even)
     Identity / Dropout (inference) / Cast between float types -> a  (not a Cast that rounds a float32
                                                                       value to float16/bfloat16)
+    Or / And / Xor / Not of conditions -> max / min / |a - b| / 1 - a (a bool is 1.0 / 0.0); Cast of a
+                                          bool to bool -> a
     ONNX Runtime's contrib activations (domain com.microsoft, in models saved by its graph optimiser):
     Gelu(a) -> gelu_erf[x := a]   QuickGelu(a) -> swish(alpha)[x := a]   FastGelu(a[, b]) ->
     gelu_tanh[x := a (+ b)]      BiasGelu(a, b) -> gelu_erf[x := a + b]
@@ -82,7 +84,10 @@ _UNARY = {"Sigmoid": "sigmoid", "Tanh": "tanh", "Erf": "erf", "Sin": "sin", "Cos
 _BINARY = {"Add": "add", "Sub": "sub", "Mul": "mul", "Div": "div", "Pow": "pow",
            "Greater": "gt", "Less": "lt", "GreaterOrEqual": "ge", "LessOrEqual": "le"}
 _VARIADIC = {"Max": "max", "Min": "min", "Sum": "add"}
-ELEMENTWISE_OPS = (set(_UNARY) | set(_BINARY) | set(_VARIADIC) |
+# Logic on bool tensors (a condition as torch's TorchScript export of Hardshrink writes it:
+# Where(Or(x > l, x < -l), x, 0)): a bool is 1.0 / 0.0 here, so Or is max, And min, Xor |a - b|, Not 1 - a
+_LOGIC = ("Or", "And", "Xor", "Not")
+ELEMENTWISE_OPS = (set(_UNARY) | set(_BINARY) | set(_VARIADIC) | set(_LOGIC) |
                    {"Relu", "LeakyRelu", "Gelu", "Elu", "Selu", "Celu", "HardSigmoid", "HardSwish", "Mish",
                     "Clip", "Where", "Softsign", "ThresholdedRelu", "Identity", "Dropout", "Cast", "PRelu",
                     "Shrink", "Swish", "CastLike", "BatchNormalization"})
@@ -248,6 +253,8 @@ def node_expr(ctx: _Ctx, i: int) -> Expr:
     if op == "Identity":
         return ctx.operand(ins[0], what)
     if op == "Cast":
+        if _attr(node, "to") == onnx.TensorProto.BOOL and ix.types.get(ins[0]) == onnx.TensorProto.BOOL:
+            return ctx.operand(ins[0], what)   # bool to bool (the TorchScript exporter's, before an Or)
         _check_float_cast(ctx, what, ins[0], _attr(node, "to"), "Cast")
         return ctx.operand(ins[0], what)
     if op == "CastLike":
@@ -262,6 +269,13 @@ def node_expr(ctx: _Ctx, i: int) -> Expr:
     if op in _BINARY:
         a, b = ctx.operand(ins[0], what), ctx.operand(ins[1], what)
         return Op(_BINARY[op], (a, b))
+    if op in _LOGIC:
+        args = [ctx.operand(n, what) for n in ins[:2] if n]
+        if op == "Not":
+            return Op("sub", (Const(1.0), args[0]))
+        if op == "Xor":
+            return Op("abs", (Op("sub", tuple(args)),))
+        return Op("max" if op == "Or" else "min", tuple(args))
     if op in _VARIADIC:
         args = [ctx.operand(n, what) for n in ins if n]
         e = args[0]
