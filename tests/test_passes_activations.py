@@ -126,6 +126,10 @@ CASES = {
     "logic_and_not_xor": (lambda g, x: g.op("Where", [g.op("Xor", [
         g.op("And", [g.op("Greater", [x, g.init(c(-1.0))]), g.op("Not", [g.op("Greater", [x, g.init(c(1.0))])])]),
         g.op("Less", [x, g.init(c(0.0))])]), g.op("Mul", [x, g.init(c(2.0))]), x]), 17, None),
+    # torch's nn.Flatten between two Linears (TorchScript keeps it), a Reshape to [-1, N]: no-ops at rank 2
+    "flatten_relu": (lambda g, x: g.op("Relu", [g.op("Flatten", [x], axis=1)]), 17, ex.relu()),
+    "reshape_minus1_tanh": (lambda g, x: g.op("Tanh", [g.op("Reshape", [x, g.init(np.array([-1, 6], np.int64))])]), 17,
+                            ex.tanh()),
     # onnx's function bodies cast their constants to the input's type: a CastLike to the chain's type
     "castlike_constant": (lambda g, x: g.op("Mul", [x, g.op("CastLike", [g.const_node(c(0.5)), x])]), 17, None),
     "castlike_double_roundtrip": (lambda g, x: g.op("Relu", [g.op("CastLike", [

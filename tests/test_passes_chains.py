@@ -207,3 +207,24 @@ def test_skl2onnx_mlp_classifier():
     onnx.checker.check_model(r, full_check=True)
     for u, v in zip(run(m, {"X": X}), run(r, {"X": X})):
         np.testing.assert_allclose(v, u, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("op", ["Flatten", "Reshape"])
+def test_a_flatten_or_reshape_that_changes_the_shape_ends_the_chain(op):
+    """At rank 3 a Flatten (axis 1) merges the sequence into the features, and a Reshape to a fixed batch
+    size is not the identity for every batch: the chain ends there and says why (a Flatten of a rank-2
+    value, a Reshape to [-1, N], are: test_passes_activations)."""
+    g = G()
+    h = g.linear("x", 8, 16, name="fc0", kind="matmul")
+    if op == "Flatten":
+        f = g.op("Flatten", [h], name="flat", axis=1)
+        k, shape_in, shape_out = 48, ["B", 3, 8], ["B", 4]
+    else:
+        f = g.op("Reshape", [h, g.init(np.array([5, 16], np.int64))], name="flat")
+        k, shape_in, shape_out = 16, [5, 8], [5, 4]
+    g.linear(f, k, 4, name="fc1", kind="matmul")
+    g.nodes[-1].output[0] = "y"
+    plan = find_chains(g.model([("x", shape_in)], [("y", shape_out)]))
+    assert len(plan.chains) == 2
+    assert plan.refusals[0].reason.endswith(f"feeds {op} 'flat': {op} changes the tensor's shape or layout, "
+                                            "not elementwise"), plan.describe()

@@ -185,3 +185,13 @@ def test_input_normalisation_folds_into_the_first_layer(tmp_path, dynamo, front)
     assert len(r.graph.node) == 1, [n.op_type for n in r.graph.node]
     (a,), (b,) = run(m, {name: x.numpy()}), run(r, {name: x.numpy()})
     np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dynamo", [False, True])
+def test_flatten_between_linears_is_one_chain(tmp_path, dynamo):
+    """nn.Flatten after a hidden layer (a no-op on [B, N]; the TorchScript exporter keeps the node)."""
+    torch.manual_seed(2)
+    mod = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Flatten(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    x = torch.randn(5, 8)
+    c = _check(_export(mod, x, tmp_path / "m.onnx", dynamo=dynamo), x, (8, 16, 16, 4), "relu")
+    assert c.activation_labels() == ["relu", "relu", "id"]

@@ -16,6 +16,7 @@ and then t = f(v) elementwise, with f an `expr.Expr` built node by node:
                                                                       value to float16/bfloat16)
     Or / And / Xor / Not of conditions -> max / min / |a - b| / 1 - a (a bool is 1.0 / 0.0); Cast of a
                                           bool to bool -> a
+    Flatten (axis 1) / Reshape to [-1, N] of a rank-2 value -> a (torch's nn.Flatten between Linears)
     ONNX Runtime's contrib activations (domain com.microsoft, in models saved by its graph optimiser):
     Gelu(a) -> gelu_erf[x := a]   QuickGelu(a) -> swish(alpha)[x := a]   FastGelu(a[, b]) ->
     gelu_tanh[x := a (+ b)]      BiasGelu(a, b) -> gelu_erf[x := a + b]
@@ -226,6 +227,20 @@ def _check_float_cast(ctx: _Ctx, what: str, src_name: str, to: int | None, cast:
         raise ActivationRefusal(f"{what}: {cast} to {elem_name(to)} rounds the float32 value")
 
 
+def _keeps_rank2_shape(ctx: _Ctx, node: onnx.NodeProto) -> bool:
+    """A Flatten (axis 1) or Reshape (to [-1 or 0, width]) of a rank-2 value of `width` features: the
+    identity (torch's nn.Flatten between two Linears, as the TorchScript exporter keeps it)."""
+    if ctx.rank != 2 or ctx.width is None:
+        return False
+    if node.op_type == "Flatten":
+        return int(_attr(node, "axis", 1)) in (1, -1)
+    shape = ctx.ix.const(node.input[1]) if len(node.input) > 1 else None
+    if shape is None or int(_attr(node, "allowzero", 0)):
+        return False
+    dims = [int(d) for d in np.asarray(shape).reshape(-1)]
+    return len(dims) == 2 and dims[0] in (-1, 0) and dims[1] == ctx.width
+
+
 def node_expr(ctx: _Ctx, i: int) -> Expr:
     """The expression of node i's (first) output in terms of its operands, or raise ActivationRefusal."""
     ix = ctx.ix
@@ -234,6 +249,8 @@ def node_expr(ctx: _Ctx, i: int) -> Expr:
     op = node.op_type
     if node.domain == ORT_DOMAIN and op in ORT_ACTIVATIONS:
         return _ort_activation(ctx, node, what)
+    if node.domain in ("", "ai.onnx") and op in ("Flatten", "Reshape") and _keeps_rank2_shape(ctx, node):
+        return ctx.operand(node.input[0], what)
     if node.domain not in ("", "ai.onnx") or op not in ELEMENTWISE_OPS:
         raise ActivationRefusal(f"{what}: {unsupported(node)}")
     ins = list(node.input)
