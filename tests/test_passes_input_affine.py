@@ -153,3 +153,21 @@ def test_a_gated_first_layer_takes_the_fold_in_both_halves(form):
     assert plan.refusals == [] and c.input == "x" and c.input_map == "Mul/Add" and c.layers[0].gated
     assert c.widths == (8, 6, 4)
     _check_runs_as_stock(m, plan, rand([7, 8], seed=6))
+
+
+def test_onnx_ml_scaler_folds():
+    """scikit-learn's StandardScaler before an MLP, as skl2onnx writes it: Scaler (domain ai.onnx.ml,
+    (x - offset) * scale), a Cast to float, then MatMul + Add layers. ONNX Runtime has no CUDA kernel for
+    Scaler; folded, the chain reads X itself."""
+    rng = np.random.default_rng(4)
+    offset, scale = rng.uniform(-1, 1, 8).astype(np.float32), rng.uniform(0.5, 2, 8).astype(np.float32)
+    g = G()
+    s = g.op("Scaler", ["x"], name="scaler", domain="ai.onnx.ml", offset=offset.tolist(), scale=scale.tolist())
+    h = g.op("Relu", [g.linear(g.op("Cast", [s], name="cast", to=onnx.TensorProto.FLOAT), 8, 16, kind="matmul")])
+    g.linear(h, 16, 3, kind="matmul")
+    g.nodes[-1].output[0] = "y"
+    m = g.model([("x", ["B", 8])], [("y", ["B", 3])])
+    plan = find_chains(m)
+    (c,) = plan.chains
+    assert c.input == "x" and c.input_map == "Scaler/Cast" and plan.refusals == [], plan.describe()
+    _check_runs_as_stock(m, plan, rand([9, 8], seed=7) * 2)

@@ -91,15 +91,21 @@ _ORT_STAND_INS = {"Gelu": "Identity", "QuickGelu": "Identity", "FastGelu": "Add"
                   # BERT's after onnxruntime.transformers: [B, S, hidden] like the input (query) rows, and
                   # the embedding's rows as a Gather of the word embedding by the ids
                   "Attention": "Identity", "MultiHeadAttention": "Identity", "EmbedLayerNormalization": "Gather"}
+# ONNX-ML ops of float output and the input's shape, which onnx's inference leaves untyped (skl2onnx's
+# Scaler in front of an MLP: everything after it lost its types and shapes)
+_ML_FLOAT_STAND_INS = ("Scaler",)
+ML_DOMAIN = "ai.onnx.ml"
 _GEMM_ATTRS = ("alpha", "beta", "transA", "transB")
 _STAND_IN_DATA_LIMIT = 1 << 16   # initializers larger than this (bytes) lose their data in the stand-in
 
 
 def _inference_stand_in(model: onnx.ModelProto) -> onnx.ModelProto:
-    """`model` itself, or, where it has ORT ops of _ORT_STAND_INS, a copy for shape inference only with
-    each replaced by its stock stand-in (large weights' data left out: inference reads their shapes)."""
+    """`model` itself, or, where it has ORT ops of _ORT_STAND_INS or ONNX-ML ops of _ML_FLOAT_STAND_INS, a
+    copy for shape inference only with each replaced by its stock stand-in (large weights' data left out:
+    inference reads their shapes)."""
     def has_stand_in(n: onnx.NodeProto) -> bool:
-        return n.domain == ORT_DOMAIN and n.op_type in _ORT_STAND_INS
+        return ((n.domain == ORT_DOMAIN and n.op_type in _ORT_STAND_INS)
+                or (n.domain == ML_DOMAIN and n.op_type in _ML_FLOAT_STAND_INS))
 
     if not any(has_stand_in(n) for n in model.graph.node):
         return model
@@ -121,7 +127,9 @@ def _inference_stand_in(model: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def _stand_in_nodes(n: onnx.NodeProto) -> list[onnx.NodeProto]:
-    """The stock nodes whose first output has the type and shape of ORT op n's first output."""
+    """The stock nodes whose first output has the type and shape of ORT or ONNX-ML op n's first output."""
+    if n.domain == ML_DOMAIN:
+        return [onnx.helper.make_node("Cast", n.input[:1], n.output[:1], to=onnx.TensorProto.FLOAT)]
     op = _ORT_STAND_INS[n.op_type]
     ins, out = list(n.input), n.output[0]
     trans = {a.name: a.i for a in n.attribute if a.name.startswith("trans")}

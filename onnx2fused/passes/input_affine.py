@@ -5,7 +5,10 @@
 where x * s + t is what the nodes between x and the first layer compute, read back from the layer one
 node at a time (activations.affine_step): Mul / Add / Sub / Div by a scalar or a [K0] constant (input
 normalisation: (x - mean) / std, NeRF's x * 2 - 1), an inference BatchNorm on a rank-2 x (BatchNorm1d
-on a tabular model's features), Identity and casts that do not round. Each node's output must feed only
+on a tabular model's features), Identity and casts that do not round; and the ONNX-ML Scaler,
+(x - offset) * scale, which skl2onnx writes for scikit-learn's StandardScaler in front of an MLPRegressor
+or MLPClassifier (ONNX Runtime runs it on the CPU only: a CUDA session copied the rows to the host and
+back for it). Each node's output must feed only
 the next one (the last one's, only the chain's first layer) and be no graph output; x keeps the element
 type the first layer read. Those nodes then go with the chain: on the GPU the input rows are read once,
 by the fused kernel, instead of once more by a stock elementwise kernel that writes a normalised copy.
@@ -55,6 +58,26 @@ def _vector(v, n: int) -> np.ndarray:
     return np.broadcast_to(np.asarray(v, dtype=np.float64), (n,))
 
 
+def _scaler(ix: GraphIndex, p: int, width: int) -> tuple[str, np.ndarray, np.ndarray] | None:
+    """ONNX-ML's Scaler as (x, s, t): y = (x - offset) * scale = x * scale - offset * scale, its
+    attributes one value or one per feature."""
+    vals = []
+    for name in ("offset", "scale"):
+        v = np.asarray(ix.attr(p, name, [0.0] if name == "offset" else [1.0]), dtype=np.float32).reshape(-1)
+        if v.size not in (1, width):
+            return None
+        vals.append(np.broadcast_to(v, (width,)))
+    offset, scale = vals
+    return ix.node(p).input[0], scale, (-offset * scale).astype(np.float32)
+
+
+def _step(ix: GraphIndex, p: int, width: int):
+    n = ix.node(p)
+    if n.domain == "ai.onnx.ml":
+        return _scaler(ix, p, width) if n.op_type == "Scaler" and ix.rank(n.input[0]) == 2 else None
+    return affine_step(ix, p, width)
+
+
 def _out_of_limits(scale: np.ndarray, shift: np.ndarray) -> str:
     """Why x * scale + shift cannot fold into a 16-bit layer ('' when it can)."""
     if np.abs(shift).max() > SHIFT_LIMIT:
@@ -81,7 +104,7 @@ def match_input_affine(ix: GraphIndex, t: str, readers: set[int], width: int,
     dtype = ix.types.get(t)
     while cur not in ix.graph_outputs and ix.users(cur) and set(ix.users(cur)) <= readers:
         p = ix.producer.get(cur)
-        step = None if p is None or p in claimed else affine_step(ix, p, width)
+        step = None if p is None or p in claimed else _step(ix, p, width)
         if step is None or ix.types.get(step[0]) != dtype:
             break
         x, s, sh = step
