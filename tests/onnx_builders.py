@@ -250,3 +250,24 @@ OTHER_ACTS = {
     "cos_erf": lambda g, x, n: g.op("Cos", [g.op("Erf", [x])]),
     "neg_identity": lambda g, x, n: g.op("Identity", [g.op("Neg", [x])]),
 }
+
+
+def fp16_keep_io(model: onnx.ModelProto) -> onnx.ModelProto:
+    """`model` (float32, one input and output) as onnxconverter-common's
+    `float16.convert_float_to_float16(model, keep_io_types=True)` writes it: float16 inside, a Cast from
+    the float32 input in front and a Cast back to float32 behind."""
+    from onnx2fused.bench.models import to_fp16
+
+    m = to_fp16(model)
+    g = m.graph
+    x, y = g.input[0].name, g.output[0].name
+    x16, y16 = x + "_cast_to_fp16", y + "_fp16"
+    for n in g.node:
+        n.input[:] = [x16 if i == x else i for i in n.input]
+        n.output[:] = [y16 if o == y else o for o in n.output]
+    g.node.insert(0, helper.make_node("Cast", [x], [x16], name="graph_input_cast0", to=TensorProto.FLOAT16))
+    g.node.append(helper.make_node("Cast", [y16], [y], name="graph_output_cast0", to=TensorProto.FLOAT))
+    g.input[0].type.tensor_type.elem_type = TensorProto.FLOAT
+    g.output[0].type.tensor_type.elem_type = TensorProto.FLOAT
+    onnx.checker.check_model(m)
+    return m

@@ -27,7 +27,7 @@ ort, torch = require_cuda()
 import onnx2fused  # noqa: E402
 from onnx2fused.spec import DOMAIN  # noqa: E402
 
-from onnx_builders import G, mlp  # noqa: E402
+from onnx_builders import G, fp16_keep_io, mlp  # noqa: E402
 from test_precision import siren  # noqa: E402
 from test_provider_matrix import two_chain_model  # noqa: E402
 
@@ -199,6 +199,20 @@ def test_input_normalisation_folds_and_keeps_fp16(name, cache, tmp_path):
     assert c.precision == "fp16", c
     fused = onnx.load(str(res.output_path))
     assert [(n.domain, list(n.input[:1])) for n in fused.graph.node] == [(DOMAIN, ["x"])]
+
+
+@pytest.mark.parametrize("name", ["gelu", "tabular"])
+def test_float16_model_with_float32_io_is_one_float32_op(name, cache, tmp_path):
+    """A zoo model as onnxconverter-common's float16 conversion with keep_io_types=True writes it (float16
+    inside, Casts at the ends; it fused nothing before): one fused op reading x and writing y in float32,
+    matching stock ORT running the float16 model."""
+    src = tmp_path / "f16.onnx"
+    onnx.save(fp16_keep_io(onnx.load(str(ROOT / "models" / f"{name}.opset17.onnx"))), str(src))
+    k = next(m for m in ZOO["models"] if m["name"] == name)["widths"][0]
+    res = check_defaults(src, tmp_path / "m.onnx", cache,
+                         lambda rng: {"x": rng.standard_normal((1031, k)).astype(np.float32)})
+    fused = onnx.load(str(res.output_path))
+    assert [(n.domain, list(n.input[:1]), list(n.output)) for n in fused.graph.node] == [(DOMAIN, ["x"], ["y"])]
 
 
 def torch_siren(dynamo: bool, path: Path) -> Path:

@@ -39,6 +39,7 @@ from .. import expr as ex
 from ..spec import LayerSpec, MLPSpec, NormSpec
 from .activations import ELEMENTWISE_OPS, Activation, describe_expr, match_activation, normalise, subst
 from .block import NormMatch, find_block
+from .casts import trim_output_casts
 from .constants import GraphIndex, elem_name
 from .gated import fed_node, find_gated
 from .input_affine import match_input_affine
@@ -308,16 +309,29 @@ def find_chains(model: onnx.ModelProto, gated_refused: str | None = None,
         in_type = ix.types[first.input]
         out_t = seq[-1].act.output
         out_type = ix.types.get(out_t)
-        if out_type is not None and out_type != in_type:
-            for k, s in enumerate(seq):
-                refused[s.start] = (f"{ix.describe(s.start)}: chain output '{out_t}' has element type "
-                                    f"{elem_name(out_type)} but its input '{first.input}' has {elem_name(in_type)}")
-            continue
+        entry, readers, widened = first.input, set(seq[0].entries), None  # what the chain reads, and who
+        if out_type is not None and out_type != in_type:   # a float16 converter's Casts at the ends (casts.py)
+            if out_type == onnx.TensorProto.FLOAT:
+                widened, _ = match_input_affine(ix, first.input, readers, first.in_features, claimed, widen=True)
+                widened = widened if widened is not None and widened.widened else None
+            trimmed = None if widened is not None else trim_output_casts(ix, seq[-1].act, in_type)
+            if widened is not None:   # the chain reads the float32 x in front of the rounding Cast
+                entry, in_type = widened.input, out_type
+                readers = {min(j for j in widened.node_indices if widened.input in ix.node(j).input)}
+            elif trimmed is not None:
+                seq[-1].act, out_t, out_type = trimmed, trimmed.output, in_type
+            else:
+                for k, s in enumerate(seq):
+                    refused[s.start] = (f"{ix.describe(s.start)}: chain output '{out_t}' has element type "
+                                        f"{elem_name(out_type)} but its input '{first.input}' has "
+                                        f"{elem_name(in_type)}")
+                continue
         last = seq[-1]
         refused_here = (block_refused if isinstance(block_refused, str) or block_refused is None
                         else block_refused.get(_first_node(first)))
-        block = find_block(ix, first.input, set(seq[0].entries), out_t, first.in_features, last.out_features,
-                           refused_here)
+        if widened is not None:   # (a norm or residual in float32 around a float16 MLP: not handled)
+            refused_here = "the {what} stays a stock op: the chain reads the float32 input of a float16 converter's Cast"
+        block = find_block(ix, entry, readers, out_t, first.in_features, last.out_features, refused_here)
         idx = sorted(j for s in seq for j in s.linear.node_indices + s.act.node_indices)
         if block.norm is not None:
             idx = sorted(idx + block.norm.node_indices)
@@ -326,12 +340,11 @@ def find_chains(model: onnx.ModelProto, gated_refused: str | None = None,
             ends.pop(last.start, None)
         elif block.end_reason:
             ends[last.start] = block.end_reason
-        chain_input, start_reason, input_map = first.input, block.start_reason, None
+        chain_input, start_reason, input_map = entry, block.start_reason, widened
         if block.norm is not None:
             chain_input = block.norm.input
-        elif block.residual is None and not start_reason:   # a residual reads the first layer's input
-            input_map, start_reason = match_input_affine(ix, first.input, set(seq[0].entries),
-                                                         first.in_features, claimed)
+        elif widened is None and block.residual is None and not start_reason:   # a residual reads the first
+            input_map, start_reason = match_input_affine(ix, entry, readers, first.in_features, claimed)  # layer's input
         if input_map is not None:
             chain_input = input_map.input
             idx = sorted(idx + input_map.node_indices)

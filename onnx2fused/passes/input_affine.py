@@ -34,7 +34,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+import onnx
+
 from .activations import affine_step
+from .casts import rounding_input_cast
 from .constants import GraphIndex
 
 SHIFT_LIMIT = 2.5
@@ -48,6 +51,7 @@ class InputAffine:
     shift: np.ndarray       # float32 [K0]
     node_indices: list[int]
     ops: tuple[str, ...]    # the folded nodes' op types, x's side first
+    widened: bool = False   # a float16 converter's rounding Cast of a float32 x taken (casts.py): x is float32
 
     @property
     def label(self) -> str:
@@ -93,17 +97,24 @@ def _out_of_limits(scale: np.ndarray, shift: np.ndarray) -> str:
     return ""
 
 
-def match_input_affine(ix: GraphIndex, t: str, readers: set[int], width: int,
-                       claimed: set[int]) -> tuple[InputAffine | None, str]:
+def match_input_affine(ix: GraphIndex, t: str, readers: set[int], width: int, claimed: set[int],
+                       widen: bool = False) -> tuple[InputAffine | None, str]:
     """The scale and shift in front of tensor t (the first layer's input, `width` features, read by the
     nodes `readers`), None where there is none; and why the walk stopped at a node it could have taken
-    ('' when nothing foldable was left behind). `claimed`: nodes other layers own (never taken)."""
+    ('' when nothing foldable was left behind). `claimed`: nodes other layers own (never taken).
+    `widen`: a 16-bit chain whose output is float32 (casts.py): the walk also takes one Cast rounding a
+    float32 value to t's type, as an identity step, and goes on in float32 (`InputAffine.widened`)."""
     scale, shift = np.ones(width), np.zeros(width)
     nodes: list[int] = []
-    cur, reason = t, ""
+    cur, reason, widened = t, "", False
     dtype = ix.types.get(t)
     while cur not in ix.graph_outputs and ix.users(cur) and set(ix.users(cur)) <= readers:
         p = ix.producer.get(cur)
+        if (widen and not widened and p is not None and p not in claimed
+                and rounding_input_cast(ix, cur, readers) is not None):
+            widened, dtype, cur, readers = True, onnx.TensorProto.FLOAT, ix.node(p).input[0], {p}
+            nodes.append(p)
+            continue
         step = None if p is None or p in claimed else _step(ix, p, width)
         if step is None or ix.types.get(step[0]) != dtype:
             break
@@ -121,7 +132,8 @@ def match_input_affine(ix: GraphIndex, t: str, readers: set[int], width: int,
     if not nodes:
         return None, reason
     ops = tuple(ix.node(i).op_type for i in reversed(nodes))
-    return InputAffine(cur, scale.astype(np.float32), shift.astype(np.float32), sorted(nodes), ops), reason
+    return (InputAffine(cur, scale.astype(np.float32), shift.astype(np.float32), sorted(nodes), ops, widened),
+            reason)
 
 
 __all__ = ["InputAffine", "SCALE_MAX", "SCALE_MIN", "SHIFT_LIMIT", "match_input_affine"]

@@ -1,0 +1,75 @@
+"""A float16 model with float32 inputs and outputs (onnxconverter-common's keep_io_types=True): the Casts at
+the ends of a 16-bit chain (passes/casts.py)."""
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from onnx2fused.loader import load_model
+from onnx2fused.passes import find_chains, rewrite
+from onnx_builders import F16, G, fp16_keep_io, mlp, rand, run
+
+MODELS = Path(__file__).resolve().parent.parent / "models"
+
+
+def _check(m, plan, x, tol=2e-3):
+    r = rewrite(m, plan, [c.to_spec("fp32") for c in plan.chains])
+    np.testing.assert_allclose(run(r, {"x": x})[0], run(m, {"x": x})[0], rtol=tol, atol=tol)
+    return r
+
+
+def test_the_chain_reads_and_writes_float32_across_both_casts():
+    m = fp16_keep_io(mlp([8, 16, 16, 4], act="Tanh"))
+    plan = find_chains(m)
+    (c,) = plan.chains
+    assert plan.refusals == [] and (c.input, c.output, c.input_dtype) == ("x", "y", "f32")
+    assert c.nodes[0] == "graph_input_cast0" and c.nodes[-1] == "graph_output_cast0" and c.input_map == "Cast"
+    r = _check(m, plan, rand([9, 8], seed=1))
+    assert len(r.graph.node) == 1
+
+
+@pytest.mark.parametrize("kind", ["opset17", "dynamo"])
+def test_the_tabular_zoo_model_as_float16_is_one_float32_chain(kind):
+    """Its input BatchNorm stays float16 between the converter's Cast and the first layer: both fold."""
+    m = fp16_keep_io(load_model(MODELS / f"tabular.{kind}.onnx"))
+    plan = find_chains(m)
+    (c,) = plan.chains
+    assert plan.refusals == [] and c.input == "x" and c.input_dtype == "f32"
+    assert c.input_map == "Cast/BatchNormalization" and c.widths == (24, 128, 128, 1)
+    _check(m, plan, rand([7, 24], seed=2))
+
+
+def test_only_an_output_cast_leaves_the_chain():
+    """float16 input, float32 output: the widening Cast leaves the last activation and stays a stock op
+    after the float16 chain (which could not be fused at all before)."""
+    g = G()
+    h = g.op("Relu", [g.linear("x", 8, 16, dtype=np.float16)])
+    g.op("Cast", [g.linear(h, 16, 4, dtype=np.float16)], name="widen", outputs=["y"], to=onnx.TensorProto.FLOAT)
+    m = g.model([("x", ["B", 8])], [("y", ["B", 4])], elem=F16, check=False)
+    m.graph.output[0].type.tensor_type.elem_type = onnx.TensorProto.FLOAT
+    onnx.checker.check_model(m)
+    plan = find_chains(m)
+    (c,) = plan.chains
+    assert c.input == "x" and c.input_dtype == "f16" and "widen" not in c.nodes and plan.refusals == []
+    r = _check(m, plan, rand([5, 8], seed=3).astype(np.float16))
+    assert [n.op_type for n in r.graph.node][-1] == "Cast"
+
+
+def test_a_float32_layer_norm_in_front_stays_stock_with_its_reason():
+    """LayerNorm in float32, then the converter's Cast: the chain reads the norm's float32 output (the norm
+    and a residual around a float16 MLP are not taken)."""
+    g = G()
+    ln = g.op("LayerNormalization", ["x", g.vec(8), g.vec(8)], name="ln", axis=-1)
+    h16 = g.op("Cast", [ln], name="down", to=onnx.TensorProto.FLOAT16)
+    h = g.op("Relu", [g.linear(h16, 8, 16, dtype=np.float16)])
+    g.op("Cast", [g.linear(h, 16, 4, dtype=np.float16)], name="up", outputs=["y"], to=onnx.TensorProto.FLOAT)
+    m = g.model([("x", ["B", 8])], [("y", ["B", 4])])
+    plan = find_chains(m)
+    (c,) = plan.chains
+    assert c.input == next(n for n in m.graph.node if n.name == "ln").output[0] and c.input_dtype == "f32"
+    assert c.norm is None
+    (r,) = plan.refusals
+    assert r.reason == (f"chain 0 starts: input '{c.input}' comes from LayerNormalization 'ln': the layer norm in "
+                        "front stays a stock op: the chain reads the float32 input of a float16 converter's Cast")
+    _check(m, plan, rand([5, 8], seed=4))
