@@ -341,7 +341,7 @@ def _refusal_models():
     g.op("MatMul", ["x", w], name="mm", outputs=["y"])
     m = g.model([("x", ["B", 8]), ("w", [8, 4])], [("y", ["B", 4])])
     out["weight_overridable"] = (m, ["MatMul 'mm': weight 'w' is not a constant ('w' is a graph input (it can be "
-                                     "overridden at run time))"])
+                                     "overridden at run time; torch: export with keep_initializers_as_inputs=False))"])
     g = G()
     g.op("MatMul", [g.weight(4, 8, name="c"), "x"], name="mm", outputs=["y"])
     out["constant_left_operand"] = (g.model([("x", [8, "B"])], [("y", [4, "B"])]),

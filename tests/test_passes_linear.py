@@ -60,7 +60,8 @@ def test_overridable_initializer_is_not_a_constant():
     with pytest.raises(LinearRefusal) as e:
         match_linear(GraphIndex(m), 0)
     assert str(e.value) == ("MatMul 'mm': weight 'w' is not a constant "
-                            "('w' is a graph input (it can be overridden at run time))")
+                            "('w' is a graph input (it can be overridden at run time; torch: export with "
+                            "keep_initializers_as_inputs=False))")
 
 
 def test_gemm_bias_not_broadcastable():

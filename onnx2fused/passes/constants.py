@@ -218,7 +218,8 @@ class GraphIndex:
         inputs = {i.name for i in g.input}
         for init in g.initializer:
             if init.name in inputs and self.model.ir_version >= 4:
-                self.not_const[init.name] = f"'{init.name}' is a graph input (it can be overridden at run time)"
+                self.not_const[init.name] = (f"'{init.name}' is a graph input (it can be overridden at run time; "
+                                             "torch: export with keep_initializers_as_inputs=False)")
                 continue
             try:
                 self.consts[init.name] = numpy_helper.to_array(init)
