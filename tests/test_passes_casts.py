@@ -73,3 +73,25 @@ def test_a_float32_layer_norm_in_front_stays_stock_with_its_reason():
     assert r.reason == (f"chain 0 starts: input '{c.input}' comes from LayerNormalization 'ln': the layer norm in "
                         "front stays a stock op: the chain reads the float32 input of a float16 converter's Cast")
     _check(m, plan, rand([5, 8], seed=4))
+
+
+ZOO_NAMES = sorted(p.name.split(".")[0] for p in MODELS.glob("*.opset17.onnx"))
+
+
+@pytest.mark.parametrize("name", ZOO_NAMES)
+def test_every_zoo_model_in_the_float16_keep_io_form_fuses_as_its_export(name):
+    """Each zoo model in that form: the same chains as the float32 export (widths, gated layers, norm,
+    residual), and the rewritten model computes what the float16 model computes. Plain chains read x and
+    write y across the Casts; a block (a norm in front, a residual behind) keeps them as stock ops."""
+    src = load_model(MODELS / f"{name}.opset17.onnx")
+    m = fp16_keep_io(src)
+    want = [(c.widths, c.norm is not None, c.residual) for c in find_chains(src).chains]
+    plan = find_chains(m)
+    assert [(c.widths, c.norm is not None, c.residual) for c in plan.chains] == want, plan.describe()
+    (c,) = plan.chains
+    if c.norm is None and not c.residual:
+        assert (c.input, c.output, c.input_dtype) == ("x", "y", "f32")
+    x = rand([6, src.graph.input[0].type.tensor_type.shape.dim[-1].dim_value], seed=5)
+    if len(src.graph.input[0].type.tensor_type.shape.dim) == 3:
+        x = x.reshape(6, 1, -1)
+    _check(m, plan, x, tol=3e-3)
