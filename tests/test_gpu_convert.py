@@ -138,7 +138,7 @@ def test_ort_optimised_zoo_model_converts_with_defaults(zoo, cache, tmp_path):
     assert len(res.chains) == 1 and list(res.chains[0].widths) == entry["widths"]
 
 
-def vit_ffn_block(path: Path, act, layerscale: bool = False) -> Path:
+def vit_ffn_block(path: Path, act, layerscale: bool = False, opset: int = 17) -> Path:
     """x + [gamma *] fc2(act(fc1(LN(x)))) at ViT-B's widths (768 -> 3072 -> 768), rows [S, B, 768]."""
     class Block(torch.nn.Module):
         def __init__(self, d=768):
@@ -152,7 +152,7 @@ def vit_ffn_block(path: Path, act, layerscale: bool = False) -> Path:
             return x + (self.gamma * y if self.gamma is not None else y)
 
     torch.manual_seed(0)
-    torch.onnx.export(Block().eval(), (torch.randn(5, 2, 768),), str(path), input_names=["x"], opset_version=17,
+    torch.onnx.export(Block().eval(), (torch.randn(5, 2, 768),), str(path), input_names=["x"], opset_version=opset,
                       dynamo=False, dynamic_axes={"x": {0: "s", 1: "b"}})
     return path
 
@@ -213,6 +213,13 @@ def test_float16_model_with_float32_io_is_one_float32_op(name, cache, tmp_path):
                          lambda rng: {"x": rng.standard_normal((1031, k)).astype(np.float32)})
     fused = onnx.load(str(res.output_path))
     assert [(n.domain, list(n.input[:1]), list(n.output)) for n in fused.graph.node] == [(DOMAIN, ["x"], ["y"])]
+
+
+def test_vit_block_exported_below_opset_17_is_one_block(cache, tmp_path):
+    """ViT-B's pre-LN FFN block exported at opset 14, where nn.LayerNorm becomes ReduceMean, Sub, Pow, ...:
+    the norm and the residual join the chain as at opset 17 (the wide design) and it matches stock."""
+    c = _check_vit_block(vit_ffn_block(tmp_path / "vit14.onnx", torch.nn.GELU(), opset=14), cache, tmp_path)
+    assert c.activations == ["gelu", "id"] and "wide" in c.cuda_plan and "_ln_gelu_id_res_" in c.name, c
 
 
 def torch_siren(dynamo: bool, path: Path) -> Path:

@@ -61,6 +61,26 @@ def _rms(g, x, form="dynamo", weight=True, axes=(-1,), exponent=2.0, swap=False)
     return h
 
 
+def _layernorm_ops(g, x, gamma=True, beta=True, square="pow", scaling="div"):
+    """LayerNorm as both torch exporters write it below opset 17: ReduceMean, Sub, Pow (or Mul(d, d)),
+    ReduceMean, Add(eps), Sqrt, Div (or Reciprocal + Mul), then Mul(gamma) and Add(beta)."""
+    def mean(t, name):
+        if g.opset >= 18:
+            return g.op("ReduceMean", [t, g.init(np.array([-1], np.int64))], name=name, keepdims=1)
+        return g.op("ReduceMean", [t], name=name, axes=[-1], keepdims=1)
+    d = g.op("Sub", [x, mean(x, "mu")], name="dev")
+    sq = (g.op("Pow", [d, g.init(np.array(2.0, np.float32))], name="sq") if square == "pow"
+          else g.op("Mul", [d, d], name="sq"))
+    s = g.op("Sqrt", [g.op("Add", [mean(sq, "var"), g.init(np.array(1e-5, np.float32))], name="add_eps")], name="sqrt")
+    h = (g.op("Div", [d, s], name="scale") if scaling == "div"
+         else g.op("Mul", [d, g.op("Reciprocal", [s], name="rsqrt")], name="scale"))
+    if gamma:
+        h = g.op("Mul", [h, g.init((1 + 0.1 * g.rng.standard_normal(K)).astype(np.float32), "gamma")], name="gamma_mul")
+    if beta:
+        h = g.op("Add", [h, g.init((0.1 * g.rng.standard_normal(K)).astype(np.float32), "beta")], name="beta_add")
+    return h
+
+
 def block(norm=_layernorm, residual=True, swap_add=False, out_width=K, opset=17, extra=None, add_other=None):
     """x [B, K] -> norm -> fc1 (H) -> Relu -> fc2 (out_width) -> [+ x] -> y. `extra(g, names)` adds
     what a near miss needs; `add_other` is what the Add adds instead of x."""
@@ -132,6 +152,37 @@ def test_rmsnorm_without_weight_and_layernorm_without_bias_or_residual():
     assert spec.norm.has_bias is False and "_ln_relu_id_fp32" in spec.name
 
 
+@pytest.mark.parametrize("opset", [13, 16, 18])
+@pytest.mark.parametrize("form", [dict(), dict(square="mul", scaling="reciprocal"), dict(beta=False),
+                                  dict(gamma=False, beta=False)], ids=["pow-div", "mul-reciprocal", "no-beta", "plain"])
+def test_layernorm_as_the_ops_below_opset_17(opset, form):
+    """The exporters' LayerNorm below opset 17 is the block's layer norm (gamma and beta taken as its scale
+    and bias), with the residual of x; the fallback body writes the same ops where LayerNormalization does
+    not exist."""
+    m = block(norm=lambda g, x: _layernorm_ops(g, x, **form), opset=opset)
+    plan, c = one_chain(m)
+    assert plan.refusals == [] and c.input == "x" and c.residual and c.norm.kind == "layernorm", plan.describe()
+    assert c.norm.eps == pytest.approx(1e-5) and (c.norm.bias is not None) == form.get("beta", True)
+    gamma = next((t for t in m.graph.initializer if t.name == "gamma"), None)
+    np.testing.assert_array_equal(c.norm.scale, np.ones(K, np.float32) if gamma is None
+                                  else onnx.numpy_helper.to_array(gamma))
+    spec = check_fallback(m)
+    assert "_ln_relu_id_res_" in spec.name
+
+
+def test_layernorm_ops_whose_deviations_feed_another_node_stay_stock():
+    def extra(g, names):
+        dev = next(n for n in g.nodes if n.name == "dev").output[0]
+        g.op("Abs", [dev], name="side", outputs=["side"])
+        return [("side", ["B", K])]
+    m = block(norm=_layernorm_ops, extra=extra, opset=13)
+    plan = find_chains(m)
+    dev = next(n for n in m.graph.node if n.name == "dev").output[0]
+    assert plan.chains[0].norm is None
+    assert plan.refusals[0].reason.endswith(f"the layer norm's deviations '{dev}' also feed Abs 'side'"), \
+        plan.describe()
+
+
 @pytest.mark.parametrize("op,opset", [("RMSNormalization", 23), ("SimplifiedLayerNormalization", 17)])
 def test_rms_norm_ops(op, opset):
     def norm(g, x):
@@ -187,18 +238,28 @@ def test_torch_nn_layernorm_and_rmsnorm(tmp_path):
         def forward(self, x):
             return x + self.b(torch.relu(self.a(self.norm(x))))
 
-    cases = [(torch.nn.LayerNorm(K), True, "layernorm"), (torch.nn.LayerNorm(K), False, "layernorm"),
-             (torch.nn.RMSNorm(K, eps=1e-5), True, "rmsnorm")]
-    for i, (norm, dynamo, kind) in enumerate(cases):
+    # (the legacy exporter below opset 17 writes nn.LayerNorm as its ops: ReduceMean, Sub, Pow, ...)
+    cases = [(torch.nn.LayerNorm(K), True, "layernorm", 17), (torch.nn.LayerNorm(K), False, "layernorm", 17),
+             (torch.nn.LayerNorm(K), False, "layernorm", 14), (torch.nn.LayerNorm(K), False, "layernorm", 11),
+             (torch.nn.RMSNorm(K, eps=1e-5), True, "rmsnorm", 17)]
+    for i, (norm, dynamo, kind, opset) in enumerate(cases):
         path = tmp_path / f"b{i}.onnx"
+        with torch.no_grad():
+            for p in norm.parameters():   # not the identity's 1 and 0
+                p.add_(0.1 * torch.randn(p.shape))
         kw = dict(dynamo=True, dynamic_shapes=({0: torch.export.Dim("B")},)) if dynamo else \
-            dict(dynamo=False, opset_version=17, dynamic_axes={"x": {0: "B"}})
+            dict(dynamo=False, opset_version=opset, dynamic_axes={"x": {0: "B"}})
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             torch.onnx.export(Block(norm).eval(), (torch.randn(3, K),), str(path), input_names=["x"],
                               output_names=["y"], verbose=False, **kw)
-        plan, c = one_chain(load_model(str(path)))
+        m = load_model(str(path))
+        plan, c = one_chain(m)
         assert c.norm.kind == kind and c.residual and plan.refusals == [], (i, plan.describe())
+        _, _, r = fuse(m)
+        assert [n.domain for n in r.graph.node] == [DOMAIN], i
+        x = rand([9, K], seed=i, scale=2.0) + 0.5
+        np.testing.assert_allclose(run(r, {"x": x})[0], run(m, {"x": x})[0], rtol=1e-5, atol=1e-5)
 
 
 def test_llama_block_fallback_matches_stock():

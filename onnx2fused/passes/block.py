@@ -7,6 +7,8 @@ where norm normalises the last (feature) axis of x, K0 wide, and is one of
     LayerNormalization(x, scale[, bias]; axis=-1, epsilon)     both torch exporters' nn.LayerNorm (opset 17+)
     RMSNormalization(x, scale; axis=-1, epsilon)               opset 23
     SimplifiedLayerNormalization(x, scale; axis=-1, epsilon)   ONNX Runtime's RMSNorm
+    [Add(., beta)] of [Mul(., gamma)] of Div(d, s) or Mul(d, r),  LayerNorm as both torch exporters write it
+        d = Sub(x, ReduceMean(x; axes=[-1])), s as below of d    below opset 17 (nn.LayerNorm)
     [Mul(., w)] of Mul(x, r) or Div(x, s)                      a hand-written (LLaMA) RMSNorm:
         s = Sqrt(Add(ReduceMean(Pow(x, 2) | Mul(x, x); axes=[-1]), eps)),
         r = Reciprocal(s) (dynamo exporter) | Div(1, s) (legacy exporter),  w a constant [K0] (optional)
@@ -171,6 +173,78 @@ def _rms_scaling(ix: GraphIndex, i: int) -> tuple[str, int, list[int]] | None:
     return None
 
 
+def _check_row_mean(ix: GraphIndex, mean: int) -> None:
+    """A ReduceMean of a norm must average the last axis alone and keep it (to broadcast over the row)."""
+    m = ix.node(mean)
+    axes = ix.attr(mean, "axes")
+    if axes is None and len(m.input) > 1 and m.input[1]:
+        c = ix.const(m.input[1])
+        axes = None if c is None else [int(v) for v in np.asarray(c).reshape(-1)]
+    if axes is None or len(axes) != 1 or not _last_axis(ix, m.input[0], int(axes[0])):
+        raise BlockRefusal(f"{ix.describe(mean)} averages over axes {axes if axes is not None else 'all'}, "
+                           "not the last (feature) axis alone")
+    if not ix.attr(mean, "keepdims", 1):
+        raise BlockRefusal(f"{ix.describe(mean)} has keepdims=0: its mean does not broadcast over the row")
+
+
+def _const_operand(ix: GraphIndex, i: int) -> tuple[str, str] | None:
+    """(the non-constant operand, the constant one) of binary node i with exactly one constant operand."""
+    n = ix.node(i)
+    if len(n.input) != 2:
+        return None
+    consts = [ix.const(t) is not None for t in n.input]
+    if consts.count(True) != 1:
+        return None
+    k = consts.index(True)
+    return n.input[1 - k], n.input[k]
+
+
+def _decomposed_layernorm(ix: GraphIndex, p: int, width: int) -> NormMatch | None:
+    """The LayerNorm that both torch exporters write below opset 17, ending at node p, or None:
+    [Add(., beta)] of [Mul(., gamma)] of d / s (or d * (1 / s)), d = Sub(x, ReduceMean(x)) and
+    s = Sqrt(ReduceMean(Pow(d, 2) | Mul(d, d)) + eps): the RMS norm of the deviations d."""
+    q, ends, gamma, beta = p, [], None, None
+    for op in ("Add", "Mul"):   # beta, then gamma, each optional
+        n = ix.node(q)
+        split = _const_operand(ix, q) if n.op_type == op and n.domain in ("", "ai.onnx") else None
+        if split is None:
+            continue
+        inner = _producer(ix, split[0], ("Mul", "Div") if op == "Mul" else ("Add", "Mul", "Div"))
+        if inner is None:
+            return None
+        ends.append(q)
+        beta, gamma = (split[1], gamma) if op == "Add" else (beta, split[1])
+        q = inner
+    scaling = _rms_scaling(ix, q)
+    if scaling is None:
+        return None
+    d, _, scale_nodes = scaling
+    sub = _producer(ix, d, ("Sub",))
+    mean = None if sub is None else _producer(ix, ix.node(sub).input[1], ("ReduceMean",))
+    x = None if sub is None else ix.node(sub).input[0]
+    if mean is None or ix.node(mean).input[0] != x:
+        return None
+    try:   # from here on it is a layer norm: every refusal says why it is not one we fuse
+        rms = _rms_of(ix, q, width, None, scaling)
+        if rms is None:
+            return None
+        _check_row_mean(ix, mean)
+        _only_into(ix, ix.node(mean).output[0], sub)
+        square = min(rms.node_indices)   # Pow(d, 2) or Mul(d, d), the first of the variance's nodes
+        others = [u for u in ix.users(d) if u not in (square, scale_nodes[0])]
+        if d in ix.graph_outputs or others:
+            raise BlockRefusal(f"the layer norm's deviations '{d}' also feed "
+                               f"{ix.describe(others[0]) if others else 'the graph outputs'}")
+        for a, b in zip([scale_nodes[0]] + ends[::-1], ends[::-1]):
+            _only_into(ix, ix.node(a).output[0], b)
+        scale = np.ones(width, np.float32) if gamma is None else _vector(ix, gamma, width, "weight", p)
+        bias = None if beta is None else _vector(ix, beta, width, "bias", p)
+    except BlockRefusal as r:
+        raise BlockRefusal(str(r), x, NORM_KINDS["layernorm"][1]) from None
+    return NormMatch("layernorm", rms.eps, scale, bias, x, ix.node(p).output[0],
+                     sorted(rms.node_indices + [mean, sub] + ends))
+
+
 def _decomposed_rms(ix: GraphIndex, p: int, width: int) -> NormMatch | None:
     """The hand-written RMSNorm ending at node p (see the module docstring), or None when p is not one."""
     n = ix.node(p)
@@ -205,15 +279,7 @@ def _rms_of(ix: GraphIndex, p: int, width: int, weight: str | None, scaling) -> 
     if eps is None or eps.size != 1:
         raise BlockRefusal(f"the RMS norm's epsilon '{eps_name}' ({ix.describe(add)}) is not a scalar constant")
     m = ix.node(mean)
-    axes = ix.attr(mean, "axes")
-    if axes is None and len(m.input) > 1 and m.input[1]:
-        c = ix.const(m.input[1])
-        axes = None if c is None else [int(v) for v in np.asarray(c).reshape(-1)]
-    if axes is None or len(axes) != 1 or not _last_axis(ix, m.input[0], int(axes[0])):
-        raise BlockRefusal(f"{ix.describe(mean)} averages over axes {axes if axes is not None else 'all'}, "
-                           "not the last (feature) axis alone")
-    if not ix.attr(mean, "keepdims", 1):
-        raise BlockRefusal(f"{ix.describe(mean)} has keepdims=0: its mean does not broadcast over the row")
+    _check_row_mean(ix, mean)
     sq = _producer(ix, m.input[0], ("Pow", "Mul"))
     if sq is None:
         raise BlockRefusal(f"{ix.describe(mean)} averages '{m.input[0]}', not the square of '{x}'")
@@ -247,6 +313,9 @@ def match_norm(ix: GraphIndex, t: str, width: int) -> NormMatch | None:
         return None
     if n.op_type in NORM_OPS:
         return _norm_op(ix, p, width)
+    layernorm = _decomposed_layernorm(ix, p, width) if n.op_type in ("Add", "Mul", "Div") else None
+    if layernorm is not None:
+        return layernorm
     if n.op_type in ("Mul", "Div"):
         return _decomposed_rms(ix, p, width)
     return None

@@ -11,8 +11,8 @@ Slice(h, N_i, 2 N_i) of h = . W_i + B_i), the
 activations emitted from their `expr` trees with stock ops (Relu-free: max/min/where/... exactly as
 the tree says, so the fallback computes what the kernels compute). A transformer block (spec.norm,
 spec.residual) adds the norm's inputs NS [K0] (and NB [K0] for a layer norm) after the layers', and in
-the function normalises Cast_f32(X) first (LayerNormalization, or the RMS norm's Pow, ReduceMean, Add,
-Sqrt, Reciprocal, Mul, Mul) and adds Cast_f32(X) to the last layer's output. The fused node sits where the
+the function normalises Cast_f32(X) first (LayerNormalization, below opset 17 its ops: ReduceMean,
+Sub, then the RMS norm of that, Mul, Add; or the RMS norm's Pow, ReduceMean, Add, Sqrt, Reciprocal, Mul, Mul) and adds Cast_f32(X) to the last layer's output. The fused node sits where the
 chain's last node was; all other nodes are kept byte for byte; initializers and folded constant
 producers that only the chain used are dropped; the IR version is never raised.
 """
@@ -27,6 +27,7 @@ from onnx import TensorProto, helper, numpy_helper
 from .. import expr as ex
 from ..errors import ConversionError
 from ..spec import DOMAIN, MLPSpec, NormSpec
+from .block import LAYERNORM_OPSET
 from .chains import FusionPlan
 from .constants import GraphIndex, node_reads
 
@@ -160,18 +161,28 @@ def op_input_names(spec: MLPSpec) -> list[str]:
 
 
 def _emit_norm(em: OnnxEmitter, norm: NormSpec, x: str) -> str:
-    """The norm of x's rows in stock ops: LayerNormalization itself (what the model had: find_chains only
-    takes one from opset >= 17), or the RMS norm as the exporters write it, x * (1 / sqrt(mean(x^2) + eps)) * NS."""
-    if norm.kind == "layernorm":
+    """The norm of x's rows in stock ops: LayerNormalization itself from opset 17, below it the ops the
+    exporters write there (x - mean, the RMS of that, then NS and NB); the RMS norm as the exporters
+    write it, x * (1 / sqrt(mean(x^2) + eps)) * NS."""
+    if norm.kind == "layernorm" and em.opset >= LAYERNORM_OPSET:
         return em.node("LayerNormalization", [x, "NS", "NB"], axis=-1, epsilon=float(norm.eps))
-    sq = em.node("Pow", [x, em.const(2.0)])
+    if norm.kind == "layernorm":
+        d = em.node("Sub", [x, _row_mean(em, x)])
+        return em.node("Add", [em.node("Mul", [_rms_scaled(em, d, norm.eps), "NS"]), "NB"])
+    return em.node("Mul", [_rms_scaled(em, x, norm.eps), "NS"])
+
+
+def _row_mean(em: OnnxEmitter, x: str) -> str:
     if em.opset >= 18:
         axes = em.node("Constant", [], value=numpy_helper.from_array(np.array([-1], np.int64), "value"))
-        mean = em.node("ReduceMean", [sq, axes], keepdims=1)
-    else:
-        mean = em.node("ReduceMean", [sq], axes=[-1], keepdims=1)
-    inv = em.node("Reciprocal", [em.node("Sqrt", [em.node("Add", [mean, em.const(norm.eps)])])])
-    return em.node("Mul", [em.node("Mul", [x, inv]), "NS"])
+        return em.node("ReduceMean", [x, axes], keepdims=1)
+    return em.node("ReduceMean", [x], axes=[-1], keepdims=1)
+
+
+def _rms_scaled(em: OnnxEmitter, x: str, eps: float) -> str:
+    """x * (1 / sqrt(mean(x^2) + eps)) over the last axis."""
+    mean = _row_mean(em, em.node("Pow", [x, em.const(2.0)]))
+    return em.node("Mul", [x, em.node("Reciprocal", [em.node("Sqrt", [em.node("Add", [mean, em.const(eps)])])])])
 
 
 def _last_axis_slice(em: OnnxEmitter, x: str, start: int, end: int) -> str:
