@@ -198,3 +198,34 @@ def test_bert_layer_after_the_transformers_optimizer(tmp_path):
     feeds = {"x": rand([3, 5, 32], seed=8), "mask": np.ones((3, 5), np.int64)}
     (a,), (b,) = run(m, feeds), run(r, feeds)
     np.testing.assert_allclose(b, a, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("opset", [13, 16])
+def test_ort_fused_layernorm_below_opset_17_is_the_blocks_norm(opset, tmp_path):
+    """A pre-LN block exported below opset 17 (nn.LayerNorm as its ops), saved by ORT's optimiser: ORT
+    fuses those ops into a LayerNormalization node although the model's opset has none; it is the block's
+    norm all the same, and the rewritten model's stock body writes the ops again."""
+    torch = pytest.importorskip("torch")
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.n, self.a, self.b = torch.nn.LayerNorm(16), torch.nn.Linear(16, 32), torch.nn.Linear(32, 16)
+
+        def forward(self, x):
+            return x + self.b(torch.nn.functional.gelu(self.a(self.n(x))))
+
+    torch.manual_seed(3)
+    src = tmp_path / "b.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(Block().eval(), (torch.randn(3, 16),), str(src), input_names=["x"], output_names=["y"],
+                          dynamo=False, opset_version=opset, dynamic_axes={"x": {0: "B"}})
+    opt = _ort_optimised(str(src), tmp_path / "opt.onnx")
+    assert "LayerNormalization" in {n.op_type for n in opt.graph.node}
+    plan = find_chains(opt)
+    (c,) = plan.chains
+    assert c.norm is not None and c.norm.kind == "layernorm" and c.residual and plan.refusals == [], plan.describe()
+    r = rewrite(opt, plan, [c.to_spec("fp32")])
+    assert [n.op_type for n in r.graph.node] == [c.to_spec("fp32").name]
+    _same_outputs(opt, r, rand([37, 16], seed=2))

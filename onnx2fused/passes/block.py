@@ -33,7 +33,8 @@ from .constants import GraphIndex
 
 NORM_OPS = {"LayerNormalization": "layernorm", "RMSNormalization": "rmsnorm",
             "SimplifiedLayerNormalization": "rmsnorm"}
-LAYERNORM_OPSET = 17  # the stock body runs LayerNormalization itself
+LAYERNORM_OPSET = 17  # from here the stock body runs LayerNormalization itself (below: its ops, rewrite.py);
+# a model below it may still hold one: ONNX Runtime's optimiser writes LayerNormalization at any opset
 DEFAULT_EPS = 1e-5  # the ONNX default of each norm op's epsilon attribute
 
 
@@ -114,10 +115,6 @@ def _norm_op_checked(ix: GraphIndex, p: int, width: int) -> NormMatch:
     n = ix.node(p)
     kind = NORM_OPS[n.op_type]
     x = n.input[0]
-    opset = next((o.version for o in ix.model.opset_import if o.domain in ("", "ai.onnx")), 0)
-    if kind == "layernorm" and opset < LAYERNORM_OPSET:
-        raise BlockRefusal(f"{ix.describe(p)}: the model's opset {opset} has no LayerNormalization, which the "
-                           f"fused op's stock body needs (opset >= {LAYERNORM_OPSET})")
     axis = int(ix.attr(p, "axis", -1))
     if not _last_axis(ix, x, axis):
         raise BlockRefusal(f"{ix.describe(p)} normalises from axis {axis}, not the last (feature) axis alone")

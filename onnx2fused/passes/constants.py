@@ -100,12 +100,16 @@ _STAND_IN_DATA_LIMIT = 1 << 16   # initializers larger than this (bytes) lose th
 
 
 def _inference_stand_in(model: onnx.ModelProto) -> onnx.ModelProto:
-    """`model` itself, or, where it has ORT ops of _ORT_STAND_INS or ONNX-ML ops of _ML_FLOAT_STAND_INS, a
-    copy for shape inference only with each replaced by its stock stand-in (large weights' data left out:
-    inference reads their shapes)."""
+    """`model` itself, or, where it has ORT ops of _ORT_STAND_INS, ONNX-ML ops of _ML_FLOAT_STAND_INS or a
+    LayerNormalization below opset 17 (ORT's optimiser writes one), a copy for shape inference only with
+    each replaced by its stock stand-in (large weights' data left out: inference reads their shapes)."""
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+
     def has_stand_in(n: onnx.NodeProto) -> bool:
         return ((n.domain == ORT_DOMAIN and n.op_type in _ORT_STAND_INS)
-                or (n.domain == ML_DOMAIN and n.op_type in _ML_FLOAT_STAND_INS))
+                or (n.domain == ML_DOMAIN and n.op_type in _ML_FLOAT_STAND_INS)
+                # ORT's optimiser writes LayerNormalization below opset 17, where onnx does not know it
+                or (n.domain in ("", "ai.onnx") and n.op_type == "LayerNormalization" and opset < 17))
 
     if not any(has_stand_in(n) for n in model.graph.node):
         return model
@@ -130,6 +134,8 @@ def _stand_in_nodes(n: onnx.NodeProto) -> list[onnx.NodeProto]:
     """The stock nodes whose first output has the type and shape of ORT or ONNX-ML op n's first output."""
     if n.domain == ML_DOMAIN:
         return [onnx.helper.make_node("Cast", n.input[:1], n.output[:1], to=onnx.TensorProto.FLOAT)]
+    if n.op_type == "LayerNormalization":
+        return [onnx.helper.make_node("Identity", n.input[:1], n.output[:1])]
     op = _ORT_STAND_INS[n.op_type]
     ins, out = list(n.input), n.output[0]
     trans = {a.name: a.i for a in n.attribute if a.name.startswith("trans")}
