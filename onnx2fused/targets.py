@@ -6,6 +6,7 @@ them; doctor, inspect and export-triton report them.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shutil

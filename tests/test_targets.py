@@ -138,3 +138,12 @@ def test_export_triton_records_the_targets(tmp_path):
     p = run_cli("export-triton", NERF, tmp_path / "repo", "--cpu", "--force", "-q",
                 "--cache-dir", tmp_path / "cache", "--precision", "fp16")
     assert p.returncode == 0 and "--cpu-arch" in p.stdout and "-march=native" in p.stdout   # the portability note
+
+
+def test_native_flags_of_a_compiler_without_gcc_s_cc1_line(monkeypatch):
+    """clang's -v output names no cc1 line with -march: the flags are the arch and a hash of that output,
+    different for different outputs (so that two CPUs do not share a cache entry)."""
+    outputs = iter(['clang -cc1 -triple x86_64 -target-cpu znver3 ...', 'clang -cc1 -target-cpu skylake ...'])
+    monkeypatch.setattr(targets, "_tool_output", lambda args: next(outputs))
+    a, b = targets.native_flags("clang++"), targets.native_flags("clang++")
+    assert a[0].startswith("-march=native:") and b[0].startswith("-march=native:") and a != b

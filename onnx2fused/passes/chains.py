@@ -42,7 +42,7 @@ from .block import NormMatch, find_block
 from .casts import trim_output_casts
 from .constants import GraphIndex, elem_name
 from .gated import fed_node, find_gated
-from .input_affine import match_input_affine
+from .input_affine import InputAffine, match_input_affine
 from .linear import LinearLayer, LinearRefusal, is_linear_node, match_linear
 
 IO_TYPES = {onnx.TensorProto.FLOAT: "f32", onnx.TensorProto.FLOAT16: "f16"}
@@ -222,6 +222,37 @@ def _fold_input_map(linear: LinearLayer, scale: np.ndarray, shift: np.ndarray) -
         linear.bias = np.ascontiguousarray(bias)
 
 
+@dataclass
+class _Entry:
+    tensor: str                         # what the chain reads
+    readers: set[int]                   # the nodes that read it
+    io_type: int                        # its element type, and the chain output's
+    widened: InputAffine | None = None  # the walk across a float16 converter's rounding Cast (casts.py)
+
+
+def _chain_entry(ix: GraphIndex, seq: list[_Layer], claimed: set[int]) -> _Entry | str:
+    """Where the chain of layers `seq` starts, or why it cannot be one: its input and output element types
+    differ beyond what a float16 converter's Casts at its ends explain (casts.py; a widening Cast that
+    alone ends it is taken off the last layer's activation here)."""
+    first = seq[0].linear
+    entry = _Entry(first.input, set(seq[0].entries), ix.types[first.input])
+    out_t = seq[-1].act.output
+    out_type = ix.types.get(out_t)
+    if out_type is None or out_type == entry.io_type:
+        return entry
+    if out_type == onnx.TensorProto.FLOAT:
+        widened, _ = match_input_affine(ix, first.input, entry.readers, first.in_features, claimed, widen=True)
+        if widened is not None and widened.widened:   # the chain reads the float32 x in front of the Cast
+            readers = {min(j for j in widened.node_indices if widened.input in ix.node(j).input)}
+            return _Entry(widened.input, readers, out_type, widened)
+    trimmed = trim_output_casts(ix, seq[-1].act, entry.io_type)
+    if trimmed is not None:
+        seq[-1].act = trimmed
+        return entry
+    return (f"chain output '{out_t}' has element type {elem_name(out_type)} but its input '{first.input}' has "
+            f"{elem_name(entry.io_type)}")
+
+
 def block_key(chain: Chain) -> int:
     """What names a chain across two find_chains calls on one model (library.block_refusal's keys): the
     index of its first layer's first node."""
@@ -306,32 +337,18 @@ def find_chains(model: onnx.ModelProto, gated_refused: str | None = None,
         while seq[-1].next is not None:
             seq.append(layers[seq[-1].next])
         first = seq[0].linear
-        in_type = ix.types[first.input]
-        out_t = seq[-1].act.output
-        out_type = ix.types.get(out_t)
-        entry, readers, widened = first.input, set(seq[0].entries), None  # what the chain reads, and who
-        if out_type is not None and out_type != in_type:   # a float16 converter's Casts at the ends (casts.py)
-            if out_type == onnx.TensorProto.FLOAT:
-                widened, _ = match_input_affine(ix, first.input, readers, first.in_features, claimed, widen=True)
-                widened = widened if widened is not None and widened.widened else None
-            trimmed = None if widened is not None else trim_output_casts(ix, seq[-1].act, in_type)
-            if widened is not None:   # the chain reads the float32 x in front of the rounding Cast
-                entry, in_type = widened.input, out_type
-                readers = {min(j for j in widened.node_indices if widened.input in ix.node(j).input)}
-            elif trimmed is not None:
-                seq[-1].act, out_t, out_type = trimmed, trimmed.output, in_type
-            else:
-                for k, s in enumerate(seq):
-                    refused[s.start] = (f"{ix.describe(s.start)}: chain output '{out_t}' has element type "
-                                        f"{elem_name(out_type)} but its input '{first.input}' has "
-                                        f"{elem_name(in_type)}")
-                continue
+        entry = _chain_entry(ix, seq, claimed)
+        if isinstance(entry, str):
+            for s in seq:
+                refused[s.start] = f"{ix.describe(s.start)}: {entry}"
+            continue
+        widened, in_type, out_t = entry.widened, entry.io_type, seq[-1].act.output
         last = seq[-1]
         refused_here = (block_refused if isinstance(block_refused, str) or block_refused is None
                         else block_refused.get(_first_node(first)))
         if widened is not None:   # (a norm or residual in float32 around a float16 MLP: not handled)
             refused_here = "the {what} stays a stock op: the chain reads the float32 input of a float16 converter's Cast"
-        block = find_block(ix, entry, readers, out_t, first.in_features, last.out_features, refused_here)
+        block = find_block(ix, entry.tensor, entry.readers, out_t, first.in_features, last.out_features, refused_here)
         idx = sorted(j for s in seq for j in s.linear.node_indices + s.act.node_indices)
         if block.norm is not None:
             idx = sorted(idx + block.norm.node_indices)
@@ -340,11 +357,11 @@ def find_chains(model: onnx.ModelProto, gated_refused: str | None = None,
             ends.pop(last.start, None)
         elif block.end_reason:
             ends[last.start] = block.end_reason
-        chain_input, start_reason, input_map = entry, block.start_reason, widened
+        chain_input, start_reason, input_map = entry.tensor, block.start_reason, widened
         if block.norm is not None:
             chain_input = block.norm.input
-        elif widened is None and block.residual is None and not start_reason:   # a residual reads the first
-            input_map, start_reason = match_input_affine(ix, entry, readers, first.in_features, claimed)  # layer's input
+        elif widened is None and block.residual is None and not start_reason:   # (a residual reads its input)
+            input_map, start_reason = match_input_affine(ix, entry.tensor, entry.readers, first.in_features, claimed)
         if input_map is not None:
             chain_input = input_map.input
             idx = sorted(idx + input_map.node_indices)
