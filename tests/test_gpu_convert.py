@@ -27,7 +27,7 @@ ort, torch = require_cuda()
 import onnx2fused  # noqa: E402
 from onnx2fused.spec import DOMAIN  # noqa: E402
 
-from onnx_builders import G, fp16_keep_io, mlp  # noqa: E402
+from onnx_builders import G, fp16_keep_io  # noqa: E402
 from test_precision import siren  # noqa: E402
 from test_provider_matrix import two_chain_model  # noqa: E402
 

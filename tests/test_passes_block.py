@@ -296,7 +296,7 @@ def test_norm_of_another_axis():
         START.format(t=t, node="LayerNormalization 'ln'") + "LayerNormalization 'ln' normalises from axis 1, "
         "not the last (feature) axis alone",
         END.format(y=plan.chains[0].output) + "feeds Add '" + m.graph.node[-1].name + "', not a residual of the "
-        f"block: it adds 'x', the input of the layer norm in front, which is not fused with the chain"]
+        "block: it adds 'x', the input of the layer norm in front, which is not fused with the chain"]
 
 
 def test_rms_mean_over_another_axis():

@@ -13,7 +13,7 @@ from onnx2fused import expr as ex  # noqa: E402
 from onnx2fused.loader import load_model  # noqa: E402
 from onnx2fused.passes import find_chains, rewrite  # noqa: E402
 from onnx2fused.passes.activations import describe_expr  # noqa: E402
-from onnx_builders import rand, run  # noqa: E402
+from onnx_builders import run  # noqa: E402
 
 ACTS = {
     "relu": (nn.ReLU, ex.relu()),
