@@ -95,3 +95,38 @@ def test_every_zoo_model_in_the_float16_keep_io_form_fuses_as_its_export(name):
     if len(src.graph.input[0].type.tensor_type.shape.dim) == 3:
         x = x.reshape(6, 1, -1)
     _check(m, plan, x, tol=3e-3)
+
+
+@pytest.mark.parametrize("dynamo", [False, True])
+def test_a_float16_autocast_export_is_one_float32_chain(dynamo, tmp_path):
+    """A model run under torch.autocast(float16) when exported: a Cast to float16 in front of the first
+    layer, float16 layers and activations, a Cast back behind (the .float()): one chain reading x."""
+    torch = pytest.importorskip("torch")
+    import warnings
+
+    class Autocast(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 16),
+                                         torch.nn.Softplus(), torch.nn.Linear(16, 2))
+
+        def forward(self, x):
+            with torch.autocast("cpu", dtype=torch.float16):
+                return self.m(x).float()
+
+    torch.manual_seed(4)
+    path = tmp_path / "ac.onnx"
+    kw = dict(dynamo=True) if dynamo else dict(dynamo=False, opset_version=17, input_names=["x"],
+                                                output_names=["y"], dynamic_axes={"x": {0: "B"}})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(Autocast().eval(), (torch.randn(4, 8),), str(path), verbose=False, **kw)
+    m = load_model(path)
+    name = m.graph.input[0].name
+    plan = find_chains(m)
+    (c,) = plan.chains
+    assert (c.input, c.input_dtype, c.widths) == (name, "f32", (8, 16, 16, 2)) and plan.refusals == [], plan.describe()
+    r = rewrite(m, plan, [c.to_spec("fp32")])
+    assert len(r.graph.node) == 1
+    x = rand([4, 8], seed=6)   # (the dynamo export has the example batch static)
+    np.testing.assert_allclose(run(r, {name: x})[0], run(m, {name: x})[0], rtol=3e-3, atol=3e-3)

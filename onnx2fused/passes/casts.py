@@ -5,6 +5,8 @@ documentation recommends for fp16 models) keeps float32 inputs and outputs and p
 
     x (float32) -> Cast(to=float16) -> L_1 ... L_n -> Cast(to=float32) -> y (float32)
 
+(and so does a model exported under torch.autocast(dtype=torch.float16), then .float()).
+
 The last Cast widens exactly, so the activation walk takes it into the last layer's activation (a cast
 between float types is the identity there), and the chain then read float16 and wrote float32: no chain
 could be fused at all. Two ways out, tried in this order by `chains.find_chains`:
