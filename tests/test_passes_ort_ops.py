@@ -229,3 +229,21 @@ def test_ort_fused_layernorm_below_opset_17_is_the_blocks_norm(opset, tmp_path):
     r = rewrite(opt, plan, [c.to_spec("fp32")])
     assert [n.op_type for n in r.graph.node] == [c.to_spec("fp32").name]
     _same_outputs(opt, r, rand([37, 16], seed=2))
+
+
+def test_ort_default_domain_ops_pass_the_loader(tmp_path):
+    """ORT's optimiser writes SimplifiedLayerNormalization into the default domain (LLaMA's RMSNorm), which
+    the ONNX checker does not know: the loader takes the model (ORT runs it), shapes are inferred through
+    the op, and the norm is the chain's. ORT also wrote the residual Add into the down projection's Gemm
+    (MatMulAddFusion: C is the block's input), which is not a linear layer here and says why."""
+    from onnx2fused.loader import load_model
+
+    path = tmp_path / "opt.onnx"
+    opt = _ort_optimised(f"{MODELS}/llama.opset17.onnx", path)
+    assert "SimplifiedLayerNormalization" in {n.op_type for n in opt.graph.node if n.domain == ""}
+    with pytest.raises(Exception):
+        onnx.checker.check_model(opt)
+    plan = find_chains(load_model(path))
+    (c,) = plan.chains
+    assert c.norm is not None and c.norm.kind == "rmsnorm" and c.layers[0].gated and c.input == "x"
+    assert any(r.reason.endswith("bias 'x' is not a constant") for r in plan.refusals), plan.describe()

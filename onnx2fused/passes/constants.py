@@ -108,8 +108,10 @@ def _inference_stand_in(model: onnx.ModelProto) -> onnx.ModelProto:
     def has_stand_in(n: onnx.NodeProto) -> bool:
         return ((n.domain == ORT_DOMAIN and n.op_type in _ORT_STAND_INS)
                 or (n.domain == ML_DOMAIN and n.op_type in _ML_FLOAT_STAND_INS)
-                # ORT's optimiser writes LayerNormalization below opset 17, where onnx does not know it
-                or (n.domain in ("", "ai.onnx") and n.op_type == "LayerNormalization" and opset < 17))
+                # ORT's optimiser writes these in the default domain (LayerNormalization also below opset
+                # 17), where onnx does not know them
+                or (n.domain in ("", "ai.onnx") and (n.op_type == "SimplifiedLayerNormalization"
+                                                     or (n.op_type == "LayerNormalization" and opset < 17))))
 
     if not any(has_stand_in(n) for n in model.graph.node):
         return model
@@ -134,7 +136,7 @@ def _stand_in_nodes(n: onnx.NodeProto) -> list[onnx.NodeProto]:
     """The stock nodes whose first output has the type and shape of ORT or ONNX-ML op n's first output."""
     if n.domain == ML_DOMAIN:
         return [onnx.helper.make_node("Cast", n.input[:1], n.output[:1], to=onnx.TensorProto.FLOAT)]
-    if n.op_type == "LayerNormalization":
+    if n.op_type in ("LayerNormalization", "SimplifiedLayerNormalization"):
         return [onnx.helper.make_node("Identity", n.input[:1], n.output[:1])]
     op = _ORT_STAND_INS[n.op_type]
     ins, out = list(n.input), n.output[0]
