@@ -135,7 +135,11 @@ def _match_gemm(ix: GraphIndex, i: int, what: str) -> LinearLayer:
     if c_name:
         c = ix.const(c_name)
         if c is None:
-            raise LinearRefusal(f"{what}: bias '{c_name}' is not a constant")
+            # a whole [rows, N] tensor as C: ORT's optimiser folds a residual Add into the Gemm before it
+            # (MatMulAddFusion); the model as exported keeps the Add, which a chain takes as its residual
+            hint = (" (a tensor added to every row, such as a residual Add that ONNX Runtime's optimiser "
+                    "folded into the Gemm: convert the model as exported)") if ix.rank(c_name) == 2 else ""
+            raise LinearRefusal(f"{what}: bias '{c_name}' is not a constant{hint}")
         c = _as_f32(c, "bias", c_name)
         vec = _bias_vector(c, n, 2)
         if vec is None:
