@@ -15,6 +15,7 @@ from google.protobuf.message import DecodeError
 from onnx import external_data_helper
 
 from .errors import ConversionError
+from .passes.constants import default_opset, is_ort_default_domain_op
 
 MIN_IR, MAX_IR = 3, 13          # onnxruntime 1.31 refuses IR 14 ("Unsupported model IR version")
 MIN_OPSET, MAX_OPSET = 7, 26    # default (ai.onnx) domain opsets onnxruntime 1.31 loads (27 is refused)
@@ -44,21 +45,17 @@ def load_model(path) -> onnx.ModelProto:
     return model
 
 
-# Ops ONNX Runtime registers in the default domain beyond the standard's (its optimiser writes them into
-# the models it saves): SimplifiedLayerNormalization at any opset, LayerNormalization below opset 17
-ORT_DEFAULT_DOMAIN_OPS = ("SimplifiedLayerNormalization", "LayerNormalization")
-
-
 def _valid_with_ort_ops(model: onnx.ModelProto) -> bool:
-    """Whether the checker passes `model` once ONNX Runtime's own default-domain ops are stood in for by
-    Identity (a model ORT's graph optimiser saved is valid for ORT, not for the checker)."""
-    if model.ByteSize() > _TWO_GB or not any(n.domain in ("", "ai.onnx") and n.op_type in ORT_DEFAULT_DOMAIN_OPS
-                                             for n in model.graph.node):
+    """Whether the checker passes `model` once ONNX Runtime's own default-domain ops
+    (passes.constants.ORT_DEFAULT_DOMAIN_OPS) are stood in for by Identity (a model ORT's graph optimiser
+    saved is valid for ORT, not for the checker)."""
+    opset = default_opset(model)
+    if model.ByteSize() > _TWO_GB or not any(is_ort_default_domain_op(n, opset) for n in model.graph.node):
         return False
     copy = onnx.ModelProto()
     copy.CopyFrom(model)
     for n in copy.graph.node:
-        if n.domain in ("", "ai.onnx") and n.op_type in ORT_DEFAULT_DOMAIN_OPS:
+        if is_ort_default_domain_op(n, opset):
             n.CopyFrom(onnx.helper.make_node("Identity", n.input[:1], n.output[:1], name=n.name))
     try:
         onnx.checker.check_model(copy)

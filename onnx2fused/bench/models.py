@@ -252,8 +252,9 @@ def zoo_torch_module(torch, model: Path, entry: dict):
     when it matches the widths (exact), else random (timing does not depend on the values).
     Returns (module, note)."""
     nn = torch.nn
-    # a tabular model's BatchNorms fold into its chain's layers, whose weights the Sequential takes below;
-    if entry.get("block") not in (None, "tabular"):  # a gated FFN (issue 16) is not a Sequential: the builder's own module is
+    # A gated FFN or a transformer block (issue 16) is no Sequential: the builder's own module is. A tabular
+    # model's BatchNorms fold into its chain's layers, whose weights the Sequential takes below.
+    if entry.get("block") not in (None, "tabular"):
         raise ValueError(f"the zoo's {entry['block']} block is no nn.Sequential; give "
                          f"--torch-module with the module (models/build_zoo.py builds it)")
     widths, acts = entry["widths"], list(entry.get("activations") or [])

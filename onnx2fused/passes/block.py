@@ -33,8 +33,6 @@ from .constants import GraphIndex
 
 NORM_OPS = {"LayerNormalization": "layernorm", "RMSNormalization": "rmsnorm",
             "SimplifiedLayerNormalization": "rmsnorm"}
-LAYERNORM_OPSET = 17  # from here the stock body runs LayerNormalization itself (below: its ops, rewrite.py);
-# a model below it may still hold one: ONNX Runtime's optimiser writes LayerNormalization at any opset
 DEFAULT_EPS = 1e-5  # the ONNX default of each norm op's epsilon attribute
 
 
@@ -246,12 +244,10 @@ def _decomposed_rms(ix: GraphIndex, p: int, width: int) -> NormMatch | None:
     """The hand-written RMSNorm ending at node p (see the module docstring), or None when p is not one."""
     n = ix.node(p)
     weight, scaling = None, _rms_scaling(ix, p)
-    if scaling is None and n.op_type == "Mul" and len(n.input) == 2:
-        for k in (0, 1):
-            q = _producer(ix, n.input[1 - k], ("Mul", "Div"))
-            if q is not None and ix.const(n.input[k]) is not None and (s := _rms_scaling(ix, q)) is not None:
-                weight, scaling = n.input[k], s
-                break
+    split = _const_operand(ix, p) if scaling is None and n.op_type == "Mul" else None
+    q = None if split is None else _producer(ix, split[0], ("Mul", "Div"))
+    if q is not None and (s := _rms_scaling(ix, q)) is not None:
+        weight, scaling = split[1], s
     if scaling is None:
         return None
     try:

@@ -12,8 +12,8 @@ between float types is the identity there), and the chain then read float16 and 
 could be fused at all. Two ways out, tried in this order by `chains.find_chains`:
 
 - `rounding_input_cast` (taken by input_affine's walk, behind any scale and shift it folds, such as an
-  input BatchNorm the converter left in float16): the Cast in front rounds float32 to 16 bits, exactly as the fused kernel itself
-  rounds a float32 input (round to nearest even, then 16-bit tensor-core operands): the chain reads the
+  input BatchNorm the converter left in float16): the Cast in front rounds float32 to 16 bits, exactly
+  as the fused kernel itself rounds a float32 input (round to nearest even, then 16-bit tensor-core operands): the chain reads the
   float32 x and writes float32 (io f32), both Casts go with it, and a kernel launch at each end is saved.
   The fused output skips the fp16 rounding the converted model applies before its last Cast, so it is
   closer to the float32 original than that model is; validation judges it like any other chain.

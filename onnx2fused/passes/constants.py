@@ -21,6 +21,8 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from ..errors import ConversionError
+
 FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16,
                onnx.TensorProto.DOUBLE}
 MAX_FOLD_ELEMENTS = 1 << 28  # ConstantOfShape outputs larger than this (1 GiB of float32) are not folded
@@ -91,6 +93,30 @@ _ORT_STAND_INS = {"Gelu": "Identity", "QuickGelu": "Identity", "FastGelu": "Add"
                   # BERT's after onnxruntime.transformers: [B, S, hidden] like the input (query) rows, and
                   # the embedding's rows as a Gather of the word embedding by the ids
                   "Attention": "Identity", "MultiHeadAttention": "Identity", "EmbedLayerNormalization": "Gather"}
+# The opset that brought LayerNormalization into the standard; from it the fused op's stock body runs the op
+# itself (below, its ops: rewrite.py). ONNX Runtime registers it in the default domain at every opset, and
+# SimplifiedLayerNormalization too: its optimiser writes them into the models it saves, which the ONNX
+# checker rejects and shape inference does not type (the loader and the stand-ins below take them).
+LAYERNORM_OPSET = 17
+ORT_DEFAULT_DOMAIN_OPS = ("SimplifiedLayerNormalization", "LayerNormalization")
+
+
+def is_ort_default_domain_op(n: onnx.NodeProto, opset: int) -> bool:
+    """Whether n is one of ORT's ops in the default domain that onnx does not know at `opset`."""
+    return (n.domain in ("", "ai.onnx") and n.op_type in ORT_DEFAULT_DOMAIN_OPS
+            and (n.op_type != "LayerNormalization" or opset < LAYERNORM_OPSET))
+
+
+def default_opset(model: onnx.ModelProto, missing: int | None = None) -> int:
+    """The model's default-domain (ai.onnx) opset; `missing` where it imports none (None: ConversionError)."""
+    for o in model.opset_import:
+        if o.domain in ("", "ai.onnx"):
+            return o.version
+    if missing is None:
+        raise ConversionError("the model imports no default-domain (ai.onnx) opset")
+    return missing
+
+
 # ONNX-ML ops of float output and the input's shape, which onnx's inference leaves untyped (skl2onnx's
 # Scaler in front of an MLP: everything after it lost its types and shapes)
 _ML_FLOAT_STAND_INS = ("Scaler",)
@@ -103,15 +129,12 @@ def _inference_stand_in(model: onnx.ModelProto) -> onnx.ModelProto:
     """`model` itself, or, where it has ORT ops of _ORT_STAND_INS, ONNX-ML ops of _ML_FLOAT_STAND_INS or a
     LayerNormalization below opset 17 (ORT's optimiser writes one), a copy for shape inference only with
     each replaced by its stock stand-in (large weights' data left out: inference reads their shapes)."""
-    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+    opset = default_opset(model, 0)
 
     def has_stand_in(n: onnx.NodeProto) -> bool:
         return ((n.domain == ORT_DOMAIN and n.op_type in _ORT_STAND_INS)
                 or (n.domain == ML_DOMAIN and n.op_type in _ML_FLOAT_STAND_INS)
-                # ORT's optimiser writes these in the default domain (LayerNormalization also below opset
-                # 17), where onnx does not know them
-                or (n.domain in ("", "ai.onnx") and (n.op_type == "SimplifiedLayerNormalization"
-                                                     or (n.op_type == "LayerNormalization" and opset < 17))))
+                or is_ort_default_domain_op(n, opset))
 
     if not any(has_stand_in(n) for n in model.graph.node):
         return model
@@ -136,7 +159,7 @@ def _stand_in_nodes(n: onnx.NodeProto) -> list[onnx.NodeProto]:
     """The stock nodes whose first output has the type and shape of ORT or ONNX-ML op n's first output."""
     if n.domain == ML_DOMAIN:
         return [onnx.helper.make_node("Cast", n.input[:1], n.output[:1], to=onnx.TensorProto.FLOAT)]
-    if n.op_type in ("LayerNormalization", "SimplifiedLayerNormalization"):
+    if n.op_type in ORT_DEFAULT_DOMAIN_OPS:
         return [onnx.helper.make_node("Identity", n.input[:1], n.output[:1])]
     op = _ORT_STAND_INS[n.op_type]
     ins, out = list(n.input), n.output[0]

@@ -21,7 +21,7 @@ import numpy as np
 
 from .. import expr as ex
 from .activations import Activation, describe_expr, match_activation
-from .constants import GraphIndex
+from .constants import GraphIndex, default_opset
 from .linear import LinearLayer
 
 # Integer ops the exporters use to compute a chunk's Slice bounds from the tensor's shape
@@ -321,7 +321,7 @@ def find_gated(ix: GraphIndex, layers: dict) -> tuple[list[GatedMatch], dict[int
     matches: list[GatedMatch] = []
     reasons: dict[int, str] = {}
     taken: set[int] = set()
-    opset = next((o.version for o in ix.model.opset_import if o.domain in ("", "ai.onnx")), MIN_OPSET)
+    opset = default_opset(ix.model, MIN_OPSET)
     for start in sorted(layers):
         layer = layers[start]
         try:

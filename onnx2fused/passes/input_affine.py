@@ -8,9 +8,8 @@ normalisation: (x - mean) / std, NeRF's x * 2 - 1), an inference BatchNorm on a 
 on a tabular model's features), Identity and casts that do not round; and the ONNX-ML Scaler,
 (x - offset) * scale, which skl2onnx writes for scikit-learn's StandardScaler in front of an MLPRegressor
 or MLPClassifier (ONNX Runtime runs it on the CPU only: a CUDA session copied the rows to the host and
-back for it). Each node's output must feed only
-the next one (the last one's, only the chain's first layer) and be no graph output; x keeps the element
-type the first layer read. Those nodes then go with the chain: on the GPU the input rows are read once,
+back for it). Each node's output must feed only the next one (the last one's, only the chain's first
+layer) and be no graph output; x keeps the element type the first layer read. Those nodes then go with the chain: on the GPU the input rows are read once,
 by the fused kernel, instead of once more by a stock elementwise kernel that writes a normalised copy.
 
 The limit on the shift: the fused kernel rounds x to 16 bits (and the weights diag(s) W) before the

@@ -12,8 +12,9 @@ activations emitted from their `expr` trees with stock ops (Relu-free: max/min/w
 the tree says, so the fallback computes what the kernels compute). A transformer block (spec.norm,
 spec.residual) adds the norm's inputs NS [K0] (and NB [K0] for a layer norm) after the layers', and in
 the function normalises Cast_f32(X) first (LayerNormalization, below opset 17 its ops: ReduceMean,
-Sub, then the RMS norm of that, Mul, Add; or the RMS norm's Pow, ReduceMean, Add, Sqrt, Reciprocal, Mul, Mul) and adds Cast_f32(X) to the last layer's output. The fused node sits where the
-chain's last node was; all other nodes are kept byte for byte; initializers and folded constant
+Sub, then the RMS norm of that, Mul, Add; or the RMS norm's Pow, ReduceMean, Add, Sqrt, Reciprocal,
+Mul, Mul) and adds Cast_f32(X) to the last layer's output. The fused node sits where the chain's last
+node was; all other nodes are kept byte for byte; initializers and folded constant
 producers that only the chain used are dropped; the IR version is never raised.
 """
 from __future__ import annotations
@@ -27,9 +28,8 @@ from onnx import TensorProto, helper, numpy_helper
 from .. import expr as ex
 from ..errors import ConversionError
 from ..spec import DOMAIN, MLPSpec, NormSpec
-from .block import LAYERNORM_OPSET
 from .chains import FusionPlan
-from .constants import GraphIndex, node_reads
+from .constants import LAYERNORM_OPSET, GraphIndex, default_opset, node_reads
 
 STOCK_MODEL_ATTR = "stock_model"  # the node's fallback body as a serialized model, base64 (make_stock_model)
 STOCK_DATA_LOCATION = "onnx2fused:node-inputs"  # its weights' external data: the plugin fills them in
@@ -111,13 +111,6 @@ class OnnxEmitter:
             out = self.node("Cast", [self.emit(e, x, memo)], to=TensorProto.BOOL)
         memo[key] = out
         return out
-
-
-def default_opset(model: onnx.ModelProto) -> int:
-    for o in model.opset_import:
-        if o.domain in ("", "ai.onnx"):
-            return o.version
-    raise ConversionError("the model imports no default-domain (ai.onnx) opset")
 
 
 def make_fallback_function(spec: MLPSpec, opset: int) -> onnx.FunctionProto:
