@@ -314,3 +314,24 @@ def test_first_run_after_fresh_convert_is_not_slower(tmp_path):
     same, fresh = min(sames), min(freshes)
     print(f"fused mnist at 4096 rows: {sames} ms in the converting process, {freshes} ms in new ones")
     assert same <= 1.25 * fresh + 0.01
+
+
+@pytest.mark.parametrize("kind", ["ts", "dynamo"])
+@pytest.mark.parametrize("name", ["gpt2_mlp", "gpt2_ffn"])
+def test_gpt2_conv1d_blocks_fuse_whole(name, kind, cache, tmp_path):
+    """GPT-2's MLP as HF's Conv1D writes it (views around each addmm, the tanh GELU between them) is one
+    chain with its GELU; with the block's LayerNorm and residual the fused op is the graph's only node,
+    reading x [B, T, 64]; both match stock on the CUDA EP at a batch and sequence other than the export's."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from gpt2_blocks import GPT2FFN, export
+
+    torch.manual_seed(4)
+    block = name == "gpt2_ffn"
+    src = export(GPT2FFN(64, 256, norm=block, residual=block), tmp_path / f"{name}.{kind}.onnx", kind == "dynamo")
+    res = check_defaults(src, tmp_path / "m.onnx", cache,
+                         lambda rng: {"x": rng.standard_normal((3, 347, 64)).astype(np.float32)})
+    (c,) = res.chains
+    assert c.activations == ["gelutanh", "id"], c
+    if block:
+        fused = onnx.load(str(res.output_path))
+        assert [(n.domain, list(n.input[:1])) for n in fused.graph.node] == [(DOMAIN, ["x"])]

@@ -209,11 +209,12 @@ def test_skl2onnx_mlp_classifier():
         np.testing.assert_allclose(v, u, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("op", ["Flatten", "Reshape"])
+@pytest.mark.parametrize("op", ["Flatten", "Reshape", "Reshape_static"])
 def test_a_flatten_or_reshape_that_changes_the_shape_ends_the_chain(op):
     """At rank 3 a Flatten (axis 1) merges the sequence into the features, and a Reshape to a fixed batch
     size is not the identity for every batch: the chain ends there and says why (a Flatten of a rank-2
-    value, a Reshape to [-1, N], are: test_passes_activations)."""
+    value, a Reshape to [-1, N], are: test_passes_activations). Where the batch is fixed too, the Reshape
+    keeps the shape it has and the chain goes on."""
     g = G()
     h = g.linear("x", 8, 16, name="fc0", kind="matmul")
     if op == "Flatten":
@@ -221,10 +222,55 @@ def test_a_flatten_or_reshape_that_changes_the_shape_ends_the_chain(op):
         k, shape_in, shape_out = 48, ["B", 3, 8], ["B", 4]
     else:
         f = g.op("Reshape", [h, g.init(np.array([5, 16], np.int64))], name="flat")
-        k, shape_in, shape_out = 16, [5, 8], [5, 4]
+        k, shape_in, shape_out = 16, [5 if op == "Reshape_static" else "B", 8], [5, 4]
     g.linear(f, k, 4, name="fc1", kind="matmul")
     g.nodes[-1].output[0] = "y"
     plan = find_chains(g.model([("x", shape_in)], [("y", shape_out)]))
+    if op == "Reshape_static":
+        assert [c.widths for c in plan.chains] == [(8, 16, 4)] and not plan.refusals, plan.describe()
+        return
     assert len(plan.chains) == 2
-    assert plan.refusals[0].reason.endswith(f"feeds {op} 'flat': {op} changes the tensor's shape or layout, "
-                                            "not elementwise"), plan.describe()
+    why = ("regroups the rows into shape [5, 16], and no Reshape back to the layer's shape follows within the "
+           "activation" if op == "Reshape" else "Flatten changes the tensor's shape or layout, not elementwise")
+    assert plan.refusals[0].reason.endswith(f"feeds {op} 'flat': {why}"), plan.describe()
+
+
+@pytest.mark.parametrize("where", ["inside", "outside"])
+def test_reshapes_that_regroup_rows_inside_an_activation(where):
+    """A Reshape to [B, T, N] after a layer of [B*T, N] rows and one back to [-1, N] before the next layer
+    (HF Conv1D's views) leave the activation elementwise: one chain. Their shapes are computed from the
+    activation's own tensor (Shape -> Gather -> Concat, as the TorchScript exporter writes `view`): those
+    nodes go with the chain when only its Reshapes read them ("inside"); where a Reshape of another tensor
+    reads that shape too ("outside"), the chain cannot remove the tensor the Shape reads, and it ends
+    before the activation instead of leaving a node that reads a tensor that is gone."""
+    g = G()
+    rows = g.op("Reshape", ["x", g.init(np.array([-1, 8], np.int64))], name="flat")
+    h = g.linear(rows, 8, 16, name="fc0")
+    bt = g.op("Slice", [g.op("Shape", ["x"]), g.init(np.array([0], np.int64)), g.init(np.array([2], np.int64))])
+    h3 = g.op("Reshape", [h, g.op("Concat", [bt, g.init(np.array([16], np.int64))], axis=0)], name="view")
+    r = g.op("Tanh", [g.op("Mul", [h3, g.init(np.float32(0.5))])])
+    shape_r = g.op("Shape", [r], name="shape_of_act")
+    n = g.op("Slice", [shape_r, g.init(np.array([-1], np.int64)), g.init(np.array([3], np.int64))])
+    back = g.op("Reshape", [r, g.op("Concat", [g.init(np.array([-1], np.int64)), n], axis=0)], name="back")
+    g.linear(back, 16, 4, name="fc1")
+    g.nodes[-1].output[0] = "y"
+    outputs = [("y", ["R", 4])]
+    if where == "outside":
+        g.op("Reshape", ["z", shape_r], name="other", outputs=["w"])
+        outputs.append(("w", ["B", "T", 16]))
+    m = onnx.shape_inference.infer_shapes(
+        g.model([("x", ["B", "T", 8])] + ([("z", ["B", "T", 16])] if where == "outside" else []), outputs),
+        data_prop=True)
+    plan = find_chains(m)
+    if where == "inside":
+        (c,) = plan.chains
+        assert c.widths == (8, 16, 4) and c.activations[1] == ex.identity(), plan.describe()
+    else:
+        assert [c.widths for c in plan.chains] == [(8, 16), (16, 4)], plan.describe()
+    r_model = rewrite(m, plan, [c.to_spec("fp32") for c in plan.chains])
+    onnx.checker.check_model(r_model, full_check=True)
+    if where == "inside":   # the Shape of the activation and what it computed went with the chain
+        assert "shape_of_act" not in {n.name for n in r_model.graph.node}
+    feeds = {"x": rand((2, 3, 8))} | ({"z": rand((2, 3, 16), seed=2)} if where == "outside" else {})
+    for a, b in zip(run(m, feeds), run(r_model, feeds)):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5)

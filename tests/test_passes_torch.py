@@ -1,6 +1,8 @@
 """Real torch exports (legacy opset-17 and dynamo opset-20 with external data): chains, widths, activations,
 and the rewritten model matching the original in plain onnxruntime."""
+import sys
 import warnings
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -14,6 +16,9 @@ from onnx2fused.loader import load_model  # noqa: E402
 from onnx2fused.passes import find_chains, rewrite  # noqa: E402
 from onnx2fused.passes.activations import describe_expr  # noqa: E402
 from onnx_builders import run  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from gpt2_blocks import GPT2FFN, export  # noqa: E402
 
 ACTS = {
     "relu": (nn.ReLU, ex.relu()),
@@ -195,3 +200,29 @@ def test_flatten_between_linears_is_one_chain(tmp_path, dynamo):
     x = torch.randn(5, 8)
     c = _check(_export(mod, x, tmp_path / "m.onnx", dynamo=dynamo), x, (8, 16, 16, 4), "relu")
     assert c.activation_labels() == ["relu", "relu", "id"]
+
+
+
+@pytest.mark.parametrize("block", ["mlp", "norm_residual", "residual"])
+@pytest.mark.parametrize("dynamo", [False, True])
+def test_hf_conv1d_mlp_is_one_chain(tmp_path, dynamo, block):
+    """GPT-2's MLP (HF Conv1D: view to [-1, K], addmm, view back) with its tanh GELU between the views:
+    one chain of one GELU, not two one-layer chains with the GELU a stock op; with the block's LayerNorm
+    in front and residual behind (the views then inside the chain) one fused node is the whole graph
+    (the Shape -> Gather -> Concat nodes that computed the views' shapes go with it), matching the
+    original at other batch and sequence sizes than the export's."""
+    torch.manual_seed(3)
+    mod = GPT2FFN(16, 64, norm=block == "norm_residual", residual=block != "mlp")
+    m = load_model(export(mod, tmp_path / "m.onnx", dynamo))
+    plan = find_chains(m)
+    (c,) = plan.chains
+    assert c.widths == (16, 64, 16) and c.activations == [ex.gelu_tanh(), ex.identity()], plan.describe()
+    assert (c.norm is not None, c.residual) == (block == "norm_residual", block != "mlp")
+    r = rewrite(m, plan, [c.to_spec("fp32")])
+    onnx.checker.check_model(r, full_check=True)
+    if block != "mlp":
+        assert c.input == m.graph.input[0].name and [n.domain for n in r.graph.node] == ["onnx2fused"]
+    for shape in ((3, 5, 16), (1, 1, 16)):
+        xa = torch.randn(*shape).numpy()
+        (a,), (b,) = run(m, {"x": xa}), run(r, {"x": xa})
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5)

@@ -17,6 +17,11 @@ and then t = f(v) elementwise, with f an `expr.Expr` built node by node:
     Or / And / Xor / Not of conditions -> max / min / |a - b| / 1 - a (a bool is 1.0 / 0.0); Cast of a
                                           bool to bool -> a
     Flatten (axis 1) / Reshape to [-1, N] of a rank-2 value -> a (torch's nn.Flatten between Linears)
+    Reshape whose output keeps the N features as its last dimension -> a: the same rows regrouped
+                                          (HF Conv1D's `addmm(b, x.view(-1, n), W).view(size)`, GPT-2's
+                                          MLP); the activation's output must have the layer output's shape
+                                          again, and the nodes that only compute such a Reshape's shape
+                                          input (Shape -> Gather -> Concat) go with the activation
     ONNX Runtime's contrib activations (domain com.microsoft, in models saved by its graph optimiser):
     Gelu(a) -> gelu_erf[x := a]   QuickGelu(a) -> swish(alpha)[x := a]   FastGelu(a[, b]) ->
     gelu_tanh[x := a (+ b)]      BiasGelu(a, b) -> gelu_erf[x := a + b]
@@ -48,6 +53,7 @@ import onnx
 from .. import expr as ex
 from ..expr import Const, Expr, Op, Var
 from .constants import FLOAT_TYPES, ORT_DOMAIN, GraphIndex, elem_name
+from .regroup import ends_in, shape_feeders, shape_only
 
 NOT_PER_CHANNEL = "does not broadcast per channel"
 ORT_ACTIVATIONS = ("Gelu", "QuickGelu", "FastGelu", "BiasGelu")   # ONNX Runtime's contrib ops
@@ -446,14 +452,18 @@ def affine_step(ix: GraphIndex, i: int, width: int) -> tuple[str, object, object
 
 # -- the region walk -------------------------------------------------------------------------------
 
-def match_activation(ix: GraphIndex, value: str, width: int | None = None) -> Activation:
+def match_activation(ix: GraphIndex, value: str, width: int | None = None, strict: bool = False) -> Activation:
     """The activation applied to tensor `value` (a linear layer's output of `width` features; None:
-    its inferred shape's last dimension, if known)."""
+    its inferred shape's last dimension, if known). Its tensors may be read by Shape nodes whose results
+    only ever become Reshape shapes (regroup.shape_only), which the chain must then take with it or find
+    chains checks it cannot (regroup.reads_removed); `strict`: only by those computing the activation's
+    own Reshapes' shapes."""
     if width is None:
         shape = ix.shapes.get(value)
         width = shape[-1] if shape and isinstance(shape[-1], int) and shape[-1] > 0 else None
     env: dict[str, Expr] = {value: ex.X}
     ctx = _Ctx(ix, env, ix.rank(value), width, ix.types.get(value))
+    layout: dict[str, bool] = {value: True}   # tensor -> has the layer output's shape (else: rows regrouped)
     region: list[int] = []
     rejected: dict[int, str] = {}
     heap = list(ix.users(value))
@@ -465,28 +475,36 @@ def match_activation(ix: GraphIndex, value: str, width: int | None = None) -> Ac
             continue
         seen.add(i)
         try:
-            e = node_expr(ctx, i)
+            e, same_shape = _region_node(ctx, i, value, layout)
         except ActivationRefusal as r:
             rejected[i] = str(r)
             continue
         region.append(i)
         out = ix.node(i).output[0]
-        env[out] = e
+        env[out], layout[out] = e, same_shape
         for u in ix.users(out):
             heapq.heappush(heap, u)
-    # Choose the latest tensor t whose ancestor set within the region is closed.
+    # Choose the latest tensor t of the layer output's shape whose ancestor set within the region is
+    # closed (the nodes computing its Reshapes' shapes taken with it).
     in_region = set(region)
     candidates = [value] + [ix.node(i).output[0] for i in region]
     for t in reversed(candidates):
+        if not layout[t]:
+            continue
         anc = _ancestors(ix, t, value, in_region)
-        if _closed(ix, t, value, anc):
+        shape_nodes = shape_feeders(ix, anc)
+        if _closed(ix, t, value, anc, shape_nodes, strict):
+            anc |= shape_nodes
             order = sorted(anc)
             expr = normalise(env[t], ctx.value_type in _NARROW_FLOATS) if order else ex.identity()
             rej = {i: r for i, r in rejected.items() if any(x == t for x in ix.node(i).input)}
             # Region nodes that were left out (outside the closed set) and consume t explain the end too.
             for j in region:
                 if j not in anc and t in ix.node(j).input:
-                    rej.setdefault(j, f"{ix.describe(j)}: the value is also used outside the activation")
+                    rej.setdefault(j, f"{ix.describe(j)}: " + (
+                        "the value is also used outside the activation" if layout[ix.node(j).output[0]] else
+                        f"regroups the rows into shape {ix.shapes.get(ix.node(j).output[0])}, and no Reshape "
+                        "back to the layer's shape follows within the activation"))
             return Activation(expr, order, [ix.keys[i] for i in order], t, rej)
     raise AssertionError("unreachable: the empty activation is always closed")  # pragma: no cover
 
@@ -506,7 +524,10 @@ def _ancestors(ix: GraphIndex, t: str, value: str, region: set[int]) -> set[int]
     return anc
 
 
-def _closed(ix: GraphIndex, t: str, value: str, anc: set[int]) -> bool:
+def _closed(ix: GraphIndex, t: str, value: str, anc: set[int], shape_nodes: set[int], strict: bool) -> bool:
+    """Whether the tensors of `anc` other than t are read only by `anc` and by Shape nodes (which read
+    no values) among `shape_nodes` or, unless `strict`, computing other Reshapes' shapes, and are not
+    graph outputs."""
     if not anc:
         return t == value
     if value not in {n for i in anc for n in ix.node(i).input}:
@@ -515,9 +536,43 @@ def _closed(ix: GraphIndex, t: str, value: str, anc: set[int]) -> bool:
     for u in tensors - {t}:
         if u in ix.graph_outputs:
             return False
-        if any(j not in anc for j in ix.users(u)):
-            return False
+        for j in ix.users(u):
+            if j not in anc and not (ix.node(j).op_type == "Shape" and (j in shape_nodes or
+                                                                       not strict and shape_only(ix, j))):
+                return False
     return True
+
+
+def _region_node(ctx: _Ctx, i: int, value: str, layout: dict[str, bool]) -> tuple[Expr, bool]:
+    """Node i's expression (node_expr, or a Reshape that regroups the rows) and whether its output has
+    the layer output's shape; raise ActivationRefusal where it cannot join the activation, or where it
+    combines the value in two shapes."""
+    ix, node = ctx.ix, ctx.ix.node(i)
+    what = ix.describe(i)
+    if node.op_type == "Reshape" and node.domain in ("", "ai.onnx") and node.input and node.input[0] in layout:
+        src = node.input[0]
+        if layout[src] and _keeps_rank2_shape(ctx, node):
+            return ctx.operand(src, what), True
+        return ctx.operand(src, what), _regrouped_shape(ctx, node, value, what, layout[src])
+    e = node_expr(ctx, i)
+    shapes = {layout[n] for n in node.input if n in layout}
+    if len(shapes) > 1:
+        raise ActivationRefusal(f"{what}: combines the value with a reshaped copy of it")
+    return e, shapes.pop() if shapes else True
+
+
+def _regrouped_shape(ctx: _Ctx, node: onnx.NodeProto, value: str, what: str, from_own: bool) -> bool:
+    """For a Reshape of the value whose (inferred) output keeps the layer's N features as its last
+    dimension: the same elements in the same order, so an elementwise map of it is one of the value;
+    whether the output has the value's own shape: every dimension known and equal, or, for a rank-2
+    value, rank 2 from a regrouped copy (`from_own` false: it has the value's M x N elements, so
+    [M, N]). Raise for any other Reshape."""
+    if not ends_in(ctx.ix, node.output[0], ctx.width):
+        raise ActivationRefusal(f"{what}: {unsupported(node)}")
+    out, own = ctx.ix.shapes[node.output[0]], ctx.ix.shapes.get(value)
+    if own is None or len(own) != len(out):
+        return False
+    return (len(out) == 2 and not from_own) or (all(d not in (None, "") for d in out) and out == own)
 
 
 def describe_expr(e: Expr) -> str:

@@ -30,6 +30,7 @@ import numpy as np
 
 from ..spec import NORM_KINDS
 from .constants import GraphIndex
+from .regroup import shape_only
 
 NORM_OPS = {"LayerNormalization": "layernorm", "RMSNormalization": "rmsnorm",
             "SimplifiedLayerNormalization": "rmsnorm"}
@@ -314,11 +315,14 @@ def match_norm(ix: GraphIndex, t: str, width: int) -> NormMatch | None:
     return None
 
 
-def _norm_feeds_only(ix: GraphIndex, norm: NormMatch, entries: set[int]) -> None:
+def _norm_feeds_only(ix: GraphIndex, norm: NormMatch, entries: set[int], shape_readers: bool) -> None:
+    """The normalised tensor feeds the chain alone (and, with `shape_readers`, Shape nodes whose results
+    only become Reshape shapes: the caller checks that those go with the chain)."""
     t = norm.output
     if t in ix.graph_outputs:
         raise BlockRefusal(f"the normalised tensor '{t}' is also a graph output")
-    others = [u for u in ix.users(t) if u not in entries]
+    others = [u for u in ix.users(t) if u not in entries
+              and not (shape_readers and ix.node(u).op_type == "Shape" and shape_only(ix, u))]
     if others:
         names = ", ".join(ix.describe(u) for u in others[:3]) + (", ..." if len(others) > 3 else "")
         raise BlockRefusal(f"the normalised tensor '{t}' also feeds {names}")
@@ -365,11 +369,12 @@ def _check_residual(ix: GraphIndex, add: int, other: str, out: str, block_in: st
 # -- both ---------------------------------------------------------------------------------------------
 
 def find_block(ix: GraphIndex, first_input: str, entries: set[int], out: str, k0: int, n_last: int,
-               refused: str | None = None) -> Block:
+               refused: str | None = None, shape_readers: bool = False) -> Block:
     """The norm in front of a chain (whose first layer's input is `first_input`, read by the nodes
     `entries`) and the residual Add behind it (its output `out`). `refused`: the reason, with `{what}`
     for the norm or the residual (spec.BLOCK_NO_CUDA, library.block_refusal), when the library cannot fuse
-    this chain's (they stay stock ops and say so)."""
+    this chain's (they stay stock ops and say so). `shape_readers`: the normalised tensor may also be
+    read by Shape nodes computing Reshape shapes (the caller checks they go with the chain)."""
     block = Block()
     skipped = None  # the refusal of a norm that is there and not taken
     try:
@@ -378,7 +383,7 @@ def find_block(ix: GraphIndex, first_input: str, entries: set[int], out: str, k0
             raise BlockRefusal(refused.format(what=f"{norm.label} in front"), norm.input, norm.label)
         if norm is not None:
             try:
-                _norm_feeds_only(ix, norm, entries)
+                _norm_feeds_only(ix, norm, entries, shape_readers)
             except BlockRefusal as r:
                 raise BlockRefusal(str(r), norm.input, norm.label) from None
         block.norm = norm

@@ -37,13 +37,15 @@ import onnx
 
 from .. import expr as ex
 from ..spec import LayerSpec, MLPSpec, NormSpec
-from .activations import ELEMENTWISE_OPS, Activation, describe_expr, match_activation, normalise, subst
+from .activations import (ELEMENTWISE_OPS, Activation, describe_expr, match_activation, normalise, subst,
+                          unsupported)
 from .block import NormMatch, find_block
 from .casts import trim_output_casts
 from .constants import GraphIndex, elem_name
 from .gated import fed_node, find_gated
 from .input_affine import InputAffine, match_input_affine
 from .linear import LinearLayer, LinearRefusal, is_linear_node, match_linear
+from .regroup import reads_removed, regroup_ends, shape_feeders
 
 IO_TYPES = {onnx.TensorProto.FLOAT: "f32", onnx.TensorProto.FLOAT16: "f16"}
 
@@ -174,12 +176,12 @@ def _fold_vectors(folded, n: int) -> tuple[np.ndarray, np.ndarray] | None:
     return (scale, shift) if np.isfinite(scale).all() and np.isfinite(shift).all() else None
 
 
-def _layer_activation(ix: GraphIndex, lin: LinearLayer) -> Activation:
+def _layer_activation(ix: GraphIndex, lin: LinearLayer, strict: bool = False) -> Activation:
     """The activation after `lin`: the elementwise nodes on its output, after FusedGemm's own activation
     where it has one. A per-channel scale and shift it starts with (an inference BatchNorm, a LayerScale,
     the bias that ORT's FastGelu and BiasGelu add) folds into the layer's weights and bias, so that f is
     the named activation and the last layer the plain GEMM the wide design takes."""
-    act = match_activation(ix, lin.output, lin.out_features)
+    act = match_activation(ix, lin.output, lin.out_features, strict)
     half = ix.types.get(lin.output) in (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
     expr = act.expr if lin.activation is None else normalise(subst(act.expr, lin.activation), half)
     folded = ex.leading_affine(expr) if lin.activation is None else None
@@ -253,6 +255,33 @@ def _chain_entry(ix: GraphIndex, seq: list[_Layer], claimed: set[int]) -> _Entry
             f"{elem_name(entry.io_type)}")
 
 
+def _block_through_regroups(ix: GraphIndex, entry: _Entry, idx: list[int], out_t: str, first: LinearLayer,
+                            last: _Layer, refused: str | None):
+    """The chain's block where its ends are row-regrouping Reshapes (regroup.py: HF Conv1D's view to
+    [-1, K0] in front and back to the input's leading shape behind): (the block found around them, the
+    Reshapes, the chain's nodes with them and the nodes computing only their shapes), when that block
+    takes a norm or a residual, or the chain between them would leave a Shape reading a tensor it
+    removes (the TorchScript exporter's `view(h.size()[:-1] + (n,))` behind reads the activation's
+    shape), and with them nothing left in the graph reads what the fused node removes; else None (the
+    chain keeps its ends)."""
+    ends = regroup_ends(ix, entry.tensor, entry.readers, out_t, first.in_features, last.out_features)
+    if ends is None:
+        return None
+    block = find_block(ix, ends.input, {ends.node_indices[0]}, ends.output, first.in_features,
+                       last.out_features, refused, shape_readers=True)
+    if block.norm is None and block.residual is None and reads_removed(
+            ix, set(idx) | shape_feeders(ix, set(idx)), {out_t}) is None:
+        return None
+    nodes = set(idx) | set(ends.node_indices)
+    nodes |= set(block.norm.node_indices) if block.norm is not None else set()
+    nodes |= {block.residual} if block.residual is not None else set()
+    nodes |= shape_feeders(ix, nodes)
+    if reads_removed(ix, nodes, {block.output or ends.output}) is not None:
+        return None
+    return block, ends, sorted(nodes - set(block.norm.node_indices if block.norm is not None else ())
+                               - {block.residual})
+
+
 def block_key(chain: Chain) -> int:
     """What names a chain across two find_chains calls on one model (library.block_refusal's keys): the
     index of its first layer's first node."""
@@ -270,7 +299,21 @@ def find_chains(model: onnx.ModelProto, gated_refused: str | None = None,
     the same for a norm in front and a residual behind, per chain ({block_key: reason}, a template with
     `{what}`: library.block_refusal, spec.BLOCK_NO_CUDA), or one reason for every chain."""
     ix = GraphIndex(model)
+    strict: set[int] = set()
+    while True:
+        plan, broken = _find_chains(ix, gated_refused, block_refused, strict)
+        if not broken:
+            return plan
+        strict |= broken
+
+
+def _find_chains(ix: GraphIndex, gated_refused: str | None, block_refused: Mapping[int, str] | str | None,
+                 strict: set[int]) -> tuple[FusionPlan, set[int]]:
+    """find_chains with the layers `strict` matching their activations strictly (match_activation):
+    the plan, and the layers of chains that would leave a Shape node reading a tensor they remove
+    (empty: the plan is final). Such a chain whose layers were strict already is refused instead."""
     plan = FusionPlan()
+    broken: set[int] = set()
     layers: dict[int, _Layer] = {}
     refused: dict[int, str] = {}
     for i, n in enumerate(ix.graph.node):
@@ -286,7 +329,7 @@ def find_chains(model: onnx.ModelProto, gated_refused: str | None = None,
             refused[i] = (f"{ix.describe(i)}: input '{lin.input}' has element type {elem_name(t)}; "
                           "only float32/float16 are fused")
             continue
-        layers[i] = _Layer(i, lin, _layer_activation(ix, lin))
+        layers[i] = _Layer(i, lin, _layer_activation(ix, lin, i in strict))
     feeds_layer = _feeding_a_layer(ix)
     claimed = {j for l in layers.values() for j in l.linear.node_indices + l.act.node_indices}
     gated, gated_reasons = find_gated(ix, layers)
@@ -350,6 +393,15 @@ def find_chains(model: onnx.ModelProto, gated_refused: str | None = None,
             refused_here = "the {what} stays a stock op: the chain reads the float32 input of a float16 converter's Cast"
         block = find_block(ix, entry.tensor, entry.readers, out_t, first.in_features, last.out_features, refused_here)
         idx = sorted(j for s in seq for j in s.linear.node_indices + s.act.node_indices)
+        if widened is None and block.norm is None and block.residual is None:
+            regrouped = _block_through_regroups(ix, entry, idx, out_t, first, last, refused_here)
+            if regrouped is not None:
+                block, reshapes, idx = regrouped
+                entry, out_t = _Entry(reshapes.input, {reshapes.node_indices[0]}, entry.io_type), reshapes.output
+                ends.pop(last.start, None)   # (said of the output inside the Reshape)
+                users = ix.users(out_t)
+                if block.residual is None and len(users) == 1 and out_t in feeds_layer:
+                    ends[last.start] = f"feeds {ix.describe(users[0])}: {unsupported(ix.node(users[0]))}"
         if block.norm is not None:
             idx = sorted(idx + block.norm.node_indices)
         if block.residual is not None:
@@ -366,6 +418,15 @@ def find_chains(model: onnx.ModelProto, gated_refused: str | None = None,
             chain_input = input_map.input
             idx = sorted(idx + input_map.node_indices)
             _fold_input_map(first, input_map.scale, input_map.shift)
+        idx = sorted(set(idx) | shape_feeders(ix, set(idx)))
+        left = reads_removed(ix, set(idx), {block.output or out_t})
+        if left is not None:
+            if not {s.start for s in seq} <= strict:
+                broken |= {s.start for s in seq}
+                continue
+            for s in seq:
+                refused[s.start] = f"{ix.describe(s.start)}: not fused: {left}, a tensor its chain would remove"
+            continue
         _fold_trailing_affines(seq)
         chain = Chain(chain_input, block.output or out_t,
                       [ChainLayer(s.linear, s.act.expr, list(s.act.nodes), s.act.output, s.gated) for s in seq],
@@ -383,4 +444,4 @@ def find_chains(model: onnx.ModelProto, gated_refused: str | None = None,
     for i in sorted(refused):
         plan.refusals.append(Refusal(ix.keys[i], refused[i]))
     plan.refusals.sort(key=lambda r: ix.index_of.get(r.node, 0))
-    return plan
+    return plan, broken
