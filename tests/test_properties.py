@@ -2,8 +2,10 @@
 
 Hypothesis draws a recipe (widths 1..300, depth 1..8, an activation per layer from ACTS: named ops,
 decomposed chains, composites and per-channel forms; bias on or off; how each layer is written: Gemm
-with random attributes, MatMul + Add either way round, bare MatMul; input rank 2 or 3; an input
-normalisation in front or none (FRONTS: it folds into the first layer); or a torch
+with random attributes, MatMul + Add either way round, bare MatMul, or at rank 3 every layer as HF's
+Conv1D writes it (a Gemm between Reshapes to [-1, K] and back, their shapes computed from the layer's
+input: the activations run on the regrouped rows); input rank 2 or 3; an input normalisation in front or
+none (FRONTS: it folds into the first layer); or a torch
 nn.Sequential through the legacy exporter at a random opset). The model must fuse into exactly one
 chain; the fused model runs with the plugin only (its fallback functions are removed, so a kernel that
 is not registered fails the test instead of silently running stock ops) and must match stock ORT.
@@ -64,6 +66,7 @@ class Recipe:
     opset: int = 17
     seed: int = 0
     front: str = "none"        # input normalisation before the first layer (onnx): a key of FRONTS
+    views: bool = False        # rank 3, every layer HF Conv1D's view -> Gemm -> view (onnx)
 
 
 @st.composite
@@ -82,6 +85,9 @@ def recipes(draw) -> Recipe:
     names = sorted(a for a in ACTS if rank == 2 or a not in RANK2_ONLY)
     acts = tuple(draw(st.lists(st.sampled_from(names), min_size=depth, max_size=depth)))
     front = draw(st.sampled_from(FRONTS if rank == 2 else FRONTS[:-1]))   # BatchNorm: axis 1, rank 2 only
+    if rank == 3 and draw(st.integers(0, 2)) == 0:
+        # the last activation would run on the regrouped rows after the chain's last view: none there
+        return Recipe(widths, acts[:-1] + ("none",), ("conv1d",) * depth, bias, rank, "onnx", 17, seed, "none", True)
     return Recipe(widths, acts, forms, bias, rank, "onnx", 17, seed, front)
 
 
@@ -109,15 +115,28 @@ def _onnx_layer(g: G, h: str, k: int, n: int, form: str, bias: bool, name: str) 
     return g.linear(h, k, n, kind=form, bias=bias, name=name)
 
 
+def _conv1d_layer(g: G, h: str, k: int, n: int, bias: bool, name: str) -> str:
+    """HF's Conv1D as the TorchScript exporter writes it: h.view(-1, h.size(-1)), addmm, .view(h.size()[:-1] + (n,))."""
+    shape = g.op("Shape", [h])
+    last = g.op("Slice", [shape, g.init(np.array([-1], np.int64)), g.init(np.array([3], np.int64))])
+    rows = g.op("Reshape", [h, g.op("Concat", [g.init(np.array([-1], np.int64)), last], axis=0)])
+    y = g.linear(rows, k, n, kind="gemm_plain", bias=bias, name=name)
+    lead = g.op("Slice", [shape, g.init(np.array([0], np.int64)), g.init(np.array([2], np.int64))])
+    return g.op("Reshape", [y, g.op("Concat", [lead, g.init(np.array([n], np.int64))], axis=0)])
+
+
 def build_onnx(r: Recipe) -> onnx.ModelProto:
     g = G(opset=r.opset, seed=r.seed)
     h = _front(g, "x", r.widths[0], r.front)
     for i, (k, n) in enumerate(zip(r.widths, r.widths[1:])):
-        h = _onnx_layer(g, h, k, n, r.forms[i], r.bias[i], f"fc{i}")
+        h = (_conv1d_layer(g, h, k, n, r.bias[i], f"fc{i}") if r.views
+             else _onnx_layer(g, h, k, n, r.forms[i], r.bias[i], f"fc{i}"))
         h = ACTS[r.acts[i]](g, h, n)
     g.op("Identity", [h], name="out", outputs=["y"])
     lead = ["B", "S"][: r.rank - 1]
-    return g.model([("x", lead + [r.widths[0]])], [("y", lead + [r.widths[-1]])])
+    m = g.model([("x", lead + [r.widths[0]])], [("y", lead + [r.widths[-1]])])
+    # the shapes the views compute, as the loader infers them (data propagation)
+    return onnx.shape_inference.infer_shapes(m, data_prop=True) if r.views else m
 
 
 def build_torch(r: Recipe, path) -> onnx.ModelProto:
@@ -173,6 +192,8 @@ def check_recipe(r: Recipe, cache, tmp) -> None:
                        ("matmul", "matmul_nobias", "matmul"), (True, True, False), rank=3, front="standardise"))
 @example(recipe=Recipe((6, 11, 4), ("batchnorm_relu_per_channel", "none"), ("gemm_attrs", "matmul_left"),
                        (False, True), front="batchnorm"))
+@example(recipe=Recipe((5, 19, 7, 3), ("prelu_per_channel", "gelu_erf_chain", "none"), ("conv1d",) * 3,
+                       (True, False, True), rank=3, views=True))
 @example(recipe=Recipe((4, 17, 16, 16, 16, 16, 16, 16, 3), ("PReLU", "GELU", "Mish", "Hardswish", "ELU", "SiLU",
                                                              "Softplus", "Identity"),
                        ("torch",) * 8, (True,) * 8, exporter="torch", opset=13))

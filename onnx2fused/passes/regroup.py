@@ -40,13 +40,17 @@ def shape_feeders(ix: GraphIndex, nodes: set[int]) -> set[int]:
     not one."""
     slots = {ix.node(i).input[1] for i in nodes if _is_reshape(ix, i) and ix.node(i).input[1]}
     found: set[int] = set()
+    seen: set[int] = set()
     stack = [ix.producer[s] for s in slots if s in ix.producer]
     while stack:
         p = stack.pop()
-        if p in nodes or p in found:
+        if p in seen:
             continue
-        found.add(p)
-        stack.extend(ix.producer[n] for n in ix.node(p).input if n in ix.producer)
+        seen.add(p)
+        if p not in nodes:
+            found.add(p)
+        if ix.node(p).op_type not in ("Shape", "Size"):   # (what a Shape reads is data, not a shape)
+            stack.extend(ix.producer[n] for n in ix.node(p).input if n in ix.producer)
 
     def feeds_only_shapes(p: int) -> bool:
         for o in ix.node(p).output:
@@ -54,10 +58,10 @@ def shape_feeders(ix: GraphIndex, nodes: set[int]) -> set[int]:
                 continue
             if o in ix.graph_outputs:
                 return False
-            for j in ix.users(o):
-                # a reader in `nodes` must be a Reshape reading it as its shape, not as its data
-                if j not in found and not (j in nodes and _is_reshape(ix, j) and o not in ix.node(j).input[:1]):
-                    return False
+            # (a reader in `nodes` reads it as a shape: the nodes of an activation read only its own
+            # tensors and constants as data)
+            if any(j not in found and j not in nodes for j in ix.users(o)):
+                return False
         return True
 
     while True:
