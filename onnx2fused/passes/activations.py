@@ -549,7 +549,8 @@ def _region_node(ctx: _Ctx, i: int, value: str, layout: dict[str, bool]) -> tupl
     combines the value in two shapes."""
     ix, node = ctx.ix, ctx.ix.node(i)
     what = ix.describe(i)
-    if node.op_type == "Reshape" and node.domain in ("", "ai.onnx") and node.input and node.input[0] in layout:
+    if (node.op_type == "Reshape" and node.domain in ("", "ai.onnx") and len(node.input) > 1
+            and node.input[0] in layout and node.input[1] not in layout):   # (a shape from the values: no)
         src = node.input[0]
         if layout[src] and _keeps_rank2_shape(ctx, node):
             return ctx.operand(src, what), True
