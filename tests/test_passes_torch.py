@@ -202,7 +202,6 @@ def test_flatten_between_linears_is_one_chain(tmp_path, dynamo):
     assert c.activation_labels() == ["relu", "relu", "id"]
 
 
-
 @pytest.mark.parametrize("block", ["mlp", "norm_residual", "residual"])
 @pytest.mark.parametrize("dynamo", [False, True])
 def test_hf_conv1d_mlp_is_one_chain(tmp_path, dynamo, block):

@@ -53,7 +53,7 @@ import onnx
 from .. import expr as ex
 from ..expr import Const, Expr, Op, Var
 from .constants import FLOAT_TYPES, ORT_DOMAIN, GraphIndex, elem_name
-from .regroup import ends_in, shape_feeders, shape_only
+from .regroup import ends_in, shape_feeders, shape_reader
 
 NOT_PER_CHANNEL = "does not broadcast per channel"
 ORT_ACTIVATIONS = ("Gelu", "QuickGelu", "FastGelu", "BiasGelu")   # ONNX Runtime's contrib ops
@@ -455,7 +455,7 @@ def affine_step(ix: GraphIndex, i: int, width: int) -> tuple[str, object, object
 def match_activation(ix: GraphIndex, value: str, width: int | None = None, strict: bool = False) -> Activation:
     """The activation applied to tensor `value` (a linear layer's output of `width` features; None:
     its inferred shape's last dimension, if known). Its tensors may be read by Shape nodes whose results
-    only ever become Reshape shapes (regroup.shape_only), which the chain must then take with it or find
+    only ever become Reshape shapes (regroup.shape_reader), which the chain must then take with it or find
     chains checks it cannot (regroup.reads_removed); `strict`: only by those computing the activation's
     own Reshapes' shapes."""
     if width is None:
@@ -537,8 +537,8 @@ def _closed(ix: GraphIndex, t: str, value: str, anc: set[int], shape_nodes: set[
         if u in ix.graph_outputs:
             return False
         for j in ix.users(u):
-            if j not in anc and not (ix.node(j).op_type == "Shape" and (j in shape_nodes or
-                                                                       not strict and shape_only(ix, j))):
+            if j not in anc and not ((j in shape_nodes and ix.node(j).op_type == "Shape")
+                                     or (not strict and shape_reader(ix, j))):
                 return False
     return True
 

@@ -30,7 +30,7 @@ import numpy as np
 
 from ..spec import NORM_KINDS
 from .constants import GraphIndex
-from .regroup import shape_only
+from .regroup import shape_reader
 
 NORM_OPS = {"LayerNormalization": "layernorm", "RMSNormalization": "rmsnorm",
             "SimplifiedLayerNormalization": "rmsnorm"}
@@ -322,7 +322,7 @@ def _norm_feeds_only(ix: GraphIndex, norm: NormMatch, entries: set[int], shape_r
     if t in ix.graph_outputs:
         raise BlockRefusal(f"the normalised tensor '{t}' is also a graph output")
     others = [u for u in ix.users(t) if u not in entries
-              and not (shape_readers and ix.node(u).op_type == "Shape" and shape_only(ix, u))]
+              and not (shape_readers and shape_reader(ix, u))]
     if others:
         names = ", ".join(ix.describe(u) for u in others[:3]) + (", ..." if len(others) > 3 else "")
         raise BlockRefusal(f"the normalised tensor '{t}' also feeds {names}")

@@ -76,8 +76,11 @@ _SHAPE_ARITHMETIC = ("Gather", "Slice", "Squeeze", "Unsqueeze", "Concat", "Cast"
                      "Div", "ReduceProd")
 
 
-def shape_only(ix: GraphIndex, i: int) -> bool:
-    """Whether node i's outputs, through shape arithmetic only, end as Reshape shapes and nowhere else."""
+def shape_reader(ix: GraphIndex, i: int) -> bool:
+    """Whether node i is a Shape (it reads no values) whose outputs, through shape arithmetic only, end as
+    Reshape shapes and nowhere else."""
+    if ix.node(i).op_type != "Shape":
+        return False
     stack, seen = [i], set()
     while stack:
         j = stack.pop()
@@ -140,4 +143,4 @@ def regroup_ends(ix: GraphIndex, first_input: str, entries: set[int], out: str, 
     return RegroupEnds(src, back, [p, q])
 
 
-__all__ = ["RegroupEnds", "ends_in", "reads_removed", "regroup_ends", "shape_feeders", "shape_only"]
+__all__ = ["RegroupEnds", "ends_in", "reads_removed", "regroup_ends", "shape_feeders", "shape_reader"]

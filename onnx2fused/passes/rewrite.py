@@ -299,16 +299,14 @@ def rewrite(model: onnx.ModelProto, plan: FusionPlan, specs: list[MLPSpec]) -> o
         elif i not in remove:
             kept.append((i, n))
 
-    # Drop the nodes that only the removed nodes used (folded constants, the Shape -> Gather -> Concat
-    # nodes computing a Reshape's shape from a tensor the chain keeps); nodes the graph already left
-    # unused stay as they were.
+    # Drop folded constant producers that only the removed nodes used.
+    const_nodes = set(ix.const_producers.values())
     while True:
         reads = {o.name for o in g.output}
         for _, n in kept:
             reads |= node_reads(n)
         dead = [j for j, (i, n) in enumerate(kept)
-                if i is not None and any(ix.users(o) for o in n.output if o)
-                and not any(o in reads for o in n.output if o)]
+                if i in const_nodes and ix.users(n.output[0]) and n.output[0] not in reads]
         if not dead:
             break
         kept = [x for j, x in enumerate(kept) if j not in set(dead)]
