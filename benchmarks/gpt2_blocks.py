@@ -51,19 +51,19 @@ class GPT2FFN(nn.Module):
         super().__init__()
         self.c_fc, self.c_proj = Conv1D(width, hidden), Conv1D(hidden, width)
         self.ln_2 = nn.LayerNorm(width, eps=1e-5) if norm else None
-        self.residual = residual
+        self.residual, self.width = residual, width
 
     def forward(self, x):
         h = self.c_proj(gelu_new(self.c_fc(self.ln_2(x) if self.ln_2 is not None else x)))
         return x + h if self.residual else h
 
 
-def export(module: nn.Module, path: Path, dynamo: bool, example: tuple[int, int] = (2, 7)) -> Path:
-    """`module` exported with batch and sequence dynamic (as HF models are), input 'x', by the TorchScript
-    exporter (opset 17) or the dynamo one."""
-    module.eval()
-    width = module.c_fc.weight.shape[0]
-    x = torch.randn(example[0], example[1], width)
+def export(module: nn.Module, path: Path, dynamo: bool, example: tuple[int, int] = (2, 7),
+           dtype: torch.dtype = torch.float32) -> Path:
+    """`module` (its input `module.width` features wide) in `dtype`, exported with batch and sequence
+    dynamic (as HF models are), input 'x', by the TorchScript exporter (opset 17) or the dynamo one."""
+    module.eval().to(dtype)
+    x = torch.randn(example[0], example[1], module.width).to(dtype)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if dynamo:

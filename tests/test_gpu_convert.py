@@ -317,6 +317,28 @@ def test_first_run_after_fresh_convert_is_not_slower(tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["ts", "dynamo"])
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+@pytest.mark.parametrize("style", ["llama", "gemma"])
+def test_hf_rmsnorm_blocks_fuse_whole(style, dtype, kind, cache, tmp_path):
+    """LLaMA's and Gemma's FFN block with HF's RMSNorm code (normalised in float32, rounded back to the
+    model's type before or after the weight; the float32 TorchScript export keeps its Casts to float):
+    one fused node reading x, matching stock on the CUDA EP, in a float16 and a float32 model."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import torch
+    from hf_rmsnorm_blocks import GatedFFN
+    from gpt2_blocks import export
+
+    torch.manual_seed(6)
+    src = export(GatedFFN(64, 172, style), tmp_path / f"{style}.{kind}.onnx", kind == "dynamo",
+                 dtype=getattr(torch, dtype))
+    res = check_defaults(src, tmp_path / "m.onnx", cache,
+                         lambda rng: {"x": rng.standard_normal((3, 347, 64)).astype(dtype)})
+    (c,) = res.chains
+    fused = onnx.load(str(res.output_path))
+    assert [(n.domain, list(n.input[:1])) for n in fused.graph.node] == [(DOMAIN, ["x"])]
+
+
+@pytest.mark.parametrize("kind", ["ts", "dynamo"])
 @pytest.mark.parametrize("name", ["gpt2_mlp", "gpt2_ffn"])
 def test_gpt2_conv1d_blocks_fuse_whole(name, kind, cache, tmp_path):
     """GPT-2's MLP as HF's Conv1D writes it (views around each addmm, the tanh GELU between them) is one

@@ -40,9 +40,10 @@ def _layernorm(g, x, axis=-1, bias=True, name="ln"):
     return g.op("LayerNormalization", ins, name=name, axis=axis, epsilon=1e-3)
 
 
-def _rms(g, x, form="dynamo", weight=True, axes=(-1,), exponent=2.0, swap=False):
+def _rms(g, x, form="dynamo", weight=True, axes=(-1,), exponent=2.0, swap=False, cast=None):
     """The hand-written RMSNorm's ops: Pow, ReduceMean, Add(eps), Sqrt, then Reciprocal + Mul (dynamo),
-    Div(1, .) + Mul (legacy exporter) or Div(x, .) (`div`); then Mul(weight), operands swapped with `swap`."""
+    Div(1, .) + Mul (legacy exporter) or Div(x, .) (`div`); then [Cast(to=cast)] and Mul(weight), operands
+    swapped with `swap`."""
     sq = g.op("Pow", [x, g.init(np.array(exponent, np.float32))], name="pow")
     if g.opset >= 18:
         mean = g.op("ReduceMean", [sq, g.init(np.array(axes, np.int64))], name="mean", keepdims=1)
@@ -55,8 +56,10 @@ def _rms(g, x, form="dynamo", weight=True, axes=(-1,), exponent=2.0, swap=False)
         r = (g.op("Reciprocal", [s], name="rsqrt") if form == "dynamo"
              else g.op("Div", [g.init(np.array(1.0, np.float32)), s], name="rsqrt"))
         h = g.op("Mul", [x, r], name="scale")
+    if cast is not None:
+        h = g.op("Cast", [h], name="to_input_dtype", to=cast)
     if weight:
-        w = g.init((1 + 0.1 * g.rng.standard_normal(K)).astype(np.float32))
+        w = g.init((1 + 0.1 * g.rng.standard_normal(K)).astype(np.float32 if cast in (None, 1) else np.float64))
         h = g.op("Mul", [w, h] if swap else [h, w], name="weight")
     return h
 
@@ -140,6 +143,88 @@ def test_rmsnorm_decomposed(form, opset, swap):
     assert c.norm.eps == pytest.approx(1e-6) and c.norm.bias is None
     spec = check_fallback(m)
     assert "_rms_relu_id_res_" in spec.name
+
+
+def test_rmsnorm_with_a_same_type_cast_before_its_weight():
+    """HF's LLaMA / Qwen2 / Mistral RMSNorm, `weight * h.to(input_dtype)`: the TorchScript exporter keeps the
+    Cast to float of a float32 model, which goes with the norm; a Cast to another type is no norm's."""
+    for form in ("legacy", "dynamo"):
+        m = block(norm=lambda g, x: _rms(g, x, form=form, cast=onnx.TensorProto.FLOAT))
+        plan, c = one_chain(m)
+        assert plan.refusals == [] and c.norm.kind == "rmsnorm" and c.residual and c.input == "x", form
+        assert "_rms_relu_id_res_" in check_fallback(m).name
+
+    def widened(g, x):
+        h = _rms(g, x, cast=onnx.TensorProto.DOUBLE)
+        return g.op("Cast", [h], name="back", to=onnx.TensorProto.FLOAT)
+    plan = find_chains(block(norm=widened))
+    assert plan.chains[0].norm is None and not plan.chains[0].residual
+
+    def cast_also_output(g, names):
+        return [(next(n.output[0] for n in g.nodes if n.op_type == "Cast"), ["B", K])]
+    m = block(norm=lambda g, x: _rms(g, x, cast=onnx.TensorProto.FLOAT), extra=cast_also_output)
+    plan = find_chains(m)
+    assert plan.chains[0].norm is None
+    assert "the RMS norm's intermediate" in plan.refusals[0].reason and "graph output" in plan.refusals[0].reason
+
+
+@pytest.mark.parametrize("adds", ["cast", "x"])
+def test_rmsnorm_of_a_same_type_cast_of_x(adds):
+    """HF's RMSNorm starts with x.to(float32): in a float32 model the block takes that Cast and reads x,
+    whether the residual adds the Cast's output (as the TorchScript exporter writes it) or x itself."""
+    def cast_then_rms(g, x):
+        c = g.op("Cast", [x], name="to_float", to=onnx.TensorProto.FLOAT, outputs=["xc"])
+        return _rms(g, c, form="legacy", cast=onnx.TensorProto.FLOAT)
+    m = block(norm=cast_then_rms, add_other="xc" if adds == "cast" else None)
+    plan, c = one_chain(m)
+    assert plan.refusals == [] and c.input == "x" and c.residual and c.norm.kind == "rmsnorm"
+    check_fallback(m)
+
+    def cast_read_elsewhere(g, names):   # the Cast's output is also a graph output: it stays, the chain reads it
+        return [("xc", ["B", K])]
+    m = block(norm=cast_then_rms, extra=cast_read_elsewhere)
+    plan, c = one_chain(m)
+    assert plan.refusals == [] and c.input != "x" and c.residual and c.norm.kind == "rmsnorm"
+
+
+def _fp16_block(where="before_weight", upcast=True):
+    """An fp16 block with HF's RMSNorm as an fp16 model writes it: x.to(float32), the norm in float32, then
+    rounded to fp16 before the weight (LLaMA, Qwen2: `where`="before_weight") or after it (Gemma:
+    "after_weight"); `upcast`=False normalises a float32 value computed from x's copy (not a copy itself)."""
+    f16, f32 = onnx.TensorProto.FLOAT16, onnx.TensorProto.FLOAT
+    g = G(opset=17, seed=5)
+    xf = g.op("Cast", ["x"], name="up", to=f32)
+    if not upcast:
+        xf = g.op("Relu", [xf], name="relu32")
+    h = _rms(g, xf, form="legacy", weight=False)
+    w = (1 + 0.1 * g.rng.standard_normal(K))
+    if where == "before_weight":
+        h = g.op("Mul", [g.init(w.astype(np.float16)), g.op("Cast", [h], name="down", to=f16)], name="weight")
+    else:
+        h = g.op("Cast", [g.op("Mul", [h, g.init(w.astype(np.float32))], name="weight")], name="down", to=f16)
+    y = g.linear(g.op("Relu", [g.linear(h, K, H, name="fc1", dtype=np.float16)], name="act"), H, K, name="fc2",
+                 dtype=np.float16)
+    g.op("Add", [y, "x"], name="res", outputs=["y"])
+    return g.model([("x", ["B", K])], [("y", ["B", K])], elem=onnx.TensorProto.FLOAT16)
+
+
+@pytest.mark.parametrize("where", ["before_weight", "after_weight"])
+def test_rmsnorm_of_an_fp16_model(where):
+    """The norm (both Casts with it) and the residual of x join the chain, which reads and writes fp16;
+    the function body computes in float32 what the fp16 graph computes with its roundings."""
+    m = _fp16_block(where)
+    plan, c = one_chain(m)
+    assert plan.refusals == [] and c.input == "x" and c.output == "y" and c.residual and c.norm.kind == "rmsnorm"
+    plan, specs, r = fuse(m)
+    assert [n.domain for n in r.graph.node] == [DOMAIN] and specs[0].io_dtype == "f16"
+    x = (rand([37, K], seed=3, scale=2.0) + 0.5).astype(np.float16)
+    ref, got = run(m, {"x": x})[0], run(r, {"x": x})[0]
+    assert got.dtype == np.float16 and np.abs(ref).max() > 0
+    np.testing.assert_allclose(got.astype(np.float32), ref.astype(np.float32), rtol=2e-2, atol=2e-2)
+
+    m = _fp16_block(where, upcast=False)   # relu of x's float32 copy: rounding its norm is not a norm of x
+    plan = find_chains(m)
+    assert plan.chains[0].norm is None and not plan.chains[0].residual
 
 
 def test_rmsnorm_without_weight_and_layernorm_without_bias_or_residual():
@@ -227,7 +312,8 @@ def test_zoo_blocks_from_both_exporters(name, norm, labels, kind):
 
 def test_torch_nn_layernorm_and_rmsnorm(tmp_path):
     """torch's own modules: nn.LayerNorm (both exporters: LayerNormalization) and nn.RMSNorm (dynamo:
-    the decomposed ops; the legacy exporter cannot export it)."""
+    the decomposed ops; the legacy exporter cannot export it), and HF's LLaMA RMSNorm (the legacy exporter
+    keeps its Cast to float)."""
     torch = pytest.importorskip("torch")
 
     class Block(torch.nn.Module):
@@ -238,10 +324,22 @@ def test_torch_nn_layernorm_and_rmsnorm(tmp_path):
         def forward(self, x):
             return x + self.b(torch.relu(self.a(self.norm(x))))
 
+    class LlamaRMSNorm(torch.nn.Module):   # as HF transformers writes it (LLaMA, Qwen2, Mistral)
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(K))
+
+        def forward(self, h):
+            dtype = h.dtype
+            h = h.to(torch.float32)
+            h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+            return self.weight * h.to(dtype)
+
     # (the legacy exporter below opset 17 writes nn.LayerNorm as its ops: ReduceMean, Sub, Pow, ...)
     cases = [(torch.nn.LayerNorm(K), True, "layernorm", 17), (torch.nn.LayerNorm(K), False, "layernorm", 17),
              (torch.nn.LayerNorm(K), False, "layernorm", 14), (torch.nn.LayerNorm(K), False, "layernorm", 11),
-             (torch.nn.RMSNorm(K, eps=1e-5), True, "rmsnorm", 17)]
+             (torch.nn.RMSNorm(K, eps=1e-5), True, "rmsnorm", 17), (LlamaRMSNorm(), False, "rmsnorm", 17),
+             (LlamaRMSNorm(), True, "rmsnorm", 17)]
     for i, (norm, dynamo, kind, opset) in enumerate(cases):
         path = tmp_path / f"b{i}.onnx"
         with torch.no_grad():
@@ -370,6 +468,25 @@ def test_residual_of_another_width():
     assert [r.reason for r in plan.refusals] == [
         END.format(y="y1") + "feeds Add 'res', not a residual of the block: the block's input 'x' has 8 features "
                              "and its output 1 (in != out width)"]
+
+
+def test_residual_shapes_by_symbol_names_and_known_sizes():
+    """Shape inference names fresh dims behind a Split ('unk__N': Phi-3's chunked gated layer from the
+    TorchScript exporter); other names than x's are no reason to refuse the residual, known sizes that
+    differ are (the Add broadcasts)."""
+    def with_layer_output_shape(dims, x_dims=("B", K)):
+        m = block(norm=None)
+        fc2 = next(n for n in m.graph.node if n.name == "res").input[0]
+        m.graph.input[0].CopyFrom(onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, list(x_dims)))
+        m.graph.value_info.append(onnx.helper.make_tensor_value_info(fc2, onnx.TensorProto.FLOAT, list(dims)))
+        return m, fc2
+    m, _ = with_layer_output_shape(["unk__3", K])
+    plan, c = one_chain(m)
+    assert plan.refusals == [] and c.residual
+    check_fallback(m)
+    m, fc2 = with_layer_output_shape([1, K], x_dims=(5, K))
+    assert _reasons(m) == [END.format(y=fc2) + "feeds Add 'res', not a residual of the block: shapes differ "
+                           f"([1, {K}] and [5, {K}]), the Add broadcasts"]
 
 
 # -- a library with CUDA kernels: the fused kernels take blocks, the wide design's chains keep them stock --

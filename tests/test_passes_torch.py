@@ -19,6 +19,7 @@ from onnx_builders import run  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from gpt2_blocks import GPT2FFN, export  # noqa: E402
+from hf_rmsnorm_blocks import GatedFFN  # noqa: E402
 
 ACTS = {
     "relu": (nn.ReLU, ex.relu()),
@@ -225,3 +226,27 @@ def test_hf_conv1d_mlp_is_one_chain(tmp_path, dynamo, block):
         xa = torch.randn(*shape).numpy()
         (a,), (b,) = run(m, {"x": xa}), run(r, {"x": xa})
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("style", ["llama", "gemma"])
+@pytest.mark.parametrize("dynamo", [False, True])
+def test_hf_rmsnorm_blocks_fuse_whole(tmp_path, dynamo, style, dtype):
+    """LLaMA's and Gemma's FFN block with HF's RMSNorm code (the norm in float32, rounded back to the
+    model's type before or after the weight): the norm with its Casts, the gated layer and the residual
+    are one fused node reading x, in a float32 and a float16 model; the rewritten model matches."""
+    torch.manual_seed(5)
+    m = load_model(export(GatedFFN(16, 40, style), tmp_path / "m.onnx", dynamo, dtype=getattr(torch, dtype)))
+    plan = find_chains(m)
+    (c,) = plan.chains
+    assert c.widths == (16, 40, 16) and c.norm is not None and c.norm.kind == "rmsnorm" and c.residual, plan.describe()
+    assert c.input == m.graph.input[0].name and plan.refusals == []
+    r = rewrite(m, plan, [c.to_spec("fp32")])
+    onnx.checker.check_model(r, full_check=True)
+    assert [n.domain for n in r.graph.node] == ["onnx2fused"]
+    tol = 1e-5 if dtype == "float32" else 2e-2
+    for shape in ((3, 5, 16), (1, 1, 16)):
+        xa = torch.randn(*shape).to(getattr(torch, dtype)).numpy()
+        (a,), (b,) = run(m, {"x": xa}), run(r, {"x": xa})
+        assert b.dtype == a.dtype
+        np.testing.assert_allclose(b.astype(np.float32), a.astype(np.float32), rtol=tol, atol=tol)

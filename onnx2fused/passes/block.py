@@ -11,7 +11,10 @@ where norm normalises the last (feature) axis of x, K0 wide, and is one of
         d = Sub(x, ReduceMean(x; axes=[-1])), s as below of d    below opset 17 (nn.LayerNorm)
     [Mul(., w)] of Mul(x, r) or Div(x, s)                      a hand-written (LLaMA) RMSNorm:
         s = Sqrt(Add(ReduceMean(Pow(x, 2) | Mul(x, x); axes=[-1]), eps)),
-        r = Reciprocal(s) (dynamo exporter) | Div(1, s) (legacy exporter),  w a constant [K0] (optional)
+        r = Reciprocal(s) (dynamo exporter) | Div(1, s) (legacy exporter),  w a constant [K0] (optional),
+        with a Cast to the same type allowed between the scaling and Mul(., w) (HF LLaMA / Qwen2 / Mistral)
+        or after Mul(., w) (Gemma); in a float16 / bfloat16 model that Cast rounds the float32 norm of
+        x' = Cast(x, to=float) back to x's type, and x' and its Cast go with the norm (which reads x)
 
 and the residual Add reads the last layer's output and the block's input (x; without a norm, the first
 layer's input), in either order, of the same shape. Either may come without the other.
@@ -27,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+import onnx
 
 from ..spec import NORM_KINDS
 from .constants import GraphIndex
@@ -35,6 +39,8 @@ from .regroup import shape_reader
 NORM_OPS = {"LayerNormalization": "layernorm", "RMSNormalization": "rmsnorm",
             "SimplifiedLayerNormalization": "rmsnorm"}
 DEFAULT_EPS = 1e-5  # the ONNX default of each norm op's epsilon attribute
+_NARROW = (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
+_FLOAT_TYPES = (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE) + _NARROW
 
 
 class BlockRefusal(Exception):
@@ -241,25 +247,71 @@ def _decomposed_layernorm(ix: GraphIndex, p: int, width: int) -> NormMatch | Non
                      sorted(rms.node_indices + [mean, sub] + ends))
 
 
-def _decomposed_rms(ix: GraphIndex, p: int, width: int) -> NormMatch | None:
-    """The hand-written RMSNorm ending at node p (see the module docstring), or None when p is not one."""
+def _same_type_cast(ix: GraphIndex, t: str) -> int | None:
+    """The Cast producing t from a value of t's own float type (a copy), None when t has no such producer.
+    HF's LLaMA-family RMSNorms end in `weight * h.to(input_dtype)`, which the TorchScript exporter keeps
+    as Cast(to=float) between the scaling and the weight in a float32 model."""
+    p = _producer(ix, t, ("Cast",))
+    if p is None:
+        return None
+    src = ix.types.get(ix.node(p).input[0])
+    return p if src is not None and src == ix.attr(p, "to") and src in _FLOAT_TYPES else None
+
+
+def _rounding_cast(ix: GraphIndex, t: str) -> int | None:
+    """The Cast producing t (16-bit) from a float32 value, None when t has no such producer: HF's
+    LLaMA-family RMSNorm in a float16 model normalises x.to(float32) and rounds back before its weight."""
+    p = _producer(ix, t, ("Cast",))
+    if p is None or ix.types.get(t) not in _NARROW or ix.types.get(ix.node(p).input[0]) != onnx.TensorProto.FLOAT:
+        return None
+    return p
+
+
+def _upcast_source(ix: GraphIndex, x: str, narrow: int) -> tuple[int, str] | None:
+    """(the Cast, its input) when x is Cast(to=float) of a tensor of the 16-bit type `narrow` (exact)."""
+    p = _producer(ix, x, ("Cast",))
+    if p is None or ix.attr(p, "to") != onnx.TensorProto.FLOAT:
+        return None
+    src = ix.node(p).input[0]
+    return (p, src) if ix.types.get(src) == narrow else None
+
+
+def _decomposed_rms(ix: GraphIndex, p: int, width: int, trailing: int | None = None) -> NormMatch | None:
+    """The hand-written RMSNorm ending at node p (see the module docstring), or None when p is not one.
+    `trailing`: a same-type or rounding Cast of p's output that ends the norm (Gemma's `.type_as(x)`)."""
     n = ix.node(p)
-    weight, scaling = None, _rms_scaling(ix, p)
+    weight, scaling, cast = None, _rms_scaling(ix, p), None
     split = _const_operand(ix, p) if scaling is None and n.op_type == "Mul" else None
-    q = None if split is None else _producer(ix, split[0], ("Mul", "Div"))
+    scaled = None if split is None else split[0]
+    if scaled is not None and ((cast := _same_type_cast(ix, scaled)) is not None
+                               or (cast := _rounding_cast(ix, scaled)) is not None):
+        scaled = ix.node(cast).input[0]
+    q = None if scaled is None else _producer(ix, scaled, ("Mul", "Div"))
     if q is not None and (s := _rms_scaling(ix, q)) is not None:
         weight, scaling = split[1], s
-    if scaling is None:
+    if scaling is None or (trailing is not None and cast is not None and weight is not None):
         return None
     try:
-        return _rms_of(ix, p, width, weight, scaling)
+        if trailing is not None:
+            return _rms_of(ix, p, width, weight, scaling, trailing, trailing=True)
+        return _rms_of(ix, p, width, weight, scaling, cast if weight is not None else None)
     except BlockRefusal as r:
         raise BlockRefusal(str(r), scaling[0], NORM_KINDS["rmsnorm"][1]) from None
 
 
-def _rms_of(ix: GraphIndex, p: int, width: int, weight: str | None, scaling) -> NormMatch | None:
+def _rms_of(ix: GraphIndex, p: int, width: int, weight: str | None, scaling, cast: int | None = None,
+            trailing: bool = False) -> NormMatch | None:
+    """`cast`: a same-type Cast between the scaling and the weight's Mul (p), or (`trailing`) after p, which
+    goes with the norm; or one rounding the float32 value to 16 bits, which needs x to be a float32 copy of a
+    16-bit tensor (that tensor and the Cast making the copy go with the norm too)."""
     n = ix.node(p)
     x, sqrt, nodes = scaling
+    upcast = None
+    if cast is not None and ix.types.get(ix.node(cast).output[0]) in _NARROW:
+        narrow = ix.types[ix.node(cast).output[0]]
+        upcast = _upcast_source(ix, x, narrow)
+        if upcast is None:
+            return None
     add = _producer(ix, ix.node(sqrt).input[0], ("Add",))
     if add is None:
         return None
@@ -287,13 +339,28 @@ def _rms_of(ix: GraphIndex, p: int, width: int, weight: str | None, scaling) -> 
     chain = [sq, mean, add, sqrt] + nodes[::-1]  # producer before user
     for a_, b_ in zip(chain, chain[1:]):
         _only_into(ix, ix.node(a_).output[0], b_)
+    if upcast is not None:
+        others = [u for u in ix.users(x) if u not in (sq, nodes[0])]
+        if x in ix.graph_outputs or others:
+            raise BlockRefusal(f"the RMS norm's float32 copy '{x}' also feeds "
+                               f"{ix.describe(others[0]) if others else 'the graph outputs'}")
+        chain.insert(0, upcast[0])
+        x = upcast[1]
     if weight is not None:
-        _only_into(ix, ix.node(nodes[0]).output[0], p)
+        if cast is not None and not trailing:
+            _only_into(ix, ix.node(nodes[0]).output[0], cast)
+            chain.append(cast)
+        _only_into(ix, ix.node(chain[-1]).output[0], p)
         scale = _vector(ix, weight, width, "weight", p)
         chain.append(p)
     else:
         scale = np.ones(width, np.float32)
-    return NormMatch("rmsnorm", float(np.float32(eps.reshape(()))), scale, None, x, n.output[0], sorted(chain))
+    out = n.output[0]
+    if trailing:
+        _only_into(ix, out, cast)
+        chain.append(cast)
+        out = ix.node(cast).output[0]
+    return NormMatch("rmsnorm", float(np.float32(eps.reshape(()))), scale, None, x, out, sorted(chain))
 
 
 def match_norm(ix: GraphIndex, t: str, width: int) -> NormMatch | None:
@@ -312,7 +379,10 @@ def match_norm(ix: GraphIndex, t: str, width: int) -> NormMatch | None:
         return layernorm
     if n.op_type in ("Mul", "Div"):
         return _decomposed_rms(ix, p, width)
-    return None
+    cast = _same_type_cast(ix, t) if n.op_type == "Cast" else None
+    cast = cast if cast is not None or n.op_type != "Cast" else _rounding_cast(ix, t)
+    q = None if cast is None else _producer(ix, n.input[0], ("Mul", "Div"))
+    return None if q is None else _decomposed_rms(ix, q, width, trailing=cast)
 
 
 def _norm_feeds_only(ix: GraphIndex, norm: NormMatch, entries: set[int], shape_readers: bool) -> None:
@@ -344,10 +414,15 @@ def _residual_add(ix: GraphIndex, out: str) -> tuple[int, str] | None:
 
 
 def _same_shape(ix: GraphIndex, a: str, b: str) -> bool:
+    """Whether the shapes of a and b may be equal: the same rank, no two known sizes that differ. Two
+    symbolic sizes of different names may be equal: a chain keeps its input's leading dims (regroup
+    ends check theirs), and shape inference names fresh 'unk__N' dims behind a Split (Phi-3's chunked
+    gated layer, TorchScript exporter) that are its input's again."""
     sa, sb = ix.shapes.get(a), ix.shapes.get(b)
     if sa is None or sb is None:
         return True  # unknown: the widths were checked; ORT checks the rest at run time
-    return len(sa) == len(sb) and all(u is None or v is None or u == v for u, v in zip(sa, sb))
+    return len(sa) == len(sb) and all(not isinstance(u, int) or not isinstance(v, int) or u == v
+                                      for u, v in zip(sa, sb))
 
 
 def _check_residual(ix: GraphIndex, add: int, other: str, out: str, block_in: str, skipped: BlockRefusal | None,
@@ -394,8 +469,12 @@ def find_block(ix: GraphIndex, first_input: str, entries: set[int], out: str, k0
     block_in = block.norm.input if block.norm is not None else first_input
     found = _residual_add(ix, out)
     if found is None:
+        _take_input_cast(ix, block)
         return block
     add, other = found
+    cast = None if block.norm is None else _same_type_cast(ix, block_in)
+    if cast is not None and other == ix.node(cast).input[0]:
+        other = block_in   # x.to(x's own type) normalised, x added: the same values
     if refused is not None and other in (block_in, skipped.norm_input if skipped is not None else block_in):
         block.end_reason = f"feeds {ix.describe(add)}: " + refused.format(what="residual Add behind")
         return block
@@ -405,7 +484,21 @@ def find_block(ix: GraphIndex, first_input: str, entries: set[int], out: str, k0
         block.end_reason = str(r)
         return block
     block.residual, block.output = add, ix.node(add).output[0]
+    _take_input_cast(ix, block)
     return block
+
+
+def _take_input_cast(ix: GraphIndex, block: Block) -> None:
+    """HF's LLaMA-family RMSNorm starts with x.to(float32), a Cast to x's own type in a float32 model that
+    the TorchScript exporter keeps and the residual then reads too: the block takes it and reads x."""
+    norm = block.norm
+    cast = None if norm is None else _same_type_cast(ix, norm.input)
+    if cast is None or norm.input in ix.graph_outputs:
+        return
+    inside = set(norm.node_indices) | ({block.residual} if block.residual is not None else set())
+    if set(ix.users(norm.input)) <= inside:
+        norm.input = ix.node(cast).input[0]
+        norm.node_indices = sorted(norm.node_indices + [cast])
 
 
 __all__ = ["Block", "BlockRefusal", "NormMatch", "find_block", "match_norm"]
