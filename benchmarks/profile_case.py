@@ -2,6 +2,8 @@
 launches): where a case's time goes, kernel by kernel.
 
     python benchmarks/profile_case.py dlrm [--runs 20] [--batch N] [--stock] [--fp16-model] [--out DIR] [--external]
+    python benchmarks/profile_case.py --model M.onnx [--batch N] [--stock] ...   (any model: input 'x', output
+        'y' or the model's one output; its first symbolic dim N rows, the others 1; --stock: M itself)
 
 --fp16-model profiles the fp16 copy ORT fp16 runs, converted (fp16 rows in and out: wide_cases.py's
 fused_fp16), in place of the fp32 model converted. --stock profiles stock ORT's fp16 copy of the same model beside it (bench.fp16_model_file), for the
@@ -30,7 +32,8 @@ from wide_cases import BLOCK_CASES, CASES, build_model  # noqa: E402
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("case", choices=list(CASES))
+    ap.add_argument("case", choices=list(CASES), nargs="?")
+    ap.add_argument("--model", help="profile this ONNX model (its own element type) instead of a case")
     ap.add_argument("--runs", type=int, default=20)
     ap.add_argument("--batch", type=int, help="the case's batch replaced")
     ap.add_argument("--stock", action="store_true", help="also profile stock ORT on the model's fp16 copy")
@@ -38,10 +41,14 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(ROOT / "build" / "bench" / "profile"))
     ap.add_argument("--external", action="store_true", help="no torch profiler: for Nsight Compute")
     a = ap.parse_args(argv)
-    widths, act, in_shape, batch, _ = CASES[a.case]
-    batch = a.batch or batch
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    if a.model:
+        return _profile_model(Path(a.model), a.batch or 256, out, a.runs, a.stock, a.external)
+    if a.case is None:
+        ap.error("name a case or --model")
+    widths, act, in_shape, batch, _ = CASES[a.case]
+    batch = a.batch or batch
     model = build_model(widths, act, in_shape, out / f"{a.case}.onnx", block=a.case in BLOCK_CASES)
     fp16_copy = bench.fp16_model_file(model, out / f"{a.case}.fp16.onnx") if a.fp16_model or a.stock else None
     src, io_type = (fp16_copy, torch.float16) if a.fp16_model else (model, torch.float32)
@@ -59,15 +66,34 @@ def main(argv=None) -> int:
     return 0
 
 
-def _profile(title: str, sess, shape: list, width_out: int, dtype, runs: int, external: bool = False) -> None:
+def _profile_model(model: Path, rows: int, out: Path, runs: int, stock: bool, external: bool) -> int:
+    import onnx
+    m = onnx.load(str(model), load_external_data=False)
+    dims = [d.dim_value if d.HasField("dim_value") else None for d in m.graph.input[0].type.tensor_type.shape.dim]
+    shape = [d if d is not None else (rows if i == dims.index(None) else 1) for i, d in enumerate(dims)]
+    dtype = torch.float16 if m.graph.input[0].type.tensor_type.elem_type == onnx.TensorProto.FLOAT16 else torch.float32
+    width_out = m.graph.output[0].type.tensor_type.shape.dim[-1].dim_value
+    fused, lib = bench.convert_model(model, out / model.stem, "fp16", with_cuda=True)
+    so = ort.SessionOptions()
+    so.register_custom_ops_library(str(lib))
+    _profile(f"{model.name} fused", ort.InferenceSession(str(fused), so, providers=["CUDAExecutionProvider"]),
+             shape, width_out, dtype, runs, external, names=(m.graph.input[0].name, m.graph.output[0].name))
+    if stock:
+        _profile(f"{model.name} stock", ort.InferenceSession(str(model), providers=["CUDAExecutionProvider"]),
+                 shape, width_out, dtype, runs, names=(m.graph.input[0].name, m.graph.output[0].name))
+    return 0
+
+
+def _profile(title: str, sess, shape: list, width_out: int, dtype, runs: int, external: bool = False,
+             names: tuple[str, str] = ("x", "y")) -> None:
     """Print the GPU time per run of each kernel `sess` launches, `runs` runs under torch's profiler
     (`external`: only run it `runs` times, for a profiler outside the process)."""
     np_type = np.float16 if dtype == torch.float16 else np.float32
     x = torch.randn(shape, device="cuda").to(dtype)
     y = torch.empty(list(shape[:-1]) + [width_out], device="cuda", dtype=dtype)
     io = sess.io_binding()
-    io.bind_input("x", "cuda", 0, np_type, list(x.shape), x.data_ptr())
-    io.bind_output("y", "cuda", 0, np_type, list(y.shape), y.data_ptr())
+    io.bind_input(names[0], "cuda", 0, np_type, list(x.shape), x.data_ptr())
+    io.bind_output(names[1], "cuda", 0, np_type, list(y.shape), y.data_ptr())
     for _ in range(5):
         sess.run_with_iobinding(io)
     torch.cuda.synchronize()

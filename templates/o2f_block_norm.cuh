@@ -219,3 +219,67 @@ __device__ __forceinline__ void norm_rows(const io_t* __restrict__ x, int64_t ro
     }
   }
 }
+
+// The wide design's norm pass for rows wider than a warp holds (norm_rows' lanes would each read more than
+// 8 pieces, K0 > 1024: LLaMA's 4096): a block of T threads per row, every piece held in registers (at most
+// 8 a thread up to K0 = 32768), the sums over the block through `red` (shared memory, 2 T / 32 floats).
+// One warp per row read each piece twice, one after another (the second time from L1 for the writes), and
+// left most of the GPU idle at a few hundred rows: 27.7 us for 256 rows of 4096 on an H200, against
+// ORT's 5.7 us for the same RMSNorm (RESULTS.md, thirty-eighth run). The arithmetic is norm_rows' with
+// its two passes over the held row; only the order of the row's sums differs.
+template <int T>
+__device__ __forceinline__ float norm_block_sum(float v, float* red) {
+  constexpr int W = T / 32;
+  v = norm_group_sum<32>(v);
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+  __syncthreads();
+  float t = 0.0f;   // every thread adds the warps' sums in the same order: the same bits everywhere
+#pragma unroll
+  for (int w = 0; w < W; ++w) t = __fadd_rn(t, red[w]);
+  return t;
+}
+
+template <int T, class Visit = NormNoVisit>
+__device__ __forceinline__ void norm_row_block(const io_t* __restrict__ x, int64_t row, elem_t* d, const float* params,
+                                               float* red, Visit visit = Visit()) {
+  constexpr int PER = (kNormPieces + T - 1) / T;
+  const int tid = threadIdx.x;
+  const bool vec = kNormK0 % 4 == 0 && (reinterpret_cast<uintptr_t>(x) % (4 * sizeof(io_t))) == 0;
+  const bool pvec = (reinterpret_cast<uintptr_t>(params) & 15) == 0;
+  const io_t* src = x + row * kNormK0;
+  norm_held_t held[PER];
+  float sum = 0.0f, sumsq = 0.0f;
+#pragma unroll
+  for (int p = 0; p < PER; ++p) {
+    const int q = tid + p * T;
+    held[p] = q < kNormPieces ? norm_load_held(src, q, vec) : norm_held_t{};
+    const float4 e = norm_shifted(norm_unhold(held[p]), 0.0f, q < kNormPieces, 4 * q);
+    sum = __fadd_rn(sum, __fadd_rn(__fadd_rn(e.x, e.y), __fadd_rn(e.z, e.w)));
+  }
+  const float md = kNormLayer ? __fdiv_rn(norm_block_sum<T>(sum, red), static_cast<float>(kNormK0)) : 0.0f;
+#pragma unroll
+  for (int p = 0; p < PER; ++p) {
+    const int q = tid + p * T;
+    sumsq = __fadd_rn(sumsq, norm_sq4(norm_shifted(norm_unhold(held[p]), md, q < kNormPieces, 4 * q)));
+  }
+  const float dv = __fdiv_rn(norm_block_sum<T>(sumsq, red + T / 32), static_cast<float>(kNormK0));
+  const float var = dv < 0.0f ? 0.0f : dv;
+  const float b = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(var, kNormEps)));
+#pragma unroll
+  for (int p = 0; p < PER; ++p) {
+    const int q = tid + p * T;
+    if (q >= kNormPieces) break;
+    const float4 e = norm_unhold(held[p]);
+    const int c = 4 * q;
+    visit(row, c, e);
+    const float4 sc = norm_params4(params, c, pvec);
+    const float4 nb = kNormBias ? norm_params4(params + kNormBiasOffset, c, pvec) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    const float v0 = norm_value(e.x, md, b, sc.x, nb.x);
+    const float v1 = c + 1 < kNormK0 ? norm_value(e.y, md, b, sc.y, nb.y) : 0.0f;
+    const float v2 = c + 2 < kNormK0 ? norm_value(e.z, md, b, sc.z, nb.z) : 0.0f;
+    const float v3 = c + 3 < kNormK0 ? norm_value(e.w, md, b, sc.w, nb.w) : 0.0f;
+    norm_store4(d + c, v0, v1, v2, v3);
+  }
+  constexpr int P0 = 4 * kNormPieces;   // the padded features past the last piece: zeros
+  for (int c = P0 + tid; c < kNormKP0; c += T) d[c] = to_elem(0.0f);
+}

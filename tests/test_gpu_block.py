@@ -255,15 +255,22 @@ def test_hand_built_block_on_cuda_ep(block, precision, design, cache_dir, tmp_pa
 
 # -- blocks in the wide design: the norm as its conversion pass, the residual as the last GEMM's source
 # operand (x's rows in a CUTLASS 3.x epilogue; y = x + b first for the 2.x ones and the GEMV path) --------
+# wide only: rows wider than a warp's lanes hold (K0 > 1024), a block of threads a row in the norm pass
+# (o2f_block_norm.cuh, norm_row_block): 2050 (128 threads, 513 pieces: the last thread's one, the scalar
+# loads and 2 padded features), LLaMA-7B's 4096 in fp16 with its RMS norm (128 threads, 8 pieces each),
+# 5000 (256 threads)
+WIDE_ONLY = {"k2050_ln": dict(k=2050, h=256, norm="layernorm"),
+             "k4096_rms_f16": dict(k=4096, h=256, norm="rmsnorm", f16=True, act="Sigmoid"),
+             "k5000_ln_swiglu": dict(k=5000, h=128, norm="layernorm", gated=True)}
 WIDE_BLOCKS = ["k40_ln", "k40_ln_nobias_no_residual", "k72_rms", "k72_residual_alone", "k40_rms_swiglu", "k40_ln_f16",
-               "k30_ln"]
+               "k30_ln", *WIDE_ONLY]
 WIDE_RUNS = [(b, p) for b in WIDE_BLOCKS for p in ("fp16", "bf16")]
 
 
 @pytest.mark.parametrize("block,precision", WIDE_RUNS, ids=[f"{b}-{p}" for b, p in WIDE_RUNS])
 def test_hand_built_block_in_the_wide_design(block, precision, cache_dir, tmp_path):
     src = tmp_path / f"{block}.onnx"
-    onnx.save(block_model(**BLOCKS[block]), str(src))
+    onnx.save(block_model(**{**BLOCKS, **WIDE_ONLY}[block]), str(src))
     fused, lib, chain = _fuse(src, precision, "wide", cache_dir, tmp_path / "fused.onnx")
     # 1 and 16 rows: the GEMV path; 17 and more the GEMMs, 70001 in several passes
     check_block(src, fused, lib, chain, precision, (0, 1, 16, 17, 4099, 70001), label=f"{block} wide")
