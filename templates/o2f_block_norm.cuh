@@ -136,6 +136,19 @@ __device__ __forceinline__ void norm_store4(E* p, float v0, float v1, float v2, 
   store2(p + 2, v2, v3);
 }
 
+// Features [c, c + 4) of a row (e, as read) normalised (`a`, `b`: norm_value's) into p = the row's d + c; zeros
+// past K0, and everywhere in a row past the batch (`live` false).
+__device__ __forceinline__ void norm_write4(elem_t* p, int c, const float4& e, float a, float b, const float* params,
+                                            bool pvec, bool live) {
+  const float4 sc = norm_params4(params, c, pvec);
+  const float4 nb = kNormBias ? norm_params4(params + kNormBiasOffset, c, pvec) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  const float v0 = live ? norm_value(e.x, a, b, sc.x, nb.x) : 0.0f;
+  const float v1 = live && c + 1 < kNormK0 ? norm_value(e.y, a, b, sc.y, nb.y) : 0.0f;
+  const float v2 = live && c + 2 < kNormK0 ? norm_value(e.z, a, b, sc.z, nb.z) : 0.0f;
+  const float v3 = live && c + 3 < kNormK0 ? norm_value(e.w, a, b, sc.w, nb.w) : 0.0f;
+  norm_store4(p, v0, v1, v2, v3);
+}
+
 // What norm_rows shows each piece it read besides normalising it: nothing by default; the wide design's
 // norm pass writes the residual's y = x + b from it (cuda_wide.cu.j2), so x is read once.
 struct NormNoVisit {
@@ -201,13 +214,7 @@ __device__ __forceinline__ void norm_rows(const io_t* __restrict__ x, int64_t ro
                                  : (live ? norm_piece(src, q, vec) : make_float4(0.0f, 0.0f, 0.0f, 0.0f));
       const int c = 4 * q;
       if (live) visit(row0 + r, c, e);
-      const float4 sc = norm_params4(params, c, pvec);
-      const float4 nb = kNormBias ? norm_params4(params + kNormBiasOffset, c, pvec) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-      const float v0 = live ? norm_value(e.x, a, b, sc.x, nb.x) : 0.0f;
-      const float v1 = live && c + 1 < kNormK0 ? norm_value(e.y, a, b, sc.y, nb.y) : 0.0f;
-      const float v2 = live && c + 2 < kNormK0 ? norm_value(e.z, a, b, sc.z, nb.z) : 0.0f;
-      const float v3 = live && c + 3 < kNormK0 ? norm_value(e.w, a, b, sc.w, nb.w) : 0.0f;
-      norm_store4(d + c, v0, v1, v2, v3);
+      norm_write4(d + c, c, e, a, b, params, pvec, live);
     }
   }
   // the padded features past the last piece: zeros (P: at least 1, so the division below is never by 0)
@@ -272,13 +279,7 @@ __device__ __forceinline__ void norm_row_block(const io_t* __restrict__ x, int64
     const float4 e = norm_unhold(held[p]);
     const int c = 4 * q;
     visit(row, c, e);
-    const float4 sc = norm_params4(params, c, pvec);
-    const float4 nb = kNormBias ? norm_params4(params + kNormBiasOffset, c, pvec) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    const float v0 = norm_value(e.x, md, b, sc.x, nb.x);
-    const float v1 = c + 1 < kNormK0 ? norm_value(e.y, md, b, sc.y, nb.y) : 0.0f;
-    const float v2 = c + 2 < kNormK0 ? norm_value(e.z, md, b, sc.z, nb.z) : 0.0f;
-    const float v3 = c + 3 < kNormK0 ? norm_value(e.w, md, b, sc.w, nb.w) : 0.0f;
-    norm_store4(d + c, v0, v1, v2, v3);
+    norm_write4(d + c, c, e, md, b, params, pvec, true);
   }
   constexpr int P0 = 4 * kNormPieces;   // the padded features past the last piece: zeros
   for (int c = P0 + tid; c < kNormKP0; c += T) d[c] = to_elem(0.0f);

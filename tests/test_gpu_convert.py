@@ -324,7 +324,6 @@ def test_hf_rmsnorm_blocks_fuse_whole(style, dtype, kind, cache, tmp_path):
     model's type before or after the weight; the float32 TorchScript export keeps its Casts to float):
     one fused node reading x, matching stock on the CUDA EP, in a float16 and a float32 model."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    import torch
     from hf_rmsnorm_blocks import GatedFFN
     from gpt2_blocks import export
 

@@ -30,17 +30,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
-import onnx
 
 from ..spec import NORM_KINDS
+from .casts import NARROW, rounding_cast, same_type_cast, upcast_source
 from .constants import GraphIndex
 from .regroup import shape_reader
 
 NORM_OPS = {"LayerNormalization": "layernorm", "RMSNormalization": "rmsnorm",
             "SimplifiedLayerNormalization": "rmsnorm"}
 DEFAULT_EPS = 1e-5  # the ONNX default of each norm op's epsilon attribute
-_NARROW = (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
-_FLOAT_TYPES = (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE) + _NARROW
 
 
 class BlockRefusal(Exception):
@@ -247,33 +245,11 @@ def _decomposed_layernorm(ix: GraphIndex, p: int, width: int) -> NormMatch | Non
                      sorted(rms.node_indices + [mean, sub] + ends))
 
 
-def _same_type_cast(ix: GraphIndex, t: str) -> int | None:
-    """The Cast producing t from a value of t's own float type (a copy), None when t has no such producer.
-    HF's LLaMA-family RMSNorms end in `weight * h.to(input_dtype)`, which the TorchScript exporter keeps
-    as Cast(to=float) between the scaling and the weight in a float32 model."""
-    p = _producer(ix, t, ("Cast",))
-    if p is None:
-        return None
-    src = ix.types.get(ix.node(p).input[0])
-    return p if src is not None and src == ix.attr(p, "to") and src in _FLOAT_TYPES else None
-
-
-def _rounding_cast(ix: GraphIndex, t: str) -> int | None:
-    """The Cast producing t (16-bit) from a float32 value, None when t has no such producer: HF's
-    LLaMA-family RMSNorm in a float16 model normalises x.to(float32) and rounds back before its weight."""
-    p = _producer(ix, t, ("Cast",))
-    if p is None or ix.types.get(t) not in _NARROW or ix.types.get(ix.node(p).input[0]) != onnx.TensorProto.FLOAT:
-        return None
-    return p
-
-
-def _upcast_source(ix: GraphIndex, x: str, narrow: int) -> tuple[int, str] | None:
-    """(the Cast, its input) when x is Cast(to=float) of a tensor of the 16-bit type `narrow` (exact)."""
-    p = _producer(ix, x, ("Cast",))
-    if p is None or ix.attr(p, "to") != onnx.TensorProto.FLOAT:
-        return None
-    src = ix.node(p).input[0]
-    return (p, src) if ix.types.get(src) == narrow else None
+def _norm_cast(ix: GraphIndex, t: str) -> int | None:
+    """The Cast producing t that an RMS norm may hold (HF's LLaMA-family code, `h.to(input_dtype)`): a copy
+    to t's own type (a float32 TorchScript export keeps them), or a rounding of float32 to 16 bits."""
+    cast = same_type_cast(ix, t)
+    return cast if cast is not None else rounding_cast(ix, t)
 
 
 def _decomposed_rms(ix: GraphIndex, p: int, width: int, trailing: int | None = None) -> NormMatch | None:
@@ -283,8 +259,7 @@ def _decomposed_rms(ix: GraphIndex, p: int, width: int, trailing: int | None = N
     weight, scaling, cast = None, _rms_scaling(ix, p), None
     split = _const_operand(ix, p) if scaling is None and n.op_type == "Mul" else None
     scaled = None if split is None else split[0]
-    if scaled is not None and ((cast := _same_type_cast(ix, scaled)) is not None
-                               or (cast := _rounding_cast(ix, scaled)) is not None):
+    if scaled is not None and (cast := _norm_cast(ix, scaled)) is not None:
         scaled = ix.node(cast).input[0]
     q = None if scaled is None else _producer(ix, scaled, ("Mul", "Div"))
     if q is not None and (s := _rms_scaling(ix, q)) is not None:
@@ -307,9 +282,9 @@ def _rms_of(ix: GraphIndex, p: int, width: int, weight: str | None, scaling, cas
     n = ix.node(p)
     x, sqrt, nodes = scaling
     upcast = None
-    if cast is not None and ix.types.get(ix.node(cast).output[0]) in _NARROW:
+    if cast is not None and ix.types.get(ix.node(cast).output[0]) in NARROW:
         narrow = ix.types[ix.node(cast).output[0]]
-        upcast = _upcast_source(ix, x, narrow)
+        upcast = upcast_source(ix, x, narrow)
         if upcast is None:
             return None
     add = _producer(ix, ix.node(sqrt).input[0], ("Add",))
@@ -379,8 +354,7 @@ def match_norm(ix: GraphIndex, t: str, width: int) -> NormMatch | None:
         return layernorm
     if n.op_type in ("Mul", "Div"):
         return _decomposed_rms(ix, p, width)
-    cast = _same_type_cast(ix, t) if n.op_type == "Cast" else None
-    cast = cast if cast is not None or n.op_type != "Cast" else _rounding_cast(ix, t)
+    cast = _norm_cast(ix, t)
     q = None if cast is None else _producer(ix, n.input[0], ("Mul", "Div"))
     return None if q is None else _decomposed_rms(ix, q, width, trailing=cast)
 
@@ -472,7 +446,7 @@ def find_block(ix: GraphIndex, first_input: str, entries: set[int], out: str, k0
         _take_input_cast(ix, block)
         return block
     add, other = found
-    cast = None if block.norm is None else _same_type_cast(ix, block_in)
+    cast = None if block.norm is None else same_type_cast(ix, block_in)
     if cast is not None and other == ix.node(cast).input[0]:
         other = block_in   # x.to(x's own type) normalised, x added: the same values
     if refused is not None and other in (block_in, skipped.norm_input if skipped is not None else block_in):
@@ -492,7 +466,7 @@ def _take_input_cast(ix: GraphIndex, block: Block) -> None:
     """HF's LLaMA-family RMSNorm starts with x.to(float32), a Cast to x's own type in a float32 model that
     the TorchScript exporter keeps and the residual then reads too: the block takes it and reads x."""
     norm = block.norm
-    cast = None if norm is None else _same_type_cast(ix, norm.input)
+    cast = None if norm is None else same_type_cast(ix, norm.input)
     if cast is None or norm.input in ix.graph_outputs:
         return
     inside = set(norm.node_indices) | ({block.residual} if block.residual is not None else set())

@@ -25,9 +25,9 @@ from __future__ import annotations
 import onnx
 
 from .activations import Activation
-from .constants import GraphIndex
+from .constants import FLOAT_TYPES, GraphIndex
 
-_NARROW = (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
+NARROW = (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)   # the 16-bit float types
 
 
 def _cast_to(ix: GraphIndex, i: int | None) -> int | None:
@@ -56,15 +56,36 @@ def trim_output_casts(ix: GraphIndex, act: Activation, want: int) -> Activation 
     return Activation(act.expr, idx, names, out, act.rejected)
 
 
-def rounding_input_cast(ix: GraphIndex, t: str, readers: set[int]) -> int | None:
-    """The Cast producing t (a 16-bit value read only by `readers`: the first layer, or the scale and
-    shift in front of it) from a float32 value: the node's index, else None."""
+def rounding_cast(ix: GraphIndex, t: str) -> int | None:
+    """The Cast producing t (a 16-bit value) from a float32 value: the node's index, else None."""
     p = ix.producer.get(t)
-    if ix.types.get(t) not in _NARROW or _cast_to(ix, p) is None:
-        return None
-    if t in ix.graph_outputs or not set(ix.users(t)) <= readers:
+    if ix.types.get(t) not in NARROW or _cast_to(ix, p) is None:
         return None
     return p if ix.types.get(ix.node(p).input[0]) == onnx.TensorProto.FLOAT else None
 
 
-__all__ = ["rounding_input_cast", "trim_output_casts"]
+def rounding_input_cast(ix: GraphIndex, t: str, readers: set[int]) -> int | None:
+    """The Cast producing t (a 16-bit value read only by `readers`: the first layer, or the scale and
+    shift in front of it) from a float32 value: the node's index, else None."""
+    if t in ix.graph_outputs or not set(ix.users(t)) <= readers:
+        return None
+    return rounding_cast(ix, t)
+
+
+def same_type_cast(ix: GraphIndex, t: str) -> int | None:
+    """The Cast producing t from a value of t's own float type (a copy): the node's index, else None."""
+    p = ix.producer.get(t)
+    to = _cast_to(ix, p)
+    return p if to in FLOAT_TYPES and ix.types.get(ix.node(p).input[0]) == to else None
+
+
+def upcast_source(ix: GraphIndex, x: str, narrow: int) -> tuple[int, str] | None:
+    """(the Cast, its input) when x is Cast(to=float) of a tensor of the 16-bit type `narrow` (exact)."""
+    p = ix.producer.get(x)
+    if _cast_to(ix, p) != onnx.TensorProto.FLOAT:
+        return None
+    src = ix.node(p).input[0]
+    return (p, src) if ix.types.get(src) == narrow else None
+
+
+__all__ = ["rounding_cast", "rounding_input_cast", "same_type_cast", "trim_output_casts", "upcast_source"]
