@@ -99,6 +99,12 @@ CASES = {
     "ffn192": (mlp([192, 256, 192], ex.gelu_erf()), 2**19),   # ... at widths of whole 64-column chunks
     "block72_rms_1m": (mlp([72, 120, 72], ex.silu(), "bf16", norm=RMS, residual=True), 2**20),   # ... whole rows
     "block48_gres": (mlp([48, 96, 48], [ex.relu(), ex.silu()], "bf16", norm=RMS, residual=True, gated={1}), 100003),
+    # NeRF's MLP past its skip Concat (319 = 256 + 63 input features: a first layer wider than WIDTH_MAX,
+    # rows not 16-byte aligned) and its view head (283 = 256 + 27), and a 320-wide first layer (staged rows)
+    "nerf_skip": (mlp([319, 256, 256, 256], ex.relu()), 2**20),
+    "nerf_skip320": (mlp([320, 256, 256, 256], ex.relu()), 2**20),
+    "nerf_views": (mlp([283, 128, 3], ex.relu()), 2**20),
+    "w256relu3": (mlp([256, 256, 256, 256], ex.relu()), 2**20),   # three 256-wide layers (ptxas spills at 255)
 }
 
 # Alternatives of the default plan, timed beside it: case -> (base case, the designs' overrides).
@@ -212,6 +218,11 @@ VARIANTS = {
     "block72_rms_streamed": ("block72_rms", StreamedOptions()),
     "block37_res_streamed": ("block37_res", StreamedOptions()),
     "block48_gres_streamed": ("block48_gres", StreamedOptions()),
+    # the same on the mma.sync kernels (what runs them without the wide first layer in wgmma)
+    "nerf_skip_streamed": ("nerf_skip", StreamedOptions()),
+    "nerf_skip320_streamed": ("nerf_skip320", StreamedOptions()),
+    "nerf_views_resident": ("nerf_views", ResidentOptions()),
+    "w256relu3_streamed": ("w256relu3", StreamedOptions()),
 }
 SAMPLE_ABOVE = 200000        # larger checks compare a sample of the rows (Case.check)
 BLOCK_BATCHES = (1000003,)   # blocks: a large odd batch too (every tile and lane group, past the last row)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from .cuda_params import act_params, spec_params
 from .plan.fused import elem_bytes
-from .plan.wgmma import BULK_PIECE, ROWS, WgmmaLayer, WgmmaPlan
+from .plan.wgmma import BULK_PIECE, REST_GROUP, ROWS, WgmmaLayer, WgmmaPlan
 from .spec import MLPSpec
 
 
@@ -136,7 +136,9 @@ def wgmma_params(plan: WgmmaPlan) -> dict:
         "nwg": plan.nwg, "threads": plan.threads, "prefetch": plan.prefetch,
         "prefetch_regs": max(plan.prefetch, 1),
         "rest_steps": plan.layers[0].k_steps - plan.prefetch,   # k-steps of the input loaded per tile
-        "rest_regs": max(plan.layers[0].k_steps - plan.prefetch, 1),
+        # ... in groups of at most REST_GROUP (a wide first layer's row would take every register at once)
+        "rest_groups": [(k, min(k + REST_GROUP, plan.layers[0].k_steps))
+                        for k in range(plan.prefetch, plan.layers[0].k_steps, REST_GROUP)],
         "k0": spec.layers[0].in_features, "k_steps0": plan.layers[0].k_steps, "n_out": spec.layers[-1].out_features,
         "image_bytes": plan.image_bytes, "bias_floats": plan.bias_floats, "smem_bytes": plan.smem_bytes,
         "bias_smem_offset": plan.smem.bias_offset, "bar_smem_offset": plan.smem.bar_offset,

@@ -356,3 +356,27 @@ def test_gpt2_conv1d_blocks_fuse_whole(name, kind, cache, tmp_path):
     if block:
         fused = onnx.load(str(res.output_path))
         assert [(n.domain, list(n.input[:1])) for n in fused.graph.node] == [(DOMAIN, ["x"])]
+
+
+def test_nerf_mlp_wide_first_layers_on_cuda_ep(cache, tmp_path):
+    """The original NeRF MLP (benchmarks/nerf_mlp.py): past its skip Concat the chain's first layer reads 319
+    features, its view head 283 (plan.wgmma.FIRST_WIDTH_MAX: wider than the hidden layers' 256), rows that
+    are not 16-byte aligned; converted with defaults, both run in the wgmma design on Hopper and the model
+    matches stock on the CUDA EP at batch sizes past a tile, a pass and a wave."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from nerf_mlp import NeRF, export
+
+    torch.manual_seed(5)
+    src = export(NeRF(), tmp_path / "nerf_mlp.onnx")
+    res = check_defaults(src, tmp_path / "m.onnx", cache,
+                         lambda rng: {"x": rng.standard_normal((100003, 90)).astype(np.float32)})
+    sess = session(res.output_path, res.library_path, ["CUDAExecutionProvider", "CPUExecutionProvider"])
+    rng = np.random.default_rng(8)
+    for rows in (1, 63, 129):
+        feeds = {"x": rng.standard_normal((rows, 90)).astype(np.float32)}
+        assert rel_l2(sess.run(None, feeds)[0], stock(src, feeds)[0]) <= TOL["fp16"], rows
+    wide_first = [c for c in res.chains if c.widths[0] in (319, 283)]
+    assert [c.widths[0] for c in wide_first] == [319, 283], [c.widths for c in res.chains]
+    if torch.cuda.get_device_capability(0) == (9, 0):
+        for c in wide_first:
+            assert "wgmma (sm_90a)" in c.cuda_plan, c.cuda_plan

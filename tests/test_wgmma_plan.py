@@ -302,6 +302,28 @@ def test_refusal_reasons(spec, words):
     assert choose.make_plan(spec, WGMMA).design != "wgmma"   # forced where possible only
 
 
+def test_a_first_layer_may_be_wider_than_the_hidden_ones():
+    """The first layer's A fragments come from the chain's input, not a layer's registers: up to
+    FIRST_WIDTH_MAX features (NeRF past its skip Concat: 319; its view head: 283), while hidden layers and
+    outputs stay within WIDTH_MAX. A row not 16-byte aligned is loaded into registers in groups of REST_GROUP
+    k-steps; plans whose input fits one group render as before (one group)."""
+    skip = _spec([319, 256, 256, 256])
+    plan = choose.make_plan(skip)
+    assert plan.design == "wgmma" and not plan.staged_input and plan.prefetch == 0, plan.describe()
+    steps = plan.layers[0].k_steps
+    assert steps == 20 > wgmma.REST_GROUP
+    assert wgmma_params(plan)["rest_groups"] == [(0, wgmma.REST_GROUP), (wgmma.REST_GROUP, steps)]
+    src = codegen.cuda_sources(plan)[f"{skip.name}_cuda.cu"]
+    assert "(k-steps 0..15)" in src and "(k-steps 16..19)" in src
+    assert choose.make_plan(_spec([283, 128, 3])).design == "wgmma"
+    one = choose.make_plan(_spec([250, 128, 128, 10]), WGMMA)
+    assert len(wgmma_params(one)["rest_groups"]) <= 1
+    assert "(k-steps" not in codegen.cuda_sources(one)[f"{one.spec.name}_cuda.cu"]
+    for spec, words in ((_spec([64, 300, 64]), "up to 256"), (_spec([513, 128, 16]), "input up to 512"),
+                        (_spec([319, 256, 300]), "up to 256")):
+        assert words in choose.wgmma_refused(spec), spec.describe()
+
+
 def test_cost_rule_and_the_switches():
     narrow = _spec([32, 64, 16])                              # one layer of >= 64 outputs: mma.sync
     assert not cost.wgmma_wins(narrow) and choose.make_plan(narrow).design == "resident"

@@ -52,6 +52,11 @@ from .padding import round_up
 ROWS = 64                 # rows of a warpgroup's tile (wgmma's M)
 CHUNK_MAX = 64            # widest chunk: two m64n64 fp32 accumulator buffers = 64 registers a thread
 WIDTH_MAX = 256           # widest layer: its A fragments (K/4 registers) and the next layer's (N/4)
+# The first layer reads the chain's input, not a layer's output held in registers: it may be wider (NeRF's
+# second half, 319 = 256 + the 63 input features its skip Concat adds, and its 283-wide view head), as far
+# as the register estimate allows; a tile's input loads then go in groups of REST_GROUP k-steps.
+FIRST_WIDTH_MAX = 512
+REST_GROUP = 16           # k-steps of a tile's input loaded into registers before they are converted
 LAYER_ALIGN = 1024        # a layer's first chunk: the 128-byte swizzle pattern repeats every 1024 bytes
 SLACK = 1024              # dynamic shared memory is aligned up to 1024 in the kernel
 BULK_PIECE = 32768        # bytes per cp.async.bulk of the weight image
@@ -367,8 +372,9 @@ def wgmma_reason_refused(spec: MLPSpec, smem_limit: int = SMEM_LIMIT, blocks: bo
         return (f"{spec.precision} operands: the wgmma kernel takes fp16 and bf16 (tf32 would halve the k of a "
                 "wgmma and needs another fragment layout)")
     for i, l in enumerate(spec.layers):
-        if max(l.in_features, l.out_features) > WIDTH_MAX:
-            return f"layer {i} is {l.in_features} -> {l.out_features}: the wgmma kernel takes layers up to {WIDTH_MAX} wide"
+        if l.out_features > WIDTH_MAX or l.in_features > (FIRST_WIDTH_MAX if i == 0 else WIDTH_MAX):
+            return (f"layer {i} is {l.in_features} -> {l.out_features}: the wgmma kernel takes layers up to "
+                    f"{WIDTH_MAX} wide (a first layer's input up to {FIRST_WIDTH_MAX})")
     layers = _layers(spec)
     stages = _stages(layers, smem_limit, norm_floats=2 * layers[0].kp if spec.norm is not None else 0)
     if stages is None:

@@ -1,0 +1,74 @@
+"""The original NeRF MLP (Mildenhall et al., as nerf-pytorch writes it), for `onnx2fused bench` and the tests.
+
+    pts (63 after positional encoding), views (27): x = [pts | views], 90 features a row
+    h = relu(L_i(h)) for 8 layers of 256, with the skip h = cat([pts, h]) after the fifth (so the sixth is 319 wide)
+    alpha = L(h) (256 -> 1); rgb = L(relu(L(cat([L(h), views])))) (256 -> 256, 283 -> 128 -> 3)
+
+The exporters write the skip as a Concat of the Split's pts with the fifth ReLU, so the chain ends there and
+the next one reads the Concat's 319 features (not 16-byte aligned fp32 rows); the view head reads 283.
+
+    python benchmarks/nerf_mlp.py build/nerf        # writes nerf_mlp.onnx (TorchScript, opset 17), rows dynamic
+    onnx2fused bench build/nerf/nerf_mlp.onnx --batches 1048576 --reps 50 --no-torch
+"""
+from __future__ import annotations
+
+import argparse
+import warnings
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+class NeRF(nn.Module):
+    def __init__(self, depth: int = 8, width: int = 256, input_ch: int = 63, input_ch_views: int = 27,
+                 skips: tuple[int, ...] = (4,)):
+        super().__init__()
+        self.input_ch, self.input_ch_views, self.skips = input_ch, input_ch_views, skips
+        self.pts_linears = nn.ModuleList(
+            [nn.Linear(input_ch, width)]
+            + [nn.Linear(width + (input_ch if i in skips else 0), width) for i in range(depth - 1)])
+        self.views_linears = nn.ModuleList([nn.Linear(input_ch_views + width, width // 2)])
+        self.feature_linear = nn.Linear(width, width)
+        self.alpha_linear = nn.Linear(width, 1)
+        self.rgb_linear = nn.Linear(width // 2, 3)
+
+    def forward(self, x):
+        input_pts, input_views = torch.split(x, [self.input_ch, self.input_ch_views], dim=-1)
+        h = input_pts
+        for i, layer in enumerate(self.pts_linears):
+            h = F.relu(layer(h))
+            if i in self.skips:
+                h = torch.cat([input_pts, h], -1)
+        alpha = self.alpha_linear(h)
+        h = torch.cat([self.feature_linear(h), input_views], -1)
+        for layer in self.views_linears:
+            h = F.relu(layer(h))
+        return torch.cat([self.rgb_linear(h), alpha], -1)
+
+
+def export(module: NeRF, path: Path) -> Path:
+    """`module` as a TorchScript export at opset 17, rows dynamic (x [N, 90] -> y [N, 4])."""
+    module.eval()
+    x = torch.randn(5, module.input_ch + module.input_ch_views)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(module, (x,), str(path), input_names=["x"], output_names=["y"], opset_version=17,
+                          dynamic_axes={"x": {0: "n"}, "y": {0: "n"}}, dynamo=False)
+    return path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out", type=Path, help="folder for nerf_mlp.onnx")
+    ap.add_argument("--width", type=int, default=256)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    torch.manual_seed(args.seed)
+    print(export(NeRF(width=args.width), args.out / "nerf_mlp.onnx"))
+
+
+if __name__ == "__main__":
+    main()
