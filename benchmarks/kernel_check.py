@@ -104,6 +104,7 @@ CASES = {
     "nerf_skip": (mlp([319, 256, 256, 256], ex.relu()), 2**20),
     "nerf_skip320": (mlp([320, 256, 256, 256], ex.relu()), 2**20),
     "nerf_views": (mlp([283, 128, 3], ex.relu()), 2**20),
+    "nerf_skip_f16io": (mlp([319, 256, 256, 256], ex.relu(), io="f16"), 2**20),
     "w256relu3": (mlp([256, 256, 256, 256], ex.relu()), 2**20),   # three 256-wide layers (ptxas spills at 255)
 }
 
@@ -222,6 +223,7 @@ VARIANTS = {
     "nerf_skip_streamed": ("nerf_skip", StreamedOptions()),
     "nerf_skip320_streamed": ("nerf_skip320", StreamedOptions()),
     "nerf_views_resident": ("nerf_views", ResidentOptions()),
+    "nerf_skip_f16io_streamed": ("nerf_skip_f16io", StreamedOptions()),
     "w256relu3_streamed": ("w256relu3", StreamedOptions()),
 }
 SAMPLE_ABOVE = 200000        # larger checks compare a sample of the rows (Case.check)
