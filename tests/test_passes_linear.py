@@ -160,3 +160,32 @@ def test_folded_weight_producers(producer):
     layer = match_linear(ix, ix.index_of["mm"])
     np.testing.assert_array_equal(layer.weight, w)
     _check_equivalent(m, layer, rand([5, 4]))
+
+
+def test_arithmetic_on_floating_constants_folds_as_ort_computes_it():
+    """Arithmetic on constants (weight_norm's g * v / ||v||, a scaled or negated weight) folds to the value
+    stock ORT computes; integer arithmetic (shape computations: ONNX's integer Div truncates) does not
+    fold, nor anything with an operand known only at run time."""
+    g = G(opset=18)
+    v = g.init(g.rng.standard_normal((6, 4)).astype(np.float32), "v")
+    gain = g.init(g.rng.uniform(0.5, 2.0, (6, 1)).astype(np.float32), "gain")
+    axes = g.init(np.array([1], np.int64), "axes")
+    g.op("ReduceL2", [v, axes], name="norm", outputs=["n"], keepdims=1)
+    g.op("Div", [gain, "n"], name="div", outputs=["s"])
+    g.op("Mul", [v, "s"], name="mul", outputs=["w"])
+    g.op("Neg", ["w"], name="neg", outputs=["nw"])
+    g.op("ReduceSumSquare", ["nw"], name="rss", outputs=["all"], keepdims=0)   # no axes: every one
+    g.op("ReduceMean", ["nw", axes], name="mean", outputs=["m"], keepdims=0)
+    g.op("Sqrt", ["all"], name="sqrt", outputs=["r"])
+    i7 = g.init(np.array([-7], np.int64), "i7")
+    i2 = g.init(np.array([2], np.int64), "i2")
+    g.op("Div", [i7, i2], name="idiv", outputs=["q"])
+    g.op("Mul", ["s", "x"], name="runtime", outputs=["mx"])   # an operand known only at run time
+    outs = {"w": [6, 4], "nw": [6, 4], "all": [], "m": [6], "r": [], "mx": [6, 4]}   # (q: read by no one)
+    m = g.model([("x", ["B", 4])], list(outs.items()))
+    ix = GraphIndex(m)
+    ref = dict(zip(outs, run(m, {"x": rand([1, 4])})))
+    for name in ("w", "nw", "all", "m", "r"):
+        np.testing.assert_allclose(ix.const(name), ref[name], rtol=2e-6, err_msg=name)
+        assert ix.const(name).dtype == ref[name].dtype and ix.const(name).shape == ref[name].shape, name
+    assert ix.const("q") is None and ix.const("mx") is None

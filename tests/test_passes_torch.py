@@ -112,6 +112,27 @@ def test_no_bias_and_3d_input(tmp_path, dynamo):
     assert c.activations[0] == ex.relu()
 
 
+@pytest.mark.parametrize("api", ["parametrizations", "legacy"])
+@pytest.mark.parametrize("dynamo", [False, True])
+def test_weight_norm_layers_are_one_chain(tmp_path, dynamo, api):
+    """torch's weight_norm (DeepSDF, NeRF variants, audio models): the dynamo exporter computes each weight
+    in the graph (ReduceL2, Div, Mul on g and v) for weights as large as 128 x 128 (it folds small ones
+    itself); the constant folding takes them, so the layers are one chain and the parameters' nodes go
+    with the fused node."""
+    torch.manual_seed(0)
+    wn = nn.utils.parametrizations.weight_norm if api == "parametrizations" else nn.utils.weight_norm
+    mod = nn.Sequential(wn(nn.Linear(3, 128)), nn.ReLU(), wn(nn.Linear(128, 128)), nn.ReLU(), wn(nn.Linear(128, 2)))
+    with torch.no_grad():   # g away from ||v||, so that a weight read as v alone would not pass
+        for lin in (mod[0], mod[2], mod[4]):
+            g = lin.parametrizations.weight.original0 if api == "parametrizations" else lin.weight_g
+            g.mul_(torch.linspace(0.5, 2.0, g.shape[0]).reshape(g.shape))
+    x = torch.randn(5, 3)
+    m = _export(mod, x, tmp_path / "m.onnx", dynamo=dynamo)
+    _check(m, x, (3, 128, 128, 2), "relu")
+    r = rewrite(m, find_chains(m), [find_chains(m).chains[0].to_spec("fp32")])
+    assert [n.op_type for n in r.graph.node if n.domain == ""] == [], [n.op_type for n in r.graph.node]
+
+
 @pytest.mark.parametrize("order", ["bn_relu", "relu_bn"])
 @pytest.mark.parametrize("trained", [True, False], ids=["trained", "fresh"])
 @pytest.mark.parametrize("dynamo", [False, True])

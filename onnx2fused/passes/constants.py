@@ -9,6 +9,9 @@ Constant folding (for matching only; the graph itself is not changed here):
     Cast(c, to=T) -> y                       value(y) = value(c).astype(T)
     Transpose(c, perm) -> y                  value(y) = value(c).transpose(perm)
     Reshape(c, s) / Squeeze / Unsqueeze      value(y) = value(c) reshaped, when s (axes) is constant
+    Add/Sub/Mul/Div/Pow(a, b), Sqrt/Neg/     value(y) = numpy's, for floating a and b of one type: weights
+    Reciprocal/Abs(a), ReduceL2/ReduceSum/   computed from parameters in the graph (torch's weight_norm
+    ReduceSumSquare/ReduceMean(a, axes)      parametrization as the dynamo exporter writes it: g * v / ||v||)
 
 `GraphIndex.const_producers` names the nodes whose outputs were folded, so that `rewrite` can drop them
 once the fused node no longer needs them (and only then).
@@ -64,6 +67,43 @@ def _attr(node: onnx.NodeProto, name: str, default=None):
         if a.name == name:
             return onnx.helper.get_attribute_value(a)
     return default
+
+
+_BINARY = {"Add": np.add, "Sub": np.subtract, "Mul": np.multiply, "Div": np.divide, "Pow": np.power}
+_UNARY = {"Sqrt": np.sqrt, "Neg": np.negative, "Reciprocal": np.reciprocal, "Abs": np.abs}
+_REDUCE = {"ReduceL2": lambda x, ax, k: np.sqrt(np.sum(x * x, axis=ax, keepdims=k)),
+           "ReduceSum": lambda x, ax, k: np.sum(x, axis=ax, keepdims=k),
+           "ReduceSumSquare": lambda x, ax, k: np.sum(x * x, axis=ax, keepdims=k),
+           "ReduceMean": lambda x, ax, k: np.mean(x, axis=ax, keepdims=k)}
+
+
+def _fold_arithmetic(n: onnx.NodeProto, ins: list) -> np.ndarray | None:
+    """The value of an arithmetic node on floating constants of one type (`ins`: its inputs' values, None
+    where not constant), computed by numpy in that type; None for anything else. Integer arithmetic is
+    left alone (shape computations: ONNX's integer Div truncates, numpy's floors)."""
+    x = ins[0]
+    if x.dtype.kind != "f" or x.size > MAX_FOLD_ELEMENTS:
+        return None
+    with np.errstate(all="ignore"):   # inf and nan come out as ORT's would
+        if n.op_type in _BINARY:
+            if len(ins) != 2 or ins[1] is None or ins[1].dtype != x.dtype:
+                return None
+            return np.asarray(_BINARY[n.op_type](x, ins[1]), dtype=x.dtype)
+        if n.op_type in _UNARY and len(ins) == 1:
+            return np.asarray(_UNARY[n.op_type](x), dtype=x.dtype)
+        if n.op_type in _REDUCE:
+            axes = _attr(n, "axes")
+            if axes is None and len(ins) > 1 and n.input[1]:
+                if ins[1] is None:
+                    return None
+                axes = [int(a) for a in np.asarray(ins[1]).reshape(-1)]
+            if not axes:
+                if _attr(n, "noop_with_empty_axes", 0):
+                    return x
+                axes = list(range(x.ndim))
+            keep = bool(_attr(n, "keepdims", 1))
+            return np.asarray(_REDUCE[n.op_type](x, tuple(a % x.ndim for a in axes), keep), dtype=x.dtype)
+    return None
 
 
 def constant_node_value(node: onnx.NodeProto) -> np.ndarray | None:
@@ -312,7 +352,7 @@ class GraphIndex:
             for a in sorted(a % out_rank for a in axes):
                 x = np.expand_dims(x, a)
             return x
-        return None
+        return _fold_arithmetic(n, ins)
 
     def const(self, name: str) -> np.ndarray | None:
         return self.consts.get(name) if name else None
