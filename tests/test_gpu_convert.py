@@ -380,3 +380,22 @@ def test_nerf_mlp_wide_first_layers_on_cuda_ep(cache, tmp_path):
     if torch.cuda.get_device_capability(0) == (9, 0):
         for c in wide_first:
             assert "wgmma (sm_90a)" in c.cuda_plan, c.cuda_plan
+
+
+def test_resnet_tabular_blocks_on_cuda_ep(cache, tmp_path):
+    """RTDL's ResNet for tabular data (x + MLP(BN(x)) blocks): each block one fused node with the BatchNorm
+    folded into its first layer and x added behind, converted with defaults and matching stock on the CUDA
+    EP at batch sizes past a tile and a wave."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from tabular_resnet import export, tabular_resnet
+    torch.manual_seed(6)
+    src = export(tabular_resnet(), tmp_path / "resnet.onnx", 20)
+    res = check_defaults(src, tmp_path / "m.onnx", cache,
+                         lambda rng: {"x": rng.standard_normal((70001, 20)).astype(np.float32)})
+    fused = onnx.load(str(res.output_path))
+    assert not any(n.op_type == "Add" for n in fused.graph.node), [n.op_type for n in fused.graph.node]
+    sess = session(res.output_path, res.library_path, ["CUDAExecutionProvider", "CPUExecutionProvider"])
+    rng = np.random.default_rng(3)
+    for rows in (1, 129):
+        feeds = {"x": rng.standard_normal((rows, 20)).astype(np.float32)}
+        assert rel_l2(sess.run(None, feeds)[0], stock(src, feeds)[0]) <= TOL["fp16"], rows

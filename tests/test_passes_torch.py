@@ -20,6 +20,7 @@ from onnx_builders import run  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from gpt2_blocks import GPT2FFN, export  # noqa: E402
 from hf_rmsnorm_blocks import GatedFFN  # noqa: E402
+from tabular_resnet import tabular_resnet  # noqa: E402
 
 ACTS = {
     "relu": (nn.ReLU, ex.relu()),
@@ -271,3 +272,26 @@ def test_hf_rmsnorm_blocks_fuse_whole(tmp_path, dynamo, style, dtype):
         (a,), (b,) = run(m, {"x": xa}), run(r, {"x": xa})
         assert b.dtype == a.dtype
         np.testing.assert_allclose(b.astype(np.float32), a.astype(np.float32), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dynamo", [False, True])
+def test_resnet_tabular_blocks_fold_their_batchnorm_and_take_the_residual(tmp_path, dynamo):
+    """RTDL's ResNet (an input layer, two blocks x + MLP(BN(x)), the head BN -> ReLU -> Linear): each block is
+    one fused node reading its x, the BatchNorm folded into its first layer and x added behind it; the
+    BatchNorm statistics are not the identity's."""
+    torch.manual_seed(2)
+    d = 24
+    mod = tabular_resnet(d_in=7, d=d, hidden=48)
+    x = torch.randn(5, 7)
+    m = _export(mod, x, tmp_path / "m.onnx", dynamo=dynamo)
+    plan = find_chains(m)
+    res = [c for c in plan.chains if c.residual]
+    assert [c.widths for c in res] == [(d, 48, d)] * 2, plan.describe()
+    assert all("folded into layer 1" in c.describe() for c in res), plan.describe()
+    assert res[1].input == res[0].output   # the second block reads the first one's sum, and adds it
+    r = rewrite(m, plan, [c.to_spec("fp32") for c in plan.chains])
+    ops = [n.op_type for n in r.graph.node]
+    assert "Add" not in ops and ops.count("BatchNormalization") <= 1, ops   # (the head's BatchNorm stays)
+    name = m.graph.input[0].name
+    (a,), (b,) = run(m, {name: x.numpy()}), run(r, {name: x.numpy()})
+    np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5)

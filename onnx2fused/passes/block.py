@@ -462,6 +462,21 @@ def find_block(ix: GraphIndex, first_input: str, entries: set[int], out: str, k0
     return block
 
 
+def residual_of_input(ix: GraphIndex, out: str, x: str, k0: int, n_last: int) -> tuple[int, str] | None:
+    """(the Add, its output) where out's only reader adds x, the tensor a chain reads with a per-channel
+    scale and shift of it folded into its first layer (input_affine): x + L_n(... L_1(BN(x))), the
+    residual block of ResNet-style tabular MLPs (RTDL's ResNet). The fused op's residual adds the row it
+    reads, which is x. None where out feeds anything else or the Add would broadcast."""
+    found = _residual_add(ix, out)
+    if found is None or found[1] != x:
+        return None
+    try:
+        _check_residual(ix, found[0], x, out, x, None, k0, n_last)
+    except BlockRefusal:
+        return None
+    return found[0], ix.node(found[0]).output[0]
+
+
 def _take_input_cast(ix: GraphIndex, block: Block) -> None:
     """HF's LLaMA-family RMSNorm starts with x.to(float32), a Cast to x's own type in a float32 model that
     the TorchScript exporter keeps and the residual then reads too: the block takes it and reads x."""
@@ -475,4 +490,4 @@ def _take_input_cast(ix: GraphIndex, block: Block) -> None:
         norm.node_indices = sorted(norm.node_indices + [cast])
 
 
-__all__ = ["Block", "BlockRefusal", "NormMatch", "find_block", "match_norm"]
+__all__ = ["Block", "BlockRefusal", "NormMatch", "find_block", "match_norm", "residual_of_input"]

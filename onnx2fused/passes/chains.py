@@ -25,7 +25,8 @@ behind (see `block`: the transformer FFN block x + FFN(norm(x))); where `block_r
 ...", "chain N ends: ...").
 
 A chain with neither takes in a per-channel scale and shift of its input instead (see `input_affine`:
-(x - mean) / std, an input BatchNorm1d), folded into its first layer's weights and bias.
+(x - mean) / std, an input BatchNorm1d), folded into its first layer's weights and bias; a residual Add
+of the unscaled input behind it then joins too (x + MLP(BN(x)): RTDL's ResNet blocks for tabular data).
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ from .. import expr as ex
 from ..spec import LayerSpec, MLPSpec, NormSpec
 from .activations import (ELEMENTWISE_OPS, Activation, describe_expr, match_activation, normalise, subst,
                           unsupported)
-from .block import NormMatch, find_block
+from .block import NormMatch, find_block, residual_of_input
 from .casts import trim_output_casts
 from .constants import GraphIndex, elem_name
 from .gated import fed_node, find_gated
@@ -418,6 +419,13 @@ def _find_chains(ix: GraphIndex, gated_refused: str | None, block_refused: Mappi
             chain_input = input_map.input
             idx = sorted(idx + input_map.node_indices)
             _fold_input_map(first, input_map.scale, input_map.shift)
+            residual = (None if block.residual is not None or refused_here is not None or input_map.widened
+                        else residual_of_input(ix, out_t, chain_input, first.in_features, last.out_features))
+            if residual is not None:   # x + MLP(BN(x)): the op reads x and adds it
+                block.residual, block.output = residual
+                block.end_reason = ""
+                idx.append(block.residual)
+                ends.pop(last.start, None)
         idx = sorted(set(idx) | shape_feeders(ix, set(idx)))
         left = reads_removed(ix, set(idx), {block.output or out_t})
         if left is not None:
