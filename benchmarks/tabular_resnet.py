@@ -52,7 +52,8 @@ def export(module: nn.Module, path: Path, d_in: int, dynamo: bool = False) -> Pa
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if dynamo:
-            torch.onnx.export(module, (x,), str(path), dynamo=True, verbose=False)
+            torch.onnx.export(module, (x,), str(path), dynamo=True, verbose=False, input_names=["x"],
+                              output_names=["y"], dynamic_shapes=({0: torch.export.Dim("n")},))
         else:
             torch.onnx.export(module, (x,), str(path), input_names=["x"], output_names=["y"], opset_version=17,
                               dynamic_axes={"x": {0: "n"}, "y": {0: "n"}}, dynamo=False)

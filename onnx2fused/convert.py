@@ -73,6 +73,7 @@ class ConversionResult:
     validation: val.ValidationReport | None = None
     warnings: list[str] = field(default_factory=list)
     nothing_to_fuse: str | None = None   # why the model was written unchanged
+    rewritten: list[str] = field(default_factory=list)   # stock ops outside the chains written otherwise
     external_data: str | None = None
     seconds: float = 0.0
 
@@ -337,7 +338,8 @@ def convert(input_path, output_path=None, precision: str = AUTO, validate: bool 
         say("nvcc found: building CUDA kernels too, for a GPU host (this onnxruntime has no CUDA EP, so "
             "validation runs the CPU kernels; --cpu-only skips the CUDA build)")
     plan = find_fusions(model, with_cuda, stock_faster=stock_where_faster)
-    result = ConversionResult(str(inp), str(out), precision, refusals=[r.reason for r in plan.refusals])
+    result = ConversionResult(str(inp), str(out), precision, refusals=[r.reason for r in plan.refusals],
+                              rewritten=[b.describe() for b in plan.batchnorms])
 
     try:
         tmpdir = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
@@ -572,6 +574,7 @@ def format_report(r: ConversionResult) -> str:
             lines.append(f"  chain {c.index}: op {c.name} ('{c.input}' -> '{c.output}')")
             if c.precision_why:
                 lines.append(f"    precision {c.precision}: {c.precision_why}")
+        lines += [f"  stock op rewritten: {w}" for w in r.rewritten]
         where = "cache hit" if r.cache_hit else f"built in {r.build_seconds:.1f} s"
         lines.append(f"plugin: {r.library_path or '(not written)'} ({where}"
                      f"{', with CUDA' if r.with_cuda else ', CPU only'})")
@@ -643,6 +646,7 @@ class InspectResult:
     refusals: list[str] = field(default_factory=list)
     plan: str = ""          # FusionPlan.describe()
     fused: list[dict] = field(default_factory=list)   # a fused model: its chains as convert recorded them
+    rewritten: list[str] = field(default_factory=list)   # stock ops convert would write otherwise
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -659,6 +663,7 @@ class InspectResult:
                 lines.append(f"  chain {c.index}: '{c.input}' -> '{c.output}', op {c.name}")
                 if c.precision_why:
                     lines.append(f"    precision {c.precision}: {c.precision_why}")
+            lines += [f"  stock op rewritten: {w}" for w in self.rewritten]
         if self.refusals:
             lines += refusal_lines(self.refusals)
         elif not self.chains and not self.fused:
@@ -691,7 +696,8 @@ def inspect(input_path, precision: str = AUTO, cache_dir=None, plan_options: Pla
         with_cuda = find_nvcc() is not None
     _check_stock_where_faster(stock_where_faster, with_cuda)
     plan = find_fusions(model, with_cuda, options, stock_where_faster)
-    res = InspectResult(str(input_path), refusals=[r.reason for r in plan.refusals], plan=plan.describe())
+    res = InspectResult(str(input_path), refusals=[r.reason for r in plan.refusals], plan=plan.describe(),
+                        rewritten=[b.describe() for b in plan.batchnorms])
     recorded = {p.key: p.value for p in model.metadata_props}.get(CHAINS_KEY)
     if recorded:
         try:

@@ -17,7 +17,8 @@ from .codegen import render
 from .errors import ConversionError
 from .cpu_policy import stock_faster
 from .passes import FusionPlan, Refusal, block_key, find_chains
-from .passes.constants import node_keys
+from .passes.batchnorm import find_batchnorms
+from .passes.constants import GraphIndex, node_keys
 from .plan.choose import block_refused, make_plan, make_plans
 from .plan.options import PlanOptions
 from .spec import BLOCK_NO_CUDA, GATED_NO_CUDA, SpecError
@@ -135,11 +136,15 @@ def find_fusions(model, with_cuda: bool, options: PlanOptions | None = None, sto
         if not more and gated is None and any(c.to_spec("tf32").has_gated for c in plan.chains):
             gated = gated_refusal(True, plan.chains, options)
             if gated is None:
-                return plan
+                break
         elif not more:
-            return plan
+            break
         blocks.update(more)
         plan = find_chains(model, gated_refused=gated, block_refused=blocks)
+    # the BatchNorms on rank-2 rows no chain took, as Mul + Add where the model is fused at all
+    if plan.chains and any(n.op_type == "BatchNormalization" for n in model.graph.node):
+        plan.batchnorms = find_batchnorms(GraphIndex(model), {k for c in plan.chains for k in c.nodes})
+    return plan
 
 
 def build_plugin(specs, with_cuda: bool | None = None, cache_dir=None, cpu_enabled=None,

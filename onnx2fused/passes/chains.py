@@ -126,6 +126,7 @@ class Refusal:
 class FusionPlan:
     chains: list[Chain] = field(default_factory=list)
     refusals: list[Refusal] = field(default_factory=list)
+    batchnorms: list = field(default_factory=list)   # batchnorm.BatchNormRewrite: stock BatchNorms as Mul + Add
 
     def describe(self) -> str:
         lines = [f"{len(self.chains)} chain(s) to fuse:"]
@@ -134,6 +135,7 @@ class FusionPlan:
         if self.refusals:
             lines.append(f"{len(self.refusals)} not fused:")
             lines.extend(f"  {r.reason}" for r in self.refusals)
+        lines.extend(f"stock op rewritten: {b.describe()}" for b in self.batchnorms)
         return "\n".join(lines)
 
 

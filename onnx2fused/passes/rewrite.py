@@ -28,6 +28,7 @@ from onnx import TensorProto, helper, numpy_helper
 from .. import expr as ex
 from ..errors import ConversionError
 from ..spec import DOMAIN, MLPSpec, NormSpec
+from .batchnorm import apply_batchnorms
 from .chains import FusionPlan
 from .constants import LAYERNORM_OPSET, GraphIndex, default_opset, node_reads
 
@@ -349,4 +350,5 @@ def rewrite(model: onnx.ModelProto, plan: FusionPlan, specs: list[MLPSpec]) -> o
                 out.functions.append(make_fallback_function(spec, opset))
                 have.add((DOMAIN, spec.name))
     out.ir_version = model.ir_version
+    apply_batchnorms(out, plan.batchnorms)
     return out
