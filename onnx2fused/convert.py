@@ -349,7 +349,7 @@ def convert(input_path, output_path=None, precision: str = AUTO, validate: bool 
         if not plan.chains:
             result.nothing_to_fuse = ("no MLP chain to fuse" + (f" ({len(plan.refusals)} not fused, see below)"
                                                                if plan.refusals else
-                                                               ": the model has no Gemm/MatMul layer with constant weights"))
+                                                               ": the model has no Gemm/MatMul/Einsum layer with constant weights"))
             say(f"{result.nothing_to_fuse}; writing the model unchanged")
             _write_unchanged(inp, out, tmpdir, result)
             result.seconds = time.monotonic() - t0
@@ -667,7 +667,7 @@ class InspectResult:
         if self.refusals:
             lines += refusal_lines(self.refusals)
         elif not self.chains and not self.fused:
-            lines.append("  the model has no Gemm/MatMul layer with constant weights")
+            lines.append("  the model has no Gemm/MatMul/Einsum layer with constant weights")
         return "\n".join(lines)
 
 

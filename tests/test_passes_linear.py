@@ -189,3 +189,35 @@ def test_arithmetic_on_floating_constants_folds_as_ort_computes_it():
         np.testing.assert_allclose(ix.const(name), ref[name], rtol=2e-6, err_msg=name)
         assert ix.const(name).dtype == ref[name].dtype and ix.const(name).shape == ref[name].shape, name
     assert ix.const("q") is None and ix.const("mx") is None
+
+
+@pytest.mark.parametrize("equation,transposed", [
+    ("bk,kn->bn", False), ("bk,nk->bn", True), ("...k,kn->...n", False), ("bsk,kn->bsn", False),
+    ("b s k , k n -> b s n", False), ("bk,kn", False), ("...k,nk", True),
+    ("bk,kn->nb", None), ("kn,bk->bn", None), ("bk,bn->bk", None), ("bkk,kn->bkn", None),
+    ("bhqd,bhkd->bhqk", None), ("bk,kn,nm->bm", None), ("bk,k->b", None)])
+def test_einsum_equations_that_are_linear_layers(equation, transposed):
+    from onnx2fused.passes.linear import einsum_weight_transposed
+    assert einsum_weight_transposed(equation) is transposed
+
+
+@pytest.mark.parametrize("equation", ["bk,kn->bn", "bk,nk->bn"])
+def test_einsum_with_a_constant_matrix_is_a_layer(equation):
+    g = G()
+    k, n = 5, 7
+    transposed = equation == "bk,nk->bn"
+    w = g.init(g.rng.standard_normal((n, k) if transposed else (k, n)).astype(np.float32), "w")
+    h = g.op("Einsum", ["x", w], name="ein", equation=equation)
+    g.op("Add", [h, g.vec(n)], name="bias", outputs=["y"])
+    m = g.model([("x", ["B", k])], [("y", ["B", n])])
+    layer = match_linear(GraphIndex(m), 0)
+    assert layer.nodes == ["ein", "bias"] and layer.op == "Einsum" and layer.weight.shape == (k, n)
+    _check_equivalent(m, layer, rand([4, k]))
+
+
+def test_einsum_that_is_no_layer_says_why():
+    g = G()
+    g.op("Einsum", ["x", g.weight(5, 7)], name="ein", outputs=["y"], equation="bk,kn->nb")
+    m = g.model([("x", ["B", 5])], [("y", [7, "B"])])
+    with pytest.raises(LinearRefusal, match="is not a product x @ W"):
+        match_linear(GraphIndex(m), 0)

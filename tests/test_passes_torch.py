@@ -113,6 +113,33 @@ def test_no_bias_and_3d_input(tmp_path, dynamo):
     assert c.activations[0] == ex.relu()
 
 
+class _EinsumMLP(nn.Module):
+    """Layers written as torch.einsum on parameters (one W as [K, N], one as torch's [N, K])."""
+
+    def __init__(self):
+        super().__init__()
+        self.w1, self.b1 = nn.Parameter(torch.randn(8, 32) / 3), nn.Parameter(torch.randn(32) * 0.1)
+        self.w2 = nn.Parameter(torch.randn(4, 32) / 6)
+
+    def forward(self, x):
+        h = torch.nn.functional.gelu(torch.einsum("...i,ij->...j", x, self.w1) + self.b1)
+        return torch.einsum("bsj,nj->bsn", h, self.w2)
+
+
+@pytest.mark.parametrize("dynamo", [False, True])
+def test_einsum_layers_are_one_chain(tmp_path, dynamo):
+    """torch.einsum as a linear layer (both exporters keep the Einsum node): one chain, its weights read
+    as x @ W, transposed where the equation reads W as [N, K]."""
+    torch.manual_seed(3)
+    mod = _EinsumMLP()
+    x = torch.randn(2, 3, 8)
+    m = _export(mod, x, tmp_path / "m.onnx", dynamo=dynamo)
+    assert sum(n.op_type == "Einsum" for n in m.graph.node) == 2
+    c = _check(m, x, (8, 32, 4), "gelu")
+    assert [l.linear.op for l in c.layers] == ["Einsum", "Einsum"]
+    assert [l.linear.has_bias for l in c.layers] == [True, False]
+
+
 @pytest.mark.parametrize("api", ["parametrizations", "legacy"])
 @pytest.mark.parametrize("dynamo", [False, True])
 def test_weight_norm_layers_are_one_chain(tmp_path, dynamo, api):

@@ -10,6 +10,12 @@ ONNX Runtime's own linear ops (domain com.microsoft, in models saved by its grap
                                           ->  as Gemm, and `activation` f: the layer's output is f(x W + b)
     FusedMatMul(x, W; alpha, transB)      ->  W = alpha * (W^T if transB), then as MatMul (a bias Add too)
 
+and an Einsum that is a matrix product of its first input with a constant matrix (torch.einsum as both
+exporters keep it):
+
+    Einsum(x, W; "bk,kn->bn")             ->  W            ("...k,kn->...n", "bsk,kn->bsn", implicit output)
+    Einsum(x, W; "bk,nk->bn")             ->  W^T          (then a bias Add, as for MatMul)
+
 where B, W, c are constants (initializers or folded constant producers) and C / c are [N], [1, N] or
 scalars. Gemm is 2-D only (transA=1 is refused); MatMul takes inputs of any rank >= 2 (the fused op
 flattens the leading dimensions). Weights of type float16 / bfloat16 / float32 become float32.
@@ -83,9 +89,43 @@ def _bias_vector(c: np.ndarray, n: int, max_rank: int | None) -> np.ndarray | No
 
 
 def is_linear_node(node) -> bool:
-    """A Gemm or MatMul, or ONNX Runtime's FusedGemm or FusedMatMul."""
-    return ((node.domain in ("", "ai.onnx") and node.op_type in LINEAR_OPS)
+    """A Gemm or MatMul (or a two-input Einsum, which may be one), or ONNX Runtime's FusedGemm or FusedMatMul."""
+    return ((node.domain in ("", "ai.onnx")
+             and (node.op_type in LINEAR_OPS or (node.op_type == "Einsum" and len(node.input) == 2)))
             or (node.domain == ORT_DOMAIN and node.op_type in ORT_LINEAR_OPS))
+
+
+def _einsum_terms(equation: str) -> tuple[str, str, str] | None:
+    """(x's term, W's term, the output's) of a two-operand einsum equation, '...' as one character '.';
+    the implicit output (no '->') is the letters that appear once, in alphabetical order."""
+    eq = equation.replace(" ", "").replace("...", ".")
+    lhs, arrow, out = eq.partition("->")
+    terms = lhs.split(",")
+    if len(terms) != 2:
+        return None
+    if not arrow:
+        letters = "".join(terms)
+        out = ("." if "." in letters else "") + "".join(sorted(c for c in set(letters) if c != "."
+                                                               and letters.count(c) == 1))
+    return terms[0], terms[1], out
+
+
+def einsum_weight_transposed(equation: str) -> bool | None:
+    """Whether a two-operand einsum is x @ W (False) or x @ W^T (True) for x [..., K] and a 2-D W, with
+    x's leading axes kept in order; None when it is not such a product."""
+    terms = _einsum_terms(equation)
+    if terms is None:
+        return None
+    xt, wt, out = terms
+    if len(wt) != 2 or not xt or len(set(xt)) != len(xt) or "." in wt or "." in xt[1:]:
+        return None
+    lead, k = xt[:-1], xt[-1]
+    if k == "." or k not in wt:
+        return None
+    n = wt[1] if wt[0] == k else wt[0]
+    if n == k or n in lead or out != lead + n:
+        return None
+    return wt[0] != k
 
 
 def match_linear(ix: GraphIndex, i: int) -> LinearLayer:
@@ -169,12 +209,22 @@ def _fused_activation(ix: GraphIndex, i: int, what: str) -> ex.Expr | None:
 def _match_matmul(ix: GraphIndex, i: int, what: str) -> LinearLayer:
     node = ix.node(i)
     a, b = node.input[0], node.input[1]
+    transposed = False
+    if node.op_type == "Einsum":
+        equation = ix.attr(i, "equation", b"")
+        equation = equation.decode("utf-8", "replace") if isinstance(equation, bytes) else str(equation)
+        transposed = einsum_weight_transposed(equation)
+        if transposed is None:
+            raise LinearRefusal(f"{what}: equation '{equation}' is not a product x @ W of its first input "
+                                "with a matrix")
     if ix.const(b) is None and ix.const(a) is not None:
         raise LinearRefusal(f"{what}: the constant '{a}' is the left operand (c @ x is not a linear layer on x)")
     w = _weight(ix, b, what)
     if w.ndim != 2:
         raise LinearRefusal(f"{what}: weight '{b}' has shape {_shape(w)}, not 2-D")
     w = _as_f32(w, "weight", b)
+    if transposed:
+        w = np.ascontiguousarray(w.T)
     if node.op_type == "FusedMatMul":
         for t in ("transA", "transBatchA", "transBatchB"):
             if ix.attr(i, t, 0):
