@@ -140,6 +140,24 @@ def test_einsum_layers_are_one_chain(tmp_path, dynamo):
     assert [l.linear.has_bias for l in c.layers] == [True, False]
 
 
+def test_spectral_norm_layers_are_one_chain(tmp_path):
+    """torch's spectral_norm (GAN discriminators, Lipschitz MLPs) through the dynamo exporter (TorchScript
+    cannot export its vdot): W / (u . W v) computed in the graph, MatMuls of constants among it, folds;
+    one chain and no refusal for those MatMuls."""
+    torch.manual_seed(5)
+    sn = nn.utils.parametrizations.spectral_norm
+    mod = nn.Sequential(sn(nn.Linear(16, 128)), nn.ReLU(), sn(nn.Linear(128, 128)), nn.ReLU(), nn.Linear(128, 4))
+    mod.train()
+    with torch.no_grad():   # a few power iterations: u and v away from their random start
+        for _ in range(3):
+            mod(torch.randn(8, 16))
+    x = torch.randn(5, 16)
+    m = _export(mod, x, tmp_path / "m.onnx", dynamo=True)
+    assert sum(n.op_type == "MatMul" for n in m.graph.node) >= 2
+    _check(m, x, (16, 128, 128, 4), "relu")
+    assert find_chains(m).refusals == []
+
+
 @pytest.mark.parametrize("api", ["parametrizations", "legacy"])
 @pytest.mark.parametrize("dynamo", [False, True])
 def test_weight_norm_layers_are_one_chain(tmp_path, dynamo, api):

@@ -320,7 +320,7 @@ def _find_chains(ix: GraphIndex, gated_refused: str | None, block_refused: Mappi
     layers: dict[int, _Layer] = {}
     refused: dict[int, str] = {}
     for i, n in enumerate(ix.graph.node):
-        if not is_linear_node(n):
+        if not is_linear_node(n) or ix.const(n.output[0]) is not None:   # (a product of constants: folded)
             continue
         try:
             lin = match_linear(ix, i)

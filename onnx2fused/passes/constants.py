@@ -9,9 +9,10 @@ Constant folding (for matching only; the graph itself is not changed here):
     Cast(c, to=T) -> y                       value(y) = value(c).astype(T)
     Transpose(c, perm) -> y                  value(y) = value(c).transpose(perm)
     Reshape(c, s) / Squeeze / Unsqueeze      value(y) = value(c) reshaped, when s (axes) is constant
-    Add/Sub/Mul/Div/Pow(a, b), Sqrt/Neg/     value(y) = numpy's, for floating a and b of one type: weights
-    Reciprocal/Abs(a), ReduceL2/ReduceSum/   computed from parameters in the graph (torch's weight_norm
-    ReduceSumSquare/ReduceMean(a, axes)      parametrization as the dynamo exporter writes it: g * v / ||v||)
+    Add/Sub/Mul/Div/Pow/MatMul(a, b),        value(y) = numpy's, for floating a and b of one type: weights
+    Sqrt/Neg/Reciprocal/Abs(a), ReduceL2/    computed from parameters in the graph (torch's weight_norm and
+    ReduceSum/ReduceSumSquare/ReduceMean     spectral_norm parametrizations as the dynamo exporter writes
+    (a, axes)                                them: g * v / ||v||, W / (u . W v))
 
 `GraphIndex.const_producers` names the nodes whose outputs were folded, so that `rewrite` can drop them
 once the fused node no longer needs them (and only then).
@@ -29,6 +30,7 @@ from ..errors import ConversionError
 FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16,
                onnx.TensorProto.DOUBLE}
 MAX_FOLD_ELEMENTS = 1 << 28  # ConstantOfShape outputs larger than this (1 GiB of float32) are not folded
+MAX_FOLD_FLOPS = 1 << 32     # MatMuls of constants costing more multiply-adds than this are not folded
 ELEM_NAMES = {v: k.lower() for k, v in onnx.TensorProto.DataType.items()}
 
 
@@ -69,7 +71,8 @@ def _attr(node: onnx.NodeProto, name: str, default=None):
     return default
 
 
-_BINARY = {"Add": np.add, "Sub": np.subtract, "Mul": np.multiply, "Div": np.divide, "Pow": np.power}
+_BINARY = {"Add": np.add, "Sub": np.subtract, "Mul": np.multiply, "Div": np.divide, "Pow": np.power,
+           "MatMul": np.matmul}
 _UNARY = {"Sqrt": np.sqrt, "Neg": np.negative, "Reciprocal": np.reciprocal, "Abs": np.abs}
 _REDUCE = {"ReduceL2": lambda x, ax, k: np.sqrt(np.sum(x * x, axis=ax, keepdims=k)),
            "ReduceSum": lambda x, ax, k: np.sum(x, axis=ax, keepdims=k),
@@ -88,6 +91,8 @@ def _fold_arithmetic(n: onnx.NodeProto, ins: list) -> np.ndarray | None:
         if n.op_type in _BINARY:
             if len(ins) != 2 or ins[1] is None or ins[1].dtype != x.dtype:
                 return None
+            if n.op_type == "MatMul" and x.size * (ins[1].shape[-1] if ins[1].ndim > 1 else 1) > MAX_FOLD_FLOPS:
+                return None   # (a product of two large constants: no weight we fuse is made so)
             return np.asarray(_BINARY[n.op_type](x, ins[1]), dtype=x.dtype)
         if n.op_type in _UNARY and len(ins) == 1:
             return np.asarray(_UNARY[n.op_type](x), dtype=x.dtype)
