@@ -72,7 +72,7 @@ def test_identifiers_come_from_the_spec_only():
 def test_cpu_kernel_bakes_in_shapes_and_activations():
     spec = SPECS[1]
     text = codegen.render([spec], with_cuda=False)[f"{spec.name}_cpu.cc"]
-    assert "layer<13, 37, false, Act0>" in text and "layer<37, 5, true, Act1>" in text
+    assert "layer<13, 37, false, Act0, MR>" in text and "layer<37, 5, true, Act1, MR>" in text
     assert ex.render_c(spec.layers[0].activation, "v") in text
     assert "o2f_max" in text  # the prelude is emitted in every TU
     assert "typedef uint16_t io_t;" in text

@@ -142,7 +142,7 @@ def test_render_gated_and_plain_sources():
     plain = MLPSpec((LayerSpec(20, 37, True, ex.silu()), LayerSpec(37, 5, True, ex.identity())))
     g = codegen.render([gated], with_cuda=False)
     p = codegen.render([plain], with_cuda=False)
-    assert "gated_layer<20, 37, true, Act0>" in g[f"{gated.name}_cpu.cc"]
+    assert "gated_layer<20, 37, true, Act0, MR>" in g[f"{gated.name}_cpu.cc"]
     assert "kWeightCols0[] = { 74, 5 }" in g["registry.cc"]
     assert "gated_layer" not in p[f"{plain.name}_cpu.cc"] and "tile_g" not in p[f"{plain.name}_cpu.cc"]
     assert "kWeightCols" not in p["registry.cc"]
