@@ -1,0 +1,51 @@
+"""CPU A/B of models in one process: ONNX Runtime CPU sessions timed in turns (so that a slow phase of a
+shared host hits all of them), medians per batch size. A fused model takes its plugin library after a
+colon; the original runs stock.
+
+    python benchmarks/cpu_ab.py --batches 1,3,64,512 model.onnx old/model.fused.onnx:old/lib.so \\
+        new/model.fused.onnx:new/lib.so
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import onnxruntime as ort
+
+
+def session(spec: str, threads: int) -> ort.InferenceSession:
+    path, _, lib = spec.partition(":")
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    if lib:
+        so.register_custom_ops_library(lib)
+    return ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("models", nargs="+", help="MODEL.onnx or FUSED.onnx:PLUGIN.so")
+    ap.add_argument("--batches", default="1,64,512")
+    ap.add_argument("--reps", type=int, default=60)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    sessions = [session(m, args.threads) for m in args.models]
+    inp = sessions[0].get_inputs()[0]
+    width = inp.shape[-1]
+    print("rows  " + "  ".join(f"ms[{k}]" for k in range(len(sessions))) + "   (medians; models in argument order)")
+    for batch in (int(b) for b in args.batches.split(",")):
+        x = np.random.default_rng(batch).standard_normal((batch, width)).astype(np.float32)
+        times = [[] for _ in sessions]
+        for s in sessions:   # warm-up
+            s.run(None, {inp.name: x})
+        for _ in range(args.reps):
+            for k, s in enumerate(sessions):
+                t0 = time.perf_counter()
+                s.run(None, {inp.name: x})
+                times[k].append(time.perf_counter() - t0)
+        print(f"{batch:5d} " + "  ".join(f"{np.median(t) * 1e3:8.4f}" for t in times))
+
+
+if __name__ == "__main__":
+    main()
