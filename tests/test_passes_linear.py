@@ -221,3 +221,36 @@ def test_einsum_that_is_no_layer_says_why():
     m = g.model([("x", ["B", 5])], [("y", [7, "B"])])
     with pytest.raises(LinearRefusal, match="is not a product x @ W"):
         match_linear(GraphIndex(m), 0)
+
+
+def _lora_graph(branch_read_elsewhere: bool = False, scale_op: str = "Mul"):
+    g = G()
+    k, n, r = 6, 5, 2
+    base = g.op("Gemm", ["x", g.weight(k, n), g.vec(n)], name="base")
+    a = g.op("MatMul", ["x", g.weight(k, r)], name="lora_a")
+    bb = g.op("MatMul", [a, g.weight(r, n)], name="lora_b")
+    s = g.op(scale_op, [bb, g.init(np.array(2.0 if scale_op == "Mul" else 0.5, np.float32))], name="scale")
+    g.op("Add", [base, s], name="add", outputs=["y"])
+    outs = [("y", ["B", n])]
+    if branch_read_elsewhere:
+        g.op("Identity", [a], name="tap", outputs=["tap"])
+        outs.append(("tap", ["B", r]))
+    return g.model([("x", ["B", k])], outs)
+
+
+@pytest.mark.parametrize("scale_op", ["Mul", "Div"])
+def test_lora_branch_folds_into_its_layer(scale_op):
+    m = _lora_graph(scale_op=scale_op)
+    ix = GraphIndex(m)
+    layer = match_linear(ix, 0)
+    assert layer.output == "y" and layer.nodes == ["base", "lora_a", "lora_b", "scale", "add"]
+    assert layer.low_rank[0] == ix.index_of["lora_a"]
+    x = rand([4, 6])
+    (y,) = run(m, {"x": x})
+    np.testing.assert_allclose(x @ layer.weight + layer.bias, y, rtol=1e-5, atol=1e-5)
+
+
+def test_lora_branch_read_elsewhere_stays_apart():
+    m = _lora_graph(branch_read_elsewhere=True)
+    layer = match_linear(GraphIndex(m), 0)
+    assert layer.nodes == ["base"] and not layer.low_rank

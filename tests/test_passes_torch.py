@@ -113,6 +113,68 @@ def test_no_bias_and_3d_input(tmp_path, dynamo):
     assert c.activations[0] == ex.relu()
 
 
+class _LoraLinear(nn.Module):
+    """peft's LoRA Linear left unmerged: base(x) + lora_B(lora_A(dropout(x))) * scaling."""
+
+    def __init__(self, k: int, n: int, r: int = 4, alpha: float = 8.0, bias: bool = True):
+        super().__init__()
+        self.base_layer = nn.Linear(k, n, bias=bias)
+        self.lora_A, self.lora_B = nn.Linear(k, r, bias=False), nn.Linear(r, n, bias=False)
+        self.lora_dropout, self.scaling = nn.Dropout(0.1), alpha / r
+        nn.init.normal_(self.lora_B.weight, std=0.5)   # (peft starts it at zero: as after fine-tuning)
+
+    def forward(self, x):
+        return self.base_layer(x) + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
+
+
+@pytest.mark.parametrize("dynamo", [False, True])
+def test_unmerged_lora_layers_fold_into_one_chain(tmp_path, dynamo):
+    """LoRA adapters left unmerged (no merge_and_unload before export): each adapted layer is its base
+    weight plus scaling * A B, one layer, so the MLP is one chain (it was five pieces: the base layers, the
+    adapters' two-layer chains, the Adds)."""
+    torch.manual_seed(6)
+    mod = nn.Sequential(_LoraLinear(16, 64), nn.GELU(), _LoraLinear(64, 64, bias=False), nn.GELU(), nn.Linear(64, 4))
+    x = torch.randn(5, 16)
+    m = _export(mod, x, tmp_path / "m.onnx", dynamo=dynamo)
+    plan = find_chains(m)
+    assert [c.widths for c in plan.chains] == [(16, 64, 64, 4)] and plan.refusals == [], plan.describe()
+    r = rewrite(m, plan, [plan.chains[0].to_spec("fp32")])
+    assert [n.domain for n in r.graph.node if n.op_type not in ("Constant",)] == ["onnx2fused"], \
+        [n.op_type for n in r.graph.node]
+    name = m.graph.input[0].name
+    (a,), (b,) = run(m, {name: x.numpy()}), run(r, {name: x.numpy()})
+    np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5)
+
+
+class _LoraSwiGLU(nn.Module):
+    """LLaMA's FFN with LoRA on gate_proj and up_proj (a common peft target), unmerged."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate, self.up = _LoraLinear(32, 64, bias=False), _LoraLinear(32, 64, bias=False)
+        self.down = nn.Linear(64, 32, bias=False)
+
+    def forward(self, x):
+        return self.down(nn.functional.silu(self.gate(x)) * self.up(x))
+
+
+@pytest.mark.parametrize("dynamo", [False, True])
+def test_unmerged_lora_on_a_gated_layer(tmp_path, dynamo):
+    """LoRA on a SwiGLU's gate and up projections: each folds into its layer and the two are still one
+    gated layer (the input is read by both layers and both adapters)."""
+    torch.manual_seed(7)
+    mod = _LoraSwiGLU()
+    x = torch.randn(5, 32)
+    m = _export(mod, x, tmp_path / "m.onnx", dynamo=dynamo)
+    plan = find_chains(m)
+    (c,) = plan.chains
+    assert c.widths == (32, 64, 32) and c.layers[0].gated and plan.refusals == [], plan.describe()
+    r = rewrite(m, plan, [c.to_spec("fp32")])
+    name = m.graph.input[0].name
+    (a,), (b,) = run(m, {name: x.numpy()}), run(r, {name: x.numpy()})
+    np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5)
+
+
 class _EinsumMLP(nn.Module):
     """Layers written as torch.einsum on parameters (one W as [K, N], one as torch's [N, K])."""
 

@@ -332,7 +332,13 @@ def _find_chains(ix: GraphIndex, gated_refused: str | None, block_refused: Mappi
             refused[i] = (f"{ix.describe(i)}: input '{lin.input}' has element type {elem_name(t)}; "
                           "only float32/float16 are fused")
             continue
-        layers[i] = _Layer(i, lin, _layer_activation(ix, lin, i in strict))
+        layers[i] = _Layer(i, lin, _layer_activation(ix, lin, i in strict),
+                           entries=(i, lin.low_rank[0]) if lin.low_rank else ())
+    # a LoRA branch folded into its layer (linear.fold_low_rank): its own linear nodes are no layers
+    in_branches = {j for l in layers.values() for j in l.linear.low_rank}
+    for j in in_branches:
+        layers.pop(j, None)
+        refused.pop(j, None)
     feeds_layer = _feeding_a_layer(ix)
     claimed = {j for l in layers.values() for j in l.linear.node_indices + l.act.node_indices}
     gated, gated_reasons = find_gated(ix, layers)

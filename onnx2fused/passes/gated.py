@@ -120,7 +120,9 @@ def _two_linears(ix: GraphIndex, mul: int, l0, l1) -> GatedMatch:
     inner = list(gate.act.node_indices) + list(up.act.node_indices)
     act = _product(ix, mul, gate.act, inner, gate.linear.out_features)
     linear.output = act.output
-    return GatedMatch([l0.start, l1.start], linear, act, sorted({l0.start, l1.start}), mul)
+    # (a layer with a LoRA branch folded in has its input read by the branch too: chains' entries)
+    entries = sorted(set(getattr(l0, "entries", (l0.start,))) | set(getattr(l1, "entries", (l1.start,))))
+    return GatedMatch([l0.start, l1.start], linear, act, entries, mul)
 
 
 # -- form (b): one linear layer of 2H outputs, cut in two --------------------------------------------

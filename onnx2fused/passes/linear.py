@@ -50,6 +50,7 @@ class LinearLayer:
     op: str = "MatMul"            # source op type, for messages
     node_indices: list[int] = field(default_factory=list, repr=False)
     activation: ex.Expr | None = None   # FusedGemm's own activation: output = f(x @ W + b)
+    low_rank: list[int] = field(default_factory=list, repr=False)   # a LoRA branch's nodes (fold_low_rank)
 
     @property
     def in_features(self) -> int:
@@ -128,21 +129,97 @@ def einsum_weight_transposed(equation: str) -> bool | None:
     return wt[0] != k
 
 
-def match_linear(ix: GraphIndex, i: int) -> LinearLayer:
+def match_linear(ix: GraphIndex, i: int, low_rank: bool = True) -> LinearLayer:
     """The linear layer starting at node i (a Gemm or MatMul, or ORT's FusedGemm or FusedMatMul), or
-    raise LinearRefusal."""
+    raise LinearRefusal. `low_rank`: take in a LoRA branch added to its output (fold_low_rank)."""
     node = ix.node(i)
     what = ix.describe(i)
     if not is_linear_node(node):
         raise LinearRefusal(f"{what}: not a Gemm or MatMul")
     try:
         if node.op_type in ("Gemm", "FusedGemm"):
-            return _match_gemm(ix, i, what)
-        return _match_matmul(ix, i, what)
+            layer = _match_gemm(ix, i, what)
+        else:
+            layer = _match_matmul(ix, i, what)
     except LinearRefusal as r:
         if str(r).startswith(what):
             raise
         raise LinearRefusal(f"{what}: {r}") from None
+    return fold_low_rank(ix, layer) if low_rank and layer.activation is None else layer
+
+
+def _plain_linear_to(ix: GraphIndex, t: str) -> LinearLayer | None:
+    """The linear layer (no LoRA branch, no activation of its own) whose output is t, or None."""
+    p = ix.producer.get(t)
+    if p is None:
+        return None
+    cands = [p]
+    n = ix.node(p)
+    if n.op_type == "Add" and n.domain in ("", "ai.onnx"):   # a bias Add: the linear node feeds it
+        cands = [ix.producer[x] for x in n.input if x in ix.producer]
+    for j in cands:
+        if is_linear_node(ix.node(j)):
+            try:
+                lin = match_linear(ix, j, low_rank=False)
+            except LinearRefusal:
+                continue
+            if lin.output == t and lin.activation is None:
+                return lin
+    return None
+
+
+def fold_low_rank(ix: GraphIndex, layer: LinearLayer) -> LinearLayer:
+    """A LoRA adapter left unmerged (peft's Linear: base(x) + lora_B(lora_A(dropout(x))) * scaling, as both
+    torch exporters write it in eval mode): where the layer's output only feeds an Add of
+    s * L_B(L_A(x)), with L_A and L_B linear layers on constants with no activation between them, each
+    tensor read once, and s a scalar constant (or none), the layer becomes x @ (W + s A B) + (b + s (a B + c))
+    and takes those nodes; else it is returned as it is. Its input x is then read by two nodes (the layer's
+    and L_A's: `low_rank` holds L_A's first)."""
+    users = ix.users(layer.output)
+    if layer.output in ix.graph_outputs or len(users) != 1:
+        return layer
+    add = ix.node(users[0])
+    if add.op_type != "Add" or add.domain not in ("", "ai.onnx") or len(add.input) != 2:
+        return layer
+    t = add.input[1] if add.input[0] == layer.output else add.input[0]
+    if t == layer.output or ix.const(t) is not None or len(ix.users(t)) != 1 or t in ix.graph_outputs:
+        return layer
+    scale, nodes = 1.0, []
+    p = ix.producer.get(t)
+    if p is not None and ix.node(p).op_type in ("Mul", "Div") and ix.node(p).domain in ("", "ai.onnx"):
+        a, b = ix.node(p).input[:2]
+        c = ix.const(b)
+        if c is None and ix.node(p).op_type == "Mul":
+            a, c = b, ix.const(a)
+        if c is None or np.asarray(c).size != 1:
+            return layer
+        v = float(np.asarray(c, dtype=np.float64).reshape(()))
+        scale = v if ix.node(p).op_type == "Mul" else (1.0 / v if v != 0 else float("nan"))
+        if not np.isfinite(scale):
+            return layer
+        nodes.append(p)
+        t = a
+        if len(ix.users(t)) != 1 or t in ix.graph_outputs:
+            return layer
+    second = _plain_linear_to(ix, t)
+    if second is None or len(ix.users(second.input)) != 1 or second.input in ix.graph_outputs:
+        return layer
+    first = _plain_linear_to(ix, second.input)
+    if first is None or first.input != layer.input or first.weight.shape[1] != second.weight.shape[0]:
+        return layer
+    ab = first.weight.astype(np.float64) @ second.weight.astype(np.float64)
+    if ab.shape != layer.weight.shape:
+        return layer
+    shift = (0.0 if first.bias is None else first.bias.astype(np.float64) @ second.weight.astype(np.float64)) \
+        + (0.0 if second.bias is None else second.bias.astype(np.float64))
+    weight = (layer.weight.astype(np.float64) + scale * ab).astype(np.float32)
+    bias = None
+    if layer.bias is not None or first.bias is not None or second.bias is not None:
+        base = 0.0 if layer.bias is None else layer.bias.astype(np.float64)
+        bias = np.broadcast_to(base + scale * np.asarray(shift), (weight.shape[1],)).astype(np.float32)
+    branch = first.node_indices + second.node_indices + nodes + [users[0]]
+    return LinearLayer(weight, bias, layer.nodes + [ix.keys[j] for j in branch], layer.input, add.output[0],
+                       layer.op, layer.node_indices + branch, None, [min(first.node_indices)] + branch)
 
 
 def _weight(ix: GraphIndex, name: str, what: str) -> np.ndarray:
