@@ -26,7 +26,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from onnx2fused import build, codegen, targets  # noqa: E402
+from onnx2fused import codegen, targets  # noqa: E402
 from onnx2fused import expr as ex  # noqa: E402
 from onnx2fused.plan.choose import make_plan  # noqa: E402
 from onnx2fused.plan.options import PlanOptions, ResidentOptions, StreamedOptions, WgmmaOptions  # noqa: E402

@@ -10,7 +10,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from onnx2fused import build, codegen, targets
+from onnx2fused import codegen, targets
 from onnx2fused import expr as ex
 from onnx2fused.plan import choose
 from onnx2fused.plan.options import PlanOptions, WgmmaOptions

@@ -10,7 +10,7 @@ import re
 import numpy as np
 import pytest
 
-from onnx2fused import build, codegen, targets
+from onnx2fused import codegen, targets
 from onnx2fused import expr as ex
 from onnx2fused.plan import choose, cost, wgmma
 from onnx2fused.plan.padding import round_up
