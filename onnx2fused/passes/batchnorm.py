@@ -15,6 +15,7 @@ training_mode), and only in models with CUDA kernels: on the CPU the stock op is
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import onnx
@@ -36,6 +37,15 @@ class BatchNormRewrite:
 
     def describe(self) -> str:
         return f"BatchNormalization '{self.name}' on [N, {self.scale.size}] rows: as Mul + Add ({WHY})"
+
+    def mul_add(self, unique: Callable[[str], str], node_name: str) -> tuple[list, list]:
+        """(the initializers, the nodes) that replace the BatchNorm: x * s + t into its output, their tensor
+        names from `unique` (rewrite's, which also drops the parameters nothing reads any more)."""
+        scale, shift, scaled = (unique(f"{self.output}_bn_{w}") for w in ("scale", "shift", "scaled"))
+        inits = [numpy_helper.from_array(self.scale, scale), numpy_helper.from_array(self.shift, shift)]
+        nodes = [helper.make_node("Mul", [self.input, scale], [scaled], name=f"{node_name}_scale"),
+                 helper.make_node("Add", [scaled, shift], [self.output], name=f"{node_name}_shift")]
+        return inits, nodes
 
 
 def find_batchnorms(ix: GraphIndex, taken: set[str]) -> list[BatchNormRewrite]:
@@ -60,43 +70,4 @@ def find_batchnorms(ix: GraphIndex, taken: set[str]) -> list[BatchNormRewrite]:
     return out
 
 
-def apply_batchnorms(model: onnx.ModelProto, rewrites: list[BatchNormRewrite]) -> None:
-    """Replaces each of `rewrites`' nodes in `model` (the fused model: the same tensor names) by a Mul and
-    an Add, in place; drops the parameters nothing reads any more."""
-    if not rewrites:
-        return
-    g = model.graph
-    by_output = {r.output: r for r in rewrites}
-    taken = {t.name for t in g.initializer} | {o for n in g.node for o in n.output} | {i.name for i in g.input}
-    nodes, params = [], set()
-    for n in g.node:
-        r = by_output.get(n.output[0]) if n.op_type == "BatchNormalization" and n.output else None
-        if r is None:
-            nodes.append(n)
-            continue
-        params |= set(n.input[1:])
-        names = []
-        for what in ("scale", "shift", "scaled"):
-            name, k = f"{r.output}_bn_{what}", 0
-            while name in taken:
-                k += 1
-                name = f"{r.output}_bn_{what}{k}"
-            taken.add(name)
-            names.append(name)
-        g.initializer.extend([numpy_helper.from_array(r.scale, names[0]), numpy_helper.from_array(r.shift, names[1])])
-        nodes.append(helper.make_node("Mul", [r.input, names[0]], [names[2]], name=f"{n.name or r.output}_scale"))
-        nodes.append(helper.make_node("Add", [names[2], names[1]], [r.output], name=f"{n.name or r.output}_shift"))
-    del g.node[:]
-    g.node.extend(nodes)
-    reads = {i for n in g.node for i in n.input} | {o.name for o in g.output}
-    unused = {p for p in params if p not in reads}
-    if unused:
-        kept = [t for t in g.initializer if t.name not in unused]
-        del g.initializer[:]
-        g.initializer.extend(kept)
-        ins = [i for i in g.input if i.name not in unused]
-        del g.input[:]
-        g.input.extend(ins)
-
-
-__all__ = ["BatchNormRewrite", "WHY", "apply_batchnorms", "find_batchnorms"]
+__all__ = ["BatchNormRewrite", "WHY", "find_batchnorms"]

@@ -103,7 +103,8 @@ def _product(ix: GraphIndex, mul: int, gate_act: Activation, inner: list[int], w
 # -- form (a): two linear layers ---------------------------------------------------------------------
 
 def _two_linears(ix: GraphIndex, mul: int, l0, l1) -> GatedMatch:
-    """l0, l1: the layers (with .linear, .act, .start) whose activation outputs are the Mul's operands."""
+    """l0, l1: the layers (with .linear, .act, .start, .entries) whose activation outputs are the Mul's
+    operands."""
     a0, a1 = l0.act, l1.act
     for a in (a0, a1):
         _only_user(ix, a.output, mul, "operand")
@@ -121,8 +122,7 @@ def _two_linears(ix: GraphIndex, mul: int, l0, l1) -> GatedMatch:
     act = _product(ix, mul, gate.act, inner, gate.linear.out_features)
     linear.output = act.output
     # (a layer with a LoRA branch folded in has its input read by the branch too: chains' entries)
-    entries = sorted(set(getattr(l0, "entries", (l0.start,))) | set(getattr(l1, "entries", (l1.start,))))
-    return GatedMatch([l0.start, l1.start], linear, act, entries, mul)
+    return GatedMatch([l0.start, l1.start], linear, act, sorted(set(l0.entries) | set(l1.entries)), mul)
 
 
 # -- form (b): one linear layer of 2H outputs, cut in two --------------------------------------------
@@ -317,7 +317,7 @@ def _joining_mul(ix: GraphIndex, t0: str, t1: str) -> int | None:
 # -- both --------------------------------------------------------------------------------------------
 
 def find_gated(ix: GraphIndex, layers: dict) -> tuple[list[GatedMatch], dict[int, str]]:
-    """Gated layers over `layers` ({start node: layer with .start, .linear, .act}, as chains.py found
+    """Gated layers over `layers` ({start node: layer with .start, .linear, .act, .entries}, as chains.py found
     them): (matches, {layer start: why its output's Mul or cut is not a gated layer, as a chain end's
     reason}). A layer is in at most one match."""
     matches: list[GatedMatch] = []

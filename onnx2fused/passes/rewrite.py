@@ -28,7 +28,6 @@ from onnx import TensorProto, helper, numpy_helper
 from .. import expr as ex
 from ..errors import ConversionError
 from ..spec import DOMAIN, MLPSpec, NormSpec
-from .batchnorm import apply_batchnorms
 from .chains import FusionPlan
 from .constants import LAYERNORM_OPSET, GraphIndex, default_opset, node_reads
 
@@ -293,10 +292,21 @@ def rewrite(model: onnx.ModelProto, plan: FusionPlan, specs: list[MLPSpec]) -> o
         place[max(idx)] = node
         fused_outputs.append(chain.output)
 
+    # stock BatchNorms outside the chains as Mul + Add (batchnorm.py); their parameters go below with the
+    # other initializers nothing reads any more
+    replace: dict[int, list[onnx.NodeProto]] = {}
+    for bn in plan.batchnorms:
+        i = ix.index_of[bn.name]
+        inits, replace[i] = bn.mul_add(lambda base: _unique(base, taken), model.graph.node[i].name or bn.output)
+        new_inits.extend(inits)
+        remove.add(i)
+
     kept = []
     for i, n in enumerate(model.graph.node):
         if i in place:
             kept.append((None, place[i]))
+        elif i in replace:
+            kept.extend((None, r) for r in replace[i])
         elif i not in remove:
             kept.append((i, n))
 
@@ -350,5 +360,4 @@ def rewrite(model: onnx.ModelProto, plan: FusionPlan, specs: list[MLPSpec]) -> o
                 out.functions.append(make_fallback_function(spec, opset))
                 have.add((DOMAIN, spec.name))
     out.ir_version = model.ir_version
-    apply_batchnorms(out, plan.batchnorms)
     return out
