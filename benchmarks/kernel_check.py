@@ -30,18 +30,21 @@ from onnx2fused import codegen, targets  # noqa: E402
 from onnx2fused import expr as ex  # noqa: E402
 from onnx2fused.plan.choose import make_plan  # noqa: E402
 from onnx2fused.plan.options import PlanOptions, ResidentOptions, StreamedOptions, WgmmaOptions  # noqa: E402
-from onnx2fused.spec import LayerSpec, MLPSpec, NormSpec  # noqa: E402
+from onnx2fused.spec import SKIP_ALIGN, LayerSpec, MLPSpec, NormSpec  # noqa: E402
 
 BW = 3.0e12       # measured device-to-device copy, bytes/s (read + write)
 TC = 665e12       # measured fp16 matmul rate, flop/s
 
 
-def mlp(widths, acts, precision="fp16", io="f32", bias=True, norm=None, residual=False, gated=()):
-    """`norm`, `residual`: a transformer block (MLPSpec.norm, .residual); `gated`: the gated layers."""
+def mlp(widths, acts, precision="fp16", io="f32", bias=True, norm=None, residual=False, gated=(), skip=0):
+    """`norm`, `residual`: a transformer block (MLPSpec.norm, .residual); `gated`: the gated layers; `skip`:
+    the layer that reads x beside the layer before's output (MLPSpec.skip)."""
     if not isinstance(acts, (list, tuple)):
         acts = [acts] * (len(widths) - 2) + [ex.identity()]
-    layers = tuple(LayerSpec(a, b, bias, f, gated=i in gated) for i, (a, b, f) in enumerate(zip(widths, widths[1:], acts)))
-    return MLPSpec(layers, precision, io, norm=norm, residual=residual)
+    x_part = -(-widths[0] // SKIP_ALIGN) * SKIP_ALIGN
+    layers = tuple(LayerSpec(a + (x_part if skip and i == skip else 0), b, bias, f, gated=i in gated)
+                   for i, (a, b, f) in enumerate(zip(widths, widths[1:], acts)))
+    return MLPSpec(layers, precision, io, norm=norm, residual=residual, skip=skip)
 
 
 LN, LN_NOBIAS, RMS = NormSpec("layernorm", 1e-5, True), NormSpec("layernorm", 1e-3, False), NormSpec("rmsnorm", 1e-6)
@@ -103,6 +106,11 @@ CASES = {
     # rows not 16-byte aligned) and its view head (283 = 256 + 27), and a 320-wide first layer (staged rows)
     "nerf_skip": (mlp([319, 256, 256, 256], ex.relu()), 2**20),
     "nerf_skip320": (mlp([320, 256, 256, 256], ex.relu()), 2**20),
+    # the whole NeRF trunk with its skip Concat (x into layer 5: 64 + 256 inputs; wgmma only)
+    "nerf_trunk": (mlp([63] + [256] * 8, [ex.relu()] * 8, skip=5), 2**20),
+    "nerf_trunk_f16io": (mlp([63] + [256] * 8, [ex.relu()] * 8, io="f16", skip=5), 2**20),
+    # odd widths around a skip: x of 21 features (element loads), hidden 100 (padded), tanh, into layer 2
+    "skip_odd": (mlp([21, 100, 100, 72, 5], ex.tanh(), skip=2), 100003),
     "nerf_views": (mlp([283, 128, 3], ex.relu()), 2**20),
     "nerf_skip_f16io": (mlp([319, 256, 256, 256], ex.relu(), io="f16"), 2**20),
     "w256relu3": (mlp([256, 256, 256, 256], ex.relu()), 2**20),   # three 256-wide layers (ptxas spills at 255)
@@ -312,7 +320,10 @@ def reference(spec: MLPSpec, ws, bs, x: np.ndarray, norm_params=()) -> np.ndarra
                 h = h.astype(np.float16).astype(np.float64)
         else:
             h = h / np.sqrt(ms + spec.norm.eps) * norm_params[0]
-    for l, w, b in zip(spec.layers, ws, bs):
+    for i, (l, w, b) in enumerate(zip(spec.layers, ws, bs)):
+        if spec.skip and i == spec.skip:   # [x zero-padded to skip_width, the layer before's output]
+            pad = np.zeros((h.shape[0], spec.skip_width - x.shape[-1]))
+            h = np.concatenate([x.astype(np.float64), pad, h], axis=-1)
         h = h @ w.astype(np.float64) + b.astype(np.float64)
         if l.gated:   # act(gate) * up: the gate's columns first
             n = l.out_features

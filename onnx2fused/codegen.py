@@ -37,7 +37,7 @@ REGISTRY_TEMPLATE = "registry.cc.j2"
 CUDA_TEMPLATES = {"resident": "cuda_resident.cu.j2", "streamed": "cuda_streamed.cu.j2", "fp32": "cuda_fp32.cu.j2",
                   "wide": "cuda_wide.cu.j2", "wgmma": "cuda_wgmma.cu.j2"}
 WIDE_TUNE_TEMPLATE = "cuda_wide_tune.cu.j2"
-_HEADER_INCLUDE = re.compile(r'^#include "(o2f_\w+\.cuh)"$', re.M)
+_HEADER_INCLUDE = re.compile(r'^#include "(o2f_\w+\.cuh)"', re.M)   # (a comment may follow)
 
 # CPU micro-kernel shapes: rows x vectors of accumulators (AVX2: 16 ymm, AVX-512: 32 zmm registers).
 MR_AVX2, NV_AVX2 = 6, 2
@@ -90,20 +90,29 @@ def _check_name(spec: MLPSpec) -> str:
     return name
 
 
+def _max_width(spec: MLPSpec) -> int:
+    """The widest row a CPU buffer holds: a layer's input or output (a skip layer's input is wider)."""
+    return max(spec.widths + tuple(l.in_features for l in spec.layers))
+
+
 def row_block(spec: MLPSpec) -> int:
     """Rows of one CPU block: both activation buffers (rows x max width floats) within the budget."""
-    per_row = 2 * max(spec.widths) * 4
+    per_row = 2 * _max_width(spec) * 4
     rows = BLOCK_BUDGET_BYTES // per_row // ROW_QUANTUM * ROW_QUANTUM
     return max(ROW_QUANTUM, min(MAX_ROW_BLOCK, rows))
 
 
-def _buffers(num_layers: int) -> list[tuple[str, str]]:
-    """(src, dst) of each layer: ping-pong between bufB/bufA; the last layer writes `out_last`."""
-    out, src = [], "in0"
+def _buffers(num_layers: int, skip: int = 0) -> list[tuple[str, str]]:
+    """(src, dst) of each layer: ping-pong between bufB/bufA; the last layer writes `out_last`. A skip
+    layer reads the buffer its [x, h] rows are assembled in: the one the layer before did not write."""
+    out, src, dst = [], "in0", "bufB"
+    other = {"bufA": "bufB", "bufB": "bufA"}
     for i in range(num_layers):
-        dst = "out_last" if i == num_layers - 1 else ("bufB" if i % 2 == 0 else "bufA")
-        out.append((src, dst))
-        src = dst
+        if skip and i == skip:
+            src = other[src]   # (src is the layer before's dst, never in0 here)
+            dst = other[src]
+        out.append((src, "out_last" if i == num_layers - 1 else dst))
+        src, dst = dst, other[dst]
     return out
 
 
@@ -116,7 +125,7 @@ def chan_array_params(arrays: dict, size: int) -> list[dict]:
 def cpu_params(spec: MLPSpec) -> dict:
     name = _check_name(spec)
     n = len(spec.layers)
-    bufs = _buffers(n)
+    bufs = _buffers(n, spec.skip)
     last_src = bufs[-1][0]
     layers = []
     for i, (layer, (src, dst)) in enumerate(zip(spec.layers, bufs)):
@@ -133,6 +142,8 @@ def cpu_params(spec: MLPSpec) -> dict:
             "act_text": ex.to_text(layer.activation).replace("\n", " "),
             "src": src,
             "dst": dst,
+            # the skip layer: its rows [x zero-padded to skip_width, the layer before's output] assembled first
+            "skip_from": bufs[i - 1][1] if spec.skip and i == spec.skip else "",
         })
     return {
         "version": __version__,
@@ -140,7 +151,8 @@ def cpu_params(spec: MLPSpec) -> dict:
         "description": spec.describe().replace("\n", " "),
         "prelude": ex.C_PRELUDE.strip("\n"),
         "row_block": row_block(spec),
-        "max_width": max(spec.widths),
+        "max_width": _max_width(spec),
+        "skip_width": spec.skip_width,
         "io_half": "true" if spec.io_dtype == "f16" else "false",
         "io_ctype": "uint16_t" if spec.io_dtype == "f16" else "float",
         "k0": spec.widths[0],
@@ -242,6 +254,7 @@ def registry_params(specs: list[MLPSpec], with_cuda: bool, cpu_enabled: dict[str
             "widths": ", ".join(str(w) for w in spec.widths),
             "activations": [c_string(ex.to_text(l.activation)) for l in spec.layers],
             "io_is_half": 1 if spec.io_dtype == "f16" else 0,
+            "skip": spec.skip, "skip_width": spec.skip_width,
             "rows_per_task": row_block(spec) * TASK_BLOCKS,
             "has_cpu": has_cpu,
             "cpu_fn": f"&{name}_cpu" if has_cpu else "nullptr",

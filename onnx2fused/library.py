@@ -21,7 +21,7 @@ from .passes.batchnorm import find_batchnorms
 from .passes.constants import GraphIndex, node_keys
 from .plan.choose import block_refused, make_plan, make_plans
 from .plan.options import PlanOptions
-from .spec import BLOCK_NO_CUDA, GATED_NO_CUDA, SpecError
+from .spec import BLOCK_NO_CUDA, GATED_NO_CUDA, SKIP_NO_CUDA, SpecError
 
 
 def resolve_with_cuda(with_cuda: bool | None) -> bool:
@@ -85,13 +85,34 @@ def block_refusal(with_cuda: bool, chains=(), options: PlanOptions | None = None
     return refused
 
 
+def skip_refusal(with_cuda: bool, chains=(), options: PlanOptions | None = None) -> dict[int, str]:
+    """Which chains end at their skip Concat (passes/skip.py): {passes.block_key(chain): reason} ({} where
+    the library fuses every one), as `passes.find_chains(model, skip_refused=...)` takes it. The CPU
+    kernel and the fp32 CUDA kernel run every skip; a library with CUDA kernels splits a chain at its skip
+    where no tensor-core design plans it at fp16 (the chains before and after fuse on their own)."""
+    if not with_cuda:
+        return {}
+    options = options or PlanOptions.from_env()
+    refused = {}
+    for chain in chains:
+        spec = chain.to_spec("fp16")
+        if not spec.skip:
+            continue
+        try:
+            make_plan(spec, options)
+        except (SpecError, ConversionError) as e:
+            refused[block_key(chain)] = SKIP_NO_CUDA.format(why=str(e))
+    return refused
+
+
 def fusion_refusals(with_cuda: bool, chains=(), options: PlanOptions | None = None) -> dict:
     """What a library with or without CUDA kernels cannot fuse, as find_chains' keyword arguments:
     `find_chains(model, **fusion_refusals(with_cuda, chains))`. `chains`: those found with everything
     fused (gated_refusal and block_refusal plan them; none given: nothing is refused). `find_fusions`
     does both steps."""
     return {"gated_refused": gated_refusal(with_cuda, chains, options),
-            "block_refused": block_refusal(with_cuda, chains, options)}
+            "block_refused": block_refusal(with_cuda, chains, options),
+            "skip_refused": skip_refusal(with_cuda, chains, options)}
 
 
 def stock_where_faster(plan: FusionPlan, model=None) -> FusionPlan:
@@ -130,8 +151,14 @@ def find_fusions(model, with_cuda: bool, options: PlanOptions | None = None, sto
         return stock_where_faster(plan, model) if stock_faster else plan
     options = options or PlanOptions.from_env()
     blocks: dict[int, str] = {}
+    skips: dict[int, str] = {}
     gated = None
     while True:
+        more_skips = {k: v for k, v in skip_refusal(True, plan.chains, options).items() if k not in skips}
+        if more_skips:
+            skips.update(more_skips)
+            plan = find_chains(model, gated_refused=gated, block_refused=blocks, skip_refused=skips)
+            continue
         more = {k: v for k, v in block_refusal(True, plan.chains, options).items() if k not in blocks}
         if not more and gated is None and any(c.to_spec("tf32").has_gated for c in plan.chains):
             gated = gated_refusal(True, plan.chains, options)
@@ -140,7 +167,7 @@ def find_fusions(model, with_cuda: bool, options: PlanOptions | None = None, sto
         elif not more:
             break
         blocks.update(more)
-        plan = find_chains(model, gated_refused=gated, block_refused=blocks)
+        plan = find_chains(model, gated_refused=gated, block_refused=blocks, skip_refused=skips)
     # the BatchNorms on rank-2 rows no chain took, as Mul + Add where the model is fused at all
     if plan.chains and any(n.op_type == "BatchNormalization" for n in model.graph.node):
         plan.batchnorms = find_batchnorms(GraphIndex(model), {k for c in plan.chains for k in c.nodes})

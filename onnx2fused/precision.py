@@ -163,8 +163,10 @@ def normalise(x: np.ndarray, norm, half_io: bool = False) -> np.ndarray:
 
 def chain_layers(chain) -> list[SimpleNamespace]:
     """A found chain's layers (passes.find_chains) as model_chain reads them (weight [K, N], bias, activation)."""
+    skip = getattr(chain, "skip", 0)
     return [SimpleNamespace(weight=l.linear.weight, bias=l.linear.bias, activation=l.activation,
-                            gated=getattr(l, "gated", False)) for l in chain.layers]
+                            gated=getattr(l, "gated", False), skip=bool(skip) and i == skip)
+            for i, l in enumerate(chain.layers)]
 
 
 def _packed(layers, i: int, precision: str, act_math: str, gated: bool = False) -> ex.PackedForm | None:
@@ -215,13 +217,17 @@ def model_chain(layers, x: np.ndarray, precision: str, act_math: str = "packed",
     "packed") rounds its pre-activations to fp16, which the range check then covers too, and evaluates
     the activation's fp16x2 form op by op in float16. `block` (chain_block): a transformer block's norm
     of the input rows in fp32 before they are rounded to the operand type, and its residual (the rows as
-    they came in) added to the last layer's fp32 output."""
+    they came in) added to the last layer's fp32 output. A layer with `.skip` (passes/skip.py) reads the
+    rows [x as the first layer read it, zeros up to its weight's x rows, the layer before's output]."""
     rnd, rnd_w = ROUND_OPERAND[precision], ROUND_WEIGHT[precision]
     x0 = np.asarray(x, np.float32).reshape(-1, np.shape(x)[-1])
     h = x0 if block is None or block.norm is None else normalise(x0, block.norm, block.half_io)
     peak = _finite_peak(h)
-    h = rnd(h)
+    h = x_in = rnd(h)
     for i, layer in enumerate(layers):
+        if getattr(layer, "skip", False):
+            pad = np.shape(layer.weight)[0] - h.shape[-1] - x_in.shape[-1]
+            h = np.concatenate([x_in, np.zeros((h.shape[0], pad), h.dtype), h], axis=-1)
         w = rnd_w(np.asarray(layer.weight, np.float32)).astype(np.float64)
         with np.errstate(all="ignore"):  # inf inputs (an fp16 overflow) give inf/NaN, which is the point
             acc = h.astype(np.float64) @ w

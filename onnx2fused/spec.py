@@ -16,6 +16,12 @@ A transformer FFN block adds a prologue and an epilogue around the layers (issue
 `FusedMLP_64x256x64_ln_gelu_id_res_...` (`ln` / `rms` before the activations, `res` after them); both
 add to `key_text` only when present, so every other spec keeps its name and sources.
 
+A skip connection (`skip` = j > 0: NeRF's and DeepSDF's `cat([x, h])` into layer j) makes layer j read the
+chain's input row beside layer j-1's output: its input is [x zero-padded to `skip_width` (K0 rounded up to
+16, one k-step of the tensor cores), layer j-1's output], so its weight is [skip_width + N_{j-1}, N_j]
+with zero rows K0..skip_width (the pass lays the model's weight out so, whichever order its Concat had).
+The name reads `..._skipJ` after the activations; it adds to `key_text` only when present.
+
 `act_math` says how an fp16 chain's hidden activations are computed on the GPU: "packed" (the default:
 the pre-activations rounded to fp16 and the activation evaluated in fp16x2 arithmetic, two elements an
 instruction, where expr.PACKED_FORMS has a form for it; the wgmma kernel rounds the accumulators and adds
@@ -43,6 +49,7 @@ DOMAIN = "onnx2fused"
 PLUGIN_KEY = "onnx2fused.plugin"   # the fused model's metadata entry: its plugin library, a file beside it
 OP_PREFIX = "FusedMLP"
 MAX_NAME = 96     # longer names (deep chains of many activations) are shortened to widths + layer count + hash
+SKIP_ALIGN = 16   # a skip layer's x part: K0 rounded up to a k-step of the tensor cores (fp16/bf16 16, tf32 8)
 SPEC_VERSION = 1  # bump when the meaning of a spec (and so of every generated kernel) changes
 
 
@@ -58,6 +65,8 @@ GATED_NO_CUDA = "gated layer: no CUDA kernel holds its chain ({why}) (CPU-only l
 # kernel (resident, streamed, fp32) takes, or whose layers the cost model gives to the wide design; `{what}`
 # names the norm or the residual, `{why}` is the planner's reason.
 BLOCK_NO_CUDA = "{what}: no fused CUDA kernel takes it: {why} (CPU-only libraries fuse it)"
+# The same for a skip Concat (library.skip_refusal): a chain with a skip no tensor-core design plans at fp16.
+SKIP_NO_CUDA = "no CUDA tensor-core kernel takes the chain with its skip connection ({why}) (CPU-only libraries fuse it)"
 NORM_KINDS = {"layernorm": ("ln", "layer norm"), "rmsnorm": ("rms", "RMS norm")}  # kind -> (name tag, label)
 
 
@@ -121,6 +130,7 @@ class MLPSpec:
     norm: NormSpec | None = None  # normalise each input row before the first layer
     residual: bool = False        # add the input row to the last layer's output (needs K0 == N_last)
     act_math: str = "packed"      # fp16 hidden layers: "packed" fp16x2 forms where one exists, or "fp32"
+    skip: int = 0                 # layer j > 0 reads [x padded to skip_width, layer j-1's output]; 0: none
 
     def __post_init__(self):
         if self.act_math not in ACT_MATHS:
@@ -131,15 +141,31 @@ class MLPSpec:
             raise SpecError(f"unknown precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}")
         if self.io_dtype not in IO_DTYPES:
             raise SpecError(f"unsupported input/output element type {self.io_dtype!r}")
+        if not 0 <= self.skip < len(self.layers):
+            raise SpecError(f"skip layer {self.skip} of a chain of {len(self.layers)} layers")
         for i, (a, b) in enumerate(zip(self.layers, self.layers[1:])):
-            if a.out_features != b.in_features:
-                raise SpecError(f"layer {i} gives {a.out_features} features but layer {i + 1} takes {b.in_features}")
+            extra = self.skip_width if i + 1 == self.skip else 0
+            if a.out_features + extra != b.in_features:
+                what = f"{a.out_features} features" + (f" (+ the input's {extra})" if extra else "")
+                raise SpecError(f"layer {i} gives {what} but layer {i + 1} takes {b.in_features}")
+        if self.skip and (self.norm is not None or self.residual or self.layers[self.skip].gated
+                          or self.layers[self.skip - 1].gated):
+            raise SpecError("a skip connection with a norm, a residual or a gated layer beside it is not supported")
         for i, layer in enumerate(self.layers):
             if layer.in_features < 1 or layer.out_features < 1:
                 raise SpecError(f"layer {i} has an empty dimension ({layer.in_features} -> {layer.out_features})")
         if self.residual and self.widths[0] != self.widths[-1]:
             raise SpecError(f"a residual adds the input row to the output: widths {self.widths[0]} and "
                             f"{self.widths[-1]} differ")
+
+    @property
+    def skip_width(self) -> int:
+        """Columns of the skip layer's input that hold x (K0 zero-padded to SKIP_ALIGN); 0 without a skip."""
+        return -(-self.layers[0].in_features // SKIP_ALIGN) * SKIP_ALIGN if self.skip else 0
+
+    def layer_input(self, i: int) -> int:
+        """Features layer i reads from the layer before it (or x): in_features less the skip's x part."""
+        return self.layers[i].in_features - (self.skip_width if i == self.skip else 0)
 
     @property
     def packable_layers(self) -> frozenset[int]:
@@ -219,6 +245,8 @@ class MLPSpec:
         text = f"{' -> '.join(map(str, self.widths))} [{acts}] {self.precision}"
         if self.norm is not None:
             text = f"{self.norm.label} -> " + text
+        if self.skip:
+            text += f", x into layer {self.skip} (skip)"
         return text + (" + residual" if self.residual else "")
 
     def key_text(self) -> str:
@@ -231,6 +259,8 @@ class MLPSpec:
             parts.append(self.norm.key_text())
         if self.residual:
             parts.append("residual")
+        if self.skip:
+            parts.append(f"skip:{self.skip}")
         if self.act_math != "packed" and self.has_packable:
             parts.append(f"act:{self.act_math}")
         return "|".join(parts)
@@ -251,6 +281,8 @@ class MLPSpec:
             acts = f"{self.norm.tag}_{acts}"
         if self.residual:
             acts += "_res"
+        if self.skip:
+            acts += f"_skip{self.skip}"
         digest = hashlib.sha256(self.key_text().encode()).hexdigest()[:8]
         math = ACT_MATH_TAGS[self.act_math] if self.has_packable else ""
         name = f"{OP_PREFIX}_{widths}_{acts}_{self.precision}{math}_{self.io_dtype}_{digest}"

@@ -28,17 +28,18 @@ def _schedule(l: WgmmaLayer) -> list[dict]:
     return steps
 
 
-def _hidden_block(jj: int, n: int) -> dict:
+def _hidden_block(jj: int, n: int, kt0: int = 0) -> dict:
     """Hidden n8 block jj (columns 8jj..8jj+7 of a layer of n true outputs) as the next layer's A
     registers: k-step jj/2, registers 2*(jj%2) (rows g) and 2*(jj%2)+1 (rows g+8). Hidden padding columns
     are written as zeros (whatever the activation gives at 0: the next layer's padded weights are zeros,
-    and 0 * inf would not be): pad "all", "part" or "none"."""
+    and 0 * inf would not be): pad "all", "part" or "none". `kt0`: the next layer's k-steps in front of
+    them (a skip layer's x, plan.wgmma SKIP)."""
     col = 8 * jj
     return {"col": col, "pad": "all" if col >= n else "part" if col + 8 > n else "none",
-            "kt": jj // 2, "reg": 2 * (jj % 2), "reg_hi": 2 * (jj % 2) + 1}
+            "kt": kt0 + jj // 2, "reg": 2 * (jj % 2), "reg_hi": 2 * (jj % 2) + 1}
 
 
-def _blocks(l: WgmmaLayer, c: int, last: bool) -> list[dict]:
+def _blocks(l: WgmmaLayer, c: int, last: bool, kt0: int = 0) -> list[dict]:
     """The n8 blocks of chunk c: accumulators d[4j..4j+3] hold (row g, col, col+1) and (row g+8, col,
     col+1), col = the block's first column + 2*(lane%4); a hidden layer's block jj is _hidden_block(jj).
     A last layer's blocks past the true width are left out."""
@@ -47,7 +48,7 @@ def _blocks(l: WgmmaLayer, c: int, last: bool) -> list[dict]:
         jj = c * (l.nc // 8) + j
         if last and 8 * jj >= l.n:
             continue
-        out.append({**_hidden_block(jj, l.n), "d": [4 * j, 4 * j + 1, 4 * j + 2, 4 * j + 3]})
+        out.append({**_hidden_block(jj, l.n, kt0), "d": [4 * j, 4 * j + 1, 4 * j + 2, 4 * j + 3]})
     return out
 
 
@@ -84,8 +85,10 @@ def _layer_params(plan: WgmmaPlan) -> list[dict]:
     out = []
     n = len(plan.layers)
     parts, issued = plan.input_parts, 0
+    skip = plan.spec.skip
     for l in plan.layers:
         last = l.index == n - 1
+        kt0 = plan.spec.skip_width // 16 if skip and l.index + 1 == skip else 0   # x's k-steps of a skip layer
         chunks = []
         for c in range(l.chunks):
             # streamed: a chunk's k-steps are relative to the ring slot it was copied into (the kernel adds
@@ -97,7 +100,7 @@ def _layer_params(plan: WgmmaPlan) -> list[dict]:
                 # the epilogue adds it), 1 after
                 "ksteps": [{"ks": ks, "lo": (start + l.kstep_offset(ks)) >> 4, "scale": int(ks > 0)}
                            for ks in range(l.k_steps)],
-                "blocks": _gated_blocks(l, c) if l.gated else _blocks(l, c, last),
+                "blocks": _gated_blocks(l, c) if l.gated else _blocks(l, c, last, kt0),
                 "quads": _quads(l, c) if last and plan.quad_stores else [],
             })
         steps = _schedule(l)
@@ -115,7 +118,7 @@ def _layer_params(plan: WgmmaPlan) -> list[dict]:
         out.append({
             "index": l.index, "k": l.k, "n": l.n, "kp": l.kp, "np": l.np_, "nc": l.nc, "acc": l.nc // 2,
             "chunks": chunks, "n_chunks": l.chunks, "atom": l.atom, "desc_hi": f"0x{l.desc_hi:08X}u",
-            "k_steps": l.k_steps, "next_k_steps": l.hidden // 16, "offset": l.offset, "chunk_bytes": l.chunk_bytes,
+            "k_steps": l.k_steps, "next_k_steps": kt0 + l.hidden // 16, "skip_steps": kt0, "offset": l.offset, "chunk_bytes": l.chunk_bytes,
             "gated": l.gated, "quads": last and plan.quad_stores,
             "bias_offset": l.bias_offset, "last": last, "next": l.index + 1, "steps": steps,
             "bias16": plan.bias16 and l.index in plan.spec.packed_layers,   # (hidden, not gated, packed)

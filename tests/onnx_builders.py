@@ -95,6 +95,29 @@ def mlp(widths, act: str | None = "Relu", kind: str = "gemm", rank: int = 2, ops
     return g.model([("x", lead + [widths[0]])], [("y", lead + [widths[-1]])], elem=elem)
 
 
+def skip_mlp(k0: int, widths, at: int, x_first: bool = True, act: str = "Relu", rank: int = 2,
+             opset: int = 17, seed: int = 0, other: str = "x") -> onnx.ModelProto:
+    """NeRF's trunk in small: x (k0 features) -> [linear -> act] per width, layer `at` reading Concat(x, h)
+    (x_first) or Concat(h, x) on the last axis; the last layer without activation. `other`: what the
+    Concat joins ("x", or "z": a second graph input of k0 features, which is no skip). Gemm layers (rank 2)
+    or MatMul + Add."""
+    g = G(opset, seed=seed)
+    h, k = "x", k0
+    n = len(widths)
+    for i, w in enumerate(widths):
+        if i == at:
+            h = g.op("Concat", [other, h] if x_first else [h, other], name="skip_concat", axis=-1)
+            k += k0
+        h = g.linear(h, k, w, kind="gemm" if rank == 2 else "matmul", name=f"fc{i}")
+        if i < n - 1:
+            h = g.op(act, [h], name=f"act{i}")
+        k = w
+    g.nodes[-1].output[0] = "y"
+    lead = ["B", "S", "T"][: rank - 1]
+    inputs = [("x", lead + [k0])] + ([("z", lead + [k0])] if other != "x" else [])
+    return g.model(inputs, [("y", lead + [widths[-1]])])
+
+
 def run(model: onnx.ModelProto, feeds: dict) -> list[np.ndarray]:
     """Stock ONNX Runtime (CPU, graph optimisations off: the plain ops)."""
     so = ort.SessionOptions()

@@ -319,7 +319,7 @@ def test_a_first_layer_may_be_wider_than_the_hidden_ones():
     one = choose.make_plan(_spec([250, 128, 128, 10]), WGMMA)
     assert len(wgmma_params(one)["rest_groups"]) <= 1
     assert "(k-steps" not in codegen.cuda_sources(one)[f"{one.spec.name}_cuda.cu"]
-    for spec, words in ((_spec([64, 300, 64]), "up to 256"), (_spec([513, 128, 16]), "input up to 512"),
+    for spec, words in ((_spec([64, 300, 64]), "up to 256"), (_spec([513, 128, 16]), "up to 512"),
                         (_spec([319, 256, 300]), "up to 256")):
         assert words in choose.wgmma_refused(spec), spec.describe()
 

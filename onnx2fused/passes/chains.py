@@ -47,6 +47,7 @@ from .gated import fed_node, find_gated
 from .input_affine import InputAffine, match_input_affine
 from .linear import LinearLayer, LinearRefusal, is_linear_node, match_linear
 from .regroup import reads_removed, regroup_ends, shape_feeders
+from .skip import SKIP_NO_BLOCK, SkipConcat, lay_out_skip_weight, match_skip_concat, skip_cut
 
 IO_TYPES = {onnx.TensorProto.FLOAT: "f32", onnx.TensorProto.FLOAT16: "f16"}
 
@@ -77,6 +78,7 @@ class Chain:
     norm: NormMatch | None = None  # normalisation of the input rows in front of the first layer
     residual: bool = False         # the input rows added to the last layer's output (output: the Add's)
     input_map: str = ""            # the ops of a scale and shift of the input folded into the first layer
+    skip: int = 0                  # layer `skip` reads [input, the layer before's output] (skip.py), 0: none
 
     @property
     def widths(self) -> tuple[int, ...]:
@@ -91,7 +93,7 @@ class Chain:
         return MLPSpec(tuple(LayerSpec(l.linear.in_features, l.out_features, l.linear.has_bias, l.activation,
                                        gated=l.gated)
                              for l in self.layers), precision=precision, io_dtype=self.input_dtype,
-                       norm=norm, residual=self.residual, act_math=act_math)
+                       norm=norm, residual=self.residual, act_math=act_math, skip=self.skip)
 
     def activation_labels(self) -> list[str]:
         """Each layer's activation as reports print it (`gated silu`: a gated layer's gate activation)."""
@@ -101,7 +103,8 @@ class Chain:
         acts = ", ".join(self.activation_labels())
         block = ((f", {self.norm.label} in front" if self.norm is not None else "")
                  + (f", input {self.input_map} folded into layer 1" if self.input_map else "")
-                 + (", residual" if self.residual else ""))
+                 + (", residual" if self.residual else "")
+                 + (f", the input joins layer {self.skip + 1} (skip Concat)" if self.skip else ""))
         return (f"'{self.input}' -> '{self.output}': widths {' -> '.join(map(str, self.widths))}, "
                 f"activations [{acts}]{block}, {self.input_dtype}, {len(self.nodes)} nodes")
 
@@ -148,6 +151,7 @@ class _Layer:
     prev: int | None = None
     gated: bool = False
     entries: tuple[int, ...] = ()  # the nodes that read the input ((start,) for a plain layer)
+    skip: SkipConcat | None = None  # this layer reads Concat(its chain's input?, the layer before's output)
 
     def __post_init__(self):
         self.entries = self.entries or (self.start,)
@@ -285,6 +289,14 @@ def _block_through_regroups(ix: GraphIndex, entry: _Entry, idx: list[int], out_t
                                - {block.residual})
 
 
+def _walk(layers: dict[int, _Layer], first: _Layer) -> list[_Layer]:
+    """The layers of the chain that starts at `first`, in order."""
+    seq = [first]
+    while seq[-1].next is not None:
+        seq.append(layers[seq[-1].next])
+    return seq
+
+
 def block_key(chain: Chain) -> int:
     """What names a chain across two find_chains calls on one model (library.block_refusal's keys): the
     index of its first layer's first node."""
@@ -296,22 +308,24 @@ def _first_node(linear: LinearLayer) -> int:
 
 
 def find_chains(model: onnx.ModelProto, gated_refused: str | None = None,
-                block_refused: Mapping[int, str] | str | None = None) -> FusionPlan:
+                block_refused: Mapping[int, str] | str | None = None,
+                skip_refused: Mapping[int, str] | None = None) -> FusionPlan:
     """The chains of `model` and why the rest is not fused. `gated_refused`: None, gated layers fuse;
     else the reason they do not (library.gated_refusal: a library with CUDA kernels). `block_refused`:
     the same for a norm in front and a residual behind, per chain ({block_key: reason}, a template with
-    `{what}`: library.block_refusal, spec.BLOCK_NO_CUDA), or one reason for every chain."""
+    `{what}`: library.block_refusal, spec.BLOCK_NO_CUDA), or one reason for every chain. `skip_refused`:
+    the chains ({block_key: reason}) that end at their skip Concat (library.skip_refusal)."""
     ix = GraphIndex(model)
     strict: set[int] = set()
     while True:
-        plan, broken = _find_chains(ix, gated_refused, block_refused, strict)
+        plan, broken = _find_chains(ix, gated_refused, block_refused, strict, skip_refused)
         if not broken:
             return plan
         strict |= broken
 
 
 def _find_chains(ix: GraphIndex, gated_refused: str | None, block_refused: Mapping[int, str] | str | None,
-                 strict: set[int]) -> tuple[FusionPlan, set[int]]:
+                 strict: set[int], skip_refused: Mapping[int, str] | None = None) -> tuple[FusionPlan, set[int]]:
     """find_chains with the layers `strict` matching their activations strictly (match_activation):
     the plan, and the layers of chains that would leave a Shape node reading a tensor they remove
     (empty: the plan is final). Such a chain whose layers were strict already is refused instead."""
@@ -369,6 +383,13 @@ def _find_chains(ix: GraphIndex, gated_refused: str | None, block_refused: Mappi
                 continue
             l.next, nxt.prev = nxt.start, l.start
             continue
+        skip = match_skip_concat(ix, t, users)
+        if skip is not None:
+            nxt = by_entries.get(frozenset(ix.users(skip.output)))
+            if (nxt is not None and nxt.linear.input == skip.output and not nxt.gated and not l.gated
+                    and nxt.linear.in_features == l.out_features + skip.width):
+                l.next, nxt.prev, nxt.skip = nxt.start, l.start, skip
+                continue
         if l.start in gated_reasons:
             ends[l.start] = gated_reasons[l.start]
             continue
@@ -385,24 +406,33 @@ def _find_chains(ix: GraphIndex, gated_refused: str | None, block_refused: Mappi
     for l in sorted(layers.values(), key=lambda l: l.start):
         if l.prev is not None:
             continue
-        seq = [l]
-        while seq[-1].next is not None:
-            seq.append(layers[seq[-1].next])
+        seq = _walk(layers, l)
         first = seq[0].linear
         entry = _chain_entry(ix, seq, claimed)
+        cut = skip_cut(ix, seq, entry.widened is not None if not isinstance(entry, str) else False,
+                       skip_refused, _first_node(first))
+        if cut is not None:   # a Concat that is no skip of this chain: it ends here, what follows starts anew
+            at, why = cut
+            seq[at - 1].next, seq[at].prev, seq[at].skip = None, None, None
+            ends[seq[at - 1].start] = why
+            seq = seq[:at]
+            entry = _chain_entry(ix, seq, claimed)
         if isinstance(entry, str):
             for s in seq:
                 refused[s.start] = f"{ix.describe(s.start)}: {entry}"
             continue
         widened, in_type, out_t = entry.widened, entry.io_type, seq[-1].act.output
         last = seq[-1]
+        skip_at = next((k for k, s_ in enumerate(seq) if s_.skip is not None), 0)
         refused_here = (block_refused if isinstance(block_refused, str) or block_refused is None
                         else block_refused.get(_first_node(first)))
+        if skip_at:   # (the Concat reads x as it comes: no norm or input map may change what the op reads)
+            refused_here = SKIP_NO_BLOCK
         if widened is not None:   # (a norm or residual in float32 around a float16 MLP: not handled)
             refused_here = "the {what} stays a stock op: the chain reads the float32 input of a float16 converter's Cast"
         block = find_block(ix, entry.tensor, entry.readers, out_t, first.in_features, last.out_features, refused_here)
         idx = sorted(j for s in seq for j in s.linear.node_indices + s.act.node_indices)
-        if widened is None and block.norm is None and block.residual is None:
+        if widened is None and block.norm is None and block.residual is None and not skip_at:
             regrouped = _block_through_regroups(ix, entry, idx, out_t, first, last, refused_here)
             if regrouped is not None:
                 block, reshapes, idx = regrouped
@@ -421,7 +451,7 @@ def _find_chains(ix: GraphIndex, gated_refused: str | None, block_refused: Mappi
         chain_input, start_reason, input_map = entry.tensor, block.start_reason, widened
         if block.norm is not None:
             chain_input = block.norm.input
-        elif widened is None and block.residual is None and not start_reason:   # (a residual reads its input)
+        elif widened is None and block.residual is None and not start_reason and not skip_at:   # (a residual reads its input)
             input_map, start_reason = match_input_affine(ix, entry.tensor, entry.readers, first.in_features, claimed)
         if input_map is not None:
             chain_input = input_map.input
@@ -434,6 +464,8 @@ def _find_chains(ix: GraphIndex, gated_refused: str | None, block_refused: Mappi
                 block.end_reason = ""
                 idx.append(block.residual)
                 ends.pop(last.start, None)
+        if skip_at:
+            idx.append(seq[skip_at].skip.node)
         idx = sorted(set(idx) | shape_feeders(ix, set(idx)))
         left = reads_removed(ix, set(idx), {block.output or out_t})
         if left is not None:
@@ -444,10 +476,12 @@ def _find_chains(ix: GraphIndex, gated_refused: str | None, block_refused: Mappi
                 refused[s.start] = f"{ix.describe(s.start)}: not fused: {left}, a tensor its chain would remove"
             continue
         _fold_trailing_affines(seq)
+        if skip_at:
+            lay_out_skip_weight(seq[skip_at].linear, seq[skip_at].skip, first.in_features)
         chain = Chain(chain_input, block.output or out_t,
                       [ChainLayer(s.linear, s.act.expr, list(s.act.nodes), s.act.output, s.gated) for s in seq],
                       [ix.keys[j] for j in idx], IO_TYPES[in_type], block.norm, block.residual is not None,
-                      input_map.label if input_map is not None else "")
+                      input_map.label if input_map is not None else "", skip_at)
         plan.chains.append(chain)
         if start_reason:
             plan.refusals.append(Refusal(ix.keys[min(first.node_indices)],

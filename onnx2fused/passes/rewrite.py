@@ -126,7 +126,14 @@ def make_fallback_function(spec: MLPSpec, opset: int) -> onnx.FunctionProto:
         if spec.io_dtype == "f16" and spec.norm.kind == "layernorm":  # ORT's fp16 kernel writes fp16
             h = em.node("Cast", [em.node("Cast", [h], to=TensorProto.FLOAT16)], to=TensorProto.FLOAT)
     for i, layer in enumerate(spec.layers):
-        m = em.node("MatMul", [h, f"W{i}"])
+        w = f"W{i}"
+        if spec.skip and i == spec.skip:
+            # [x, h] times W's x rows (less the zero rows that pad them to skip_width) and its h rows
+            k0, pad = spec.widths[0], spec.skip_width
+            h = em.node("Concat", [block_in, h], axis=-1)
+            w = em.node("Concat", [_axis_slice(em, w, 0, k0, 0), _axis_slice(em, w, pad, pad + spec.layer_input(i), 0)],
+                        axis=0)
+        m = em.node("MatMul", [h, w])
         a = em.node("Add", [m, f"B{i}"])
         if layer.gated:
             n_out = layer.out_features
@@ -180,8 +187,13 @@ def _rms_scaled(em: OnnxEmitter, x: str, eps: float) -> str:
 
 def _last_axis_slice(em: OnnxEmitter, x: str, start: int, end: int) -> str:
     """x[..., start:end] in stock ops (Slice with input bounds: opset >= 10, which gated.py requires)."""
+    return _axis_slice(em, x, start, end, -1)
+
+
+def _axis_slice(em: OnnxEmitter, x: str, start: int, end: int, axis: int) -> str:
+    """x's start:end along `axis` in stock ops (Slice with input bounds: opset >= 10)."""
     ints = [em.node("Constant", [], value=numpy_helper.from_array(np.array([v], np.int64), "value"))
-            for v in (start, end, -1)]
+            for v in (start, end, axis)]
     return em.node("Slice", [x] + ints)
 
 

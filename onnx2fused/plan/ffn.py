@@ -115,6 +115,8 @@ def ffn_reason_refused(spec: MLPSpec) -> str | None:
         return f"{len(spec.layers)} layers (it runs exactly two)"
     if spec.precision not in ("fp16", "bf16"):
         return f"{spec.precision} operands (its wgmma forms are fp16 and bf16)"
+    if spec.skip:
+        return "a skip connection"
     if spec.norm is not None or spec.residual:
         return "a norm in front or a residual behind (the wide design's passes and epilogue take those)"
     first, last = spec.layers

@@ -259,6 +259,10 @@ def _bias_floats(spec: MLPSpec, layers: list[LayerPlan]) -> int:
     return sum(l.cols for l in layers) + norm_floats(spec)
 
 
+# A skip connection (spec.skip) runs in the wgmma kernel (Hopper) and the fp32 one; the mma.sync kernels
+# (resident, streamed) have no second source of a layer's A operand.
+SKIP_MMA_SYNC = ("a skip connection (the chain's input into a later layer) runs in the Hopper wgmma kernel only, "
+                 "in a library for Hopper alone (ONNX2FUSED_CUDA_ARCHS=90)")
 RESIDENT_WARPS = (16, 12, 8, 4)  # warps per block tried by the shared-memory design, best occupancy first
 REGISTER_FRAGMENTS_MAX = 96  # accumulator + operand registers per lane the register design may hold
 
@@ -277,6 +281,8 @@ def resident_plan(spec: MLPSpec, smem_limit: int = SMEM_LIMIT, mt: int | None = 
     exactly the A fragments of the next layer's mma.sync (m16n8k16's C and A layouts agree), so hidden
     activations never go through shared memory; only the input tile is staged there. Otherwise each
     warp keeps its activation tile in shared memory and overwrites it layer by layer."""
+    if spec.skip:
+        return None   # (SKIP_MMA_SYNC: no skip connection in the mma.sync kernels yet)
     layers = _layer_plans(spec, lambda n: round_up(n, 16))
     widest = max(l.cols for l in layers)   # accumulator columns (a gated layer's GEMM: 2x its outputs)
     if widest > RESIDENT_NP_MAX:
@@ -401,6 +407,8 @@ def streamed_plan(spec: MLPSpec, smem_limit: int = SMEM_LIMIT, kc_max: int = KC_
     256 -> 4096 -> 256 2.62 ms paired (128-row tiles) vs 5.56 ms (16), 512 -> 2048 -> 128 1.52 vs 3.84 ms,
     64 -> 1000 -> 48 0.207 vs 0.286 ms; but 128 -> 2048 -> 2048 -> 64, 16-row tiles either way, 16.6 vs
     11.7 ms."""
+    if spec.skip:
+        raise SpecError(SKIP_MMA_SYNC)
     blocks = _hidden_blocks(spec) if pair_hidden is not False else {}
     if not blocks or pair_hidden:
         return _streamed_build(spec, smem_limit, blocks, kc_max, tall_rows, stages_choices)

@@ -154,6 +154,10 @@ RESIDUAL_AHEAD_ROOMY = 168
 # (RESULTS.md, thirty-third run).
 # WgmmaOptions(blocks=False) keeps blocks on the mma.sync kernels (comparisons).
 BLOCKS = True
+# SKIP: a skip connection (spec.skip = j: layer j reads [x, layer j-1's output]) takes x's k-steps of layer j's
+# A fragments from global memory (L2: the tile's rows were read a few layers before) as the unstaged first
+# layer does, ahead of layer j-1's MMAs; the layer before's epilogue packs its outputs into the k-steps after
+# them. Layer j is one layer of skip_width + N_{j-1} inputs to the MMAs (its weight laid out so by the pass).
 
 
 @dataclass(frozen=True)
@@ -330,6 +334,8 @@ def _layers(spec: MLPSpec, chunk_max: int = CHUNK_MAX) -> list[WgmmaLayer]:
     last = len(spec.layers) - 1
     kp = round_up(spec.layers[0].in_features, 16)
     for i, l in enumerate(spec.layers):
+        if spec.skip and i == spec.skip:   # x's k-steps (SKIP: as the first layer's), then the layer before's
+            kp += spec.skip_width
         if l.gated:   # gate block b, up block b interleaved: 8 gate columns, their 8 up columns, ...
             np_ = 2 * round_up(l.out_features, 16)
             nc = _gated_chunk_width(np_, chunk_max)
@@ -351,8 +357,8 @@ CHUNK_REGISTERS = 4       # per chunk past the two buffers: ptxas holds more acr
 def _registers(layers: list[WgmmaLayer], per_chunk: int = CHUNK_REGISTERS) -> int:
     """Registers a thread holds at the busiest layer: its A fragments (kp/4), the next layer's (np/4; none
     after the last), one or two accumulator buffers of nc/2, and `per_chunk` per further chunk."""
-    return max(l.kp // 4 + (l.hidden // 4 if l.index < len(layers) - 1 else 0) + l.nc // 2 * min(2, l.chunks)
-               + per_chunk * max(0, l.chunks - 2) for l in layers)
+    return max(l.kp // 4 + (layers[l.index + 1].kp // 4 if l.index < len(layers) - 1 else 0)
+               + l.nc // 2 * min(2, l.chunks) + per_chunk * max(0, l.chunks - 2) for l in layers)
 
 
 def wgmma_reason_refused(spec: MLPSpec, smem_limit: int = SMEM_LIMIT, blocks: bool | None = None) -> str | None:
@@ -372,9 +378,10 @@ def wgmma_reason_refused(spec: MLPSpec, smem_limit: int = SMEM_LIMIT, blocks: bo
         return (f"{spec.precision} operands: the wgmma kernel takes fp16 and bf16 (tf32 would halve the k of a "
                 "wgmma and needs another fragment layout)")
     for i, l in enumerate(spec.layers):
-        if l.out_features > WIDTH_MAX or l.in_features > (FIRST_WIDTH_MAX if i == 0 else WIDTH_MAX):
+        if (l.out_features > WIDTH_MAX or spec.layer_input(i) > (FIRST_WIDTH_MAX if i == 0 else WIDTH_MAX)
+                or l.in_features > FIRST_WIDTH_MAX):
             return (f"layer {i} is {l.in_features} -> {l.out_features}: the wgmma kernel takes layers up to "
-                    f"{WIDTH_MAX} wide (a first layer's input up to {FIRST_WIDTH_MAX})")
+                    f"{WIDTH_MAX} wide (a first layer's input, or a skip layer's with x's, up to {FIRST_WIDTH_MAX})")
     layers = _layers(spec)
     stages = _stages(layers, smem_limit, norm_floats=2 * layers[0].kp if spec.norm is not None else 0)
     if stages is None:

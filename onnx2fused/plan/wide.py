@@ -300,6 +300,8 @@ def wide_reason_refused(spec: MLPSpec) -> str | None:
     """Why the wide design cannot run this spec, or None."""
     if spec.precision not in ("fp16", "bf16"):
         return f"{spec.precision} has no tensor-core GEMM"
+    if spec.skip:
+        return "a skip connection (each GEMM reads one tensor)"
     if spec.layers[-1].gated:
         return "a gated last layer has no GEMM epilogue here (the glu pass reads 16-bit products)"
     if spec.residual and spec.layers[-1].activation != ex.identity():

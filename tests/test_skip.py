@@ -1,0 +1,148 @@
+"""Skip connections (passes/skip.py, MLPSpec.skip): NeRF's and DeepSDF's Concat of the chain's input with a
+hidden layer's output joins one chain; the CPU kernel, the stock body and the numerics model compute it;
+what is no skip ends the chain with a reason; CUDA libraries fuse it only where a tensor-core kernel plans it."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from onnx_builders import fuse, plugin_session, rand, run, skip_mlp
+
+from onnx2fused import expr as ex
+from onnx2fused.library import find_fusions, skip_refusal
+from onnx2fused.passes import find_chains
+from onnx2fused.plan.choose import make_plan
+from onnx2fused.plan.options import PlanOptions
+from onnx2fused.precision import chain_layers, model_chain, rel_l2
+from onnx2fused.spec import SKIP_ALIGN, LayerSpec, MLPSpec, SpecError
+
+
+def _spec(k0=21, widths=(64, 64, 64, 4), at=2, precision="fp16") -> MLPSpec:
+    x_part = -(-k0 // SKIP_ALIGN) * SKIP_ALIGN
+    ins = (k0,) + tuple(widths[:-1])
+    layers = tuple(LayerSpec(k + (x_part if i == at else 0), n, True, ex.relu() if i < len(widths) - 1 else ex.identity())
+                   for i, (k, n) in enumerate(zip(ins, widths)))
+    return MLPSpec(layers, precision, skip=at)
+
+
+@pytest.mark.parametrize("x_first", [True, False])
+def test_skip_concat_joins_one_chain_with_its_weight_laid_out(x_first):
+    model = skip_mlp(21, [64, 48, 40, 4], at=2, x_first=x_first)
+    plan = find_chains(model)
+    assert len(plan.chains) == 1, plan.describe()
+    chain = plan.chains[0]
+    assert chain.skip == 2 and chain.widths == (21, 64, 48, 40, 4)
+    assert "skip_concat" in chain.nodes
+    w = chain.layers[2].linear.weight
+    assert w.shape == (32 + 48, 40)                 # [x padded to 32, h]
+    assert not w[21:32].any()                       # the padding rows
+    spec = chain.to_spec("fp16")
+    assert spec.skip == 2 and spec.skip_width == 32 and "_skip2_" in spec.name
+    # the model's Concat order undone: x's rows first either way
+    src = {i.name: i for i in model.graph.initializer}
+    from onnx import numpy_helper
+    orig = numpy_helper.to_array(src[[n for n in model.graph.node if n.name == "fc2"][0].input[1]]).T
+    x_rows, h_rows = (orig[:21], orig[21:]) if x_first else (orig[48:], orig[:48])
+    np.testing.assert_array_equal(w[:21], x_rows)
+    np.testing.assert_array_equal(w[32:], h_rows)
+
+
+@pytest.mark.parametrize("x_first", [True, False])
+@pytest.mark.parametrize("rank", [2, 3])
+def test_fused_skip_chain_matches_stock_on_the_cpu(x_first, rank):
+    """The CPU kernel (fp32) and the model's stock ops agree, rows past the kernel's row blocks included."""
+    model = skip_mlp(21, [64, 48, 40, 4], at=2, x_first=x_first, act="Tanh", rank=rank)
+    plan, specs, fused = fuse(model)
+    assert len(plan.chains) == 1 and specs[0].skip == 2
+    from onnx2fused.library import build_plugin
+    lib = build_plugin(specs, with_cuda=False)
+    sess = plugin_session(fused, lib.path)
+    for rows in (1, 7, 300):
+        shape = (rows, 21) if rank == 2 else (2, rows, 21)
+        x = rand(shape, seed=rows)
+        got, = sess.run(None, {"x": x})
+        ref, = run(model, {"x": x})
+        np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_stock_body_of_a_skip_chain_matches_the_model():
+    """The fused op's stock body (the model-local function, the plugin's inner session) computes the skip as
+    the model does: Concat(x, h) times the weight without its padding rows."""
+    import onnx
+    import onnxruntime as ort
+    from onnx2fused.passes.rewrite import make_stock_model
+    model = skip_mlp(21, [64, 48, 40, 4], at=2, x_first=False)
+    chain = find_chains(model).chains[0]
+    stock = onnx.load_from_string(make_stock_model(chain.to_spec("fp32"), 17, 8))
+    from onnx import numpy_helper
+    for init in stock.graph.initializer:
+        kind, i = init.name[0], int(init.name[1:])
+        arr = chain.layers[i].linear.weight if kind == "W" else chain.layers[i].linear.bias
+        init.CopyFrom(numpy_helper.from_array(arr.astype(np.float32), init.name))
+    x = rand((9, 21))
+    got, = ort.InferenceSession(stock.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"X": x})
+    np.testing.assert_allclose(got, run(model, {"x": x})[0], rtol=1e-5, atol=1e-6)
+
+
+def test_numerics_model_follows_the_skip():
+    model = skip_mlp(21, [64, 48, 40, 4], at=2)
+    chain = find_chains(model).chains[0]
+    x = rand((50, 21))
+    ref, = run(model, {"x": x})
+    assert rel_l2(model_chain(chain_layers(chain), x, "fp32").output, ref) < 1e-6
+    assert rel_l2(model_chain(chain_layers(chain), x, "fp16").output, ref) < 2e-3
+
+
+def test_concat_of_another_tensor_ends_the_chain():
+    model = skip_mlp(21, [64, 48, 40, 4], at=2, other="z")
+    plan = find_chains(model)
+    assert len(plan.chains) == 2 and not any(c.skip for c in plan.chains)
+    text = plan.describe()
+    assert "feeds Concat 'skip_concat', which joins 'z' to it: a skip connection joins the chain's own input ('x')" in text
+
+
+def test_second_skip_in_one_chain_ends_it():
+    """Two Concats of x into one trunk: the first is the chain's skip, the second starts a chain of its own."""
+    from onnx_builders import G
+    g = G()
+    h = g.op("Relu", [g.linear("x", 8, 32, name="fc0")])
+    h = g.op("Relu", [g.linear(g.op("Concat", ["x", h], name="cat1", axis=-1), 40, 32, name="fc1")])
+    h = g.op("Relu", [g.linear(g.op("Concat", ["x", h], name="cat2", axis=-1), 40, 32, name="fc2")])
+    g.linear(h, 32, 3, name="fc3")
+    g.nodes[-1].output[0] = "y"
+    model = g.model([("x", ["B", 8])], [("y", ["B", 3])])
+    plan = find_chains(model)
+    assert [c.skip for c in plan.chains] == [1, 0], plan.describe()
+    assert "feeds Concat 'cat2': a second skip connection in one chain" in plan.describe()
+    assert plan.chains[1].input == [n for n in model.graph.node if n.name == "cat2"][0].output[0]
+
+
+def test_cuda_library_splits_a_skip_no_tensor_core_kernel_takes():
+    """Default archs (80 and 90): no mma.sync kernel has the skip, so a CUDA library ends the chain at its
+    Concat and says why; a Hopper-only library (ONNX2FUSED_CUDA_ARCHS=90) plans the wgmma kernel, with the
+    fp32 kernel for other GPUs."""
+    model = skip_mlp(21, [64, 48, 40, 4], at=2)
+    chains = find_chains(model).chains
+    default = PlanOptions.from_env({"ONNX2FUSED_CUDA_ARCHS": "80,90"})
+    hopper = PlanOptions.from_env({"ONNX2FUSED_CUDA_ARCHS": "90"})
+    assert not default.hopper_only and hopper.hopper_only
+    refused = skip_refusal(True, chains, default)
+    assert list(refused.values()) and "Hopper wgmma kernel only" in next(iter(refused.values()))
+    plan = find_fusions(model, with_cuda=True, options=default)
+    assert len(plan.chains) == 2 and "no CUDA tensor-core kernel takes the chain with its skip" in plan.describe()
+    assert skip_refusal(True, chains, hopper) == {}
+    assert len(find_fusions(model, with_cuda=True, options=hopper).chains) == 1
+    p = make_plan(chains[0].to_spec("fp16"), hopper)
+    assert p.design == "wgmma" and p.fallback.design == "fp32" and "skip connection" in p.reason
+    assert skip_refusal(False, chains, default) == {}   # CPU-only libraries fuse it
+
+
+def test_spec_checks_the_skip_layer_width():
+    spec = _spec()
+    assert spec.skip_width == 32 and spec.layer_input(2) == 64 and spec.layer_input(1) == 64
+    assert "x into layer 2 (skip)" in spec.describe()
+    assert spec.name != _spec(at=1).name
+    with pytest.raises(SpecError, match="the input's 32"):
+        MLPSpec(tuple(LayerSpec(k, n, True, ex.relu()) for k, n in ((21, 64), (64, 64), (64, 4))), skip=2)
+    with pytest.raises(SpecError, match="skip layer 5"):
+        MLPSpec(tuple(LayerSpec(k, n, True, ex.relu()) for k, n in ((21, 64), (64, 4))), skip=5)
