@@ -111,6 +111,8 @@ CASES = {
     "nerf_trunk_f16io": (mlp([63] + [256] * 8, [ex.relu()] * 8, io="f16", skip=5), 2**20),
     # odd widths around a skip: x of 21 features (element loads), hidden 100 (padded), tanh, into layer 2
     "skip_odd": (mlp([21, 100, 100, 72, 5], ex.tanh(), skip=2), 100003),
+    "skip_odd_tf32": (mlp([21, 100, 100, 72, 5], ex.tanh(), "tf32", skip=2), 100003),
+    "skip_odd_bf16": (mlp([21, 100, 100, 72, 5], ex.tanh(), "bf16", skip=2), 100003),
     "nerf_views": (mlp([283, 128, 3], ex.relu()), 2**20),
     "nerf_skip_f16io": (mlp([319, 256, 256, 256], ex.relu(), io="f16"), 2**20),
     "w256relu3": (mlp([256, 256, 256, 256], ex.relu()), 2**20),   # three 256-wide layers (ptxas spills at 255)
@@ -233,6 +235,10 @@ VARIANTS = {
     "nerf_views_resident": ("nerf_views", ResidentOptions()),
     "nerf_skip_f16io_streamed": ("nerf_skip_f16io", StreamedOptions()),
     "w256relu3_streamed": ("w256relu3", StreamedOptions()),
+    # a skip connection in each design (the default for skip_odd is resident; nerf_trunk's wgmma)
+    "skip_odd_wg": ("skip_odd", WgmmaOptions()),
+    "skip_odd_streamed": ("skip_odd", StreamedOptions()),
+    "nerf_trunk_streamed": ("nerf_trunk", StreamedOptions()),
 }
 SAMPLE_ABOVE = 200000        # larger checks compare a sample of the rows (Case.check)
 BLOCK_BATCHES = (1000003,)   # blocks: a large odd batch too (every tile and lane group, past the last row)

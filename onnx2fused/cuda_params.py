@@ -75,6 +75,8 @@ def _layer_params(plan: FusedPlan) -> list[dict]:
     for l in plan.layers:
         # A pair's first layer writes H instead of dst; its second reads H instead of src.
         src = "H" if l.index - 1 in plan.pairs else "A" if (plan.resident or l.index % 2 == 0) else "B"
+        if plan.spec.skip and not plan.resident and l.index == 0:
+            src = "X"   # the input tile in a buffer of its own, which the skip layer reads again
         dst = "H" if l.index in plan.pairs else "A" if (plan.resident or l.index % 2 == 1) else "B"
         out.append({
             "index": l.index, "k": l.k, "n": l.n, "kc": l.kc, "nc": l.nc, "kp": l.kp, "np": l.np_,
@@ -89,6 +91,8 @@ def _layer_params(plan: FusedPlan) -> list[dict]:
             "ldw": l.kc + pad,                # row stride of a packed chunk
             # n8 tiles (of the GEMM: a gated layer's gate and up interleaved), A fragments out, A fragments in
             "n8": l.cols // 8, "n16": l.np_ // 16, "k16": l.kp // 16,
+            # the skip layer: its first k-chunks read x's columns of the input tile, its A fragments hold the rest
+            "skip_chunks": l.skip // l.kc, "k16_h": (l.kp - l.skip) // 16,
             "gated": l.gated, "cols": l.cols,
             # a pair's first layer: the next layer's k-chunks per hidden block
             "block_kchunks": l.nc // plan.layers[l.index + 1].kc if l.index in plan.pairs else 0,
@@ -126,7 +130,7 @@ def fused_params(plan: FusedPlan) -> dict:
         "smem_limit": _smem_limit_text(plan.smem_limit),
         "prefetch_vectors": plan.prefetch_vectors,
         "register_activations": plan.register_activations,
-        "width_a": plan.width_a, "width_b": plan.width_b, "hidden_ld": plan.hidden_ld,
+        "width_a": plan.width_a, "width_b": plan.width_b, "hidden_ld": plan.hidden_ld, "width_x": plan.width_x,
         # a block's norm scale (and bias) in the bias array, after the layers' biases
         "norm_offset": plan.norm_offset, "norm_bias_at": plan.norm_offset + params["norm_bias_offset"],
         "variants": [

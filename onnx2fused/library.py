@@ -88,8 +88,9 @@ def block_refusal(with_cuda: bool, chains=(), options: PlanOptions | None = None
 def skip_refusal(with_cuda: bool, chains=(), options: PlanOptions | None = None) -> dict[int, str]:
     """Which chains end at their skip Concat (passes/skip.py): {passes.block_key(chain): reason} ({} where
     the library fuses every one), as `passes.find_chains(model, skip_refused=...)` takes it. The CPU
-    kernel and the fp32 CUDA kernel run every skip; a library with CUDA kernels splits a chain at its skip
-    where no tensor-core design plans it at fp16 (the chains before and after fuse on their own)."""
+    kernel, the fp32 CUDA kernel, the resident and streamed mma.sync kernels and the wgmma kernel run a
+    skip (not the wide design); a library with CUDA kernels splits a chain at its skip where none of them
+    plans it at fp16 (the chains before and after fuse on their own)."""
     if not with_cuda:
         return {}
     options = options or PlanOptions.from_env()

@@ -84,15 +84,8 @@ def cpu_host_flags() -> list[str]:
     return [f"-march={cpu_arch()}" if f == "-march=native" else f for f in HOST_FLAGS]
 
 
-CUDA_ARCHS_ENV = "ONNX2FUSED_CUDA_ARCHS"
-
-
 def cuda_archs() -> list[str]:
-    return parse_cuda_archs(os.environ.get(CUDA_ARCHS_ENV))
-
-
-def parse_cuda_archs(env: str | None) -> list[str]:
-    """The archs a value of ONNX2FUSED_CUDA_ARCHS names (None or empty: DEFAULT_CUDA_ARCHS)."""
+    env = os.environ.get("ONNX2FUSED_CUDA_ARCHS")
     if not env:
         return list(DEFAULT_CUDA_ARCHS)
     archs = [a.strip().replace("sm_", "").replace(".", "") for a in env.replace(";", ",").split(",") if a.strip()]

@@ -25,7 +25,6 @@ pytestmark = pytest.mark.gpu
 ort, torch = require_cuda()
 
 import onnx2fused  # noqa: E402
-from onnx2fused.plan.options import PlanOptions  # noqa: E402
 from onnx2fused.spec import DOMAIN  # noqa: E402
 
 from onnx_builders import G, fp16_keep_io, skip_mlp  # noqa: E402
@@ -360,12 +359,11 @@ def test_gpt2_conv1d_blocks_fuse_whole(name, kind, cache, tmp_path):
 
 
 def test_nerf_mlp_wide_first_layers_on_cuda_ep(cache, tmp_path):
-    """The original NeRF MLP (benchmarks/nerf_mlp.py): its trunk with the skip Concat is one chain in a
-    Hopper-only library (gpu_host.sh's ONNX2FUSED_CUDA_ARCHS=90; the x part of layer 6 re-read in the wgmma
-    kernel), else it splits there and the chain past the Concat reads 319 features; the view head reads 283
-    (plan.wgmma.FIRST_WIDTH_MAX: wider than the hidden layers' 256), rows that are not 16-byte aligned;
-    converted with defaults, they run in the wgmma design on Hopper and the model matches stock on the CUDA
-    EP at batch sizes past a tile, a pass and a wave."""
+    """The original NeRF MLP (benchmarks/nerf_mlp.py): its trunk with the skip Concat is one chain (the x
+    part of layer 6 re-read in the wgmma kernel), its view head reads 283 features (plan.wgmma.FIRST_WIDTH_MAX:
+    wider than the hidden layers' 256), rows that are not 16-byte aligned; converted with defaults, both run
+    in the wgmma design on Hopper and the model matches stock on the CUDA EP at batch sizes past a tile, a
+    pass and a wave."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from nerf_mlp import NeRF, export
 
@@ -378,31 +376,29 @@ def test_nerf_mlp_wide_first_layers_on_cuda_ep(cache, tmp_path):
     for rows in (1, 63, 129):
         feeds = {"x": rng.standard_normal((rows, 90)).astype(np.float32)}
         assert rel_l2(sess.run(None, feeds)[0], stock(src, feeds)[0]) <= TOL["fp16"], rows
-    hopper_only = PlanOptions.from_env().hopper_only
-    trunk = [c for c in res.chains if c.widths[0] == (63 if hopper_only else 319)]
+    trunk = [c for c in res.chains if c.widths[0] == 63]
     wide_first = trunk + [c for c in res.chains if c.widths[0] == 283]
     assert len(wide_first) == 2, [c.widths for c in res.chains]
-    if hopper_only:
-        assert "_skip5_" in trunk[0].name and len(trunk[0].widths) == 9, trunk[0].name
+    assert "_skip5_" in trunk[0].name and len(trunk[0].widths) == 9, trunk[0].name
     if torch.cuda.get_device_capability(0) == (9, 0):
         for c in wide_first:
             assert "wgmma (sm_90a)" in c.cuda_plan, c.cuda_plan
 
 
-@pytest.mark.parametrize("x_first", [True, False])
-def test_skip_chain_on_cuda_ep(cache, tmp_path, monkeypatch, x_first):
+@pytest.mark.parametrize("x_first,design", [(True, "auto"), (False, "auto"), (True, "wgmma"), (False, "streamed")])
+def test_skip_chain_on_cuda_ep(cache, tmp_path, monkeypatch, x_first, design):
     """A skip Concat of the chain's input (21 features: element-wise loads; hidden layers of 100, padded)
-    in either order is one chain in a Hopper-only library, its wgmma kernel matching stock on the CUDA EP
-    at 1, 63, 129 and 100003 rows; rank-3 input."""
-    monkeypatch.setenv("ONNX2FUSED_CUDA_ARCHS", "90")
+    in either order is one chain, its kernel (the resident mma.sync one by default; wgmma and streamed
+    forced) matching stock on the CUDA EP at 1, 63, 129 and 100003 rows; rank-3 input."""
+    monkeypatch.setenv("ONNX2FUSED_CUDA_DESIGN", design)
     model = skip_mlp(21, [100, 100, 72, 5], at=2, x_first=x_first, act="Tanh", rank=3)
     src = tmp_path / "skip.onnx"
     onnx.save(model, str(src))
     res = check_defaults(src, tmp_path / "m.onnx", cache,
                          lambda rng: {"x": rng.standard_normal((3, 33335, 21)).astype(np.float32)})
     assert len(res.chains) == 1 and "_skip2_" in res.chains[0].name
-    if torch.cuda.get_device_capability(0) == (9, 0):
-        assert "wgmma (sm_90a)" in res.chains[0].cuda_plan, res.chains[0].cuda_plan
+    expected = {"auto": "resident weights", "streamed": "streamed weights", "wgmma": "wgmma (sm_90a)"}[design]
+    assert res.chains[0].cuda_plan.startswith(expected), res.chains[0].cuda_plan
     sess = session(res.output_path, res.library_path, ["CUDAExecutionProvider", "CPUExecutionProvider"])
     rng = np.random.default_rng(4)
     for rows in (1, 63, 129):

@@ -117,24 +117,35 @@ def test_second_skip_in_one_chain_ends_it():
     assert plan.chains[1].input == [n for n in model.graph.node if n.name == "cat2"][0].output[0]
 
 
-def test_cuda_library_splits_a_skip_no_tensor_core_kernel_takes():
-    """Default archs (80 and 90): no mma.sync kernel has the skip, so a CUDA library ends the chain at its
-    Concat and says why; a Hopper-only library (ONNX2FUSED_CUDA_ARCHS=90) plans the wgmma kernel, with the
-    fp32 kernel for other GPUs."""
+def test_every_tensor_core_design_but_the_wide_one_plans_a_skip():
+    """The resident (activations in registers), streamed and wgmma kernels take the skip; the resident
+    design with activations in shared memory (tf32) and the wide design do not, with their reasons."""
+    from onnx2fused.plan import fused
+    from onnx2fused.plan.wide import wide_reason_refused
+    spec = find_chains(skip_mlp(21, [64, 48, 40, 4], at=2)).chains[0].to_spec("fp16")
+    resident = fused.resident_plan(spec)
+    assert resident.register_activations and resident.layers[2].skip == 32 and resident.layers[2].kp == 32 + 48
+    streamed = fused.streamed_plan(spec)
+    assert streamed.width_x == streamed.layers[0].kp and streamed.layers[2].skip == 32
+    assert streamed.layers[2].kc in (16, 32) and 32 % streamed.layers[2].kc == 0
+    assert make_plan(spec, PlanOptions(design="wgmma")).design == "wgmma"
+    assert fused.resident_plan(spec.__class__(**{**spec.__dict__, "precision": "tf32"})) is None
+    assert "skip connection" in wide_reason_refused(spec)
+
+
+def test_cuda_library_splits_a_skip_no_kernel_takes():
+    """Where no CUDA design plans the chain with its skip (here: 8 KB of shared memory), a CUDA library ends
+    the chain at its Concat and says why; CPU-only libraries fuse it."""
     model = skip_mlp(21, [64, 48, 40, 4], at=2)
     chains = find_chains(model).chains
-    default = PlanOptions.from_env({"ONNX2FUSED_CUDA_ARCHS": "80,90"})
-    hopper = PlanOptions.from_env({"ONNX2FUSED_CUDA_ARCHS": "90"})
-    assert not default.hopper_only and hopper.hopper_only
-    refused = skip_refusal(True, chains, default)
-    assert list(refused.values()) and "Hopper wgmma kernel only" in next(iter(refused.values()))
-    plan = find_fusions(model, with_cuda=True, options=default)
-    assert len(plan.chains) == 2 and "no CUDA tensor-core kernel takes the chain with its skip" in plan.describe()
-    assert skip_refusal(True, chains, hopper) == {}
-    assert len(find_fusions(model, with_cuda=True, options=hopper).chains) == 1
-    p = make_plan(chains[0].to_spec("fp16"), hopper)
-    assert p.design == "wgmma" and p.fallback.design == "fp32" and "skip connection" in p.reason
-    assert skip_refusal(False, chains, default) == {}   # CPU-only libraries fuse it
+    assert skip_refusal(True, chains, PlanOptions()) == {}
+    assert len(find_fusions(model, with_cuda=True, options=PlanOptions()).chains) == 1
+    tiny = PlanOptions(smem_limit=8 * 1024)
+    refused = skip_refusal(True, chains, tiny)
+    assert list(refused.values()) and "no CUDA kernel takes the chain with its skip" in next(iter(refused.values()))
+    plan = find_fusions(model, with_cuda=True, options=tiny)
+    assert len(plan.chains) == 2 and "feeds Concat 'skip_concat': no CUDA kernel takes" in plan.describe()
+    assert skip_refusal(False, chains, tiny) == {}
 
 
 def test_spec_checks_the_skip_layer_width():

@@ -51,10 +51,6 @@ def make_plan(spec: MLPSpec, options: PlanOptions = DEFAULT_OPTIONS, wide_option
     wide_why = wide.wide_reason_refused(spec) or options.wide_unavailable or None
     forced = options.design
     fallback = resident if resident is not None else streamed   # the wgmma plan's kernel for other GPUs
-    if spec.skip and fallback is None and options.hopper_only:
-        # no mma.sync kernel runs a skip connection: a Hopper-only library's other GPUs (none it has SASS for;
-        # newer ones through PTX) run the fp32 kernel, exact and slow
-        fallback = fused.Fp32Plan(spec)
     if forced == "wgmma" or (forced == "auto" and options.wgmma):
         plan = _wgmma(spec, fallback, smem, forced == "wgmma", options.wgmma_overrides.given())
         if plan is not None:
@@ -170,8 +166,6 @@ def _wgmma(spec: MLPSpec, fallback, smem: int, forced: bool, overrides: dict) ->
         return None
     if forced:
         reason = f"forced by {DESIGN_ENV}=wgmma"
-    elif spec.skip:
-        reason = "chosen: the tensor-core design that runs a skip connection"
     elif _wgmma_not_chosen(spec) is None:
         reason = (f"chosen: {cost.wgmma_wide_layers(spec)} hidden layer(s) of >= {cost.WGMMA_MIN_WIDTH} outputs, where wgmma "
                   "beat mma.sync on the H100")

@@ -83,6 +83,7 @@ class LayerPlan:
     b_offset: int     # offset of the layer's bias in the packed biases (floats)
     pad: int = 8      # padding elements per chunk row (16 bytes)
     gated: bool = False  # the GEMM computes 2*np_ columns, gate and up interleaved in 8s (nc: GEMM columns)
+    skip: int = 0     # the skip layer: its first `skip` input features are x's (SKIP_MMA_SYNC), a multiple of kc
 
     @property
     def cols(self) -> int:
@@ -141,6 +142,7 @@ class FusedPlan:
     # streamed design
     width_a: int = 0
     width_b: int = 0
+    width_x: int = 0   # a skip connection's input tile X (layer 0's padded input), which layer 0 and the skip read
     variants: tuple[Variant, ...] = field(default_factory=tuple)
     pairs: tuple[int, ...] = ()  # first layers i of the fused (i, i+1) pairs; H is BM x hidden_ld (+ pad)
     smem_limit: int = SMEM_LIMIT  # the shared memory a block may use, which the plan was made to fit
@@ -213,14 +215,17 @@ def _layer_plans(spec: MLPSpec, nc_of, kc_max: int = KC_MAX,
     hidden_blocks = hidden_blocks or {}
     plans, chunk, w_off, b_off = [], 0, 0, 0
     kp = None
+    skip_width = spec.skip_width
     for i, l in enumerate(spec.layers):
         block = hidden_blocks.get(i - 1, 0)
         if kp is None:
             kc = min(round_up(l.in_features, 16), kc_max)
             kp = round_up(l.in_features, kc)
         else:
+            skip = skip_width if spec.skip and i == spec.skip else 0   # x's columns first (SKIP_CHUNKS)
             kc = next(c for c in (kc_max, 48, 32, 16)
-                      if c <= kc_max and kp % c == 0 and (not block or block % c == 0))
+                      if c <= kc_max and kp % c == 0 and skip % c == 0 and (not block or block % c == 0))
+            kp += skip
         if l.gated:  # chunks of NC GEMM columns: NC/2 output columns (gate and up interleaved)
             nco = (gated_nc_of or nc_of)(l.out_features)
             p = LayerPlan(i, l.in_features, l.out_features, kc, 2 * nco, kp,
@@ -228,7 +233,8 @@ def _layer_plans(spec: MLPSpec, nc_of, kc_max: int = KC_MAX,
         else:
             nc = hidden_blocks.get(i) or nc_of(l.out_features)
             p = LayerPlan(i, l.in_features, l.out_features, kc, nc, kp,
-                          round_up(l.out_features, nc), chunk, w_off, b_off, row_pad(spec))
+                          round_up(l.out_features, nc), chunk, w_off, b_off, row_pad(spec),
+                          skip=skip_width if spec.skip and i == spec.skip else 0)
         kp = p.np_
         plans.append(p)
         chunk += p.n_chunks
@@ -259,10 +265,13 @@ def _bias_floats(spec: MLPSpec, layers: list[LayerPlan]) -> int:
     return sum(l.cols for l in layers) + norm_floats(spec)
 
 
-# A skip connection (spec.skip) runs in the wgmma kernel (Hopper) and the fp32 one; the mma.sync kernels
-# (resident, streamed) have no second source of a layer's A operand.
-SKIP_MMA_SYNC = ("a skip connection (the chain's input into a later layer) runs in the Hopper wgmma kernel only, "
-                 "in a library for Hopper alone (ONNX2FUSED_CUDA_ARCHS=90)")
+# A skip connection (spec.skip = j: layer j reads [x padded to skip_width, layer j-1's output]): layer j's
+# first skip_width / KC k-chunks multiply x's columns of the staged input tile, which no layer overwrites
+# (the register design's A; the streamed design's own buffer X, which only layer 0 reads besides), the others
+# the layer before's output (its fragments; the streamed buffer it wrote). Its KC divides skip_width.
+# The resident design with activations in shared memory (tf32, wide layers) overwrites the tile: refused.
+SKIP_MMA_SYNC = ("a skip connection (the chain's input into a later layer) needs the input tile kept beside the "
+                 "activations: the resident design with activations in shared memory overwrites it")
 RESIDENT_WARPS = (16, 12, 8, 4)  # warps per block tried by the shared-memory design, best occupancy first
 REGISTER_FRAGMENTS_MAX = 96  # accumulator + operand registers per lane the register design may hold
 
@@ -270,7 +279,7 @@ REGISTER_FRAGMENTS_MAX = 96  # accumulator + operand registers per lane the regi
 def _fragment_registers(layers: list[LayerPlan], mt: int) -> int:
     """Registers per lane a warp of `mt` m16-tiles holds at once in the register design: a layer's
     fp32 accumulators (np/2 per m-tile) plus its input as packed 16-bit A fragments (kp/4)."""
-    return max(mt * (l.cols // 2 + (l.kp // 4 if l.index else 0)) for l in layers)
+    return max(mt * (l.cols // 2 + ((l.kp - l.skip) // 4 if l.index else 0)) for l in layers)
 
 
 def resident_plan(spec: MLPSpec, smem_limit: int = SMEM_LIMIT, mt: int | None = None,
@@ -281,8 +290,6 @@ def resident_plan(spec: MLPSpec, smem_limit: int = SMEM_LIMIT, mt: int | None = 
     exactly the A fragments of the next layer's mma.sync (m16n8k16's C and A layouts agree), so hidden
     activations never go through shared memory; only the input tile is staged there. Otherwise each
     warp keeps its activation tile in shared memory and overwrites it layer by layer."""
-    if spec.skip:
-        return None   # (SKIP_MMA_SYNC: no skip connection in the mma.sync kernels yet)
     layers = _layer_plans(spec, lambda n: round_up(n, 16))
     widest = max(l.cols for l in layers)   # accumulator columns (a gated layer's GEMM: 2x its outputs)
     if widest > RESIDENT_NP_MAX:
@@ -291,6 +298,8 @@ def resident_plan(spec: MLPSpec, smem_limit: int = SMEM_LIMIT, mt: int | None = 
         register_activations = (elem_bytes(spec) == 2 and _fragment_registers(layers, 1) <= REGISTER_FRAGMENTS_MAX)
     if register_activations and elem_bytes(spec) != 2:
         raise SpecError("register activations need 16-bit operands (tf32's A and C fragments differ)")
+    if spec.skip and not register_activations:
+        return None   # SKIP_MMA_SYNC
     if warp_choices is None:
         # Registers, not shared memory, bound the register design's occupancy: 12 warps leave 168
         # registers a lane, which the fragments and the input prefetch need (16 warps cap them at 128
@@ -381,6 +390,8 @@ def _hidden_blocks(spec: MLPSpec) -> dict[int, int]:
     for i in range(len(widths) - 1):
         if spec.layers[i].gated or spec.layers[i + 1].gated:  # gated layers are never paired
             continue
+        if spec.skip and spec.skip in (i, i + 1):   # the skip layer reads X beside its src: not H
+            continue
         if widths[i] > NC_STREAMED_MAX and widths[i + 1] <= NC_STREAMED_MAX and i - 1 not in blocks:
             blocks[i] = 64 if widths[i + 1] > 128 else 128
     return blocks
@@ -407,8 +418,6 @@ def streamed_plan(spec: MLPSpec, smem_limit: int = SMEM_LIMIT, kc_max: int = KC_
     256 -> 4096 -> 256 2.62 ms paired (128-row tiles) vs 5.56 ms (16), 512 -> 2048 -> 128 1.52 vs 3.84 ms,
     64 -> 1000 -> 48 0.207 vs 0.286 ms; but 128 -> 2048 -> 2048 -> 64, 16-row tiles either way, 16.6 vs
     11.7 ms."""
-    if spec.skip:
-        raise SpecError(SKIP_MMA_SYNC)
     blocks = _hidden_blocks(spec) if pair_hidden is not False else {}
     if not blocks or pair_hidden:
         return _streamed_build(spec, smem_limit, blocks, kc_max, tall_rows, stages_choices)
@@ -432,15 +441,17 @@ def _streamed_build(spec: MLPSpec, smem_limit: int, blocks: dict[int, int], kc_m
     """The streamed plan with the pairs of `blocks` ({i: HC}, _hidden_blocks) fused."""
     layers = _layer_plans(spec, _streamed_nc, kc_max, blocks, _streamed_gated_nc)
     pairs = tuple(sorted(blocks))
-    # A holds the inputs of even layers, B of odd ones; a pair's second layer reads H instead.
+    # A holds the inputs of even layers, B of odd ones; a pair's second layer reads H instead. With a skip
+    # the input tile is X, which no layer writes: layer 0 reads it, the skip layer its x columns again.
     seconds = {i + 1 for i in pairs}
-    wa = max(l.kp for l in layers[0::2] if l.index not in seconds)
-    wb = max((l.kp for l in layers[1::2] if l.index not in seconds), default=0)
+    wx = layers[0].kp if spec.skip else 0
+    wa = max((l.kp - l.skip for l in layers[0::2] if l.index not in seconds and not (wx and l.index == 0)), default=0)
+    wb = max((l.kp - l.skip for l in layers[1::2] if l.index not in seconds), default=0)
     hc = max((layers[i].nc for i in pairs), default=0)
     bias = _bias_floats(spec, layers) * 4
     eb, pad = elem_bytes(spec), row_pad(spec)
     slot = max(l.chunk_elems for l in layers) * eb
-    row_elems = sum(w + pad for w in (wa, wb, hc) if w)  # one tile row in A, B and H
+    row_elems = sum(w + pad for w in (wa, wb, hc, wx) if w)  # one tile row in A, B, H and X
     variants = []
     for name, bms, warps, prefer_rows in (("tall_tiles", tall_rows, 8, True), ("short_tiles", (32, 16), 8, False)):
         for bm in bms:
@@ -459,8 +470,8 @@ def _streamed_build(spec: MLPSpec, smem_limit: int, blocks: dict[int, int], kc_m
                         f"(over {smem_limit // 1024} KB); use --precision fp32 or split the chain")
     if len(variants) == 2 and variants[0].bm == variants[1].bm:
         variants = variants[:1]
-    return FusedPlan(spec, tuple(layers), False, width_a=wa, width_b=wb, variants=tuple(variants), pairs=pairs,
-                     smem_limit=smem_limit)
+    return FusedPlan(spec, tuple(layers), False, width_a=wa, width_b=wb, width_x=wx, variants=tuple(variants),
+                     pairs=pairs, smem_limit=smem_limit)
 
 
 @dataclass(frozen=True)

@@ -108,7 +108,6 @@ class PlanOptions:
     cuda_blocks: bool = True       # CUDA libraries fuse blocks' norms and residuals (ONNX2FUSED_CUDA_BLOCKS=off: not)
     wide_gemv: bool = True         # wide plans run passes of few rows as GEMV kernels (ONNX2FUSED_WIDE_GEMV=off: not)
     smem_limit: int | None = None  # shared memory a block may use (None: fused.SMEM_LIMIT, sm_90)
-    hopper_only: bool = False      # the library's CUDA archs are all 9.0 and up (ONNX2FUSED_CUDA_ARCHS=90)
     resident: ResidentOptions = field(default_factory=ResidentOptions)
     streamed: StreamedOptions = field(default_factory=StreamedOptions)
     wgmma_overrides: WgmmaOptions = field(default_factory=WgmmaOptions)
@@ -126,17 +125,7 @@ class PlanOptions:
                    wgmma=env.get(WGMMA_ENV, "on").strip().lower() not in ("off", "0", "no", "false"),
                    cuda_blocks=env.get(CUDA_BLOCKS_ENV, "on").strip().lower() not in ("off", "0", "no", "false"),
                    wide_gemv=env.get(WIDE_GEMV_ENV, "on").strip().lower() not in ("off", "0", "no", "false"),
-                   wide_unavailable=_cutlass_missing(), hopper_only=_hopper_only(env))
-
-
-def _hopper_only(env: Mapping[str, str]) -> bool:
-    """Whether ONNX2FUSED_CUDA_ARCHS names only 9.0 and later (the default, 80 and 90, does not)."""
-    from ..targets import CUDA_ARCHS_ENV, parse_cuda_archs
-    try:
-        archs = parse_cuda_archs(env.get(CUDA_ARCHS_ENV))
-    except Exception:  # noqa: BLE001 - a bad list fails where the library is built, with its message
-        return False
-    return all(int(a.rstrip("af")) >= 90 for a in archs)
+                   wide_unavailable=_cutlass_missing())
 
 
 def _cutlass_missing() -> str:

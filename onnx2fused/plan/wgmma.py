@@ -158,6 +158,8 @@ BLOCKS = True
 # A fragments from global memory (L2: the tile's rows were read a few layers before) as the unstaged first
 # layer does, ahead of layer j-1's MMAs; the layer before's epilogue packs its outputs into the k-steps after
 # them. Layer j is one layer of skip_width + N_{j-1} inputs to the MMAs (its weight laid out so by the pass).
+# Its other-GPU kernel (resident or streamed) reads x's columns of the staged input tile (plan.fused
+# SKIP_MMA_SYNC).
 
 
 @dataclass(frozen=True)
