@@ -19,9 +19,9 @@ from .cpu_policy import stock_faster
 from .passes import FusionPlan, Refusal, block_key, find_chains
 from .passes.batchnorm import find_batchnorms
 from .passes.constants import GraphIndex, node_keys
-from .plan.choose import block_refused, make_plan, make_plans
+from .plan.choose import block_refused, make_plan, make_plans, skip_refused
 from .plan.options import PlanOptions
-from .spec import BLOCK_NO_CUDA, GATED_NO_CUDA, SKIP_NO_CUDA, SpecError
+from .spec import BLOCK_NO_CUDA, GATED_NO_CUDA, SKIP_NO_CUDA, SKIP_SLOWER, SpecError
 
 
 def resolve_with_cuda(with_cuda: bool | None) -> bool:
@@ -90,7 +90,8 @@ def skip_refusal(with_cuda: bool, chains=(), options: PlanOptions | None = None)
     the library fuses every one), as `passes.find_chains(model, skip_refused=...)` takes it. The CPU
     kernel, the fp32 CUDA kernel, the resident and streamed mma.sync kernels and the wgmma kernel run a
     skip (not the wide design); a library with CUDA kernels splits a chain at its skip where none of them
-    plans it at fp16 (the chains before and after fuse on their own)."""
+    plans it at fp16, or where the split's parts in the wide design beat the joined streamed kernel
+    (plan.choose.skip_refused); the chains before and after then fuse on their own."""
     if not with_cuda:
         return {}
     options = options or PlanOptions.from_env()
@@ -100,9 +101,12 @@ def skip_refusal(with_cuda: bool, chains=(), options: PlanOptions | None = None)
         if not spec.skip:
             continue
         try:
-            make_plan(spec, options)
+            why = skip_refused(spec, options)
         except (SpecError, ConversionError) as e:
             refused[block_key(chain)] = SKIP_NO_CUDA.format(why=str(e))
+            continue
+        if why is not None:
+            refused[block_key(chain)] = SKIP_SLOWER.format(why=why)
     return refused
 
 

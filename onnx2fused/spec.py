@@ -67,6 +67,7 @@ GATED_NO_CUDA = "gated layer: no CUDA kernel holds its chain ({why}) (CPU-only l
 BLOCK_NO_CUDA = "{what}: no fused CUDA kernel takes it: {why} (CPU-only libraries fuse it)"
 # The same for a skip Concat (library.skip_refusal): a chain with a skip no tensor-core design plans at fp16.
 SKIP_NO_CUDA = "no CUDA kernel takes the chain with its skip connection ({why}) (CPU-only libraries fuse it)"
+SKIP_SLOWER = "the skip connection stays a stock Concat: {why} (CPU-only libraries fuse it)"
 NORM_KINDS = {"layernorm": ("ln", "layer norm"), "rmsnorm": ("rms", "RMS norm")}  # kind -> (name tag, label)
 
 

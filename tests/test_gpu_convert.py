@@ -398,7 +398,7 @@ def test_skip_chain_on_cuda_ep(cache, tmp_path, monkeypatch, x_first, design):
                          lambda rng: {"x": rng.standard_normal((3, 33335, 21)).astype(np.float32)})
     assert len(res.chains) == 1 and "_skip2_" in res.chains[0].name
     expected = {"auto": "resident weights", "streamed": "streamed weights", "wgmma": "wgmma (sm_90a)"}[design]
-    assert res.chains[0].cuda_plan.startswith(expected), res.chains[0].cuda_plan
+    assert res.chains[0].cuda_plan.startswith("GPU: " + expected), res.chains[0].cuda_plan
     sess = session(res.output_path, res.library_path, ["CUDAExecutionProvider", "CPUExecutionProvider"])
     rng = np.random.default_rng(4)
     for rows in (1, 63, 129):

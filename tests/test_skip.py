@@ -148,6 +148,22 @@ def test_cuda_library_splits_a_skip_no_kernel_takes():
     assert skip_refusal(False, chains, tiny) == {}
 
 
+def test_a_skip_whose_parts_run_wide_stays_split():
+    """DeepSDF's decoder (259 -> 512 x 3 -> 253, the input re-joined, -> 512 x 4 -> 1): joined it would run the
+    streamed kernel, split each part runs the wide design's GEMMs, which the cost model puts ahead; the
+    chain ends at the Concat and says why. NeRF-sized layers (256) join (wgmma, resident)."""
+    from onnx2fused.plan.choose import skip_refused
+    deepsdf = skip_mlp(259, [512, 512, 512, 253, 512, 512, 512, 512, 1], at=4)
+    chains = find_chains(deepsdf).chains
+    assert len(chains) == 1 and chains[0].skip == 4
+    why = skip_refused(chains[0].to_spec("fp16"), PlanOptions())
+    assert why is not None and "faster split there" in why and "wide + wide" in why
+    plan = find_fusions(deepsdf, with_cuda=True, options=PlanOptions())
+    assert [c.skip for c in plan.chains] == [0, 0] and "the skip connection stays a stock Concat" in plan.describe()
+    nerf = find_chains(skip_mlp(63, [256] * 8 + [4], at=5)).chains[0].to_spec("fp16")
+    assert skip_refused(nerf, PlanOptions()) is None
+
+
 def test_spec_checks_the_skip_layer_width():
     spec = _spec()
     assert spec.skip_width == 32 and spec.layer_input(2) == 64 and spec.layer_input(1) == 64

@@ -137,6 +137,50 @@ def block_refused(spec: MLPSpec, options: PlanOptions = DEFAULT_OPTIONS) -> str 
     return None
 
 
+def skip_split(spec: MLPSpec) -> tuple[MLPSpec, MLPSpec]:
+    """The two chains a skip connection splits `spec` into: layers before the skip layer, and from it on
+    reading the Concat's K0 + N_{j-1} columns (no padding)."""
+    j = spec.skip
+    head = replace(spec, layers=spec.layers[:j], skip=0)
+    first = replace(spec.layers[j], in_features=spec.layer_input(j) + spec.widths[0])
+    return head, replace(spec, layers=(first,) + spec.layers[j + 1:], skip=0)
+
+
+def _estimate(spec: MLPSpec, plan: Plan) -> float | None:
+    """The cost model's seconds of a streamed or wide plan at NOMINAL_ROWS, else None (not modelled)."""
+    if plan.design == "streamed":
+        return cost.estimate_streamed(spec, plan)
+    if plan.design == "wide":
+        return cost.estimate_wide(spec, cost.NOMINAL_ROWS, plan.tail_from, plan.tail)
+    return None
+
+
+def skip_refused(spec: MLPSpec, options: PlanOptions = DEFAULT_OPTIONS) -> str | None:
+    """Why a library with CUDA kernels should end `spec` (fp16, with a skip connection) at its Concat, or
+    None: one kernel runs it. SpecError where no design plans it (skip_refusal says so). Where the joined
+    chain runs the streamed kernel and a part of the split goes to the wide design (DeepSDF's 512-wide
+    layers), the split is kept unless the cost model puts the joined kernel ahead of the parts plus the
+    Concat's traffic (it reads x and h and writes both); resident and wgmma plans of the joined chain take
+    the skip (NeRF's trunk: 6.27 -> 4.56 ms through ORT, RESULTS.md forty-first run)."""
+    joined = make_plan(spec, options)
+    t_joined = _estimate(spec, joined)
+    if t_joined is None:
+        return None
+    parts = [(s, make_plan(s, options)) for s in skip_split(spec)]
+    if not any(p.design == "wide" for _, p in parts):
+        return None
+    times = [_estimate(s, p) for s, p in parts]
+    if any(t is None for t in times):
+        return None
+    io = 2 if spec.io_dtype == "f16" else 4
+    concat = 2 * cost.NOMINAL_ROWS * parts[1][0].widths[0] * io / cost.HBM_BPS + cost.LAUNCH_S
+    t_split = sum(times) + concat
+    if t_joined <= t_split:
+        return None
+    return (f"its layers run faster split there (the cost model at {cost.NOMINAL_ROWS} rows: the streamed kernel "
+            f"~{_us(t_joined)} joined, {' + '.join(p.design for _, p in parts)} ~{_us(t_split)} with the Concat)")
+
+
 def wgmma_refused(spec: MLPSpec, options: PlanOptions = DEFAULT_OPTIONS) -> str | None:
     """Why the wgmma design cannot run `spec` (None: it can), for `inspect` and the tests."""
     if spec.precision not in fused.ELEM_BYTES:
