@@ -101,7 +101,7 @@ CPU_ONLY_WHY = "CPU-only library: its kernels compute in fp32 (the label is for 
 
 def _chain_tensors(model, chains, cases) -> dict:
     """Each chain's input and output tensors on stock ORT over the validation inputs."""
-    names = list(dict.fromkeys(t for c in chains for t in (c.input, c.output)))
+    names = list(dict.fromkeys(t for c in chains for t in (*c.input_tensors, c.output)))
     return val.reference_tensors(model, names, cases)
 
 
@@ -120,7 +120,7 @@ def initial_precisions(model, chains, cases, with_cuda: bool, say) -> list[Preci
     except Exception as e:  # noqa: BLE001 - the model runs (cases exist) but not with its intermediates read out
         return [PrecisionChoice("fp16", f"default: the chains' tensors could not be read on stock ORT "
                                         f"({val._one_line(e)})") for _ in chains]
-    return [choose_precision(chain_layers(c), ref[c.input], ref[c.output], range_check=True,
+    return [choose_precision(chain_layers(c), c.input_rows(ref), ref[c.output], range_check=True,
                              tolerances=val.TOLERANCES, block=chain_block(c)) for c in chains]
 
 
@@ -132,7 +132,7 @@ def asked_precisions(model, chains, cases, precision: str, why: str) -> list[Pre
     if cases is not None:
         try:
             ref = _chain_tensors(model, chains, cases)
-            noises = [chain_noise(chain_layers(c), ref[c.input], ref[c.output], chain_block(c)) for c in chains]
+            noises = [chain_noise(chain_layers(c), c.input_rows(ref), ref[c.output], chain_block(c)) for c in chains]
         except Exception:  # noqa: BLE001 - as initial_precisions: then the plain tolerance
             pass
     return [PrecisionChoice(precision, why + noise_note(n, val.TOLERANCES), noise=n) for n in noises]
@@ -339,7 +339,7 @@ def convert(input_path, output_path=None, precision: str = AUTO, validate: bool 
             "validation runs the CPU kernels; --cpu-only skips the CUDA build)")
     plan = find_fusions(model, with_cuda, stock_faster=stock_where_faster)
     result = ConversionResult(str(inp), str(out), precision, refusals=[r.reason for r in plan.refusals],
-                              rewritten=[b.describe() for b in plan.batchnorms])
+                              rewritten=plan.rewritten)
 
     try:
         tmpdir = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
@@ -697,7 +697,7 @@ def inspect(input_path, precision: str = AUTO, cache_dir=None, plan_options: Pla
     _check_stock_where_faster(stock_where_faster, with_cuda)
     plan = find_fusions(model, with_cuda, options, stock_where_faster)
     res = InspectResult(str(input_path), refusals=[r.reason for r in plan.refusals], plan=plan.describe(),
-                        rewritten=[b.describe() for b in plan.batchnorms])
+                        rewritten=plan.rewritten)
     recorded = {p.key: p.value for p in model.metadata_props}.get(CHAINS_KEY)
     if recorded:
         try:

@@ -358,7 +358,7 @@ def _compare(name: str, a: np.ndarray, b: np.ndarray, case: str, acc: OutputErro
 
 def chain_intermediates(chain) -> list[str]:
     """The tensors the fp16 kernel stores in fp16: the chain input and every layer output but the last."""
-    return [chain.input] + [l.output for l in chain.layers[:-1]]
+    return list(chain.input_tensors) + [l.output for l in chain.layers[:-1]]
 
 
 def _max_activations(original: onnx.ModelProto, chains, cases) -> list[float]:

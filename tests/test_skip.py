@@ -173,3 +173,54 @@ def test_spec_checks_the_skip_layer_width():
         MLPSpec(tuple(LayerSpec(k, n, True, ex.relu()) for k, n in ((21, 64), (64, 64), (64, 4))), skip=2)
     with pytest.raises(SpecError, match="skip layer 5"):
         MLPSpec(tuple(LayerSpec(k, n, True, ex.relu()) for k, n in ((21, 64), (64, 4))), skip=5)
+
+
+def _view_head(grow: bool = False, act_on_feature: bool = False, second_reader: bool = False):
+    """NeRF's heads in small: h (32) -> feature (no activation, 32 or 24 wide) concatenated with the view
+    directions (5) -> 16 ReLU -> 3, and alpha from h."""
+    from onnx_builders import G
+    g = G(seed=3)
+    h = g.op("Relu", [g.linear("x", 8, 32, name="trunk")], outputs=["h"])
+    alpha = g.linear(h, 32, 1, name="alpha")
+    feature = g.linear(h, 32, 24 if grow else 32, name="feature")
+    if act_on_feature:
+        feature = g.op("Tanh", [feature])
+    cat = g.op("Concat", [feature, "views"], name="view_cat", axis=-1)
+    v = g.op("Relu", [g.linear(cat, (24 if grow else 32) + 5, 16, name="view0")])
+    rgb = g.linear(v, 16, 3, name="rgb")
+    outs = [g.op("Concat", [rgb, alpha], name="out_cat", axis=-1, outputs=["y"])]
+    shapes = [("y", ["B", 4])]
+    if second_reader:
+        g.op("Identity", [cat], outputs=["cat_copy"])
+        shapes.append(("cat_copy", ["B", (24 if grow else 32) + 5]))
+    return g.model([("x", ["B", 8]), ("views", ["B", 5])], shapes)
+
+
+def test_linear_without_activation_into_a_concat_folds_into_the_next_layer():
+    """NeRF's feature layer: its GEMM folds into the view layer (W' = Wf W[feature rows], b' = b + bf W[...]),
+    the Concat reads h instead; the fused model matches stock; the numerics model reads the op's real input."""
+    model = _view_head()
+    plan, specs, fused = fuse(model)
+    assert [e.describe() for e in plan.concat_edits] == [
+        "Concat 'view_cat' reads 'h' in place of linear layer 'feature', folded into the next layer"]
+    view = next(c for c in plan.chains if "view0" in c.nodes)
+    assert "feature" in view.nodes and view.widths == (37, 16, 3) and view.input_edit == (0, 32, "h")
+    assert not any(c.widths == (32, 32) for c in plan.chains)
+    cat = next(n for n in fused.graph.node if n.name == "view_cat")
+    assert list(cat.input) == ["h", "views"]
+    from onnx2fused.library import build_plugin
+    sess = plugin_session(fused, build_plugin(specs, with_cuda=False).path)
+    feeds = {"x": rand((70, 8)), "views": rand((70, 5), seed=2)}
+    np.testing.assert_allclose(sess.run(None, feeds)[0], run(model, feeds)[0], rtol=1e-4, atol=1e-5)
+    # the precision model's input: [h, views] from the reference tensors, not the model's Concat output
+    from onnx2fused import validate as val
+    names = list(view.input_tensors) + [view.output]
+    ref = val.reference_tensors(model, names, [("case", feeds)])
+    assert view.input_rows(ref)[0].shape == (70, 37)
+    assert rel_l2(model_chain(chain_layers(view), view.input_rows(ref)[0], "fp32").output, ref[view.output][0]) < 1e-5
+
+
+@pytest.mark.parametrize("kw", [{"grow": True}, {"act_on_feature": True}, {"second_reader": True}])
+def test_no_fold_where_the_concat_grows_the_layer_has_an_activation_or_the_concat_has_other_readers(kw):
+    plan, _, _ = fuse(_view_head(**kw))
+    assert not plan.concat_edits and not any(c.input_edit for c in plan.chains)

@@ -47,7 +47,8 @@ from .gated import fed_node, find_gated
 from .input_affine import InputAffine, match_input_affine
 from .linear import LinearLayer, LinearRefusal, is_linear_node, match_linear
 from .regroup import reads_removed, regroup_ends, shape_feeders
-from .skip import SKIP_NO_BLOCK, SkipConcat, lay_out_skip_weight, match_skip_concat, skip_cut
+from .concat_fold import ConcatEdit, ConcatFold, apply_fold, match_concat_fold
+from .skip import SKIP_NO_BLOCK, SkipConcat, lay_out_skip_weight, match_skip_concat, not_a_skip, skip_cut
 
 IO_TYPES = {onnx.TensorProto.FLOAT: "f32", onnx.TensorProto.FLOAT16: "f16"}
 
@@ -79,6 +80,22 @@ class Chain:
     residual: bool = False         # the input rows added to the last layer's output (output: the Add's)
     input_map: str = ""            # the ops of a scale and shift of the input folded into the first layer
     skip: int = 0                  # layer `skip` reads [input, the layer before's output] (skip.py), 0: none
+    input_edit: tuple[int, int, str] | None = None  # a folded layer (concat_fold.py): the input's columns
+                                   # offset..offset+width are its output in the model, `tensor` in the fused op
+
+    def input_rows(self, ref: Mapping[str, list]) -> list:
+        """The rows the fused op reads in each case, from the model's tensors `ref` ({name: one array a
+        case}): its input as the model computes it, a folded layer's output replaced by that layer's input."""
+        if self.input_edit is None:
+            return ref[self.input]
+        offset, width, tensor = self.input_edit
+        return [np.concatenate([x[..., :offset], h, x[..., offset + width:]], axis=-1)
+                for x, h in zip(ref[self.input], ref[tensor])]
+
+    @property
+    def input_tensors(self) -> tuple[str, ...]:
+        """The model's tensors input_rows reads."""
+        return (self.input,) + ((self.input_edit[2],) if self.input_edit is not None else ())
 
     @property
     def widths(self) -> tuple[int, ...]:
@@ -130,6 +147,12 @@ class FusionPlan:
     chains: list[Chain] = field(default_factory=list)
     refusals: list[Refusal] = field(default_factory=list)
     batchnorms: list = field(default_factory=list)   # batchnorm.BatchNormRewrite: stock BatchNorms as Mul + Add
+    concat_edits: list = field(default_factory=list)  # concat_fold.ConcatEdit: Concats reading a folded layer's input
+
+    @property
+    def rewritten(self) -> list[str]:
+        """The stock ops the fused model changes (reports' "stock op rewritten")."""
+        return [b.describe() for b in self.batchnorms] + [e.describe() for e in self.concat_edits]
 
     def describe(self) -> str:
         lines = [f"{len(self.chains)} chain(s) to fuse:"]
@@ -138,7 +161,7 @@ class FusionPlan:
         if self.refusals:
             lines.append(f"{len(self.refusals)} not fused:")
             lines.extend(f"  {r.reason}" for r in self.refusals)
-        lines.extend(f"stock op rewritten: {b.describe()}" for b in self.batchnorms)
+        lines.extend(f"stock op rewritten: {r}" for r in self.rewritten)
         return "\n".join(lines)
 
 
@@ -152,6 +175,8 @@ class _Layer:
     gated: bool = False
     entries: tuple[int, ...] = ()  # the nodes that read the input ((start,) for a plain layer)
     skip: SkipConcat | None = None  # this layer reads Concat(its chain's input?, the layer before's output)
+    fold: ConcatFold | None = None  # a layer without activation concatenated into this one's input folds in
+    folded: bool = False            # this layer folds into another (concat_fold.py): no chain of its own
 
     def __post_init__(self):
         self.entries = self.entries or (self.start,)
@@ -297,6 +322,13 @@ def _walk(layers: dict[int, _Layer], first: _Layer) -> list[_Layer]:
     return seq
 
 
+def _walk_back(layers: dict[int, _Layer], layer: _Layer) -> _Layer:
+    """The first layer of the chain `layer` is linked into so far."""
+    while layer.prev is not None:
+        layer = layers[layer.prev]
+    return layer
+
+
 def block_key(chain: Chain) -> int:
     """What names a chain across two find_chains calls on one model (library.block_refusal's keys): the
     index of its first layer's first node."""
@@ -383,13 +415,28 @@ def _find_chains(ix: GraphIndex, gated_refused: str | None, block_refused: Mappi
                 continue
             l.next, nxt.prev = nxt.start, l.start
             continue
-        skip = match_skip_concat(ix, t, users)
+        skip, not_skip = match_skip_concat(ix, t, users), ""
+        if skip is not None and skip.other != (own := _walk_back(layers, l).linear.input):
+            # another tensor than the chain's input (NeRF's view directions): no skip; a fold, or the end
+            not_skip = not_a_skip(ix, skip, own)
+            skip = None
         if skip is not None:
             nxt = by_entries.get(frozenset(ix.users(skip.output)))
             if (nxt is not None and nxt.linear.input == skip.output and not nxt.gated and not l.gated
                     and nxt.linear.in_features == l.out_features + skip.width):
                 l.next, nxt.prev, nxt.skip = nxt.start, l.start, skip
                 continue
+        fold = (match_concat_fold(ix, l.linear, t, users)
+                if l.prev is None and not l.gated and l.act.output == l.linear.output else None)
+        if fold is not None:
+            nxt = by_entries.get(frozenset(ix.users(fold[1])))
+            if (nxt is not None and nxt.linear.input == fold[1] and not nxt.gated and nxt.fold is None
+                    and nxt.prev is None):
+                l.folded, nxt.fold = True, fold[0]
+                continue
+        if not_skip:
+            ends[l.start] = not_skip
+            continue
         if l.start in gated_reasons:
             ends[l.start] = gated_reasons[l.start]
             continue
@@ -404,9 +451,12 @@ def _find_chains(ix: GraphIndex, gated_refused: str | None, block_refused: Mappi
         elif u in l.act.rejected and (ix.node(u).op_type in ELEMENTWISE_OPS or t in feeds_layer):
             ends[l.start] = f"feeds {l.act.rejected[u]}"
     for l in sorted(layers.values(), key=lambda l: l.start):
-        if l.prev is not None:
+        if l.prev is not None or l.folded:
             continue
         seq = _walk(layers, l)
+        fold = seq[0].fold
+        if fold is not None:   # (the layer it folds into starts a chain: the folded one goes with it)
+            folded_start = _first_node(fold.folded)
         first = seq[0].linear
         entry = _chain_entry(ix, seq, claimed)
         cut = skip_cut(ix, seq, entry.widened is not None if not isinstance(entry, str) else False,
@@ -420,6 +470,8 @@ def _find_chains(ix: GraphIndex, gated_refused: str | None, block_refused: Mappi
         if isinstance(entry, str):
             for s in seq:
                 refused[s.start] = f"{ix.describe(s.start)}: {entry}"
+            if fold is not None:
+                refused[folded_start] = f"{ix.describe(folded_start)}: folds into a layer whose chain is not fused"
             continue
         widened, in_type, out_t = entry.widened, entry.io_type, seq[-1].act.output
         last = seq[-1]
@@ -466,22 +518,32 @@ def _find_chains(ix: GraphIndex, gated_refused: str | None, block_refused: Mappi
                 ends.pop(last.start, None)
         if skip_at:
             idx.append(seq[skip_at].skip.node)
+        if fold is not None:
+            idx += fold.folded.node_indices
         idx = sorted(set(idx) | shape_feeders(ix, set(idx)))
-        left = reads_removed(ix, set(idx), {block.output or out_t})
+        kept_reads = {block.output or out_t} | ({fold.folded.output} if fold is not None else set())
+        left = reads_removed(ix, set(idx), kept_reads)
         if left is not None:
             if not {s.start for s in seq} <= strict:
                 broken |= {s.start for s in seq}
                 continue
             for s in seq:
                 refused[s.start] = f"{ix.describe(s.start)}: not fused: {left}, a tensor its chain would remove"
+            if fold is not None:
+                refused[folded_start] = f"{ix.describe(folded_start)}: folds into a layer whose chain is not fused"
             continue
         _fold_trailing_affines(seq)
         if skip_at:
             lay_out_skip_weight(seq[skip_at].linear, seq[skip_at].skip, first.in_features)
+        if fold is not None:
+            apply_fold(first, fold)
+            plan.concat_edits.append(ConcatEdit(ix.keys[fold.concat], fold.position, fold.folded.input,
+                                                ix.keys[folded_start]))
         chain = Chain(chain_input, block.output or out_t,
                       [ChainLayer(s.linear, s.act.expr, list(s.act.nodes), s.act.output, s.gated) for s in seq],
                       [ix.keys[j] for j in idx], IO_TYPES[in_type], block.norm, block.residual is not None,
-                      input_map.label if input_map is not None else "", skip_at)
+                      input_map.label if input_map is not None else "", skip_at,
+                      (fold.offset, fold.folded.out_features, fold.folded.input) if fold is not None else None)
         plan.chains.append(chain)
         if start_reason:
             plan.refusals.append(Refusal(ix.keys[min(first.node_indices)],

@@ -313,6 +313,15 @@ def rewrite(model: onnx.ModelProto, plan: FusionPlan, specs: list[MLPSpec]) -> o
         new_inits.extend(inits)
         remove.add(i)
 
+    # Concats that read a folded layer's input in place of its output (concat_fold.py)
+    for e in plan.concat_edits:
+        i = ix.index_of[e.node]
+        edited = onnx.NodeProto()
+        edited.CopyFrom(model.graph.node[i])
+        edited.input[e.position] = e.tensor
+        replace[i] = [edited]
+        remove.add(i)
+
     kept = []
     for i, n in enumerate(model.graph.node):
         if i in place:

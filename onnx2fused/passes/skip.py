@@ -57,6 +57,11 @@ def match_skip_concat(ix: GraphIndex, t: str, users: list[int]) -> SkipConcat | 
     return SkipConcat(u, n.output[0], other, width, n.input[0] == other)
 
 
+def not_a_skip(ix: GraphIndex, s: SkipConcat, own: str) -> str:
+    """Why the Concat `s` does not join its layers as a skip: it joins another tensor than the input `own`."""
+    return f"feeds {ix.describe(s.node)}, which joins '{s.other}' to it: a skip connection joins the chain's own input ('{own}')"
+
+
 def skip_cut(ix: GraphIndex, seq: list, widened: bool, refused: Mapping[int, str] | None = None,
              key: int | None = None) -> tuple[int, str] | None:
     """Where the chain `seq` (passes.chains._Layer) must end before a layer linked through a Concat, and
@@ -71,8 +76,7 @@ def skip_cut(ix: GraphIndex, seq: list, widened: bool, refused: Mapping[int, str
             continue
         concat = ix.describe(s.node)
         if s.other != first.input:
-            return at, (f"feeds {concat}, which joins '{s.other}' to it: a skip connection joins the chain's "
-                        f"own input ('{first.input}')")
+            return at, not_a_skip(ix, s, first.input)
         if seen:
             return at, f"feeds {concat}: a second skip connection in one chain"
         if widened:
