@@ -224,3 +224,26 @@ def test_linear_without_activation_into_a_concat_folds_into_the_next_layer():
 def test_no_fold_where_the_concat_grows_the_layer_has_an_activation_or_the_concat_has_other_readers(kw):
     plan, _, _ = fuse(_view_head(**kw))
     assert not plan.concat_edits and not any(c.input_edit for c in plan.chains)
+
+
+def test_a_fold_goes_with_its_chain_when_chains_stay_stock():
+    """Chains kept or dropped (a CPU-only library's --stock-where-faster) take their Concat edit with them:
+    a dropped chain leaves the folded layer and its Concat as they were, a kept one edits the Concat; either
+    model matches stock."""
+    from onnx2fused.library import build_plugin
+    from onnx2fused.passes import rewrite
+    from onnx2fused.passes.chains import FusionPlan
+    model = _view_head()
+    original = next(n for n in model.graph.node if n.name == "view_cat").input[0]
+    plan = find_chains(model)
+    view = next(c for c in plan.chains if c.concat_edit is not None)
+    feeds = {"x": rand((33, 8)), "views": rand((33, 5), seed=2)}
+    for keep in ([view], [c for c in plan.chains if c is not view]):
+        sub = FusionPlan(keep, [])
+        specs = [c.to_spec("fp32") for c in keep]
+        fused = rewrite(model, sub, specs)
+        cat = next(n for n in fused.graph.node if n.name == "view_cat")
+        assert cat.input[0] == ("h" if view in keep else original)
+        assert ("feature" in {n.name for n in fused.graph.node}) == (view not in keep)
+        sess = plugin_session(fused, build_plugin(specs, with_cuda=False).path)
+        np.testing.assert_allclose(sess.run(None, feeds)[0], run(model, feeds)[0], rtol=1e-4, atol=1e-5)

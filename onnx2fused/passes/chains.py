@@ -82,6 +82,7 @@ class Chain:
     skip: int = 0                  # layer `skip` reads [input, the layer before's output] (skip.py), 0: none
     input_edit: tuple[int, int, str] | None = None  # a folded layer (concat_fold.py): the input's columns
                                    # offset..offset+width are its output in the model, `tensor` in the fused op
+    concat_edit: object = None     # ... and the Concat that then reads `tensor` (concat_fold.ConcatEdit)
 
     def input_rows(self, ref: Mapping[str, list]) -> list:
         """The rows the fused op reads in each case, from the model's tensors `ref` ({name: one array a
@@ -147,7 +148,11 @@ class FusionPlan:
     chains: list[Chain] = field(default_factory=list)
     refusals: list[Refusal] = field(default_factory=list)
     batchnorms: list = field(default_factory=list)   # batchnorm.BatchNormRewrite: stock BatchNorms as Mul + Add
-    concat_edits: list = field(default_factory=list)  # concat_fold.ConcatEdit: Concats reading a folded layer's input
+
+    @property
+    def concat_edits(self) -> list:
+        """concat_fold.ConcatEdit of the chains that took a folded layer: the Concats that read its input."""
+        return [c.concat_edit for c in self.chains if c.concat_edit is not None]
 
     @property
     def rewritten(self) -> list[str]:
@@ -537,13 +542,13 @@ def _find_chains(ix: GraphIndex, gated_refused: str | None, block_refused: Mappi
             lay_out_skip_weight(seq[skip_at].linear, seq[skip_at].skip, first.in_features)
         if fold is not None:
             apply_fold(first, fold)
-            plan.concat_edits.append(ConcatEdit(ix.keys[fold.concat], fold.position, fold.folded.input,
-                                                ix.keys[folded_start]))
         chain = Chain(chain_input, block.output or out_t,
                       [ChainLayer(s.linear, s.act.expr, list(s.act.nodes), s.act.output, s.gated) for s in seq],
                       [ix.keys[j] for j in idx], IO_TYPES[in_type], block.norm, block.residual is not None,
                       input_map.label if input_map is not None else "", skip_at,
-                      (fold.offset, fold.folded.out_features, fold.folded.input) if fold is not None else None)
+                      (fold.offset, fold.folded.out_features, fold.folded.input) if fold is not None else None,
+                      ConcatEdit(ix.keys[fold.concat], fold.position, fold.folded.input, ix.keys[folded_start])
+                      if fold is not None else None)
         plan.chains.append(chain)
         if start_reason:
             plan.refusals.append(Refusal(ix.keys[min(first.node_indices)],

@@ -7,7 +7,7 @@ into that layer:
 
 NeRF's view head: feature = feature_linear(h) is only concatenated with the view directions into the view
 layers, so its 256 x 256 GEMM and its output's round trip through memory go (RESULTS.md, forty-first run).
-The Concat stays a stock op that reads h in place of the feature (FusionPlan.concat_edits; rewrite applies
+The Concat stays a stock op that reads h in place of the feature (the chain's concat_edit; rewrite applies
 it); the folded layer's nodes go with the chain of the layer it folds into. Only where the Concat does not
 grow (Kf <= Nf), the folded layer is a chain of its own (nothing before it in a chain), and the Concat's
 output has that one layer as its only reader.
