@@ -4,8 +4,9 @@
     h = relu(L_i(h)) for 8 layers of 256, with the skip h = cat([pts, h]) after the fifth (so the sixth is 319 wide)
     alpha = L(h) (256 -> 1); rgb = L(relu(L(cat([L(h), views])))) (256 -> 256, 283 -> 128 -> 3)
 
-The exporters write the skip as a Concat of the Split's pts with the fifth ReLU, so the chain ends there and
-the next one reads the Concat's 319 features (not 16-byte aligned fp32 rows); the view head reads 283.
+The exporters write the skip as a Concat of the Split's pts with the fifth ReLU: convert joins the trunk
+into one chain through it (passes/skip.py), folds feature_linear (no activation, only concatenated with the
+views) into the view head (passes/concat_fold.py), whose first layer reads 283 features.
 
     python benchmarks/nerf_mlp.py build/nerf        # writes nerf_mlp.onnx (TorchScript, opset 17), rows dynamic
     onnx2fused bench build/nerf/nerf_mlp.onnx --batches 1048576 --reps 50 --no-torch
@@ -48,10 +49,10 @@ class NeRF(nn.Module):
         return torch.cat([self.rgb_linear(h), alpha], -1)
 
 
-def export(module: NeRF, path: Path) -> Path:
-    """`module` as a TorchScript export at opset 17, rows dynamic (x [N, 90] -> y [N, 4])."""
+def export(module: nn.Module, path: Path, features: int | None = None) -> Path:
+    """`module` as a TorchScript export at opset 17, rows dynamic (x [N, features] -> y; a NeRF's: 90)."""
     module.eval()
-    x = torch.randn(5, module.input_ch + module.input_ch_views)
+    x = torch.randn(5, features or module.input_ch + module.input_ch_views)
     path.parent.mkdir(parents=True, exist_ok=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
