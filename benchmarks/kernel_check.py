@@ -111,6 +111,10 @@ CASES = {
     "nerf_trunk_f16io": (mlp([63] + [256] * 8, [ex.relu()] * 8, io="f16", skip=5), 2**20),
     # odd widths around a skip: x of 21 features (element loads), hidden 100 (padded), tanh, into layer 2
     "skip_odd": (mlp([21, 100, 100, 72, 5], ex.tanh(), skip=2), 100003),
+    # a last layer wider than the hidden ones (plan.wgmma LAST_WIDTH_MAX), and NeuS's SDF network (its 1 + 256
+    # outputs, x into layer 5 scaled by 1/sqrt(2); ReLU here for its softplus)
+    "last257": (mlp([64, 256, 257], ex.relu()), 2**20),
+    "neus_trunk": (mlp([39, 256, 256, 256, 217, 256, 256, 256, 256, 257], ex.relu(), skip=4), 2**18),
     "skip_odd_tf32": (mlp([21, 100, 100, 72, 5], ex.tanh(), "tf32", skip=2), 100003),
     "skip_odd_bf16": (mlp([21, 100, 100, 72, 5], ex.tanh(), "bf16", skip=2), 100003),
     "nerf_views": (mlp([283, 128, 3], ex.relu()), 2**20),

@@ -96,17 +96,19 @@ def mlp(widths, act: str | None = "Relu", kind: str = "gemm", rank: int = 2, ops
 
 
 def skip_mlp(k0: int, widths, at: int, x_first: bool = True, act: str = "Relu", rank: int = 2,
-             opset: int = 17, seed: int = 0, other: str = "x") -> onnx.ModelProto:
+             opset: int = 17, seed: int = 0, other: str = "x", divide: float | None = None) -> onnx.ModelProto:
     """NeRF's trunk in small: x (k0 features) -> [linear -> act] per width, layer `at` reading Concat(x, h)
     (x_first) or Concat(h, x) on the last axis; the last layer without activation. `other`: what the
-    Concat joins ("x", or "z": a second graph input of k0 features, which is no skip). Gemm layers (rank 2)
-    or MatMul + Add."""
+    Concat joins ("x", or "z": a second graph input of k0 features, which is no skip); `divide`: the Concat's
+    output divided by that constant (NeuS's / sqrt(2)). Gemm layers (rank 2) or MatMul + Add."""
     g = G(opset, seed=seed)
     h, k = "x", k0
     n = len(widths)
     for i, w in enumerate(widths):
         if i == at:
             h = g.op("Concat", [other, h] if x_first else [h, other], name="skip_concat", axis=-1)
+            if divide is not None:
+                h = g.op("Div", [h, g.init(np.array(divide, np.float32))], name="skip_scale")
             k += k0
         h = g.linear(h, k, w, kind="gemm" if rank == 2 else "matmul", name=f"fc{i}")
         if i < n - 1:

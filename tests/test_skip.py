@@ -65,6 +65,19 @@ def test_fused_skip_chain_matches_stock_on_the_cpu(x_first, rank):
         np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5)
 
 
+def test_a_skip_concat_scaled_by_a_constant_joins_with_the_scale_in_the_weight():
+    """NeuS / IDR / VolSDF: cat([h, x]) / sqrt(2) into the next layer; the Div goes with the chain and its
+    1/sqrt(2) into the layer's weight; the fused chain matches stock on the CPU."""
+    model = skip_mlp(21, [64, 48, 40, 4], at=2, x_first=False, act="Softplus", divide=float(np.sqrt(2)))
+    plan, specs, fused = fuse(model)
+    assert len(plan.chains) == 1 and plan.chains[0].skip == 2 and "skip_scale" in plan.chains[0].nodes
+    assert not any(n.op_type in ("Div", "Concat") for n in fused.graph.node if n.domain != "onnx2fused")
+    from onnx2fused.library import build_plugin
+    sess = plugin_session(fused, build_plugin(specs, with_cuda=False).path)
+    x = rand((40, 21))
+    np.testing.assert_allclose(sess.run(None, {"x": x})[0], run(model, {"x": x})[0], rtol=1e-4, atol=1e-5)
+
+
 def test_stock_body_of_a_skip_chain_matches_the_model():
     """The fused op's stock body (the model-local function, the plugin's inner session) computes the skip as
     the model does: Concat(x, h) times the weight without its padding rows."""
@@ -162,6 +175,10 @@ def test_a_skip_whose_parts_run_wide_stays_split():
     assert [c.skip for c in plan.chains] == [0, 0] and "the skip connection stays a stock Concat" in plan.describe()
     nerf = find_chains(skip_mlp(63, [256] * 8 + [4], at=5)).chains[0].to_spec("fp16")
     assert skip_refused(nerf, PlanOptions()) is None
+    # joined on the streamed kernel where a part of the split would run wgmma: split
+    streamed_only = find_chains(skip_mlp(63, [256] * 5 + [600, 4], at=3)).chains[0].to_spec("fp16")
+    why = skip_refused(streamed_only, PlanOptions())
+    assert make_plan(streamed_only, PlanOptions()).design == "streamed" and "wgmma" in why
 
 
 def test_spec_checks_the_skip_layer_width():

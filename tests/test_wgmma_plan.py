@@ -320,8 +320,11 @@ def test_a_first_layer_may_be_wider_than_the_hidden_ones():
     assert len(wgmma_params(one)["rest_groups"]) <= 1
     assert "(k-steps" not in codegen.cuda_sources(one)[f"{one.spec.name}_cuda.cu"]
     for spec, words in ((_spec([64, 300, 64]), "up to 256"), (_spec([513, 128, 16]), "up to 512"),
-                        (_spec([319, 256, 300]), "up to 256")):
+                        (_spec([319, 256, 600]), "the last layer's output up to 512")):
         assert words in choose.wgmma_refused(spec), spec.describe()
+    # the last layer's outputs go to memory, not into A fragments: it may be wider (plan.wgmma LAST_WIDTH_MAX)
+    wide_last = choose.make_plan(_spec([39, 256, 257]), WGMMA)
+    assert wide_last.design == "wgmma" and wide_last.layers[-1].np_ == 320 and wide_last.layers[-1].chunks == 5
 
 
 def test_cost_rule_and_the_switches():

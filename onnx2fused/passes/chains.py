@@ -522,7 +522,7 @@ def _find_chains(ix: GraphIndex, gated_refused: str | None, block_refused: Mappi
                 idx.append(block.residual)
                 ends.pop(last.start, None)
         if skip_at:
-            idx.append(seq[skip_at].skip.node)
+            idx += seq[skip_at].skip.nodes
         if fold is not None:
             idx += fold.folded.node_indices
         idx = sorted(set(idx) | shape_feeders(ix, set(idx)))

@@ -3,7 +3,8 @@
     h_j = f_j(Concat(x, h_{j-1}) W_j + b_j)     (NeRF's trunk: torch.cat([input_pts, h], -1) after layer 5;
                                                  DeepSDF: torch.cat([h, input], 1) in the middle)
 
-where x is the tensor the chain's first layer reads. The Concat (two inputs, the last axis) and the layers
+where x is the tensor the chain's first layer reads. The Concat (two inputs, the last axis; NeuS, IDR and
+VolSDF scale it by a constant, `cat([h, x]) / sqrt(2)`, which folds into the layer's weight) and the layers
 on both sides are one chain (spec.MLPSpec.skip = j): layer j reads [x zero-padded to skip_width, h_{j-1}],
 so its weight is laid out here as [skip_width + N_{j-1}, N_j], x's rows first whatever order the Concat had,
 zero rows between (the tensor cores take x's part as whole k-steps, as they take the first layer's input).
@@ -14,7 +15,7 @@ ends the chain at the Concat, with the reason; the layers after it start a chain
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Mapping
 
 import numpy as np
@@ -35,6 +36,12 @@ class SkipConcat:
     other: str        # the Concat's input beside the hidden layer's output (the chain's input, if a skip)
     width: int        # other's features
     other_first: bool  # other is the Concat's first input
+    scale: float = 1.0       # a constant the Concat's output is multiplied by (or divided by) before the layer
+    scale_node: int | None = None   # that Mul or Div
+
+    @property
+    def nodes(self) -> list[int]:
+        return [self.node] + ([self.scale_node] if self.scale_node is not None else [])
 
 
 def match_skip_concat(ix: GraphIndex, t: str, users: list[int]) -> SkipConcat | None:
@@ -54,7 +61,24 @@ def match_skip_concat(ix: GraphIndex, t: str, users: list[int]) -> SkipConcat | 
     width = shape[-1]
     if not isinstance(width, int) or width < 1 or ix.types.get(other) != ix.types.get(t):
         return None
-    return SkipConcat(u, n.output[0], other, width, n.input[0] == other)
+    skip = SkipConcat(u, n.output[0], other, width, n.input[0] == other)
+    return _scaled(ix, skip) or skip
+
+
+def _scaled(ix: GraphIndex, skip: SkipConcat) -> SkipConcat | None:
+    """`skip` through a Mul or Div of its output by a scalar constant (its only reader), or None."""
+    users = ix.users(skip.output)
+    if len(users) != 1 or skip.output in ix.graph_outputs:
+        return None
+    m = ix.node(users[0])
+    if m.op_type not in ("Mul", "Div") or len(m.input) != 2 or m.output[0] in ix.graph_outputs:
+        return None
+    operand = m.input[1] if m.input[0] == skip.output else m.input[0] if m.op_type == "Mul" else None
+    c = ix.const(operand) if operand is not None and operand != skip.output else None
+    if c is None or c.size != 1 or not np.isfinite(c).all() or float(c.reshape(())) == 0.0:
+        return None
+    value = float(c.reshape(()))
+    return replace(skip, output=m.output[0], scale=value if m.op_type == "Mul" else 1.0 / value, scale_node=users[0])
 
 
 def not_a_skip(ix: GraphIndex, s: SkipConcat, own: str) -> str:
@@ -96,6 +120,6 @@ def lay_out_skip_weight(linear: LinearLayer, skip: SkipConcat, k0: int) -> None:
     hidden = w.shape[0] - k0
     x_rows, h_rows = (w[:k0], w[k0:]) if skip.other_first else (w[hidden:], w[:hidden])
     pad = -(-k0 // SKIP_ALIGN) * SKIP_ALIGN
-    out = np.zeros((pad + hidden, w.shape[1]), np.float32)
+    out = np.zeros((pad + hidden, w.shape[1]), np.float64)
     out[:k0], out[pad:] = x_rows, h_rows
-    linear.weight = out
+    linear.weight = (out * skip.scale).astype(np.float32)   # (x, h) * s W == (x, h) (s W)

@@ -161,12 +161,17 @@ def skip_refused(spec: MLPSpec, options: PlanOptions = DEFAULT_OPTIONS) -> str |
     chain runs the streamed kernel and a part of the split goes to the wide design (DeepSDF's 512-wide
     layers), the split is kept unless the cost model puts the joined kernel ahead of the parts plus the
     Concat's traffic (it reads x and h and writes both); resident and wgmma plans of the joined chain take
-    the skip (NeRF's trunk: 6.27 -> 4.56 ms through ORT, RESULTS.md forty-first run)."""
+    the skip (NeRF's trunk: 6.27 -> 4.56 ms through ORT, RESULTS.md forty-first run); a streamed joined
+    chain whose split has a part in the wgmma kernel stays split (NeRF's trunk joined: 1.76 ms in wgmma,
+    4.27 in the streamed kernel)."""
     joined = make_plan(spec, options)
     t_joined = _estimate(spec, joined)
     if t_joined is None:
         return None
     parts = [(s, make_plan(s, options)) for s in skip_split(spec)]
+    if any(p.design == "wgmma" for _, p in parts):
+        return ("a part of its split runs the Hopper wgmma kernel, the joined chain only the streamed one "
+                f"({' + '.join(p.design for _, p in parts)} against streamed)")
     if not any(p.design == "wide" for _, p in parts):
         return None
     times = [_estimate(s, p) for s, p in parts]

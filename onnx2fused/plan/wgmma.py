@@ -56,6 +56,9 @@ WIDTH_MAX = 256           # widest layer: its A fragments (K/4 registers) and th
 # second half, 319 = 256 + the 63 input features its skip Concat adds, and its 283-wide view head), as far
 # as the register estimate allows; a tile's input loads then go in groups of REST_GROUP k-steps.
 FIRST_WIDTH_MAX = 512
+# The last layer's outputs go to memory chunk by chunk, not into a next layer's A fragments: it may be wider
+# too (NeuS's and VolSDF's SDF networks end in 1 + 256 = 257), as far as the register estimate allows.
+LAST_WIDTH_MAX = 512
 REST_GROUP = 16           # k-steps of a tile's input loaded into registers before they are converted
 LAYER_ALIGN = 1024        # a layer's first chunk: the 128-byte swizzle pattern repeats every 1024 bytes
 SLACK = 1024              # dynamic shared memory is aligned up to 1024 in the kernel
@@ -379,11 +382,13 @@ def wgmma_reason_refused(spec: MLPSpec, smem_limit: int = SMEM_LIMIT, blocks: bo
     if spec.precision not in ("fp16", "bf16"):
         return (f"{spec.precision} operands: the wgmma kernel takes fp16 and bf16 (tf32 would halve the k of a "
                 "wgmma and needs another fragment layout)")
+    last = len(spec.layers) - 1
     for i, l in enumerate(spec.layers):
-        if (l.out_features > WIDTH_MAX or spec.layer_input(i) > (FIRST_WIDTH_MAX if i == 0 else WIDTH_MAX)
-                or l.in_features > FIRST_WIDTH_MAX):
+        if (l.out_features > (LAST_WIDTH_MAX if i == last and not l.gated else WIDTH_MAX)
+                or spec.layer_input(i) > (FIRST_WIDTH_MAX if i == 0 else WIDTH_MAX) or l.in_features > FIRST_WIDTH_MAX):
             return (f"layer {i} is {l.in_features} -> {l.out_features}: the wgmma kernel takes layers up to "
-                    f"{WIDTH_MAX} wide (a first layer's input, or a skip layer's with x's, up to {FIRST_WIDTH_MAX})")
+                    f"{WIDTH_MAX} wide (a first layer's input, or a skip layer's with x's, up to {FIRST_WIDTH_MAX}, "
+                    f"the last layer's output up to {LAST_WIDTH_MAX})")
     layers = _layers(spec)
     stages = _stages(layers, smem_limit, norm_floats=2 * layers[0].kp if spec.norm is not None else 0)
     if stages is None:
