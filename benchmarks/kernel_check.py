@@ -243,6 +243,8 @@ VARIANTS = {
     "skip_odd_wg": ("skip_odd", WgmmaOptions()),
     "skip_odd_streamed": ("skip_odd", StreamedOptions()),
     "nerf_trunk_streamed": ("nerf_trunk", StreamedOptions()),
+    "last257_streamed": ("last257", StreamedOptions()),
+    "neus_trunk_streamed": ("neus_trunk", StreamedOptions()),
 }
 SAMPLE_ABOVE = 200000        # larger checks compare a sample of the rows (Case.check)
 BLOCK_BATCHES = (1000003,)   # blocks: a large odd batch too (every tile and lane group, past the last row)
