@@ -205,7 +205,7 @@ def _view_head(grow: bool = False, act_on_feature: bool = False, second_reader: 
     cat = g.op("Concat", [feature, "views"], name="view_cat", axis=-1)
     v = g.op("Relu", [g.linear(cat, (24 if grow else 32) + 5, 16, name="view0")])
     rgb = g.linear(v, 16, 3, name="rgb")
-    outs = [g.op("Concat", [rgb, alpha], name="out_cat", axis=-1, outputs=["y"])]
+    g.op("Concat", [rgb, alpha], name="out_cat", axis=-1, outputs=["y"])
     shapes = [("y", ["B", 4])]
     if second_reader:
         g.op("Identity", [cat], outputs=["cat_copy"])

@@ -42,12 +42,12 @@ from .activations import (ELEMENTWISE_OPS, Activation, describe_expr, match_acti
                           unsupported)
 from .block import NormMatch, find_block, residual_of_input
 from .casts import trim_output_casts
+from .concat_fold import ConcatEdit, ConcatFold, apply_fold, match_concat_fold
 from .constants import GraphIndex, elem_name
 from .gated import fed_node, find_gated
 from .input_affine import InputAffine, match_input_affine
 from .linear import LinearLayer, LinearRefusal, is_linear_node, match_linear
 from .regroup import reads_removed, regroup_ends, shape_feeders
-from .concat_fold import ConcatEdit, ConcatFold, apply_fold, match_concat_fold
 from .skip import SKIP_NO_BLOCK, SkipConcat, lay_out_skip_weight, match_skip_concat, not_a_skip, skip_cut
 
 IO_TYPES = {onnx.TensorProto.FLOAT: "f32", onnx.TensorProto.FLOAT16: "f16"}
