@@ -115,6 +115,8 @@ CASES = {
     # outputs, x into layer 5 scaled by 1/sqrt(2); ReLU here for its softplus)
     "last257": (mlp([64, 256, 257], ex.relu()), 2**20),
     "neus_trunk": (mlp([39, 256, 256, 256, 217, 256, 256, 256, 256, 257], ex.relu(), skip=4), 2**18),
+    # x of 64 features: the wgmma kernel stages the input tile in shared memory; the skip reloads from global
+    "skip64": (mlp([64, 128, 128, 128, 64], ex.gelu_erf(), skip=2), 2**20),
     "skip_odd_tf32": (mlp([21, 100, 100, 72, 5], ex.tanh(), "tf32", skip=2), 100003),
     "skip_odd_bf16": (mlp([21, 100, 100, 72, 5], ex.tanh(), "bf16", skip=2), 100003),
     "nerf_views": (mlp([283, 128, 3], ex.relu()), 2**20),
@@ -244,6 +246,7 @@ VARIANTS = {
     "skip_odd_streamed": ("skip_odd", StreamedOptions()),
     "nerf_trunk_streamed": ("nerf_trunk", StreamedOptions()),
     "last257_streamed": ("last257", StreamedOptions()),
+    "skip64_resident": ("skip64", ResidentOptions()),
     "neus_trunk_streamed": ("neus_trunk", StreamedOptions()),
 }
 SAMPLE_ABOVE = 200000        # larger checks compare a sample of the rows (Case.check)
