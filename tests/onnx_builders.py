@@ -96,28 +96,31 @@ def mlp(widths, act: str | None = "Relu", kind: str = "gemm", rank: int = 2, ops
 
 
 def skip_mlp(k0: int, widths, at: int, x_first: bool = True, act: str = "Relu", rank: int = 2,
-             opset: int = 17, seed: int = 0, other: str = "x", divide: float | None = None) -> onnx.ModelProto:
+             opset: int = 17, seed: int = 0, other: str = "x", divide: float | None = None,
+             elem=F32) -> onnx.ModelProto:
     """NeRF's trunk in small: x (k0 features) -> [linear -> act] per width, layer `at` reading Concat(x, h)
     (x_first) or Concat(h, x) on the last axis; the last layer without activation. `other`: what the
     Concat joins ("x", or "z": a second graph input of k0 features, which is no skip); `divide`: the Concat's
-    output divided by that constant (NeuS's / sqrt(2)). Gemm layers (rank 2) or MatMul + Add."""
+    output divided by that constant (NeuS's / sqrt(2)). Gemm layers (rank 2) or MatMul + Add; `elem`: the
+    model's float type (weights and I/O)."""
     g = G(opset, seed=seed)
+    dtype = np.float16 if elem == F16 else np.float32
     h, k = "x", k0
     n = len(widths)
     for i, w in enumerate(widths):
         if i == at:
             h = g.op("Concat", [other, h] if x_first else [h, other], name="skip_concat", axis=-1)
             if divide is not None:
-                h = g.op("Div", [h, g.init(np.array(divide, np.float32))], name="skip_scale")
+                h = g.op("Div", [h, g.init(np.array(divide, dtype))], name="skip_scale")
             k += k0
-        h = g.linear(h, k, w, kind="gemm" if rank == 2 else "matmul", name=f"fc{i}")
+        h = g.linear(h, k, w, kind="gemm" if rank == 2 else "matmul", name=f"fc{i}", dtype=dtype)
         if i < n - 1:
             h = g.op(act, [h], name=f"act{i}")
         k = w
     g.nodes[-1].output[0] = "y"
     lead = ["B", "S", "T"][: rank - 1]
     inputs = [("x", lead + [k0])] + ([("z", lead + [k0])] if other != "x" else [])
-    return g.model(inputs, [("y", lead + [widths[-1]])])
+    return g.model(inputs, [("y", lead + [widths[-1]])], elem=elem)
 
 
 def run(model: onnx.ModelProto, feeds: dict) -> list[np.ndarray]:

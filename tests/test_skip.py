@@ -78,6 +78,19 @@ def test_a_skip_concat_scaled_by_a_constant_joins_with_the_scale_in_the_weight()
     np.testing.assert_allclose(sess.run(None, {"x": x})[0], run(model, {"x": x})[0], rtol=1e-4, atol=1e-5)
 
 
+def test_float16_skip_chain_on_the_cpu():
+    """A float16 model (fp16 rows in and out): the CPU kernel converts x's rows again for the skip layer."""
+    from onnx_builders import F16
+    model = skip_mlp(21, [64, 48, 40, 4], at=2, elem=F16)
+    plan, specs, fused = fuse(model)
+    assert specs[0].skip == 2 and specs[0].io_dtype == "f16"
+    from onnx2fused.library import build_plugin
+    sess = plugin_session(fused, build_plugin(specs, with_cuda=False).path)
+    x = rand((37, 21), scale=1.0, dtype=np.float16)
+    got, ref = sess.run(None, {"x": x})[0], run(model, {"x": x})[0]
+    assert got.dtype == np.float16 and rel_l2(got.astype(np.float32), ref.astype(np.float32)) < 2e-3
+
+
 def test_stock_body_of_a_skip_chain_matches_the_model():
     """The fused op's stock body (the model-local function, the plugin's inner session) computes the skip as
     the model does: Concat(x, h) times the weight without its padding rows."""
