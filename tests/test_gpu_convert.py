@@ -385,6 +385,25 @@ def test_nerf_mlp_wide_first_layers_on_cuda_ep(cache, tmp_path):
             assert "wgmma (sm_90a)" in c.cuda_plan, c.cuda_plan
 
 
+def test_fourier_feature_mlp_on_cuda_ep(cache, tmp_path):
+    """Tancik's Fourier-feature MLP (benchmarks/fourier_mlp.py: sin and cos of 2 pi B x, sigma 10, concatenated):
+    one chain whose first layer is the pair as one sin layer (arguments of a few hundred), matching stock on
+    the CUDA EP at 1, 129 and 70001 rows."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from fourier_mlp import FourierMLP
+    from nerf_mlp import export
+    torch.manual_seed(3)
+    src = export(FourierMLP(), tmp_path / "ff.onnx", 2)
+    res = check_defaults(src, tmp_path / "m.onnx", cache,
+                         lambda rng: {"x": rng.uniform(0, 1, (70001, 2)).astype(np.float32)})
+    assert len(res.chains) == 1 and res.chains[0].widths[:2] == (2, 256), [c.widths for c in res.chains]
+    sess = session(res.output_path, res.library_path, ["CUDAExecutionProvider", "CPUExecutionProvider"])
+    rng = np.random.default_rng(2)
+    for rows in (1, 129):
+        feeds = {"x": rng.uniform(0, 1, (rows, 2)).astype(np.float32)}
+        assert rel_l2(sess.run(None, feeds)[0], stock(src, feeds)[0]) <= TOL[res.chains[0].precision], rows
+
+
 @pytest.mark.parametrize("x_first,design", [(True, "auto"), (False, "auto"), (True, "wgmma"), (False, "streamed")])
 def test_skip_chain_on_cuda_ep(cache, tmp_path, monkeypatch, x_first, design):
     """A skip Concat of the chain's input (21 features: element-wise loads; hidden layers of 100, padded)

@@ -48,6 +48,7 @@ from .gated import fed_node, find_gated
 from .input_affine import InputAffine, match_input_affine
 from .linear import LinearLayer, LinearRefusal, is_linear_node, match_linear
 from .regroup import reads_removed, regroup_ends, shape_feeders
+from .sincos import match_sincos, sincos_activation, widen
 from .skip import SKIP_NO_BLOCK, SkipConcat, lay_out_skip_weight, match_skip_concat, not_a_skip, skip_cut
 
 IO_TYPES = {onnx.TensorProto.FLOAT: "f32", onnx.TensorProto.FLOAT16: "f16"}
@@ -420,6 +421,16 @@ def _find_chains(ix: GraphIndex, gated_refused: str | None, block_refused: Mappi
                 continue
             l.next, nxt.prev = nxt.start, l.start
             continue
+        pair = match_sincos(ix, t, users) if l.act.output == l.linear.output and not l.gated else None
+        if pair is not None:   # Fourier features: one layer of twice the width, sin (sincos.py)
+            nodes, cat_out, sin_first = pair
+            nxt = by_entries.get(frozenset(ix.users(cat_out)))
+            if (nxt is not None and nxt.linear.input == cat_out and nxt.prev is None and nxt.fold is None
+                    and nxt.linear.in_features == 2 * l.out_features and not l.linear.low_rank):
+                widen(l.linear, sin_first)
+                l.act = sincos_activation(ix, nodes, cat_out)
+                l.next, nxt.prev = nxt.start, l.start
+                continue
         skip, not_skip = match_skip_concat(ix, t, users), ""
         if skip is not None and skip.other != (own := _walk_back(layers, l).linear.input):
             # another tensor than the chain's input (NeRF's view directions): no skip; a fold, or the end
