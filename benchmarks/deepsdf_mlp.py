@@ -13,14 +13,11 @@ streamed kernel, while split each half runs the wide design's GEMMs, which the c
 """
 from __future__ import annotations
 
-import argparse
-from pathlib import Path
-
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from nerf_mlp import export
+from model_export import builder_main
 
 
 class DeepSDF(nn.Module):
@@ -42,13 +39,7 @@ class DeepSDF(nn.Module):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("out", type=Path, help="folder for deepsdf_mlp.onnx")
-    ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args()
-    torch.manual_seed(args.seed)
-    model = DeepSDF()
-    print(export(model, args.out / "deepsdf_mlp.onnx", model.k0))
+    builder_main(__doc__, "deepsdf_mlp.onnx", DeepSDF, 259)
 
 
 if __name__ == "__main__":

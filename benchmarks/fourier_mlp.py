@@ -8,14 +8,11 @@ network is one chain: 2 -> 2m (sin) -> 256 x 4 -> 3 (sigmoid).
 """
 from __future__ import annotations
 
-import argparse
-from pathlib import Path
-
 import numpy as np
 import torch
 from torch import nn
 
-from nerf_mlp import export
+from model_export import builder_main
 
 
 class FourierMLP(nn.Module):
@@ -36,13 +33,7 @@ class FourierMLP(nn.Module):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("out", type=Path, help="folder for fourier_mlp.onnx")
-    ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args()
-    torch.manual_seed(args.seed)
-    model = FourierMLP()
-    print(export(model, args.out / "fourier_mlp.onnx", model.d_in))
+    builder_main(__doc__, "fourier_mlp.onnx", FourierMLP, 2)
 
 
 if __name__ == "__main__":

@@ -14,12 +14,13 @@ views) into the view head (passes/concat_fold.py), whose first layer reads 283 f
 from __future__ import annotations
 
 import argparse
-import warnings
 from pathlib import Path
 
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+import model_export
 
 
 class NeRF(nn.Module):
@@ -49,16 +50,9 @@ class NeRF(nn.Module):
         return torch.cat([self.rgb_linear(h), alpha], -1)
 
 
-def export(module: nn.Module, path: Path, features: int | None = None) -> Path:
+def export(module: NeRF, path: Path, features: int | None = None) -> Path:
     """`module` as a TorchScript export at opset 17, rows dynamic (x [N, features] -> y; a NeRF's: 90)."""
-    module.eval()
-    x = torch.randn(5, features or module.input_ch + module.input_ch_views)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.onnx.export(module, (x,), str(path), input_names=["x"], output_names=["y"], opset_version=17,
-                          dynamic_axes={"x": {0: "n"}, "y": {0: "n"}}, dynamo=False)
-    return path
+    return model_export.export(module, path, features or module.input_ch + module.input_ch_views)
 
 
 def main() -> None:

@@ -13,14 +13,11 @@ into the layer's weight; plan.wgmma takes the 257-wide last layer).
 """
 from __future__ import annotations
 
-import argparse
-from pathlib import Path
-
 import numpy as np
 import torch
 from torch import nn
 
-from nerf_mlp import export
+from model_export import builder_main
 
 
 class SDFNetwork(nn.Module):
@@ -45,13 +42,7 @@ class SDFNetwork(nn.Module):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("out", type=Path, help="folder for neus_sdf.onnx")
-    ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args()
-    torch.manual_seed(args.seed)
-    model = SDFNetwork()
-    print(export(model, args.out / "neus_sdf.onnx", model.d_in))
+    builder_main(__doc__, "neus_sdf.onnx", SDFNetwork, 39)
 
 
 if __name__ == "__main__":

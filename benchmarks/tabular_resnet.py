@@ -13,12 +13,13 @@ layer (passes/input_affine.py), and the block's Add adds that same input: one fu
 """
 from __future__ import annotations
 
-import argparse
-import warnings
 from pathlib import Path
 
 import torch
 from torch import nn
+
+import model_export
+from model_export import builder_main
 
 
 class ResNetBlock(nn.Module):
@@ -47,26 +48,11 @@ def tabular_resnet(d_in: int = 20, d: int = 192, hidden: int = 384, blocks: int 
 
 def export(module: nn.Module, path: Path, d_in: int, dynamo: bool = False) -> Path:
     """`module` exported with the rows dynamic (x [N, d_in] -> y [N, d_out])."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    x = torch.randn(4, d_in)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        if dynamo:
-            torch.onnx.export(module, (x,), str(path), dynamo=True, verbose=False, input_names=["x"],
-                              output_names=["y"], dynamic_shapes=({0: torch.export.Dim("n")},))
-        else:
-            torch.onnx.export(module, (x,), str(path), input_names=["x"], output_names=["y"], opset_version=17,
-                              dynamic_axes={"x": {0: "n"}, "y": {0: "n"}}, dynamo=False)
-    return path
+    return model_export.export(module, path, d_in, dynamo)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("out", type=Path, help="folder for tabular_resnet.onnx")
-    ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args()
-    torch.manual_seed(args.seed)
-    print(export(tabular_resnet(), args.out / "tabular_resnet.onnx", 20))
+    builder_main(__doc__, "tabular_resnet.onnx", tabular_resnet, 20)
 
 
 if __name__ == "__main__":
