@@ -3,8 +3,12 @@ hidden layer's output joins one chain; the CPU kernel, the stock body and the nu
 what is no skip ends the chain with a reason; CUDA libraries fuse it only where a tensor-core kernel plans it."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from onnx_builders import fuse, plugin_session, rand, run, skip_mlp
 
@@ -277,3 +281,33 @@ def test_a_fold_goes_with_its_chain_when_chains_stay_stock():
         assert ("feature" in {n.name for n in fused.graph.node}) == (view not in keep)
         sess = plugin_session(fused, build_plugin(specs, with_cuda=False).path)
         np.testing.assert_allclose(sess.run(None, feeds)[0], run(model, feeds)[0], rtol=1e-4, atol=1e-5)
+
+
+# -- property: any skip chain the builder can write is one chain matching stock -------------------------
+SKIP_EXAMPLES = int(os.environ.get("ONNX2FUSED_PROPERTY_EXAMPLES", "10"))
+
+
+@st.composite
+def skip_recipes(draw):
+    depth = draw(st.integers(2, 6))
+    widths = draw(st.lists(st.integers(1, 80), min_size=depth, max_size=depth))
+    return dict(k0=draw(st.integers(1, 40)), widths=widths, at=draw(st.integers(1, depth - 1)),
+                x_first=draw(st.booleans()), act=draw(st.sampled_from(["Relu", "Tanh", "Softplus", "Sigmoid"])),
+                rank=draw(st.sampled_from([2, 3])), seed=draw(st.integers(0, 2**16)),
+                divide=draw(st.sampled_from([None, None, float(np.sqrt(2)), 0.5])))
+
+
+@settings(max_examples=SKIP_EXAMPLES, deadline=None, print_blob=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(r=skip_recipes())
+def test_random_skip_chain_matches_stock(r, tmp_path_factory):
+    from onnx2fused.library import build_plugin
+    model = skip_mlp(**r)
+    plan, specs, fused = fuse(model)
+    assert len(plan.chains) == 1 and plan.chains[0].skip == r["at"], plan.describe()
+    lib = build_plugin(specs, with_cuda=False, cache_dir=tmp_path_factory.getbasetemp() / "skip_plugins")
+    del fused.functions[:]   # the plugin's kernel, no stock body behind it
+    sess = plugin_session(fused, lib.path)
+    x = rand((5, r["k0"]) if r["rank"] == 2 else (2, 3, r["k0"]), seed=r["seed"], scale=1.0)
+    got, ref = sess.run(None, {"x": x})[0], run(model, {"x": x})[0]
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5)
