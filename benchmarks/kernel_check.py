@@ -117,6 +117,9 @@ CASES = {
     "neus_trunk": (mlp([39, 256, 256, 256, 217, 256, 256, 256, 256, 257], ex.relu(), skip=4), 2**18),
     # x of 64 features: the wgmma kernel stages the input tile in shared memory; the skip reloads from global
     "skip64": (mlp([64, 128, 128, 128, 64], ex.gelu_erf(), skip=2), 2**20),
+    # a streamed chain with an FFN pair (1000 wide into 64) reading the input tile X and a skip after it
+    # (not yet run on a GPU)
+    "skip_pair": (mlp([32, 1000, 64, 64, 64, 4], ex.relu(), skip=3), 2**18),
     "skip_odd_tf32": (mlp([21, 100, 100, 72, 5], ex.tanh(), "tf32", skip=2), 100003),
     "skip_odd_bf16": (mlp([21, 100, 100, 72, 5], ex.tanh(), "bf16", skip=2), 100003),
     "nerf_views": (mlp([283, 128, 3], ex.relu()), 2**20),

@@ -149,9 +149,8 @@ class MLPSpec:
             if a.out_features + extra != b.in_features:
                 what = f"{a.out_features} features" + (f" (+ the input's {extra})" if extra else "")
                 raise SpecError(f"layer {i} gives {what} but layer {i + 1} takes {b.in_features}")
-        if self.skip and (self.norm is not None or self.residual or self.layers[self.skip].gated
-                          or self.layers[self.skip - 1].gated):
-            raise SpecError("a skip connection with a norm, a residual or a gated layer beside it is not supported")
+        if self.skip and (self.norm is not None or self.residual or self.has_gated):
+            raise SpecError("a skip connection in a chain with a norm, a residual or a gated layer is not supported")
         for i, layer in enumerate(self.layers):
             if layer.in_features < 1 or layer.out_features < 1:
                 raise SpecError(f"layer {i} has an empty dimension ({layer.in_features} -> {layer.out_features})")

@@ -103,6 +103,8 @@ def skip_cut(ix: GraphIndex, seq: list, widened: bool, refused: Mapping[int, str
             return at, not_a_skip(ix, s, first.input)
         if seen:
             return at, f"feeds {concat}: a second skip connection in one chain"
+        if any(s_.gated for s_ in seq):
+            return at, f"feeds {concat}: a skip connection in a chain with a gated layer (not supported)"
         if widened:
             return at, f"feeds {concat}: the chain reads the float32 input in front of a float16 converter's Cast"
         if default_opset(ix.model, MIN_OPSET) < MIN_OPSET:
