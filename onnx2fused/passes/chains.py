@@ -27,6 +27,12 @@ behind (see `block`: the transformer FFN block x + FFN(norm(x))); where `block_r
 A chain with neither takes in a per-channel scale and shift of its input instead (see `input_affine`:
 (x - mean) / std, an input BatchNorm1d), folded into its first layer's weights and bias; a residual Add
 of the unscaled input behind it then joins too (x + MLP(BN(x)): RTDL's ResNet blocks for tabular data).
+
+Three Concats continue a chain (neural fields): a Concat of the chain's own input with a layer's output
+into the next layer is a skip connection (see `skip`; MLPSpec.skip); Concat(sin z, cos z) of a layer's
+output is one sin layer of twice the width (see `sincos`); and a layer without activation that is only
+concatenated into the next layer folds into it, the Concat reading its input (see `concat_fold`; a
+chain's `concat_edit`).
 """
 from __future__ import annotations
 
