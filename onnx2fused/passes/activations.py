@@ -450,6 +450,19 @@ def affine_step(ix: GraphIndex, i: int, width: int) -> tuple[str, object, object
     return None if affine is None else (xs[0], *affine)
 
 
+def scalar_gain(ix: GraphIndex, i: int, width: int | None) -> tuple[str, float] | None:
+    """Node i, a Mul or Div, as y = x * s of its one non-constant input x, s a finite scalar: (x, s); else
+    None (a per-channel factor, a constant divided by x, a shift). A LoRA branch's scaling, the 1/sqrt(2)
+    after NeuS's skip Concat."""
+    node = ix.node(i)
+    if node.op_type not in ("Mul", "Div") or node.domain not in ("", "ai.onnx"):
+        return None
+    step = affine_step(ix, i, width)
+    if step is None or isinstance(step[1], tuple) or step[2] != 0.0 or not np.isfinite(step[1]):
+        return None
+    return step[0], float(step[1])
+
+
 # -- the region walk -------------------------------------------------------------------------------
 
 def match_activation(ix: GraphIndex, value: str, width: int | None = None, strict: bool = False) -> Activation:

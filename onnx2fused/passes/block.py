@@ -76,10 +76,6 @@ class Block:
     end_reason: str = ""         # why the Add behind is not taken ('' = none, or not residual-shaped)
 
 
-def _last_axis(ix: GraphIndex, t: str, axis: int) -> bool:
-    r = ix.rank(t)
-    return axis == -1 or (r is not None and axis == r - 1)
-
 
 def _vector(ix: GraphIndex, name: str, width: int, what: str, node: int) -> np.ndarray:
     """A norm parameter as float32 [width]: a constant of `width` elements (any leading 1s) or one."""
@@ -119,7 +115,7 @@ def _norm_op_checked(ix: GraphIndex, p: int, width: int) -> NormMatch:
     kind = NORM_OPS[n.op_type]
     x = n.input[0]
     axis = int(ix.attr(p, "axis", -1))
-    if not _last_axis(ix, x, axis):
+    if not ix.last_axis(x, axis):
         raise BlockRefusal(f"{ix.describe(p)} normalises from axis {axis}, not the last (feature) axis alone")
     for o in n.output[1:]:
         if o and (ix.users(o) or o in ix.graph_outputs):
@@ -180,7 +176,7 @@ def _check_row_mean(ix: GraphIndex, mean: int) -> None:
     if axes is None and len(m.input) > 1 and m.input[1]:
         c = ix.const(m.input[1])
         axes = None if c is None else [int(v) for v in np.asarray(c).reshape(-1)]
-    if axes is None or len(axes) != 1 or not _last_axis(ix, m.input[0], int(axes[0])):
+    if axes is None or len(axes) != 1 or not ix.last_axis(m.input[0], int(axes[0])):
         raise BlockRefusal(f"{ix.describe(mean)} averages over axes {axes if axes is not None else 'all'}, "
                            "not the last (feature) axis alone")
     if not ix.attr(mean, "keepdims", 1):

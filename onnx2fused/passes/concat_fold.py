@@ -52,7 +52,7 @@ def match_concat_fold(ix: GraphIndex, linear: LinearLayer, t: str, users: list[i
     if n.op_type != "Concat" or list(n.input).count(t) != 1 or n.output[0] in ix.graph_outputs:
         return None
     rank = ix.rank(t)
-    if rank is None or ix.attr(u, "axis", 0) not in (-1, rank - 1):
+    if rank is None or not ix.last_axis(t, ix.attr(u, "axis", 0)):
         return None
     widths = []
     for name in n.input:

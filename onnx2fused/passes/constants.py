@@ -287,6 +287,11 @@ class GraphIndex:
         s = self.shapes.get(name)
         return None if s is None else len(s)
 
+    def last_axis(self, name: str, axis: int) -> bool:
+        """Whether `axis` of tensor `name` is its last: -1, or rank - 1 where the rank is known."""
+        r = self.rank(name)
+        return axis == -1 or (r is not None and axis == r - 1)
+
     # -- constants ---------------------------------------------------------------------------
     def _fold_constants(self):
         g = self.graph

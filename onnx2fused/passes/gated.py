@@ -188,10 +188,6 @@ def _static_ints(ix: GraphIndex, name: str, depth: int = 0) -> tuple[np.ndarray 
         return None, []
 
 
-def _last_axis(ix: GraphIndex, t: str, axis: int) -> bool:
-    r = ix.rank(t)
-    return axis == -1 or (r is not None and axis == r - 1)
-
 
 def _split_cut(ix: GraphIndex, t: str, s: int, width: int) -> _Cut | None:
     n = ix.node(s)
@@ -200,7 +196,7 @@ def _split_cut(ix: GraphIndex, t: str, s: int, width: int) -> _Cut | None:
         return None
     cut = _Cut((outs[0], outs[1]), (0, 0), [s])
     axis = int(ix.attr(s, "axis", 0))
-    if not _last_axis(ix, t, axis):
+    if not ix.last_axis(t, axis):
         cut.problem = f"{ix.describe(s)} cuts axis {axis}, not the last (feature) axis"
         return cut
     sizes = None
@@ -234,7 +230,7 @@ def _slice_cut(ix: GraphIndex, t: str, slices: list[int], width: int) -> _Cut | 
             nodes |= set(sub)
         starts, ends, axes = params[:3]
         steps = params[3] if len(params) > 3 else [1]
-        if len(axes) != 1 or not _last_axis(ix, t, axes[0]) or steps != [1]:
+        if len(axes) != 1 or not ix.last_axis(t, axes[0]) or steps != [1]:
             return None
         lo = min(max(starts[0] + width if starts[0] < 0 else starts[0], 0), width)
         hi = min(max(ends[0] + width if ends[0] < 0 else ends[0], 0), width)

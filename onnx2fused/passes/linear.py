@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .. import expr as ex
-from .activations import attr_activation
+from .activations import attr_activation, scalar_gain
 from .constants import ORT_DOMAIN, GraphIndex
 
 LINEAR_OPS = ("Gemm", "MatMul")
@@ -187,18 +187,11 @@ def fold_low_rank(ix: GraphIndex, layer: LinearLayer) -> LinearLayer:
     scale, nodes = 1.0, []
     p = ix.producer.get(t)
     if p is not None and ix.node(p).op_type in ("Mul", "Div") and ix.node(p).domain in ("", "ai.onnx"):
-        a, b = ix.node(p).input[:2]
-        c = ix.const(b)
-        if c is None and ix.node(p).op_type == "Mul":
-            a, c = b, ix.const(a)
-        if c is None or np.asarray(c).size != 1:
+        gain = scalar_gain(ix, p, layer.out_features)
+        if gain is None:
             return layer
-        v = float(np.asarray(c, dtype=np.float64).reshape(()))
-        scale = v if ix.node(p).op_type == "Mul" else (1.0 / v if v != 0 else float("nan"))
-        if not np.isfinite(scale):
-            return layer
+        t, scale = gain
         nodes.append(p)
-        t = a
         if len(ix.users(t)) != 1 or t in ix.graph_outputs:
             return layer
     second = _plain_linear_to(ix, t)

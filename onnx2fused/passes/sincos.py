@@ -36,7 +36,7 @@ def match_sincos(ix: GraphIndex, t: str, users: list[int]) -> tuple[list[int], s
     n = ix.node(c)
     rank = ix.rank(t)
     if (n.op_type != "Concat" or sorted(n.input) != sorted(outs) or n.output[0] in ix.graph_outputs
-            or rank is None or ix.attr(c, "axis", 0) not in (-1, rank - 1)):
+            or rank is None or not ix.last_axis(t, ix.attr(c, "axis", 0))):
         return None
     return [ops["Sin"], ops["Cos"], c], n.output[0], n.input[0] == outs[0]
 

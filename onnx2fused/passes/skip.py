@@ -21,6 +21,7 @@ from typing import Mapping
 import numpy as np
 
 from ..spec import SKIP_ALIGN
+from .activations import scalar_gain
 from .constants import GraphIndex, default_opset
 from .linear import LinearLayer
 
@@ -56,7 +57,7 @@ def match_skip_concat(ix: GraphIndex, t: str, users: list[int]) -> SkipConcat | 
     other = n.input[1] if n.input[0] == t else n.input[0]
     rank, shape = ix.rank(t), ix.shapes.get(other)
     axis = ix.attr(u, "axis", 0)
-    if rank is None or not shape or ix.rank(other) != rank or axis not in (-1, rank - 1):
+    if rank is None or not shape or ix.rank(other) != rank or not ix.last_axis(t, axis):
         return None
     width = shape[-1]
     if not isinstance(width, int) or width < 1 or ix.types.get(other) != ix.types.get(t):
@@ -70,15 +71,11 @@ def _scaled(ix: GraphIndex, skip: SkipConcat) -> SkipConcat | None:
     users = ix.users(skip.output)
     if len(users) != 1 or skip.output in ix.graph_outputs:
         return None
-    m = ix.node(users[0])
-    if m.op_type not in ("Mul", "Div") or len(m.input) != 2 or m.output[0] in ix.graph_outputs:
+    out = ix.node(users[0]).output[0]
+    gain = scalar_gain(ix, users[0], (ix.shapes.get(skip.output) or [None])[-1])
+    if gain is None or gain[0] != skip.output or gain[1] == 0.0 or out in ix.graph_outputs:
         return None
-    operand = m.input[1] if m.input[0] == skip.output else m.input[0] if m.op_type == "Mul" else None
-    c = ix.const(operand) if operand is not None and operand != skip.output else None
-    if c is None or c.size != 1 or not np.isfinite(c).all() or float(c.reshape(())) == 0.0:
-        return None
-    value = float(c.reshape(()))
-    return replace(skip, output=m.output[0], scale=value if m.op_type == "Mul" else 1.0 / value, scale_node=users[0])
+    return replace(skip, output=out, scale=gain[1], scale_node=users[0])
 
 
 def not_a_skip(ix: GraphIndex, s: SkipConcat, own: str) -> str:
