@@ -90,14 +90,9 @@ def _check_name(spec: MLPSpec) -> str:
     return name
 
 
-def _max_width(spec: MLPSpec) -> int:
-    """The widest row a CPU buffer holds: a layer's input or output (a skip layer's input is wider)."""
-    return max(spec.widths + tuple(l.in_features for l in spec.layers))
-
-
 def row_block(spec: MLPSpec) -> int:
     """Rows of one CPU block: both activation buffers (rows x max width floats) within the budget."""
-    per_row = 2 * _max_width(spec) * 4
+    per_row = 2 * spec.widest_row * 4
     rows = BLOCK_BUDGET_BYTES // per_row // ROW_QUANTUM * ROW_QUANTUM
     return max(ROW_QUANTUM, min(MAX_ROW_BLOCK, rows))
 
@@ -151,7 +146,7 @@ def cpu_params(spec: MLPSpec) -> dict:
         "description": spec.describe().replace("\n", " "),
         "prelude": ex.C_PRELUDE.strip("\n"),
         "row_block": row_block(spec),
-        "max_width": _max_width(spec),
+        "max_width": spec.widest_row,
         "skip_width": spec.skip_width,
         "io_half": "true" if spec.io_dtype == "f16" else "false",
         "io_ctype": "uint16_t" if spec.io_dtype == "f16" else "float",

@@ -145,7 +145,7 @@ class MLPSpec:
         if not 0 <= self.skip < len(self.layers):
             raise SpecError(f"skip layer {self.skip} of a chain of {len(self.layers)} layers")
         for i, (a, b) in enumerate(zip(self.layers, self.layers[1:])):
-            extra = self.skip_width if i + 1 == self.skip else 0
+            extra = self.skip_part(i + 1)
             if a.out_features + extra != b.in_features:
                 what = f"{a.out_features} features" + (f" (+ the input's {extra})" if extra else "")
                 raise SpecError(f"layer {i} gives {what} but layer {i + 1} takes {b.in_features}")
@@ -163,9 +163,18 @@ class MLPSpec:
         """Columns of the skip layer's input that hold x (K0 zero-padded to SKIP_ALIGN); 0 without a skip."""
         return -(-self.layers[0].in_features // SKIP_ALIGN) * SKIP_ALIGN if self.skip else 0
 
+    def skip_part(self, i: int) -> int:
+        """Columns of layer i's input that hold x: skip_width for the skip layer, else 0."""
+        return self.skip_width if self.skip and i == self.skip else 0
+
     def layer_input(self, i: int) -> int:
         """Features layer i reads from the layer before it (or x): in_features less the skip's x part."""
-        return self.layers[i].in_features - (self.skip_width if i == self.skip else 0)
+        return self.layers[i].in_features - self.skip_part(i)
+
+    @property
+    def widest_row(self) -> int:
+        """The widest row any layer reads or writes (a skip layer's input is wider than the widths)."""
+        return max(self.widths + tuple(l.in_features for l in self.layers))
 
     @property
     def packable_layers(self) -> frozenset[int]:

@@ -85,10 +85,9 @@ def _layer_params(plan: WgmmaPlan) -> list[dict]:
     out = []
     n = len(plan.layers)
     parts, issued = plan.input_parts, 0
-    skip = plan.spec.skip
     for l in plan.layers:
         last = l.index == n - 1
-        kt0 = plan.spec.skip_width // 16 if skip and l.index + 1 == skip else 0   # x's k-steps of a skip layer
+        kt0 = plan.spec.skip_part(l.index + 1) // 16   # the next layer's x k-steps (a skip layer's)
         chunks = []
         for c in range(l.chunks):
             # streamed: a chunk's k-steps are relative to the ring slot it was copied into (the kernel adds

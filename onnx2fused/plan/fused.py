@@ -215,14 +215,13 @@ def _layer_plans(spec: MLPSpec, nc_of, kc_max: int = KC_MAX,
     hidden_blocks = hidden_blocks or {}
     plans, chunk, w_off, b_off = [], 0, 0, 0
     kp = None
-    skip_width = spec.skip_width
     for i, l in enumerate(spec.layers):
         block = hidden_blocks.get(i - 1, 0)
+        skip = spec.skip_part(i)   # x's columns first (SKIP_MMA_SYNC)
         if kp is None:
             kc = min(round_up(l.in_features, 16), kc_max)
             kp = round_up(l.in_features, kc)
         else:
-            skip = skip_width if spec.skip and i == spec.skip else 0   # x's columns first (SKIP_CHUNKS)
             kc = next(c for c in (kc_max, 48, 32, 16)
                       if c <= kc_max and kp % c == 0 and skip % c == 0 and (not block or block % c == 0))
             kp += skip
@@ -233,8 +232,7 @@ def _layer_plans(spec: MLPSpec, nc_of, kc_max: int = KC_MAX,
         else:
             nc = hidden_blocks.get(i) or nc_of(l.out_features)
             p = LayerPlan(i, l.in_features, l.out_features, kc, nc, kp,
-                          round_up(l.out_features, nc), chunk, w_off, b_off, row_pad(spec),
-                          skip=skip_width if spec.skip and i == spec.skip else 0)
+                          round_up(l.out_features, nc), chunk, w_off, b_off, row_pad(spec), skip=skip)
         kp = p.np_
         plans.append(p)
         chunk += p.n_chunks

@@ -339,8 +339,7 @@ def _layers(spec: MLPSpec, chunk_max: int = CHUNK_MAX) -> list[WgmmaLayer]:
     last = len(spec.layers) - 1
     kp = round_up(spec.layers[0].in_features, 16)
     for i, l in enumerate(spec.layers):
-        if spec.skip and i == spec.skip:   # x's k-steps (SKIP: as the first layer's), then the layer before's
-            kp += spec.skip_width
+        kp += spec.skip_part(i)   # a skip layer: x's k-steps (SKIP: as the first layer's), then the layer before's
         if l.gated:   # gate block b, up block b interleaved: 8 gate columns, their 8 up columns, ...
             np_ = 2 * round_up(l.out_features, 16)
             nc = _gated_chunk_width(np_, chunk_max)
