@@ -378,7 +378,9 @@ def test_nerf_mlp_wide_first_layers_on_cuda_ep(cache, tmp_path):
         assert rel_l2(sess.run(None, feeds)[0], stock(src, feeds)[0]) <= TOL["fp16"], rows
     trunk = [c for c in res.chains if c.widths[0] == 63]
     wide_first = trunk + [c for c in res.chains if c.widths[0] == 283]
-    assert len(wide_first) == 2, [c.widths for c in res.chains]
+    # two ops: the density head rides the view head, which writes the model's output (head_fold.py)
+    assert len(wide_first) == 2 and len(res.chains) == 2, [c.widths for c in res.chains]
+    assert list(wide_first[1].widths) == [283, 130, 4], wide_first[1].widths
     assert "_skip5_" in trunk[0].name and len(trunk[0].widths) == 9, trunk[0].name
     if torch.cuda.get_device_capability(0) == (9, 0):
         for c in wide_first:
@@ -422,6 +424,31 @@ def test_skip_chain_on_cuda_ep(cache, tmp_path, monkeypatch, x_first, design):
     rng = np.random.default_rng(4)
     for rows in (1, 63, 129):
         feeds = {"x": rng.standard_normal((1, rows, 21)).astype(np.float32)}
+        assert rel_l2(sess.run(None, feeds)[0], stock(src, feeds)[0]) <= TOL[res.chains[0].precision], rows
+
+
+@pytest.mark.parametrize("design", ["auto", "wgmma", "streamed", "resident"])
+def test_headed_chain_on_cuda_ep(cache, tmp_path, monkeypatch, design):
+    """A density-like head (3 outputs, first in the output Concat) reading x beside a view head whose first
+    layer reads Concat(x, v) rides it as [a, -a] through its ReLU layer (head_fold.py); each CUDA design
+    writes the Concat and matches stock on the CUDA EP at 1, 63, 129 and 70001 rows."""
+    from test_head_fold import headed_mlp
+    monkeypatch.setenv("ONNX2FUSED_CUDA_DESIGN", design)
+    model = headed_mlp(widths=(40, 136, 72, 3), acts=("Relu", "Relu", None), head=3, head_first=True, views=27)
+    src = tmp_path / "headed.onnx"
+    onnx.save(model, str(src))
+    res = check_defaults(src, tmp_path / "m.onnx", cache,
+                         lambda rng: {"x": rng.standard_normal((70001, 40)).astype(np.float32),
+                                      "v": rng.standard_normal((70001, 27)).astype(np.float32)})
+    assert len(res.chains) == 1 and list(res.chains[0].widths) == [67, 142, 78, 6], res.chains[0].widths
+    if design != "auto":
+        expected = {"streamed": "streamed weights", "wgmma": "wgmma (sm_90a)", "resident": "resident weights"}[design]
+        assert res.chains[0].cuda_plan.startswith("GPU: " + expected), res.chains[0].cuda_plan
+    sess = session(res.output_path, res.library_path, ["CUDAExecutionProvider", "CPUExecutionProvider"])
+    rng = np.random.default_rng(6)
+    for rows in (1, 63, 129):
+        feeds = {"x": rng.standard_normal((rows, 40)).astype(np.float32),
+                 "v": rng.standard_normal((rows, 27)).astype(np.float32)}
         assert rel_l2(sess.run(None, feeds)[0], stock(src, feeds)[0]) <= TOL[res.chains[0].precision], rows
 
 

@@ -39,12 +39,14 @@ def models(tmp_path_factory):
             "deepsdf": _export(DeepSDF(), d / "deepsdf.onnx", 259)}
 
 
-def test_nerf_trunk_is_one_chain_and_its_feature_layer_folds_into_the_view_head(models):
+def test_nerf_trunk_is_one_chain_its_feature_layer_and_density_join_the_view_head(models):
     plan = find_fusions(onnx.load(str(models["nerf"])), with_cuda=True, options=CUDA)
-    trunk, alpha, view = plan.chains
+    trunk, view = plan.chains
     assert trunk.skip == 5 and trunk.widths == (63,) + (256,) * 8
-    assert alpha.widths == (256, 1)
-    assert view.widths == (283, 128, 3) and view.input_edit is not None and view.input_edit[2] == trunk.output
+    # the density head (256 -> 1) rides the view head as [a, -a] through its ReLU layer; the op writes the
+    # model's output Concat([rgb, alpha])
+    assert view.widths == (283, 130, 4) and view.input_edit is not None and view.input_edit[2] == trunk.output
+    assert "alpha_linear" in view.head and view.output == "y"
     assert any("feature_linear" in r and "folded into the next layer" in r for r in plan.rewritten)
     assert make_plan(trunk.to_spec("fp16"), CUDA).design == "wgmma"
 

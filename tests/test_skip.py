@@ -238,7 +238,8 @@ def test_linear_without_activation_into_a_concat_folds_into_the_next_layer():
     assert [e.describe() for e in plan.concat_edits] == [
         "Concat 'view_cat' reads 'h' in place of linear layer 'feature', folded into the next layer"]
     view = next(c for c in plan.chains if "view0" in c.nodes)
-    assert "feature" in view.nodes and view.widths == (37, 16, 3) and view.input_edit == (0, 32, "h")
+    # (alpha, reading h, rides the view head into the output Concat: head_fold.py)
+    assert "feature" in view.nodes and view.widths == (37, 18, 4) and view.input_edit == (0, 32, "h")
     assert not any(c.widths == (32, 32) for c in plan.chains)
     cat = next(n for n in fused.graph.node if n.name == "view_cat")
     assert list(cat.input) == ["h", "views"]

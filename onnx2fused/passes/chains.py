@@ -51,6 +51,7 @@ from .casts import trim_output_casts
 from .concat_fold import ConcatEdit, ConcatFold, apply_fold, match_concat_fold
 from .constants import GraphIndex, elem_name
 from .gated import fed_node, find_gated
+from .head_fold import HeadFold, apply_head, carry_mode, head_candidate, input_parts
 from .input_affine import InputAffine, match_input_affine
 from .linear import LinearLayer, LinearRefusal, is_linear_node, match_linear
 from .regroup import reads_removed, regroup_ends, shape_feeders
@@ -90,6 +91,7 @@ class Chain:
     input_edit: tuple[int, int, str] | None = None  # a folded layer (concat_fold.py): the input's columns
                                    # offset..offset+width are its output in the model, `tensor` in the fused op
     concat_edit: object = None     # ... and the Concat that then reads `tensor` (concat_fold.ConcatEdit)
+    head: str = ""                 # a head that rides the chain into its output Concat (head_fold.py)
 
     def input_rows(self, ref: Mapping[str, list]) -> list:
         """The rows the fused op reads in each case, from the model's tensors `ref` ({name: one array a
@@ -129,7 +131,8 @@ class Chain:
         block = ((f", {self.norm.label} in front" if self.norm is not None else "")
                  + (f", input {self.input_map} folded into layer 1" if self.input_map else "")
                  + (", residual" if self.residual else "")
-                 + (f", the input joins layer {self.skip + 1} (skip Concat)" if self.skip else ""))
+                 + (f", the input joins layer {self.skip + 1} (skip Concat)" if self.skip else "")
+                 + (f", head {self.head} rides it into its output Concat" if self.head else ""))
         return (f"'{self.input}' -> '{self.output}': widths {' -> '.join(map(str, self.widths))}, "
                 f"activations [{acts}]{block}, {self.input_dtype}, {len(self.nodes)} nodes")
 
@@ -472,8 +475,13 @@ def _find_chains(ix: GraphIndex, gated_refused: str | None, block_refused: Mappi
             ends[l.start] = f"feeds {ix.describe(u)}, which is not fused"
         elif u in l.act.rejected and (ix.node(u).op_type in ELEMENTWISE_OPS or t in feeds_layer):
             ends[l.start] = f"feeds {l.act.rejected[u]}"
-    for l in sorted(layers.values(), key=lambda l: l.start):
-        if l.prev is not None or l.folded:
+    heads = {l.start: h for l in layers.values()
+             if (h := head_candidate(ix, l.start, l.linear, l.prev is None and l.next is None and not l.folded
+                                     and not l.gated and l.fold is None and l.skip is None
+                                     and l.act.output == l.linear.output)) is not None}
+    taken: set[int] = set()   # heads that ride a chain (their turn comes after every other chain's)
+    for l in sorted(layers.values(), key=lambda l: (l.start in heads, l.start)):
+        if l.prev is not None or l.folded or l.start in taken:
             continue
         seq = _walk(layers, l)
         fold = seq[0].fold
@@ -506,6 +514,7 @@ def _find_chains(ix: GraphIndex, gated_refused: str | None, block_refused: Mappi
             refused_here = "the {what} stays a stock op: the chain reads the float32 input of a float16 converter's Cast"
         block = find_block(ix, entry.tensor, entry.readers, out_t, first.in_features, last.out_features, refused_here)
         idx = sorted(j for s in seq for j in s.linear.node_indices + s.act.node_indices)
+        regrouped = None
         if widened is None and block.norm is None and block.residual is None and not skip_at:
             regrouped = _block_through_regroups(ix, entry, idx, out_t, first, last, refused_here)
             if regrouped is not None:
@@ -538,6 +547,13 @@ def _find_chains(ix: GraphIndex, gated_refused: str | None, block_refused: Mappi
                 block.end_reason = ""
                 idx.append(block.residual)
                 ends.pop(last.start, None)
+        head = None
+        if block.norm is None and block.residual is None and input_map is None and regrouped is None:
+            head = _ridden_head(ix, layers, heads, taken, seq, fold, out_t)
+        if head is not None:   # the chain writes the head's Concat (head_fold.py)
+            idx += head.head.node_indices + [head.concat]
+            out_t = head.output
+            ends.pop(last.start, None)
         if skip_at:
             idx += seq[skip_at].skip.nodes
         if fold is not None:
@@ -559,13 +575,18 @@ def _find_chains(ix: GraphIndex, gated_refused: str | None, block_refused: Mappi
             lay_out_skip_weight(seq[skip_at].linear, seq[skip_at].skip, first.in_features)
         if fold is not None:
             apply_fold(first, fold)
+        if head is not None:
+            apply_head([s.linear for s in seq], head)
+            taken.add(_first_node(head.head))
         chain = Chain(chain_input, block.output or out_t,
                       [ChainLayer(s.linear, s.act.expr, list(s.act.nodes), s.act.output, s.gated) for s in seq],
                       [ix.keys[j] for j in idx], IO_TYPES[in_type], block.norm, block.residual is not None,
                       input_map.label if input_map is not None else "", skip_at,
                       (fold.offset, fold.folded.out_features, fold.folded.input) if fold is not None else None,
                       ConcatEdit(ix.keys[fold.concat], fold.position, fold.folded.input, ix.keys[folded_start])
-                      if fold is not None else None)
+                      if fold is not None else None,
+                      f"'{head.head.nodes[0]}' ({head.head.in_features} -> {head.head.out_features})"
+                      if head is not None else "")
         plan.chains.append(chain)
         if start_reason:
             plan.refusals.append(Refusal(ix.keys[min(first.node_indices)],
@@ -579,3 +600,32 @@ def _find_chains(ix: GraphIndex, gated_refused: str | None, block_refused: Mappi
         plan.refusals.append(Refusal(ix.keys[i], refused[i]))
     plan.refusals.sort(key=lambda r: ix.index_of.get(r.node, 0))
     return plan, broken
+
+
+def _ridden_head(ix: GraphIndex, layers: dict[int, _Layer], heads: dict, taken: set[int], seq: list[_Layer],
+                 fold, out_t: str) -> HeadFold | None:
+    """The head (head_fold.py) that joins the chain `seq`'s output `out_t` in a Concat and reads a part of
+    the chain's first layer's input (after a folded layer's edit), where the chain's activations can
+    carry it; else None."""
+    users = ix.users(out_t)
+    if len(users) != 1 or out_t in ix.graph_outputs:
+        return None
+    own = _first_node(seq[0].linear)
+    cand = next((c for c in heads.values() if c.concat == users[0] and c.other == out_t
+                 and c.start not in taken and c.start != own), None)
+    if cand is None or any(s.gated for s in seq):
+        return None
+    paired = carry_mode([s.act.expr for s in seq])
+    if paired is None:
+        return None
+    first = seq[0].linear
+    k0, replaced = first.in_features, None
+    if fold is not None:   # (the layer's input once the folded layer's input replaces its output)
+        k0 += fold.folded.in_features - fold.folded.out_features
+        replaced = (fold.position, fold.folded.input, fold.folded.in_features)
+    head = layers[cand.start].linear
+    offset = next((o for t, o in input_parts(ix, first.input, k0, replaced)
+                   if t == head.input and o + head.in_features <= k0), None)
+    if offset is None:
+        return None
+    return HeadFold(head, cand.concat, ix.node(cand.concat).output[0], offset, cand.first, paired)
