@@ -124,7 +124,11 @@ CASES = {
     "skip_odd_bf16": (mlp([21, 100, 100, 72, 5], ex.tanh(), "bf16", skip=2), 100003),
     "nerf_views": (mlp([283, 128, 3], ex.relu()), 2**20),
     "nerf_skip_f16io": (mlp([319, 256, 256, 256], ex.relu(), io="f16"), 2**20),
-    "w256relu3": (mlp([256, 256, 256, 256], ex.relu()), 2**20),   # three 256-wide layers (ptxas spills at 255)
+    "w256relu3": (mlp([256, 256, 256, 256], ex.relu()), 2**20),   # three 256-wide layers (12 chunks: 4 a slot)
+    # a pass of 24 ring chunks, 8 a slot (before the ring's opaque positions ptxas spilled 192 bytes there)
+    "w256relu6": (mlp([64] + [256] * 6, ex.relu()), 2**20),
+    # Tancik's Fourier-feature MLP (benchmarks/fourier_mlp.py): sin(x [W, W] + [b, b + pi/2]) then 256 x 4 ReLU
+    "fourier": (mlp([2, 256, 256, 256, 256, 256, 3], [ex.sin()] + [ex.relu()] * 4 + [ex.sigmoid()]), 2**20),
 }
 
 # Alternatives of the default plan, timed beside it: case -> (base case, the designs' overrides).

@@ -258,6 +258,18 @@ __device__ __forceinline__ float o2f_gelu_fast(float x) {
   return x * fmaf(z, q, 0.5f);
 }
 __device__ __forceinline__ float o2f_sigmoid_fast(float x) { return __fdividef(1.0f, 1.0f + __expf(-x)); }
+// sin and cos: x reduced to r in [-pi, pi] by two FMAs against 2 pi in two float parts (x - k 2pi_hi, then
+// - k 2pi_lo; each product exact inside its FMA), then the special-function unit's sine or cosine (absolute
+// error <= 2^-21.4 on [-pi, pi]): within 1e-6 absolute for |x| < 1e5, where sinf's reduction carries a
+// local-memory slow path for huge arguments and ~25 instructions a value. Fourier features and SIREN's layers
+// evaluate one per hidden value: with sinf the Fourier-feature MLP's wgmma kernel held 255 registers and
+// spilled 316 bytes (160 bytes of stack).
+__device__ __forceinline__ float o2f_reduce_2pi(float x) {
+  const float k = rintf(x * 0.159154943091895336f);
+  return fmaf(-k, -1.74845553e-07f, fmaf(-k, 6.28318548f, x));
+}
+__device__ __forceinline__ float o2f_sin_fast(float x) { return __sinf(o2f_reduce_2pi(x)); }
+__device__ __forceinline__ float o2f_cos_fast(float x) { return __cosf(o2f_reduce_2pi(x)); }
 // bf16-grade forms (render_c's fast="bf16": hidden layers of bf16 chains, rounded to bf16 right after, whose
 // half step is 2^-9 to 2^-8 relative): the hardware tanh, one MUFU operation, relative error ~2^-11 (PTX
 // ISA), a quarter of the smallest half step (where 1 + tanh cancels, for negative x, ~2^-12 absolute, as in
@@ -287,6 +299,8 @@ FAST_C = {
     "erf": lambda a: f"o2f_erf_fast({a})",
     "sigmoid": lambda a: f"o2f_sigmoid_fast({a})",
     "softplus": lambda a: f"o2f_softplus_fast({a})",
+    "sin": lambda a: f"o2f_sin_fast({a})",
+    "cos": lambda a: f"o2f_cos_fast({a})",
 }
 
 

@@ -88,6 +88,15 @@ struct Ring {
                          static_cast<uint16_t>((1u << kCluster) - 1u));
     }
   }
+  // Called at the top of every pass where a pass's chunks are a multiple of kStages: there each chunk's slot
+  // and phase would be the same constants every pass, and ptxas, scheduling the unrolled pass around them,
+  // wanted more than 255 registers (a 64 -> 256 x 6 chain, 24 chunks, spilled 192 bytes with 3 slots and
+  // none with 5; NeRF's 319 -> 256 x 3, 320 bytes). Made opaque here, they leave ptxas nothing to hoist:
+  // no spills, 3-5 % faster (RESULTS.md, forty-fifth run). Where the slots do not repeat every pass the
+  // same barrier made the NeRF trunk 4 % slower, so the template leaves it out there.
+  __device__ __forceinline__ void opaque() {
+    asm volatile("" : "+r"(acq_stage), "+r"(acq_phase), "+r"(rel), "+r"(rel_stage));
+  }
   // The first min(kStages, total) chunks (one thread, before any acquire; clusters: after cluster_sync).
   __device__ __forceinline__ void prime() const {
     for (uint32_t i = 0; i < kStages && i < total; ++i) fill(i, i);

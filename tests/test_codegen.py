@@ -255,3 +255,32 @@ def test_the_bf16_gelu_form_is_the_tanh_gelu():
     assert gap.max() < 4.8e-4
     big = np.abs(erf_form) > 0.25
     assert np.all(gap[big] <= 0.25 * 2.0 ** -9 * np.abs(erf_form[big]))
+
+
+def test_hidden_sin_and_cos_reduce_the_argument_then_take_the_hardware_sine():
+    """Fourier features and SIREN evaluate sin (or cos) per hidden value, rounded to 16 bits right after:
+    fast=True renders o2f_sin_fast / o2f_cos_fast (x - k 2pi by two FMAs against 2 pi in two float parts,
+    then __sinf / __cosf), the last layer keeps sinf. The reduction's constants (read from the prelude),
+    emulated here with each FMA's exact product and one rounding, leave r within 3e-7 of x mod 2 pi, about
+    [-pi, pi], for |x| < 1e5 (the hardware sine adds <= 2^-21.4 absolute); fp16's half step is 2^-12. On the
+    GPU: kernel_check's `fourier` case and tests/test_gpu_activations.py's SIREN against stock."""
+    import numpy as np
+    from onnx2fused.cuda_params import act_params
+    assert ex.render_c(ex.sin(), "v", fast=True) == "o2f_sin_fast(v)" and ex.render_c(ex.sin(), "v") == "sinf(v)"
+    assert ex.render_c(ex.Op("cos", (ex.X,)), "v", fast=True) == "o2f_cos_fast(v)"
+    spec = MLPSpec((LayerSpec(2, 32, True, ex.sin()), LayerSpec(32, 8, True, ex.sin())), "fp16", "f32")
+    hidden, last = act_params(spec, [32, 8])
+    assert "o2f_sin_fast" in hidden["code"] and "sinf(" in last["code"] and "o2f_sin_fast" not in last["code"]
+    body = re.search(r"float o2f_reduce_2pi\(float x\) \{(.*?)\n\}", ex.C_PRELUDE, re.S).group(1)
+    inv = float(re.search(r"rintf\(x \* ([0-9.e-]+)f\)", body).group(1))
+    lo, hi = (float(v) for v in re.search(r"fmaf\(-k, ([0-9.e+-]+)f, fmaf\(-k, ([0-9.e+-]+)f, x\)\)", body).groups())
+    f32 = np.float32
+    x = np.concatenate([np.linspace(-1e5, 1e5, 400001), np.random.default_rng(1).uniform(-300, 300, 100000)]).astype(f32)
+    k = np.rint(x * f32(inv)).astype(f32)
+    r = f32(x.astype(np.float64) - k.astype(np.float64) * float(f32(hi)))       # fmaf(-k, hi, x)
+    r = f32(r.astype(np.float64) - k.astype(np.float64) * float(f32(lo)))       # fmaf(-k, lo, r)
+    exact = np.remainder(x.astype(np.float64) + np.pi, 2 * np.pi) - np.pi
+    err = np.abs(np.remainder(r.astype(np.float64) - exact + np.pi, 2 * np.pi) - np.pi)
+    # (k from the float32 product can be one off near a half turn at |x| ~ 1e5: r then lies a few 1e-3 past pi,
+    # where the hardware sine is as accurate)
+    assert np.abs(r).max() <= np.pi + 1e-2 and err.max() < 3e-7, err.max()
