@@ -38,11 +38,12 @@ TC = 665e12       # measured fp16 matmul rate, flop/s
 
 def mlp(widths, acts, precision="fp16", io="f32", bias=True, norm=None, residual=False, gated=(), skip=0):
     """`norm`, `residual`: a transformer block (MLPSpec.norm, .residual); `gated`: the gated layers; `skip`:
-    the layer that reads x beside the layer before's output (MLPSpec.skip)."""
+    the layer(s) that read x beside the layer before's output (MLPSpec.skip)."""
     if not isinstance(acts, (list, tuple)):
         acts = [acts] * (len(widths) - 2) + [ex.identity()]
     x_part = -(-widths[0] // SKIP_ALIGN) * SKIP_ALIGN
-    layers = tuple(LayerSpec(a + (x_part if skip and i == skip else 0), b, bias, f, gated=i in gated)
+    skips = (skip,) if isinstance(skip, int) else tuple(skip)
+    layers = tuple(LayerSpec(a + (x_part if i in skips and i else 0), b, bias, f, gated=i in gated)
                    for i, (a, b, f) in enumerate(zip(widths, widths[1:], acts)))
     return MLPSpec(layers, precision, io, norm=norm, residual=residual, skip=skip)
 
@@ -129,6 +130,12 @@ CASES = {
     "w256relu6": (mlp([64] + [256] * 6, ex.relu()), 2**20),
     # Tancik's Fourier-feature MLP (benchmarks/fourier_mlp.py): sin(x [W, W] + [b, b + pi/2]) then 256 x 4 ReLU
     "fourier": (mlp([2, 256, 256, 256, 256, 256, 3], [ex.sin()] + [ex.relu()] * 4 + [ex.sigmoid()]), 2**20),
+    # the whole NeRF MLP as one chain (passes/skip_merge.py): x (90) into layers 5 and 8, the density riding
+    # the view layer (130 = 128 + [a, -a]), y = [rgb, alpha]
+    "nerf_mlp": (mlp([90] + [256] * 8 + [130, 4], [ex.relu()] * 9 + [ex.identity()], skip=(5, 8)), 2**20),
+    # two skips in a narrow odd chain (each design below)
+    "skip2_odd": (mlp([21, 100, 100, 72, 40, 5], ex.tanh(), skip=(2, 4)), 100003),
+    "skip2_odd_fp32": (mlp([21, 100, 100, 72, 40, 5], ex.tanh(), "fp32", skip=(2, 4)), 100003),
 }
 
 # Alternatives of the default plan, timed beside it: case -> (base case, the designs' overrides).
@@ -251,6 +258,9 @@ VARIANTS = {
     # a skip connection in each design (the default for skip_odd is resident; nerf_trunk's wgmma)
     "skip_odd_wg": ("skip_odd", WgmmaOptions()),
     "skip_odd_streamed": ("skip_odd", StreamedOptions()),
+    "skip2_odd_wg": ("skip2_odd", WgmmaOptions()),
+    "skip2_odd_streamed": ("skip2_odd", StreamedOptions()),
+    "nerf_mlp_streamed": ("nerf_mlp", StreamedOptions()),
     "nerf_trunk_streamed": ("nerf_trunk", StreamedOptions()),
     "last257_streamed": ("last257", StreamedOptions()),
     "skip64_resident": ("skip64", ResidentOptions()),
@@ -343,7 +353,7 @@ def reference(spec: MLPSpec, ws, bs, x: np.ndarray, norm_params=()) -> np.ndarra
         else:
             h = h / np.sqrt(ms + spec.norm.eps) * norm_params[0]
     for i, (l, w, b) in enumerate(zip(spec.layers, ws, bs)):
-        if spec.skip and i == spec.skip:   # [x zero-padded to skip_width, the layer before's output]
+        if i in spec.skip:   # [x zero-padded to skip_width, the layer before's output]
             pad = np.zeros((h.shape[0], spec.skip_width - x.shape[-1]))
             h = np.concatenate([x.astype(np.float64), pad, h], axis=-1)
         h = h @ w.astype(np.float64) + b.astype(np.float64)

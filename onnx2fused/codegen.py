@@ -97,13 +97,13 @@ def row_block(spec: MLPSpec) -> int:
     return max(ROW_QUANTUM, min(MAX_ROW_BLOCK, rows))
 
 
-def _buffers(num_layers: int, skip: int = 0) -> list[tuple[str, str]]:
+def _buffers(num_layers: int, skip: tuple[int, ...] = ()) -> list[tuple[str, str]]:
     """(src, dst) of each layer: ping-pong between bufB/bufA; the last layer writes `out_last`. A skip
     layer reads the buffer its [x, h] rows are assembled in: the one the layer before did not write."""
     out, src, dst = [], "in0", "bufB"
     other = {"bufA": "bufB", "bufB": "bufA"}
     for i in range(num_layers):
-        if skip and i == skip:
+        if i in skip:
             src = other[src]   # (src is the layer before's dst, never in0 here)
             dst = other[src]
         out.append((src, "out_last" if i == num_layers - 1 else dst))
@@ -138,7 +138,7 @@ def cpu_params(spec: MLPSpec) -> dict:
             "src": src,
             "dst": dst,
             # the skip layer: its rows [x zero-padded to skip_width, the layer before's output] assembled first
-            "skip_from": bufs[i - 1][1] if spec.skip and i == spec.skip else "",
+            "skip_from": bufs[i - 1][1] if i in spec.skip else "",
         })
     return {
         "version": __version__,
@@ -249,7 +249,7 @@ def registry_params(specs: list[MLPSpec], with_cuda: bool, cpu_enabled: dict[str
             "widths": ", ".join(str(w) for w in spec.widths),
             "activations": [c_string(ex.to_text(l.activation)) for l in spec.layers],
             "io_is_half": 1 if spec.io_dtype == "f16" else 0,
-            "skip": spec.skip, "skip_width": spec.skip_width,
+            "skip_mask": sum(1 << j for j in spec.skip), "skip_width": spec.skip_width,
             "rows_per_task": row_block(spec) * TASK_BLOCKS,
             "has_cpu": has_cpu,
             "cpu_fn": f"&{name}_cpu" if has_cpu else "nullptr",

@@ -59,7 +59,7 @@ def spec_params(spec: MLPSpec) -> dict:
                          "offset": "0" if i == 0 else f"kW{i - 1} + kWsz{i - 1}"}   # its weights follow the layer before
                         for i, l in enumerate(spec.layers)],
         "max_width": spec.widest_row,
-        "skip": spec.skip, "skip_width": spec.skip_width,   # layer `skip` reads [x padded, the layer before's output]
+        "skip": list(spec.skip), "skip_width": spec.skip_width,   # these layers read [x padded, the layer before's output]
         **block_params(spec),   # a transformer block's norm in front and residual behind
     }
 

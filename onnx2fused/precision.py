@@ -163,9 +163,9 @@ def normalise(x: np.ndarray, norm, half_io: bool = False) -> np.ndarray:
 
 def chain_layers(chain) -> list[SimpleNamespace]:
     """A found chain's layers (passes.find_chains) as model_chain reads them (weight [K, N], bias, activation)."""
-    skip = getattr(chain, "skip", 0)
+    skip = getattr(chain, "skip", ())
     return [SimpleNamespace(weight=l.linear.weight, bias=l.linear.bias, activation=l.activation,
-                            gated=getattr(l, "gated", False), skip=bool(skip) and i == skip)
+                            gated=getattr(l, "gated", False), skip=i in skip)
             for i, l in enumerate(chain.layers)]
 
 

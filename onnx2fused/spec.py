@@ -16,11 +16,13 @@ A transformer FFN block adds a prologue and an epilogue around the layers (issue
 `FusedMLP_64x256x64_ln_gelu_id_res_...` (`ln` / `rms` before the activations, `res` after them); both
 add to `key_text` only when present, so every other spec keeps its name and sources.
 
-A skip connection (`skip` = j > 0: NeRF's and DeepSDF's `cat([x, h])` into layer j) makes layer j read the
+A skip connection (`skip` holds j > 0: NeRF's and DeepSDF's `cat([x, h])` into layer j) makes layer j read the
 chain's input row beside layer j-1's output: its input is [x zero-padded to `skip_width` (K0 rounded up to
 16, one k-step of the tensor cores), layer j-1's output], so its weight is [skip_width + N_{j-1}, N_j]
-with zero rows K0..skip_width (the pass lays the model's weight out so, whichever order its Concat had).
-The name reads `..._skipJ` after the activations; it adds to `key_text` only when present.
+with zero rows K0..skip_width (the pass lays the model's weight out so, whichever order its Concat had;
+rows of x a layer does not read are zero too: NeRF's view layer reads the view directions of the x its trunk
+reads). Several layers may; the name reads `..._skipJ` (`_skipJ_K`) after the activations; it adds to
+`key_text` only when present.
 
 `act_math` says how an fp16 chain's hidden activations are computed on the GPU: "packed" (the default:
 the pre-activations rounded to fp16 and the activation evaluated in fp16x2 arithmetic, two elements an
@@ -49,6 +51,7 @@ DOMAIN = "onnx2fused"
 PLUGIN_KEY = "onnx2fused.plugin"   # the fused model's metadata entry: its plugin library, a file beside it
 OP_PREFIX = "FusedMLP"
 MAX_NAME = 96     # longer names (deep chains of many activations) are shortened to widths + layer count + hash
+SKIP_LAYERS_MAX = 64   # the plugin's registry holds a chain's skip layers as one 64-bit mask
 SKIP_ALIGN = 16   # a skip layer's x part: K0 rounded up to a k-step of the tensor cores (fp16/bf16 16, tf32 8)
 SPEC_VERSION = 1  # bump when the meaning of a spec (and so of every generated kernel) changes
 
@@ -131,9 +134,12 @@ class MLPSpec:
     norm: NormSpec | None = None  # normalise each input row before the first layer
     residual: bool = False        # add the input row to the last layer's output (needs K0 == N_last)
     act_math: str = "packed"      # fp16 hidden layers: "packed" fp16x2 forms where one exists, or "fp32"
-    skip: int = 0                 # layer j > 0 reads [x padded to skip_width, layer j-1's output]; 0: none
+    skip: tuple[int, ...] = ()    # each layer j > 0 here reads [x padded to skip_width, layer j-1's output]
+                                  # (an int j is taken as (j,), 0 as none)
 
     def __post_init__(self):
+        skip = (self.skip,) if isinstance(self.skip, int) else tuple(self.skip)
+        object.__setattr__(self, "skip", tuple(sorted(set(j for j in skip if j))))
         if self.act_math not in ACT_MATHS:
             raise SpecError(f"unknown activation arithmetic {self.act_math!r}; choose one of {', '.join(ACT_MATHS)}")
         if not self.layers:
@@ -142,8 +148,10 @@ class MLPSpec:
             raise SpecError(f"unknown precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}")
         if self.io_dtype not in IO_DTYPES:
             raise SpecError(f"unsupported input/output element type {self.io_dtype!r}")
-        if not 0 <= self.skip < len(self.layers):
-            raise SpecError(f"skip layer {self.skip} of a chain of {len(self.layers)} layers")
+        for j in self.skip:
+            if not 0 < j < min(len(self.layers), SKIP_LAYERS_MAX):
+                raise SpecError(f"skip layer {j} of a chain of {len(self.layers)} layers"
+                                + (f" (skip layers below {SKIP_LAYERS_MAX})" if j >= SKIP_LAYERS_MAX else ""))
         for i, (a, b) in enumerate(zip(self.layers, self.layers[1:])):
             extra = self.skip_part(i + 1)
             if a.out_features + extra != b.in_features:
@@ -160,12 +168,12 @@ class MLPSpec:
 
     @property
     def skip_width(self) -> int:
-        """Columns of the skip layer's input that hold x (K0 zero-padded to SKIP_ALIGN); 0 without a skip."""
+        """Columns of a skip layer's input that hold x (K0 zero-padded to SKIP_ALIGN); 0 without a skip."""
         return -(-self.layers[0].in_features // SKIP_ALIGN) * SKIP_ALIGN if self.skip else 0
 
     def skip_part(self, i: int) -> int:
-        """Columns of layer i's input that hold x: skip_width for the skip layer, else 0."""
-        return self.skip_width if self.skip and i == self.skip else 0
+        """Columns of layer i's input that hold x: skip_width for a skip layer, else 0."""
+        return self.skip_width if i in self.skip else 0
 
     def layer_input(self, i: int) -> int:
         """Features layer i reads from the layer before it (or x): in_features less the skip's x part."""
@@ -255,7 +263,7 @@ class MLPSpec:
         if self.norm is not None:
             text = f"{self.norm.label} -> " + text
         if self.skip:
-            text += f", x into layer {self.skip} (skip)"
+            text += f", x into layer{'s' if len(self.skip) > 1 else ''} {', '.join(map(str, self.skip))} (skip)"
         return text + (" + residual" if self.residual else "")
 
     def key_text(self) -> str:
@@ -269,7 +277,7 @@ class MLPSpec:
         if self.residual:
             parts.append("residual")
         if self.skip:
-            parts.append(f"skip:{self.skip}")
+            parts.append(f"skip:{','.join(map(str, self.skip))}")
         if self.act_math != "packed" and self.has_packable:
             parts.append(f"act:{self.act_math}")
         return "|".join(parts)
@@ -291,7 +299,7 @@ class MLPSpec:
         if self.residual:
             acts += "_res"
         if self.skip:
-            acts += f"_skip{self.skip}"
+            acts += "_skip" + "_".join(map(str, self.skip))
         digest = hashlib.sha256(self.key_text().encode()).hexdigest()[:8]
         math = ACT_MATH_TAGS[self.act_math] if self.has_packable else ""
         name = f"{OP_PREFIX}_{widths}_{acts}_{self.precision}{math}_{self.io_dtype}_{digest}"

@@ -35,8 +35,8 @@ struct KernelEntry {
                                          // gated layer); nullptr: N_i for every layer (no gated layer)
   int norm_inputs = 0;            // inputs after the layers' W_i, B_i: 1 (RMS norm: NS [K0]), 2 (layer norm:
                                   // NS, NB [K0]), 0 (no norm in front)
-  int skip = 0;                   // layer `skip` (> 0) reads [x zero-padded to skip_width, the layer before's
-  int skip_width = 0;             // output]: its W is [skip_width + N_{skip-1}, N_skip]; 0: no skip connection
+  uint64_t skip_mask = 0;         // bit j: layer j (> 0) reads [x zero-padded to skip_width, the layer before's
+  int skip_width = 0;             // output], its W [skip_width + N_{j-1}, N_j]; 0: no skip connection
 };
 
 // Defined by the generated registry.cc.

@@ -114,7 +114,7 @@ OrtStatusPtr Prepare(const KernelEntry& e, Ort::KernelContext& ctx, Call& call) 
   call.w.resize(L);
   call.b.resize(L);
   for (int i = 0; i < L; ++i) {
-    const int64_t K = e.widths[i] + (e.skip && i == e.skip ? e.skip_width : 0), N = WeightCols(e, i);  // N: W_i's columns
+    const int64_t K = e.widths[i] + ((e.skip_mask >> i) & 1u ? e.skip_width : 0), N = WeightCols(e, i);  // N: W_i's columns
     Ort::ConstValue W = ctx.GetInput(1 + 2 * i), B = ctx.GetInput(2 + 2 * i);
     auto winfo = W.GetTensorTypeAndShapeInfo();
     auto binfo = B.GetTensorTypeAndShapeInfo();

@@ -376,15 +376,12 @@ def test_nerf_mlp_wide_first_layers_on_cuda_ep(cache, tmp_path):
     for rows in (1, 63, 129):
         feeds = {"x": rng.standard_normal((rows, 90)).astype(np.float32)}
         assert rel_l2(sess.run(None, feeds)[0], stock(src, feeds)[0]) <= TOL["fp16"], rows
-    trunk = [c for c in res.chains if c.widths[0] == 63]
-    wide_first = trunk + [c for c in res.chains if c.widths[0] == 283]
-    # two ops: the density head rides the view head, which writes the model's output (head_fold.py)
-    assert len(wide_first) == 2 and len(res.chains) == 2, [c.widths for c in res.chains]
-    assert list(wide_first[1].widths) == [283, 130, 4], wide_first[1].widths
-    assert "_skip5_" in trunk[0].name and len(trunk[0].widths) == 9, trunk[0].name
+    # one op: the trunk reads x (skip_merge.py), x joins layers 6 and 9, the density rides the view head
+    # (head_fold.py) and the op writes the model's output
+    (chain,) = res.chains
+    assert list(chain.widths) == [90] + [256] * 8 + [130, 4] and "_skip5_8_" in chain.name, chain.name
     if torch.cuda.get_device_capability(0) == (9, 0):
-        for c in wide_first:
-            assert "wgmma (sm_90a)" in c.cuda_plan, c.cuda_plan
+        assert "wgmma (sm_90a)" in chain.cuda_plan, chain.cuda_plan
 
 
 def test_fourier_feature_mlp_on_cuda_ep(cache, tmp_path):
@@ -424,6 +421,27 @@ def test_skip_chain_on_cuda_ep(cache, tmp_path, monkeypatch, x_first, design):
     rng = np.random.default_rng(4)
     for rows in (1, 63, 129):
         feeds = {"x": rng.standard_normal((1, rows, 21)).astype(np.float32)}
+        assert rel_l2(sess.run(None, feeds)[0], stock(src, feeds)[0]) <= TOL[res.chains[0].precision], rows
+
+
+@pytest.mark.parametrize("design", ["auto", "wgmma", "streamed"])
+def test_joined_chain_with_two_skips_on_cuda_ep(cache, tmp_path, monkeypatch, design):
+    """NeRF in small (tests/test_skip.py's _nerf_like: x cut by a Split, the trunk's skip, the view head
+    reading Concat(h, views)) joined into one chain with skip layers 1 and 2 reading x (skip_merge.py); each
+    CUDA design (resident by default at these widths) matches stock on the CUDA EP at 1, 63, 129 and 70001 rows."""
+    from test_skip import _nerf_like
+    monkeypatch.setenv("ONNX2FUSED_CUDA_DESIGN", design)
+    src = tmp_path / "nerf_like.onnx"
+    onnx.save(_nerf_like(), str(src))
+    res = check_defaults(src, tmp_path / "m.onnx", cache,
+                         lambda rng: {"x": rng.standard_normal((70001, 20)).astype(np.float32)})
+    assert len(res.chains) == 1 and "_skip1_2_" in res.chains[0].name, [c.name for c in res.chains]
+    expected = {"auto": "resident weights", "streamed": "streamed weights", "wgmma": "wgmma (sm_90a)"}[design]
+    assert res.chains[0].cuda_plan.startswith("GPU: " + expected), res.chains[0].cuda_plan
+    sess = session(res.output_path, res.library_path, ["CUDAExecutionProvider", "CPUExecutionProvider"])
+    rng = np.random.default_rng(9)
+    for rows in (1, 63, 129):
+        feeds = {"x": rng.standard_normal((rows, 20)).astype(np.float32)}
         assert rel_l2(sess.run(None, feeds)[0], stock(src, feeds)[0]) <= TOL[res.chains[0].precision], rows
 
 

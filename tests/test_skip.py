@@ -35,13 +35,13 @@ def test_skip_concat_joins_one_chain_with_its_weight_laid_out(x_first):
     plan = find_chains(model)
     assert len(plan.chains) == 1, plan.describe()
     chain = plan.chains[0]
-    assert chain.skip == 2 and chain.widths == (21, 64, 48, 40, 4)
+    assert chain.skip == (2,) and chain.widths == (21, 64, 48, 40, 4)
     assert "skip_concat" in chain.nodes
     w = chain.layers[2].linear.weight
     assert w.shape == (32 + 48, 40)                 # [x padded to 32, h]
     assert not w[21:32].any()                       # the padding rows
     spec = chain.to_spec("fp16")
-    assert spec.skip == 2 and spec.skip_width == 32 and "_skip2_" in spec.name
+    assert spec.skip == (2,) and spec.skip_width == 32 and "_skip2_" in spec.name
     # the model's Concat order undone: x's rows first either way
     src = {i.name: i for i in model.graph.initializer}
     from onnx import numpy_helper
@@ -57,7 +57,7 @@ def test_fused_skip_chain_matches_stock_on_the_cpu(x_first, rank):
     """The CPU kernel (fp32) and the model's stock ops agree, rows past the kernel's row blocks included."""
     model = skip_mlp(21, [64, 48, 40, 4], at=2, x_first=x_first, act="Tanh", rank=rank)
     plan, specs, fused = fuse(model)
-    assert len(plan.chains) == 1 and specs[0].skip == 2
+    assert len(plan.chains) == 1 and specs[0].skip == (2,)
     from onnx2fused.library import build_plugin
     lib = build_plugin(specs, with_cuda=False)
     sess = plugin_session(fused, lib.path)
@@ -74,7 +74,7 @@ def test_a_skip_concat_scaled_by_a_constant_joins_with_the_scale_in_the_weight()
     1/sqrt(2) into the layer's weight; the fused chain matches stock on the CPU."""
     model = skip_mlp(21, [64, 48, 40, 4], at=2, x_first=False, act="Softplus", divide=float(np.sqrt(2)))
     plan, specs, fused = fuse(model)
-    assert len(plan.chains) == 1 and plan.chains[0].skip == 2 and "skip_scale" in plan.chains[0].nodes
+    assert len(plan.chains) == 1 and plan.chains[0].skip == (2,) and "skip_scale" in plan.chains[0].nodes
     assert not any(n.op_type in ("Div", "Concat") for n in fused.graph.node if n.domain != "onnx2fused")
     from onnx2fused.library import build_plugin
     sess = plugin_session(fused, build_plugin(specs, with_cuda=False).path)
@@ -87,7 +87,7 @@ def test_float16_skip_chain_on_the_cpu():
     from onnx_builders import F16
     model = skip_mlp(21, [64, 48, 40, 4], at=2, elem=F16)
     plan, specs, fused = fuse(model)
-    assert specs[0].skip == 2 and specs[0].io_dtype == "f16"
+    assert specs[0].skip == (2,) and specs[0].io_dtype == "f16"
     from onnx2fused.library import build_plugin
     sess = plugin_session(fused, build_plugin(specs, with_cuda=False).path)
     x = rand((37, 21), scale=1.0, dtype=np.float16)
@@ -131,20 +131,94 @@ def test_concat_of_another_tensor_ends_the_chain():
     assert "feeds Concat 'skip_concat', which joins 'z' to it: a skip connection joins the chain's own input ('x')" in text
 
 
-def test_second_skip_in_one_chain_ends_it():
-    """Two Concats of x into one trunk: the first is the chain's skip, the second starts a chain of its own."""
+def _two_skips():
     from onnx_builders import G
     g = G()
     h = g.op("Relu", [g.linear("x", 8, 32, name="fc0")])
     h = g.op("Relu", [g.linear(g.op("Concat", ["x", h], name="cat1", axis=-1), 40, 32, name="fc1")])
-    h = g.op("Relu", [g.linear(g.op("Concat", ["x", h], name="cat2", axis=-1), 40, 32, name="fc2")])
+    h = g.op("Relu", [g.linear(g.op("Concat", [h, "x"], name="cat2", axis=-1), 40, 32, name="fc2")])
     g.linear(h, 32, 3, name="fc3")
     g.nodes[-1].output[0] = "y"
-    model = g.model([("x", ["B", 8])], [("y", ["B", 3])])
-    plan = find_chains(model)
-    assert [c.skip for c in plan.chains] == [1, 0], plan.describe()
-    assert "feeds Concat 'cat2': a second skip connection in one chain" in plan.describe()
-    assert plan.chains[1].input == [n for n in model.graph.node if n.name == "cat2"][0].output[0]
+    return g.model([("x", ["B", 8])], [("y", ["B", 3])])
+
+
+def test_two_skips_join_one_chain_and_match_stock():
+    """Two Concats of x into one trunk (either order): one chain with skip layers 1 and 2, each weight laid out
+    [x padded, h]; the CPU kernel, the stock body and the numerics model compute it as the model does."""
+    from onnx2fused.library import build_plugin
+    model = _two_skips()
+    plan, specs, fused = fuse(model)
+    (chain,) = plan.chains
+    assert chain.skip == (1, 2) and specs[0].skip == (1, 2) and "_skip1_2_" in specs[0].name
+    assert specs[0].describe().endswith("x into layers 1, 2 (skip)")
+    x = rand((40, 8))
+    ref, = run(model, {"x": x})
+    sess = plugin_session(fused, build_plugin(specs, with_cuda=False).path)
+    np.testing.assert_allclose(sess.run(None, {"x": x})[0], ref, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(run(fused, {"x": x})[0], ref, rtol=1e-5, atol=1e-5)   # the stock body
+    assert rel_l2(model_chain(chain_layers(chain), x, "fp32").output, ref) < 1e-6
+
+
+def _nerf_like(extra_reader: bool = False, own_views: bool = False, order=("h", "v")):
+    """NeRF in small: x (20) = Split [pts 12 | views 8]; trunk pts -> 24, Concat(pts, h) -> 24; the view head
+    Concat(h, views) (or the given order) -> 16 ReLU -> 3. extra_reader: h is also a graph output;
+    own_views: the views are a second input, not a piece of x."""
+    from onnx_builders import G
+    g = G(seed=7)
+    pts, views = g.op("Split", ["x", g.init(np.array([12, 8], np.int64))], name="split", outputs=2, axis=-1)
+    if own_views:
+        views = "v"
+    h = g.op("Relu", [g.linear(pts, 12, 24, name="t0")])
+    h = g.op("Relu", [g.linear(g.op("Concat", [pts, h], name="skip_cat", axis=-1), 36, 24, name="t1")],
+             outputs=["h"])
+    parts = {"h": h, "v": views}
+    cat = g.op("Concat", [parts[o] for o in order], name="view_cat", axis=-1)
+    v = g.op("Relu", [g.linear(cat, 32, 16, name="view0")])
+    g.linear(v, 16, 3, name="rgb")
+    g.nodes[-1].output[0] = "y"
+    outs = [("y", ["B", 3])] + ([("h", ["B", 24])] if extra_reader else [])
+    ins = [("x", ["B", 20])] + ([("v", ["B", 8])] if own_views else [])
+    return g.model(ins, outs)
+
+
+@pytest.mark.parametrize("order", [("h", "v"), ("v", "h")])
+def test_chains_joined_through_a_piece_of_their_shared_input(order):
+    """skip_merge.py: the view head reads Concat(the trunk's output, a piece of the Split the trunk reads from):
+    one chain reading x, layer 0 and the trunk's skip with zero rows for the views, the view layer a skip
+    layer with zero rows for the points; the Split and both Concats go with it; matches stock on the CPU."""
+    from onnx2fused.library import build_plugin
+    model = _nerf_like(order=order)
+    plan, specs, fused = fuse(model)
+    (chain,) = plan.chains
+    assert chain.input == "x" and chain.skip == (1, 2) and chain.widths == (20, 24, 24, 16, 3)
+    assert {"split", "skip_cat", "view_cat"} <= set(chain.nodes) and not plan.refusals, plan.describe()
+    w0, w1, w2 = (chain.layers[i].linear.weight for i in range(3))
+    assert w0.shape == (20, 24) and not w0[12:].any()
+    assert w1.shape == (32 + 24, 24) and not w1[12:32].any()
+    assert w2.shape == (32 + 24, 16) and not w2[:12].any() and not w2[20:32].any() and w2[12:20].any()
+    assert [n.domain for n in fused.graph.node] == ["onnx2fused"]
+    x = rand((33, 20))
+    ref, = run(model, {"x": x})
+    sess = plugin_session(fused, build_plugin(specs, with_cuda=False).path)
+    np.testing.assert_allclose(sess.run(None, {"x": x})[0], ref, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(run(fused, {"x": x})[0], ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kw", [{"extra_reader": True}, {"own_views": True}])
+def test_no_join_where_the_output_is_read_elsewhere_or_the_piece_is_not_of_the_input(kw):
+    plan, _, _ = fuse(_nerf_like(**kw))
+    assert len(plan.chains) == 2 and [c.skip for c in plan.chains] == [(1,), ()], plan.describe()
+
+
+def test_no_join_where_the_library_refuses_the_skip():
+    """A library that refuses the first chain's skip (skip_refused, keyed by its first node) joins nothing
+    there: the trunk is cut at its own skip, the view head stays apart."""
+    from onnx2fused.passes.chains import block_key
+    model = _nerf_like()
+    (joined,) = find_chains(model).chains
+    plan = find_chains(model, skip_refused={block_key(joined): "no CUDA kernel plans it"})
+    assert len(plan.chains) == 3 and not any(c.skip for c in plan.chains), plan.describe()
+    assert "no CUDA kernel plans it" in plan.describe()
 
 
 def test_every_tensor_core_design_but_the_wide_one_plans_a_skip():
@@ -185,11 +259,11 @@ def test_a_skip_whose_parts_run_wide_stays_split():
     from onnx2fused.plan.choose import skip_refused
     deepsdf = skip_mlp(259, [512, 512, 512, 253, 512, 512, 512, 512, 1], at=4)
     chains = find_chains(deepsdf).chains
-    assert len(chains) == 1 and chains[0].skip == 4
+    assert len(chains) == 1 and chains[0].skip == (4,)
     why = skip_refused(chains[0].to_spec("fp16"), PlanOptions())
     assert why is not None and "faster split there" in why and "wide + wide" in why
     plan = find_fusions(deepsdf, with_cuda=True, options=PlanOptions())
-    assert [c.skip for c in plan.chains] == [0, 0] and "the skip connection stays a stock Concat" in plan.describe()
+    assert [c.skip for c in plan.chains] == [(), ()] and "the skip connection stays a stock Concat" in plan.describe()
     nerf = find_chains(skip_mlp(63, [256] * 8 + [4], at=5)).chains[0].to_spec("fp16")
     assert skip_refused(nerf, PlanOptions()) is None
     # joined on the streamed kernel where a part of the split would run wgmma: split
@@ -305,7 +379,7 @@ def test_random_skip_chain_matches_stock(r, tmp_path_factory):
     from onnx2fused.library import build_plugin
     model = skip_mlp(**r)
     plan, specs, fused = fuse(model)
-    assert len(plan.chains) == 1 and plan.chains[0].skip == r["at"], plan.describe()
+    assert len(plan.chains) == 1 and plan.chains[0].skip == (r["at"],), plan.describe()
     lib = build_plugin(specs, with_cuda=False, cache_dir=tmp_path_factory.getbasetemp() / "skip_plugins")
     del fused.functions[:]   # the plugin's kernel, no stock body behind it
     sess = plugin_session(fused, lib.path)

@@ -56,6 +56,7 @@ from .input_affine import InputAffine, match_input_affine
 from .linear import LinearLayer, LinearRefusal, is_linear_node, match_linear
 from .regroup import reads_removed, regroup_ends, shape_feeders
 from .sincos import match_sincos, sincos_activation, widen
+from .skip_merge import merge_skips
 from .skip import SKIP_NO_BLOCK, SkipConcat, lay_out_skip_weight, match_skip_concat, not_a_skip, skip_cut
 
 IO_TYPES = {onnx.TensorProto.FLOAT: "f32", onnx.TensorProto.FLOAT16: "f16"}
@@ -87,7 +88,7 @@ class Chain:
     norm: NormMatch | None = None  # normalisation of the input rows in front of the first layer
     residual: bool = False         # the input rows added to the last layer's output (output: the Add's)
     input_map: str = ""            # the ops of a scale and shift of the input folded into the first layer
-    skip: int = 0                  # layer `skip` reads [input, the layer before's output] (skip.py), 0: none
+    skip: tuple[int, ...] = ()     # these layers read [input, the layer before's output] (skip.py)
     input_edit: tuple[int, int, str] | None = None  # a folded layer (concat_fold.py): the input's columns
                                    # offset..offset+width are its output in the model, `tensor` in the fused op
     concat_edit: object = None     # ... and the Concat that then reads `tensor` (concat_fold.ConcatEdit)
@@ -131,7 +132,8 @@ class Chain:
         block = ((f", {self.norm.label} in front" if self.norm is not None else "")
                  + (f", input {self.input_map} folded into layer 1" if self.input_map else "")
                  + (", residual" if self.residual else "")
-                 + (f", the input joins layer {self.skip + 1} (skip Concat)" if self.skip else "")
+                 + (f", the input joins layer{'s' if len(self.skip) > 1 else ''} "
+                    f"{', '.join(str(j + 1) for j in self.skip)} (skip Concat)" if self.skip else "")
                  + (f", head {self.head} rides it into its output Concat" if self.head else ""))
         return (f"'{self.input}' -> '{self.output}': widths {' -> '.join(map(str, self.widths))}, "
                 f"activations [{acts}]{block}, {self.input_dtype}, {len(self.nodes)} nodes")
@@ -505,7 +507,8 @@ def _find_chains(ix: GraphIndex, gated_refused: str | None, block_refused: Mappi
             continue
         widened, in_type, out_t = entry.widened, entry.io_type, seq[-1].act.output
         last = seq[-1]
-        skip_at = next((k for k, s_ in enumerate(seq) if s_.skip is not None), 0)
+        skips = tuple(k for k, s_ in enumerate(seq) if s_.skip is not None)
+        skip_at = skips[0] if skips else 0
         refused_here = (block_refused if isinstance(block_refused, str) or block_refused is None
                         else block_refused.get(_first_node(first)))
         if skip_at:   # (the Concat reads x as it comes: no norm or input map may change what the op reads)
@@ -554,8 +557,8 @@ def _find_chains(ix: GraphIndex, gated_refused: str | None, block_refused: Mappi
             idx += head.head.node_indices + [head.concat]
             out_t = head.output
             ends.pop(last.start, None)
-        if skip_at:
-            idx += seq[skip_at].skip.nodes
+        for k in skips:
+            idx += seq[k].skip.nodes
         if fold is not None:
             idx += fold.folded.node_indices
         idx = sorted(set(idx) | shape_feeders(ix, set(idx)))
@@ -571,8 +574,8 @@ def _find_chains(ix: GraphIndex, gated_refused: str | None, block_refused: Mappi
                 refused[folded_start] = f"{ix.describe(folded_start)}: folds into a layer whose chain is not fused"
             continue
         _fold_trailing_affines(seq)
-        if skip_at:
-            lay_out_skip_weight(seq[skip_at].linear, seq[skip_at].skip, first.in_features)
+        for k in skips:
+            lay_out_skip_weight(seq[k].linear, seq[k].skip, first.in_features)
         if fold is not None:
             apply_fold(first, fold)
         if head is not None:
@@ -581,7 +584,7 @@ def _find_chains(ix: GraphIndex, gated_refused: str | None, block_refused: Mappi
         chain = Chain(chain_input, block.output or out_t,
                       [ChainLayer(s.linear, s.act.expr, list(s.act.nodes), s.act.output, s.gated) for s in seq],
                       [ix.keys[j] for j in idx], IO_TYPES[in_type], block.norm, block.residual is not None,
-                      input_map.label if input_map is not None else "", skip_at,
+                      input_map.label if input_map is not None else "", skips,
                       (fold.offset, fold.folded.out_features, fold.folded.input) if fold is not None else None,
                       ConcatEdit(ix.keys[fold.concat], fold.position, fold.folded.input, ix.keys[folded_start])
                       if fold is not None else None,
@@ -596,6 +599,7 @@ def _find_chains(ix: GraphIndex, gated_refused: str | None, block_refused: Mappi
             end_node = ix.keys[(last.act.node_indices or last.linear.node_indices)[-1]]
             plan.refusals.append(Refusal(end_node, f"chain {len(plan.chains) - 1} ends: output of layer "
                                                    f"{len(seq)} ('{out_t}') {ends[last.start]}", len(plan.chains) - 1))
+    _merge(ix, plan, skip_refused)
     for i in sorted(refused):
         plan.refusals.append(Refusal(ix.keys[i], refused[i]))
     plan.refusals.sort(key=lambda r: ix.index_of.get(r.node, 0))
@@ -629,3 +633,19 @@ def _ridden_head(ix: GraphIndex, layers: dict[int, _Layer], heads: dict, taken: 
     if offset is None:
         return None
     return HeadFold(head, cand.concat, ix.node(cand.concat).output[0], offset, cand.first, paired)
+
+
+def _merge(ix: GraphIndex, plan: FusionPlan, skip_refused: Mapping[int, str] | None) -> None:
+    """Chains joined through a skip Concat of a piece of their shared input (skip_merge.py), and the notes
+    on where chains start and end renumbered: the first chain's end and the second's start are gone."""
+    mapping, joined = merge_skips(ix, plan.chains, skip_refused, block_key)
+    if not joined:
+        return
+    notes = []
+    for r in plan.refusals:
+        if r.chain < 0:
+            notes.append(r)
+        elif not ((r.chain in joined.values() and " ends: " in r.reason)
+                  or (r.chain in joined and " starts: " in r.reason)):
+            notes.append(r.renumbered(mapping[r.chain]))
+    plan.refusals = notes

@@ -127,7 +127,7 @@ def make_fallback_function(spec: MLPSpec, opset: int) -> onnx.FunctionProto:
             h = em.node("Cast", [em.node("Cast", [h], to=TensorProto.FLOAT16)], to=TensorProto.FLOAT)
     for i, layer in enumerate(spec.layers):
         w = f"W{i}"
-        if spec.skip and i == spec.skip:
+        if i in spec.skip:
             # [x, h] times W's x rows (less the zero rows that pad them to skip_width) and its h rows
             k0, pad = spec.widths[0], spec.skip_width
             h = em.node("Concat", [block_in, h], axis=-1)

@@ -9,9 +9,11 @@ on both sides are one chain (spec.MLPSpec.skip = j): layer j reads [x zero-padde
 so its weight is laid out here as [skip_width + N_{j-1}, N_j], x's rows first whatever order the Concat had,
 zero rows between (the tensor cores take x's part as whole k-steps, as they take the first layer's input).
 
-A Concat of anything else (another tensor than the chain's input, a third input, another axis), a second
-skip in one chain, or one the library cannot run (`skip_refused`: no CUDA kernel plans the chain with it)
-ends the chain at the Concat, with the reason; the layers after it start a chain of their own, as before.
+A chain may have several (spec.MLPSpec.skip holds every skip layer; skip_merge.py joins chains whose second
+one reads a piece of the first one's input beside its output). A Concat of anything else (another tensor
+than the chain's input, a third input, another axis), or one the library cannot run (`skip_refused`: no CUDA
+kernel plans the chain with it) ends the chain at the Concat, with the reason; the layers after it start a
+chain of their own, as before.
 """
 from __future__ import annotations
 
@@ -90,7 +92,6 @@ def skip_cut(ix: GraphIndex, seq: list, widened: bool, refused: Mapping[int, str
     the float32 input in front of a float16 converter's Cast (the Concat reads the Cast's output).
     `refused`: {chain key: reason} of the library (skip_refusal), the chain's key `key`."""
     first = seq[0].linear
-    seen = False
     for at, layer in enumerate(seq):
         s = layer.skip
         if s is None:
@@ -98,8 +99,6 @@ def skip_cut(ix: GraphIndex, seq: list, widened: bool, refused: Mapping[int, str
         concat = ix.describe(s.node)
         if s.other != first.input:
             return at, not_a_skip(ix, s, first.input)
-        if seen:
-            return at, f"feeds {concat}: a second skip connection in one chain"
         if any(s_.gated for s_ in seq):
             return at, f"feeds {concat}: a skip connection in a chain with a gated layer (not supported)"
         if widened:
@@ -108,7 +107,6 @@ def skip_cut(ix: GraphIndex, seq: list, widened: bool, refused: Mapping[int, str
             return at, f"feeds {concat}: a skip connection needs opset >= {MIN_OPSET}"
         if refused and key in refused:
             return at, f"feeds {concat}: {refused[key]}"
-        seen = True
     return None
 
 

@@ -138,12 +138,12 @@ def block_refused(spec: MLPSpec, options: PlanOptions = DEFAULT_OPTIONS) -> str 
 
 
 def skip_split(spec: MLPSpec) -> tuple[MLPSpec, MLPSpec]:
-    """The two chains a skip connection splits `spec` into: layers before the skip layer, and from it on
-    reading the Concat's K0 + N_{j-1} columns (no padding)."""
-    j = spec.skip
-    head = replace(spec, layers=spec.layers[:j], skip=0)
+    """The two chains its last skip connection splits `spec` into: layers before that skip layer (with
+    the skips before it), and from it on reading the Concat's K0 + N_{j-1} columns (no padding)."""
+    j = spec.skip[-1]
+    head = replace(spec, layers=spec.layers[:j], skip=spec.skip[:-1])
     first = replace(spec.layers[j], in_features=spec.layer_input(j) + spec.widths[0])
-    return head, replace(spec, layers=(first,) + spec.layers[j + 1:], skip=0)
+    return head, replace(spec, layers=(first,) + spec.layers[j + 1:], skip=())
 
 
 def _estimate(spec: MLPSpec, plan: Plan) -> float | None:

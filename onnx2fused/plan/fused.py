@@ -388,7 +388,7 @@ def _hidden_blocks(spec: MLPSpec) -> dict[int, int]:
     for i in range(len(widths) - 1):
         if spec.layers[i].gated or spec.layers[i + 1].gated:  # gated layers are never paired
             continue
-        if spec.skip and spec.skip in (i, i + 1):   # the skip layer reads X beside its src: not H
+        if i in spec.skip or i + 1 in spec.skip:   # a skip layer reads X beside its src: not H
             continue
         if widths[i] > NC_STREAMED_MAX and widths[i + 1] <= NC_STREAMED_MAX and i - 1 not in blocks:
             blocks[i] = 64 if widths[i + 1] > 128 else 128

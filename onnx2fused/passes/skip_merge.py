@@ -1,0 +1,172 @@
+"""Two chains joined where the second one's first layer reads Concat(the first one's output, a piece of the
+first one's input), the first one's output read nowhere else once both are fused: one chain, whose layer at
+the join is a skip layer (spec.MLPSpec.skip) reading the input it shares.
+
+NeRF, as nerf-pytorch writes it: x = [pts | views] is cut by a Split; the trunk reads pts (and joins pts into
+its sixth layer: a skip); the view head reads Concat(feature_linear(h), views), feature_linear folding into
+it (concat_fold.py) and the density head riding it (head_fold.py), so that the trunk's output h is read only
+through that Concat. Joined, the chain reads x itself: its first layer's weight gets zero rows for the views'
+columns, the trunk's skip layer reads [x padded, h] with the views' rows zero, and the view layer reads
+[x padded, h] with the points' rows zero. The Split, the Concat and the two ops' traffic between them go
+(h is 1 GB of fp32 at 2^20 rows, the Concat's output 1.13 GB).
+
+Only chains without a norm, residual or input map, whose parts are not gated, where the second chain has no
+skip of its own and the library did not refuse the first chain's skip (skip_refused: the joined chain is
+planned as one with several skips).
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+import numpy as np
+
+from ..spec import SKIP_ALIGN, SKIP_LAYERS_MAX
+from .constants import GraphIndex, default_opset
+from .skip import MIN_OPSET
+
+
+def split_piece(ix: GraphIndex, t: str) -> tuple[str, int, int] | None:
+    """(the tensor, first column, columns) where `t` is an output of a Split of a tensor along its last axis
+    into pieces of known widths; else None."""
+    node = ix.producer.get(t)
+    if node is None or ix.node(node).op_type != "Split":
+        return None
+    n = ix.node(node)
+    src = n.input[0]
+    width = (ix.shapes.get(src) or [None])[-1]
+    if not isinstance(width, int) or not ix.last_axis(src, ix.attr(node, "axis", 0)):
+        return None
+    sizes = ix.const(n.input[1]) if len(n.input) > 1 and n.input[1] else ix.attr(node, "split")
+    if sizes is None:
+        if width % len(n.output):
+            return None
+        sizes = [width // len(n.output)] * len(n.output)
+    sizes = [int(v) for v in np.asarray(sizes).reshape(-1)]
+    if len(sizes) != len(n.output) or sum(sizes) != width:
+        return None
+    k = list(n.output).index(t)
+    return src, sum(sizes[:k]), sizes[k]
+
+
+def _concat_parts(ix: GraphIndex, chain) -> tuple[int, list[tuple[str, int]]] | None:
+    """(the Concat node, its inputs as (tensor, columns)) where the chain's first layer reads a last-axis
+    Concat of two inputs (its Concat edit applied: a folded layer's input in its place); else None."""
+    t = chain.input
+    node = ix.producer.get(t)
+    if node is None or ix.node(node).op_type != "Concat" or t in ix.graph_outputs:
+        return None
+    n = ix.node(node)
+    if len(n.input) != 2 or n.input[0] == n.input[1] or not ix.last_axis(t, ix.attr(node, "axis", 0)):
+        return None
+    parts = []
+    for p, name in enumerate(n.input):
+        if chain.concat_edit is not None and chain.concat_edit.position == p:
+            name = chain.concat_edit.tensor
+        w = (ix.shapes.get(name) or [None])[-1]
+        if not isinstance(w, int) or w < 1:
+            return None
+        parts.append((name, w))
+    if sum(w for _, w in parts) != chain.layers[0].linear.in_features:
+        return None
+    return node, parts
+
+
+def _x_rows(rows: np.ndarray, offset: int, k_x: int) -> np.ndarray:
+    """A skip layer's x part for the chain's input of k_x columns: `rows` (a piece's rows) placed at the
+    piece's first column, zeros elsewhere, padded to SKIP_ALIGN."""
+    out = np.zeros((-(-k_x // SKIP_ALIGN) * SKIP_ALIGN, rows.shape[1]), np.float32)
+    out[offset:offset + rows.shape[0]] = rows
+    return out
+
+
+def merge_skips(ix: GraphIndex, chains: list, skip_refused: Mapping[int, str] | None, key
+                ) -> tuple[dict[int, int], dict[int, int]]:
+    """Join, in place, every pair of `chains` the module docstring describes (the second one dropped from the
+    list, the first one widened). Returns ({old index: new index} (the second of a pair maps to its first's),
+    {second's old index: first's old index}). `key(chain)`: the chain's block_key (library refusals)."""
+    if default_opset(ix.model, MIN_OPSET) < MIN_OPSET:
+        return {i: i for i in range(len(chains))}, {}
+    by_output = {c.output: i for i, c in enumerate(chains)}
+    gone: dict[int, int] = {}
+    for ib, b in enumerate(chains):
+        found = _concat_parts(ix, b) if not (b.norm or b.residual or b.input_map or b.skip) else None
+        if found is None:
+            continue
+        concat, parts = found
+        ia = next((by_output[t] for t, _ in parts if t in by_output), None)
+        if ia is None or ia == ib or ia in gone or ib in gone:
+            continue
+        a = chains[ia]
+        if (a.norm or a.residual or a.input_map or a.head or a.input_edit or any(l.gated for l in a.layers + b.layers)
+                or a.input_dtype != b.input_dtype or (skip_refused and key(a) in skip_refused)
+                or len(a.layers) >= SKIP_LAYERS_MAX):
+            continue
+        joined = _joined_input(ix, a, parts)
+        if joined is None:
+            continue
+        x, k_x, a_offset, other_offset, split = joined
+        # a's output read only by b's nodes (the folded layer, a riding head) and the Concat
+        inside = set(b.nodes) | {ix.keys[concat]}
+        if any(ix.keys[u] not in inside for u in ix.users(a.output)) or a.output in ix.graph_outputs:
+            continue
+        # the Split goes with the chain where nothing else reads its pieces
+        inside |= set(a.nodes)
+        extra = [] if split is None or any(o in ix.graph_outputs or any(ix.keys[u] not in inside for u in ix.users(o))
+                                            for o in ix.node(split).output if o) else [ix.keys[split]]
+        _lay_out(a, b, parts, k_x, a_offset, other_offset)
+        a.skip = tuple(a.skip) + (len(a.layers),)
+        a.layers = a.layers + b.layers
+        a.nodes = a.nodes + b.nodes + [ix.keys[concat]] + extra
+        a.input, a.output, a.head = x, b.output, b.head
+        gone[ib] = ia
+        by_output.pop(a.output, None)
+    kept = [i for i in range(len(chains)) if i not in gone]
+    new = {old: k for k, old in enumerate(kept)}
+    mapping = {i: new[i] if i in new else new[gone[i]] for i in range(len(chains))}
+    chains[:] = [chains[i] for i in kept]
+    return mapping, gone
+
+
+def _joined_input(ix: GraphIndex, a, parts: list[tuple[str, int]]):
+    """(x, its columns, a's input's first column in x, the other piece's first column in x, the Split that
+    cuts x or None) where the Concat's other piece and a's input are both x or pieces of one Split of x;
+    else None."""
+    other = next(t for t, _ in parts if t != a.output)
+    if other == a.input:
+        k = a.layers[0].linear.in_features
+        return a.input, k, 0, 0, None
+    po, pa = split_piece(ix, other), split_piece(ix, a.input)
+    if po is None:
+        return None
+    x, o_off, _ = po
+    if pa is not None and pa[0] == x:
+        a_off = pa[1]
+    elif a.input == x:
+        a_off = 0
+    else:
+        return None
+    k_x = (ix.shapes.get(x) or [None])[-1]
+    if ix.types.get(x) != ix.types.get(a.input):
+        return None
+    return x, k_x, a_off, o_off, ix.producer[other]
+
+
+def _lay_out(a, b, parts, k_x: int, a_offset: int, other_offset: int) -> None:
+    """The weights of a's first layer, a's skip layers and b's first layer for the joined chain reading x."""
+    first = a.layers[0].linear
+    k_a = first.in_features
+    if k_x != k_a or a_offset:
+        w = np.zeros((k_x, first.out_features), np.float32)
+        w[a_offset:a_offset + k_a] = first.weight
+        first.weight = w
+    pad_a = -(-k_a // SKIP_ALIGN) * SKIP_ALIGN
+    for j in a.skip:   # [a's input padded, h] -> [x padded, h]
+        lin = a.layers[j].linear
+        lin.weight = np.ascontiguousarray(np.concatenate([_x_rows(lin.weight[:k_a], a_offset, k_x),
+                                                          lin.weight[pad_a:]]))
+    lin = b.layers[0].linear   # its rows over the Concat's parts: the other piece's, then h's (either order)
+    rows, at = {}, 0
+    for t, w in parts:
+        rows[t == a.output] = lin.weight[at:at + w]
+        at += w
+    lin.weight = np.ascontiguousarray(np.concatenate([_x_rows(rows[False], other_offset, k_x), rows[True]]))
