@@ -384,6 +384,25 @@ def test_nerf_mlp_wide_first_layers_on_cuda_ep(cache, tmp_path):
         assert "wgmma (sm_90a)" in chain.cuda_plan, chain.cuda_plan
 
 
+def test_nerf_pl_on_cuda_ep(cache, tmp_path):
+    """kwea123's nerf_pl (benchmarks/nerf_mlp.py NeRFPL: the skip before the fifth layer, a Sigmoid on rgb):
+    one op whose last layer's Sigmoid is masked off the density, converted with defaults, matching stock on
+    the CUDA EP at 1, 63, 129 and 100003 rows."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from nerf_mlp import NeRFPL, export
+    torch.manual_seed(6)
+    src = export(NeRFPL(), tmp_path / "nerf_pl.onnx")
+    res = check_defaults(src, tmp_path / "m.onnx", cache,
+                         lambda rng: {"x": rng.standard_normal((100003, 90)).astype(np.float32)})
+    (chain,) = res.chains
+    assert "_skip4_8_" in chain.name and chain.activations[-1] == "sigmoid[3 of 4]", (chain.name, chain.activations)
+    sess = session(res.output_path, res.library_path, ["CUDAExecutionProvider", "CPUExecutionProvider"])
+    rng = np.random.default_rng(8)
+    for rows in (1, 63, 129):
+        feeds = {"x": rng.standard_normal((rows, 90)).astype(np.float32)}
+        assert rel_l2(sess.run(None, feeds)[0], stock(src, feeds)[0]) <= TOL["fp16"], rows
+
+
 def test_fourier_feature_mlp_on_cuda_ep(cache, tmp_path):
     """Tancik's Fourier-feature MLP (benchmarks/fourier_mlp.py: sin and cos of 2 pi B x, sigma 10, concatenated):
     one chain whose first layer is the pair as one sin layer (arguments of a few hundred), matching stock on

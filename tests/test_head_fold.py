@@ -80,10 +80,10 @@ def test_head_reading_a_part_of_the_first_layers_concat_input():
     assert not w0[12:, 16:].any()   # the head's columns read x's rows only
 
 
-@pytest.mark.parametrize("why", ["tanh chain", "head activation", "other input", "relu last"])
+@pytest.mark.parametrize("why", ["tanh chain", "head activation", "other input"])
 def test_heads_the_chain_cannot_carry_stay_their_own_chains(why):
     kw = {"tanh chain": dict(acts=("Tanh", None)), "head activation": dict(head_act="Sigmoid"),
-          "other input": dict(head_from="w"), "relu last": dict(acts=("Relu", "Relu"))}[why]
+          "other input": dict(head_from="w")}[why]
     model = headed_mlp(**kw)
     feeds = {"x": rand((7, 12))} | ({"w": rand((7, 4), seed=3)} if why == "other input" else {})
     plan, fused = _check_on_cpu(model, feeds)
@@ -92,11 +92,26 @@ def test_heads_the_chain_cannot_carry_stay_their_own_chains(why):
 
 
 def test_carry_modes():
+    """Only the layers before the last count (its own activation is masked off the head's columns)."""
     relu, ident, tanh = ex.relu(), ex.identity(), ex.tanh()
-    assert carry_mode([ident]) is False and carry_mode([ident, ident]) is False
+    assert carry_mode([ident]) is False and carry_mode([ident, ident]) is False and carry_mode([relu]) is False
     assert carry_mode([relu, ident]) is True and carry_mode([relu, ident, relu, ident]) is True
-    for acts in ([relu], [relu, relu], [ident, relu, ident], [relu, tanh, ident]):
+    assert carry_mode([relu, ex.sigmoid()]) is True and carry_mode([ident, tanh]) is False
+    prelu_last = ex.Op("select", (ex.Op("lt", (ex.X, ex.Const(0.0))), ex.X * ex.Chan((0.1, 0.2)), ex.X))
+    for acts in ([ident, relu, ident], [relu, tanh, ident], [relu, prelu_last]):
         assert carry_mode(acts) is None, acts
+
+
+@pytest.mark.parametrize("last", ["Sigmoid", "Relu"])
+def test_head_rides_a_chain_whose_last_layer_has_an_activation(last):
+    """kwea123's nerf_pl: rgb = Sigmoid(Linear(...)), out = cat([rgb, sigma]): the last layer's activation
+    applies to its own columns only (select on a per-column mask), the density comes out as it went in."""
+    model = headed_mlp(widths=(12, 24, 5), acts=("Relu", last), head=1, views=4)
+    plan, fused = _check_on_cpu(model, {"x": rand((29, 12)), "v": rand((29, 4), seed=3)})
+    (chain,) = plan.chains
+    assert chain.widths == (16, 26, 6) and chain.output == "y"
+    mask = ex.chan_leaves(chain.layers[-1].activation)
+    assert len(mask) == 1 and mask[0].values == (1.0,) * 5 + (0.0,)
 
 
 def test_head_wider_than_head_max_stays_its_own_chain():
@@ -137,8 +152,9 @@ def head_recipes(draw):
     depth = draw(st.integers(1, 4))
     widths = tuple(draw(st.lists(st.integers(1, 40), min_size=depth + 1, max_size=depth + 1)))
     relu = draw(st.booleans()) and depth > 1
-    acts = (("Relu",) + tuple(draw(st.sampled_from(["Relu", None])) for _ in range(depth - 2)) + (None,)
-            if relu else (None,) * depth)
+    last = draw(st.sampled_from([None, None, "Sigmoid", "Relu"]))   # (masked off the head's columns)
+    acts = (("Relu",) + tuple(draw(st.sampled_from(["Relu", None])) for _ in range(depth - 2)) + (last,)
+            if relu else (None,) * (depth - 1) + (last,))
     return dict(widths=widths, acts=acts, head=draw(st.integers(1, 4)), head_first=draw(st.booleans()),
                 views=draw(st.sampled_from([0, 0, 3])), seed=draw(st.integers(0, 2**16)))
 

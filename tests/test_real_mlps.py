@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from deepsdf_mlp import DeepSDF  # noqa: E402
-from nerf_mlp import NeRF, export  # noqa: E402
+from nerf_mlp import NeRF, NeRFPL, export  # noqa: E402
 from neus_sdf import SDFNetwork  # noqa: E402
 
 CUDA = PlanOptions()   # the planner's defaults, as a library with CUDA kernels (and CUTLASS) has them
@@ -35,7 +35,8 @@ def _export(module, path: Path, features: int) -> Path:
 def models(tmp_path_factory):
     d = tmp_path_factory.mktemp("real")
     torch.manual_seed(0)
-    return {"nerf": _export(NeRF(), d / "nerf.onnx", 90), "neus": _export(SDFNetwork(), d / "neus.onnx", 39),
+    return {"nerf": _export(NeRF(), d / "nerf.onnx", 90), "nerf_pl": _export(NeRFPL(), d / "nerf_pl.onnx", 90),
+            "neus": _export(SDFNetwork(), d / "neus.onnx", 39),
             "deepsdf": _export(DeepSDF(), d / "deepsdf.onnx", 259)}
 
 
@@ -58,6 +59,17 @@ def test_nerf_mlp_is_one_chain_reading_x(models):
     assert w8.shape == (96 + 256, 130) and not w8[:63].any() and not w8[90:96].any()   # the views into the view layer
     spec = chain.to_spec("fp16")
     assert "_skip5_8_" in spec.name and make_plan(spec, CUDA).design == "wgmma"
+
+
+def test_nerf_pl_is_one_chain_its_sigmoid_masked_off_the_density(models):
+    """kwea123's nerf_pl: the skip before the fifth layer, rgb = Sigmoid(...): one chain, the last layer's
+    Sigmoid on rgb's 3 columns only (head_fold.last_activation)."""
+    plan = find_fusions(onnx.load(str(models["nerf_pl"])), with_cuda=True, options=CUDA)
+    (chain,) = plan.chains
+    assert chain.input == "x" and chain.output == "y" and chain.skip == (4, 8)
+    assert chain.widths == (90,) + (256,) * 8 + (130, 4)
+    assert chain.activation_labels()[-1] == "sigmoid[3 of 4]"
+    assert make_plan(chain.to_spec("fp16"), CUDA).design == "wgmma"
 
 
 def test_small_nerf_one_op_on_the_cpu_kernel(tmp_path):
@@ -95,7 +107,7 @@ def test_deepsdf_keeps_its_skip_split_where_the_halves_run_wide(models):
     assert joined.skip == (4,)
 
 
-@pytest.mark.parametrize("name", ["nerf", "neus", "deepsdf"])
+@pytest.mark.parametrize("name", ["nerf", "nerf_pl", "neus", "deepsdf"])
 def test_cpu_only_convert_validates_against_stock(models, name, tmp_path):
     res = onnx2fused.convert(models[name], tmp_path / "m.onnx", with_cuda=False, cache_dir=tmp_path / "cache")
     assert res.validation.passed and res.chains

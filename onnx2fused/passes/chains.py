@@ -51,7 +51,7 @@ from .casts import trim_output_casts
 from .concat_fold import ConcatEdit, ConcatFold, apply_fold, match_concat_fold
 from .constants import GraphIndex, elem_name
 from .gated import fed_node, find_gated
-from .head_fold import HeadFold, apply_head, carry_mode, head_candidate, input_parts
+from .head_fold import HeadFold, apply_head, carry_mode, head_candidate, input_parts, last_activation
 from .input_affine import InputAffine, match_input_affine
 from .linear import LinearLayer, LinearRefusal, is_linear_node, match_linear
 from .regroup import reads_removed, regroup_ends, shape_feeders
@@ -579,7 +579,11 @@ def _find_chains(ix: GraphIndex, gated_refused: str | None, block_refused: Mappi
         if fold is not None:
             apply_fold(first, fold)
         if head is not None:
+            own = seq[-1].linear.out_features
             apply_head([s.linear for s in seq], head)
+            a = seq[-1].act
+            seq[-1].act = Activation(last_activation(a.expr, own, head.head.out_features, head.first),
+                                     a.node_indices, a.nodes, a.output, a.rejected)
             taken.add(_first_node(head.head))
         chain = Chain(chain_input, block.output or out_t,
                       [ChainLayer(s.linear, s.act.expr, list(s.act.nodes), s.act.output, s.gated) for s in seq],

@@ -15,7 +15,9 @@ writes y itself:
     [a, -a] (2 Nh columns; ReLU keeps max(a, 0) and max(-a, 0)), the layers between pass both on (ReLU
     leaves them as they are), and the last writes max(a, 0) - max(-a, 0) = a.
 
-The head's rows in layer 0 are its own weight at the part's rows, zeros elsewhere. The chain's tensor
+The last layer may have an activation of its own (kwea123's nerf_pl ends its rgb head in a Sigmoid): it
+becomes select(own column, f(v), v), so the head's columns come out as they went in. The head's rows in layer
+0 are its own weight at the part's rows, zeros elsewhere. The chain's tensor
 cores take the carried values as 16-bit operands like every hidden value: the head's outputs come out
 rounded to fp16 (2^-11 relative), which the chain's numerics model sees, as it sees every layer. Only
 heads of at most HEAD_MAX outputs (two columns each through every layer), not gated and with no
@@ -91,14 +93,26 @@ def input_parts(ix: GraphIndex, tensor: str, width: int, replaced: tuple[int, st
 
 
 def carry_mode(activations: list[ex.Expr]) -> bool | None:
-    """How a head rides layers with these activations: False (a as it is), True ([a, -a]), None (it cannot)."""
+    """How a head rides layers with these activations: False (a as it is), True ([a, -a]), None (it cannot).
+    The last one's own activation is masked off the head's columns (last_activation), so only the layers
+    before it count: none or all without activation, or ReLU first and ReLU or none after it."""
     relu, ident = ex.relu(), ex.identity()
-    if all(a == ident for a in activations):
+    if ex.chan_leaves(activations[-1]):   # (per-channel constants of the chain's own width)
+        return None
+    hidden = activations[:-1]
+    if all(a == ident for a in hidden):
         return False
-    if (len(activations) > 1 and activations[0] == relu and activations[-1] == ident
-            and all(a in (relu, ident) for a in activations[1:-1])):
+    if hidden[0] == relu and all(a in (relu, ident) for a in hidden[1:]):
         return True
     return None
+
+
+def last_activation(f: ex.Expr, own: int, head: int, first: bool) -> ex.Expr:
+    """The last layer's activation once the head's columns join it: f on its own columns, none on the head's."""
+    if f == ex.identity():
+        return f
+    mask = [0.0] * head + [1.0] * own if first else [1.0] * own + [0.0] * head
+    return ex.Op("select", (ex.Chan(tuple(mask)), f, ex.X))
 
 
 def apply_head(linears: list[LinearLayer], fold: HeadFold) -> None:
