@@ -466,12 +466,14 @@ def test_joined_chain_with_two_skips_on_cuda_ep(cache, tmp_path, monkeypatch, de
 
 @pytest.mark.parametrize("design", ["auto", "wgmma", "streamed", "resident"])
 def test_headed_chain_on_cuda_ep(cache, tmp_path, monkeypatch, design):
-    """A density-like head (3 outputs, first in the output Concat) reading x beside a view head whose first
-    layer reads Concat(x, v) rides it as [a, -a] through its ReLU layer (head_fold.py); each CUDA design
-    writes the Concat and matches stock on the CUDA EP at 1, 63, 129 and 70001 rows."""
+    """A density-like head (3 outputs, first in the output Concat, exp of a linear layer) reading x beside a
+    view head whose first layer reads Concat(x, v) rides it as [a, -a] through its ReLU layers (head_fold.py),
+    the last layer's Sigmoid on its own columns and the head's Exp on the head's (a per-column select); each
+    CUDA design writes the Concat and matches stock on the CUDA EP at 1, 63, 129 and 70001 rows."""
     from test_head_fold import headed_mlp
     monkeypatch.setenv("ONNX2FUSED_CUDA_DESIGN", design)
-    model = headed_mlp(widths=(40, 136, 72, 3), acts=("Relu", "Relu", None), head=3, head_first=True, views=27)
+    model = headed_mlp(widths=(40, 136, 72, 3), acts=("Relu", "Relu", "Sigmoid"), head=3, head_first=True, views=27,
+                       head_act="Exp")
     src = tmp_path / "headed.onnx"
     onnx.save(model, str(src))
     res = check_defaults(src, tmp_path / "m.onnx", cache,

@@ -33,7 +33,9 @@ def headed_mlp(widths=(12, 24, 5), acts=("Relu", None), head: int = 1, head_firs
             h = g.op(act, [h], name=f"act{i}")
         k = n
     a = g.linear(head_from, {"x": widths[0], "v": views, "w": 4}[head_from], head, name="head")
-    if head_act:
+    if head_act == "PRelu":
+        a = g.op("PRelu", [a, g.init(np.linspace(0.1, 0.3, head).astype(np.float32))], name="head_act")
+    elif head_act:
         a = g.op(head_act, [a], name="head_act")
     g.op("Concat", [a, h] if head_first else [h, a], name="out_cat", outputs=["y"], axis=-1)
     inputs = ([("x", ["B", widths[0]])] + ([("v", ["B", views])] if views else [])
@@ -80,9 +82,9 @@ def test_head_reading_a_part_of_the_first_layers_concat_input():
     assert not w0[12:, 16:].any()   # the head's columns read x's rows only
 
 
-@pytest.mark.parametrize("why", ["tanh chain", "head activation", "other input"])
+@pytest.mark.parametrize("why", ["tanh chain", "per-channel head activation", "other input"])
 def test_heads_the_chain_cannot_carry_stay_their_own_chains(why):
-    kw = {"tanh chain": dict(acts=("Tanh", None)), "head activation": dict(head_act="Sigmoid"),
+    kw = {"tanh chain": dict(acts=("Tanh", None)), "per-channel head activation": dict(head_act="PRelu", head=3),
           "other input": dict(head_from="w")}[why]
     model = headed_mlp(**kw)
     feeds = {"x": rand((7, 12))} | ({"w": rand((7, 4), seed=3)} if why == "other input" else {})
@@ -100,6 +102,19 @@ def test_carry_modes():
     prelu_last = ex.Op("select", (ex.Op("lt", (ex.X, ex.Const(0.0))), ex.X * ex.Chan((0.1, 0.2)), ex.X))
     for acts in ([ident, relu, ident], [relu, tanh, ident], [relu, prelu_last]):
         assert carry_mode(acts) is None, acts
+
+
+@pytest.mark.parametrize("head_act,last,label", [("Exp", None, "id[5 of 6], exp(x)[1 of 6]"),
+                                                 ("Sigmoid", "Sigmoid", "sigmoid"),
+                                                 ("Softplus", "Relu", "relu[5 of 6], softplus[1 of 6]")])
+def test_a_head_with_an_activation_gets_it_on_its_columns(head_act, last, label):
+    """nerfstudio's density: exp of a linear head; its activation applies to its columns of the last layer
+    (the same as the chain's own: everywhere)."""
+    model = headed_mlp(widths=(12, 24, 5), acts=("Relu", last), head=1, head_act=head_act)
+    plan, _ = _check_on_cpu(model, {"x": rand((23, 12), scale=1.0)})
+    (chain,) = plan.chains
+    assert chain.widths == (12, 26, 6) and "head_act" in chain.nodes
+    assert chain.activation_labels()[-1] == label
 
 
 @pytest.mark.parametrize("last", ["Sigmoid", "Relu"])
@@ -156,6 +171,7 @@ def head_recipes(draw):
     acts = (("Relu",) + tuple(draw(st.sampled_from(["Relu", None])) for _ in range(depth - 2)) + (last,)
             if relu else (None,) * (depth - 1) + (last,))
     return dict(widths=widths, acts=acts, head=draw(st.integers(1, 4)), head_first=draw(st.booleans()),
+                head_act=draw(st.sampled_from([None, None, "Sigmoid", "Tanh"])),
                 views=draw(st.sampled_from([0, 0, 3])), seed=draw(st.integers(0, 2**16)))
 
 

@@ -592,10 +592,11 @@ def _regrouped_shape(ctx: _Ctx, node: onnx.NodeProto, value: str, what: str, fro
 def describe_expr(e: Expr) -> str:
     """Short name when known (per-channel forms: `prelu[64]`; a last layer's activation masked off a riding
     head's columns, head_fold.last_activation: `sigmoid[3 of 4]`), else the full text."""
-    if (isinstance(e, ex.Op) and e.name == "select" and isinstance(e.args[0], ex.Chan) and e.args[2] == ex.X
-            and set(e.args[0].values) <= {0.0, 1.0} and not ex.chan_leaves(e.args[1])):
-        mask = e.args[0].values
-        return f"{describe_expr(e.args[1])}[{int(sum(mask))} of {len(mask)}]"
+    if (isinstance(e, ex.Op) and e.name == "select" and isinstance(e.args[0], ex.Chan)
+            and set(e.args[0].values) <= {0.0, 1.0} and not ex.chan_leaves(e.args[1]) and not ex.chan_leaves(e.args[2])):
+        mask, n = e.args[0].values, len(e.args[0].values)
+        own = f"{describe_expr(e.args[1])}[{int(sum(mask))} of {n}]"
+        return own if e.args[2] == ex.X else f"{own}, {describe_expr(e.args[2])}[{n - int(sum(mask))} of {n}]"
     leaves = ex.chan_leaves(e)
     if leaves and ex.short_name(e) in ex.PER_CHANNEL_NAMED.values():
         return f"{ex.short_name(e)}[{leaves[0].width}]"

@@ -478,9 +478,8 @@ def _find_chains(ix: GraphIndex, gated_refused: str | None, block_refused: Mappi
         elif u in l.act.rejected and (ix.node(u).op_type in ELEMENTWISE_OPS or t in feeds_layer):
             ends[l.start] = f"feeds {l.act.rejected[u]}"
     heads = {l.start: h for l in layers.values()
-             if (h := head_candidate(ix, l.start, l.linear, l.prev is None and l.next is None and not l.folded
-                                     and not l.gated and l.fold is None and l.skip is None
-                                     and l.act.output == l.linear.output)) is not None}
+             if (h := head_candidate(ix, l.start, l.linear, l.act, l.prev is None and l.next is None and not l.folded
+                                     and not l.gated and l.fold is None and l.skip is None)) is not None}
     taken: set[int] = set()   # heads that ride a chain (their turn comes after every other chain's)
     for l in sorted(layers.values(), key=lambda l: (l.start in heads, l.start)):
         if l.prev is not None or l.folded or l.start in taken:
@@ -554,7 +553,7 @@ def _find_chains(ix: GraphIndex, gated_refused: str | None, block_refused: Mappi
         if block.norm is None and block.residual is None and input_map is None and regrouped is None:
             head = _ridden_head(ix, layers, heads, taken, seq, fold, out_t)
         if head is not None:   # the chain writes the head's Concat (head_fold.py)
-            idx += head.head.node_indices + [head.concat]
+            idx += list(head.node_indices) + [head.concat]
             out_t = head.output
             ends.pop(last.start, None)
         for k in skips:
@@ -582,7 +581,7 @@ def _find_chains(ix: GraphIndex, gated_refused: str | None, block_refused: Mappi
             own = seq[-1].linear.out_features
             apply_head([s.linear for s in seq], head)
             a = seq[-1].act
-            seq[-1].act = Activation(last_activation(a.expr, own, head.head.out_features, head.first),
+            seq[-1].act = Activation(last_activation(a.expr, own, head.head.out_features, head.first, head.activation),
                                      a.node_indices, a.nodes, a.output, a.rejected)
             taken.add(_first_node(head.head))
         chain = Chain(chain_input, block.output or out_t,
@@ -636,7 +635,8 @@ def _ridden_head(ix: GraphIndex, layers: dict[int, _Layer], heads: dict, taken: 
                    if t == head.input and o + head.in_features <= k0), None)
     if offset is None:
         return None
-    return HeadFold(head, cand.concat, ix.node(cand.concat).output[0], offset, cand.first, paired)
+    return HeadFold(head, cand.concat, ix.node(cand.concat).output[0], offset, cand.first, paired, cand.activation,
+                    cand.node_indices)
 
 
 def _merge(ix: GraphIndex, plan: FusionPlan, skip_refused: Mapping[int, str] | None) -> None:

@@ -19,9 +19,11 @@ The last layer may have an activation of its own (kwea123's nerf_pl ends its rgb
 becomes select(own column, f(v), v), so the head's columns come out as they went in. The head's rows in layer
 0 are its own weight at the part's rows, zeros elsewhere. The chain's tensor
 cores take the carried values as 16-bit operands like every hidden value: the head's outputs come out
-rounded to fp16 (2^-11 relative), which the chain's numerics model sees, as it sees every layer. Only
-heads of at most HEAD_MAX outputs (two columns each through every layer), not gated and with no
-activation of their own, whose output only that Concat (last axis, two inputs) reads.
+rounded to fp16 (2^-11 relative), which the chain's numerics model sees, as it sees every layer. A head
+with an activation of its own (nerfstudio's density: exp of a linear layer) gets it on its columns of the
+last layer: select(own column, f(v), g(v)). Only heads of at most HEAD_MAX outputs (two columns each
+through every layer), not gated, whose output (after its activation) only that Concat (last axis, two
+inputs) reads.
 """
 from __future__ import annotations
 
@@ -42,6 +44,8 @@ class HeadCandidate:
     concat: int       # the Concat that joins its output with another tensor
     other: str        # that tensor (a chain's output, if the head rides it)
     first: bool       # the head's output is the Concat's first input
+    activation: ex.Expr = ex.X          # the head's own activation (identity: none)
+    node_indices: tuple[int, ...] = ()  # its linear layer's and its activation's nodes
 
 
 @dataclass(frozen=True)
@@ -52,23 +56,27 @@ class HeadFold:
     offset: int       # the head's input: columns offset..offset+K of the chain's first layer's input
     first: bool       # the head's columns come first in the output
     paired: bool      # [a, -a] through ReLU layers, else a as it is
+    activation: ex.Expr = ex.X          # the head's own activation, on its columns of the last layer
+    node_indices: tuple[int, ...] = ()  # the head's nodes (linear layer and activation)
 
 
-def head_candidate(ix: GraphIndex, start: int, linear: LinearLayer, plain: bool) -> HeadCandidate | None:
-    """The layer `linear` (starting at node `start`) as a head, or None: `plain` says it is a chain of one
-    layer by itself with no activation (not gated, no LoRA branch)."""
-    if not plain or linear.out_features > HEAD_MAX or linear.activation is not None or linear.low_rank:
+def head_candidate(ix: GraphIndex, start: int, linear: LinearLayer, act, plain: bool) -> HeadCandidate | None:
+    """The layer `linear` (starting at node `start`) with its activation `act` (activations.Activation) as
+    a head, or None: `plain` says it is a chain of one layer by itself (not gated, no LoRA branch)."""
+    if not plain or linear.out_features > HEAD_MAX or linear.low_rank or ex.chan_leaves(act.expr):
         return None
-    users = ix.users(linear.output)
-    if len(users) != 1 or linear.output in ix.graph_outputs:
+    out = act.output
+    users = ix.users(out)
+    if len(users) != 1 or out in ix.graph_outputs:
         return None
     n = ix.node(users[0])
     if n.op_type != "Concat" or len(n.input) != 2 or n.input[0] == n.input[1]:
         return None
-    if not ix.last_axis(linear.output, ix.attr(users[0], "axis", 0)):
+    if not ix.last_axis(out, ix.attr(users[0], "axis", 0)):
         return None
-    first = n.input[0] == linear.output
-    return HeadCandidate(start, users[0], n.input[1] if first else n.input[0], first)
+    first = n.input[0] == out
+    return HeadCandidate(start, users[0], n.input[1] if first else n.input[0], first, act.expr,
+                         tuple(linear.node_indices) + tuple(act.node_indices))
 
 
 def input_parts(ix: GraphIndex, tensor: str, width: int, replaced: tuple[int, str, int] | None = None
@@ -107,12 +115,13 @@ def carry_mode(activations: list[ex.Expr]) -> bool | None:
     return None
 
 
-def last_activation(f: ex.Expr, own: int, head: int, first: bool) -> ex.Expr:
-    """The last layer's activation once the head's columns join it: f on its own columns, none on the head's."""
-    if f == ex.identity():
+def last_activation(f: ex.Expr, own: int, head: int, first: bool, g: ex.Expr = ex.X) -> ex.Expr:
+    """The last layer's activation once the head's columns join it: f on its own columns, the head's own
+    activation g (none by default) on the head's."""
+    if f == g:
         return f
     mask = [0.0] * head + [1.0] * own if first else [1.0] * own + [0.0] * head
-    return ex.Op("select", (ex.Chan(tuple(mask)), f, ex.X))
+    return ex.Op("select", (ex.Chan(tuple(mask)), f, g))
 
 
 def apply_head(linears: list[LinearLayer], fold: HeadFold) -> None:
