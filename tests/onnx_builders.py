@@ -189,6 +189,17 @@ def plugin_session(model: onnx.ModelProto, library=None, level=None, providers=(
     return ort.InferenceSession(model.SerializeToString(), so, providers=list(providers))
 
 
+def assert_cpu_kernel_matches_stock(model: onnx.ModelProto, specs, fused: onnx.ModelProto, feeds: dict,
+                                    cache_dir, rtol: float = 1e-4, atol: float = 1e-5) -> None:
+    """The fused model's CPU kernels (a CPU-only plugin built into `cache_dir`; the stock bodies removed, so
+    that the kernels must run every node) against the model's stock ops on `feeds` (property tests)."""
+    from onnx2fused.library import build_plugin
+    lib = build_plugin(specs, with_cuda=False, cache_dir=cache_dir)
+    del fused.functions[:]
+    sess = plugin_session(fused, lib.path)
+    np.testing.assert_allclose(sess.run(None, feeds)[0], run(model, feeds)[0], rtol=rtol, atol=atol)
+
+
 def assert_close(got: np.ndarray, ref: np.ndarray, tol: float) -> None:
     """|got - ref| <= tol * (|ref| + max|ref|): relative, with the scale of the whole output as a floor."""
     assert got.shape == ref.shape and got.dtype == ref.dtype, (got.shape, got.dtype, ref.shape, ref.dtype)

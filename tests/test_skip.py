@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from onnx_builders import fuse, plugin_session, rand, run, skip_mlp
+from onnx_builders import assert_cpu_kernel_matches_stock, fuse, plugin_session, rand, run, skip_mlp
 
 from onnx2fused import expr as ex
 from onnx2fused.library import find_fusions, skip_refusal
@@ -376,16 +376,11 @@ def skip_recipes(draw):
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(r=skip_recipes())
 def test_random_skip_chain_matches_stock(r, tmp_path_factory):
-    from onnx2fused.library import build_plugin
     model = skip_mlp(**r)
     plan, specs, fused = fuse(model)
     assert len(plan.chains) == 1 and plan.chains[0].skip == (r["at"],), plan.describe()
-    lib = build_plugin(specs, with_cuda=False, cache_dir=tmp_path_factory.getbasetemp() / "skip_plugins")
-    del fused.functions[:]   # the plugin's kernel, no stock body behind it
-    sess = plugin_session(fused, lib.path)
     x = rand((5, r["k0"]) if r["rank"] == 2 else (2, 3, r["k0"]), seed=r["seed"], scale=1.0)
-    got, ref = sess.run(None, {"x": x})[0], run(model, {"x": x})[0]
-    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5)
+    assert_cpu_kernel_matches_stock(model, specs, fused, {"x": x}, tmp_path_factory.getbasetemp() / "skip_plugins")
 
 
 def test_a_skip_in_a_chain_with_a_gated_layer_ends_it():

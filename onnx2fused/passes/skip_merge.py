@@ -117,9 +117,10 @@ def merge_skips(ix: GraphIndex, chains: list, skip_refused: Mapping[int, str] | 
         a.skip = tuple(a.skip) + (len(a.layers),)
         a.layers = a.layers + b.layers
         a.nodes = a.nodes + b.nodes + [ix.keys[concat]] + extra
-        a.input, a.output, a.head = x, b.output, b.head
-        gone[ib] = ia
         by_output.pop(a.output, None)
+        a.input, a.output, a.head = x, b.output, b.head
+        by_output[a.output] = ia   # (a chain after it may join the joined one in turn)
+        gone[ib] = ia
     kept = [i for i in range(len(chains)) if i not in gone]
     new = {old: k for k, old in enumerate(kept)}
     mapping = {i: new[i] if i in new else new[gone[i]] for i in range(len(chains))}
