@@ -19,6 +19,7 @@ from .cpu_policy import stock_faster
 from .passes import FusionPlan, Refusal, block_key, find_chains
 from .passes.batchnorm import find_batchnorms
 from .passes.constants import GraphIndex, node_keys
+from .passes.skip_merge import join_key
 from .plan.choose import block_refused, make_plan, make_plans, skip_refused
 from .plan.options import PlanOptions
 from .spec import BLOCK_NO_CUDA, GATED_NO_CUDA, SKIP_NO_CUDA, SKIP_SLOWER, SpecError
@@ -100,13 +101,15 @@ def skip_refusal(with_cuda: bool, chains=(), options: PlanOptions | None = None)
         spec = chain.to_spec("fp16")
         if not spec.skip:
             continue
+        # a joined chain (skip_merge.py) refused: the join goes, its first chain keeps its own skips
+        key = join_key(block_key(chain)) if chain.joined else block_key(chain)
         try:
             why = skip_refused(spec, options)
         except (SpecError, ConversionError) as e:
-            refused[block_key(chain)] = SKIP_NO_CUDA.format(why=str(e))
+            refused[key] = SKIP_NO_CUDA.format(why=str(e))
             continue
         if why is not None:
-            refused[block_key(chain)] = SKIP_SLOWER.format(why=why)
+            refused[key] = SKIP_SLOWER.format(why=why)
     return refused
 
 

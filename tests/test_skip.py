@@ -210,15 +210,35 @@ def test_no_join_where_the_output_is_read_elsewhere_or_the_piece_is_not_of_the_i
     assert len(plan.chains) == 2 and [c.skip for c in plan.chains] == [(1,), ()], plan.describe()
 
 
-def test_no_join_where_the_library_refuses_the_skip():
-    """A library that refuses the first chain's skip (skip_refused, keyed by its first node) joins nothing
-    there: the trunk is cut at its own skip, the view head stays apart."""
+def test_no_join_where_the_library_refuses_it():
+    """A library that plans no CUDA kernel for the joined chain refuses the join (skip_merge.join_key of the
+    first chain's key): the trunk keeps its own skip, the view head stays apart; a refusal of the trunk's
+    own skip (its plain key) cuts that too."""
     from onnx2fused.passes.chains import block_key
+    from onnx2fused.passes.skip_merge import join_key
     model = _nerf_like()
     (joined,) = find_chains(model).chains
-    plan = find_chains(model, skip_refused={block_key(joined): "no CUDA kernel plans it"})
+    assert joined.joined
+    plan = find_chains(model, skip_refused={join_key(block_key(joined)): "no CUDA kernel plans it"})
+    assert [c.skip for c in plan.chains] == [(1,), ()] and not any(c.joined for c in plan.chains), plan.describe()
+    assert ("chain 0 ends: its output and a piece of its input feed Concat 'view_cat' into the next chain, which "
+            "stays apart: no CUDA kernel plans it") in plan.describe()
+    plan = find_chains(model, skip_refused={block_key(joined): "no CUDA kernel plans it",
+                                            join_key(block_key(joined)): "no CUDA kernel plans it"})
     assert len(plan.chains) == 3 and not any(c.skip for c in plan.chains), plan.describe()
     assert "no CUDA kernel plans it" in plan.describe()
+
+
+def test_library_refuses_a_joined_chain_under_its_join_key(monkeypatch):
+    """library.skip_refusal keys a joined chain's refusal by join_key, a chain's own skip by its plain key."""
+    from onnx2fused import library
+    from onnx2fused.passes.chains import block_key
+    from onnx2fused.passes.skip_merge import join_key
+    (joined,) = find_chains(_nerf_like()).chains
+    monkeypatch.setattr(library, "skip_refused", lambda spec, options: "slower")
+    assert set(skip_refusal(True, [joined])) == {join_key(block_key(joined))}
+    (trunk, _) = find_chains(_nerf_like(own_views=True)).chains
+    assert set(skip_refusal(True, [trunk])) == {block_key(trunk)}
 
 
 def test_every_tensor_core_design_but_the_wide_one_plans_a_skip():

@@ -93,6 +93,7 @@ class Chain:
                                    # offset..offset+width are its output in the model, `tensor` in the fused op
     concat_edit: object = None     # ... and the Concat that then reads `tensor` (concat_fold.ConcatEdit)
     head: str = ""                 # a head that rides the chain into its output Concat (head_fold.py)
+    joined: bool = False           # two chains joined through a piece of their input (skip_merge.py)
 
     def input_rows(self, ref: Mapping[str, list]) -> list:
         """The rows the fused op reads in each case, from the model's tensors `ref` ({name: one array a
@@ -602,6 +603,7 @@ def _find_chains(ix: GraphIndex, gated_refused: str | None, block_refused: Mappi
             end_node = ix.keys[(last.act.node_indices or last.linear.node_indices)[-1]]
             plan.refusals.append(Refusal(end_node, f"chain {len(plan.chains) - 1} ends: output of layer "
                                                    f"{len(seq)} ('{out_t}') {ends[last.start]}", len(plan.chains) - 1))
+    _in_node_order(plan)
     _merge(ix, plan, skip_refused)
     for i in sorted(refused):
         plan.refusals.append(Refusal(ix.keys[i], refused[i]))
@@ -642,14 +644,30 @@ def _ridden_head(ix: GraphIndex, layers: dict[int, _Layer], heads: dict, taken: 
 def _merge(ix: GraphIndex, plan: FusionPlan, skip_refused: Mapping[int, str] | None) -> None:
     """Chains joined through a skip Concat of a piece of their shared input (skip_merge.py), and the notes
     on where chains start and end renumbered: the first chain's end and the second's start are gone."""
-    mapping, joined = merge_skips(ix, plan.chains, skip_refused, block_key)
-    if not joined:
+    ends = {r.chain: r.node for r in plan.refusals if " ends: " in r.reason}
+    last = {k: ix.keys[max(j for s in c.layers for j in s.linear.node_indices)] for k, c in enumerate(plan.chains)}
+    mapping, joined, declined = merge_skips(ix, plan.chains, skip_refused, block_key)
+    if not joined and not declined:
         return
     notes = []
     for r in plan.refusals:
         if r.chain < 0:
             notes.append(r)
         elif not ((r.chain in joined.values() and " ends: " in r.reason)
-                  or (r.chain in joined and " starts: " in r.reason)):
+                  or (r.chain in joined and " starts: " in r.reason)
+                  or (r.chain in declined and " ends: " in r.reason)):
             notes.append(r.renumbered(mapping[r.chain]))
+    for k, why in declined.items():   # (in place of what it said of its output)
+        notes.append(Refusal(ends.get(k, last[k]), f"chain {mapping[k]} ends: {why}", mapping[k]))
     plan.refusals = notes
+
+
+def _in_node_order(plan: FusionPlan) -> None:
+    """The chains in the order of their first nodes (a head candidate that rode nothing took its turn after
+    the others), the notes on where they start and end renumbered."""
+    order = sorted(range(len(plan.chains)), key=lambda k: block_key(plan.chains[k]))
+    if order == list(range(len(order))):
+        return
+    new = {old: k for k, old in enumerate(order)}
+    plan.chains = [plan.chains[k] for k in order]
+    plan.refusals = [r if r.chain < 0 else r.renumbered(new[r.chain]) for r in plan.refusals]

@@ -11,8 +11,9 @@ columns, the trunk's skip layer reads [x padded, h] with the views' rows zero, a
 (h is 1 GB of fp32 at 2^20 rows, the Concat's output 1.13 GB).
 
 Only chains without a norm, residual or input map, whose parts are not gated, where the second chain has no
-skip of its own and the library did not refuse the first chain's skip (skip_refused: the joined chain is
-planned as one with several skips).
+skip of its own and the library did not refuse the join (skip_refused under `join_key` of the first chain's
+key: no CUDA design plans the joined chain; the first chain keeps its own skips then, which the library
+judges under its plain key).
 """
 from __future__ import annotations
 
@@ -23,6 +24,12 @@ import numpy as np
 from ..spec import SKIP_ALIGN, SKIP_LAYERS_MAX
 from .constants import GraphIndex, default_opset
 from .skip import MIN_OPSET
+
+
+def join_key(key: int) -> int:
+    """The key under which a library refuses the join of the chain keyed `key` with the one after it
+    (library.skip_refusal; a chain's own skips are refused under `key` itself, node indices >= 0)."""
+    return -1 - key
 
 
 def split_piece(ix: GraphIndex, t: str) -> tuple[str, int, int] | None:
@@ -80,12 +87,14 @@ def _x_rows(rows: np.ndarray, offset: int, k_x: int) -> np.ndarray:
 
 
 def merge_skips(ix: GraphIndex, chains: list, skip_refused: Mapping[int, str] | None, key
-                ) -> tuple[dict[int, int], dict[int, int]]:
+                ) -> tuple[dict[int, int], dict[int, int], dict[int, str]]:
     """Join, in place, every pair of `chains` the module docstring describes (the second one dropped from the
     list, the first one widened). Returns ({old index: new index} (the second of a pair maps to its first's),
-    {second's old index: first's old index}). `key(chain)`: the chain's block_key (library refusals)."""
+    {second's old index: first's old index}, {old index of a first chain whose join the library refused:
+    why, as a note on where it ends}). `key(chain)`: the chain's block_key (library refusals)."""
+    declined: dict[int, str] = {}
     if default_opset(ix.model, MIN_OPSET) < MIN_OPSET:
-        return {i: i for i in range(len(chains))}, {}
+        return {i: i for i in range(len(chains))}, {}, declined
     by_output = {c.output: i for i, c in enumerate(chains)}
     gone: dict[int, int] = {}
     for ib, b in enumerate(chains):
@@ -98,12 +107,15 @@ def merge_skips(ix: GraphIndex, chains: list, skip_refused: Mapping[int, str] | 
             continue
         a = chains[ia]
         if (a.norm or a.residual or a.input_map or a.head or a.input_edit or any(l.gated for l in a.layers + b.layers)
-                or a.input_dtype != b.input_dtype or (skip_refused and key(a) in skip_refused)
-                or len(a.layers) >= SKIP_LAYERS_MAX):
+                or a.input_dtype != b.input_dtype or len(a.layers) >= SKIP_LAYERS_MAX):
+            continue
+        if skip_refused and join_key(key(a)) in skip_refused:
+            declined[ia] = (f"its output and a piece of its input feed {ix.describe(concat)} into the next chain, "
+                            f"which stays apart: {skip_refused[join_key(key(a))]}")
             continue
         joined = _joined_input(ix, a, parts)
-        if joined is None:
-            continue
+        if joined is None or (joined[0] == a.input and skip_refused and key(a) in skip_refused):
+            continue   # (the second: a skip of a's own input that the library cut: skip.skip_cut says why)
         x, k_x, a_offset, other_offset, split = joined
         # a's output read only by b's nodes (the folded layer, a riding head) and the Concat
         inside = set(b.nodes) | {ix.keys[concat]}
@@ -118,14 +130,14 @@ def merge_skips(ix: GraphIndex, chains: list, skip_refused: Mapping[int, str] | 
         a.layers = a.layers + b.layers
         a.nodes = a.nodes + b.nodes + [ix.keys[concat]] + extra
         by_output.pop(a.output, None)
-        a.input, a.output, a.head = x, b.output, b.head
+        a.input, a.output, a.head, a.joined = x, b.output, b.head, True
         by_output[a.output] = ia   # (a chain after it may join the joined one in turn)
         gone[ib] = ia
     kept = [i for i in range(len(chains)) if i not in gone]
     new = {old: k for k, old in enumerate(kept)}
     mapping = {i: new[i] if i in new else new[gone[i]] for i in range(len(chains))}
     chains[:] = [chains[i] for i in kept]
-    return mapping, gone
+    return mapping, gone, declined
 
 
 def _joined_input(ix: GraphIndex, a, parts: list[tuple[str, int]]):
