@@ -159,10 +159,11 @@ def test_two_skips_join_one_chain_and_match_stock():
     assert rel_l2(model_chain(chain_layers(chain), x, "fp32").output, ref) < 1e-6
 
 
-def _nerf_like(extra_reader: bool = False, own_views: bool = False, order=("h", "v")):
+def _nerf_like(extra_reader: bool = False, own_views: bool = False, order=("h", "v"), cat_reader: bool = False):
     """NeRF in small: x (20) = Split [pts 12 | views 8]; trunk pts -> 24, Concat(pts, h) -> 24; the view head
     Concat(h, views) (or the given order) -> 16 ReLU -> 3. extra_reader: h is also a graph output;
-    own_views: the views are a second input, not a piece of x."""
+    own_views: the views are a second input, not a piece of x; cat_reader: the Concat's output is read
+    elsewhere too."""
     from onnx_builders import G
     g = G(seed=7)
     pts, views = g.op("Split", ["x", g.init(np.array([12, 8], np.int64))], name="split", outputs=2, axis=-1)
@@ -176,7 +177,10 @@ def _nerf_like(extra_reader: bool = False, own_views: bool = False, order=("h", 
     v = g.op("Relu", [g.linear(cat, 32, 16, name="view0")])
     g.linear(v, 16, 3, name="rgb")
     g.nodes[-1].output[0] = "y"
-    outs = [("y", ["B", 3])] + ([("h", ["B", 24])] if extra_reader else [])
+    if cat_reader:
+        g.op("Identity", [cat], name="cat_copy", outputs=["cat_copy"])
+    outs = ([("y", ["B", 3])] + ([("h", ["B", 24])] if extra_reader else [])
+            + ([("cat_copy", ["B", 32])] if cat_reader else []))
     ins = [("x", ["B", 20])] + ([("v", ["B", 8])] if own_views else [])
     return g.model(ins, outs)
 
@@ -204,7 +208,7 @@ def test_chains_joined_through_a_piece_of_their_shared_input(order):
     np.testing.assert_allclose(run(fused, {"x": x})[0], ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("kw", [{"extra_reader": True}, {"own_views": True}])
+@pytest.mark.parametrize("kw", [{"extra_reader": True}, {"own_views": True}, {"cat_reader": True}])
 def test_no_join_where_the_output_is_read_elsewhere_or_the_piece_is_not_of_the_input(kw):
     plan, _, _ = fuse(_nerf_like(**kw))
     assert len(plan.chains) == 2 and [c.skip for c in plan.chains] == [(1,), ()], plan.describe()

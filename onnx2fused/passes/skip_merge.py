@@ -23,6 +23,7 @@ import numpy as np
 
 from ..spec import SKIP_ALIGN, SKIP_LAYERS_MAX
 from .constants import GraphIndex, default_opset
+from .regroup import reads_removed
 from .skip import MIN_OPSET
 
 
@@ -117,18 +118,23 @@ def merge_skips(ix: GraphIndex, chains: list, skip_refused: Mapping[int, str] | 
         if joined is None or (joined[0] == a.input and skip_refused and key(a) in skip_refused):
             continue   # (the second: a skip of a's own input that the library cut: skip.skip_cut says why)
         x, k_x, a_offset, other_offset, split = joined
-        # a's output read only by b's nodes (the folded layer, a riding head) and the Concat
+        # a's output read only by b's nodes (the folded layer, a riding head) and the Concat, the Concat's
+        # only by b's first layer
         inside = set(b.nodes) | {ix.keys[concat]}
-        if any(ix.keys[u] not in inside for u in ix.users(a.output)) or a.output in ix.graph_outputs:
+        if (any(ix.keys[u] not in inside for u in ix.users(a.output)) or a.output in ix.graph_outputs
+                or any(ix.keys[u] not in b.nodes for u in ix.users(b.input))):
             continue
         # the Split goes with the chain where nothing else reads its pieces
         inside |= set(a.nodes)
         extra = [] if split is None or any(o in ix.graph_outputs or any(ix.keys[u] not in inside for u in ix.users(o))
                                             for o in ix.node(split).output if o) else [ix.keys[split]]
+        nodes = a.nodes + b.nodes + [ix.keys[concat]] + extra
+        if reads_removed(ix, {ix.index_of[k] for k in nodes}, {b.output}) is not None:
+            continue   # (what the checks above mean to rule out; the rewrite must not leave a reader behind)
         _lay_out(a, b, parts, k_x, a_offset, other_offset)
         a.skip = tuple(a.skip) + (len(a.layers),)
         a.layers = a.layers + b.layers
-        a.nodes = a.nodes + b.nodes + [ix.keys[concat]] + extra
+        a.nodes = nodes
         by_output.pop(a.output, None)
         a.input, a.output, a.head, a.joined = x, b.output, b.head, True
         by_output[a.output] = ia   # (a chain after it may join the joined one in turn)
