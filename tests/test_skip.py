@@ -159,14 +159,20 @@ def test_two_skips_join_one_chain_and_match_stock():
     assert rel_l2(model_chain(chain_layers(chain), x, "fp32").output, ref) < 1e-6
 
 
-def _nerf_like(extra_reader: bool = False, own_views: bool = False, order=("h", "v"), cat_reader: bool = False):
+def _nerf_like(extra_reader: bool = False, own_views: bool = False, order=("h", "v"), cat_reader: bool = False,
+               slices: bool = False):
     """NeRF in small: x (20) = Split [pts 12 | views 8]; trunk pts -> 24, Concat(pts, h) -> 24; the view head
     Concat(h, views) (or the given order) -> 16 ReLU -> 3. extra_reader: h is also a graph output;
     own_views: the views are a second input, not a piece of x; cat_reader: the Concat's output is read
-    elsewhere too."""
+    elsewhere too; slices: x[..., :12] and x[..., 12:] (two Slices) in place of the Split."""
     from onnx_builders import G
     g = G(seed=7)
-    pts, views = g.op("Split", ["x", g.init(np.array([12, 8], np.int64))], name="split", outputs=2, axis=-1)
+    if slices:
+        i64 = lambda v: g.init(np.array([v], np.int64))   # noqa: E731
+        pts = g.op("Slice", ["x", i64(0), i64(12), i64(-1)], name="split")
+        views = g.op("Slice", ["x", i64(12), i64(2**62), i64(-1)], name="split_views")
+    else:
+        pts, views = g.op("Split", ["x", g.init(np.array([12, 8], np.int64))], name="split", outputs=2, axis=-1)
     if own_views:
         views = "v"
     h = g.op("Relu", [g.linear(pts, 12, 24, name="t0")])
@@ -185,15 +191,16 @@ def _nerf_like(extra_reader: bool = False, own_views: bool = False, order=("h", 
     return g.model(ins, outs)
 
 
-@pytest.mark.parametrize("order", [("h", "v"), ("v", "h")])
-def test_chains_joined_through_a_piece_of_their_shared_input(order):
+@pytest.mark.parametrize("order,slices", [(("h", "v"), False), (("v", "h"), False), (("h", "v"), True)])
+def test_chains_joined_through_a_piece_of_their_shared_input(order, slices):
     """skip_merge.py: the view head reads Concat(the trunk's output, a piece of the Split the trunk reads from):
     one chain reading x, layer 0 and the trunk's skip with zero rows for the views, the view layer a skip
     layer with zero rows for the points; the Split and both Concats go with it; matches stock on the CPU."""
     from onnx2fused.library import build_plugin
-    model = _nerf_like(order=order)
+    model = _nerf_like(order=order, slices=slices)
     plan, specs, fused = fuse(model)
     (chain,) = plan.chains
+    assert ("split_views" in chain.nodes) == slices
     assert chain.input == "x" and chain.skip == (1, 2) and chain.widths == (20, 24, 24, 16, 3)
     assert {"split", "skip_cat", "view_cat"} <= set(chain.nodes) and not plan.refusals, plan.describe()
     w0, w1, w2 = (chain.layers[i].linear.weight for i in range(3))

@@ -2,7 +2,7 @@
 first one's input), the first one's output read nowhere else once both are fused: one chain, whose layer at
 the join is a skip layer (spec.MLPSpec.skip) reading the input it shares.
 
-NeRF, as nerf-pytorch writes it: x = [pts | views] is cut by a Split; the trunk reads pts (and joins pts into
+NeRF, as nerf-pytorch writes it: x = [pts | views] is cut by a Split (or by Slices: x[..., :63]); the trunk reads pts (and joins pts into
 its sixth layer: a skip); the view head reads Concat(feature_linear(h), views), feature_linear folding into
 it (concat_fold.py) and the density head riding it (head_fold.py), so that the trunk's output h is read only
 through that Concat. Joined, the chain reads x itself: its first layer's weight gets zero rows for the views'
@@ -33,10 +33,13 @@ def join_key(key: int) -> int:
     return -1 - key
 
 
-def split_piece(ix: GraphIndex, t: str) -> tuple[str, int, int] | None:
-    """(the tensor, first column, columns) where `t` is an output of a Split of a tensor along its last axis
-    into pieces of known widths; else None."""
+def piece_of(ix: GraphIndex, t: str) -> tuple[str, int, int] | None:
+    """(the tensor, first column, columns) where `t` is a piece of a tensor's last axis: an output of a Split
+    into pieces of known widths (torch.split), or a Slice with constant bounds and step 1 (x[..., a:b]);
+    else None."""
     node = ix.producer.get(t)
+    if node is not None and ix.node(node).op_type == "Slice":
+        return _slice_piece(ix, node)
     if node is None or ix.node(node).op_type != "Split":
         return None
     n = ix.node(node)
@@ -54,6 +57,34 @@ def split_piece(ix: GraphIndex, t: str) -> tuple[str, int, int] | None:
         return None
     k = list(n.output).index(t)
     return src, sum(sizes[:k]), sizes[k]
+
+
+def _slice_piece(ix: GraphIndex, node: int) -> tuple[str, int, int] | None:
+    """piece_of for a Slice: its bounds as inputs (opset >= 10) or attributes, one axis, the last."""
+    n = ix.node(node)
+    src = n.input[0]
+    width = (ix.shapes.get(src) or [None])[-1]
+    if not isinstance(width, int):
+        return None
+    if len(n.input) >= 3:
+        bounds = [ix.const(n.input[i]) if len(n.input) > i and n.input[i] else None for i in range(1, 5)]
+        if bounds[0] is None or bounds[1] is None or (len(n.input) > 3 and n.input[3] and bounds[2] is None):
+            return None
+        starts, ends, axes, steps = bounds
+    else:
+        starts, ends, axes, steps = ix.attr(node, "starts"), ix.attr(node, "ends"), ix.attr(node, "axes"), None
+        if starts is None or ends is None:
+            return None
+    starts, ends = np.asarray(starts).reshape(-1), np.asarray(ends).reshape(-1)
+    axes = np.asarray([0] if axes is None else axes, np.int64).reshape(-1)   # (omitted: the first axes)
+    if len(starts) != 1 or len(ends) != 1 or len(axes) != 1 or not ix.last_axis(src, int(axes[0])):
+        return None
+    if steps is not None and np.asarray(steps).reshape(-1).tolist() != [1]:
+        return None
+    lo, hi = (int(v) + width if int(v) < 0 else min(int(v), width) for v in (starts[0], ends[0]))
+    if not 0 <= lo < hi <= width:
+        return None
+    return src, lo, hi - lo
 
 
 def _concat_parts(ix: GraphIndex, chain) -> tuple[int, list[tuple[str, int]]] | None:
@@ -117,17 +148,18 @@ def merge_skips(ix: GraphIndex, chains: list, skip_refused: Mapping[int, str] | 
         joined = _joined_input(ix, a, parts)
         if joined is None or (joined[0] == a.input and skip_refused and key(a) in skip_refused):
             continue   # (the second: a skip of a's own input that the library cut: skip.skip_cut says why)
-        x, k_x, a_offset, other_offset, split = joined
+        x, k_x, a_offset, other_offset, cutters = joined
         # a's output read only by b's nodes (the folded layer, a riding head) and the Concat, the Concat's
         # only by b's first layer
         inside = set(b.nodes) | {ix.keys[concat]}
         if (any(ix.keys[u] not in inside for u in ix.users(a.output)) or a.output in ix.graph_outputs
                 or any(ix.keys[u] not in b.nodes for u in ix.users(b.input))):
             continue
-        # the Split goes with the chain where nothing else reads its pieces
-        inside |= set(a.nodes)
-        extra = [] if split is None or any(o in ix.graph_outputs or any(ix.keys[u] not in inside for u in ix.users(o))
-                                            for o in ix.node(split).output if o) else [ix.keys[split]]
+        # the Split (or Slices) go with the chain where nothing else reads their pieces
+        inside |= set(a.nodes) | {ix.keys[j] for j in cutters}
+        extra = [ix.keys[j] for j in cutters
+                 if not any(o in ix.graph_outputs or any(ix.keys[u] not in inside for u in ix.users(o))
+                            for o in ix.node(j).output if o)]
         nodes = a.nodes + b.nodes + [ix.keys[concat]] + extra
         if reads_removed(ix, {ix.index_of[k] for k in nodes}, {b.output}) is not None:
             continue   # (what the checks above mean to rule out; the rewrite must not leave a reader behind)
@@ -147,14 +179,14 @@ def merge_skips(ix: GraphIndex, chains: list, skip_refused: Mapping[int, str] | 
 
 
 def _joined_input(ix: GraphIndex, a, parts: list[tuple[str, int]]):
-    """(x, its columns, a's input's first column in x, the other piece's first column in x, the Split that
-    cuts x or None) where the Concat's other piece and a's input are both x or pieces of one Split of x;
-    else None."""
+    """(x, its columns, a's input's first column in x, the other piece's first column in x, the nodes that
+    cut the pieces (a Split, Slices)) where the Concat's other piece and a's input are both x or pieces of x
+    (piece_of); else None."""
     other = next(t for t, _ in parts if t != a.output)
     if other == a.input:
         k = a.layers[0].linear.in_features
-        return a.input, k, 0, 0, None
-    po, pa = split_piece(ix, other), split_piece(ix, a.input)
+        return a.input, k, 0, 0, []
+    po, pa = piece_of(ix, other), piece_of(ix, a.input)
     if po is None:
         return None
     x, o_off, _ = po
@@ -167,7 +199,8 @@ def _joined_input(ix: GraphIndex, a, parts: list[tuple[str, int]]):
     k_x = (ix.shapes.get(x) or [None])[-1]
     if ix.types.get(x) != ix.types.get(a.input):
         return None
-    return x, k_x, a_off, o_off, ix.producer[other]
+    cutters = {ix.producer[other]} | ({ix.producer[a.input]} if pa is not None else set())
+    return x, k_x, a_off, o_off, sorted(cutters)
 
 
 def _lay_out(a, b, parts, k_x: int, a_offset: int, other_offset: int) -> None:
