@@ -56,6 +56,7 @@ class ChainReport:
     input: str
     output: str
     precision_why: str = ""   # why this precision (automatic precision: why not the faster ones)
+    takes_in: list[str] = field(default_factory=list)   # beside its layers (passes.Chain.extras): a norm, skips, a head
 
 
 @dataclass
@@ -406,7 +407,7 @@ def convert(input_path, output_path=None, precision: str = AUTO, validate: bool 
         result.chains = [ChainReport(k, s.name, list(s.widths), c.activation_labels(),
                                      s.precision, s.io_dtype,
                                      plan_text(s, lib.plans.get(s.name), with_cuda=with_cuda),
-                                     c.input, c.output, choices[k].why)
+                                     c.input, c.output, choices[k].why, c.extras())
                          for k, (c, s) in enumerate(zip(plan.chains, specs))]
         result.cached_library, result.build_seconds = str(lib.path), built.build_seconds
         result.cache_hit, result.with_cuda = lib.cache_hit, lib.with_cuda
@@ -572,6 +573,8 @@ def format_report(r: ConversionResult) -> str:
         lines += _chain_table(r.chains, "plan")
         for c in r.chains:
             lines.append(f"  chain {c.index}: op {c.name} ('{c.input}' -> '{c.output}')")
+            if c.takes_in:
+                lines.append(f"    takes in: {'; '.join(c.takes_in)}")
             if c.precision_why:
                 lines.append(f"    precision {c.precision}: {c.precision_why}")
         lines += [f"  stock op rewritten: {w}" for w in r.rewritten]
@@ -661,6 +664,8 @@ class InspectResult:
             lines += _chain_table(self.chains, "plan")
             for c in self.chains:
                 lines.append(f"  chain {c.index}: '{c.input}' -> '{c.output}', op {c.name}")
+                if c.takes_in:
+                    lines.append(f"    takes in: {'; '.join(c.takes_in)}")
                 if c.precision_why:
                     lines.append(f"    precision {c.precision}: {c.precision_why}")
             lines += [f"  stock op rewritten: {w}" for w in self.rewritten]
@@ -725,5 +730,5 @@ def inspect(input_path, precision: str = AUTO, cache_dir=None, plan_options: Pla
                                       s.precision, s.io_dtype,
                                       plan_text(s, cached_plan(p, cache) if p else None, errors.get(s.name, ""),
                                                 with_cuda=not cpu_only),
-                                      c.input, c.output, ch.why))
+                                      c.input, c.output, ch.why, c.extras()))
     return res

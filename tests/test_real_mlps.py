@@ -81,6 +81,10 @@ def test_small_nerf_one_op_on_the_cpu_kernel(tmp_path):
     res = onnx2fused.convert(src, tmp_path / "m.onnx", with_cuda=False, cache_dir=tmp_path / "cache")
     assert res.validation.passed and len(res.chains) == 1 and "_skip5_8_" in res.chains[0].name
     assert "fused CPU kernel" in res.chains[0].cuda_plan, res.chains[0].cuda_plan
+    assert res.chains[0].takes_in == ["the input joins layers 6, 9 (skip Concats)",
+                                      "two chains joined through pieces of the input",
+                                      "head '/alpha_linear/Gemm' (32 -> 1) rides it into its output Concat"]
+    assert "    takes in: the input joins layers 6, 9 (skip Concats); two chains" in res.format()
     fused = onnx.load(str(res.output_path))
     assert [n.domain for n in fused.graph.node] == ["onnx2fused"]
     from onnx_builders import plugin_session, run

@@ -128,14 +128,19 @@ class Chain:
         """Each layer's activation as reports print it (`gated silu`: a gated layer's gate activation)."""
         return [("gated " if l.gated else "") + describe_expr(l.activation) for l in self.layers]
 
+    def extras(self) -> list[str]:
+        """What the chain takes in beside its layers and activations, as reports say it."""
+        return ([f"{self.norm.label} in front"] if self.norm is not None else []) \
+            + ([f"input {self.input_map} folded into layer 1"] if self.input_map else []) \
+            + (["residual"] if self.residual else []) \
+            + ([f"the input joins layer{'s' if len(self.skip) > 1 else ''} {', '.join(str(j + 1) for j in self.skip)} "
+                f"(skip Concat{'s' if len(self.skip) > 1 else ''})"] if self.skip else []) \
+            + (["two chains joined through pieces of the input"] if self.joined else []) \
+            + ([f"head {self.head} rides it into its output Concat"] if self.head else [])
+
     def describe(self) -> str:
         acts = ", ".join(self.activation_labels())
-        block = ((f", {self.norm.label} in front" if self.norm is not None else "")
-                 + (f", input {self.input_map} folded into layer 1" if self.input_map else "")
-                 + (", residual" if self.residual else "")
-                 + (f", the input joins layer{'s' if len(self.skip) > 1 else ''} "
-                    f"{', '.join(str(j + 1) for j in self.skip)} (skip Concat)" if self.skip else "")
-                 + (f", head {self.head} rides it into its output Concat" if self.head else ""))
+        block = "".join(f", {e}" for e in self.extras())
         return (f"'{self.input}' -> '{self.output}': widths {' -> '.join(map(str, self.widths))}, "
                 f"activations [{acts}]{block}, {self.input_dtype}, {len(self.nodes)} nodes")
 
