@@ -32,7 +32,10 @@ Three Concats continue a chain (neural fields): a Concat of the chain's own inpu
 into the next layer is a skip connection (see `skip`; MLPSpec.skip); Concat(sin z, cos z) of a layer's
 output is one sin layer of twice the width (see `sincos`); and a layer without activation that is only
 concatenated into the next layer folds into it, the Concat reading its input (see `concat_fold`; a
-chain's `concat_edit`).
+chain's `concat_edit`). Two more end one: a small linear head beside the chain, concatenated with its
+output, rides it and the op writes that Concat (see `head_fold`: NeRF's density); and two chains join where
+the second one's first layer reads Concat(the first one's output, a piece of the first one's input), the
+joined chain reading the whole input with one more skip layer (see `skip_merge`: NeRF's view head).
 """
 from __future__ import annotations
 
