@@ -134,6 +134,15 @@ def test_head_wider_than_head_max_stays_its_own_chain():
     assert not any(c.head for c in plan.chains) and len(plan.chains) == 2
 
 
+def test_a_head_too_wide_for_the_layers_it_would_ride_stays_its_own_chain():
+    """Carried as a pair, 4 outputs add 8 columns to each layer they ride: more than a quarter of a 24-wide
+    layer (head_fold.CARRY_SHARE), where the head's own pass over its input is the cheaper one."""
+    plan, _, _ = fuse(headed_mlp(widths=(12, 24, 5), head=4))
+    assert not any(c.head for c in plan.chains) and len(plan.chains) == 2
+    (chain,) = fuse(headed_mlp(widths=(12, 32, 5), head=4))[0].chains
+    assert chain.widths == (12, 40, 9)
+
+
 def test_stock_body_of_a_headed_chain_matches_the_model():
     """The fused op's fallback function (stock ops) computes the widened layers too."""
     model = headed_mlp(head=2, views=3)
@@ -165,12 +174,14 @@ HEAD_EXAMPLES = int(os.environ.get("ONNX2FUSED_PROPERTY_EXAMPLES", "10"))
 @st.composite
 def head_recipes(draw):
     depth = draw(st.integers(1, 4))
-    widths = tuple(draw(st.lists(st.integers(1, 40), min_size=depth + 1, max_size=depth + 1)))
+    # hidden layers wide enough to carry a head of up to 2 outputs as a pair (head_fold.carry_fits)
+    widths = ((draw(st.integers(1, 40)),) + tuple(draw(st.lists(st.integers(16, 40), min_size=depth - 1, max_size=depth - 1)))
+              + (draw(st.integers(1, 40)),))
     relu = draw(st.booleans()) and depth > 1
     last = draw(st.sampled_from([None, None, "Sigmoid", "Relu"]))   # (masked off the head's columns)
     acts = (("Relu",) + tuple(draw(st.sampled_from(["Relu", None])) for _ in range(depth - 2)) + (last,)
             if relu else (None,) * (depth - 1) + (last,))
-    return dict(widths=widths, acts=acts, head=draw(st.integers(1, 4)), head_first=draw(st.booleans()),
+    return dict(widths=widths, acts=acts, head=draw(st.integers(1, 2)), head_first=draw(st.booleans()),
                 head_act=draw(st.sampled_from([None, None, "Sigmoid", "Tanh"])),
                 views=draw(st.sampled_from([0, 0, 3])), seed=draw(st.integers(0, 2**16)))
 

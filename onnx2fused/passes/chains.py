@@ -54,7 +54,7 @@ from .casts import trim_output_casts
 from .concat_fold import ConcatEdit, ConcatFold, apply_fold, match_concat_fold
 from .constants import GraphIndex, elem_name
 from .gated import fed_node, find_gated
-from .head_fold import HeadFold, apply_head, carry_mode, head_candidate, input_parts, last_activation
+from .head_fold import HeadFold, apply_head, carry_fits, carry_mode, head_candidate, input_parts, last_activation
 from .input_affine import InputAffine, match_input_affine
 from .linear import LinearLayer, LinearRefusal, is_linear_node, match_linear
 from .regroup import reads_removed, regroup_ends, shape_feeders
@@ -633,7 +633,8 @@ def _ridden_head(ix: GraphIndex, layers: dict[int, _Layer], heads: dict, taken: 
     if cand is None or any(s.gated for s in seq):
         return None
     paired = carry_mode([s.act.expr for s in seq])
-    if paired is None:
+    head_width = layers[cand.start].linear.out_features
+    if paired is None or not carry_fits([s.out_features for s in seq[:-1]], head_width, paired):
         return None
     first = seq[0].linear
     k0, replaced = first.in_features, None

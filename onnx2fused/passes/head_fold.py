@@ -36,6 +36,8 @@ from .constants import GraphIndex
 from .linear import LinearLayer
 
 HEAD_MAX = 16   # outputs of a head that rides a chain (NeRF's density: 1)
+CARRY_SHARE = 4  # the columns a head adds to a layer it rides through: at most a quarter of the layer's own
+                 # (NeRF: 2 beside 128), so that carrying it costs less than the head's own pass over its input
 
 
 @dataclass(frozen=True)
@@ -122,6 +124,13 @@ def last_activation(f: ex.Expr, own: int, head: int, first: bool, g: ex.Expr = e
         return f
     mask = [0.0] * head + [1.0] * own if first else [1.0] * own + [0.0] * head
     return ex.Op("select", (ex.Chan(tuple(mask)), f, g))
+
+
+def carry_fits(hidden_widths: list[int], head: int, paired: bool) -> bool:
+    """Whether a head of `head` outputs rides layers of these output widths (all but the last) cheaply:
+    its carried columns at most 1/CARRY_SHARE of each."""
+    carried = head * (2 if paired else 1)
+    return all(carried * CARRY_SHARE <= n for n in hidden_widths)
 
 
 def apply_head(linears: list[LinearLayer], fold: HeadFold) -> None:
