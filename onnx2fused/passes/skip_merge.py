@@ -2,10 +2,10 @@
 first one's input), the first one's output read nowhere else once both are fused: one chain, whose layer at
 the join is a skip layer (spec.MLPSpec.skip) reading the input it shares.
 
-NeRF, as nerf-pytorch writes it: x = [pts | views] is cut by a Split (or by Slices: x[..., :63]); the trunk reads pts (and joins pts into
-its sixth layer: a skip); the view head reads Concat(feature_linear(h), views), feature_linear folding into
-it (concat_fold.py) and the density head riding it (head_fold.py), so that the trunk's output h is read only
-through that Concat. Joined, the chain reads x itself: its first layer's weight gets zero rows for the views'
+NeRF, as nerf-pytorch writes it: x = [pts | views] is cut by a Split (or by Slices: x[..., :63]); the trunk
+reads pts (and joins pts into its sixth layer: a skip); the view head reads Concat(feature_linear(h), views),
+feature_linear folding into it (concat_fold.py) and the density head riding it (head_fold.py), so that the
+trunk's output h is read only through that Concat. Joined, the chain reads x itself: its first layer's weight gets zero rows for the views'
 columns, the trunk's skip layer reads [x padded, h] with the views' rows zero, and the view layer reads
 [x padded, h] with the points' rows zero. The Split, the Concat and the two ops' traffic between them go
 (h is 1 GB of fp32 at 2^20 rows, the Concat's output 1.13 GB).
