@@ -516,17 +516,16 @@ def _find_chains(ix: GraphIndex, gated_refused: str | None, block_refused: Mappi
         widened, in_type, out_t = entry.widened, entry.io_type, seq[-1].act.output
         last = seq[-1]
         skips = tuple(k for k, s_ in enumerate(seq) if s_.skip is not None)
-        skip_at = skips[0] if skips else 0
         refused_here = (block_refused if isinstance(block_refused, str) or block_refused is None
                         else block_refused.get(_first_node(first)))
-        if skip_at:   # (the Concat reads x as it comes: no norm or input map may change what the op reads)
+        if skips:   # (the Concat reads x as it comes: no norm or input map may change what the op reads)
             refused_here = SKIP_NO_BLOCK
         if widened is not None:   # (a norm or residual in float32 around a float16 MLP: not handled)
             refused_here = "the {what} stays a stock op: the chain reads the float32 input of a float16 converter's Cast"
         block = find_block(ix, entry.tensor, entry.readers, out_t, first.in_features, last.out_features, refused_here)
         idx = sorted(j for s in seq for j in s.linear.node_indices + s.act.node_indices)
         regrouped = None
-        if widened is None and block.norm is None and block.residual is None and not skip_at:
+        if widened is None and block.norm is None and block.residual is None and not skips:
             regrouped = _block_through_regroups(ix, entry, idx, out_t, first, last, refused_here)
             if regrouped is not None:
                 block, reshapes, idx = regrouped
@@ -545,7 +544,7 @@ def _find_chains(ix: GraphIndex, gated_refused: str | None, block_refused: Mappi
         chain_input, start_reason, input_map = entry.tensor, block.start_reason, widened
         if block.norm is not None:
             chain_input = block.norm.input
-        elif widened is None and block.residual is None and not start_reason and not skip_at:   # (a residual reads its input)
+        elif widened is None and block.residual is None and not start_reason and not skips:   # (a residual reads its input)
             input_map, start_reason = match_input_affine(ix, entry.tensor, entry.readers, first.in_features, claimed)
         if input_map is not None:
             chain_input = input_map.input
@@ -632,16 +631,15 @@ def _ridden_head(ix: GraphIndex, layers: dict[int, _Layer], heads: dict, taken: 
                  and c.start not in taken and c.start != own), None)
     if cand is None or any(s.gated for s in seq):
         return None
+    head = layers[cand.start].linear
     paired = carry_mode([s.act.expr for s in seq])
-    head_width = layers[cand.start].linear.out_features
-    if paired is None or not carry_fits([s.out_features for s in seq[:-1]], head_width, paired):
+    if paired is None or not carry_fits([s.out_features for s in seq[:-1]], head.out_features, paired):
         return None
     first = seq[0].linear
     k0, replaced = first.in_features, None
     if fold is not None:   # (the layer's input once the folded layer's input replaces its output)
         k0 += fold.folded.in_features - fold.folded.out_features
         replaced = (fold.position, fold.folded.input, fold.folded.in_features)
-    head = layers[cand.start].linear
     offset = next((o for t, o in input_parts(ix, first.input, k0, replaced)
                    if t == head.input and o + head.in_features <= k0), None)
     if offset is None:

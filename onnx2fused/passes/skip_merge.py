@@ -23,6 +23,7 @@ import numpy as np
 
 from ..spec import SKIP_ALIGN, SKIP_LAYERS_MAX
 from .constants import GraphIndex, default_opset
+from .head_fold import input_parts
 from .regroup import reads_removed
 from .skip import MIN_OPSET
 
@@ -95,19 +96,16 @@ def _concat_parts(ix: GraphIndex, chain) -> tuple[int, list[tuple[str, int]]] | 
     if node is None or ix.node(node).op_type != "Concat" or t in ix.graph_outputs:
         return None
     n = ix.node(node)
-    if len(n.input) != 2 or n.input[0] == n.input[1] or not ix.last_axis(t, ix.attr(node, "axis", 0)):
+    if len(n.input) != 2 or n.input[0] == n.input[1]:
         return None
-    parts = []
-    for p, name in enumerate(n.input):
-        if chain.concat_edit is not None and chain.concat_edit.position == p:
-            name = chain.concat_edit.tensor
-        w = (ix.shapes.get(name) or [None])[-1]
-        if not isinstance(w, int) or w < 1:
-            return None
-        parts.append((name, w))
-    if sum(w for _, w in parts) != chain.layers[0].linear.in_features:
+    edit, k = chain.concat_edit, chain.layers[0].linear.in_features
+    replaced = None if edit is None else (edit.position, edit.tensor, (ix.shapes.get(edit.tensor) or [None])[-1])
+    pieces = input_parts(ix, t, k, replaced)[1:]   # (none where the widths are unknown or do not add up)
+    if len(pieces) != 2:
         return None
-    return node, parts
+    (t0, o0), (t1, o1) = pieces
+    parts = [(t0, o1 - o0), (t1, k - o1)]
+    return (node, parts) if all(w >= 1 for _, w in parts) else None
 
 
 def _x_rows(rows: np.ndarray, offset: int, k_x: int) -> np.ndarray:
