@@ -22,7 +22,7 @@ import onnx
 
 from .cpu_policy import cpu_kernel_wins
 from .targets import cuda_archs, find_nvcc
-from .library import build_plugin, find_fusions
+from .library import build_plugin, fusion_plan
 from .errors import ConversionError
 from .loader import load_model, read_model
 from .passes import rewrite
@@ -338,7 +338,7 @@ def convert(input_path, output_path=None, precision: str = AUTO, validate: bool 
     if found_nvcc and val.choose_providers(True)[0] != "CUDAExecutionProvider":
         say("nvcc found: building CUDA kernels too, for a GPU host (this onnxruntime has no CUDA EP, so "
             "validation runs the CPU kernels; --cpu-only skips the CUDA build)")
-    plan = find_fusions(model, with_cuda, stock_faster=stock_where_faster)
+    model, plan = fusion_plan(model, with_cuda, stock_faster=stock_where_faster)
     result = ConversionResult(str(inp), str(out), precision, refusals=[r.reason for r in plan.refusals],
                               rewritten=plan.rewritten)
 
@@ -700,7 +700,7 @@ def inspect(input_path, precision: str = AUTO, cache_dir=None, plan_options: Pla
     if with_cuda is None:
         with_cuda = find_nvcc() is not None
     _check_stock_where_faster(stock_where_faster, with_cuda)
-    plan = find_fusions(model, with_cuda, options, stock_where_faster)
+    model, plan = fusion_plan(model, with_cuda, options, stock_where_faster)
     res = InspectResult(str(input_path), refusals=[r.reason for r in plan.refusals], plan=plan.describe(),
                         rewritten=plan.rewritten)
     recorded = {p.key: p.value for p in model.metadata_props}.get(CHAINS_KEY)

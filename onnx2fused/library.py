@@ -19,6 +19,7 @@ from .cpu_policy import stock_faster
 from .passes import FusionPlan, Refusal, block_key, find_chains
 from .passes.batchnorm import find_batchnorms
 from .passes.constants import GraphIndex, node_keys
+from .passes.pointwise_conv import as_channels_last
 from .passes.skip_merge import join_key
 from .plan.choose import block_refused, make_plan, make_plans, skip_refused
 from .plan.options import PlanOptions
@@ -180,6 +181,24 @@ def find_fusions(model, with_cuda: bool, options: PlanOptions | None = None, sto
     if plan.chains and any(n.op_type == "BatchNormalization" for n in model.graph.node):
         plan.batchnorms = find_batchnorms(GraphIndex(model), {k for c in plan.chains for k in c.nodes})
     return plan
+
+
+def fusion_plan(model, with_cuda: bool, options: PlanOptions | None = None, stock_faster: bool = False):
+    """(the model convert rewrites, its find_fusions plan). The model is `model` with its pointwise Conv
+    runs over channels-last rows (passes/pointwise_conv.py) where a chain takes one of them; otherwise
+    `model` itself, so that Convs nothing fuses stay as they were."""
+    layout = as_channels_last(model)
+    refusals = [Refusal(key, reason) for key, reason in layout.refusals]
+    if layout.rewritten:
+        plan = find_fusions(layout.model, with_cuda, options, stock_faster)
+        if any(k in set(node_keys(layout.model.graph)) - set(node_keys(model.graph)) for c in plan.chains
+               for k in c.nodes):
+            plan.channels_last = layout.rewritten
+            plan.refusals = refusals + plan.refusals
+            return layout.model, plan
+    plan = find_fusions(model, with_cuda, options, stock_faster)
+    plan.refusals = refusals + plan.refusals
+    return model, plan
 
 
 def build_plugin(specs, with_cuda: bool | None = None, cache_dir=None, cpu_enabled=None,

@@ -510,3 +510,40 @@ def test_resnet_tabular_blocks_on_cuda_ep(cache, tmp_path):
     for rows in (1, 129):
         feeds = {"x": rng.standard_normal((rows, 20)).astype(np.float32)}
         assert rel_l2(sess.run(None, feeds)[0], stock(src, feeds)[0]) <= TOL["fp16"], rows
+
+
+@pytest.mark.parametrize("dynamo", [False, True], ids=["torchscript", "dynamo"])
+def test_pointnet_on_cuda_ep(dynamo, cache, tmp_path):
+    """PointNet's classifier (benchmarks/pointnet.py): its five pointwise Conv1d one chain over channels-last
+    rows (passes/pointwise_conv.py; the max pool reads them), its head a second chain; converted with
+    defaults, matching stock on the CUDA EP at 1, 3 and 37 clouds of 1024 points."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from pointnet import PointNetCls, export
+    torch.manual_seed(4)
+    src = export(PointNetCls(), tmp_path / "pointnet.onnx", dynamo=dynamo)
+    res = check_defaults(src, tmp_path / "m.onnx", cache,
+                         lambda rng: {"x": rng.standard_normal((37, 3, 1024)).astype(np.float32)})
+    assert [list(c.widths) for c in res.chains] == [[3, 64, 64, 64, 128, 1024], [1024, 512, 256, 40]]
+    fused = onnx.load(str(res.output_path))
+    assert [n.op_type for n in fused.graph.node if n.domain != DOMAIN] == ["Transpose", "ReduceMax"]
+    sess = session(res.output_path, res.library_path, ["CUDAExecutionProvider", "CPUExecutionProvider"])
+    rng = np.random.default_rng(8)
+    for clouds in (1, 3):
+        feeds = {"x": rng.standard_normal((clouds, 3, 1024)).astype(np.float32)}
+        assert rel_l2(sess.run(None, feeds)[0], stock(src, feeds)[0]) <= TOL["fp16"], clouds
+
+
+def test_pointwise_conv2d_head_on_cuda_ep(cache, tmp_path):
+    """A 1x1 Conv2d head with SiLU on a feature map (test_pointwise_conv.ConvHead: a Transpose back for its
+    map output, the mean pool over the channels-last rows), converted with defaults, matching stock on the
+    CUDA EP at odd map sizes."""
+    from test_pointwise_conv import ConvHead, _export
+    torch.manual_seed(2)
+    src = _export(ConvHead().eval(), torch.randn(2, 32, 6, 5), tmp_path / "head.onnx", False)
+    res = check_defaults(src, tmp_path / "m.onnx", cache,
+                         lambda rng: {"x": rng.standard_normal((3, 32, 97, 131)).astype(np.float32)})
+    assert [list(c.widths) for c in res.chains] == [[32, 48, 5]]
+    sess = session(res.output_path, res.library_path, ["CUDAExecutionProvider", "CPUExecutionProvider"])
+    feeds = {"x": np.random.default_rng(3).standard_normal((1, 32, 7, 3)).astype(np.float32)}
+    for got, ref in zip(sess.run(None, feeds), stock(src, feeds)):
+        assert rel_l2(got, ref) <= TOL[res.chains[0].precision]

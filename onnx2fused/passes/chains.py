@@ -169,6 +169,7 @@ class FusionPlan:
     chains: list[Chain] = field(default_factory=list)
     refusals: list[Refusal] = field(default_factory=list)
     batchnorms: list = field(default_factory=list)   # batchnorm.BatchNormRewrite: stock BatchNorms as Mul + Add
+    channels_last: list[str] = field(default_factory=list)   # pointwise Conv runs as MatMuls (pointwise_conv.py)
 
     @property
     def concat_edits(self) -> list:
@@ -178,7 +179,8 @@ class FusionPlan:
     @property
     def rewritten(self) -> list[str]:
         """The stock ops the fused model changes (reports' "stock op rewritten")."""
-        return [b.describe() for b in self.batchnorms] + [e.describe() for e in self.concat_edits]
+        return (self.channels_last + [b.describe() for b in self.batchnorms]
+                + [e.describe() for e in self.concat_edits])
 
     def describe(self) -> str:
         lines = [f"{len(self.chains)} chain(s) to fuse:"]

@@ -1,0 +1,247 @@
+"""Pointwise Convs (kernel 1) as linear layers over channels-last rows (passes/pointwise_conv.py): the
+rewritten model computes what the original did on stock ORT, the runs become one chain, pools read the
+channels-last rows, Convs of kernel 1 that are not per-position layers say why, and PointNet-style
+exports from both torch exporters convert end to end (CPU-only plugin)."""
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import onnx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import onnx2fused
+from onnx2fused.library import fusion_plan
+from onnx2fused.passes import rewrite
+from onnx2fused.passes.pointwise_conv import as_channels_last
+from onnx2fused.spec import DOMAIN
+from onnx_builders import G, assert_close, plugin_session, rand, run
+
+ACTS = {
+    "relu": lambda g, t: g.op("Relu", [t]),
+    "silu": lambda g, t: g.op("Mul", [t, g.op("Sigmoid", [t])]),
+    "gelu": lambda g, t: g.op("Mul", [g.op("Mul", [t, g.op("Add", [g.op("Erf", [g.op("Div", [t, g.init(np.float32(
+        np.sqrt(2)))])]), g.init(np.float32(1))])]), g.init(np.float32(0.5))]),
+    "leaky": lambda g, t: g.op("LeakyRelu", [t], alpha=0.1),
+    "none": lambda g, t: t,
+}
+
+
+def conv_model(widths, acts, rank=3, bias=True, pool=None, opset=17, extra_output=False, seed=0):
+    """x [B, C0, *spatial] -> Conv(k=1) -> act -> ... ; `pool`: (op, axes or None, keepdims) after the last
+    Conv, else the last tensor is y. extra_output: the first Conv's output is a graph output too."""
+    g = G(opset=opset, seed=seed)
+    t = "x"
+    ones = [1] * (rank - 2)
+    outs = []
+    for i, (k, n) in enumerate(zip(widths, widths[1:])):
+        w = g.init((g.rng.standard_normal((n, k, *ones)) / np.sqrt(k)).astype(np.float32))
+        ins = [t, w] + ([g.vec(n)] if bias else [])
+        t = g.op("Conv", ins, kernel_shape=ones, outputs=[f"conv{i}"])
+        if extra_output and i == 0:
+            outs.append(("conv0", None))
+        if i < len(acts):
+            t = ACTS[acts[i]](g, t)
+    if pool is not None:
+        op, axes, keep = pool
+        attrs = {"keepdims": keep}
+        ins = [t]
+        if axes is not None and (opset >= 18 or (op == "ReduceSum" and opset >= 13)):
+            ins.append(g.init(np.array(axes, dtype=np.int64)))
+        elif axes is not None:
+            attrs["axes"] = axes
+        t = g.op(op, ins, outputs=["y"], **attrs)
+    else:
+        t = g.op("Identity", [t], outputs=["y"])
+    return g.model([("x", ["b", widths[0]] + [f"s{j}" for j in range(rank - 2)])],
+                   [("y", None)] + outs, check=False)
+
+
+def _ops(m):
+    return [n.op_type for n in m.graph.node]
+
+
+def _same_outputs(a, b, feeds, tol=1e-5):
+    for u, v in zip(run(a, feeds), run(b, feeds)):
+        assert_close(v, u, tol)
+
+
+@pytest.mark.parametrize("rank", [3, 4, 5])
+def test_runs_become_one_chain_over_channels_last_rows(rank):
+    m = conv_model([5, 16, 12, 3], ["silu", "gelu"], rank=rank)
+    res = as_channels_last(m)
+    assert _ops(res.model).count("Conv") == 0 and _ops(res.model).count("MatMul") == 3
+    assert _ops(res.model)[0] == "Transpose" and "Transpose back" in res.rewritten[0]
+    assert "3 pointwise Conv" in res.rewritten[0] and "5 -> 16 -> 12 -> 3 channels" in res.rewritten[0]
+    x = rand([2, 5] + [3, 4, 2][:rank - 2])
+    _same_outputs(m, res.model, {"x": x})
+    model, plan = fusion_plan(m, with_cuda=False)
+    assert [c.widths for c in plan.chains] == [(5, 16, 12, 3)] and plan.channels_last == res.rewritten
+    fused = rewrite(model, plan, [c.to_spec("fp32") for c in plan.chains])
+    assert [n.op_type for n in fused.graph.node] == ["Transpose", plan.chains[0].to_spec("fp32").name, "Transpose"]
+    _same_outputs(m, fused, {"x": x})   # the fused node's stock fallback function
+
+
+# transposes: the one in front, and one of the pooled tensor where keepdims=1 or the kept axes come out of
+# the channels-last rows in another order (channels before the spatial axes they were in front of)
+@pytest.mark.parametrize("pool,opset,rank,transposes", [
+    (("ReduceMax", [2], 0), 17, 3, 1), (("ReduceMax", [-1], 0), 18, 3, 1), (("ReduceMax", [2], 1), 13, 3, 2),
+    (("ReduceMean", [2, 3], 1), 17, 4, 2), (("ReduceMean", [2, 3], 0), 18, 4, 1), (("ReduceSum", [2], 0), 13, 3, 1),
+    (("ReduceMin", [3], 0), 17, 4, 2), (("ReduceMax", None, 0), 17, 3, 1), (("ReduceMean", [1, 3], 0), 17, 4, 1),
+])
+def test_pools_read_the_channels_last_rows(pool, opset, rank, transposes):
+    m = conv_model([4, 8, 6], ["relu"], rank=rank, pool=pool, opset=opset)
+    res = as_channels_last(m)
+    ops = _ops(res.model)
+    # no full-size Transpose back: the pool reads the channels-last rows
+    assert ops[:2] == ["Transpose", "MatMul"] and ops.index(pool[0]) > ops.index("MatMul")
+    assert f"{pool[0]} over the channels-last rows" in res.rewritten[0]
+    assert ops.count("Transpose") == transposes
+    _same_outputs(m, res.model, {"x": rand([3, 4] + [5, 7][:rank - 2])})
+    assert not [t for t in res.model.graph.initializer if t.name not in
+                {x for n in res.model.graph.node for x in n.input}], "unread initializers left behind"
+
+
+def test_a_tensor_read_elsewhere_ends_the_run_and_stays_channels_first():
+    m = conv_model([4, 8, 8, 2], ["relu", "relu"], extra_output=True)
+    res = as_channels_last(m)
+    assert len(res.rewritten) == 2   # conv0 (a graph output) ends the first run
+    assert "conv0" in {o for n in res.model.graph.node if n.op_type == "Transpose" for o in n.output}
+    _same_outputs(m, res.model, {"x": rand([2, 4, 9])})
+
+
+def test_per_channel_constants_stay_channels_first():
+    g = G()
+    w1 = g.init(g.rng.standard_normal((8, 4, 1)).astype(np.float32))
+    w2 = g.init(g.rng.standard_normal((3, 8, 1)).astype(np.float32))
+    h = g.op("Conv", ["x", w1], kernel_shape=[1])
+    h = g.op("Mul", [g.op("Relu", [h]), g.init(np.linspace(0.5, 2, 8, dtype=np.float32).reshape(8, 1))])
+    g.op("Conv", [h, w2], kernel_shape=[1], outputs=["y"])
+    m = g.model([("x", ["b", 4, "n"])], [("y", None)], check=False)
+    res = as_channels_last(m)
+    ops = _ops(res.model)
+    assert len(res.rewritten) == 2 and ops.index("Relu") < ops.index("Mul")   # the [C, 1] Mul between runs
+    mul = next(n for n in res.model.graph.node if n.op_type == "Mul")
+    back = next(n for n in res.model.graph.node if n.op_type == "Transpose" and n.output[0] == mul.input[0])
+    assert list(back.attribute[0].ints) == [0, 2, 1]   # the Mul still reads channels-first
+    _same_outputs(m, res.model, {"x": rand([2, 4, 6])})
+
+
+@pytest.mark.parametrize("attrs,why", [
+    (dict(strides=[2]), "strides [2] skip positions"),
+    (dict(pads=[1, 1]), "pads [1, 1] add positions"),
+    (dict(group=2), "2 groups, not one linear layer"),
+])
+def test_kernel_one_convs_that_are_not_layers_say_why(attrs, why):
+    g = G()
+    cin = 4
+    w = g.init(g.rng.standard_normal((6, cin // attrs.get("group", 1), 1)).astype(np.float32))
+    g.op("Relu", [g.op("Conv", ["x", w], kernel_shape=[1], name="odd", **attrs)], outputs=["y"])
+    m = g.model([("x", ["b", cin, 10])], [("y", None)], check=False)
+    res = as_channels_last(m)
+    assert res.model is m and res.rewritten == []
+    assert res.refusals == [("odd", f"Conv 'odd' (kernel 1): {why}" + ("" if "groups" not in why else
+                                                                      " over the channels"))]
+    _, plan = fusion_plan(m, with_cuda=False)
+    assert any(r.node == "odd" and why in r.reason for r in plan.refusals)
+
+
+def test_real_convolutions_are_left_alone_without_a_word():
+    g = G()
+    w = g.init(g.rng.standard_normal((6, 4, 3)).astype(np.float32))
+    w1 = g.init(g.rng.standard_normal((2, 6, 1)).astype(np.float32))
+    h = g.op("Relu", [g.op("Conv", ["x", w], kernel_shape=[3])])
+    g.op("Conv", [h, w1], kernel_shape=[1], outputs=["y"])
+    m = g.model([("x", ["b", 4, 10])], [("y", None)], check=False)
+    res = as_channels_last(m)
+    assert res.refusals == [] and _ops(res.model).count("Conv") == 1   # the 3-wide one stays
+    _same_outputs(m, res.model, {"x": rand([2, 4, 10])})
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(rank=st.integers(3, 5), widths=st.lists(st.integers(1, 20), min_size=2, max_size=5),
+       acts=st.lists(st.sampled_from(sorted(ACTS)), min_size=4, max_size=4), bias=st.booleans(),
+       pool=st.sampled_from([None, "ReduceMax", "ReduceMean", "ReduceSum"]), keep=st.integers(0, 1),
+       opset=st.sampled_from([13, 17, 18, 20]), axes_seed=st.integers(0, 1000))
+def test_property_rewrite_is_exact_on_stock_ort(rank, widths, acts, bias, pool, keep, opset, axes_seed):
+    rng = np.random.default_rng(axes_seed)
+    axes = sorted(rng.choice(rank, size=int(rng.integers(1, rank)), replace=False).tolist())
+    m = conv_model(widths, acts[:len(widths) - 2], rank=rank, bias=bias, opset=opset,
+                   pool=None if pool is None else (pool, axes, keep), seed=axes_seed)
+    res = as_channels_last(m)
+    assert _ops(res.model).count("Conv") == 0
+    x = rand([2, widths[0]] + [3, 2, 4][:rank - 2], seed=axes_seed)
+    _same_outputs(m, res.model, {"x": x})
+
+
+# -- torch exports, converted end to end (CPU-only plugin) --------------------------------------------
+
+torch = pytest.importorskip("torch")
+nn = torch.nn
+
+
+class PointNetFeat(nn.Module):
+    """PointNet's shared MLP and max pool (Qi et al. 2017): Conv1d(k=1) + BatchNorm1d + ReLU on [B, 3, N]."""
+
+    def __init__(self):
+        super().__init__()
+        layers = []
+        for i, (k, n) in enumerate(zip((3, 64, 128), (64, 128, 256))):
+            layers += [nn.Conv1d(k, n, 1), nn.BatchNorm1d(n)] + ([nn.ReLU()] if i < 2 else [])
+        self.mlp = nn.Sequential(*layers)
+        for bn in self.mlp:
+            if isinstance(bn, nn.BatchNorm1d):
+                bn.running_mean.uniform_(-0.2, 0.2)
+                bn.running_var.uniform_(0.5, 2.0)
+
+    def forward(self, x):
+        return torch.max(self.mlp(x), 2)[0]
+
+
+class ConvHead(nn.Module):
+    """A 1x1 Conv2d head on a feature map with SiLU, and its global average pool as a second output."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Conv2d(32, 48, 1), nn.SiLU(), nn.Conv2d(48, 5, 1, bias=False))
+
+    def forward(self, x):
+        y = self.net(x)
+        return y, y.mean(dim=(2, 3))
+
+
+def _export(module, x, path, dynamo):
+    dims = {0: "b"} | {k: f"s{k}" for k in range(2, x.dim())}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if dynamo:
+            dyn = {k: torch.export.Dim(v, min=2, max=4096) for k, v in dims.items()}
+            torch.onnx.export(module, (x,), str(path), dynamo=True, dynamic_shapes=({**dyn},), verbose=False)
+        else:
+            torch.onnx.export(module, (x,), str(path), dynamo=False, opset_version=17, input_names=["x"],
+                              dynamic_axes={"x": dims})
+    return path
+
+
+@pytest.mark.parametrize("dynamo", [False, True], ids=["torchscript", "dynamo"])
+@pytest.mark.parametrize("build", [PointNetFeat, ConvHead])
+def test_torch_pointwise_conv_models_convert(build, dynamo, tmp_path):
+    torch.manual_seed(0)
+    module = build().eval()
+    x = torch.randn(2, 3, 50) if build is PointNetFeat else torch.randn(2, 32, 6, 5)
+    src = _export(module, x, tmp_path / "m.onnx", dynamo)
+    res = onnx2fused.convert(src, tmp_path / "m.fused.onnx", cache_dir=tmp_path / "cache", with_cuda=False)
+    assert len(res.chains) == 1 and res.validation is not None and not res.validation.failures
+    assert any("pointwise Conv" in w for w in res.rewritten), res.rewritten
+    fused = onnx.load(str(tmp_path / "m.fused.onnx"))
+    assert [n.domain for n in fused.graph.node].count(DOMAIN) == 1
+    assert "Conv" not in _ops(fused) and _ops(fused).count("Transpose") == (1 if build is PointNetFeat else 2)
+    sess = plugin_session(fused, res.library_path)
+    xs = rand([3] + list(x.shape[1:-1]) + [x.shape[-1] + 7], seed=5)
+    with torch.no_grad():
+        want = module(torch.from_numpy(xs))
+    want = want if isinstance(want, tuple) else (want,)
+    for got, w in zip(sess.run(None, {sess.get_inputs()[0].name: xs}), want):
+        assert_close(got, w.numpy(), 1e-4)
