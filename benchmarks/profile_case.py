@@ -72,25 +72,34 @@ def _profile_model(model: Path, rows: int, out: Path, runs: int, stock: bool, ex
     dims = [d.dim_value if d.HasField("dim_value") else None for d in m.graph.input[0].type.tensor_type.shape.dim]
     shape = [d if d is not None else (rows if i == dims.index(None) else 1) for i, d in enumerate(dims)]
     dtype = torch.float16 if m.graph.input[0].type.tensor_type.elem_type == onnx.TensorProto.FLOAT16 else torch.float32
-    width_out = m.graph.output[0].type.tensor_type.shape.dim[-1].dim_value
+    out_dims = [d.dim_value if d.HasField("dim_value") else None for d in m.graph.output[0].type.tensor_type.shape.dim]
+    width_out = out_dims[-1]
+    # an output of another rank than the input (PointNet: [B, 3, N] -> [B, 40]): its own dims, the batch's
+    # symbolic one as the input's
+    out_shape = (None if len(out_dims) == len(dims) else
+                 [d if d is not None else (shape[dims.index(None)] if i == out_dims.index(None) else 1)
+                  for i, d in enumerate(out_dims)])
     fused, lib = bench.convert_model(model, out / model.stem, "fp16", with_cuda=True)
     so = ort.SessionOptions()
     so.register_custom_ops_library(str(lib))
     _profile(f"{model.name} fused", ort.InferenceSession(str(fused), so, providers=["CUDAExecutionProvider"]),
-             shape, width_out, dtype, runs, external, names=(m.graph.input[0].name, m.graph.output[0].name))
+             shape, width_out, dtype, runs, external, names=(m.graph.input[0].name, m.graph.output[0].name),
+             out_shape=out_shape)
     if stock:
         _profile(f"{model.name} stock", ort.InferenceSession(str(model), providers=["CUDAExecutionProvider"]),
-                 shape, width_out, dtype, runs, names=(m.graph.input[0].name, m.graph.output[0].name))
+                 shape, width_out, dtype, runs, names=(m.graph.input[0].name, m.graph.output[0].name),
+                 out_shape=out_shape)
     return 0
 
 
 def _profile(title: str, sess, shape: list, width_out: int, dtype, runs: int, external: bool = False,
-             names: tuple[str, str] = ("x", "y")) -> None:
+             names: tuple[str, str] = ("x", "y"), out_shape: list | None = None) -> None:
     """Print the GPU time per run of each kernel `sess` launches, `runs` runs under torch's profiler
-    (`external`: only run it `runs` times, for a profiler outside the process)."""
+    (`external`: only run it `runs` times, for a profiler outside the process). The output is
+    shape[:-1] + [width_out] unless `out_shape` is given."""
     np_type = np.float16 if dtype == torch.float16 else np.float32
     x = torch.randn(shape, device="cuda").to(dtype)
-    y = torch.empty(list(shape[:-1]) + [width_out], device="cuda", dtype=dtype)
+    y = torch.empty(out_shape or list(shape[:-1]) + [width_out], device="cuda", dtype=dtype)
     io = sess.io_binding()
     io.bind_input(names[0], "cuda", 0, np_type, list(x.shape), x.data_ptr())
     io.bind_output(names[1], "cuda", 0, np_type, list(y.shape), y.data_ptr())

@@ -102,7 +102,7 @@ CPU_ONLY_WHY = "CPU-only library: its kernels compute in fp32 (the label is for 
 
 def _chain_tensors(model, chains, cases) -> dict:
     """Each chain's input and output tensors on stock ORT over the validation inputs."""
-    names = list(dict.fromkeys(t for c in chains for t in (*c.input_tensors, c.output)))
+    names = list(dict.fromkeys(t for c in chains for t in (*c.input_tensors, c.rows_output)))
     return val.reference_tensors(model, names, cases)
 
 
@@ -121,7 +121,7 @@ def initial_precisions(model, chains, cases, with_cuda: bool, say) -> list[Preci
     except Exception as e:  # noqa: BLE001 - the model runs (cases exist) but not with its intermediates read out
         return [PrecisionChoice("fp16", f"default: the chains' tensors could not be read on stock ORT "
                                         f"({val._one_line(e)})") for _ in chains]
-    return [choose_precision(chain_layers(c), c.input_rows(ref), ref[c.output], range_check=True,
+    return [choose_precision(chain_layers(c), c.input_rows(ref), ref[c.rows_output], range_check=True,
                              tolerances=val.TOLERANCES, block=chain_block(c)) for c in chains]
 
 
@@ -133,7 +133,7 @@ def asked_precisions(model, chains, cases, precision: str, why: str) -> list[Pre
     if cases is not None:
         try:
             ref = _chain_tensors(model, chains, cases)
-            noises = [chain_noise(chain_layers(c), c.input_rows(ref), ref[c.output], chain_block(c)) for c in chains]
+            noises = [chain_noise(chain_layers(c), c.input_rows(ref), ref[c.rows_output], chain_block(c)) for c in chains]
         except Exception:  # noqa: BLE001 - as initial_precisions: then the plain tolerance
             pass
     return [PrecisionChoice(precision, why + noise_note(n, val.TOLERANCES), noise=n) for n in noises]

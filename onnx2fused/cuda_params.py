@@ -60,6 +60,7 @@ def spec_params(spec: MLPSpec) -> dict:
                         for i, l in enumerate(spec.layers)],
         "max_width": spec.widest_row,
         "skip": list(spec.skip), "skip_width": spec.skip_width,   # these layers read [x padded, the layer before's output]
+        "pool": spec.pool is not None,   # the last layer's output pooled over each group's rows (o2f_pool.cuh)
         **block_params(spec),   # a transformer block's norm in front and residual behind
     }
 

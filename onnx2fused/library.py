@@ -114,6 +114,25 @@ def skip_refusal(with_cuda: bool, chains=(), options: PlanOptions | None = None)
     return refused
 
 
+def pool_refusal(with_cuda: bool, chains=(), options: PlanOptions | None = None) -> dict[int, str]:
+    """Which chains leave the max pool behind them a stock op (passes/pool.py): {block_key(chain): reason}.
+    The CPU kernel (the plugin pools its rows), the resident and streamed mma.sync kernels and the fp32
+    CUDA kernel pool; the wgmma and wide designs do not, so a library with CUDA kernels keeps the pool
+    apart where neither mma.sync kernel plans the chain at fp16."""
+    if not with_cuda:
+        return {}
+    options = options or PlanOptions.from_env()
+    refused = {}
+    for chain in chains:
+        if not chain.pool:
+            continue
+        try:
+            make_plan(chain.to_spec("fp16"), options)
+        except (SpecError, ConversionError) as e:
+            refused[block_key(chain)] = f"no CUDA kernel takes the chain with its pool ({e}); CPU-only libraries fuse it"
+    return refused
+
+
 def fusion_refusals(with_cuda: bool, chains=(), options: PlanOptions | None = None) -> dict:
     """What a library with or without CUDA kernels cannot fuse, as find_chains' keyword arguments:
     `find_chains(model, **fusion_refusals(with_cuda, chains))`. `chains`: those found with everything
@@ -121,7 +140,8 @@ def fusion_refusals(with_cuda: bool, chains=(), options: PlanOptions | None = No
     does both steps."""
     return {"gated_refused": gated_refusal(with_cuda, chains, options),
             "block_refused": block_refusal(with_cuda, chains, options),
-            "skip_refused": skip_refusal(with_cuda, chains, options)}
+            "skip_refused": skip_refusal(with_cuda, chains, options),
+            "pool_refused": pool_refusal(with_cuda, chains, options)}
 
 
 def stock_where_faster(plan: FusionPlan, model=None) -> FusionPlan:
@@ -161,12 +181,21 @@ def find_fusions(model, with_cuda: bool, options: PlanOptions | None = None, sto
     options = options or PlanOptions.from_env()
     blocks: dict[int, str] = {}
     skips: dict[int, str] = {}
+    pools: dict[int, str] = {}
     gated = None
+
+    def again():
+        return find_chains(model, gated_refused=gated, block_refused=blocks, skip_refused=skips, pool_refused=pools)
     while True:
         more_skips = {k: v for k, v in skip_refusal(True, plan.chains, options).items() if k not in skips}
         if more_skips:
             skips.update(more_skips)
-            plan = find_chains(model, gated_refused=gated, block_refused=blocks, skip_refused=skips)
+            plan = again()
+            continue
+        more_pools = {k: v for k, v in pool_refusal(True, plan.chains, options).items() if k not in pools}
+        if more_pools:
+            pools.update(more_pools)
+            plan = again()
             continue
         more = {k: v for k, v in block_refusal(True, plan.chains, options).items() if k not in blocks}
         if not more and gated is None and any(c.to_spec("tf32").has_gated for c in plan.chains):
@@ -176,7 +205,7 @@ def find_fusions(model, with_cuda: bool, options: PlanOptions | None = None, sto
         elif not more:
             break
         blocks.update(more)
-        plan = find_chains(model, gated_refused=gated, block_refused=blocks, skip_refused=skips)
+        plan = again()
     # the BatchNorms on rank-2 rows no chain took, as Mul + Add where the model is fused at all
     if plan.chains and any(n.op_type == "BatchNormalization" for n in model.graph.node):
         plan.batchnorms = find_batchnorms(GraphIndex(model), {k for c in plan.chains for k in c.nodes})

@@ -24,6 +24,10 @@ rows of x a layer does not read are zero too: NeRF's view layer reads the view d
 reads). Several layers may; the name reads `..._skipJ` (`_skipJ_K`) after the activations; it adds to
 `key_text` only when present.
 
+`pool` "max" (PointNet's max pool over its points, passes/pool.py): the op's output is the maximum over the rows
+that share all but the last input dimension, [..., M, K0] -> [..., N_last] (ReduceMax over axis -2 of the
+chain's output); the name reads `..._poolmax` and it adds to `key_text` only when present.
+
 `act_math` says how an fp16 chain's hidden activations are computed on the GPU: "packed" (the default:
 the pre-activations rounded to fp16 and the activation evaluated in fp16x2 arithmetic, two elements an
 instruction, where expr.PACKED_FORMS has a form for it; the wgmma kernel rounds the accumulators and adds
@@ -53,6 +57,7 @@ OP_PREFIX = "FusedMLP"
 MAX_NAME = 96     # longer names (deep chains of many activations) are shortened to widths + layer count + hash
 SKIP_LAYERS_MAX = 64   # the plugin's registry holds a chain's skip layers as one 64-bit mask
 SKIP_ALIGN = 16   # a skip layer's x part: K0 rounded up to a k-step of the tensor cores (fp16/bf16 16, tf32 8)
+POOLS = ("max",)   # what a chain's output may be pooled by over axis -2 (passes/pool.py)
 SPEC_VERSION = 1  # bump when the meaning of a spec (and so of every generated kernel) changes
 
 
@@ -136,6 +141,7 @@ class MLPSpec:
     act_math: str = "packed"      # fp16 hidden layers: "packed" fp16x2 forms where one exists, or "fp32"
     skip: tuple[int, ...] = ()    # each layer j > 0 here reads [x padded to skip_width, layer j-1's output]
                                   # (an int j is taken as (j,), 0 as none)
+    pool: str | None = None       # "max": the output is the max over axis -2 of the last layer's (POOLS)
 
     def __post_init__(self):
         skip = (self.skip,) if isinstance(self.skip, int) else tuple(self.skip)
@@ -162,6 +168,10 @@ class MLPSpec:
         for i, layer in enumerate(self.layers):
             if layer.in_features < 1 or layer.out_features < 1:
                 raise SpecError(f"layer {i} has an empty dimension ({layer.in_features} -> {layer.out_features})")
+        if self.pool is not None and self.pool not in POOLS:
+            raise SpecError(f"unknown pool {self.pool!r}; choose one of {', '.join(POOLS)}")
+        if self.pool is not None and (self.residual or self.layers[-1].gated):
+            raise SpecError("a pool after a residual or a gated last layer is not supported")
         if self.residual and self.widths[0] != self.widths[-1]:
             raise SpecError(f"a residual adds the input row to the output: widths {self.widths[0]} and "
                             f"{self.widths[-1]} differ")
@@ -264,7 +274,7 @@ class MLPSpec:
             text = f"{self.norm.label} -> " + text
         if self.skip:
             text += f", x into layer{'s' if len(self.skip) > 1 else ''} {', '.join(map(str, self.skip))} (skip)"
-        return text + (" + residual" if self.residual else "")
+        return text + (" + residual" if self.residual else "") + (f", {self.pool} over rows" if self.pool else "")
 
     def key_text(self) -> str:
         """Everything that shapes the generated code, as canonical text."""
@@ -280,6 +290,8 @@ class MLPSpec:
             parts.append(f"skip:{','.join(map(str, self.skip))}")
         if self.act_math != "packed" and self.has_packable:
             parts.append(f"act:{self.act_math}")
+        if self.pool:
+            parts.append(f"pool:{self.pool}")
         return "|".join(parts)
 
     @property
@@ -300,6 +312,8 @@ class MLPSpec:
             acts += "_res"
         if self.skip:
             acts += "_skip" + "_".join(map(str, self.skip))
+        if self.pool:
+            acts += f"_pool{self.pool}"
         digest = hashlib.sha256(self.key_text().encode()).hexdigest()[:8]
         math = ACT_MATH_TAGS[self.act_math] if self.has_packable else ""
         name = f"{OP_PREFIX}_{widths}_{acts}_{self.precision}{math}_{self.io_dtype}_{digest}"

@@ -17,6 +17,9 @@ typedef void (*CpuFn)(const void* x, void* y, int64_t rows, const float* const* 
 typedef size_t (*CudaWorkspaceBytesFn)();
 typedef int (*CudaPackFn)(const float* const* w, const float* const* b, void* workspace, void* stream);
 typedef int (*CudaRunFn)(const void* x, void* y, int64_t rows, const void* workspace, void* stream);
+// A pooled spec's run (KernelEntry::pool): rows = groups * (rows per group) input rows -> y [groups, N_last].
+typedef int (*CudaRunPoolFn)(const void* x, void* y, int64_t rows, int64_t groups, const void* workspace,
+                             void* stream);
 
 struct KernelEntry {
   const char* name;               // op type in domain "onnx2fused" (= MLPSpec.name)
@@ -37,6 +40,8 @@ struct KernelEntry {
                                   // NS, NB [K0]), 0 (no norm in front)
   uint64_t skip_mask = 0;         // bit j: layer j (> 0) reads [x zero-padded to skip_width, the layer before's
   int skip_width = 0;             // output], its W [skip_width + N_{j-1}, N_j]; 0: no skip connection
+  int pool = 0;                   // 1: Y is the max over axis -2 of the chain's rows, X [..., M, K0] -> Y [..., N_last]
+  CudaRunPoolFn cuda_run_pool = nullptr;  // a pooled spec's CUDA run (cuda_run is null then)
 };
 
 // Defined by the generated registry.cc.

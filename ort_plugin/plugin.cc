@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <cstring>
 #include <exception>
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -82,6 +83,7 @@ struct Call {
   const void* x = nullptr;
   void* y = nullptr;
   int64_t rows = 0;
+  int64_t groups = 0;   // a pooled entry (KernelEntry::pool): Y's rows, each the max over rows / groups of X's
   std::vector<const float*> w, b;
 };
 
@@ -155,13 +157,63 @@ OrtStatusPtr Prepare(const KernelEntry& e, Ort::KernelContext& ctx, Call& call) 
   for (size_t d = 0; d + 1 < xshape.size(); ++d) rows *= xshape[d];
   std::vector<int64_t> yshape = xshape;
   yshape.back() = NL;
+  if (e.pool) {   // Y [..., N_last]: the max over X's axis -2
+    if (xshape.size() < 3) {
+      std::ostringstream s;
+      s << op << ": input X must have shape [..., rows, " << K0 << "] (rank >= 3: the op pools over axis -2), got "
+        << ShapeText(xshape);
+      return Error(ORT_INVALID_ARGUMENT, s.str());
+    }
+    yshape.erase(yshape.end() - 2);
+    call.groups = 1;
+    for (size_t d = 0; d + 2 < xshape.size(); ++d) call.groups *= xshape[d];
+  }
   Ort::UnownedValue Y = ctx.GetOutput(0, yshape);
   call.rows = rows;
-  if (rows > 0) {
-    call.x = X.GetTensorRawData();
-    call.y = Y.GetTensorMutableRawData();
-  }
+  if (rows > 0) call.x = X.GetTensorRawData();
+  if (rows > 0 || (e.pool && call.groups > 0)) call.y = Y.GetTensorMutableRawData();
   return nullptr;
+}
+
+// A pooled entry on the CPU: the chain's rows go to a buffer of their own (RowsForPool), then each group's
+// maximum to Y (PoolRows), NaN winning as in ONNX Runtime's ReduceMax; a group of no rows is -inf.
+struct RowsForPool {
+  void* pooled = nullptr;
+  std::vector<char> rows;
+  RowsForPool(const KernelEntry& e, Call& call) {
+    if (!e.pool) return;
+    pooled = call.y;
+    rows.resize(static_cast<size_t>(call.rows * e.widths[e.num_layers]) * (e.io_is_half ? 2 : 4));
+    call.y = rows.data();
+  }
+};
+
+inline bool HalfIsNan(uint16_t h) { return (h & 0x7fff) > 0x7c00; }
+inline uint16_t HalfOrder(uint16_t h) { return (h & 0x8000) ? static_cast<uint16_t>(~h) : static_cast<uint16_t>(h | 0x8000); }
+
+template <class T, class Raises>
+void PoolGroups(const T* in, T* out, int64_t rows, int64_t groups, int64_t n, T lowest, Raises raises) {
+  const int64_t per = groups ? rows / groups : 0;
+  for (int64_t g = 0; g < groups; ++g) {
+    T* o = out + g * n;
+    std::fill(o, o + n, lowest);
+    for (int64_t r = g * per; r < (g + 1) * per; ++r)
+      for (int64_t c = 0; c < n; ++c)
+        if (raises(in[r * n + c], o[c])) o[c] = in[r * n + c];
+  }
+}
+
+void PoolRows(const KernelEntry& e, const Call& call, void* pooled) {
+  const int64_t n = e.widths[e.num_layers];
+  if (e.io_is_half) {
+    PoolGroups(static_cast<const uint16_t*>(call.y), static_cast<uint16_t*>(pooled), call.rows, call.groups, n,
+               static_cast<uint16_t>(0xfc00), [](uint16_t v, uint16_t o) {
+                 return !HalfIsNan(o) && (HalfIsNan(v) || HalfOrder(v) > HalfOrder(o));
+               });
+  } else {
+    PoolGroups(static_cast<const float*>(call.y), static_cast<float*>(pooled), call.rows, call.groups, n,
+               -std::numeric_limits<float>::infinity(), [](float v, float o) { return v > o || (v != v && o == o); });
+  }
 }
 
 template <class F>
@@ -202,18 +254,23 @@ struct CpuKernel {
       Ort::KernelContext ctx(context);
       Call call;
       if (OrtStatusPtr st = Prepare(*e, ctx, call)) return st;
-      if (call.rows == 0) return nullptr;
-      const size_t elem = e->io_is_half ? 2 : 4;
-      CpuTask task{e, &call, e->rows_per_task > 0 ? e->rows_per_task : 64,
-                   elem * static_cast<size_t>(e->widths[0]), elem * static_cast<size_t>(e->widths[e->num_layers])};
-      const int64_t tasks = (call.rows + task.rows_per_task - 1) / task.rows_per_task;
-      if (tasks <= 1) {
-        RunCpuTask(&task, 0);
-      } else {
-        ctx.ParallelFor(&RunCpuTask, static_cast<size_t>(tasks), 0, &task);
-      }
+      RowsForPool pool(*e, call);
+      if (call.rows > 0) Run(call, ctx);
+      if (e->pool) PoolRows(*e, call, pool.pooled);
       return nullptr;
     });
+  }
+
+  void Run(Call& call, Ort::KernelContext& ctx) {
+    const size_t elem = e->io_is_half ? 2 : 4;
+    CpuTask task{e, &call, e->rows_per_task > 0 ? e->rows_per_task : 64,
+                 elem * static_cast<size_t>(e->widths[0]), elem * static_cast<size_t>(e->widths[e->num_layers])};
+    const int64_t tasks = (call.rows + task.rows_per_task - 1) / task.rows_per_task;
+    if (tasks <= 1) {
+      RunCpuTask(&task, 0);
+    } else {
+      ctx.ParallelFor(&RunCpuTask, static_cast<size_t>(tasks), 0, &task);
+    }
   }
 };
 
@@ -340,30 +397,36 @@ struct StockCpuKernel {
       Ort::KernelContext ctx(context);
       Call call;
       if (OrtStatusPtr st = Prepare(*e, ctx, call)) return st;
-      if (call.rows == 0) return nullptr;
-      // Equal tasks (300 rows on 2 threads: 150 + 150, not 256 + 44), each of at least kMinRowsPerTask
-      // rows, at most kMaxTasks of them and no more than the host has hardware threads (ORT's default
-      // pool size is its cores): each task is an inner Run of ~10 us, and a ViT image's 197 rows in 6
-      // tasks on a 2-core host cost 4 Runs more per node than in 2 (RESULTS.md, "lone linear layers on
-      // the CPU run their stock body").
-      static const int64_t hw = std::max<int64_t>(1, static_cast<int64_t>(std::thread::hardware_concurrency()));
-      const int64_t tasks = std::min<int64_t>(std::min<int64_t>(kMaxTasks, hw),
-                                              std::max<int64_t>(1, call.rows / kMinRowsPerTask));
-      const int64_t per = (call.rows + tasks - 1) / tasks;
-      if (tasks <= 1) {
-        RunRows(call, 0, call.rows);
-        return nullptr;
-      }
-      std::vector<OrtStatusPtr> errors(static_cast<size_t>(tasks), nullptr);
-      StockTask task{this, &call, per, errors.data()};
-      ctx.ParallelFor(&RunStockTask, static_cast<size_t>(tasks), 0, &task);
-      OrtStatusPtr first = nullptr;
-      for (OrtStatusPtr st : errors) {
-        if (st && !first) first = st;
-        else if (st) Ort::GetApi().ReleaseStatus(st);
-      }
-      return first;
+      RowsForPool pool(*e, call);
+      OrtStatusPtr st = call.rows > 0 ? RunAll(call, ctx) : nullptr;
+      if (!st && e->pool) PoolRows(*e, call, pool.pooled);
+      return st;
     });
+  }
+
+  OrtStatusPtr RunAll(Call& call, Ort::KernelContext& ctx) {
+    // Equal tasks (300 rows on 2 threads: 150 + 150, not 256 + 44), each of at least kMinRowsPerTask
+    // rows, at most kMaxTasks of them and no more than the host has hardware threads (ORT's default
+    // pool size is its cores): each task is an inner Run of ~10 us, and a ViT image's 197 rows in 6
+    // tasks on a 2-core host cost 4 Runs more per node than in 2 (RESULTS.md, "lone linear layers on
+    // the CPU run their stock body").
+    static const int64_t hw = std::max<int64_t>(1, static_cast<int64_t>(std::thread::hardware_concurrency()));
+    const int64_t tasks = std::min<int64_t>(std::min<int64_t>(kMaxTasks, hw),
+                                            std::max<int64_t>(1, call.rows / kMinRowsPerTask));
+    const int64_t per = (call.rows + tasks - 1) / tasks;
+    if (tasks <= 1) {
+      RunRows(call, 0, call.rows);
+      return nullptr;
+    }
+    std::vector<OrtStatusPtr> errors(static_cast<size_t>(tasks), nullptr);
+    StockTask task{this, &call, per, errors.data()};
+    ctx.ParallelFor(&RunStockTask, static_cast<size_t>(tasks), 0, &task);
+    OrtStatusPtr first = nullptr;
+    for (OrtStatusPtr st : errors) {
+      if (st && !first) first = st;
+      else if (st) Ort::GetApi().ReleaseStatus(st);
+    }
+    return first;
   }
 };
 
@@ -426,7 +489,7 @@ struct CudaKernel {
       Ort::KernelContext ctx(context);
       Call call;
       if (OrtStatusPtr st = Prepare(*e, ctx, call)) return st;
-      if (call.rows == 0) return nullptr;
+      if (call.rows == 0 && !(e->pool && call.groups > 0)) return nullptr;   // (a pool of no rows: -inf)
       cudaStream_t stream = static_cast<cudaStream_t>(ctx.GetGPUComputeStream());
       int dev = 0;
       int rc = cudaGetDevice(&dev);
@@ -477,7 +540,8 @@ struct CudaKernel {
         rc = cudaStreamWaitEvent(stream, s.packed, 0);
         if (rc) return CudaError(*e, "cudaStreamWaitEvent", rc);
       }
-      rc = e->cuda_run(call.x, call.y, call.rows, s.workspace, stream);
+      rc = e->pool ? e->cuda_run_pool(call.x, call.y, call.rows, call.groups, s.workspace, stream)
+                   : e->cuda_run(call.x, call.y, call.rows, s.workspace, stream);
       if (rc) return CudaError(*e, "the kernel launch", rc);
       if (record) {
         rc = cudaEventRecord(s.last_run, stream);

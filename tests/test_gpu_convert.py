@@ -515,8 +515,9 @@ def test_resnet_tabular_blocks_on_cuda_ep(cache, tmp_path):
 @pytest.mark.parametrize("dynamo", [False, True], ids=["torchscript", "dynamo"])
 def test_pointnet_on_cuda_ep(dynamo, cache, tmp_path):
     """PointNet's classifier (benchmarks/pointnet.py): its five pointwise Conv1d one chain over channels-last
-    rows (passes/pointwise_conv.py; the max pool reads them), its head a second chain; converted with
-    defaults, matching stock on the CUDA EP at 1, 3 and 37 clouds of 1024 points."""
+    rows (passes/pointwise_conv.py) with the max pool behind them (passes/pool.py: the streamed kernel's
+    epilogue raises each cloud's maxima), its head a second chain; converted with defaults, matching stock
+    on the CUDA EP at 1, 3 and 37 clouds of 1024 points."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from pointnet import PointNetCls, export
     torch.manual_seed(4)
@@ -525,7 +526,8 @@ def test_pointnet_on_cuda_ep(dynamo, cache, tmp_path):
                          lambda rng: {"x": rng.standard_normal((37, 3, 1024)).astype(np.float32)})
     assert [list(c.widths) for c in res.chains] == [[3, 64, 64, 64, 128, 1024], [1024, 512, 256, 40]]
     fused = onnx.load(str(res.output_path))
-    assert [n.op_type for n in fused.graph.node if n.domain != DOMAIN] == ["Transpose", "ReduceMax"]
+    assert [n.op_type for n in fused.graph.node if n.domain != DOMAIN] == ["Transpose"]
+    assert "_poolmax_" in res.chains[0].name
     sess = session(res.output_path, res.library_path, ["CUDAExecutionProvider", "CPUExecutionProvider"])
     rng = np.random.default_rng(8)
     for clouds in (1, 3):
@@ -547,3 +549,31 @@ def test_pointwise_conv2d_head_on_cuda_ep(cache, tmp_path):
     feeds = {"x": np.random.default_rng(3).standard_normal((1, 32, 7, 3)).astype(np.float32)}
     for got, ref in zip(sess.run(None, feeds), stock(src, feeds)):
         assert rel_l2(got, ref) <= TOL[res.chains[0].precision]
+
+
+@pytest.mark.parametrize("design,precision,io", [("resident", "fp16", "f32"), ("streamed", "fp16", "f32"),
+                                                 ("streamed", "bf16", "f16"), ("auto", "fp32", "f32"),
+                                                 ("resident", "tf32", "f16")])
+def test_pooled_chain_on_cuda_ep(design, precision, io, cache, tmp_path, monkeypatch):
+    """A chain with the max pool behind it (test_pool.pooled_mlp: [b, c, m, 6] -> 16 -> 24 -> 5, then
+    ReduceMax over m) in each design that pools, at groups of 37 rows (a warp's rows straddle two groups),
+    1 row, 300 rows and 0 rows (-inf), float32 and float16 I/O, against stock ORT on the CPU EP."""
+    from test_pool import pooled_mlp
+    from onnx_builders import F16
+    monkeypatch.setenv("ONNX2FUSED_CUDA_DESIGN", design)
+    m = pooled_mlp([6, 16, 24, 5], rank=4, elem=F16 if io == "f16" else None)
+    src = tmp_path / "pooled.onnx"
+    onnx.save(m, str(src))
+    res = onnx2fused.convert(src, tmp_path / "m.onnx", precision=precision, cache_dir=cache)
+    assert "_poolmax_" in res.chains[0].name and res.validation.provider == "CUDAExecutionProvider"
+    sess = session(res.output_path, res.library_path, ["CUDAExecutionProvider", "CPUExecutionProvider"])
+    rng = np.random.default_rng(4)
+    dtype = np.float16 if io == "f16" else np.float32
+    for shape in ((3, 5, 37, 6), (2, 2, 1, 6), (1, 3, 300, 6), (2, 1, 0, 6)):
+        feeds = {"x": rng.standard_normal(shape).astype(dtype)}
+        got, ref = sess.run(None, feeds)[0], stock(src, feeds)[0]
+        assert got.shape == ref.shape == (shape[0], shape[1], 5)
+        if shape[2] == 0:
+            assert np.isneginf(got).all()
+        else:
+            assert rel_l2(got, ref) <= max(TOL[precision], 2e-3 if io == "f16" else 0), shape

@@ -57,6 +57,7 @@ from .gated import fed_node, find_gated
 from .head_fold import HeadFold, apply_head, carry_fits, carry_mode, head_candidate, input_parts, last_activation
 from .input_affine import InputAffine, match_input_affine
 from .linear import LinearLayer, LinearRefusal, is_linear_node, match_linear
+from .pool import PoolMatch, match_pool
 from .regroup import reads_removed, regroup_ends, shape_feeders
 from .sincos import match_sincos, sincos_activation, widen
 from .skip_merge import merge_skips
@@ -97,6 +98,13 @@ class Chain:
     concat_edit: object = None     # ... and the Concat that then reads `tensor` (concat_fold.ConcatEdit)
     head: str = ""                 # a head that rides the chain into its output Concat (head_fold.py)
     joined: bool = False           # two chains joined through a piece of their input (skip_merge.py)
+    pool: str = ""                 # "max": the op writes the max over axis -2 of its rows (pool.py) ...
+    pool_input: str = ""           # ... which the model holds in this tensor (the ReduceMax's input)
+
+    @property
+    def rows_output(self) -> str:
+        """The tensor that holds the last layer's output rows (the pool's input, where the chain pools)."""
+        return self.pool_input or self.output
 
     def input_rows(self, ref: Mapping[str, list]) -> list:
         """The rows the fused op reads in each case, from the model's tensors `ref` ({name: one array a
@@ -125,7 +133,8 @@ class Chain:
         return MLPSpec(tuple(LayerSpec(l.linear.in_features, l.out_features, l.linear.has_bias, l.activation,
                                        gated=l.gated)
                              for l in self.layers), precision=precision, io_dtype=self.input_dtype,
-                       norm=norm, residual=self.residual, act_math=act_math, skip=self.skip)
+                       norm=norm, residual=self.residual, act_math=act_math, skip=self.skip,
+                       pool=self.pool or None)
 
     def activation_labels(self) -> list[str]:
         """Each layer's activation as reports print it (`gated silu`: a gated layer's gate activation)."""
@@ -139,7 +148,8 @@ class Chain:
             + ([f"the input joins layer{'s' if len(self.skip) > 1 else ''} {', '.join(str(j + 1) for j in self.skip)} "
                 f"(skip Concat{'s' if len(self.skip) > 1 else ''})"] if self.skip else []) \
             + (["two chains joined through pieces of the input"] if self.joined else []) \
-            + ([f"head {self.head} rides it into its output Concat"] if self.head else [])
+            + ([f"head {self.head} rides it into its output Concat"] if self.head else []) \
+            + ([f"the ReduceMax behind it ({self.pool} over the rows, axis -2)"] if self.pool else [])
 
     def describe(self) -> str:
         acts = ", ".join(self.activation_labels())
@@ -369,23 +379,26 @@ def _first_node(linear: LinearLayer) -> int:
 
 def find_chains(model: onnx.ModelProto, gated_refused: str | None = None,
                 block_refused: Mapping[int, str] | str | None = None,
-                skip_refused: Mapping[int, str] | None = None) -> FusionPlan:
+                skip_refused: Mapping[int, str] | None = None,
+                pool_refused: Mapping[int, str] | None = None) -> FusionPlan:
     """The chains of `model` and why the rest is not fused. `gated_refused`: None, gated layers fuse;
     else the reason they do not (library.gated_refusal: a library with CUDA kernels). `block_refused`:
     the same for a norm in front and a residual behind, per chain ({block_key: reason}, a template with
     `{what}`: library.block_refusal, spec.BLOCK_NO_CUDA), or one reason for every chain. `skip_refused`:
-    the chains ({block_key: reason}) that end at their skip Concat (library.skip_refusal)."""
+    the chains ({block_key: reason}) that end at their skip Concat (library.skip_refusal). `pool_refused`:
+    the same for the chains that leave the max pool behind them a stock op (library.pool_refusal)."""
     ix = GraphIndex(model)
     strict: set[int] = set()
     while True:
-        plan, broken = _find_chains(ix, gated_refused, block_refused, strict, skip_refused)
+        plan, broken = _find_chains(ix, gated_refused, block_refused, strict, skip_refused, pool_refused)
         if not broken:
             return plan
         strict |= broken
 
 
 def _find_chains(ix: GraphIndex, gated_refused: str | None, block_refused: Mapping[int, str] | str | None,
-                 strict: set[int], skip_refused: Mapping[int, str] | None = None) -> tuple[FusionPlan, set[int]]:
+                 strict: set[int], skip_refused: Mapping[int, str] | None = None,
+                 pool_refused: Mapping[int, str] | None = None) -> tuple[FusionPlan, set[int]]:
     """find_chains with the layers `strict` matching their activations strictly (match_activation):
     the plan, and the layers of chains that would leave a Shape node reading a tensor they remove
     (empty: the plan is final). Such a chain whose layers were strict already is refused instead."""
@@ -566,6 +579,20 @@ def _find_chains(ix: GraphIndex, gated_refused: str | None, block_refused: Mappi
             idx += list(head.node_indices) + [head.concat]
             out_t = head.output
             ends.pop(last.start, None)
+        pool, pool_input = None, ""
+        if block.residual is None and head is None and regrouped is None and not last.gated:
+            pool = match_pool(ix, out_t)
+            refused_pool = (pool_refused or {}).get(_first_node(first))
+            if isinstance(pool, PoolMatch) and refused_pool is not None:
+                ends[last.start] = f"feeds {ix.describe(pool.node)}: {refused_pool}"
+                pool = None
+            elif isinstance(pool, str):
+                ends[last.start] = f"feeds {pool}"
+                pool = None
+        if pool is not None:   # the op writes the max over its rows (pool.py)
+            idx.append(pool.node)
+            pool_input, out_t = out_t, pool.output
+            ends.pop(last.start, None)
         for k in skips:
             idx += seq[k].skip.nodes
         if fold is not None:
@@ -602,7 +629,7 @@ def _find_chains(ix: GraphIndex, gated_refused: str | None, block_refused: Mappi
                       ConcatEdit(ix.keys[fold.concat], fold.position, fold.folded.input, ix.keys[folded_start])
                       if fold is not None else None,
                       f"'{head.head.nodes[0]}' ({head.head.in_features} -> {head.head.out_features})"
-                      if head is not None else "")
+                      if head is not None else "", pool=pool.kind if pool is not None else "", pool_input=pool_input)
         plan.chains.append(chain)
         if start_reason:
             plan.refusals.append(Refusal(ix.keys[min(first.node_indices)],

@@ -113,8 +113,9 @@ class OnnxEmitter:
         return out
 
 
-def make_fallback_function(spec: MLPSpec, opset: int) -> onnx.FunctionProto:
-    """The stock-ONNX body of the fused op `spec.name` (float32 math, like the kernels)."""
+def make_fallback_function(spec: MLPSpec, opset: int, with_pool: bool = True) -> onnx.FunctionProto:
+    """The stock-ONNX body of the fused op `spec.name` (float32 math, like the kernels). `with_pool`
+    False: a pooled spec's rows before the pool (the plugin's CPU path pools them itself)."""
     em = OnnxEmitter("t", opset)
     inputs = op_input_names(spec)
     h = "X"
@@ -143,6 +144,12 @@ def make_fallback_function(spec: MLPSpec, opset: int) -> onnx.FunctionProto:
             h = em.emit(layer.activation, a)
     if spec.residual:
         h = em.node("Add", [h, block_in])
+    if spec.pool and with_pool:   # the max over axis -2 (pool.py), before rounding: rounding is monotonic
+        if opset >= 18:
+            axes = em.node("Constant", [], value=numpy_helper.from_array(np.array([-2], np.int64), "value"))
+            h = em.node("ReduceMax", [h, axes], keepdims=0)
+        else:
+            h = em.node("ReduceMax", [h], axes=[-2], keepdims=0)
     if spec.io_dtype == "f16":
         em.nodes.append(helper.make_node("Cast", [h], ["Y"], name="cast_out", to=TensorProto.FLOAT16))
     else:
@@ -211,7 +218,7 @@ def make_stock_model(spec: MLPSpec, opset: int, ir_version: int) -> bytes:
     the node's constant inputs for them when it opens the session (AddExternalInitializers), so the outer
     model holds the weights once, and the inner session optimises and prepacks them as constants.
     """
-    fn = make_fallback_function(spec, opset)
+    fn = make_fallback_function(spec, opset, with_pool=False)   # rows in, rows out: the plugin pools
     io = TensorProto.FLOAT16 if spec.io_dtype == "f16" else TensorProto.FLOAT
     params = []
     for i, layer in enumerate(spec.layers):

@@ -136,7 +136,8 @@ def merge_skips(ix: GraphIndex, chains: list, skip_refused: Mapping[int, str] | 
         if ia is None or ia == ib or ia in gone or ib in gone:
             continue
         a = chains[ia]
-        if (a.norm or a.residual or a.input_map or a.head or a.input_edit or any(l.gated for l in a.layers + b.layers)
+        if (a.norm or a.residual or a.input_map or a.head or a.input_edit or a.pool or b.pool
+                or any(l.gated for l in a.layers + b.layers)
                 or a.input_dtype != b.input_dtype or len(a.layers) >= SKIP_LAYERS_MAX):
             continue
         if skip_refused and join_key(key(a)) in skip_refused:

@@ -48,10 +48,11 @@ def make_plan(spec: MLPSpec, options: PlanOptions = DEFAULT_OPTIONS, wide_option
         streamed, streamed_error = fused.streamed_plan(spec, smem, **options.streamed.given()), None
     except SpecError as e:
         streamed, streamed_error = None, e
-    wide_why = wide.wide_reason_refused(spec) or options.wide_unavailable or None
+    wide_why = (wide.wide_reason_refused(spec) or options.wide_unavailable
+                or ("the wide design has no pool over rows" if spec.pool else None))
     forced = options.design
     fallback = resident if resident is not None else streamed   # the wgmma plan's kernel for other GPUs
-    if forced == "wgmma" or (forced == "auto" and options.wgmma):
+    if spec.pool is None and (forced == "wgmma" or (forced == "auto" and options.wgmma)):   # (no pool in wgmma)
         plan = _wgmma(spec, fallback, smem, forced == "wgmma", options.wgmma_overrides.given())
         if plan is not None:
             return plan

@@ -1,0 +1,50 @@
+"""A max pool over the rows behind a chain, taken into its fused op (PointNet's max over its points).
+
+    ReduceMax(chain output [..., M, N], axes=[-2], keepdims=0) -> [..., N]
+
+A chain whose output only a ReduceMax over its second-to-last axis reads (after passes/pointwise_conv.py,
+PointNet's shared MLP over [B, N points, C] rows followed by its global max pool) writes the pooled
+[..., N] directly: the widest tensor of such models (B x N x 1024) is never stored. The op's output is
+then the ReduceMax's (spec.pool "max"; the kernels raise each group's maxima, templates/o2f_pool.cuh).
+Anything else (keepdims, another axis, other readers, a mean) stays a stock op after the chain.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .constants import GraphIndex
+
+
+@dataclass
+class PoolMatch:
+    node: int        # the ReduceMax
+    output: str      # its output: the fused op's
+    kind: str = "max"
+
+
+def match_pool(ix: GraphIndex, t: str) -> PoolMatch | str | None:
+    """The ReduceMax over axis -2 of `t` (keepdims 0) that is t's only reader; a one-line reason where t's
+    only reader is a ReduceMax that does not qualify; None where it is not a ReduceMax at all."""
+    users = ix.users(t)
+    if len(users) != 1 or t in ix.graph_outputs:
+        return None
+    i = users[0]
+    n = ix.node(i)
+    if n.op_type != "ReduceMax" or n.domain not in ("", "ai.onnx") or n.input[0] != t:
+        return None
+    rank = ix.rank(t)
+    if rank is None or rank < 3:
+        return f"{ix.describe(i)}: the rank of '{t}' is {rank or 'unknown'}; a pool over rows needs [..., rows, features]"
+    if ix.attr(i, "keepdims", 1):
+        return f"{ix.describe(i)}: keepdims=1 (the fused pool drops the pooled axis)"
+    if len(n.input) > 1 and n.input[1]:
+        axes = ix.const(n.input[1])
+        if axes is None:
+            return f"{ix.describe(i)}: its axes are computed at run time"
+        axes = [int(a) for a in axes.reshape(-1)]
+    else:
+        axes = ix.attr(i, "axes")
+        axes = None if axes is None else [int(a) for a in axes]
+    if not axes or [a % rank for a in axes] != [rank - 2]:
+        return f"{ix.describe(i)}: pools axes {axes if axes else 'all'}, not the rows' axis {rank - 2} alone"
+    return PoolMatch(i, n.output[0])

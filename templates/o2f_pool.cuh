@@ -1,0 +1,46 @@
+// o2f_pool.cuh: a chain's max pool over the rows of each group (MLPSpec.pool "max": PointNet's max over its
+// points). The op's output y [groups, N] starts at -inf (pool_fill) and each kernel raises its entries with
+// o2f_atomic_max: a compare-and-swap that leaves as soon as the entry is already at least the value, so once
+// a group's maxima settle the kernel only reads them. NaN wins (as ONNX Runtime's ReduceMax propagates it).
+// Static device code included inside the generated kernel's anonymous namespace, after io_t.
+#pragma once
+
+__device__ __forceinline__ bool o2f_raises(float v, float old) { return v > old || (v != v && old == old); }
+
+__device__ __forceinline__ void o2f_atomic_max(float* p, float v) {
+  unsigned* a = reinterpret_cast<unsigned*>(p);
+  unsigned old = *reinterpret_cast<volatile unsigned*>(a);   // maxima only grow: a stale read errs low
+  while (o2f_raises(v, __uint_as_float(old))) {
+    const unsigned seen = atomicCAS(a, old, __float_as_uint(v));
+    if (seen == old) return;
+    old = seen;
+  }
+}
+
+__device__ __forceinline__ void o2f_atomic_max(__half* p, float vf) {
+  const __half v = __float2half_rn(vf);   // rounding is monotonic: the max of the rounded values
+  const float vr = __half2float(v);
+  unsigned short* a = reinterpret_cast<unsigned short*>(p);
+  unsigned short old = *reinterpret_cast<volatile unsigned short*>(a);
+  while (o2f_raises(vr, __half2float(__ushort_as_half(old)))) {
+    const unsigned short seen = atomicCAS(a, old, __half_as_ushort(v));
+    if (seen == old) return;
+    old = seen;
+  }
+}
+
+__device__ __forceinline__ float o2f_max_nan(float a, float b) { return o2f_raises(b, a) ? b : a; }
+
+// y[0, n) = -inf: the max of no rows (ONNX's ReduceMax of an empty axis), and where every pool starts.
+__global__ void pool_fill(io_t* __restrict__ y, int64_t n) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    o2f_store(y + i, -INFINITY);
+}
+
+inline cudaError_t pool_start(io_t* y, int64_t n, cudaStream_t s) {
+  if (n <= 0) return cudaSuccess;
+  const int64_t blocks = (n + 255) / 256;
+  pool_fill<<<static_cast<int>(blocks < 1024 ? blocks : 1024), 256, 0, s>>>(y, n);
+  return cudaGetLastError();
+}

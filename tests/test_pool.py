@@ -1,0 +1,117 @@
+"""A max pool over the rows taken into the chain in front of it (passes/pool.py, spec.pool): which
+ReduceMax nodes it takes and why it leaves the others, and the fused op's three CPU paths against stock ORT:
+the model-local function (no plugin), the generated C++ kernel and the stock body (the plugin pooling their
+rows), at groups of 1, 37 and 0 rows, float32 and float16."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+
+from onnx2fused.library import build_plugin
+from onnx2fused.passes import find_chains, rewrite
+from onnx_builders import F16, G, assert_close, plugin_session, rand, run
+
+
+def pooled_mlp(widths, axes=(-2,), keepdims=0, opset=17, rank=3, elem=None, extra_reader=False, seed=0):
+    """x [b, m, K0] (rank 3; rank 4: [b, c, m, K0]) -> linear + ReLU ... linear -> ReduceMax(axes) -> y."""
+    g = G(opset=opset, seed=seed)
+    dtype = np.float16 if elem == F16 else np.float32
+    h = "x"
+    for i, (k, n) in enumerate(zip(widths, widths[1:])):
+        h = g.linear(h, k, n, kind="matmul", name=f"fc{i}", dtype=dtype)
+        if i < len(widths) - 2:
+            h = g.op("Relu", [h])
+    outs = [("y", None)]
+    if extra_reader:
+        g.op("Identity", [h], outputs=["rows"])
+        outs.append(("rows", None))
+    ins = [h] + ([g.init(np.array(axes, dtype=np.int64))] if opset >= 18 else [])
+    attrs = {"keepdims": keepdims} | ({} if opset >= 18 else {"axes": list(axes)})
+    g.op("ReduceMax", ins, outputs=["y"], name="pool", **attrs)
+    lead = ["b", "m"] if rank == 3 else ["b", "c", "m"]
+    kw = {"elem": elem} if elem is not None else {}
+    return g.model([("x", lead + [widths[0]])], outs, check=False, **kw)
+
+
+@pytest.mark.parametrize("opset,axes", [(17, (-2,)), (17, (1,)), (18, (-2,)), (20, (1,))])
+def test_the_pool_joins_the_chain(opset, axes):
+    m = pooled_mlp([6, 16, 5], axes=axes, opset=opset)
+    plan = find_chains(m)
+    (chain,) = plan.chains
+    assert chain.pool == "max" and chain.output == "y" and chain.rows_output != "y"
+    assert "_poolmax_" in chain.to_spec("fp32").name and plan.refusals == []
+    fused = rewrite(m, plan, [chain.to_spec("fp32")])
+    assert [n.op_type for n in fused.graph.node] == [chain.to_spec("fp32").name]
+    for shape in ([2, 37, 6], [3, 1, 6]):   # the function inlined: its ReduceMax over axis -2
+        x = rand(shape)
+        assert_close(run(fused, {"x": x})[0], run(m, {"x": x})[0], 1e-5)
+    empty = run(fused, {"x": rand([1, 0, 6])})[0]   # the max of no rows
+    assert empty.shape == (1, 5) and np.isneginf(empty).all()
+
+
+@pytest.mark.parametrize("kw,why", [
+    (dict(keepdims=1), "keepdims=1"),
+    (dict(axes=(-1,)), "pools axes [-1], not the rows' axis 1 alone"),
+    (dict(axes=(0, 1)), "pools axes [0, 1]"),
+])
+def test_other_reducemax_stay_stock_and_say_why(kw, why):
+    m = pooled_mlp([6, 16, 5], **kw)
+    plan = find_chains(m)
+    (chain,) = plan.chains
+    assert chain.pool == "" and chain.output != "y"
+    assert any(r.reason.startswith("chain 0 ends: ") and why in r.reason for r in plan.refusals), plan.describe()
+
+
+def test_a_second_reader_keeps_the_rows():
+    plan = find_chains(pooled_mlp([6, 16, 5], extra_reader=True))
+    assert plan.chains[0].pool == ""
+
+
+@pytest.mark.parametrize("elem", [None, F16], ids=["f32", "f16"])
+@pytest.mark.parametrize("widths", [[6, 16, 5], [40, 600, 600, 7]], ids=["cpu_kernel", "stock_body"])
+def test_cpu_paths_pool_like_stock(widths, elem, tmp_path):
+    """[6, 16, 5]: the generated C++ kernel; 40 -> 600 -> 600 -> 7 (1.5 MiB of weights): the CPU policy
+    runs the stock body in the plugin. Both pool their rows in the plugin; fused nodes only (no function)."""
+    m = pooled_mlp(widths, elem=elem, rank=4)
+    plan = find_chains(m)
+    specs = [c.to_spec("fp32") for c in plan.chains]
+    assert specs[0].pool == "max"
+    lib = build_plugin(specs, with_cuda=False, cache_dir=tmp_path)
+    fused = rewrite(m, plan, specs)
+    del fused.functions[:]   # the plugin must run the node
+    sess = plugin_session(fused, lib.path)
+    dtype = np.float16 if elem == F16 else np.float32
+    for shape in ([2, 3, 37, widths[0]], [1, 2, 1, widths[0]], [2, 1, 0, widths[0]], [0, 2, 5, widths[0]]):
+        x = rand(shape, scale=1.0, dtype=dtype)
+        got, ref = sess.run(None, {"x": x})[0], run(m, {"x": x})[0]
+        assert got.shape == ref.shape == tuple(shape[:2] + [widths[-1]])
+        if ref.size:
+            assert np.array_equal(np.isneginf(got), np.isneginf(ref))
+            finite = np.isfinite(ref)
+            assert_close(got[finite].astype(np.float32), ref[finite].astype(np.float32), 2e-3 if elem else 1e-5)
+
+
+def test_plugin_rejects_rank2_input_to_a_pooled_op(tmp_path):
+    m = pooled_mlp([6, 16, 5])
+    plan = find_chains(m)
+    specs = [c.to_spec("fp32") for c in plan.chains]
+    lib = build_plugin(specs, with_cuda=False, cache_dir=tmp_path)
+    fused = rewrite(m, plan, specs)
+    del fused.functions[:]
+    fused.graph.input[0].type.tensor_type.shape.ClearField("dim")
+    sess = plugin_session(fused, lib.path)
+    with pytest.raises(Exception, match=r"rank >= 3: the op pools over axis -2"):
+        sess.run(None, {"x": rand([4, 6])})
+
+
+def test_spec_refuses_a_pool_with_a_residual():
+    from onnx2fused.spec import LayerSpec, MLPSpec, SpecError
+    from onnx2fused import expr as ex
+    layers = (LayerSpec(8, 8, True, ex.identity()),)
+    assert MLPSpec(layers, pool="max").name.count("_poolmax_") == 1
+    with pytest.raises(SpecError, match="pool after a residual"):
+        MLPSpec(layers, residual=True, pool="max")
+    with pytest.raises(SpecError, match="unknown pool"):
+        MLPSpec(layers, pool="mean")
+    assert onnx is not None
