@@ -629,7 +629,7 @@ Registry& TheRegistry() {
         reg->stock_cpu_ops.emplace_back(new FusedOp<StockCpuKernel>(e, "CPUExecutionProvider"));
       }
 #ifdef ONNX2FUSED_WITH_CUDA
-      if (e->cuda_run) reg->cuda_ops.emplace_back(new FusedOp<CudaKernel>(e, "CUDAExecutionProvider"));
+      if (e->cuda_run || e->cuda_run_pool) reg->cuda_ops.emplace_back(new FusedOp<CudaKernel>(e, "CUDAExecutionProvider"));
 #endif
     }
     return reg;

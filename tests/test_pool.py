@@ -22,16 +22,16 @@ def pooled_mlp(widths, axes=(-2,), keepdims=0, opset=17, rank=3, elem=None, extr
         h = g.linear(h, k, n, kind="matmul", name=f"fc{i}", dtype=dtype)
         if i < len(widths) - 2:
             h = g.op("Relu", [h])
-    outs = [("y", None)]
+    lead = ["b", "m"] if rank == 3 else ["b", "c", "m"]
+    outs = [("y", lead[:-1] + [widths[-1]] if keepdims == 0 and list(axes) in ([-2], [rank - 2]) else None)]
     if extra_reader:
         g.op("Identity", [h], outputs=["rows"])
-        outs.append(("rows", None))
+        outs.append(("rows", lead + [widths[-1]]))
     ins = [h] + ([g.init(np.array(axes, dtype=np.int64))] if opset >= 18 else [])
     attrs = {"keepdims": keepdims} | ({} if opset >= 18 else {"axes": list(axes)})
     g.op("ReduceMax", ins, outputs=["y"], name="pool", **attrs)
-    lead = ["b", "m"] if rank == 3 else ["b", "c", "m"]
     kw = {"elem": elem} if elem is not None else {}
-    return g.model([("x", lead + [widths[0]])], outs, check=False, **kw)
+    return g.model([("x", lead + [widths[0]])], outs, check=outs[0][1] is not None, **kw)
 
 
 @pytest.mark.parametrize("opset,axes", [(17, (-2,)), (17, (1,)), (18, (-2,)), (20, (1,))])
