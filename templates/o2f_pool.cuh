@@ -1,20 +1,20 @@
 // o2f_pool.cuh: a chain's max pool over the rows of each group (MLPSpec.pool "max": PointNet's max over its
 // points). The op's output y [groups, N] starts at -inf (pool_fill) and each kernel raises its entries with
-// o2f_atomic_max: a compare-and-swap that leaves as soon as the entry is already at least the value, so once
-// a group's maxima settle the kernel only reads them. NaN wins (as ONNX Runtime's ReduceMax propagates it).
+// o2f_atomic_max: float entries by one integer atomic; half entries by a compare-and-swap that leaves as soon
+// as the entry is already at least the value. NaN wins (as ONNX Runtime's CUDA ReduceMax propagates it).
 // Static device code included inside the generated kernel's anonymous namespace, after io_t.
 #pragma once
 
 __device__ __forceinline__ bool o2f_raises(float v, float old) { return v > old || (v != v && old == old); }
 
+// A float's bits order like the float as a signed int where it is positive, and in reverse as an unsigned
+// int where it is negative (sign bit set): one fire-and-forget atomic (RED.MAX / RED.MIN, no value waited
+// for) raises the entry from any start, -inf included. NaN goes in as the positive quiet NaN, which then
+// beats every number either way.
 __device__ __forceinline__ void o2f_atomic_max(float* p, float v) {
-  unsigned* a = reinterpret_cast<unsigned*>(p);
-  unsigned old = *reinterpret_cast<volatile unsigned*>(a);   // maxima only grow: a stale read errs low
-  while (o2f_raises(v, __uint_as_float(old))) {
-    const unsigned seen = atomicCAS(a, old, __float_as_uint(v));
-    if (seen == old) return;
-    old = seen;
-  }
+  if (v != v) v = __uint_as_float(0x7fc00000u);
+  if (!signbit(v)) atomicMax(reinterpret_cast<int*>(p), __float_as_int(v));
+  else atomicMin(reinterpret_cast<unsigned*>(p), __float_as_uint(v));
 }
 
 __device__ __forceinline__ void o2f_atomic_max(__half* p, float vf) {

@@ -569,11 +569,11 @@ def test_pooled_chain_on_cuda_ep(design, precision, io, cache, tmp_path, monkeyp
     sess = session(res.output_path, res.library_path, ["CUDAExecutionProvider", "CPUExecutionProvider"])
     rng = np.random.default_rng(4)
     dtype = np.float16 if io == "f16" else np.float32
-    for shape in ((3, 5, 37, 6), (2, 2, 1, 6), (1, 3, 300, 6), (2, 1, 0, 6)):
+    for shape in ((3, 5, 37, 6), (2, 2, 1, 6), (1, 3, 300, 6)):
         feeds = {"x": rng.standard_normal(shape).astype(dtype)}
         got, ref = sess.run(None, feeds)[0], stock(src, feeds)[0]
         assert got.shape == ref.shape == (shape[0], shape[1], 5)
-        if shape[2] == 0:
-            assert np.isneginf(got).all()
-        else:
-            assert rel_l2(got, ref) <= max(TOL[precision], 2e-3 if io == "f16" else 0), shape
+        assert rel_l2(got, ref) <= max(TOL[precision], 2e-3 if io == "f16" else 0), shape
+    # groups of no rows: -inf, ONNX's max of nothing (this host's stock ORT returns [2, 1, 0, 5] there)
+    empty = sess.run(None, {"x": np.zeros((2, 1, 0, 6), dtype)})[0]
+    assert empty.shape == (2, 1, 5) and np.isneginf(empty).all()

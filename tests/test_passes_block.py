@@ -522,7 +522,8 @@ def test_cuda_library_fuses_norm_and_residual():
     m = block()
     plan = find_chains(m)
     assert block_refusal(False, plan.chains) == {} and block_refusal(True, plan.chains, WIDE) == {}
-    assert fusion_refusals(True, plan.chains, WIDE) == {"gated_refused": None, "block_refused": {}, "skip_refused": {}}
+    assert fusion_refusals(True, plan.chains, WIDE) == {"gated_refused": None, "block_refused": {}, "skip_refused": {},
+                                                     "pool_refused": {}}
     plan = find_fusions(m, True, WIDE)
     (c,) = plan.chains
     assert c.norm is not None and c.residual and plan.refusals == []
