@@ -2,7 +2,8 @@
 // kernels: in place of store_output, each output column's maximum over the warp's rows goes into y [groups,
 // N] (o2f_pool.cuh). A warp's rows (16 * MT, consecutive) mostly lie in one group (PointNet's 1024 points
 // a cloud): each lane takes the max of its rows, three shuffles give the warp's, and one lane a column pair
-// raises the group's entries; a warp whose rows straddle two groups raises them row by row. Static device
+// raises the group's entries (float: one atomic each; half: the pairs read first, then a compare-and-swap
+// where one rises); a warp whose rows straddle two groups raises them row by row. Static device
 // code included inside the generated kernel's anonymous namespace, after o2f_fused_epilogue.cuh.
 #pragma once
 #include "o2f_pool.cuh"
@@ -16,26 +17,45 @@ __device__ __forceinline__ void store_output_pool(const float (&acc)[MT][NT8][4]
   const int64_t group = row0 / group_rows;
   if (last / group_rows == group) {   // warp-uniform: the shuffles below see every lane
     io_t* out = y + group * N;
+    float m[NT8][2];
 #pragma unroll
     for (int j = 0; j < NT8; ++j) {
       const int col = col0 + j * 8 + t2;
-      float m0 = -INFINITY, m1 = -INFINITY;
+      m[j][0] = m[j][1] = -INFINITY;
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           if (row0 + mt * 16 + g + 8 * h > last) continue;
-          m0 = o2f_max_nan(m0, act<L>(acc[mt][j][2 * h], col));
-          m1 = o2f_max_nan(m1, act<L>(acc[mt][j][2 * h + 1], col + 1));
+          m[j][0] = o2f_max_nan(m[j][0], act<L>(acc[mt][j][2 * h], col));
+          m[j][1] = o2f_max_nan(m[j][1], act<L>(acc[mt][j][2 * h + 1], col + 1));
         }
 #pragma unroll
       for (int d = 4; d < 32; d *= 2) {
-        m0 = o2f_max_nan(m0, __shfl_xor_sync(0xffffffffu, m0, d));
-        m1 = o2f_max_nan(m1, __shfl_xor_sync(0xffffffffu, m1, d));
+        m[j][0] = o2f_max_nan(m[j][0], __shfl_xor_sync(0xffffffffu, m[j][0], d));
+        m[j][1] = o2f_max_nan(m[j][1], __shfl_xor_sync(0xffffffffu, m[j][1], d));
       }
-      if (g == 0 && col < N) {
-        o2f_atomic_max(out + col, m0);
-        if (col + 1 < N) o2f_atomic_max(out + col + 1, m1);
+    }
+    if (g != 0) return;
+    if constexpr (sizeof(io_t) == 2 && N % 2 == 0) {   // half pairs: every pair read, then raised
+      unsigned seen[NT8];
+#pragma unroll
+      for (int j = 0; j < NT8; ++j) {
+        const int col = col0 + j * 8 + t2;
+        seen[j] = col < N ? __ldcg(reinterpret_cast<const unsigned*>(out + col)) : 0u;
+      }
+#pragma unroll
+      for (int j = 0; j < NT8; ++j) {
+        const int col = col0 + j * 8 + t2;
+        if (col < N) o2f_atomic_max2(reinterpret_cast<__half*>(out + col), m[j][0], m[j][1], seen[j]);
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < NT8; ++j) {
+        const int col = col0 + j * 8 + t2;
+        if (col >= N) continue;
+        o2f_atomic_max(out + col, m[j][0]);
+        if (col + 1 < N) o2f_atomic_max(out + col + 1, m[j][1]);
       }
     }
     return;

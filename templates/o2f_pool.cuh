@@ -29,6 +29,26 @@ __device__ __forceinline__ void o2f_atomic_max(__half* p, float vf) {
   }
 }
 
+// Two adjacent half entries (p 4-byte aligned: p[0] the word's low 16 bits) raised to (a, b) by one 32-bit
+// compare-and-swap on the pair, starting from `seen`, the word as read before (a stale read errs low). The
+// caller reads every pair it raises first, so those reads are in flight together rather than one after
+// another, and most pairs then need no atomic at all.
+__device__ __forceinline__ void o2f_atomic_max2(__half* p, float a, float b, unsigned seen) {
+  const __half ha = __float2half_rn(a), hb = __float2half_rn(b);
+  unsigned* w = reinterpret_cast<unsigned*>(p);
+  unsigned old = seen;
+  while (true) {
+    const bool ra = o2f_raises(__half2float(ha), __half2float(__ushort_as_half(static_cast<unsigned short>(old & 0xffffu))));
+    const bool rb = o2f_raises(__half2float(hb), __half2float(__ushort_as_half(static_cast<unsigned short>(old >> 16))));
+    if (!ra && !rb) return;
+    const unsigned want = ((rb ? static_cast<unsigned>(__half_as_ushort(hb)) : (old >> 16)) << 16)
+                          | (ra ? static_cast<unsigned>(__half_as_ushort(ha)) : (old & 0xffffu));
+    const unsigned got = atomicCAS(w, old, want);
+    if (got == old) return;
+    old = got;
+  }
+}
+
 __device__ __forceinline__ float o2f_max_nan(float a, float b) { return o2f_raises(b, a) ? b : a; }
 
 // y[0, n) = -inf: the max of no rows (ONNX's ReduceMax of an empty axis), and where every pool starts.
