@@ -105,24 +105,25 @@ def test_pools_read_the_channels_last_rows(pool, opset, rank, transposes):
 
 
 def test_a_tensor_read_elsewhere_ends_the_run_and_stays_channels_first():
-    m = conv_model([4, 8, 8, 2], ["relu", "relu"], extra_output=True)
+    m = conv_model([4, 8, 8, 8, 2], ["relu", "relu", "relu"], extra_output=True)
     res = as_channels_last(m)
-    assert len(res.rewritten) == 2   # conv0 (a graph output) ends the first run
-    assert "conv0" in {o for n in res.model.graph.node if n.op_type == "Transpose" for o in n.output}
+    # conv0 (a graph output) ends the first run, a lone Conv that stays one; the other three are a run
+    assert len(res.rewritten) == 1 and "3 pointwise Conv1d" in res.rewritten[0]
+    assert [n.op_type for n in res.model.graph.node][:2] == ["Conv", "Relu"]
     _same_outputs(m, res.model, {"x": rand([2, 4, 9])})
 
 
 def test_per_channel_constants_stay_channels_first():
     g = G()
-    w1 = g.init(g.rng.standard_normal((8, 4, 1)).astype(np.float32))
-    w2 = g.init(g.rng.standard_normal((3, 8, 1)).astype(np.float32))
-    h = g.op("Conv", ["x", w1], kernel_shape=[1])
+    ws = [g.init(g.rng.standard_normal(sh).astype(np.float32)) for sh in ((8, 4, 1), (8, 8, 1), (8, 8, 1), (3, 8, 1))]
+    h = g.op("Relu", [g.op("Conv", ["x", ws[0]], kernel_shape=[1])])
+    h = g.op("Conv", [h, ws[1]], kernel_shape=[1])
     h = g.op("Mul", [g.op("Relu", [h]), g.init(np.linspace(0.5, 2, 8, dtype=np.float32).reshape(8, 1))])
-    g.op("Conv", [h, w2], kernel_shape=[1], outputs=["y"])
+    h = g.op("Relu", [g.op("Conv", [h, ws[2]], kernel_shape=[1])])
+    g.op("Conv", [h, ws[3]], kernel_shape=[1], outputs=["y"])
     m = g.model([("x", ["b", 4, "n"])], [("y", None)], check=False)
     res = as_channels_last(m)
-    ops = _ops(res.model)
-    assert len(res.rewritten) == 2 and ops.index("Relu") < ops.index("Mul")   # the [C, 1] Mul between runs
+    assert len(res.rewritten) == 2   # the [C, 1] Mul between two runs
     mul = next(n for n in res.model.graph.node if n.op_type == "Mul")
     back = next(n for n in res.model.graph.node if n.op_type == "Transpose" and n.output[0] == mul.input[0])
     assert list(back.attribute[0].ints) == [0, 2, 1]   # the Mul still reads channels-first
@@ -155,9 +156,14 @@ def test_real_convolutions_are_left_alone_without_a_word():
     h = g.op("Relu", [g.op("Conv", ["x", w], kernel_shape=[3])])
     g.op("Conv", [h, w1], kernel_shape=[1], outputs=["y"])
     m = g.model([("x", ["b", 4, 10])], [("y", None)], check=False)
+    w2 = g.init(g.rng.standard_normal((5, 2, 1)).astype(np.float32))
+    g.op("Conv", ["y", w2], kernel_shape=[1], outputs=["z"])
+    m2 = g.model([("x", ["b", 4, 10])], [("z", None)], check=False)
     res = as_channels_last(m)
-    assert res.refusals == [] and _ops(res.model).count("Conv") == 1   # the 3-wide one stays
-    _same_outputs(m, res.model, {"x": rand([2, 4, 10])})
+    assert res.refusals == [] and res.model is m   # the 3-wide one stays, and the lone 1x1 after it
+    res = as_channels_last(m2)   # two 1x1 Convs after it: a run
+    assert res.refusals == [] and _ops(res.model).count("Conv") == 1 and len(res.rewritten) == 1
+    _same_outputs(m2, res.model, {"x": rand([2, 4, 10])})
 
 
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -171,7 +177,8 @@ def test_property_rewrite_is_exact_on_stock_ort(rank, widths, acts, bias, pool, 
     m = conv_model(widths, acts[:len(widths) - 2], rank=rank, bias=bias, opset=opset,
                    pool=None if pool is None else (pool, axes, keep), seed=axes_seed)
     res = as_channels_last(m)
-    assert _ops(res.model).count("Conv") == 0
+    # a lone Conv stays one unless a pool reads it
+    assert _ops(res.model).count("Conv") == (0 if len(widths) > 2 or pool is not None else 1)
     x = rand([2, widths[0]] + [3, 2, 4][:rank - 2], seed=axes_seed)
     _same_outputs(m, res.model, {"x": x})
 
@@ -245,3 +252,56 @@ def test_torch_pointwise_conv_models_convert(build, dynamo, tmp_path):
     want = want if isinstance(want, tuple) else (want,)
     for got, w in zip(sess.run(None, {sess.get_inputs()[0].name: xs}), want):
         assert_close(got, w.numpy(), 1e-4)
+
+
+def test_lone_pointwise_convs_of_a_cnn_stay_convs():
+    """A ResNet bottleneck (1x1 -> ReLU -> 3x3 -> ReLU -> 1x1, + x): each 1x1 Conv is alone between real
+    convolutions and the residual Add, so the model is left as it is; one 1x1 Conv before a global max pool
+    is taken (PointNet with a single layer)."""
+    g = G()
+    w = [g.init(g.rng.standard_normal(s).astype(np.float32) * 0.3) for s in ((4, 8, 1, 1), (4, 4, 3, 3), (8, 4, 1, 1))]
+    h = g.op("Relu", [g.op("Conv", ["x", w[0]], kernel_shape=[1, 1])])
+    h = g.op("Relu", [g.op("Conv", [h, w[1]], kernel_shape=[3, 3], pads=[1, 1, 1, 1])])
+    g.op("Add", [g.op("Conv", [h, w[2]], kernel_shape=[1, 1]), "x"], outputs=["y"])
+    m = g.model([("x", ["b", 8, 6, 6])], [("y", ["b", 8, 6, 6])])
+    res = as_channels_last(m)
+    assert res.model is m and res.rewritten == [] and res.refusals == []
+    single = conv_model([3, 16], [], pool=("ReduceMax", [2], 0))
+    res = as_channels_last(single)
+    assert len(res.rewritten) == 1 and "ReduceMax over the channels-last rows" in res.rewritten[0]
+
+
+class SetAbstractionMLP(nn.Module):
+    """PointNet++'s set abstraction MLP (pointnet2 in PyTorch): Conv2d(k=1) + BatchNorm2d + ReLU on the grouped
+    points [B, C, samples, centres], then the max over each centre's samples (dim 2)."""
+
+    def __init__(self):
+        super().__init__()
+        layers = []
+        for k, n in ((6, 32), (32, 32), (32, 64)):
+            layers += [nn.Conv2d(k, n, 1), nn.BatchNorm2d(n), nn.ReLU()]
+        self.mlp = nn.Sequential(*layers)
+
+    def forward(self, x):
+        return torch.max(self.mlp(x), 2)[0]
+
+
+@pytest.mark.parametrize("dynamo", [False, True], ids=["torchscript", "dynamo"])
+def test_pointnet2_set_abstraction_pools_inside_the_op(dynamo, tmp_path):
+    """The pooled axis (samples, axis 2 of [B, C, samples, centres]) goes last among the rows' axes
+    ([B, centres, samples, C]), so its rows lie together and the max joins the fused op; the pooled
+    [B, centres, C] is transposed back (a small tensor)."""
+    torch.manual_seed(1)
+    module = SetAbstractionMLP().eval()
+    src = _export(module, torch.randn(2, 6, 16, 8), tmp_path / "sa.onnx", dynamo)
+    res = onnx2fused.convert(src, tmp_path / "sa.fused.onnx", cache_dir=tmp_path / "cache", with_cuda=False)
+    assert len(res.chains) == 1 and "_poolmax_" in res.chains[0].name and not res.validation.failures
+    fused = onnx.load(str(tmp_path / "sa.fused.onnx"))
+    # in front [B, C, samples, centres] -> [B, centres, samples, C]; behind, the pooled [B, centres, C] back
+    assert [list(n.attribute[0].ints) for n in fused.graph.node if n.op_type == "Transpose"] == [[0, 3, 2, 1], [0, 2, 1]]
+    assert "ReduceMax" not in _ops(fused)
+    sess = plugin_session(fused, res.library_path)
+    xs = rand([3, 6, 9, 5], seed=2)
+    with torch.no_grad():
+        want = module(torch.from_numpy(xs)).numpy()
+    assert_close(sess.run(None, {sess.get_inputs()[0].name: xs})[0], want, 1e-4)

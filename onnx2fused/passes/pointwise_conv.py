@@ -10,13 +10,17 @@ other inputs are one-element constants), is rewritten over channels-last rows:
       ->  Transpose(x, [0, 2.., 1]) -> MatMul(W^T) -> Add(b) -> act -> MatMul(W2^T) -> Add(b2) ...
           -> Transpose(., [0, r-1, 1..r-2])
 
-so that find_chains sees an ordinary chain on [B, *positions, C]. The Transpose behind moves past the
+so that find_chains sees an ordinary chain on [B, *positions, C]. A lone Conv (ResNet's and MobileNet's
+1x1 Convs between 3x3 ones) stays a Conv unless a pool reads it: cuDNN runs one layer as well as a fused op
+would, and the Transposes would cost more than they save. The Transpose behind moves past the
 reductions over positions that read it (PointNet's max pool, a global average pool):
 
     ReduceMax(Transpose(y, p), axes A)  ->  ReduceMax(y, axes p[A])     (keepdims=0, kept axes in order)
                                         ->  Transpose(ReduceMax(y, p[A], keepdims=1), p)   (keepdims=1)
 
-so the widest tensor is never transposed. The math is the same products and sums (a Conv of kernel 1 is
+so the widest tensor is never transposed; a pool over one spatial axis (PointNet++'s max over each centre's
+samples, [B, C, samples, centres]) puts that axis last among the rows' axes, so that its rows lie together
+and pool.py takes the pool into the fused op. The math is the same products and sums (a Conv of kernel 1 is
 that matrix product); validation compares the fused model with the original file as always.
 """
 from __future__ import annotations
@@ -142,15 +146,42 @@ def find_conv_runs(ix: GraphIndex) -> tuple[list[ConvRun], list[tuple[int, str]]
                 break
             convs.append(nxt)
         taken.update(convs)
+        if len(convs) == 1 and not _pooled(ix, end):
+            continue   # a lone 1x1 Conv (ResNet's, MobileNet's): cuDNN runs it as well as a fused op would
         x = ix.node(i).input[0]
         rank = ix.rank(x) or ix.const(ix.node(i).input[1]).ndim
         runs.append(ConvRun(convs, regions, x, end, rank, [weights[c] for c in convs]))
     return runs, refused
 
 
-def _perms(rank: int) -> tuple[list[int], list[int]]:
-    """(channels-first -> channels-last, and back)."""
-    return [0] + list(range(2, rank)) + [1], [0, rank - 1] + list(range(1, rank - 1))
+def _pooled(ix: GraphIndex, t: str) -> bool:
+    """Whether reductions (a global pool) are all that read tensor t."""
+    users = ix.users(t)
+    return bool(users) and t not in ix.graph_outputs and all(
+        ix.node(u).op_type in _POOLS and ix.node(u).input[0] == t for u in users)
+
+
+def _pooled_axis(ix: GraphIndex, t: str, rank: int) -> int | None:
+    """The one spatial axis of channels-first t that every reduction reading it pools (PointNet++'s max over
+    the samples of [B, C, samples, centres]), or None."""
+    if not _pooled(ix, t):
+        return None
+    found = set()
+    for u in ix.users(t):
+        n = ix.node(u)
+        axes = ix.const(n.input[1]) if len(n.input) > 1 and n.input[1] else ix.attr(u, "axes")
+        if axes is None:
+            return None
+        found |= {int(a) % rank for a in (axes.reshape(-1) if hasattr(axes, "reshape") else axes)}
+    return found.pop() if len(found) == 1 and min(found) >= 2 else None
+
+
+def _perms(rank: int, last: int | None = None) -> tuple[list[int], list[int]]:
+    """(channels-first -> channels-last, and back); `last`: the spatial axis to put right before the
+    channels (a pooled axis: its rows then lie together, as the fused pool wants them, pool.py)."""
+    spatial = [a for a in range(2, rank) if a != last] + ([last] if last is not None else [])
+    to_last = [0] + spatial + [1]
+    return to_last, [to_last.index(j) for j in range(rank)]
 
 
 class _Names:
@@ -198,7 +229,7 @@ def as_channels_last(model: onnx.ModelProto) -> ChannelsLast:
     replace: dict[int, list[onnx.NodeProto]] = {}
     backs: list[tuple[onnx.NodeProto, list[int]]] = []
     for r in runs:
-        to_last, back = _perms(r.rank)
+        to_last, back = _perms(r.rank, _pooled_axis(ix, r.output, r.rank))
         rename = {r.input: fresh(f"{r.input}_channels_last")}
         before[r.convs[0]] = [helper.make_node("Transpose", [r.input], [rename[r.input]], perm=to_last,
                                                name=fresh(f"{ix.keys[r.convs[0]]}_to_channels_last"))]
