@@ -11,12 +11,12 @@ import torch
 from torch import nn
 
 
-def export(module: nn.Module, path: Path, features: int, dynamo: bool = False) -> Path:
-    """`module` (eval mode) exported at opset 17 with the rows dynamic: x [N, features] -> y [N, ...];
-    TorchScript, or the dynamo exporter."""
+def export(module: nn.Module, path: Path, features: int | tuple[int, ...], dynamo: bool = False) -> Path:
+    """`module` (eval mode) exported at opset 17 with the rows dynamic: x [N, features] -> y [N, ...]
+    (`features` a tuple: x [N, *features], PointNet's [N, 3, points]); TorchScript, or the dynamo exporter."""
     module.eval()
     path.parent.mkdir(parents=True, exist_ok=True)
-    x = torch.randn(4, features)
+    x = torch.randn(4, *(features if isinstance(features, tuple) else (features,)))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if dynamo:

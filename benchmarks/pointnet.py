@@ -14,11 +14,12 @@ chain over channels-last rows (passes/pointwise_conv.py: a Transpose of x in fro
 from __future__ import annotations
 
 import argparse
-import warnings
 from pathlib import Path
 
 import torch
 from torch import nn
+
+import model_export
 
 
 def _bn(n: int) -> nn.BatchNorm1d:
@@ -50,18 +51,7 @@ class PointNetCls(nn.Module):
 
 def export(module: nn.Module, path: Path, points: int = 1024, dynamo: bool = False) -> Path:
     """`module` exported with the batch dynamic and `points` fixed (TorchScript at opset 17, or dynamo)."""
-    module.eval()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    x = torch.randn(2, 3, points)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        if dynamo:
-            torch.onnx.export(module, (x,), str(path), dynamo=True, verbose=False, input_names=["x"],
-                              output_names=["y"], dynamic_shapes=({0: torch.export.Dim("b")},))
-        else:
-            torch.onnx.export(module, (x,), str(path), input_names=["x"], output_names=["y"], opset_version=17,
-                              dynamic_axes={"x": {0: "b"}, "y": {0: "b"}}, dynamo=False)
-    return path
+    return model_export.export(module, path, (3, points), dynamo)
 
 
 def main() -> None:
