@@ -257,7 +257,7 @@ def registry_params(specs: list[MLPSpec], with_cuda: bool, cpu_enabled: dict[str
             "cuda_pack_fn": f"&{name}_cuda_pack" if with_cuda else "nullptr",
             "cuda_run_fn": f"&{name}_cuda_run" if with_cuda and spec.pool is None else "nullptr",
             # a pooled spec (spec.pool): its output is [groups, N_last]; 0 leaves the fields out
-            "pool": 1 if spec.pool == "max" else 0,
+            "pool": {"max": 1, "maxk": 2}.get(spec.pool or "", 0),
             "cuda_run_pool_fn": f"&{name}_cuda_run_pool" if with_cuda and spec.pool is not None else "nullptr",
             "cuda_uses_scratch": uses_scratch,
             # a gated layer's weight is [K, 2N]: the plugin checks (and feeds the stock body) that shape;

@@ -26,7 +26,8 @@ reads). Several layers may; the name reads `..._skipJ` (`_skipJ_K`) after the ac
 
 `pool` "max" (PointNet's max pool over its points, passes/pool.py): the op's output is the maximum over the rows
 that share all but the last input dimension, [..., M, K0] -> [..., N_last] (ReduceMax over axis -2 of the
-chain's output); the name reads `..._poolmax` and it adds to `key_text` only when present.
+chain's output); "maxk" the same with the pooled axis kept, [..., 1, N_last] (keepdims=1: torch.max(x, 2,
+keepdim=True)); the name reads `..._poolmax` / `..._poolmaxk` and it adds to `key_text` only when present.
 
 `act_math` says how an fp16 chain's hidden activations are computed on the GPU: "packed" (the default:
 the pre-activations rounded to fp16 and the activation evaluated in fp16x2 arithmetic, two elements an
@@ -57,7 +58,7 @@ OP_PREFIX = "FusedMLP"
 MAX_NAME = 96     # longer names (deep chains of many activations) are shortened to widths + layer count + hash
 SKIP_LAYERS_MAX = 64   # the plugin's registry holds a chain's skip layers as one 64-bit mask
 SKIP_ALIGN = 16   # a skip layer's x part: K0 rounded up to a k-step of the tensor cores (fp16/bf16 16, tf32 8)
-POOLS = ("max",)   # what a chain's output may be pooled by over axis -2 (passes/pool.py)
+POOLS = ("max", "maxk")   # what a chain's output may be pooled by over axis -2, "maxk" keeping it (pool.py)
 SPEC_VERSION = 1  # bump when the meaning of a spec (and so of every generated kernel) changes
 
 
@@ -274,7 +275,7 @@ class MLPSpec:
             text = f"{self.norm.label} -> " + text
         if self.skip:
             text += f", x into layer{'s' if len(self.skip) > 1 else ''} {', '.join(map(str, self.skip))} (skip)"
-        return text + (" + residual" if self.residual else "") + (f", {self.pool} over rows" if self.pool else "")
+        return text + (" + residual" if self.residual else "") + (f", max over rows{' (kept axis)' if self.pool == 'maxk' else ''}" if self.pool else "")
 
     def key_text(self) -> str:
         """Everything that shapes the generated code, as canonical text."""

@@ -40,7 +40,8 @@ struct KernelEntry {
                                   // NS, NB [K0]), 0 (no norm in front)
   uint64_t skip_mask = 0;         // bit j: layer j (> 0) reads [x zero-padded to skip_width, the layer before's
   int skip_width = 0;             // output], its W [skip_width + N_{j-1}, N_j]; 0: no skip connection
-  int pool = 0;                   // 1: Y is the max over axis -2 of the chain's rows, X [..., M, K0] -> Y [..., N_last]
+  int pool = 0;                   // 1: Y is the max over axis -2 of the chain's rows, X [..., M, K0] -> Y [..., N_last];
+                                  // 2: the same with that axis kept, Y [..., 1, N_last]
   CudaRunPoolFn cuda_run_pool = nullptr;  // a pooled spec's CUDA run (cuda_run is null then)
 };
 

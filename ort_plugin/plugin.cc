@@ -164,7 +164,8 @@ OrtStatusPtr Prepare(const KernelEntry& e, Ort::KernelContext& ctx, Call& call) 
         << ShapeText(xshape);
       return Error(ORT_INVALID_ARGUMENT, s.str());
     }
-    yshape.erase(yshape.end() - 2);
+    if (e.pool == 2) yshape[yshape.size() - 2] = 1;   // keepdims
+    else yshape.erase(yshape.end() - 2);
     call.groups = 1;
     for (size_t d = 0; d + 2 < xshape.size(); ++d) call.groups *= xshape[d];
   }

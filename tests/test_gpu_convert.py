@@ -555,15 +555,16 @@ def test_pointwise_conv2d_head_on_cuda_ep(cache, tmp_path):
                                                    ("streamed", "bf16", "f16", 5), ("auto", "fp32", "f32", 5),
                                                    ("resident", "tf32", "f16", 5), ("streamed", "fp16", "f16", 8),
                                                    ("resident", "fp16", "f16", 8)])
-def test_pooled_chain_on_cuda_ep(design, precision, io, n, cache, tmp_path, monkeypatch):
+@pytest.mark.parametrize("keepdims", [0, 1])
+def test_pooled_chain_on_cuda_ep(design, precision, io, n, keepdims, cache, tmp_path, monkeypatch):
     """A chain with the max pool behind it (test_pool.pooled_mlp: [b, c, m, 6] -> 16 -> 24 -> n, then
     ReduceMax over m) in each design that pools, at groups of 37 rows (a warp's rows straddle two groups),
     1 row, 300 rows and 0 rows (-inf), float32 I/O (n = 5) and float16 I/O (n = 5: one half at a time;
-    n = 8: pairs of halves), against stock ORT on the CPU EP."""
+    n = 8: pairs of halves), the pooled axis dropped or kept (keepdims), against stock ORT on the CPU EP."""
     from test_pool import pooled_mlp
     from onnx_builders import F16
     monkeypatch.setenv("ONNX2FUSED_CUDA_DESIGN", design)
-    m = pooled_mlp([6, 16, 24, n], rank=4, elem=F16 if io == "f16" else None)
+    m = pooled_mlp([6, 16, 24, n], rank=4, elem=F16 if io == "f16" else None, keepdims=keepdims)
     src = tmp_path / "pooled.onnx"
     onnx.save(m, str(src))
     res = onnx2fused.convert(src, tmp_path / "m.onnx", precision=precision, cache_dir=cache)
@@ -574,8 +575,8 @@ def test_pooled_chain_on_cuda_ep(design, precision, io, n, cache, tmp_path, monk
     for shape in ((3, 5, 37, 6), (2, 2, 1, 6), (1, 3, 300, 6)):
         feeds = {"x": rng.standard_normal(shape).astype(dtype)}
         got, ref = sess.run(None, feeds)[0], stock(src, feeds)[0]
-        assert got.shape == ref.shape == (shape[0], shape[1], n)
+        assert got.shape == ref.shape == (shape[0], shape[1]) + (1,) * keepdims + (n,)
         assert rel_l2(got, ref) <= max(TOL[precision], 2e-3 if io == "f16" else 0), shape
     # groups of no rows: -inf, ONNX's max of nothing (this host's stock ORT returns [2, 1, 0, n] there)
     empty = sess.run(None, {"x": np.zeros((2, 1, 0, 6), dtype)})[0]
-    assert empty.shape == (2, 1, n) and np.isneginf(empty).all()
+    assert empty.shape == (2, 1) + (1,) * keepdims + (n,) and np.isneginf(empty).all()

@@ -190,10 +190,12 @@ nn = torch.nn
 
 
 class PointNetFeat(nn.Module):
-    """PointNet's shared MLP and max pool (Qi et al. 2017): Conv1d(k=1) + BatchNorm1d + ReLU on [B, 3, N]."""
+    """PointNet's shared MLP and max pool (Qi et al. 2017): Conv1d(k=1) + BatchNorm1d + ReLU on [B, 3, N];
+    `keepdim`: as fxia22's pointnet.pytorch writes the pool, torch.max(x, 2, keepdim=True)[0].view(-1, C)."""
 
-    def __init__(self):
+    def __init__(self, keepdim=False):
         super().__init__()
+        self.keepdim = keepdim
         layers = []
         for i, (k, n) in enumerate(zip((3, 64, 128), (64, 128, 256))):
             layers += [nn.Conv1d(k, n, 1), nn.BatchNorm1d(n)] + ([nn.ReLU()] if i < 2 else [])
@@ -204,7 +206,14 @@ class PointNetFeat(nn.Module):
                 bn.running_var.uniform_(0.5, 2.0)
 
     def forward(self, x):
+        if self.keepdim:
+            return torch.max(self.mlp(x), 2, keepdim=True)[0].view(-1, 256)
         return torch.max(self.mlp(x), 2)[0]
+
+
+class PointNetFeatKeepdim(PointNetFeat):
+    def __init__(self):
+        super().__init__(keepdim=True)
 
 
 class ConvHead(nn.Module):
@@ -233,18 +242,21 @@ def _export(module, x, path, dynamo):
 
 
 @pytest.mark.parametrize("dynamo", [False, True], ids=["torchscript", "dynamo"])
-@pytest.mark.parametrize("build", [PointNetFeat, ConvHead])
+@pytest.mark.parametrize("build", [PointNetFeat, PointNetFeatKeepdim, ConvHead])
 def test_torch_pointwise_conv_models_convert(build, dynamo, tmp_path):
     torch.manual_seed(0)
     module = build().eval()
-    x = torch.randn(2, 3, 50) if build is PointNetFeat else torch.randn(2, 32, 6, 5)
+    x = torch.randn(2, 32, 6, 5) if build is ConvHead else torch.randn(2, 3, 50)
     src = _export(module, x, tmp_path / "m.onnx", dynamo)
     res = onnx2fused.convert(src, tmp_path / "m.fused.onnx", cache_dir=tmp_path / "cache", with_cuda=False)
     assert len(res.chains) == 1 and res.validation is not None and not res.validation.failures
     assert any("pointwise Conv" in w for w in res.rewritten), res.rewritten
     fused = onnx.load(str(tmp_path / "m.fused.onnx"))
     assert [n.domain for n in fused.graph.node].count(DOMAIN) == 1
-    assert "Conv" not in _ops(fused) and _ops(fused).count("Transpose") == (1 if build is PointNetFeat else 2)
+    # PointNet: the Transpose in front (and with keepdim, the pooled [B, 1, C] back, then the view); the head:
+    # in front and behind its map output (its mean pool reads the channels-last rows)
+    assert "Conv" not in _ops(fused) and "ReduceMax" not in _ops(fused)
+    assert _ops(fused).count("Transpose") == {PointNetFeat: 1, PointNetFeatKeepdim: 2, ConvHead: 2}[build]
     sess = plugin_session(fused, res.library_path)
     xs = rand([3] + list(x.shape[1:-1]) + [x.shape[-1] + 7], seed=5)
     with torch.no_grad():
@@ -305,3 +317,19 @@ def test_pointnet2_set_abstraction_pools_inside_the_op(dynamo, tmp_path):
     with torch.no_grad():
         want = module(torch.from_numpy(xs)).numpy()
     assert_close(sess.run(None, {sess.get_inputs()[0].name: xs})[0], want, 1e-4)
+
+
+def test_dgcnn_edge_conv_pools_over_the_neighbours():
+    """DGCNN's EdgeConv: one Conv2d(k=1) + LeakyReLU on the edge features [B, 2C, points, k], then the max
+    over the k neighbours (axis 3): a lone Conv that a pool reads is a run, and the pool joins the op."""
+    g = G()
+    w = g.init((g.rng.standard_normal((16, 6, 1, 1)) * 0.4).astype(np.float32))
+    h = g.op("LeakyRelu", [g.op("Conv", ["x", w, g.vec(16)], kernel_shape=[1, 1])], alpha=0.2)
+    g.op("ReduceMax", [h], axes=[3], keepdims=0, outputs=["y"])
+    m = g.model([("x", ["b", 6, "n", 20])], [("y", ["b", 16, "n"])])
+    model, plan = fusion_plan(m, with_cuda=False)
+    (chain,) = plan.chains
+    assert chain.pool == "max" and chain.widths == (6, 16)
+    fused = rewrite(model, plan, [chain.to_spec("fp32")])
+    assert [n.op_type for n in fused.graph.node if n.domain != DOMAIN] == ["Transpose", "Transpose"]
+    _same_outputs(m, fused, {"x": rand([2, 6, 7, 20])})

@@ -23,7 +23,8 @@ def pooled_mlp(widths, axes=(-2,), keepdims=0, opset=17, rank=3, elem=None, extr
         if i < len(widths) - 2:
             h = g.op("Relu", [h])
     lead = ["b", "m"] if rank == 3 else ["b", "c", "m"]
-    outs = [("y", lead[:-1] + [widths[-1]] if keepdims == 0 and list(axes) in ([-2], [rank - 2]) else None)]
+    rows_axis = list(axes) in ([-2], [rank - 2])
+    outs = [("y", lead[:-1] + [1] * keepdims + [widths[-1]] if rows_axis else None)]
     if extra_reader:
         g.op("Identity", [h], outputs=["rows"])
         outs.append(("rows", lead + [widths[-1]]))
@@ -51,7 +52,6 @@ def test_the_pool_joins_the_chain(opset, axes):
 
 
 @pytest.mark.parametrize("kw,why", [
-    (dict(keepdims=1), "keepdims=1"),
     (dict(axes=(-1,)), "pools axes [-1], not the rows' axis 1 alone"),
     (dict(axes=(0, 1)), "pools axes [0, 1]"),
 ])
@@ -68,15 +68,17 @@ def test_a_second_reader_keeps_the_rows():
     assert plan.chains[0].pool == ""
 
 
+@pytest.mark.parametrize("keepdims", [0, 1])
 @pytest.mark.parametrize("elem", [None, F16], ids=["f32", "f16"])
 @pytest.mark.parametrize("widths", [[6, 16, 5], [40, 600, 600, 7]], ids=["cpu_kernel", "stock_body"])
-def test_cpu_paths_pool_like_stock(widths, elem, tmp_path):
+def test_cpu_paths_pool_like_stock(widths, elem, keepdims, tmp_path):
     """[6, 16, 5]: the generated C++ kernel; 40 -> 600 -> 600 -> 7 (1.5 MiB of weights): the CPU policy
-    runs the stock body in the plugin. Both pool their rows in the plugin; fused nodes only (no function)."""
-    m = pooled_mlp(widths, elem=elem, rank=4)
+    runs the stock body in the plugin. Both pool their rows in the plugin; fused nodes only (no function).
+    keepdims=1 (fxia22's PointNet: torch.max(x, 2, keepdim=True)): the op keeps the pooled axis as 1."""
+    m = pooled_mlp(widths, elem=elem, rank=4, keepdims=keepdims)
     plan = find_chains(m)
     specs = [c.to_spec("fp32") for c in plan.chains]
-    assert specs[0].pool == "max"
+    assert specs[0].pool == ("maxk" if keepdims else "max")
     lib = build_plugin(specs, with_cuda=False, cache_dir=tmp_path)
     fused = rewrite(m, plan, specs)
     del fused.functions[:]   # the plugin must run the node
@@ -85,7 +87,7 @@ def test_cpu_paths_pool_like_stock(widths, elem, tmp_path):
     for shape in ([2, 3, 37, widths[0]], [1, 2, 1, widths[0]], [2, 1, 0, widths[0]], [0, 2, 5, widths[0]]):
         x = rand(shape, scale=1.0, dtype=dtype)
         got, ref = sess.run(None, {"x": x})[0], run(m, {"x": x})[0]
-        assert got.shape == ref.shape == tuple(shape[:2] + [widths[-1]])
+        assert got.shape == ref.shape == tuple(shape[:2] + [1] * keepdims + [widths[-1]])
         if ref.size:
             assert np.array_equal(np.isneginf(got), np.isneginf(ref))
             finite = np.isfinite(ref)

@@ -1,12 +1,13 @@
 """A max pool over the rows behind a chain, taken into its fused op (PointNet's max over its points).
 
-    ReduceMax(chain output [..., M, N], axes=[-2], keepdims=0) -> [..., N]
+    ReduceMax(chain output [..., M, N], axes=[-2], keepdims=0) -> [..., N]       (spec.pool "max")
+    ReduceMax(chain output [..., M, N], axes=[-2], keepdims=1) -> [..., 1, N]    ("maxk": fxia22's PointNet)
 
 A chain whose output only a ReduceMax over its second-to-last axis reads (after passes/pointwise_conv.py,
 PointNet's shared MLP over [B, N points, C] rows followed by its global max pool) writes the pooled
 [..., N] directly: the widest tensor of such models (B x N x 1024) is never stored. The op's output is
 then the ReduceMax's (spec.pool "max"; the kernels raise each group's maxima, templates/o2f_pool.cuh).
-Anything else (keepdims, another axis, other readers, a mean) stays a stock op after the chain.
+Anything else (another axis, other readers, a mean) stays a stock op after the chain.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from .constants import GraphIndex
 class PoolMatch:
     node: int        # the ReduceMax
     output: str      # its output: the fused op's
-    kind: str = "max"
+    kind: str = "max"   # or "maxk": keepdims=1
 
 
 def match_pool(ix: GraphIndex, t: str) -> PoolMatch | str | None:
@@ -35,8 +36,6 @@ def match_pool(ix: GraphIndex, t: str) -> PoolMatch | str | None:
     rank = ix.rank(t)
     if rank is None or rank < 3:
         return f"{ix.describe(i)}: the rank of '{t}' is {rank or 'unknown'}; a pool over rows needs [..., rows, features]"
-    if ix.attr(i, "keepdims", 1):
-        return f"{ix.describe(i)}: keepdims=1 (the fused pool drops the pooled axis)"
     if len(n.input) > 1 and n.input[1]:
         axes = ix.const(n.input[1])
         if axes is None:
@@ -47,4 +46,4 @@ def match_pool(ix: GraphIndex, t: str) -> PoolMatch | str | None:
         axes = None if axes is None else [int(a) for a in axes]
     if not axes or [a % rank for a in axes] != [rank - 2]:
         return f"{ix.describe(i)}: pools axes {axes if axes else 'all'}, not the rows' axis {rank - 2} alone"
-    return PoolMatch(i, n.output[0])
+    return PoolMatch(i, n.output[0], "maxk" if ix.attr(i, "keepdims", 1) else "max")

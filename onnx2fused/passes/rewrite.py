@@ -147,9 +147,9 @@ def make_fallback_function(spec: MLPSpec, opset: int, with_pool: bool = True) ->
     if spec.pool and with_pool:   # the max over axis -2 (pool.py), before rounding: rounding is monotonic
         if opset >= 18:
             axes = em.node("Constant", [], value=numpy_helper.from_array(np.array([-2], np.int64), "value"))
-            h = em.node("ReduceMax", [h, axes], keepdims=0)
+            h = em.node("ReduceMax", [h, axes], keepdims=int(spec.pool == "maxk"))
         else:
-            h = em.node("ReduceMax", [h], axes=[-2], keepdims=0)
+            h = em.node("ReduceMax", [h], axes=[-2], keepdims=int(spec.pool == "maxk"))
     if spec.io_dtype == "f16":
         em.nodes.append(helper.make_node("Cast", [h], ["Y"], name="cast_out", to=TensorProto.FLOAT16))
     else:
