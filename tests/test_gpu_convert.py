@@ -568,7 +568,8 @@ def test_pooled_chain_on_cuda_ep(design, precision, io, n, keepdims, cache, tmp_
     src = tmp_path / "pooled.onnx"
     onnx.save(m, str(src))
     res = onnx2fused.convert(src, tmp_path / "m.onnx", precision=precision, cache_dir=cache)
-    assert "_poolmax_" in res.chains[0].name and res.validation.provider == "CUDAExecutionProvider"
+    assert ("_poolmaxk_" if keepdims else "_poolmax_") in res.chains[0].name
+    assert res.validation.provider == "CUDAExecutionProvider"
     sess = session(res.output_path, res.library_path, ["CUDAExecutionProvider", "CPUExecutionProvider"])
     rng = np.random.default_rng(4)
     dtype = np.float16 if io == "f16" else np.float32
