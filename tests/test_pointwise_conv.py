@@ -333,3 +333,40 @@ def test_dgcnn_edge_conv_pools_over_the_neighbours():
     fused = rewrite(model, plan, [chain.to_spec("fp32")])
     assert [n.op_type for n in fused.graph.node if n.domain != DOMAIN] == ["Transpose", "Transpose"]
     _same_outputs(m, fused, {"x": rand([2, 6, 7, 20])})
+
+
+@pytest.mark.parametrize("pool", ["adaptive_max", "maxpool", "adaptive_avg"])
+def test_global_pools_as_torchscript_writes_them(pool, tmp_path):
+    """TorchScript writes AdaptiveMaxPool1d(1) and MaxPool1d(num_points) as a MaxPool over the whole (static)
+    length, AdaptiveAvgPool1d(1) as GlobalAveragePool: the max pools join the fused op (keepdims), the mean
+    reads the channels-last rows."""
+    layer = {"adaptive_max": nn.AdaptiveMaxPool1d(1), "maxpool": nn.MaxPool1d(50),
+             "adaptive_avg": nn.AdaptiveAvgPool1d(1)}[pool]
+    module = nn.Sequential(nn.Conv1d(3, 16, 1), nn.ReLU(), nn.Conv1d(16, 24, 1), layer, nn.Flatten()).eval()
+    path = tmp_path / "m.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(module, (torch.randn(2, 3, 50),), str(path), dynamo=False, opset_version=17,
+                          input_names=["x"], dynamic_axes={"x": {0: "b"}})
+    m = onnx.load(str(path))
+    assert {"MaxPool", "GlobalAveragePool"} & set(_ops(m))
+    model, plan = fusion_plan(m, with_cuda=False)
+    (chain,) = plan.chains
+    assert chain.pool == ("" if pool == "adaptive_avg" else "maxk")
+    fused = rewrite(model, plan, [chain.to_spec("fp32")])
+    assert not {"MaxPool", "GlobalAveragePool", "Conv"} & set(_ops(fused))
+    x = rand([3, 3, 50])
+    with torch.no_grad():
+        want = module(torch.from_numpy(x)).numpy()
+    assert_close(run(fused, {"x": x})[0], want, 1e-5)
+
+
+def test_a_maxpool_that_is_not_global_stays():
+    g = G()
+    ws = [g.init(g.rng.standard_normal(sh).astype(np.float32)) for sh in ((8, 4, 1), (8, 8, 1))]
+    h = g.op("Conv", [g.op("Relu", [g.op("Conv", ["x", ws[0]], kernel_shape=[1])]), ws[1]], kernel_shape=[1])
+    g.op("MaxPool", [h], kernel_shape=[5], strides=[5], outputs=["y"])
+    m = g.model([("x", ["b", 4, 20])], [("y", ["b", 8, 4])])
+    res = as_channels_last(m)
+    assert "MaxPool" in _ops(res.model) and "Transpose back" in res.rewritten[0]
+    _same_outputs(m, res.model, {"x": rand([2, 4, 20])})

@@ -18,7 +18,8 @@ reductions over positions that read it (PointNet's max pool, a global average po
     ReduceMax(Transpose(y, p), axes A)  ->  ReduceMax(y, axes p[A])     (keepdims=0, kept axes in order)
                                         ->  Transpose(ReduceMax(y, p[A], keepdims=1), p)   (keepdims=1)
 
-so the widest tensor is never transposed; a pool over one spatial axis (PointNet++'s max over each centre's
+so the widest tensor is never transposed (GlobalMaxPool, GlobalAveragePool and a MaxPool over the whole of
+its input, as torch exports AdaptiveMaxPool1d(1) and MaxPool1d(num_points), count as the Reduce they are); a pool over one spatial axis (PointNet++'s max over each centre's
 samples, [B, C, samples, centres]) puts that axis last among the rows' axes, so that its rows lie together
 and pool.py takes the pool into the fused op. The math is the same products and sums (a Conv of kernel 1 is
 that matrix product); validation compares the fused model with the original file as always.
@@ -32,7 +33,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from .activations import ELEMENTWISE_OPS, match_activation
-from .constants import GraphIndex, node_reads
+from .constants import GraphIndex, default_opset, node_reads
 
 # activations that move to channels-last: elementwise, with no axis of their own (BatchNormalization and
 # PRelu have per-channel parameters on axis 1)
@@ -211,13 +212,54 @@ class ChannelsLast:
     refusals: list[tuple[str, str]] = field(default_factory=list)   # (node key, reason)
 
 
+_GLOBAL_POOLS = {"GlobalMaxPool": "ReduceMax", "GlobalAveragePool": "ReduceMean", "MaxPool": "ReduceMax"}
+
+
+def _global_pools_as_reduces(model: onnx.ModelProto) -> onnx.ModelProto | None:
+    """A copy of `model` with its global pools as the Reduce they are, or None where it has none:
+    GlobalMaxPool / GlobalAveragePool over every spatial axis, and a MaxPool whose kernel covers the whole of
+    its input's static spatial dims (torch's TorchScript export of AdaptiveMaxPool1d(1) and of PointNet's
+    MaxPool1d(num_points)): ReduceMax / ReduceMean over those axes, keepdims=1, the same values and shape."""
+    ix = GraphIndex(model)
+    found: dict[int, tuple[str, list[int]]] = {}
+    for i, n in enumerate(model.graph.node):
+        rank = ix.rank(n.input[0]) if n.input else None
+        if n.op_type not in _GLOBAL_POOLS or n.domain not in ("", "ai.onnx") or rank is None or rank < 3:
+            continue
+        axes = list(range(2, rank))
+        if n.op_type == "MaxPool":
+            dims = ix.shapes.get(n.input[0]) or []
+            if (len([o for o in n.output if o]) != 1 or list(ix.attr(i, "kernel_shape") or []) != dims[2:]
+                    or any(isinstance(d, str) or d is None for d in dims[2:]) or any(ix.attr(i, "pads") or [])
+                    or any(d != 1 for d in (ix.attr(i, "dilations") or [])) or ix.attr(i, "auto_pad", b"NOTSET")
+                    not in (b"NOTSET", "NOTSET", b"VALID", "VALID")):
+                continue
+        found[i] = (_GLOBAL_POOLS[n.op_type], axes)
+    if not found:
+        return None
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    as_input = default_opset(model) >= 18
+    for i, (op, axes) in found.items():
+        n = out.graph.node[i]
+        ins = [n.input[0]]
+        if as_input:
+            ins.append(f"{n.output[0]}_pool_axes")
+            out.graph.initializer.append(numpy_helper.from_array(np.array(axes, np.int64), ins[1]))
+        attrs = {"keepdims": 1} | ({} if as_input else {"axes": axes})
+        n.CopyFrom(helper.make_node(op, ins, [n.output[0]], name=n.name, **attrs))
+    return out
+
+
 def as_channels_last(model: onnx.ModelProto) -> ChannelsLast:
     """`model` with its pointwise Conv runs as MatMul chains over channels-last rows (module docstring)."""
     if not any(n.op_type == "Conv" for n in model.graph.node):
         return ChannelsLast(model)
+    original = model
+    model = _global_pools_as_reduces(model) or model
     ix = GraphIndex(model)
     runs, refused = find_conv_runs(ix)
-    res = ChannelsLast(model, refusals=[(ix.keys[i], r) for i, r in refused])
+    res = ChannelsLast(original, refusals=[(ix.keys[i], r) for i, r in refused])
     if not runs:
         return res
     out = onnx.ModelProto()
