@@ -11,7 +11,8 @@
 // Inputs: X [..., K0] (float32 or float16), then W_i [K_i, N_i] and B_i [N_i] (float32) per layer
 // ([K_i, 2 N_i] and [2 N_i] for a gated layer: KernelEntry::weight_cols), then a transformer block's norm
 // parameters (KernelEntry::norm_inputs): NS [K0] (scale), and NB [K0] (bias) for a layer norm, float32.
-// Output: Y [..., N_last], the element type of X. Bad inputs give an ORT error naming the expected shape.
+// Output: Y [..., N_last], the element type of X; a pooled entry (KernelEntry::pool) writes the max over X's
+// axis -2, Y [..., N_last] (or [..., 1, N_last]). Bad inputs give an ORT error naming the expected shape.
 #define ORT_API_MANUAL_INIT
 #include "onnxruntime_cxx_api.h"
 #undef ORT_API_MANUAL_INIT
@@ -177,43 +178,67 @@ OrtStatusPtr Prepare(const KernelEntry& e, Ort::KernelContext& ctx, Call& call) 
 }
 
 // A pooled entry on the CPU: the chain's rows go to a buffer of their own (RowsForPool), then each group's
-// maximum to Y (PoolRows), NaN winning as in ONNX Runtime's ReduceMax; a group of no rows is -inf.
+// maximum to Y (PoolRows), NaN winning as in ONNX Runtime's CUDA ReduceMax; a group of no rows is -inf.
 struct RowsForPool {
   void* pooled = nullptr;
-  std::vector<char> rows;
+  std::unique_ptr<char[]> rows;   // not zeroed: the kernel writes every row before PoolRows reads it
   RowsForPool(const KernelEntry& e, Call& call) {
     if (!e.pool) return;
     pooled = call.y;
-    rows.resize(static_cast<size_t>(call.rows * e.widths[e.num_layers]) * (e.io_is_half ? 2 : 4));
-    call.y = rows.data();
+    const size_t bytes = static_cast<size_t>(call.rows * e.widths[e.num_layers]) * (e.io_is_half ? 2 : 4);
+    rows.reset(new char[bytes ? bytes : 1]);
+    call.y = rows.get();
   }
 };
 
 inline bool HalfIsNan(uint16_t h) { return (h & 0x7fff) > 0x7c00; }
 inline uint16_t HalfOrder(uint16_t h) { return (h & 0x8000) ? static_cast<uint16_t>(~h) : static_cast<uint16_t>(h | 0x8000); }
+inline float MaxNan(float o, float v) { return (v > o || (v != v && o == o)) ? v : o; }
+inline uint16_t MaxNan(uint16_t o, uint16_t v) {
+  return (!HalfIsNan(o) && (HalfIsNan(v) || HalfOrder(v) > HalfOrder(o))) ? v : o;
+}
 
-template <class T, class Raises>
-void PoolGroups(const T* in, T* out, int64_t rows, int64_t groups, int64_t n, T lowest, Raises raises) {
-  const int64_t per = groups ? rows / groups : 0;
-  for (int64_t g = 0; g < groups; ++g) {
-    T* o = out + g * n;
-    std::fill(o, o + n, lowest);
-    for (int64_t r = g * per; r < (g + 1) * per; ++r)
-      for (int64_t c = 0; c < n; ++c)
-        if (raises(in[r * n + c], o[c])) o[c] = in[r * n + c];
+// Columns [c0, c1) of group g: the max over the group's rows, row by row (a row's columns are contiguous).
+template <class T>
+void PoolBlock(const T* in, T* out, int64_t per, int64_t n, int64_t g, int64_t c0, int64_t c1, T lowest) {
+  T* o = out + g * n;
+  std::fill(o + c0, o + c1, lowest);
+  for (int64_t r = g * per; r < (g + 1) * per; ++r) {
+    const T* row = in + r * n;
+    for (int64_t c = c0; c < c1; ++c) o[c] = MaxNan(o[c], row[c]);
   }
 }
 
-void PoolRows(const KernelEntry& e, const Call& call, void* pooled) {
+// One task a group and block of kPoolCols columns, over the session's threads.
+constexpr int64_t kPoolCols = 256;
+struct PoolTask {
+  const KernelEntry* e;
+  const Call* call;
+  void* pooled;
+  int64_t blocks;
+};
+
+void RunPoolTask(void* data, size_t task) {
+  const PoolTask& t = *static_cast<const PoolTask*>(data);
+  const int64_t n = t.e->widths[t.e->num_layers], per = t.call->groups ? t.call->rows / t.call->groups : 0;
+  const int64_t g = static_cast<int64_t>(task) / t.blocks, c0 = (static_cast<int64_t>(task) % t.blocks) * kPoolCols;
+  const int64_t c1 = std::min(n, c0 + kPoolCols);
+  if (t.e->io_is_half)
+    PoolBlock(static_cast<const uint16_t*>(t.call->y), static_cast<uint16_t*>(t.pooled), per, n, g, c0, c1,
+              static_cast<uint16_t>(0xfc00));
+  else
+    PoolBlock(static_cast<const float*>(t.call->y), static_cast<float*>(t.pooled), per, n, g, c0, c1,
+              -std::numeric_limits<float>::infinity());
+}
+
+void PoolRows(const KernelEntry& e, const Call& call, void* pooled, Ort::KernelContext& ctx) {
   const int64_t n = e.widths[e.num_layers];
-  if (e.io_is_half) {
-    PoolGroups(static_cast<const uint16_t*>(call.y), static_cast<uint16_t*>(pooled), call.rows, call.groups, n,
-               static_cast<uint16_t>(0xfc00), [](uint16_t v, uint16_t o) {
-                 return !HalfIsNan(o) && (HalfIsNan(v) || HalfOrder(v) > HalfOrder(o));
-               });
+  PoolTask task{&e, &call, pooled, (n + kPoolCols - 1) / kPoolCols};
+  const int64_t tasks = call.groups * task.blocks;
+  if (tasks <= 1 || call.rows * n < (int64_t{1} << 16)) {   // (small: a thread's work is less than a task's)
+    for (int64_t k = 0; k < tasks; ++k) RunPoolTask(&task, static_cast<size_t>(k));
   } else {
-    PoolGroups(static_cast<const float*>(call.y), static_cast<float*>(pooled), call.rows, call.groups, n,
-               -std::numeric_limits<float>::infinity(), [](float v, float o) { return v > o || (v != v && o == o); });
+    ctx.ParallelFor(&RunPoolTask, static_cast<size_t>(tasks), 0, &task);
   }
 }
 
@@ -246,6 +271,48 @@ void RunCpuTask(void* data, size_t task) {
            static_cast<char*>(t.call->y) + r0 * t.out_row_bytes, n, t.call->w.data(), t.call->b.data(), 1);
 }
 
+// A pooled entry's generated kernel: tasks of rows within one group, each run through the kernel into a
+// buffer of the thread's own (one task's rows: they stay in cache) and pooled there into the task's partial
+// maximum; the partials then go into Y group by group. The rows never make a round trip through memory.
+struct PooledTask {
+  const KernelEntry* e;
+  const Call* call;
+  int64_t per_group, tasks_per_group, rows_per_task;
+  char* partials;   // tasks x N_last, the io type
+};
+
+template <class T>
+void PoolInto(const T* rows, T* out, int64_t n_rows, int64_t n, T lowest) {
+  PoolBlock(rows, out, n_rows, n, 0, 0, n, lowest);
+}
+
+void RunPooledTask(void* data, size_t task) {
+  const PooledTask& t = *static_cast<const PooledTask*>(data);
+  const KernelEntry& e = *t.e;
+  const int64_t n = e.widths[e.num_layers], elem = e.io_is_half ? 2 : 4;
+  const int64_t g = static_cast<int64_t>(task) / t.tasks_per_group, k = static_cast<int64_t>(task) % t.tasks_per_group;
+  const int64_t r0 = g * t.per_group + k * t.rows_per_task;
+  const int64_t rows = std::min(t.rows_per_task, t.per_group - k * t.rows_per_task);
+  char* partial = t.partials + static_cast<int64_t>(task) * n * elem;
+  thread_local std::vector<char> buf;
+  if (rows > 0) {
+    if (buf.size() < static_cast<size_t>(rows * n * elem)) buf.resize(static_cast<size_t>(rows * n * elem));
+    e.cpu(static_cast<const char*>(t.call->x) + r0 * e.widths[0] * elem, buf.data(), rows, t.call->w.data(),
+          t.call->b.data(), 1);
+  }
+  if (e.io_is_half)
+    PoolInto(reinterpret_cast<const uint16_t*>(buf.data()), reinterpret_cast<uint16_t*>(partial), std::max<int64_t>(rows, 0),
+             n, static_cast<uint16_t>(0xfc00));
+  else
+    PoolInto(reinterpret_cast<const float*>(buf.data()), reinterpret_cast<float*>(partial), std::max<int64_t>(rows, 0), n,
+             -std::numeric_limits<float>::infinity());
+}
+
+template <class T>
+void CombinePartials(const T* partials, T* y, int64_t groups, int64_t tasks_per_group, int64_t n, T lowest) {
+  for (int64_t g = 0; g < groups; ++g) PoolInto(partials + g * tasks_per_group * n, y + g * n, tasks_per_group, n, lowest);
+}
+
 struct CpuKernel {
   const KernelEntry* e;
   explicit CpuKernel(const KernelEntry* entry) : e(entry) {}
@@ -255,11 +322,32 @@ struct CpuKernel {
       Ort::KernelContext ctx(context);
       Call call;
       if (OrtStatusPtr st = Prepare(*e, ctx, call)) return st;
-      RowsForPool pool(*e, call);
-      if (call.rows > 0) Run(call, ctx);
-      if (e->pool) PoolRows(*e, call, pool.pooled);
+      if (e->pool) {
+        RunPooled(call, ctx);
+      } else if (call.rows > 0) {
+        Run(call, ctx);
+      }
       return nullptr;
     });
+  }
+
+  void RunPooled(Call& call, Ort::KernelContext& ctx) {
+    const int64_t n = e->widths[e->num_layers], elem = e->io_is_half ? 2 : 4;
+    const int64_t per = call.groups ? call.rows / call.groups : 0;
+    const int64_t rpt = e->rows_per_task > 0 ? e->rows_per_task : 64;
+    PooledTask task{e, &call, per, std::max<int64_t>(1, (per + rpt - 1) / rpt), rpt, nullptr};
+    const int64_t tasks = call.groups * task.tasks_per_group;
+    if (tasks <= 0) return;
+    std::unique_ptr<char[]> partials(new char[static_cast<size_t>(tasks * n * elem)]);
+    task.partials = partials.get();
+    if (tasks == 1) RunPooledTask(&task, 0);
+    else ctx.ParallelFor(&RunPooledTask, static_cast<size_t>(tasks), 0, &task);
+    if (e->io_is_half)
+      CombinePartials(reinterpret_cast<const uint16_t*>(task.partials), static_cast<uint16_t*>(call.y), call.groups,
+                      task.tasks_per_group, n, static_cast<uint16_t>(0xfc00));
+    else
+      CombinePartials(reinterpret_cast<const float*>(task.partials), static_cast<float*>(call.y), call.groups,
+                      task.tasks_per_group, n, -std::numeric_limits<float>::infinity());
   }
 
   void Run(Call& call, Ort::KernelContext& ctx) {
@@ -400,7 +488,7 @@ struct StockCpuKernel {
       if (OrtStatusPtr st = Prepare(*e, ctx, call)) return st;
       RowsForPool pool(*e, call);
       OrtStatusPtr st = call.rows > 0 ? RunAll(call, ctx) : nullptr;
-      if (!st && e->pool) PoolRows(*e, call, pool.pooled);
+      if (!st && e->pool) PoolRows(*e, call, pool.pooled, ctx);
       return st;
     });
   }

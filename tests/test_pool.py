@@ -117,3 +117,22 @@ def test_spec_refuses_a_pool_with_a_residual():
     with pytest.raises(SpecError, match="unknown pool"):
         MLPSpec(layers, pool="mean")
     assert onnx is not None
+
+
+@pytest.mark.parametrize("elem", [None, F16], ids=["f32", "f16"])
+@pytest.mark.parametrize("widths", [[6, 16, 300], [40, 600, 600, 300]], ids=["cpu_kernel", "stock_body"])
+def test_cpu_pool_over_threads_and_column_blocks(widths, elem, tmp_path):
+    """Enough rows and columns (3 x 2 groups of 150 rows, 300 columns) that the work spreads over the
+    session's threads: the generated kernel in tasks of a group's rows, each pooled in cache into a partial
+    max, the partials then combined; the stock body's rows pooled a group and block of 256 columns a task."""
+    m = pooled_mlp(widths, elem=elem, rank=4)
+    plan = find_chains(m)
+    specs = [c.to_spec("fp32") for c in plan.chains]
+    lib = build_plugin(specs, with_cuda=False, cache_dir=tmp_path)
+    fused = rewrite(m, plan, specs)
+    del fused.functions[:]
+    sess = plugin_session(fused, lib.path)
+    x = rand([3, 2, 150, widths[0]], scale=1.0, dtype=np.float16 if elem == F16 else np.float32)
+    got, ref = sess.run(None, {"x": x})[0], run(m, {"x": x})[0]
+    assert got.shape == ref.shape == (3, 2, 300)
+    assert_close(got.astype(np.float32), ref.astype(np.float32), 2e-3 if elem else 1e-5)
