@@ -335,30 +335,35 @@ def test_dgcnn_edge_conv_pools_over_the_neighbours():
     _same_outputs(m, fused, {"x": rand([2, 6, 7, 20])})
 
 
-@pytest.mark.parametrize("pool", ["adaptive_max", "maxpool", "adaptive_avg"])
-def test_global_pools_as_torchscript_writes_them(pool, tmp_path):
+@pytest.mark.parametrize("pool,dynamo", [("adaptive_max", False), ("maxpool", False), ("adaptive_avg", False),
+                                         ("adaptive_max", True)])
+def test_global_pools_as_the_exporters_write_them(pool, dynamo, tmp_path):
     """TorchScript writes AdaptiveMaxPool1d(1) and MaxPool1d(num_points) as a MaxPool over the whole (static)
-    length, AdaptiveAvgPool1d(1) as GlobalAveragePool: the max pools join the fused op (keepdims), the mean
-    reads the channels-last rows."""
+    length, AdaptiveAvgPool1d(1) as GlobalAveragePool; the dynamo exporter AdaptiveMaxPool1d(1) as Unsqueeze
+    -> ReduceMax -> Squeeze: the max pools join the fused op (keepdims), the mean reads the channels-last rows."""
     layer = {"adaptive_max": nn.AdaptiveMaxPool1d(1), "maxpool": nn.MaxPool1d(50),
              "adaptive_avg": nn.AdaptiveAvgPool1d(1)}[pool]
     module = nn.Sequential(nn.Conv1d(3, 16, 1), nn.ReLU(), nn.Conv1d(16, 24, 1), layer, nn.Flatten()).eval()
     path = tmp_path / "m.onnx"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        torch.onnx.export(module, (torch.randn(2, 3, 50),), str(path), dynamo=False, opset_version=17,
-                          input_names=["x"], dynamic_axes={"x": {0: "b"}})
+        if dynamo:
+            torch.onnx.export(module, (torch.randn(2, 3, 50),), str(path), dynamo=True, input_names=["x"],
+                              dynamic_shapes=({0: torch.export.Dim("b")},), verbose=False)
+        else:
+            torch.onnx.export(module, (torch.randn(2, 3, 50),), str(path), dynamo=False, opset_version=17,
+                              input_names=["x"], dynamic_axes={"x": {0: "b"}})
     m = onnx.load(str(path))
-    assert {"MaxPool", "GlobalAveragePool"} & set(_ops(m))
+    assert {"MaxPool", "GlobalAveragePool", "Unsqueeze"} & set(_ops(m))
     model, plan = fusion_plan(m, with_cuda=False)
     (chain,) = plan.chains
     assert chain.pool == ("" if pool == "adaptive_avg" else "maxk")
     fused = rewrite(model, plan, [chain.to_spec("fp32")])
-    assert not {"MaxPool", "GlobalAveragePool", "Conv"} & set(_ops(fused))
+    assert not {"MaxPool", "GlobalAveragePool", "Conv", "Unsqueeze", "Squeeze"} & set(_ops(fused))
     x = rand([3, 3, 50])
     with torch.no_grad():
         want = module(torch.from_numpy(x)).numpy()
-    assert_close(run(fused, {"x": x})[0], want, 1e-5)
+    assert_close(run(fused, {m.graph.input[0].name: x})[0], want, 1e-5)
 
 
 def test_a_maxpool_that_is_not_global_stays():

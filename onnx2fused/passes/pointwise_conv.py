@@ -19,7 +19,8 @@ reductions over positions that read it (PointNet's max pool, a global average po
                                         ->  Transpose(ReduceMax(y, p[A], keepdims=1), p)   (keepdims=1)
 
 so the widest tensor is never transposed (GlobalMaxPool, GlobalAveragePool and a MaxPool over the whole of
-its input, as torch exports AdaptiveMaxPool1d(1) and MaxPool1d(num_points), count as the Reduce they are); a pool over one spatial axis (PointNet++'s max over each centre's
+its input, as torch exports AdaptiveMaxPool1d(1) and MaxPool1d(num_points), count as the Reduce they are, and
+so does the dynamo exporter's Unsqueeze -> ReduceMax -> Squeeze for AdaptiveMaxPool1d(1)); a pool over one spatial axis (PointNet++'s max over each centre's
 samples, [B, C, samples, centres]) puts that axis last among the rows' axes, so that its rows lie together
 and pool.py takes the pool into the fused op. The math is the same products and sums (a Conv of kernel 1 is
 that matrix product); validation compares the fused model with the original file as always.
@@ -169,11 +170,10 @@ def _pooled_axis(ix: GraphIndex, t: str, rank: int) -> int | None:
         return None
     found = set()
     for u in ix.users(t):
-        n = ix.node(u)
-        axes = ix.const(n.input[1]) if len(n.input) > 1 and n.input[1] else ix.attr(u, "axes")
+        axes = _axes_of(ix, u, rank)
         if axes is None:
             return None
-        found |= {int(a) % rank for a in (axes.reshape(-1) if hasattr(axes, "reshape") else axes)}
+        found |= set(axes)
     return found.pop() if len(found) == 1 and min(found) >= 2 else None
 
 
@@ -215,18 +215,57 @@ class ChannelsLast:
 _GLOBAL_POOLS = {"GlobalMaxPool": "ReduceMax", "GlobalAveragePool": "ReduceMean", "MaxPool": "ReduceMax"}
 
 
+def _axes_of(ix: GraphIndex, i: int, rank: int | None) -> list[int] | None:
+    """The axes input (or attribute) of node i, normalised for a tensor of `rank`; None where not known."""
+    n = ix.node(i)
+    axes = ix.const(n.input[1]) if len(n.input) > 1 and n.input[1] else ix.attr(i, "axes")
+    if axes is None or rank is None:
+        return None
+    return sorted({int(a) % rank for a in (axes.reshape(-1) if hasattr(axes, "reshape") else axes)})
+
+
+def _unsqueezed_max(ix: GraphIndex, i: int) -> tuple[int, int, list[int]] | None:
+    """Unsqueeze(t, a) -> ReduceMax(axes including a, keepdims=1) -> Squeeze(a), as the dynamo exporter
+    writes AdaptiveMaxPool1d(1): (the ReduceMax, the Squeeze, t's own reduced axes), else None."""
+    n = ix.node(i)
+    r = ix.rank(n.input[0])
+    users = ix.users(n.output[0])
+    if n.op_type != "Unsqueeze" or r is None or len(users) != 1 or n.output[0] in ix.graph_outputs:
+        return None
+    added = _axes_of(ix, i, r + 1)
+    red = users[0]
+    if added is None or len(added) != 1 or ix.node(red).op_type != "ReduceMax" or not ix.attr(red, "keepdims", 1):
+        return None
+    reduced = _axes_of(ix, red, r + 1)
+    sq = ix.users(ix.node(red).output[0])
+    if (reduced is None or added[0] not in reduced or len(sq) != 1 or ix.node(sq[0]).op_type != "Squeeze"
+            or _axes_of(ix, sq[0], r + 1) != added or ix.node(red).output[0] in ix.graph_outputs):
+        return None
+    a = added[0]
+    return red, sq[0], [b if b < a else b - 1 for b in reduced if b != a]
+
+
 def _global_pools_as_reduces(model: onnx.ModelProto) -> onnx.ModelProto | None:
     """A copy of `model` with its global pools as the Reduce they are, or None where it has none:
-    GlobalMaxPool / GlobalAveragePool over every spatial axis, and a MaxPool whose kernel covers the whole of
+    GlobalMaxPool / GlobalAveragePool over every spatial axis, a MaxPool whose kernel covers the whole of
     its input's static spatial dims (torch's TorchScript export of AdaptiveMaxPool1d(1) and of PointNet's
-    MaxPool1d(num_points)): ReduceMax / ReduceMean over those axes, keepdims=1, the same values and shape."""
+    MaxPool1d(num_points)): ReduceMax / ReduceMean over those axes, keepdims=1, the same values and shape;
+    and the dynamo export of AdaptiveMaxPool1d(1), Unsqueeze -> ReduceMax -> Squeeze, as one ReduceMax."""
     ix = GraphIndex(model)
-    found: dict[int, tuple[str, list[int]]] = {}
+    found: dict[int, tuple[str, list[int], str, str]] = {}   # node -> (op, axes, input, output)
+    drop: set[int] = set()
     for i, n in enumerate(model.graph.node):
-        rank = ix.rank(n.input[0]) if n.input else None
-        if n.op_type not in _GLOBAL_POOLS or n.domain not in ("", "ai.onnx") or rank is None or rank < 3:
+        if n.domain not in ("", "ai.onnx") or not n.input:
             continue
-        axes = list(range(2, rank))
+        triple = _unsqueezed_max(ix, i)
+        if triple is not None:
+            red, sq, axes = triple
+            found[red] = ("ReduceMax", axes, n.input[0], ix.node(sq).output[0])
+            drop |= {i, sq}
+            continue
+        rank = ix.rank(n.input[0])
+        if n.op_type not in _GLOBAL_POOLS or rank is None or rank < 3:
+            continue
         if n.op_type == "MaxPool":
             dims = ix.shapes.get(n.input[0]) or []
             if (len([o for o in n.output if o]) != 1 or list(ix.attr(i, "kernel_shape") or []) != dims[2:]
@@ -234,20 +273,27 @@ def _global_pools_as_reduces(model: onnx.ModelProto) -> onnx.ModelProto | None:
                     or any(d != 1 for d in (ix.attr(i, "dilations") or [])) or ix.attr(i, "auto_pad", b"NOTSET")
                     not in (b"NOTSET", "NOTSET", b"VALID", "VALID")):
                 continue
-        found[i] = (_GLOBAL_POOLS[n.op_type], axes)
+        found[i] = (_GLOBAL_POOLS[n.op_type], list(range(2, rank)), n.input[0], n.output[0])
     if not found:
         return None
     out = onnx.ModelProto()
     out.CopyFrom(model)
     as_input = default_opset(model) >= 18
-    for i, (op, axes) in found.items():
-        n = out.graph.node[i]
-        ins = [n.input[0]]
-        if as_input:
-            ins.append(f"{n.output[0]}_pool_axes")
-            out.graph.initializer.append(numpy_helper.from_array(np.array(axes, np.int64), ins[1]))
-        attrs = {"keepdims": 1} | ({} if as_input else {"axes": axes})
-        n.CopyFrom(helper.make_node(op, ins, [n.output[0]], name=n.name, **attrs))
+    nodes = []
+    for i, n in enumerate(out.graph.node):
+        if i in drop:
+            continue
+        if i in found:
+            op, axes, x, y = found[i]
+            ins = [x]
+            if as_input:
+                ins.append(f"{y}_pool_axes")
+                out.graph.initializer.append(numpy_helper.from_array(np.array(axes, np.int64), ins[1]))
+            attrs = {"keepdims": 1} | ({} if as_input else {"axes": axes})
+            n = helper.make_node(op, ins, [y], name=n.name, **attrs)
+        nodes.append(n)
+    del out.graph.node[:]
+    out.graph.node.extend(nodes)
     return out
 
 
