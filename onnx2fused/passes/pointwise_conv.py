@@ -18,12 +18,11 @@ reductions over positions that read it (PointNet's max pool, a global average po
     ReduceMax(Transpose(y, p), axes A)  ->  ReduceMax(y, axes p[A])     (keepdims=0, kept axes in order)
                                         ->  Transpose(ReduceMax(y, p[A], keepdims=1), p)   (keepdims=1)
 
-so the widest tensor is never transposed (GlobalMaxPool, GlobalAveragePool and a MaxPool over the whole of
-its input, as torch exports AdaptiveMaxPool1d(1) and MaxPool1d(num_points), count as the Reduce they are, and
-so does the dynamo exporter's Unsqueeze -> ReduceMax -> Squeeze for AdaptiveMaxPool1d(1)); a pool over one spatial axis (PointNet++'s max over each centre's
-samples, [B, C, samples, centres]) puts that axis last among the rows' axes, so that its rows lie together
-and pool.py takes the pool into the fused op. The math is the same products and sums (a Conv of kernel 1 is
-that matrix product); validation compares the fused model with the original file as always.
+so the widest tensor is never transposed (global pools count as the Reduce they are: global_pools.py); a
+pool over one spatial axis (PointNet++'s max over each centre's samples, [B, C, samples, centres]) puts that
+axis last among the rows' axes, so that its rows lie together and pool.py takes the pool into the fused
+op. The math is the same products and sums (a Conv of kernel 1 is that matrix product); validation compares
+the fused model with the original file as always.
 """
 from __future__ import annotations
 
@@ -34,7 +33,8 @@ import onnx
 from onnx import helper, numpy_helper
 
 from .activations import ELEMENTWISE_OPS, match_activation
-from .constants import GraphIndex, default_opset, node_reads
+from .constants import GraphIndex, node_reads
+from .global_pools import axes_of, global_pools_as_reduces
 
 # activations that move to channels-last: elementwise, with no axis of their own (BatchNormalization and
 # PRelu have per-channel parameters on axis 1)
@@ -170,7 +170,7 @@ def _pooled_axis(ix: GraphIndex, t: str, rank: int) -> int | None:
         return None
     found = set()
     for u in ix.users(t):
-        axes = _axes_of(ix, u, rank)
+        axes = axes_of(ix, u, rank)
         if axes is None:
             return None
         found |= set(axes)
@@ -212,97 +212,12 @@ class ChannelsLast:
     refusals: list[tuple[str, str]] = field(default_factory=list)   # (node key, reason)
 
 
-_GLOBAL_POOLS = {"GlobalMaxPool": "ReduceMax", "GlobalAveragePool": "ReduceMean", "MaxPool": "ReduceMax"}
-
-
-def _axes_of(ix: GraphIndex, i: int, rank: int | None) -> list[int] | None:
-    """The axes input (or attribute) of node i, normalised for a tensor of `rank`; None where not known."""
-    n = ix.node(i)
-    axes = ix.const(n.input[1]) if len(n.input) > 1 and n.input[1] else ix.attr(i, "axes")
-    if axes is None or rank is None:
-        return None
-    return sorted({int(a) % rank for a in (axes.reshape(-1) if hasattr(axes, "reshape") else axes)})
-
-
-def _unsqueezed_max(ix: GraphIndex, i: int) -> tuple[int, int, list[int]] | None:
-    """Unsqueeze(t, a) -> ReduceMax(axes including a, keepdims=1) -> Squeeze(a), as the dynamo exporter
-    writes AdaptiveMaxPool1d(1): (the ReduceMax, the Squeeze, t's own reduced axes), else None."""
-    n = ix.node(i)
-    r = ix.rank(n.input[0])
-    users = ix.users(n.output[0])
-    if n.op_type != "Unsqueeze" or r is None or len(users) != 1 or n.output[0] in ix.graph_outputs:
-        return None
-    added = _axes_of(ix, i, r + 1)
-    red = users[0]
-    if added is None or len(added) != 1 or ix.node(red).op_type != "ReduceMax" or not ix.attr(red, "keepdims", 1):
-        return None
-    reduced = _axes_of(ix, red, r + 1)
-    sq = ix.users(ix.node(red).output[0])
-    if (reduced is None or added[0] not in reduced or len(sq) != 1 or ix.node(sq[0]).op_type != "Squeeze"
-            or _axes_of(ix, sq[0], r + 1) != added or ix.node(red).output[0] in ix.graph_outputs):
-        return None
-    a = added[0]
-    return red, sq[0], [b if b < a else b - 1 for b in reduced if b != a]
-
-
-def _global_pools_as_reduces(model: onnx.ModelProto) -> onnx.ModelProto | None:
-    """A copy of `model` with its global pools as the Reduce they are, or None where it has none:
-    GlobalMaxPool / GlobalAveragePool over every spatial axis, a MaxPool whose kernel covers the whole of
-    its input's static spatial dims (torch's TorchScript export of AdaptiveMaxPool1d(1) and of PointNet's
-    MaxPool1d(num_points)): ReduceMax / ReduceMean over those axes, keepdims=1, the same values and shape;
-    and the dynamo export of AdaptiveMaxPool1d(1), Unsqueeze -> ReduceMax -> Squeeze, as one ReduceMax."""
-    ix = GraphIndex(model)
-    found: dict[int, tuple[str, list[int], str, str]] = {}   # node -> (op, axes, input, output)
-    drop: set[int] = set()
-    for i, n in enumerate(model.graph.node):
-        if n.domain not in ("", "ai.onnx") or not n.input:
-            continue
-        triple = _unsqueezed_max(ix, i)
-        if triple is not None:
-            red, sq, axes = triple
-            found[red] = ("ReduceMax", axes, n.input[0], ix.node(sq).output[0])
-            drop |= {i, sq}
-            continue
-        rank = ix.rank(n.input[0])
-        if n.op_type not in _GLOBAL_POOLS or rank is None or rank < 3:
-            continue
-        if n.op_type == "MaxPool":
-            dims = ix.shapes.get(n.input[0]) or []
-            if (len([o for o in n.output if o]) != 1 or list(ix.attr(i, "kernel_shape") or []) != dims[2:]
-                    or any(isinstance(d, str) or d is None for d in dims[2:]) or any(ix.attr(i, "pads") or [])
-                    or any(d != 1 for d in (ix.attr(i, "dilations") or [])) or ix.attr(i, "auto_pad", b"NOTSET")
-                    not in (b"NOTSET", "NOTSET", b"VALID", "VALID")):
-                continue
-        found[i] = (_GLOBAL_POOLS[n.op_type], list(range(2, rank)), n.input[0], n.output[0])
-    if not found:
-        return None
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    as_input = default_opset(model) >= 18
-    nodes = []
-    for i, n in enumerate(out.graph.node):
-        if i in drop:
-            continue
-        if i in found:
-            op, axes, x, y = found[i]
-            ins = [x]
-            if as_input:
-                ins.append(f"{y}_pool_axes")
-                out.graph.initializer.append(numpy_helper.from_array(np.array(axes, np.int64), ins[1]))
-            attrs = {"keepdims": 1} | ({} if as_input else {"axes": axes})
-            n = helper.make_node(op, ins, [y], name=n.name, **attrs)
-        nodes.append(n)
-    del out.graph.node[:]
-    out.graph.node.extend(nodes)
-    return out
-
-
 def as_channels_last(model: onnx.ModelProto) -> ChannelsLast:
     """`model` with its pointwise Conv runs as MatMul chains over channels-last rows (module docstring)."""
     if not any(n.op_type == "Conv" for n in model.graph.node):
         return ChannelsLast(model)
     original = model
-    model = _global_pools_as_reduces(model) or model
+    model = global_pools_as_reduces(model) or model
     ix = GraphIndex(model)
     runs, refused = find_conv_runs(ix)
     res = ChannelsLast(original, refusals=[(ix.keys[i], r) for i, r in refused])
