@@ -581,3 +581,22 @@ def test_pooled_chain_on_cuda_ep(design, precision, io, n, keepdims, cache, tmp_
     # groups of no rows: -inf, ONNX's max of nothing (this host's stock ORT returns [2, 1, 0, n] there)
     empty = sess.run(None, {"x": np.zeros((2, 1, 0, 6), dtype)})[0]
     assert empty.shape == (2, 1) + (1,) * keepdims + (n,) and np.isneginf(empty).all()
+
+
+@pytest.mark.parametrize("seg", [False, True], ids=["cls", "seg"])
+def test_fxia22_pointnet_on_cuda_ep(seg, cache, tmp_path):
+    """PointNet as fxia22's pointnet.pytorch writes it (benchmarks/pointnet.py PointNetSTN: the transform net,
+    the max pools as torch.max(x, 2, keepdim=True)[0].view(-1, 1024), the classifier or the segmentation
+    head), converted with defaults, matching stock on the CUDA EP at 1 and 5 clouds of 1024 points."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from pointnet import PointNetSTN, export
+    torch.manual_seed(7)
+    src = export(PointNetSTN(classes=4, seg=True) if seg else PointNetSTN(), tmp_path / "pn.onnx")
+    res = check_defaults(src, tmp_path / "m.onnx", cache,
+                         lambda rng: {"x": rng.standard_normal((9, 3, 1024)).astype(np.float32)})
+    assert sum("_poolmaxk_" in c.name for c in res.chains) == 2, [c.name for c in res.chains]
+    sess = session(res.output_path, res.library_path, ["CUDAExecutionProvider", "CPUExecutionProvider"])
+    rng = np.random.default_rng(9)
+    for clouds in (1, 5):
+        feeds = {"x": rng.standard_normal((clouds, 3, 1024)).astype(np.float32)}
+        assert rel_l2(sess.run(None, feeds)[0], stock(src, feeds)[0]) <= TOL["fp16"], clouds

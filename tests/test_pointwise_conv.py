@@ -5,6 +5,7 @@ exports from both torch exporters convert end to end (CPU-only plugin)."""
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -375,3 +376,31 @@ def test_a_maxpool_that_is_not_global_stays():
     res = as_channels_last(m)
     assert "MaxPool" in _ops(res.model) and "Transpose back" in res.rewritten[0]
     _same_outputs(m, res.model, {"x": rand([2, 4, 20])})
+
+
+@pytest.mark.parametrize("seg", [False, True], ids=["cls", "seg"])
+def test_fxia22_pointnet_with_its_transform_net_converts(seg, tmp_path):
+    """PointNet as fxia22's pointnet.pytorch writes it (benchmarks/pointnet.py PointNetSTN): the transform
+    net's MLP and the feature MLP each one chain with its max pool (keepdim, then view), the two heads
+    chains of their own; the segmentation net's per-point head over [global feature repeated, point
+    features] one more chain. Converted CPU-only, matching torch at another batch."""
+    import sys
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from pointnet import PointNetSTN, export
+    torch.manual_seed(3)
+    module = PointNetSTN(classes=4, seg=True) if seg else PointNetSTN()
+    src = export(module, tmp_path / "pn.onnx", points=200)
+    res = onnx2fused.convert(src, tmp_path / "pn.fused.onnx", cache_dir=tmp_path / "cache", with_cuda=False)
+    widths = [list(c.widths) for c in res.chains]
+    assert widths[:2] == [[3, 64, 128, 1024], [1024, 512, 256, 9]] and len(widths) == 4, widths
+    assert widths[2] == ([64, 128, 1024] if seg else [3, 64, 128, 1024])
+    assert [("max over the rows" in " ".join(c.takes_in)) for c in res.chains] == [True, False, True, False]
+    assert widths[3] == ([1088, 512, 256, 128, 4] if seg else [1024, 512, 256, 40])
+    fused = onnx.load(str(tmp_path / "pn.fused.onnx"))
+    # seg: the first 3 -> 64 Conv feeds the Concat too, a lone Conv that stays one (the rest fuse)
+    assert _ops(fused).count("Conv") == int(seg) and "ReduceMax" not in _ops(fused)
+    sess = plugin_session(fused, res.library_path)
+    x = rand([3, 3, 200], seed=6)
+    with torch.no_grad():
+        want = module(torch.from_numpy(x)).numpy()
+    assert_close(sess.run(None, {sess.get_inputs()[0].name: x})[0], want, 1e-4)

@@ -149,7 +149,8 @@ class Chain:
                 f"(skip Concat{'s' if len(self.skip) > 1 else ''})"] if self.skip else []) \
             + (["two chains joined through pieces of the input"] if self.joined else []) \
             + ([f"head {self.head} rides it into its output Concat"] if self.head else []) \
-            + ([f"the ReduceMax behind it ({self.pool} over the rows, axis -2)"] if self.pool else [])
+            + ([f"the ReduceMax behind it (max over the rows, axis -2{', kept' if self.pool == 'maxk' else ''})"]
+               if self.pool else [])
 
     def describe(self) -> str:
         acts = ", ".join(self.activation_labels())
