@@ -404,3 +404,17 @@ def test_fxia22_pointnet_with_its_transform_net_converts(seg, tmp_path):
     with torch.no_grad():
         want = module(torch.from_numpy(x)).numpy()
     assert_close(sess.run(None, {sess.get_inputs()[0].name: x})[0], want, 1e-4)
+
+
+@pytest.mark.parametrize("perm,left", [([0, 2, 1], 0), ([2, 0, 1], 1)])
+def test_a_transpose_after_the_run_composes_with_the_one_back(perm, left):
+    """A segmentation head's conv(x).transpose(2, 1): the Transpose back and the model's own compose into one
+    permutation of the channels-last rows, none at all where they cancel."""
+    g = G()
+    ws = [g.init(g.rng.standard_normal(sh).astype(np.float32)) for sh in ((8, 4, 1), (5, 8, 1))]
+    h = g.op("Conv", [g.op("Relu", [g.op("Conv", ["x", ws[0]], kernel_shape=[1])]), ws[1]], kernel_shape=[1])
+    g.op("Sigmoid", [g.op("Transpose", [h], perm=perm)], outputs=["y"])
+    m = g.model([("x", ["b", 4, "n"])], [("y", None)], check=False)
+    res = as_channels_last(m)
+    assert _ops(res.model).count("Transpose") == 1 + left and "the Transpose after it" in res.rewritten[0]
+    _same_outputs(m, res.model, {"x": rand([2, 4, 7])})

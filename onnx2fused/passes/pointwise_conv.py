@@ -276,6 +276,8 @@ def as_channels_last(model: onnx.ModelProto) -> ChannelsLast:
     replaced = {x for r in runs for c in r.convs for x in ix.node(c).input[1:]}
     for r, (t_back, back) in zip(runs, backs):
         old_axes, pools = _pools_read_channels_last(out, t_back, back, fresh)
+        if not pools and _transposes_compose(out, t_back, back):
+            pools = ["the Transpose after it"]
         replaced |= old_axes
         res.rewritten.append(r.describe(ix, pools))
     _drop_unread(out, replaced)
@@ -298,6 +300,37 @@ def _pool_axes(model: onnx.ModelProto, node: onnx.NodeProto, inits: dict) -> tup
         if a.name == "axes":
             return list(a.ints), False
     return None, False
+
+
+def _transposes_compose(model: onnx.ModelProto, t_back: onnx.NodeProto, back: list[int]) -> bool:
+    """Where only Transposes read t_back's output (a segmentation head's conv(x).transpose(2, 1)), each reads
+    the channels-last rows with the composed permutation, `c[j] = back[p[j]]`, and t_back goes; a composition
+    that is the identity leaves no Transpose at all (its readers read the rows). Whether it did."""
+    g = model.graph
+    y, y_last = t_back.output[0], t_back.input[0]
+    outputs = {o.name for o in g.output}
+    users = [n for n in g.node if y in node_reads(n)]
+    if y in outputs or not users or any(n.op_type != "Transpose" or n.domain not in ("", "ai.onnx") for n in users):
+        return False
+    for n in users:
+        p = next((list(a.ints) for a in n.attribute if a.name == "perm"), None)
+        if p is None:
+            p = list(reversed(range(len(back))))
+        c = [back[j] for j in p]
+        if c == list(range(len(c))) and n.output[0] not in outputs:
+            for m in g.node:   # the identity: its readers read the rows
+                m.input[:] = [y_last if x == n.output[0] else x for x in m.input]
+            g.node.remove(n)
+            continue
+        n.input[0] = y_last
+        for a in n.attribute:
+            if a.name == "perm":
+                del a.ints[:]
+                a.ints.extend(c)
+        if not any(a.name == "perm" for a in n.attribute):
+            n.attribute.append(helper.make_attribute("perm", c))
+    g.node.remove(t_back)
+    return True
 
 
 def _pools_read_channels_last(model: onnx.ModelProto, t_back: onnx.NodeProto, back: list[int],
