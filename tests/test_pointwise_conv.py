@@ -418,3 +418,19 @@ def test_a_transpose_after_the_run_composes_with_the_one_back(perm, left):
     res = as_channels_last(m)
     assert _ops(res.model).count("Transpose") == 1 + left and "the Transpose after it" in res.rewritten[0]
     _same_outputs(m, res.model, {"x": rand([2, 4, 7])})
+
+
+def test_a_cnns_other_global_pools_stay():
+    """A squeeze-and-excitation block (GlobalAveragePool -> 1x1 -> ReLU -> 1x1 -> Sigmoid -> Mul): its two
+    1x1 Convs are a run, while the GlobalAveragePool in front of them, which reads no run, stays as it is."""
+    g = G()
+    ws = [g.init((g.rng.standard_normal(sh) * 0.3).astype(np.float32)) for sh in ((4, 16, 1, 1), (16, 4, 1, 1))]
+    s = g.op("GlobalAveragePool", ["x"])
+    s = g.op("Sigmoid", [g.op("Conv", [g.op("Relu", [g.op("Conv", [s, ws[0]], kernel_shape=[1, 1])]), ws[1]],
+                              kernel_shape=[1, 1])])
+    g.op("Mul", ["x", s], outputs=["y"])
+    m = g.model([("x", ["b", 16, 5, 5])], [("y", ["b", 16, 5, 5])])
+    res = as_channels_last(m)
+    assert "GlobalAveragePool" in _ops(res.model) and "ReduceMean" not in _ops(res.model)
+    assert len(res.rewritten) == 1
+    _same_outputs(m, res.model, {"x": rand([2, 16, 5, 5])})

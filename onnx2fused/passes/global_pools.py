@@ -51,17 +51,18 @@ def _unsqueezed_max(ix: GraphIndex, i: int) -> tuple[int, int, list[int]] | None
     return red, sq[0], [b if b < a else b - 1 for b in reduced if b != a]
 
 
-def global_pools_as_reduces(model: onnx.ModelProto) -> onnx.ModelProto | None:
+def global_pools_as_reduces(model: onnx.ModelProto, reading: set[str] | None = None) -> onnx.ModelProto | None:
     """A copy of `model` with its global pools as the Reduce they are, or None where it has none:
     GlobalMaxPool / GlobalAveragePool over every spatial axis, a MaxPool whose kernel covers the whole of
     its input's static spatial dims (torch's TorchScript export of AdaptiveMaxPool1d(1) and of PointNet's
     MaxPool1d(num_points)): ReduceMax / ReduceMean over those axes, keepdims=1, the same values and shape;
-    and the dynamo export of AdaptiveMaxPool1d(1), Unsqueeze -> ReduceMax -> Squeeze, as one ReduceMax."""
+    and the dynamo export of AdaptiveMaxPool1d(1), Unsqueeze -> ReduceMax -> Squeeze, as one ReduceMax.
+    `reading`: only the pools of these tensors (the pointwise runs' outputs; a CNN's other pools stay)."""
     ix = GraphIndex(model)
     found: dict[int, tuple[str, list[int], str, str]] = {}   # node -> (op, axes, input, output)
     drop: set[int] = set()
     for i, n in enumerate(model.graph.node):
-        if n.domain not in ("", "ai.onnx") or not n.input:
+        if n.domain not in ("", "ai.onnx") or not n.input or (reading is not None and n.input[0] not in reading):
             continue
         triple = _unsqueezed_max(ix, i)
         if triple is not None:

@@ -217,7 +217,11 @@ def as_channels_last(model: onnx.ModelProto) -> ChannelsLast:
     if not any(n.op_type == "Conv" for n in model.graph.node):
         return ChannelsLast(model)
     original = model
-    model = global_pools_as_reduces(model) or model
+    pooled = global_pools_as_reduces(model)
+    if pooled is not None:   # the global pools as Reduces only where they read a run (a CNN keeps the others)
+        outputs = {r.output for r in find_conv_runs(GraphIndex(pooled))[0]}
+        pooled = global_pools_as_reduces(model, outputs) if outputs else None
+    model = pooled or model
     ix = GraphIndex(model)
     runs, refused = find_conv_runs(ix)
     res = ChannelsLast(original, refusals=[(ix.keys[i], r) for i, r in refused])
