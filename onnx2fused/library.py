@@ -220,8 +220,8 @@ def fusion_plan(model, with_cuda: bool, options: PlanOptions | None = None, stoc
     refusals = [Refusal(key, reason) for key, reason in layout.refusals]
     if layout.rewritten:
         plan = find_fusions(layout.model, with_cuda, options, stock_faster)
-        if any(k in set(node_keys(layout.model.graph)) - set(node_keys(model.graph)) for c in plan.chains
-               for k in c.nodes):
+        new_nodes = set(node_keys(layout.model.graph)) - set(node_keys(model.graph))
+        if any(k in new_nodes for c in plan.chains for k in c.nodes):
             plan.channels_last = layout.rewritten
             plan.refusals = refusals + plan.refusals
             return layout.model, plan

@@ -194,15 +194,19 @@ struct RowsForPool {
 inline bool HalfIsNan(uint16_t h) { return (h & 0x7fff) > 0x7c00; }
 inline uint16_t HalfOrder(uint16_t h) { return (h & 0x8000) ? static_cast<uint16_t>(~h) : static_cast<uint16_t>(h | 0x8000); }
 inline float MaxNan(float o, float v) { return (v > o || (v != v && o == o)) ? v : o; }
+// -inf in the element type as the CPU paths hold it (fp16 as its bits): where every pool starts.
+template <class T> constexpr T kLowest = T{};
+template <> constexpr float kLowest<float> = -std::numeric_limits<float>::infinity();
+template <> constexpr uint16_t kLowest<uint16_t> = 0xfc00;
 inline uint16_t MaxNan(uint16_t o, uint16_t v) {
   return (!HalfIsNan(o) && (HalfIsNan(v) || HalfOrder(v) > HalfOrder(o))) ? v : o;
 }
 
 // Columns [c0, c1) of group g: the max over the group's rows, row by row (a row's columns are contiguous).
 template <class T>
-void PoolBlock(const T* in, T* out, int64_t per, int64_t n, int64_t g, int64_t c0, int64_t c1, T lowest) {
+void PoolBlock(const T* in, T* out, int64_t per, int64_t n, int64_t g, int64_t c0, int64_t c1) {
   T* o = out + g * n;
-  std::fill(o + c0, o + c1, lowest);
+  std::fill(o + c0, o + c1, kLowest<T>);
   for (int64_t r = g * per; r < (g + 1) * per; ++r) {
     const T* row = in + r * n;
     for (int64_t c = c0; c < c1; ++c) o[c] = MaxNan(o[c], row[c]);
@@ -224,11 +228,9 @@ void RunPoolTask(void* data, size_t task) {
   const int64_t g = static_cast<int64_t>(task) / t.blocks, c0 = (static_cast<int64_t>(task) % t.blocks) * kPoolCols;
   const int64_t c1 = std::min(n, c0 + kPoolCols);
   if (t.e->io_is_half)
-    PoolBlock(static_cast<const uint16_t*>(t.call->y), static_cast<uint16_t*>(t.pooled), per, n, g, c0, c1,
-              static_cast<uint16_t>(0xfc00));
+    PoolBlock(static_cast<const uint16_t*>(t.call->y), static_cast<uint16_t*>(t.pooled), per, n, g, c0, c1);
   else
-    PoolBlock(static_cast<const float*>(t.call->y), static_cast<float*>(t.pooled), per, n, g, c0, c1,
-              -std::numeric_limits<float>::infinity());
+    PoolBlock(static_cast<const float*>(t.call->y), static_cast<float*>(t.pooled), per, n, g, c0, c1);
 }
 
 void PoolRows(const KernelEntry& e, const Call& call, void* pooled, Ort::KernelContext& ctx) {
@@ -282,8 +284,8 @@ struct PooledTask {
 };
 
 template <class T>
-void PoolInto(const T* rows, T* out, int64_t n_rows, int64_t n, T lowest) {
-  PoolBlock(rows, out, n_rows, n, 0, 0, n, lowest);
+void PoolInto(const T* rows, T* out, int64_t n_rows, int64_t n) {
+  PoolBlock(rows, out, n_rows, n, 0, 0, n);
 }
 
 void RunPooledTask(void* data, size_t task) {
@@ -300,17 +302,16 @@ void RunPooledTask(void* data, size_t task) {
     e.cpu(static_cast<const char*>(t.call->x) + r0 * e.widths[0] * elem, buf.data(), rows, t.call->w.data(),
           t.call->b.data(), 1);
   }
+  const int64_t pooled_rows = std::max<int64_t>(rows, 0);
   if (e.io_is_half)
-    PoolInto(reinterpret_cast<const uint16_t*>(buf.data()), reinterpret_cast<uint16_t*>(partial), std::max<int64_t>(rows, 0),
-             n, static_cast<uint16_t>(0xfc00));
+    PoolInto(reinterpret_cast<const uint16_t*>(buf.data()), reinterpret_cast<uint16_t*>(partial), pooled_rows, n);
   else
-    PoolInto(reinterpret_cast<const float*>(buf.data()), reinterpret_cast<float*>(partial), std::max<int64_t>(rows, 0), n,
-             -std::numeric_limits<float>::infinity());
+    PoolInto(reinterpret_cast<const float*>(buf.data()), reinterpret_cast<float*>(partial), pooled_rows, n);
 }
 
 template <class T>
-void CombinePartials(const T* partials, T* y, int64_t groups, int64_t tasks_per_group, int64_t n, T lowest) {
-  for (int64_t g = 0; g < groups; ++g) PoolInto(partials + g * tasks_per_group * n, y + g * n, tasks_per_group, n, lowest);
+void CombinePartials(const T* partials, T* y, int64_t groups, int64_t tasks_per_group, int64_t n) {
+  for (int64_t g = 0; g < groups; ++g) PoolInto(partials + g * tasks_per_group * n, y + g * n, tasks_per_group, n);
 }
 
 struct CpuKernel {
@@ -344,10 +345,10 @@ struct CpuKernel {
     else ctx.ParallelFor(&RunPooledTask, static_cast<size_t>(tasks), 0, &task);
     if (e->io_is_half)
       CombinePartials(reinterpret_cast<const uint16_t*>(task.partials), static_cast<uint16_t*>(call.y), call.groups,
-                      task.tasks_per_group, n, static_cast<uint16_t>(0xfc00));
+                      task.tasks_per_group, n);
     else
       CombinePartials(reinterpret_cast<const float*>(task.partials), static_cast<float*>(call.y), call.groups,
-                      task.tasks_per_group, n, -std::numeric_limits<float>::infinity());
+                      task.tasks_per_group, n);
   }
 
   void Run(Call& call, Ort::KernelContext& ctx) {

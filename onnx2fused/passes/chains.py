@@ -98,13 +98,12 @@ class Chain:
     concat_edit: object = None     # ... and the Concat that then reads `tensor` (concat_fold.ConcatEdit)
     head: str = ""                 # a head that rides the chain into its output Concat (head_fold.py)
     joined: bool = False           # two chains joined through a piece of their input (skip_merge.py)
-    pool: str = ""                 # "max": the op writes the max over axis -2 of its rows (pool.py) ...
-    pool_input: str = ""           # ... which the model holds in this tensor (the ReduceMax's input)
+    pool: str = ""                 # "max" / "maxk": the op writes the max over axis -2 of its rows (pool.py)
 
     @property
     def rows_output(self) -> str:
         """The tensor that holds the last layer's output rows (the pool's input, where the chain pools)."""
-        return self.pool_input or self.output
+        return self.layers[-1].output if self.pool else self.output
 
     def input_rows(self, ref: Mapping[str, list]) -> list:
         """The rows the fused op reads in each case, from the model's tensors `ref` ({name: one array a
@@ -580,7 +579,7 @@ def _find_chains(ix: GraphIndex, gated_refused: str | None, block_refused: Mappi
             idx += list(head.node_indices) + [head.concat]
             out_t = head.output
             ends.pop(last.start, None)
-        pool, pool_input = None, ""
+        pool = None
         if block.residual is None and head is None and regrouped is None and not last.gated:
             pool = match_pool(ix, out_t)
             refused_pool = (pool_refused or {}).get(_first_node(first))
@@ -592,7 +591,7 @@ def _find_chains(ix: GraphIndex, gated_refused: str | None, block_refused: Mappi
                 pool = None
         if pool is not None:   # the op writes the max over its rows (pool.py)
             idx.append(pool.node)
-            pool_input, out_t = out_t, pool.output
+            out_t = pool.output
             ends.pop(last.start, None)
         for k in skips:
             idx += seq[k].skip.nodes
@@ -630,7 +629,7 @@ def _find_chains(ix: GraphIndex, gated_refused: str | None, block_refused: Mappi
                       ConcatEdit(ix.keys[fold.concat], fold.position, fold.folded.input, ix.keys[folded_start])
                       if fold is not None else None,
                       f"'{head.head.nodes[0]}' ({head.head.in_features} -> {head.head.out_features})"
-                      if head is not None else "", pool=pool.kind if pool is not None else "", pool_input=pool_input)
+                      if head is not None else "", pool=pool.kind if pool is not None else "")
         plan.chains.append(chain)
         if start_reason:
             plan.refusals.append(Refusal(ix.keys[min(first.node_indices)],

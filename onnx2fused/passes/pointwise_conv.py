@@ -82,8 +82,9 @@ def pointwise_weight(ix: GraphIndex, i: int) -> tuple[np.ndarray, np.ndarray | N
     what = f"{ix.describe(i)} (kernel 1)"
     if int(ix.attr(i, "group", 1)) != 1:
         return f"{what}: {ix.attr(i, 'group')} groups, not one linear layer over the channels"
-    if any(s != 1 for s in _ints(ix, i, "strides", 1, spatial)):
-        return f"{what}: strides {_ints(ix, i, 'strides', 1, spatial)} skip positions"
+    strides = _ints(ix, i, "strides", 1, spatial)
+    if any(s != 1 for s in strides):
+        return f"{what}: strides {strides} skip positions"
     pads = _ints(ix, i, "pads", 0, 2 * spatial)
     auto_pad = ix.attr(i, "auto_pad", b"NOTSET")
     auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else str(auto_pad)
