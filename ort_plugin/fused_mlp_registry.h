@@ -18,8 +18,10 @@ typedef size_t (*CudaWorkspaceBytesFn)();
 typedef int (*CudaPackFn)(const float* const* w, const float* const* b, void* workspace, void* stream);
 typedef int (*CudaRunFn)(const void* x, void* y, int64_t rows, const void* workspace, void* stream);
 // A pooled spec's run (KernelEntry::pool): rows = groups * (rows per group) input rows -> y [groups, N_last].
+// float16 I/O also takes `scratch`, a device buffer of groups * N_last floats (the entries are raised in
+// float, then rounded into y); float32 I/O raises y itself and takes nullptr.
 typedef int (*CudaRunPoolFn)(const void* x, void* y, int64_t rows, int64_t groups, const void* workspace,
-                             void* stream);
+                             void* scratch, void* stream);
 
 struct KernelEntry {
   const char* name;               // op type in domain "onnx2fused" (= MLPSpec.name)

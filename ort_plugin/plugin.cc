@@ -541,6 +541,37 @@ OrtStatusPtr CudaError(const KernelEntry& e, const char* what, int rc) {
   return Error(ORT_EP_FAIL, s.str());
 }
 
+// A pooled entry with float16 I/O raises float entries (o2f_pool.cuh: one fire-and-forget atomic each) in
+// a device buffer from ONNX Runtime's allocator for the device, rounded into Y at the end of the run. It is
+// given back as soon as the run is queued, as ORT's own kernels do with their scratch: later users of the
+// memory are queued behind the run on the same stream.
+class PoolScratch {
+ public:
+  ~PoolScratch() {
+    if (p_) alloc_->Free(alloc_, p_);
+    if (alloc_) Ort::GetApi().ReleaseAllocator(alloc_);
+  }
+  OrtStatusPtr Get(const KernelEntry& e, const Call& call, OrtKernelContext* context, int dev, void** out) {
+    *out = nullptr;
+    if (!e.pool || !e.io_is_half || call.groups <= 0) return nullptr;
+    const size_t bytes = static_cast<size_t>(call.groups) * static_cast<size_t>(e.widths[e.num_layers]) * sizeof(float);
+    Ort::MemoryInfo device("Cuda", OrtDeviceAllocator, dev, OrtMemTypeDefault);
+    if (OrtStatusPtr st = Ort::GetApi().KernelContext_GetAllocator(context, device, &alloc_)) return st;
+    p_ = alloc_->Alloc(alloc_, bytes);
+    if (!p_) {
+      std::ostringstream s;
+      s << kDomain << "." << e.name << ": could not allocate the pool's " << bytes << "-byte scratch on the device";
+      return Error(ORT_EP_FAIL, s.str());
+    }
+    *out = p_;
+    return nullptr;
+  }
+
+ private:
+  OrtAllocator* alloc_ = nullptr;
+  void* p_ = nullptr;
+};
+
 // ORT may call one kernel instance from several Run() calls at once, each on its own stream; the mutex
 // below serialises the launches, not the GPU work. Kernels that only read the packed weights may overlap
 // on the GPU; those that also write scratch in the workspace (KernelEntry::cuda_uses_scratch: the wide
@@ -630,7 +661,10 @@ struct CudaKernel {
         rc = cudaStreamWaitEvent(stream, s.packed, 0);
         if (rc) return CudaError(*e, "cudaStreamWaitEvent", rc);
       }
-      rc = e->pool ? e->cuda_run_pool(call.x, call.y, call.rows, call.groups, s.workspace, stream)
+      PoolScratch pool;
+      void* scratch = nullptr;
+      if (OrtStatusPtr st = pool.Get(*e, call, context, dev, &scratch)) return st;
+      rc = e->pool ? e->cuda_run_pool(call.x, call.y, call.rows, call.groups, s.workspace, scratch, stream)
                    : e->cuda_run(call.x, call.y, call.rows, s.workspace, stream);
       if (rc) return CudaError(*e, "the kernel launch", rc);
       if (record) {

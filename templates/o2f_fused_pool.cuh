@@ -1,22 +1,22 @@
 // o2f_fused_pool.cuh: the last layer's epilogue of a pooled chain (MLPSpec.pool "max") in the mma.sync
-// kernels: in place of store_output, each output column's maximum over the warp's rows goes into y [groups,
-// N] (o2f_pool.cuh). A warp's rows (16 * MT, consecutive) mostly lie in one group (PointNet's 1024 points
-// a cloud): each lane takes the max of its rows, three shuffles give the warp's, and one lane a column pair
-// raises the group's entries (float: one atomic each; half: the pairs read first, then a compare-and-swap
-// where one rises); a warp whose rows straddle two groups raises them row by row. Static device
-// code included inside the generated kernel's anonymous namespace, after o2f_fused_epilogue.cuh.
+// kernels: in place of store_output, each output column's maximum over the warp's rows goes into the float
+// entries y [groups, N] (o2f_pool.cuh). A warp's rows (16 * MT, consecutive) mostly lie in one group
+// (PointNet's 1024 points a cloud): each lane takes the max of its rows, three shuffles give the warp's,
+// and one lane a column pair raises the group's entries, one atomic each; a warp whose rows straddle two
+// groups raises them row by row. Static device code included inside the generated kernel's anonymous
+// namespace, after o2f_fused_epilogue.cuh.
 #pragma once
 #include "o2f_pool.cuh"
 
 template <int L, int N, int MT, int NT8>
-__device__ __forceinline__ void store_output_pool(const float (&acc)[MT][NT8][4], int col0, io_t* __restrict__ y,
+__device__ __forceinline__ void store_output_pool(const float (&acc)[MT][NT8][4], int col0, pool_t* __restrict__ y,
                                                   int64_t rows, int64_t row0, int lane, int64_t group_rows) {
   const int g = lane >> 2, t2 = 2 * (lane & 3);
   if (row0 >= rows) return;
   const int64_t last = (row0 + 16 * MT < rows ? row0 + 16 * MT : rows) - 1;
   const int64_t group = row0 / group_rows;
   if (last / group_rows == group) {   // warp-uniform: the shuffles below see every lane
-    io_t* out = y + group * N;
+    pool_t* out = y + group * N;
     float m[NT8][2];
 #pragma unroll
     for (int j = 0; j < NT8; ++j) {
@@ -37,26 +37,12 @@ __device__ __forceinline__ void store_output_pool(const float (&acc)[MT][NT8][4]
       }
     }
     if (g != 0) return;
-    if constexpr (sizeof(io_t) == 2 && N % 2 == 0) {   // half pairs: every pair read, then raised
-      unsigned seen[NT8];
 #pragma unroll
-      for (int j = 0; j < NT8; ++j) {
-        const int col = col0 + j * 8 + t2;
-        seen[j] = col < N ? __ldcg(reinterpret_cast<const unsigned*>(out + col)) : 0u;
-      }
-#pragma unroll
-      for (int j = 0; j < NT8; ++j) {
-        const int col = col0 + j * 8 + t2;
-        if (col < N) o2f_atomic_max2(reinterpret_cast<__half*>(out + col), m[j][0], m[j][1], seen[j]);
-      }
-    } else {
-#pragma unroll
-      for (int j = 0; j < NT8; ++j) {
-        const int col = col0 + j * 8 + t2;
-        if (col >= N) continue;
-        o2f_atomic_max(out + col, m[j][0]);
-        if (col + 1 < N) o2f_atomic_max(out + col + 1, m[j][1]);
-      }
+    for (int j = 0; j < NT8; ++j) {
+      const int col = col0 + j * 8 + t2;
+      if (col >= N) continue;
+      o2f_atomic_max(out + col, m[j][0]);
+      if (col + 1 < N) o2f_atomic_max(out + col + 1, m[j][1]);
     }
     return;
   }
@@ -69,7 +55,7 @@ __device__ __forceinline__ void store_output_pool(const float (&acc)[MT][NT8][4]
         const int col = col0 + j * 8 + t2;
         const int64_t row = row0 + mt * 16 + g + 8 * h;
         if (row > last || col >= N) continue;
-        io_t* out = y + (row / group_rows) * N;
+        pool_t* out = y + (row / group_rows) * N;
         o2f_atomic_max(out + col, act<L>(acc[mt][j][2 * h], col));
         if (col + 1 < N) o2f_atomic_max(out + col + 1, act<L>(acc[mt][j][2 * h + 1], col + 1));
       }

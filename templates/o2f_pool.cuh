@@ -1,66 +1,62 @@
 // o2f_pool.cuh: a chain's max pool over the rows of each group (MLPSpec.pool "max": PointNet's max over its
-// points). The op's output y [groups, N] starts at -inf (pool_fill) and each kernel raises its entries with
-// o2f_atomic_max: float entries by one integer atomic; half entries by a compare-and-swap that leaves as soon
-// as the entry is already at least the value. NaN wins (as ONNX Runtime's CUDA ReduceMax propagates it).
-// Static device code included inside the generated kernel's anonymous namespace, after io_t.
+// points). The entries are raised in float whatever the op's I/O type: in y itself for float32 I/O, in a
+// float scratch buffer [groups, N] for float16 I/O (the plugin takes it from ONNX Runtime's allocator), which
+// pool_finish then rounds into y. Every entry starts at -inf (pool_start) and each kernel raises it with
+// one fire-and-forget integer atomic (o2f_atomic_max); rounding to half afterwards is exact, since it is
+// monotonic (the rounded max is the max of the rounded values). NaN wins (as ONNX Runtime's CUDA ReduceMax
+// propagates it). Static device code included inside the generated kernel's anonymous namespace, after io_t.
 #pragma once
 
+// A pooled kernel's output: the float entries it raises.
+using pool_t = float;
+
 __device__ __forceinline__ bool o2f_raises(float v, float old) { return v > old || (v != v && old == old); }
+
+__device__ __forceinline__ float o2f_max_nan(float a, float b) { return o2f_raises(b, a) ? b : a; }
 
 // A float's bits order like the float as a signed int where it is positive, and in reverse as an unsigned
 // int where it is negative (sign bit set): one fire-and-forget atomic (RED.MAX / RED.MIN, no value waited
 // for) raises the entry from any start, -inf included. NaN goes in as the positive quiet NaN, which then
-// beats every number either way.
+// beats every number either way. (Half entries took a compare-and-swap loop, each warp waiting for its
+// reads and swaps: the float16 PointNet's kernel 1.6x the float one's; the float scratch avoids it.)
 __device__ __forceinline__ void o2f_atomic_max(float* p, float v) {
   if (v != v) v = __uint_as_float(0x7fc00000u);
   if (!signbit(v)) atomicMax(reinterpret_cast<int*>(p), __float_as_int(v));
   else atomicMin(reinterpret_cast<unsigned*>(p), __float_as_uint(v));
 }
 
-__device__ __forceinline__ void o2f_atomic_max(__half* p, float vf) {
-  const __half v = __float2half_rn(vf);   // rounding is monotonic: the max of the rounded values
-  const float vr = __half2float(v);
-  unsigned short* a = reinterpret_cast<unsigned short*>(p);
-  unsigned short old = *reinterpret_cast<volatile unsigned short*>(a);
-  while (o2f_raises(vr, __half2float(__ushort_as_half(old)))) {
-    const unsigned short seen = atomicCAS(a, old, __half_as_ushort(v));
-    if (seen == old) return;
-    old = seen;
-  }
-}
-
-// Two adjacent half entries (p 4-byte aligned: p[0] the word's low 16 bits) raised to (a, b) by one 32-bit
-// compare-and-swap on the pair, starting from `seen`, the word as read before (a stale read errs low). The
-// caller reads every pair it raises first, so those reads are in flight together rather than one after
-// another, and most pairs then need no atomic at all.
-__device__ __forceinline__ void o2f_atomic_max2(__half* p, float a, float b, unsigned seen) {
-  const __half ha = __float2half_rn(a), hb = __float2half_rn(b);
-  unsigned* w = reinterpret_cast<unsigned*>(p);
-  unsigned old = seen;
-  while (true) {
-    const bool ra = o2f_raises(__half2float(ha), __half2float(__ushort_as_half(static_cast<unsigned short>(old & 0xffffu))));
-    const bool rb = o2f_raises(__half2float(hb), __half2float(__ushort_as_half(static_cast<unsigned short>(old >> 16))));
-    if (!ra && !rb) return;
-    const unsigned want = ((rb ? static_cast<unsigned>(__half_as_ushort(hb)) : (old >> 16)) << 16)
-                          | (ra ? static_cast<unsigned>(__half_as_ushort(ha)) : (old & 0xffffu));
-    const unsigned got = atomicCAS(w, old, want);
-    if (got == old) return;
-    old = got;
-  }
-}
-
-__device__ __forceinline__ float o2f_max_nan(float a, float b) { return o2f_raises(b, a) ? b : a; }
-
-// y[0, n) = -inf: the max of no rows (ONNX's ReduceMax of an empty axis), and where every pool starts.
-__global__ void pool_fill(io_t* __restrict__ y, int64_t n) {
+// p[0, n) = -inf: the max of no rows (ONNX's ReduceMax of an empty axis), and where every pool starts.
+__global__ void pool_fill(float* __restrict__ p, int64_t n) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x)
-    o2f_store(y + i, -INFINITY);
+    p[i] = -INFINITY;
 }
 
-inline cudaError_t pool_start(io_t* y, int64_t n, cudaStream_t s) {
+// y[0, n) = p[0, n) in the I/O type (float16 I/O only).
+__global__ void pool_round(const float* __restrict__ p, io_t* __restrict__ y, int64_t n) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    o2f_store(y + i, p[i]);
+}
+
+inline int pool_blocks(int64_t n) { return static_cast<int>((n + 255) / 256 < 1024 ? (n + 255) / 256 : 1024); }
+
+// Where the run raises its entries: y itself (float32 I/O) or the float scratch (float16 I/O).
+inline pool_t* pool_entries(void* y, void* scratch) {
+  return sizeof(io_t) == sizeof(pool_t) ? static_cast<pool_t*>(y) : static_cast<pool_t*>(scratch);
+}
+
+inline cudaError_t pool_start(pool_t* p, int64_t n, cudaStream_t s) {
   if (n <= 0) return cudaSuccess;
-  const int64_t blocks = (n + 255) / 256;
-  pool_fill<<<static_cast<int>(blocks < 1024 ? blocks : 1024), 256, 0, s>>>(y, n);
+  if (p == nullptr) return cudaErrorInvalidValue;   // float16 I/O without its scratch
+  pool_fill<<<pool_blocks(n), 256, 0, s>>>(p, n);
+  return cudaGetLastError();
+}
+
+// A pooled run's last step, after its kernel's launch: that launch's error, or the entries rounded into y.
+inline cudaError_t pool_finish(const pool_t* p, void* y, int64_t n, cudaStream_t s) {
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess || n <= 0 || sizeof(io_t) == sizeof(pool_t)) return err;
+  pool_round<<<pool_blocks(n), 256, 0, s>>>(p, static_cast<io_t*>(y), n);
   return cudaGetLastError();
 }
