@@ -48,7 +48,7 @@ def _blocks(l: WgmmaLayer, c: int, last: bool, kt0: int = 0) -> list[dict]:
         jj = c * (l.nc // 8) + j
         if last and 8 * jj >= l.n:
             continue
-        out.append({**_hidden_block(jj, l.n, kt0), "d": [4 * j, 4 * j + 1, 4 * j + 2, 4 * j + 3]})
+        out.append({**_hidden_block(jj, l.n, kt0), "d": [4 * j, 4 * j + 1, 4 * j + 2, 4 * j + 3], "j": j})
     return out
 
 
@@ -95,6 +95,7 @@ def _layer_params(plan: WgmmaPlan) -> list[dict]:
             start = 0 if plan.streamed else l.offset + c * l.chunk_bytes
             chunks.append({
                 "index": c,
+                "col0": c * l.nc,   # the chunk's first output column (a pooled last layer's pool_chunk)
                 # descriptor low word = lo0 + (shared offset >> 4); scale-d 0 on the first k-step (no bias:
                 # the epilogue adds it), 1 after
                 "ksteps": [{"ks": ks, "lo": (start + l.kstep_offset(ks)) >> 4, "scale": int(ks > 0)}

@@ -36,7 +36,7 @@ __global__ void pool_fill(float* __restrict__ p, int64_t n) {
 __global__ void pool_round(const float* __restrict__ p, io_t* __restrict__ y, int64_t n) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x)
-    o2f_store(y + i, p[i]);
+    y[i] = static_cast<io_t>(p[i]);   // (round to nearest even: __half's conversion from float)
 }
 
 inline int pool_blocks(int64_t n) { return static_cast<int>((n + 255) / 256 < 1024 ? (n + 255) / 256 : 1024); }

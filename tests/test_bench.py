@@ -222,6 +222,29 @@ def test_flops_count_every_row_of_a_token_batch():
     assert bench.model_info(NERF).rows_per_item == 1
 
 
+def test_flops_count_conv_positions(tmp_path):
+    """PointNet's pointwise Conv1d over [batch, 3, points]: every point is a row through the layer, which a
+    per-row count of the first input's last axis misses (it counted the head's Gemm alone); the Conv's
+    weights count among the weight bytes. The counted Gemm behind the pool counts once per batch item."""
+    from onnx import TensorProto, helper, numpy_helper
+    w = numpy_helper.from_array(np.ones((16, 3, 1), np.float32), "w")
+    b = numpy_helper.from_array(np.zeros(16, np.float32), "b")
+    g = numpy_helper.from_array(np.ones((16, 10), np.float32), "g")
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w", "b"], ["c"]),
+         helper.make_node("ReduceMax", ["c"], ["p"], axes=[2], keepdims=0),
+         helper.make_node("Gemm", ["p", "g"], ["y"])],
+        "pn", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3, 100])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 10])], [w, b, g])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    onnx.save(model, str(tmp_path / "pn.onnx"))
+    info = bench.model_info(tmp_path / "pn.onnx")
+    assert info.batch_flops(8) == 8 * (2 * 100 * 16 * 3 + 2 * 16 * 10)
+    assert info.conv_params == 16 * 3 + 16 and info.weight_params == 16 * 10 + 16 * 3 + 16
+    # an MLP on [batch, features]: the per-row count, as before
+    assert bench.model_info(NERF).batch_flops(4) == 4 * bench.model_info(NERF).flops_per_row
+
+
 def test_gpu_batches_capped_to_memory():
     info = bench.model_info(ROOT / "models" / "mnist.opset17.onnx")
     kept, notes = bench.gpu_batches(info, bench.DEFAULT_GPU_BATCHES, total_mem=80 * 2 ** 30)

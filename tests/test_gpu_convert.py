@@ -515,9 +515,9 @@ def test_resnet_tabular_blocks_on_cuda_ep(cache, tmp_path):
 @pytest.mark.parametrize("dynamo", [False, True], ids=["torchscript", "dynamo"])
 def test_pointnet_on_cuda_ep(dynamo, cache, tmp_path):
     """PointNet's classifier (benchmarks/pointnet.py): its five pointwise Conv1d one chain over channels-last
-    rows (passes/pointwise_conv.py) with the max pool behind them (passes/pool.py: the streamed kernel's
-    epilogue raises each cloud's maxima), its head a second chain; converted with defaults, matching stock
-    on the CUDA EP at 1, 3 and 37 clouds of 1024 points."""
+    rows (passes/pointwise_conv.py) with the max pool behind them (passes/pool.py: on Hopper the wgmma
+    kernel's epilogue raises each cloud's maxima), its head a second chain; converted with defaults,
+    matching stock on the CUDA EP at 1, 3 and 37 clouds of 1024 points."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from pointnet import PointNetCls, export
     torch.manual_seed(4)
@@ -528,6 +528,7 @@ def test_pointnet_on_cuda_ep(dynamo, cache, tmp_path):
     fused = onnx.load(str(res.output_path))
     assert [n.op_type for n in fused.graph.node if n.domain != DOMAIN] == ["Transpose"]
     assert "_poolmax_" in res.chains[0].name
+    assert res.chains[0].cuda_plan.startswith("GPU: wgmma (sm_90a)"), res.chains[0].cuda_plan
     sess = session(res.output_path, res.library_path, ["CUDAExecutionProvider", "CPUExecutionProvider"])
     rng = np.random.default_rng(8)
     for clouds in (1, 3):
@@ -554,32 +555,37 @@ def test_pointwise_conv2d_head_on_cuda_ep(cache, tmp_path):
 @pytest.mark.parametrize("design,precision,io,n", [("resident", "fp16", "f32", 5), ("streamed", "fp16", "f32", 5),
                                                    ("streamed", "bf16", "f16", 5), ("auto", "fp32", "f32", 5),
                                                    ("resident", "tf32", "f16", 5), ("streamed", "fp16", "f16", 8),
-                                                   ("resident", "fp16", "f16", 8)])
+                                                   ("resident", "fp16", "f16", 8), ("wgmma", "fp16", "f32", 5),
+                                                   ("wgmma", "bf16", "f16", 8), ("wgmma", "fp16", "f16", 5)])
 @pytest.mark.parametrize("keepdims", [0, 1])
 def test_pooled_chain_on_cuda_ep(design, precision, io, n, keepdims, cache, tmp_path, monkeypatch):
     """A chain with the max pool behind it (test_pool.pooled_mlp: [b, c, m, 6] -> 16 -> 24 -> n, then
-    ReduceMax over m) in each design that pools, at groups of 37 rows (a warp's rows straddle two groups),
-    1 row, 300 rows and 0 rows (-inf), float32 I/O (n = 5) and float16 I/O (n = 5: one half at a time;
-    n = 8: pairs of halves), the pooled axis dropped or kept (keepdims), against stock ORT on the CPU EP."""
+    ReduceMax over m, 8 input features where the wgmma kernel stages them) in each design that pools (wgmma:
+    its sm_90a kernel on Hopper), at groups of 37 rows (a
+    warp's rows straddle two groups), 1 row, 300 rows and 0 rows (-inf), float32 I/O and float16 I/O (odd
+    and even n), the pooled axis dropped or kept (keepdims), against stock ORT on the CPU EP."""
     from test_pool import pooled_mlp
     from onnx_builders import F16
     monkeypatch.setenv("ONNX2FUSED_CUDA_DESIGN", design)
-    m = pooled_mlp([6, 16, 24, n], rank=4, elem=F16 if io == "f16" else None, keepdims=keepdims)
+    k0 = 8 if design == "wgmma" and io == "f32" else 6   # (8: the wgmma kernel stages its input tiles)
+    m = pooled_mlp([k0, 16, 24, n], rank=4, elem=F16 if io == "f16" else None, keepdims=keepdims)
     src = tmp_path / "pooled.onnx"
     onnx.save(m, str(src))
     res = onnx2fused.convert(src, tmp_path / "m.onnx", precision=precision, cache_dir=cache)
     assert ("_poolmaxk_" if keepdims else "_poolmax_") in res.chains[0].name
+    if design == "wgmma":
+        assert res.chains[0].cuda_plan.startswith("GPU: wgmma (sm_90a)"), res.chains[0].cuda_plan
     assert res.validation.provider == "CUDAExecutionProvider"
     sess = session(res.output_path, res.library_path, ["CUDAExecutionProvider", "CPUExecutionProvider"])
     rng = np.random.default_rng(4)
     dtype = np.float16 if io == "f16" else np.float32
-    for shape in ((3, 5, 37, 6), (2, 2, 1, 6), (1, 3, 300, 6)):
+    for shape in ((3, 5, 37, k0), (2, 2, 1, k0), (1, 3, 300, k0)):
         feeds = {"x": rng.standard_normal(shape).astype(dtype)}
         got, ref = sess.run(None, feeds)[0], stock(src, feeds)[0]
         assert got.shape == ref.shape == (shape[0], shape[1]) + (1,) * keepdims + (n,)
         assert rel_l2(got, ref) <= max(TOL[precision], 2e-3 if io == "f16" else 0), shape
     # groups of no rows: -inf, ONNX's max of nothing (this host's stock ORT returns [2, 1, 0, n] there)
-    empty = sess.run(None, {"x": np.zeros((2, 1, 0, 6), dtype)})[0]
+    empty = sess.run(None, {"x": np.zeros((2, 1, 0, k0), dtype)})[0]
     assert empty.shape == (2, 1) + (1,) * keepdims + (n,) and np.isneginf(empty).all()
 
 

@@ -6,6 +6,7 @@ tests/test_wgmma_build.py."""
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -327,6 +328,31 @@ def test_a_first_layer_may_be_wider_than_the_hidden_ones():
     assert wide_last.design == "wgmma" and wide_last.layers[-1].np_ == 320 and wide_last.layers[-1].chunks == 5
 
 
+def test_pooled_chains_take_wgmma_with_a_last_layer_up_to_1024():
+    """A pooled chain (spec.pool: PointNet's 3 -> 64 -> 64 -> 64 -> 128 -> 1024 before its max over the points)
+    stores no rows: its last layer may be 1024 wide (plan.wgmma POOLED_LAST_WIDTH_MAX), each n8 block of it
+    taking its two rows' maxima (pool_take), each chunk then raising the group's maxima (pool_chunk) in place
+    of stores, at the most warpgroups (POOL_NWG_MAX); the unit's entry point is the pooled run, whose other
+    GPUs run the fallback's pooled run."""
+    pooled = replace(_spec([3, 64, 64, 64, 128, 1024]), pool="max")
+    plan = choose.make_plan(pooled, AUTO_WGMMA)
+    assert plan.design == "wgmma" and plan.fallback.design == "streamed" and plan.nwg == wgmma.POOL_NWG_MAX
+    assert plan.layers[-1].chunks == 16 and not plan.quad_stores and not plan.store_rows
+    assert "the last layer's output up to 512" in choose.wgmma_refused(replace(pooled, pool=None))
+    assert "up to 1024 with its pool" in choose.wgmma_refused(replace(_spec([3, 64, 128, 1040]), pool="max"))
+    files, _ = _render(pooled)
+    src, fb = files[f"{pooled.name}_cuda.cu"], fallback_symbol(pooled)
+    assert f" {pooled.name}_cuda_run_pool(" in src and f" {fb}_cuda_run_pool(" in src
+    assert f"{pooled.name}_cuda_run(" not in src and f"{fb}_cuda_run(" not in src
+    assert f" {fb}_cuda_run_pool(" in files[f"{fb}_cuda.cu"] and "o2f_wgmma_pool.cuh" in files
+    assert src.count("pool_take<kNOut>(pone") == 1024 // 8 and src.count("pool_chunk<kNOut, 8>(pone") == 16
+    assert "store_out" not in src
+    # an odd width: the padding block's columns are left to pool_take's and pool_chunk's column checks
+    odd = replace(_spec([6, 128, 5]), pool="maxk")
+    src = _render(odd, WGMMA)[0][f"{odd.name}_cuda.cu"]
+    assert src.count("pool_take<kNOut>(pone") == 1 and src.count("pool_chunk<kNOut, 1>(pone") == 1 and "kNOut = 5;" in src
+
+
 def test_cost_rule_and_the_switches():
     narrow = _spec([32, 64, 16])                              # one layer of >= 64 outputs: mma.sync
     assert not cost.wgmma_wins(narrow) and choose.make_plan(narrow).design == "resident"
@@ -377,7 +403,7 @@ def test_rendering_is_deterministic_and_complete(spec):
         assert header in files
     # the entry points, and the fallback's, which this unit calls on other GPUs
     for fn in ("cuda_workspace_bytes", "cuda_pack", "cuda_run"):
-        assert f'extern "C" ' in src and f" {name}_{fn}(" in src
+        assert 'extern "C" ' in src and f" {name}_{fn}(" in src
         assert f" {fb}_{fn}(" in src and f" {fb}_{fn}(" in files[f"{fb}_cuda.cu"]
     assert f"return {plan.workspace_bytes}; }}" in src
     assert f"{fb}_cuda_workspace_bytes() != {plan.fallback.workspace_bytes}" in src

@@ -21,7 +21,8 @@ batch size of a sweep:
 Inputs and outputs stay on the device (IOBinding on torch-allocated buffers); each case is warmed up
 and then timed `--reps` times with CUDA events; the median is reported. The floor of a case is
 max(bytes / BW, flops / TC) with BW (device-to-device copy) and TC (fp16 matmul) measured once in the
-same process.
+same process; flops are those of the MatMul, Gemm and Conv nodes with constant weights at the batch's
+shapes (models.linear_flops: a pointwise Conv1d counts every point).
 
 CPU mode (`--cpu`): stock ORT CPU EP on the original model vs the fused model with the CPU plugin,
 same thread count, the two interleaved run by run (shared hosts drift), median of `--reps` runs

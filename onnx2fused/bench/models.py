@@ -38,11 +38,22 @@ class ModelInfo:
     inputs: list            # [(name, elem type string, dims)] (dims: int or str/None)
     outputs: list           # [(name, elem type string, dims)]
     layers: list[Layer] = field(default_factory=list)
+    conv_params: int = 0    # weights and biases of the Conv nodes with constant weights
+    _flops: dict = field(default_factory=dict, repr=False)   # batch_flops' results by batch
 
     @property
     def flops_per_row(self) -> int:
         """Flops of one row of the first input's last axis through the layers."""
         return sum(2 * l.k * l.n for l in self.layers)
+
+    def batch_flops(self, batch: int) -> int:
+        """Flops of a run at `batch` (linear_flops: every MatMul, Gemm and Conv with a constant weight, at
+        the shapes the model's own shape inference gives); where shapes stay unknown, the layers' flops
+        per row times the rows of the first input (flops_per_row * rows_per_item * batch)."""
+        if batch not in self._flops:
+            counted = linear_flops(self.path, self.inputs, batch) if self.path.is_file() else None
+            self._flops[batch] = counted if counted is not None else self.flops_per_row * self.rows_per_item * batch
+        return self._flops[batch]
 
     @property
     def rows_per_item(self) -> int:
@@ -55,7 +66,7 @@ class ModelInfo:
 
     @property
     def weight_params(self) -> int:
-        return sum(l.k * l.n + (l.n if l.bias else 0) for l in self.layers)
+        return sum(l.k * l.n + (l.n if l.bias else 0) for l in self.layers) + self.conv_params
 
     @property
     def max_width(self) -> int:
@@ -122,7 +133,62 @@ def model_info(path) -> ModelInfo:
         else:
             has_bias = False
         layers.append(Layer(int(k), int(n), has_bias))
-    return ModelInfo(Path(path), ins, outs, layers)
+    conv_params = 0
+    for node in g.node:
+        if node.op_type == "Conv" and len(node.input) > 1 and node.input[1] in inits:
+            conv_params += math.prod(inits[node.input[1]])
+            if len(node.input) > 2 and node.input[2] in inits:
+                conv_params += math.prod(inits[node.input[2]])
+    return ModelInfo(Path(path), ins, outs, layers, conv_params)
+
+
+def linear_flops(path, inputs, batch: int) -> int | None:
+    """2 x output elements x reduction length, summed over the MatMul, Gemm and Conv nodes whose weight (the
+    second input) is an initializer, with every input shaped as the bench feeds it (_input_shape) and the
+    other shapes from ONNX shape inference: PointNet's pointwise Conv1d over [B, C, points] counts its points,
+    which a per-row count of the first input's last axis cannot. None where a counted node's shapes stay
+    unknown (the caller counts per row then)."""
+    import onnx
+    from onnx import shape_inference
+    m = onnx.load(str(path), load_external_data=False)
+    g = m.graph
+    shapes = {t.name: list(t.dims) for t in g.initializer}
+    given = {name: _input_shape(dims, batch) for name, _, dims in inputs}
+    for vi in g.input:
+        if vi.name in given:
+            dims = vi.type.tensor_type.shape.dim
+            for d, v in zip(dims, given[vi.name]):
+                d.ClearField("dim_param")
+                d.dim_value = v
+    del g.value_info[:]
+    try:
+        g = shape_inference.infer_shapes(m, data_prop=True).graph
+    except Exception:
+        return None
+    for vi in list(g.input) + list(g.value_info) + list(g.output):
+        t = vi.type.tensor_type
+        if t.HasField("shape") and all(d.HasField("dim_value") for d in t.shape.dim):
+            shapes.setdefault(vi.name, [d.dim_value for d in t.shape.dim])
+    total = 0
+    for node in g.node:
+        if node.op_type not in ("MatMul", "Gemm", "Conv") or len(node.input) < 2:
+            continue
+        w = node.input[1]
+        if w not in {t.name for t in g.initializer}:
+            continue
+        out = shapes.get(node.output[0])
+        wdims = shapes.get(w)
+        if out is None or wdims is None:
+            return None
+        if node.op_type == "Conv":
+            reduction = math.prod(wdims[1:])            # C_in / group x the kernel's extent
+        elif node.op_type == "Gemm":
+            trans_b = next((a.i for a in node.attribute if a.name == "transB"), 0)
+            reduction = wdims[1] if trans_b else wdims[0]
+        else:
+            reduction = wdims[-2] if len(wdims) >= 2 else wdims[0]
+        total += 2 * math.prod(out) * reduction
+    return total
 
 
 def to_fp16(model):

@@ -198,7 +198,7 @@ def run_cpu(args, say=None) -> int:
             say(f"  {name:<10} batch {b:>8}: {_timed(row, name)}")
         s, f = row["ms"].get("ort_cpu"), row["ms"].get("fused_cpu")
         row["speedup_vs_ort_cpu"] = s / f if s and f else None
-        fl = info.flops_per_row * info.rows_per_item * b
+        fl = info.batch_flops(b)
         row["flops"] = fl
         row["fused_gflops"] = fl / (f * 1e-3) / 1e9 if f and fl else None
         rows.append(row)
@@ -436,7 +436,7 @@ def run_gpu(args, say=None) -> int:
     wbytes_per = 2 if args.precision in ("fp16", "bf16") else 4
     for b, r in rows.items():
         out_f = out_features.get(b) or sum(_features(d) for _, _, d in info.outputs)
-        r["flops"] = info.flops_per_row * info.rows_per_item * b
+        r["flops"] = info.batch_flops(b)
         r["bytes"] = b * (in_f + out_f) * elem + info.weight_params * wbytes_per
         r["floor_ms"] = max(r["bytes"] / bw, r["flops"] / tc) * 1e3
         f = r["ms"].get("fused")

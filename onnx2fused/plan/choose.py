@@ -52,7 +52,7 @@ def make_plan(spec: MLPSpec, options: PlanOptions = DEFAULT_OPTIONS, wide_option
                 or ("the wide design has no pool over rows" if spec.pool else None))
     forced = options.design
     fallback = resident if resident is not None else streamed   # the wgmma plan's kernel for other GPUs
-    if spec.pool is None and (forced == "wgmma" or (forced == "auto" and options.wgmma)):   # (no pool in wgmma)
+    if forced == "wgmma" or (forced == "auto" and options.wgmma):
         plan = _wgmma(spec, fallback, smem, forced == "wgmma", options.wgmma_overrides.given())
         if plan is not None:
             return plan

@@ -59,6 +59,22 @@ FIRST_WIDTH_MAX = 512
 # The last layer's outputs go to memory chunk by chunk, not into a next layer's A fragments: it may be wider
 # too (NeuS's and VolSDF's SDF networks end in 1 + 256 = 257), as far as the register estimate allows.
 LAST_WIDTH_MAX = 512
+# A pooled chain's last layer (spec.pool: the max over each group's rows, PointNet's 128 -> 1024 before its
+# max over the points) writes no output rows: its chunks' values only raise the group's maxima in the
+# epilogue (o2f_wgmma_pool.cuh), so it may be wider still, as far as the register estimate allows.
+POOLED_LAST_WIDTH_MAX = 1024
+# A pooled chain's warpgroups combine a tile's maxima in two shared-memory copies of the group's entries each
+# (o2f_wgmma_pool.cuh PoolTile; static shared memory beside the dynamic the plan lays out), and take the most
+# warpgroups whose fragments fit their register cap without the per-chunk term (as an override is held):
+# PointNet's 3 -> ... -> 128 -> 1024 pool through ORT on an H200 at 256 clouds, 2 / 3 / 4 warpgroups
+# 0.82 / 0.57 / 0.45 ms (the 1024-wide layer's 16 chunks: more rows share each chunk the ring brings).
+POOL_COPIES = 2
+POOL_NWG_MAX = 4
+
+
+def _pool_smem(spec: MLPSpec) -> int:
+    """Bytes of a pooled chain's static shared copies at the most warpgroups (0 without a pool)."""
+    return 4 * POOL_COPIES * POOL_NWG_MAX * spec.layers[-1].out_features if spec.pool is not None else 0
 REST_GROUP = 16           # k-steps of a tile's input loaded into registers before they are converted
 LAYER_ALIGN = 1024        # a layer's first chunk: the 128-byte swizzle pattern repeats every 1024 bytes
 SLACK = 1024              # dynamic shared memory is aligned up to 1024 in the kernel
@@ -376,6 +392,7 @@ def _registers(layers: list[WgmmaLayer], per_chunk: int = CHUNK_REGISTERS) -> in
 
 def wgmma_reason_refused(spec: MLPSpec, smem_limit: int = SMEM_LIMIT, blocks: bool | None = None) -> str | None:
     """Why the wgmma design cannot run this spec, or None. `blocks`: take transformer blocks (BLOCKS)."""
+    smem_limit -= _pool_smem(spec)
     if spec.layers[-1].gated:
         return "a gated last layer (no exporter writes one) runs in the mma.sync kernels only"
     if spec.has_block:
@@ -391,12 +408,13 @@ def wgmma_reason_refused(spec: MLPSpec, smem_limit: int = SMEM_LIMIT, blocks: bo
         return (f"{spec.precision} operands: the wgmma kernel takes fp16 and bf16 (tf32 would halve the k of a "
                 "wgmma and needs another fragment layout)")
     last = len(spec.layers) - 1
+    last_max = POOLED_LAST_WIDTH_MAX if spec.pool is not None else LAST_WIDTH_MAX
     for i, l in enumerate(spec.layers):
-        if (l.out_features > (LAST_WIDTH_MAX if i == last and not l.gated else WIDTH_MAX)
+        if (l.out_features > (last_max if i == last and not l.gated else WIDTH_MAX)
                 or spec.layer_input(i) > (FIRST_WIDTH_MAX if i == 0 else WIDTH_MAX) or l.in_features > FIRST_WIDTH_MAX):
             return (f"layer {i} is {l.in_features} -> {l.out_features}: the wgmma kernel takes layers up to "
                     f"{WIDTH_MAX} wide (a first layer's input, or a skip layer's with x's, up to {FIRST_WIDTH_MAX}, "
-                    f"the last layer's output up to {LAST_WIDTH_MAX})")
+                    f"the last layer's output up to {last_max}{' with its pool' if spec.pool is not None else ''})")
     layers = _layers(spec)
     stages = _stages(layers, smem_limit, norm_floats=2 * layers[0].kp if spec.norm is not None else 0)
     if stages is None:
@@ -538,6 +556,7 @@ def make_wgmma_plan(spec: MLPSpec, fallback, reason: str = "", smem_limit: int =
     why = wgmma_reason_refused(spec, smem_limit, blocks)
     if why:
         raise SpecError(f"{spec.describe()}: no wgmma plan: {why}")
+    smem_limit -= _pool_smem(spec)   # (the pool's copies: static shared memory)
     if fallback is None:
         raise SpecError(f"{spec.describe()}: no wgmma plan: no mma.sync plan for the other GPUs")
     if chunk_max is not None and (chunk_max % 8 or not 8 <= chunk_max <= CHUNK_MAX):
@@ -578,6 +597,8 @@ def make_wgmma_plan(spec: MLPSpec, fallback, reason: str = "", smem_limit: int =
     if (nwg is None and not stages and not any(l.gated for l in layers)   # (gated: not measured)
             and fragments <= FOUR_WARPGROUP_FRAGMENTS):
         nwg = REGISTER_CAPS[0][0]
+    if nwg is None and spec.pool is not None:   # POOL_NWG_MAX
+        nwg = next((n for n, c in REGISTER_CAPS if n <= POOL_NWG_MAX and lean <= c + 24), None)
     nwg, cap = ((nwg, OVERRIDE_CAPS[nwg]) if nwg is not None else
                 next(((n, c) for n, c in REGISTER_CAPS if base <= c), REGISTER_CAPS[-1]))   # (SKIP_SLACK)
     k0_steps = layers[0].k_steps
@@ -629,7 +650,8 @@ def make_wgmma_plan(spec: MLPSpec, fallback, reason: str = "", smem_limit: int =
         prefetch = 0 if spec.norm is not None else register_prefetch
     prefetch = max(0, min(k0_steps, prefetch))
     bias = sum(l.np_ for l in layers) + norm_floats
-    quads = (QUAD_STORES if quad_stores is None else quad_stores) and _quads_fit(layers[-1])
+    # (a pooled last layer stores no rows: its pairs of n8 blocks raise the maxima, QUAD_STORES has no use)
+    quads = (QUAD_STORES if quad_stores is None else quad_stores) and _quads_fit(layers[-1]) and spec.pool is None
     store_rows = (STORE_ROWS if store_rows is None else store_rows) and quads and spec.layers[-1].out_features % 4 == 0
     bulk_staged = bool(staged_input) and bulk
     in_buffers = buffers if bulk_staged else 1   # two: the residual reads x from the staged tile

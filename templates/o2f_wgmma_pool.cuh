@@ -1,0 +1,122 @@
+// o2f_wgmma_pool.cuh: the last layer's epilogue of a pooled chain (MLPSpec.pool "max") in the wgmma kernel:
+// in place of its stores, each output column's maximum over the warp's 16 rows of a tile raises the
+// group's float entry (o2f_pool.cuh). A warp's rows mostly lie in one group (PointNet's 1024 points a cloud):
+// each lane takes the max of its two rows (g, g + 8) per column (pool_take), then a chunk's 16 values a lane
+// are reduced across the 8 lanes of each column quad by halving exchanges (pool_chunk: 8 + 4 + 2 shuffles,
+// each lane keeping the half its partner does not), which leaves every lane the maxima of two columns
+// to raise in a shared-memory copy of the group's entries, flushed into the global ones once a tile (or,
+// where the tile straddles groups, in global memory directly). (Three butterfly shuffles a value, 48 a
+// chunk, and a global atomic from a quarter of the lanes took more issue slots than the chunk's MMAs.) A warp
+// whose rows straddle two groups raises them row by row. Static device code included inside the generated kernel's anonymous namespace, after
+// o2f_pool.cuh; sm_90a only.
+#pragma once
+
+// max with NaN winning (one FMNMX.NAN): ONNX Runtime's CUDA ReduceMax propagates NaN.
+__device__ __forceinline__ float o2f_fmax_nan(float a, float b) {
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+
+// Whether a warp's 16 rows from `first` lie in one group (and any in the batch), decided once a tile; the
+// rest is recomputed where needed (row0 and rows are live anyway): registers are what the 1024-wide last
+// layer's chunks run short of at 4 warpgroups.
+__device__ __forceinline__ bool pool_one_group(int64_t rows, int64_t first, int64_t group_rows) {
+  const int64_t last = (first + 16 < rows ? first + 16 : rows) - 1;
+  return first < rows && first / group_rows == last / group_rows;
+}
+
+// Columns col and col + 1 of rows row0 (a0, a1) and row0 + 8 (b0, b1), the layer's activations: their max
+// over the two rows in v0, v1 (rows past the batch: -inf); where the warp's rows straddle two groups
+// (!one), each row's values raised row by row here (warp-uniform branch).
+template <int N>
+__device__ __forceinline__ void pool_take(bool one, pool_t* y, int64_t rows, int64_t row0, int col, int64_t group_rows,
+                                          float a0, float a1, float b0, float b1, float& v0, float& v1) {
+  const bool in0 = row0 < rows, in1 = row0 + 8 < rows;
+  v0 = o2f_fmax_nan(in0 ? a0 : -INFINITY, in1 ? b0 : -INFINITY);
+  v1 = o2f_fmax_nan(in0 ? a1 : -INFINITY, in1 ? b1 : -INFINITY);
+  if (one || col >= N) return;
+  if (in0) {
+    pool_t* out = y + row0 / group_rows * N;
+    o2f_atomic_max(out + col, a0);
+    if (col + 1 < N) o2f_atomic_max(out + col + 1, a1);
+  }
+  if (in1) {
+    pool_t* out = y + (row0 + 8) / group_rows * N;
+    o2f_atomic_max(out + col, b0);
+    if (col + 1 < N) o2f_atomic_max(out + col + 1, b1);
+  }
+}
+
+// One halving exchange over lane bit `mask` (4, 8 or 16: a bit of g): of v[0, 2H) the lane keeps the half
+// its bit selects and takes the max with its partner's copy of that half, into v[0, H).
+template <int H>
+__device__ __forceinline__ void pool_halve(float (&v)[16], int lane, int mask) {
+  const bool hi = lane & mask;
+#pragma unroll
+  for (int i = 0; i < H; ++i) {
+    const float send = hi ? v[i] : v[i + H], keep = hi ? v[i + H] : v[i];
+    v[i] = o2f_fmax_nan(keep, __shfl_xor_sync(0xffffffffu, send, mask));
+  }
+}
+
+// A float into an entry held as its bits in shared memory, as o2f_atomic_max does in global memory.
+__device__ __forceinline__ void o2f_shared_max(unsigned* p, float v) {
+  if (v != v) v = __uint_as_float(0x7fc00000u);
+  if (!signbit(v)) atomicMax(reinterpret_cast<int*>(p), __float_as_int(v));
+  else atomicMin(p, __float_as_uint(v));
+}
+
+constexpr unsigned kNegInfBits = 0xff800000u;
+
+// The warpgroup's maxima of a tile whose 64 rows all lie in one group: its warps raise a shared-memory copy
+// of the group's entries (shared atomics), and the warpgroup raises the global ones once at the end of the
+// tile (pool_flush): a quarter of the global atomics (PointNet at 256 clouds: 16.8 million a run, one per
+// column and warp, where the L2's atomic units took longer than the MMAs). Two copies a warpgroup, used by
+// turns, so that one barrier a tile orders a copy's flush before its next use. nullptr: the tile straddles
+// groups or lies past the batch (its warps raise the global entries themselves).
+template <int N>
+__device__ __forceinline__ unsigned* pool_tile(unsigned* copies, int64_t rows, int64_t tile, int64_t stride,
+                                               int64_t group_rows) {
+  const int64_t first = tile * 64, last = (first + 64 < rows ? first + 64 : rows) - 1;
+  if (first >= rows || first / group_rows != last / group_rows) return nullptr;
+  return copies + ((tile / stride) & 1) * N;
+}
+
+// A chunk of NB n8 blocks from column c0: v[2j], v[2j + 1] are this lane's two-row maxima of block j's
+// columns c0 + 8j + 2t and + 1 (t = lane % 4; -inf past NB). After the exchanges over g's three bits, lane
+// (g, t) holds block g's: it raises those entries in the tile's shared copy or, where the tile has none,
+// in global memory (warps in one group; the others raised theirs in pool_take).
+template <int N, int NB>
+__device__ __forceinline__ void pool_chunk(bool one, unsigned* shared, pool_t* y, int64_t row0, int64_t group_rows,
+                                           int c0, int lane, float (&v)[16]) {
+  if (!one) return;
+  pool_halve<8>(v, lane, 16);
+  pool_halve<4>(v, lane, 8);
+  pool_halve<2>(v, lane, 4);
+  const int g = lane >> 2, col = c0 + 8 * g + 2 * (lane & 3);
+  if (g >= NB || col >= N) return;
+  if (shared != nullptr) {
+    o2f_shared_max(shared + col, v[0]);
+    if (col + 1 < N) o2f_shared_max(shared + col + 1, v[1]);
+    return;
+  }
+  pool_t* out = y + (row0 - g) / group_rows * N;   // (row0 - g: the warp's first row)
+  o2f_atomic_max(out + col, v[0]);
+  if (col + 1 < N) o2f_atomic_max(out + col + 1, v[1]);
+}
+
+// The end of a warpgroup's tile: once its warps are done with the shared copy, its entries raise the
+// global ones (each thread every 128th column) and go back to -inf for the tile after next. Every thread of
+// the warpgroup calls it every tile (the barrier).
+template <int N>
+__device__ __forceinline__ void pool_flush(unsigned* shared, pool_t* y, int64_t tile, int64_t group_rows, int wg, int wtid) {
+  wg_sync(wg);
+  if (shared == nullptr) return;
+  pool_t* out = y + tile * 64 / group_rows * N;
+  for (int c = wtid; c < N; c += 128) {
+    const unsigned v = shared[c];
+    shared[c] = kNegInfBits;
+    if (v != kNegInfBits) o2f_atomic_max(out + c, __uint_as_float(v));
+  }
+}
