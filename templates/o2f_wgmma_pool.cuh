@@ -2,13 +2,13 @@
 // in place of its stores, each output column's maximum over the warp's 16 rows of a tile raises the
 // group's float entry (o2f_pool.cuh). A warp's rows mostly lie in one group (PointNet's 1024 points a cloud):
 // each lane takes the max of its two rows (g, g + 8) per column (pool_take), then a chunk's 16 values a lane
-// are reduced across the 8 lanes of each column quad by halving exchanges (pool_chunk: 8 + 4 + 2 shuffles,
-// each lane keeping the half its partner does not), which leaves every lane the maxima of two columns
-// to raise in a shared-memory copy of the group's entries, flushed into the global ones once a tile (or,
-// where the tile straddles groups, in global memory directly). (Three butterfly shuffles a value, 48 a
-// chunk, and a global atomic from a quarter of the lanes took more issue slots than the chunk's MMAs.) A warp
-// whose rows straddle two groups raises them row by row. Static device code included inside the generated kernel's anonymous namespace, after
-// o2f_pool.cuh; sm_90a only.
+// are reduced across the 8 lanes that hold the same columns (those of one lane % 4) by halving exchanges
+// (pool_chunk: 8 + 4 + 2 shuffles, each lane keeping the half its partner does not), which leaves every lane
+// the maxima of two columns to raise in a shared-memory copy of the group's entries, flushed into the global
+// ones once a tile (or, where the tile straddles groups, in global memory directly). (Three butterfly
+// shuffles a value, 48 a chunk, and a global atomic from a quarter of the lanes took more issue slots than
+// the chunk's MMAs.) A warp whose rows straddle two groups raises them row by row. Static device code
+// included inside the generated kernel's anonymous namespace, after o2f_pool.cuh; sm_90a only.
 #pragma once
 
 // max with NaN winning (one FMNMX.NAN): ONNX Runtime's CUDA ReduceMax propagates NaN.

@@ -64,7 +64,7 @@ LAST_WIDTH_MAX = 512
 # epilogue (o2f_wgmma_pool.cuh), so it may be wider still, as far as the register estimate allows.
 POOLED_LAST_WIDTH_MAX = 1024
 # A pooled chain's warpgroups combine a tile's maxima in two shared-memory copies of the group's entries each
-# (o2f_wgmma_pool.cuh PoolTile; static shared memory beside the dynamic the plan lays out), and take the most
+# (o2f_wgmma_pool.cuh pool_tile; static shared memory beside the dynamic the plan lays out), and take the most
 # warpgroups whose fragments fit their register cap without the per-chunk term (as an override is held):
 # PointNet's 3 -> ... -> 128 -> 1024 pool through ORT on an H200 at 256 clouds, 2 / 3 / 4 warpgroups
 # 0.82 / 0.57 / 0.45 ms (the 1024-wide layer's 16 chunks: more rows share each chunk the ring brings).
