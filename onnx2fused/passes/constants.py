@@ -71,6 +71,18 @@ def _attr(node: onnx.NodeProto, name: str, default=None):
     return default
 
 
+def written_axes(node: onnx.NodeProto, const) -> tuple[list[int] | None, bool]:
+    """The axes a Reduce*, Squeeze or Unsqueeze node names, as written (its second input from opset 13 / 18
+    on, else its `axes` attribute), and whether they are known: (None, True) where it names none (a Reduce
+    over every axis), ([], False) where the input is computed at run time. `const(name)`: a tensor's constant
+    value or None (GraphIndex.const, or a lookup of initializers)."""
+    if len(node.input) > 1 and node.input[1]:
+        value = const(node.input[1])
+        return ([], False) if value is None else ([int(a) for a in np.asarray(value).reshape(-1)], True)
+    axes = _attr(node, "axes")
+    return (None if axes is None else [int(a) for a in axes]), True
+
+
 _BINARY = {"Add": np.add, "Sub": np.subtract, "Mul": np.multiply, "Div": np.divide, "Pow": np.power,
            "MatMul": np.matmul}
 _UNARY = {"Sqrt": np.sqrt, "Neg": np.negative, "Reciprocal": np.reciprocal, "Abs": np.abs}

@@ -15,19 +15,19 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from .constants import GraphIndex, default_opset
+from .constants import GraphIndex, default_opset, written_axes
 
 
 _GLOBAL_POOLS = {"GlobalMaxPool": "ReduceMax", "GlobalAveragePool": "ReduceMean", "MaxPool": "ReduceMax"}
 
 
 def axes_of(ix: GraphIndex, i: int, rank: int | None) -> list[int] | None:
-    """The axes input (or attribute) of node i, normalised for a tensor of `rank`; None where not known."""
-    n = ix.node(i)
-    axes = ix.const(n.input[1]) if len(n.input) > 1 and n.input[1] else ix.attr(i, "axes")
-    if axes is None or rank is None:
+    """The axes node i names (written_axes), normalised for a tensor of `rank`; None where it names none or
+    they are not known."""
+    axes, known = written_axes(ix.node(i), ix.const)
+    if not known or axes is None or rank is None:
         return None
-    return sorted({int(a) % rank for a in (axes.reshape(-1) if hasattr(axes, "reshape") else axes)})
+    return sorted({a % rank for a in axes})
 
 
 def _unsqueezed_max(ix: GraphIndex, i: int) -> tuple[int, int, list[int]] | None:

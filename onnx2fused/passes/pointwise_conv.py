@@ -33,7 +33,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from .activations import ELEMENTWISE_OPS, match_activation
-from .constants import GraphIndex, node_reads
+from .constants import GraphIndex, node_reads, written_axes
 from .global_pools import axes_of, global_pools_as_reduces
 
 # activations that move to channels-last: elementwise, with no axis of their own (BatchNormalization and
@@ -294,17 +294,13 @@ def as_channels_last(model: onnx.ModelProto) -> ChannelsLast:
     return res
 
 
-def _pool_axes(model: onnx.ModelProto, node: onnx.NodeProto, inits: dict) -> tuple[list[int] | None, bool]:
+def _pool_axes(node: onnx.NodeProto, inits: dict) -> tuple[list[int] | None, bool]:
     """(the reduced axes, None for all of them; whether they are an input) of a Reduce node, or
-    ([], False) when they are not known constants."""
-    if len(node.input) > 1 and node.input[1]:
-        if node.input[1] not in inits:
-            return [], False
-        return [int(a) for a in numpy_helper.to_array(inits[node.input[1]]).reshape(-1)], True
-    for a in node.attribute:
-        if a.name == "axes":
-            return list(a.ints), False
-    return None, False
+    ([], False) when they are not known constants (written_axes)."""
+    axes, known = written_axes(node, lambda t: numpy_helper.to_array(inits[t]) if t in inits else None)
+    if not known:
+        return [], False
+    return axes, len(node.input) > 1 and bool(node.input[1])
 
 
 def _transposes_compose(model: onnx.ModelProto, t_back: onnx.NodeProto, back: list[int]) -> bool:
@@ -353,7 +349,7 @@ def _pools_read_channels_last(model: onnx.ModelProto, t_back: onnx.NodeProto, ba
     for n in users:
         if n.op_type not in _POOLS or n.domain not in ("", "ai.onnx") or n.input[0] != y:
             return set(), []
-        axes, as_input = _pool_axes(model, n, inits)
+        axes, as_input = _pool_axes(n, inits)
         if axes == []:
             return set(), []
         keep = next((a.i for a in n.attribute if a.name == "keepdims"), 1)

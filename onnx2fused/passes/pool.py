@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .constants import GraphIndex
+from .constants import GraphIndex, written_axes
 
 
 @dataclass
@@ -36,14 +36,9 @@ def match_pool(ix: GraphIndex, t: str) -> PoolMatch | str | None:
     rank = ix.rank(t)
     if rank is None or rank < 3:
         return f"{ix.describe(i)}: the rank of '{t}' is {rank or 'unknown'}; a pool over rows needs [..., rows, features]"
-    if len(n.input) > 1 and n.input[1]:
-        axes = ix.const(n.input[1])
-        if axes is None:
-            return f"{ix.describe(i)}: its axes are computed at run time"
-        axes = [int(a) for a in axes.reshape(-1)]
-    else:
-        axes = ix.attr(i, "axes")
-        axes = None if axes is None else [int(a) for a in axes]
+    axes, known = written_axes(n, ix.const)
+    if not known:
+        return f"{ix.describe(i)}: its axes are computed at run time"
     if not axes or [a % rank for a in axes] != [rank - 2]:
         return f"{ix.describe(i)}: pools axes {axes if axes else 'all'}, not the rows' axis {rank - 2} alone"
     return PoolMatch(i, n.output[0], "maxk" if ix.attr(i, "keepdims", 1) else "max")
