@@ -306,6 +306,11 @@ class WgmmaPlan:
         return self.smem.bytes
 
     @property
+    def pool_smem_bytes(self) -> int:
+        """Static shared memory of a pooled chain's copies of a group's entries (POOL_COPIES a warpgroup)."""
+        return 4 * POOL_COPIES * self.nwg * self.spec.layers[-1].out_features if self.spec.pool is not None else 0
+
+    @property
     def streamed(self) -> bool:
         return self.stages > 0
 
@@ -326,8 +331,9 @@ class WgmmaPlan:
             inp = ("input tiles staged in shared memory a tile ahead" +
                    (f" (the first {self.prefetch} k-step(s) in registers)" if self.prefetch else "") +
                    (f", {self.in_buffers} a warpgroup (the residual reads x's rows there)" if self.in_buffers > 1 else ""))
+        pool = f" + {self.pool_smem_bytes // 1024} KB for the pool's copies" if self.pool_smem_bytes else ""
         return (f"wgmma (sm_90a): {self.nwg} warpgroups x 64 rows, activations in registers, {weights}, "
-                f"{self.smem_bytes // 1024} KB smem), chunks {chunks}, "
+                f"{self.smem_bytes // 1024} KB smem{pool}), chunks {chunks}, "
                 f"{inp}; other GPUs: {self.fallback.design} "
                 f"({self.fallback.describe()}){why}")
 
