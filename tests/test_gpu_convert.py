@@ -589,6 +589,38 @@ def test_pooled_chain_on_cuda_ep(design, precision, io, n, keepdims, cache, tmp_
     assert empty.shape == (2, 1) + (1,) * keepdims + (n,) and np.isneginf(empty).all()
 
 
+@pytest.mark.parametrize("design", ["wgmma", "streamed"])
+def test_pooled_float16_chain_under_cuda_graphs(design, cache, tmp_path, monkeypatch):
+    """A pooled chain with float16 I/O (its float entries in a scratch the plugin takes from ORT's allocator,
+    inside the graph's capture) run by ORT's CUDA graphs on fixed device buffers: the capture and three
+    replays on new data each match stock ORT (the output NaN-poisoned before every run)."""
+    import torch
+    from test_pool import pooled_mlp
+    from onnx_builders import F16
+    monkeypatch.setenv("ONNX2FUSED_CUDA_DESIGN", design)
+    src = tmp_path / "pooled.onnx"
+    onnx.save(pooled_mlp([6, 16, 24, 8], rank=4, elem=F16), str(src))
+    res = onnx2fused.convert(src, tmp_path / "m.onnx", precision="fp16", cache_dir=cache)
+    assert "_poolmax_" in res.chains[0].name and res.chains[0].cuda_plan.startswith(
+        "GPU: " + {"wgmma": "wgmma (sm_90a)", "streamed": "streamed weights"}[design]), res.chains[0].cuda_plan
+    sess = session(res.output_path, res.library_path,
+                   [("CUDAExecutionProvider", {"enable_cuda_graph": "1"}), "CPUExecutionProvider"])
+    shape, out_shape = (3, 5, 300, 6), (3, 5, 8)
+    xt = torch.empty(shape, dtype=torch.float16, device="cuda")
+    yt = torch.empty(out_shape, dtype=torch.float16, device="cuda")
+    io = sess.io_binding()
+    io.bind_input(sess.get_inputs()[0].name, "cuda", 0, np.float16, list(shape), xt.data_ptr())
+    io.bind_output(sess.get_outputs()[0].name, "cuda", 0, np.float16, list(out_shape), yt.data_ptr())
+    for seed in range(4):
+        x = np.random.default_rng(seed).standard_normal(shape).astype(np.float16)
+        xt.copy_(torch.from_numpy(x))
+        yt.fill_(float("nan"))
+        sess.run_with_iobinding(io)
+        torch.cuda.synchronize()
+        ref = stock(src, {sess.get_inputs()[0].name: x})[0]
+        assert rel_l2(yt.cpu().numpy(), ref) <= 2e-3, f"run {seed} (0: the capture)"
+
+
 @pytest.mark.parametrize("seg", [False, True], ids=["cls", "seg"])
 def test_fxia22_pointnet_on_cuda_ep(seg, cache, tmp_path):
     """PointNet as fxia22's pointnet.pytorch writes it (benchmarks/pointnet.py PointNetSTN: the transform net,
