@@ -81,7 +81,7 @@ SPILL_BYTES: dict[str, int] = {POINTNET.name: 16}
                                                       (GATED, False, {}), (GATED_STREAMED, False, {}),
                                                       (PRELN, False, {"blocks": True}), (RMS_GLU, False, {"blocks": True}),
                                                       (NERF_SKIP, False, {}), (NERF_VIEWS, False, {}),
-                                                      (NERF_TRUNK, False, {}), (POINTNET, False, {})],
+                                                      (NERF_TRUNK, False, {}), (POINTNET, True, {})],
                          ids=["sdf_f16", "odd_widths", "streamed", "streamed_cluster2", "bf16", "gated", "gated_streamed",
                               "preln_block", "rms_glu_block", "nerf_skip_319", "nerf_views_283", "nerf_trunk_skip", "pointnet_pooled"])
 def test_wgmma_source_compiles_to_hgmma_without_spills(spec, with_sm80, overrides, tmp_path):
