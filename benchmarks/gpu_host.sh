@@ -16,6 +16,8 @@
 #   benchmarks/gpu_host.sh gatedwide [ARGS] gated layers in the wide design (issue 16): their GPU tests
 #   benchmarks/gpu_host.sh gatedwg       gated layers in the wgmma kernel (forced only): kernel_check glu cases,
 #                                         then the zoo's gated blocks forced into wgmma (tests/test_gpu.py)
+#   benchmarks/gpu_host.sh pointnet       PointNet through ORT (benchmarks/pointnet.py, 32 and 256 clouds): the wgmma
+#                                         pooled chain vs mma.sync (ONNX2FUSED_WGMMA=off) by turns, then its kernels
 #   benchmarks/gpu_host.sh llama [BATCHES] LLaMA-7B's MLP (wide_cases.py llama7b; default 4096,256,16,1)
 #   benchmarks/gpu_host.sh gemv [--no-bench] the wide design's GEMV path for <= 16 rows (on by default;
 #                                         ONNX2FUSED_WIDE_GEMV=off: the GEMMs): its GPU test, then LLaMA-7B at 1, 16
@@ -135,6 +137,24 @@ gatedwg)
   timeout 200 python3 benchmarks/kernel_check.py --out "$OUT/kc" --case-timeout 60 --only glu64 glu64_wg glu256 glu256_wg \
     2>&1 | grep -v '^{' | tail -8
   gpu_pytest 360 pytest_gpu_gated_wgmma.txt 20 tests/test_gpu.py -k "zoo_on and (swiglu or geglu)"
+  ;;
+pointnet)
+  # PointNet's classifier (benchmarks/pointnet.py) through ORT at 32 and 256 clouds of 1024 points: the wgmma
+  # kernel's pooled chain against the mma.sync one (ONNX2FUSED_WGMMA=off) by turns (ROUNDS, default 2), the
+  # float16 copy beside; then its kernels per run (profile_case.py)
+  [ -f /tmp/pn/pointnet.onnx ] || python3 benchmarks/pointnet.py /tmp/pn > /dev/null || exit 1
+  for round in $(seq "${ROUNDS:-2}"); do
+    for v in wgmma mma; do
+      env $([ $v = mma ] && echo ONNX2FUSED_WGMMA=off) timeout 240 python3 -m onnx2fused bench /tmp/pn/pointnet.onnx \
+        --batches 32,256 --reps 50 --no-torch --fp16-model --out /tmp/pn_$v -q > /tmp/pn_$v.log 2>&1
+      cp /tmp/pn_$v/bench.json "$OUT/pointnet_${v}_$round.json" 2>/dev/null
+      python3 -c "import json; [print('$v', r['batch'], ' '.join('%s=%.4f' % kv for kv in r['ms'].items() if kv[1])) for r in json.load(open('/tmp/pn_$v/bench.json'))['rows']]" \
+        || tail -3 /tmp/pn_$v.log
+    done
+  done
+  timeout 150 python3 benchmarks/profile_case.py --model /tmp/pn/pointnet.onnx --batch 256 --runs 20 --out /tmp/pn_prof \
+    > "$OUT/pointnet_profile.txt" 2>&1
+  grep -A8 "kernel time per run" "$OUT/pointnet_profile.txt"
   ;;
 llama)
   timeout 500 python3 benchmarks/wide_cases.py --out /tmp/wide_llama --cases llama7b --batch "${2:-4096,256,16,1}" \
