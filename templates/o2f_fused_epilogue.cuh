@@ -59,10 +59,11 @@ struct NoResidual {
   __device__ __forceinline__ float2 operator()(int64_t, int) const { return make_float2(0.0f, 0.0f); }
 };
 
-// Last layer epilogue: activation (plus `res`), converted to the output type, straight to global memory.
-template <int L, int N, int MT, int NT8, class Res = NoResidual>
-__device__ __forceinline__ void store_output(const float (&acc)[MT][NT8][4], int col0, io_t* __restrict__ y,
-                                             int64_t rows, int64_t row0, int lane, Res res = Res()) {
+// Each output pair this thread holds of a last layer's fragments, in rows before `end` and columns before N:
+// fn(row, col, v0, v1), v0 and v1 the activations of columns col and col + 1 (col + 1 may be N: padding).
+template <int L, int N, int MT, int NT8, class F>
+__device__ __forceinline__ void for_each_output(const float (&acc)[MT][NT8][4], int col0, int64_t end, int64_t row0,
+                                                int lane, F&& fn) {
   const int g = lane >> 2, t2 = 2 * (lane & 3);
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
@@ -72,14 +73,21 @@ __device__ __forceinline__ void store_output(const float (&acc)[MT][NT8][4], int
       for (int h = 0; h < 2; ++h) {
         const int col = col0 + j * 8 + t2;
         const int64_t row = row0 + mt * 16 + g + 8 * h;
-        if (row >= rows || col >= N) continue;
-        float v0 = act<L>(acc[mt][j][2 * h], col);
-        float v1 = act<L>(acc[mt][j][2 * h + 1], col + 1);
-        if constexpr (Res::kAdds) {
-          const float2 r = res(row, col);
-          v0 += r.x;
-          v1 += r.y;
-        }
-        store_out_pair<N>(y + row * N + col, col, v0, v1);
+        if (row >= end || col >= N) continue;
+        fn(row, col, act<L>(acc[mt][j][2 * h], col), act<L>(acc[mt][j][2 * h + 1], col + 1));
       }
+}
+
+// Last layer epilogue: activation (plus `res`), converted to the output type, straight to global memory.
+template <int L, int N, int MT, int NT8, class Res = NoResidual>
+__device__ __forceinline__ void store_output(const float (&acc)[MT][NT8][4], int col0, io_t* __restrict__ y,
+                                             int64_t rows, int64_t row0, int lane, Res res = Res()) {
+  for_each_output<L, N>(acc, col0, rows, row0, lane, [&](int64_t row, int col, float v0, float v1) {
+    if constexpr (Res::kAdds) {
+      const float2 r = res(row, col);
+      v0 += r.x;
+      v1 += r.y;
+    }
+    store_out_pair<N>(y + row * N + col, col, v0, v1);
+  });
 }

@@ -3,8 +3,8 @@
 // entries y [groups, N] (o2f_pool.cuh). A warp's rows (16 * MT, consecutive) mostly lie in one group
 // (PointNet's 1024 points a cloud): each lane takes the max of its rows, three shuffles give the warp's,
 // and one lane a column pair raises the group's entries, one atomic each; a warp whose rows straddle two
-// groups raises them row by row. Static device code included inside the generated kernel's anonymous
-// namespace, after o2f_fused_epilogue.cuh.
+// groups raises them row by row (for_each_output, store_output's fragment loop). Static device code included
+// inside the generated kernel's anonymous namespace, after o2f_fused_epilogue.cuh.
 #pragma once
 #include "o2f_pool.cuh"
 
@@ -46,17 +46,9 @@ __device__ __forceinline__ void store_output_pool(const float (&acc)[MT][NT8][4]
     }
     return;
   }
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int j = 0; j < NT8; ++j)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int col = col0 + j * 8 + t2;
-        const int64_t row = row0 + mt * 16 + g + 8 * h;
-        if (row > last || col >= N) continue;
-        pool_t* out = y + (row / group_rows) * N;
-        o2f_atomic_max(out + col, act<L>(acc[mt][j][2 * h], col));
-        if (col + 1 < N) o2f_atomic_max(out + col + 1, act<L>(acc[mt][j][2 * h + 1], col + 1));
-      }
+  for_each_output<L, N>(acc, col0, last + 1, row0, lane, [&](int64_t row, int col, float v0, float v1) {
+    pool_t* out = y + (row / group_rows) * N;
+    o2f_atomic_max(out + col, v0);
+    if (col + 1 < N) o2f_atomic_max(out + col + 1, v1);
+  });
 }
