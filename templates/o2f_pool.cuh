@@ -60,3 +60,11 @@ inline cudaError_t pool_finish(const pool_t* p, void* y, int64_t n, cudaStream_t
   pool_round<<<pool_blocks(n), 256, 0, s>>>(p, static_cast<io_t*>(y), n);
   return cudaGetLastError();
 }
+
+// A pooled run's start: its n entries at -inf and, where there are no rows to pool (or no groups), its end
+// too (y = -inf, the max of nothing). Whether the kernel has rows to raise; else the run returns `*err`.
+inline bool pool_begin(pool_t* p, void* y, int64_t n, int64_t rows, int64_t groups, cudaStream_t s, cudaError_t* err) {
+  *err = pool_start(p, n, s);
+  if (*err == cudaSuccess && (rows <= 0 || groups <= 0)) *err = pool_finish(p, y, n, s);
+  return *err == cudaSuccess && rows > 0 && groups > 0;
+}
