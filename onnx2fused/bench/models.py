@@ -169,12 +169,13 @@ def linear_flops(path, inputs, batch: int) -> int | None:
         t = vi.type.tensor_type
         if t.HasField("shape") and all(d.HasField("dim_value") for d in t.shape.dim):
             shapes.setdefault(vi.name, [d.dim_value for d in t.shape.dim])
+    weights = {t.name for t in g.initializer}
     total = 0
     for node in g.node:
         if node.op_type not in ("MatMul", "Gemm", "Conv") or len(node.input) < 2:
             continue
         w = node.input[1]
-        if w not in {t.name for t in g.initializer}:
+        if w not in weights:
             continue
         out = shapes.get(node.output[0])
         wdims = shapes.get(w)

@@ -72,9 +72,10 @@ POOL_COPIES = 2
 POOL_NWG_MAX = 4
 
 
-def _pool_smem(spec: MLPSpec) -> int:
-    """Bytes of a pooled chain's static shared copies at the most warpgroups (0 without a pool)."""
-    return 4 * POOL_COPIES * POOL_NWG_MAX * spec.layers[-1].out_features if spec.pool is not None else 0
+def _pool_smem(spec: MLPSpec, nwg: int = POOL_NWG_MAX) -> int:
+    """Bytes of a pooled chain's static shared copies with `nwg` warpgroups (planning: the most), 0 without
+    a pool."""
+    return 4 * POOL_COPIES * nwg * spec.layers[-1].out_features if spec.pool is not None else 0
 REST_GROUP = 16           # k-steps of a tile's input loaded into registers before they are converted
 LAYER_ALIGN = 1024        # a layer's first chunk: the 128-byte swizzle pattern repeats every 1024 bytes
 SLACK = 1024              # dynamic shared memory is aligned up to 1024 in the kernel
@@ -308,7 +309,7 @@ class WgmmaPlan:
     @property
     def pool_smem_bytes(self) -> int:
         """Static shared memory of a pooled chain's copies of a group's entries (POOL_COPIES a warpgroup)."""
-        return 4 * POOL_COPIES * self.nwg * self.spec.layers[-1].out_features if self.spec.pool is not None else 0
+        return _pool_smem(self.spec, self.nwg)
 
     @property
     def streamed(self) -> bool:
