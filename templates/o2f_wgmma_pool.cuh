@@ -1,14 +1,17 @@
 // o2f_wgmma_pool.cuh: the last layer's epilogue of a pooled chain (MLPSpec.pool "max") in the wgmma kernel:
 // in place of its stores, each output column's maximum over the warp's 16 rows of a tile raises the
-// group's float entry (o2f_pool.cuh). A warp's rows mostly lie in one group (PointNet's 1024 points a cloud):
-// each lane takes the max of its two rows (g, g + 8) per column (pool_take), then a chunk's 16 values a lane
-// are reduced across the 8 lanes that hold the same columns (those of one lane % 4) by halving exchanges
-// (pool_chunk: 8 + 4 + 2 shuffles, each lane keeping the half its partner does not), which leaves every lane
-// the maxima of two columns to raise in a shared-memory copy of the group's entries, flushed into the global
-// ones once a tile (or, where the tile straddles groups, in global memory directly). (Three butterfly
-// shuffles a value, 48 a chunk, and a global atomic from a quarter of the lanes took more issue slots than
-// the chunk's MMAs.) A warp whose rows straddle two groups raises them row by row. Static device code
-// included inside the generated kernel's anonymous namespace, after o2f_pool.cuh; sm_90a only.
+// group's float entry (o2f_pool.cuh). The kernel runs only where a group's rows are a multiple of 16
+// (PointNet's 1024 points a cloud; the run function leaves other groups to the mma.sync fallback), so a
+// warp's 16 rows always lie in one group: each lane takes the max of its two rows (g, g + 8) per column
+// (pool_take), then a chunk's 16 values a lane are reduced across the 8 lanes that hold the same columns
+// (those of one lane % 4) by halving exchanges (pool_chunk: 8 + 4 + 2 shuffles, each lane keeping the half
+// its partner does not), which leaves every lane the maxima of two columns to raise in a shared-memory copy
+// of the group's entries, flushed into the global ones once a tile (or, where the warpgroup's 64 rows
+// straddle groups, in global memory directly). (Three butterfly shuffles a value, 48 a chunk, and a global
+// atomic from a quarter of the lanes took more issue slots than the chunk's MMAs; a row-by-row path for
+// warps across two groups, inlined into each of a 1024-wide layer's 128 blocks, doubled the kernel's code.)
+// Static device code included inside the generated kernel's anonymous namespace, after o2f_pool.cuh;
+// sm_90a only.
 #pragma once
 
 // max with NaN winning (one FMNMX.NAN): ONNX Runtime's CUDA ReduceMax propagates NaN.
@@ -18,34 +21,13 @@ __device__ __forceinline__ float o2f_fmax_nan(float a, float b) {
   return r;
 }
 
-// Whether a warp's 16 rows from `first` lie in one group (and any in the batch), decided once a tile; the
-// rest is recomputed where needed (row0 and rows are live anyway): registers are what the 1024-wide last
-// layer's chunks run short of at 4 warpgroups.
-__device__ __forceinline__ bool pool_one_group(int64_t rows, int64_t first, int64_t group_rows) {
-  const int64_t last = (first + 16 < rows ? first + 16 : rows) - 1;
-  return first < rows && first / group_rows == last / group_rows;
-}
-
 // Columns col and col + 1 of rows row0 (a0, a1) and row0 + 8 (b0, b1), the layer's activations: their max
-// over the two rows in v0, v1 (rows past the batch: -inf); where the warp's rows straddle two groups
-// (!one), each row's values raised row by row here (warp-uniform branch).
-template <int N>
-__device__ __forceinline__ void pool_take(bool one, pool_t* y, int64_t rows, int64_t row0, int col, int64_t group_rows,
-                                          float a0, float a1, float b0, float b1, float& v0, float& v1) {
+// over the two rows in v0, v1 (rows past the batch: -inf).
+__device__ __forceinline__ void pool_take(int64_t rows, int64_t row0, float a0, float a1, float b0, float b1,
+                                          float& v0, float& v1) {
   const bool in0 = row0 < rows, in1 = row0 + 8 < rows;
   v0 = o2f_fmax_nan(in0 ? a0 : -INFINITY, in1 ? b0 : -INFINITY);
   v1 = o2f_fmax_nan(in0 ? a1 : -INFINITY, in1 ? b1 : -INFINITY);
-  if (one || col >= N) return;
-  if (in0) {
-    pool_t* out = y + row0 / group_rows * N;
-    o2f_atomic_max(out + col, a0);
-    if (col + 1 < N) o2f_atomic_max(out + col + 1, a1);
-  }
-  if (in1) {
-    pool_t* out = y + (row0 + 8) / group_rows * N;
-    o2f_atomic_max(out + col, b0);
-    if (col + 1 < N) o2f_atomic_max(out + col + 1, b1);
-  }
 }
 
 // One halving exchange over lane bit `mask` (4, 8 or 16: a bit of g): of v[0, 2H) the lane keeps the half
@@ -86,11 +68,11 @@ __device__ __forceinline__ unsigned* pool_tile(unsigned* copies, int64_t rows, i
 // A chunk of NB n8 blocks from column c0: v[2j], v[2j + 1] are this lane's two-row maxima of block j's
 // columns c0 + 8j + 2t and + 1 (t = lane % 4; -inf past NB). After the exchanges over g's three bits, lane
 // (g, t) holds block g's: it raises those entries in the tile's shared copy or, where the tile has none,
-// in global memory (warps in one group; the others raised theirs in pool_take).
+// in global memory. `in_batch`: any of the warp's rows is (warp-uniform).
 template <int N, int NB>
-__device__ __forceinline__ void pool_chunk(bool one, unsigned* shared, pool_t* y, int64_t row0, int64_t group_rows,
+__device__ __forceinline__ void pool_chunk(bool in_batch, unsigned* shared, pool_t* y, int64_t row0, int64_t group_rows,
                                            int c0, int lane, float (&v)[16]) {
-  if (!one) return;
+  if (!in_batch) return;
   pool_halve<8>(v, lane, 16);
   pool_halve<4>(v, lane, 8);
   pool_halve<2>(v, lane, 4);

@@ -561,9 +561,10 @@ def test_pointwise_conv2d_head_on_cuda_ep(cache, tmp_path):
 def test_pooled_chain_on_cuda_ep(design, precision, io, n, keepdims, cache, tmp_path, monkeypatch):
     """A chain with the max pool behind it (test_pool.pooled_mlp: [b, c, m, 6] -> 16 -> 24 -> n, then
     ReduceMax over m, 8 input features where the wgmma kernel stages them) in each design that pools (wgmma:
-    its sm_90a kernel on Hopper), at groups of 37 rows (a
-    warp's rows straddle two groups), 1 row, 300 rows and 0 rows (-inf), float32 I/O and float16 I/O (odd
-    and even n), the pooled axis dropped or kept (keepdims), against stock ORT on the CPU EP."""
+    its sm_90a kernel on Hopper where a group's rows are a multiple of 16, else its mma.sync fallback), at
+    groups of 37 rows (a warp's rows straddle two groups), 1 row, 300 rows, 48 rows (a warpgroup's 64-row
+    tiles straddle groups), 256 rows (tiles inside a group) and 0 rows (-inf), float32 I/O and float16 I/O
+    (odd and even n), the pooled axis dropped or kept (keepdims), against stock ORT on the CPU EP."""
     from test_pool import pooled_mlp
     from onnx_builders import F16
     monkeypatch.setenv("ONNX2FUSED_CUDA_DESIGN", design)
@@ -579,7 +580,7 @@ def test_pooled_chain_on_cuda_ep(design, precision, io, n, keepdims, cache, tmp_
     sess = session(res.output_path, res.library_path, ["CUDAExecutionProvider", "CPUExecutionProvider"])
     rng = np.random.default_rng(4)
     dtype = np.float16 if io == "f16" else np.float32
-    for shape in ((3, 5, 37, k0), (2, 2, 1, k0), (1, 3, 300, k0)):
+    for shape in ((3, 5, 37, k0), (2, 2, 1, k0), (1, 3, 300, k0), (2, 3, 48, k0), (2, 2, 256, k0)):
         feeds = {"x": rng.standard_normal(shape).astype(dtype)}
         got, ref = sess.run(None, feeds)[0], stock(src, feeds)[0]
         assert got.shape == ref.shape == (shape[0], shape[1]) + (1,) * keepdims + (n,)

@@ -348,12 +348,14 @@ def test_pooled_chains_take_wgmma_with_a_last_layer_up_to_1024():
     assert f" {pooled.name}_cuda_run_pool(" in src and f" {fb}_cuda_run_pool(" in src
     assert f"{pooled.name}_cuda_run(" not in src and f"{fb}_cuda_run(" not in src
     assert f" {fb}_cuda_run_pool(" in files[f"{fb}_cuda.cu"] and "o2f_wgmma_pool.cuh" in files
-    assert src.count("pool_take<kNOut>(pone") == 1024 // 8 and src.count("pool_chunk<kNOut, 8>(pone") == 16
+    assert src.count("pool_take(rows, row0,") == 1024 // 8 and src.count("pool_chunk<kNOut, 8>(pin") == 16
     assert "store_out" not in src
-    # an odd width: the padding block's columns are left to pool_take's and pool_chunk's column checks
+    # a warp's rows always in one group: other group sizes run the fallback's pooled kernel
+    assert f"if (group_rows % 16 != 0) return {fb}_cuda_run_pool(" in src
+    # an odd width: the padding block's columns are left to pool_chunk's column check
     odd = replace(_spec([6, 128, 5]), pool="maxk")
     src = _render(odd, WGMMA)[0][f"{odd.name}_cuda.cu"]
-    assert src.count("pool_take<kNOut>(pone") == 1 and src.count("pool_chunk<kNOut, 1>(pone") == 1 and "kNOut = 5;" in src
+    assert src.count("pool_take(rows, row0,") == 1 and src.count("pool_chunk<kNOut, 1>(pin") == 1 and "kNOut = 5;" in src
 
 
 def test_cost_rule_and_the_switches():
