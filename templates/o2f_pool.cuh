@@ -14,6 +14,33 @@ __device__ __forceinline__ bool o2f_raises(float v, float old) { return v > old 
 
 __device__ __forceinline__ float o2f_max_nan(float a, float b) { return o2f_raises(b, a) ? b : a; }
 
+// The same as one instruction where the GPU has it (max.NaN.f32, FMNMX.NAN: sm_80 and newer).
+__device__ __forceinline__ float o2f_fmax_nan(float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+#else
+  return o2f_max_nan(a, b);
+#endif
+}
+
+// One halving exchange over lane bit `mask` (4, 8 or 16: a bit of the row index g = lane / 4 of an MMA
+// fragment): of v[0, 2H) the lane keeps the half its bit selects and takes the max with its partner's copy
+// of that half, into v[0, H). Three of them (masks 16, 8, 4) reduce V values a lane over the 8 lanes that
+// hold the same columns (lane % 4) with 7V/8 shuffles, where three butterfly shuffles a value take 3V, and
+// leave lane (g, t) the maxima of the values first at [g V/8, (g + 1) V/8).
+template <int H, int V>
+__device__ __forceinline__ void pool_halve(float (&v)[V], int lane, int mask) {
+  static_assert(2 * H <= V, "halving past the values");
+  const bool hi = lane & mask;
+#pragma unroll
+  for (int i = 0; i < H; ++i) {
+    const float send = hi ? v[i] : v[i + H], keep = hi ? v[i + H] : v[i];
+    v[i] = o2f_fmax_nan(keep, __shfl_xor_sync(0xffffffffu, send, mask));
+  }
+}
+
 // A float's bits order like the float as a signed int where it is positive, and in reverse as an unsigned
 // int where it is negative (sign bit set): one fire-and-forget atomic (RED.MAX / RED.MIN, no value waited
 // for) raises the entry from any start, -inf included. NaN goes in as the positive quiet NaN, which then

@@ -14,13 +14,6 @@
 // sm_90a only.
 #pragma once
 
-// max with NaN winning (one FMNMX.NAN): ONNX Runtime's CUDA ReduceMax propagates NaN.
-__device__ __forceinline__ float o2f_fmax_nan(float a, float b) {
-  float r;
-  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-  return r;
-}
-
 // Columns col and col + 1 of rows row0 (a0, a1) and row0 + 8 (b0, b1), the layer's activations: their max
 // over the two rows in v0, v1 (rows past the batch: -inf).
 __device__ __forceinline__ void pool_take(int64_t rows, int64_t row0, float a0, float a1, float b0, float b1,
@@ -28,18 +21,6 @@ __device__ __forceinline__ void pool_take(int64_t rows, int64_t row0, float a0, 
   const bool in0 = row0 < rows, in1 = row0 + 8 < rows;
   v0 = o2f_fmax_nan(in0 ? a0 : -INFINITY, in1 ? b0 : -INFINITY);
   v1 = o2f_fmax_nan(in0 ? a1 : -INFINITY, in1 ? b1 : -INFINITY);
-}
-
-// One halving exchange over lane bit `mask` (4, 8 or 16: a bit of g): of v[0, 2H) the lane keeps the half
-// its bit selects and takes the max with its partner's copy of that half, into v[0, H).
-template <int H>
-__device__ __forceinline__ void pool_halve(float (&v)[16], int lane, int mask) {
-  const bool hi = lane & mask;
-#pragma unroll
-  for (int i = 0; i < H; ++i) {
-    const float send = hi ? v[i] : v[i + H], keep = hi ? v[i + H] : v[i];
-    v[i] = o2f_fmax_nan(keep, __shfl_xor_sync(0xffffffffu, send, mask));
-  }
 }
 
 // A float into an entry held as its bits in shared memory, as o2f_atomic_max does in global memory.
