@@ -477,10 +477,36 @@ struct MapKey {
   }
 };
 
+// The tensor maps of one launch.
+struct Maps {
+  MapKey key;   // dev -1: not built
+  CUtensorMap a, w, d, c;
+};
+
+// How many launches' tensor maps each kernel instance keeps a thread: every GEMM of a model that shares the
+// instance (ViT's 12 blocks, LLaMA-7B's 32 layers) keeps its own, where one slot rebuilt the maps (four
+// encodes) and the shared-memory attribute at each call as the layers took turns.
+constexpr int kMapSlots = 64;
+
+// The slot holding `key`'s maps on this thread, or the oldest slot, its key reset (the caller builds it).
+inline Maps* find_maps(Maps (&slots)[kMapSlots], int& next, const MapKey& key, bool* hit) {
+  for (Maps& m : slots)
+    if (m.key == key) {
+      *hit = true;
+      return &m;
+    }
+  Maps* m = &slots[next];
+  next = (next + 1) % kMapSlots;
+  m->key = MapKey{};
+  *hit = false;
+  return m;
+}
+
 // Launches D = PairAct(A W^T + bias (+ src)) on stream s: m x n outputs, depth k (k % 8 == 0, a and w
 // 16-byte aligned: TMA). c.raster picks the tile order (plan.sm90.RASTERS: 0 by the operands' sizes,
-// 1 down the rows, 2 across the columns). The tensor maps of the last call on this thread are reused
-// when nothing they depend on changed (ORT hands a session the same buffers run after run).
+// 1 down the rows, 2 across the columns). A launch's tensor maps are kept for the next call with the same
+// operands on this thread (find_maps: ORT hands a session the same buffers run after run), and the kernel's
+// shared-memory size is set once a device.
 template <typename Elem, typename Out, class PairAct, bool kResidual, bool kGated = false>
 cudaError_t run(const o2f_wide::DeviceInfo& dev, const o2f_wide::Choice& c, int m, int n, int k, const void* a,
                 const void* w, const Out* bias, const Out* src, Out* d, int ldd, cudaStream_t s) {
@@ -491,30 +517,31 @@ cudaError_t run(const o2f_wide::DeviceInfo& dev, const o2f_wide::Choice& c, int 
   constexpr int kTileN = kTileCols<kGated>;
   using L = Layout<Out, kResidual, kTileN>;
   const int w_rows = kGated ? 2 * n : n;   // gated: n gate rows, then n up rows
-  struct Maps {
-    MapKey key;
-    CUtensorMap a, w, d, c;
-    bool ready = false;
-  };
-  thread_local Maps last;
-  const MapKey key{dev.id, m, n, k, ldd, a, w, kResidual ? src : nullptr, d};
   auto kernel = light_gemm<Elem, Out, PairAct, kResidual, kGated>;
-  if (!last.ready || !(last.key == key)) {
-    last.ready = false;
-    if (!tile_map<Elem>(&last.a, a, m, k, k, kBM) || !tile_map<Elem>(&last.w, w, w_rows, k, k, kTileN))   // gated: a box per half of a W stage
-      return cudaErrorInvalidValue;
-    last.c = last.a;   // unused where C is not read
-    if (!tile_map<Out>(&last.d, d, m, n, ldd, 64)) return cudaErrorInvalidValue;
-    if (kResidual && !tile_map<Out>(&last.c, src, m, n, ldd, 64)) return cudaErrorInvalidValue;
+  static std::atomic<unsigned long long> opted{0};   // devices (ids < 64) whose shared-memory size is set
+  const unsigned long long bit = dev.id >= 0 && dev.id < 64 ? 1ull << dev.id : 0ull;
+  if (!bit || !(opted.load(std::memory_order_acquire) & bit)) {
     const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kSmemBytes);
     if (err != cudaSuccess) return err;
-    last.key = key;
-    last.ready = true;
+    opted.fetch_or(bit, std::memory_order_acq_rel);
+  }
+  thread_local Maps slots[kMapSlots];
+  thread_local int next = 0;
+  const MapKey key{dev.id, m, n, k, ldd, a, w, kResidual ? src : nullptr, d};
+  bool hit = false;
+  Maps* maps = find_maps(slots, next, key, &hit);
+  if (!hit) {
+    if (!tile_map<Elem>(&maps->a, a, m, k, k, kBM) || !tile_map<Elem>(&maps->w, w, w_rows, k, k, kTileN))   // gated: a box per half of a W stage
+      return cudaErrorInvalidValue;
+    maps->c = maps->a;   // unused where C is not read
+    if (!tile_map<Out>(&maps->d, d, m, n, ldd, 64)) return cudaErrorInvalidValue;
+    if (kResidual && !tile_map<Out>(&maps->c, src, m, n, ldd, 64)) return cudaErrorInvalidValue;
+    maps->key = key;
   }
   const int tiles = ((m + kBM - 1) / kBM) * ((n + kTileN - 1) / kTileN);
   const int n_fastest = c.raster == 1 ? 0 : c.raster == 2 ? 1 : m >= w_rows;
   const int grid = tiles < dev.sms ? tiles : dev.sms;
-  kernel<<<grid, kThreads, L::kSmemBytes, s>>>(last.a, last.w, last.d, last.c, bias, m, n, k, n_fastest);
+  kernel<<<grid, kThreads, L::kSmemBytes, s>>>(maps->a, maps->w, maps->d, maps->c, bias, m, n, k, n_fastest);
   return cudaGetLastError();
 }
 }  // namespace o2f_light
