@@ -202,6 +202,14 @@ inline uint16_t MaxNan(uint16_t o, uint16_t v) {
   return (!HalfIsNan(o) && (HalfIsNan(v) || HalfOrder(v) > HalfOrder(o))) ? v : o;
 }
 
+// f(T{}) with T the element type the CPU paths hold entry e's I/O in (fp16 as its bits, float): the one place
+// the pooling code turns e.io_is_half into a type.
+template <class F>
+void WithIoType(const KernelEntry& e, F&& f) {
+  if (e.io_is_half) f(uint16_t{});
+  else f(float{});
+}
+
 // Columns [c0, c1) of group g: the max over the group's rows, row by row (a row's columns are contiguous).
 template <class T>
 void PoolBlock(const T* in, T* out, int64_t per, int64_t n, int64_t g, int64_t c0, int64_t c1) {
@@ -227,10 +235,10 @@ void RunPoolTask(void* data, size_t task) {
   const int64_t n = t.e->widths[t.e->num_layers], per = t.call->groups ? t.call->rows / t.call->groups : 0;
   const int64_t g = static_cast<int64_t>(task) / t.blocks, c0 = (static_cast<int64_t>(task) % t.blocks) * kPoolCols;
   const int64_t c1 = std::min(n, c0 + kPoolCols);
-  if (t.e->io_is_half)
-    PoolBlock(static_cast<const uint16_t*>(t.call->y), static_cast<uint16_t*>(t.pooled), per, n, g, c0, c1);
-  else
-    PoolBlock(static_cast<const float*>(t.call->y), static_cast<float*>(t.pooled), per, n, g, c0, c1);
+  WithIoType(*t.e, [&](auto tag) {
+    using T = decltype(tag);
+    PoolBlock(static_cast<const T*>(t.call->y), static_cast<T*>(t.pooled), per, n, g, c0, c1);
+  });
 }
 
 void PoolRows(const KernelEntry& e, const Call& call, void* pooled, Ort::KernelContext& ctx) {
@@ -303,10 +311,10 @@ void RunPooledTask(void* data, size_t task) {
           t.call->b.data(), 1);
   }
   const int64_t pooled_rows = std::max<int64_t>(rows, 0);
-  if (e.io_is_half)
-    PoolInto(reinterpret_cast<const uint16_t*>(buf.data()), reinterpret_cast<uint16_t*>(partial), pooled_rows, n);
-  else
-    PoolInto(reinterpret_cast<const float*>(buf.data()), reinterpret_cast<float*>(partial), pooled_rows, n);
+  WithIoType(e, [&](auto tag) {
+    using T = decltype(tag);
+    PoolInto(reinterpret_cast<const T*>(buf.data()), reinterpret_cast<T*>(partial), pooled_rows, n);
+  });
 }
 
 template <class T>
@@ -343,12 +351,11 @@ struct CpuKernel {
     task.partials = partials.get();
     if (tasks == 1) RunPooledTask(&task, 0);
     else ctx.ParallelFor(&RunPooledTask, static_cast<size_t>(tasks), 0, &task);
-    if (e->io_is_half)
-      CombinePartials(reinterpret_cast<const uint16_t*>(task.partials), static_cast<uint16_t*>(call.y), call.groups,
+    WithIoType(*e, [&](auto tag) {
+      using T = decltype(tag);
+      CombinePartials(reinterpret_cast<const T*>(task.partials), static_cast<T*>(call.y), call.groups,
                       task.tasks_per_group, n);
-    else
-      CombinePartials(reinterpret_cast<const float*>(task.partials), static_cast<float*>(call.y), call.groups,
-                      task.tasks_per_group, n);
+    });
   }
 
   void Run(Call& call, Ort::KernelContext& ctx) {
