@@ -340,6 +340,7 @@ def test_pooled_chains_take_wgmma_with_a_last_layer_up_to_1024():
     assert plan.layers[-1].chunks == 16 and not plan.quad_stores and not plan.store_rows
     # two copies of a group's 1024 entries a warpgroup, static, within the limit beside the dynamic layout
     assert plan.pool_smem_bytes == 4 * 2 * 4 * 1024 and "+ 32 KB for the pool's copies" in plan.describe()
+    assert "; other GPUs and groups of rows not a multiple of 16: streamed (" in plan.describe()
     assert plan.smem_bytes + plan.pool_smem_bytes <= wgmma.SMEM_LIMIT
     assert "the last layer's output up to 512" in choose.wgmma_refused(replace(pooled, pool=None))
     assert "up to 1024 with its pool" in choose.wgmma_refused(replace(_spec([3, 64, 128, 1040]), pool="max"))

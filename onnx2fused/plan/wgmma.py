@@ -335,8 +335,8 @@ class WgmmaPlan:
         pool = f" + {self.pool_smem_bytes // 1024} KB for the pool's copies" if self.pool_smem_bytes else ""
         return (f"wgmma (sm_90a): {self.nwg} warpgroups x 64 rows, activations in registers, {weights}, "
                 f"{self.smem_bytes // 1024} KB smem{pool}), chunks {chunks}, "
-                f"{inp}; other GPUs: {self.fallback.design} "
-                f"({self.fallback.describe()}){why}")
+                f"{inp}; other GPUs{' and groups of rows not a multiple of 16' if self.spec.pool else ''}: "
+                f"{self.fallback.design} ({self.fallback.describe()}){why}")
 
 
 CHUNK_MIN = 32            # narrower chunks (many commit groups of little work each) are padded away
