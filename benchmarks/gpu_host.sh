@@ -51,7 +51,8 @@
 #   benchmarks/gpu_host.sh lightab [CASES] wide_cases.py (default vitb_block,ffn) converted twice, the untuned Hopper
 #                                         kernels ours, then CUTLASS's (Pingpong128x128 and Tf32Pingpong128x128:
 #                                         ONNX2FUSED_WIDE_DEFAULT_KERNEL, ONNX2FUSED_WIDE_DEFAULT_TF32_KERNEL)
-#   benchmarks/gpu_host.sh ncuwide [CASE [KERNEL]] Nsight Compute on a wide case's kernels through ORT (profile_case.py)
+#   benchmarks/gpu_host.sh ncuwide [CASE|M.onnx [KERNEL [ROWS]]] Nsight Compute on a wide case's (or a model's)
+#                                         kernels through ORT (profile_case.py)
 #   benchmarks/gpu_host.sh profile [CASES] Nsight Compute's full set on kernel_check.py --profile (default: the
 #                                         four issue-15 cases; ONNX2FUSED_CUDA_DESIGN=wgmma for that design);
 #                                         text and raw CSV reports in $OUT
@@ -311,19 +312,22 @@ profile)
   done
   ;;
 ncuwide)
-  # Nsight Compute on one run of a wide case's kernels through ORT (default vitb_block; KERNEL: a regex
-  # of the kernel names to profile, default every kernel of the run)
+  # Nsight Compute on one run of a wide case's kernels through ORT (default vitb_block; or a model file,
+  # M.onnx, at ROWS rows (default 256): PointNet's /tmp/pn/pointnet.onnx for the pooled wgmma kernel;
+  # KERNEL: a regex of the kernel names to profile, default every kernel of the run)
   shift
   ncu=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
   [ -n "$ncu" ] || { echo "gpu_host.sh ncuwide: no ncu (Nsight Compute) on this host"; exit 2; }
   case_=${1:-vitb_block}; regex=${2:-.}
-  python3 benchmarks/profile_case.py "$case_" --runs 1 --external --out /tmp/ncuwide > /dev/null 2>&1   # build first
+  if [[ $case_ == *.onnx ]]; then src=(--model "$case_" --batch "${3:-256}"); tag=$(basename "$case_" .onnx)
+  else src=("$case_"); tag=$case_; fi
+  python3 benchmarks/profile_case.py "${src[@]}" --runs 1 --external --out /tmp/ncuwide > /dev/null 2>&1   # build first
   "$ncu" --nvtx --nvtx-include "o2f_runs/" --kernel-name "regex:$regex" --launch-count 3 --section SpeedOfLight \
-    --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy --section LaunchStats \
-    --section SchedulerStats python3 benchmarks/profile_case.py "$case_" --runs 1 --external --out /tmp/ncuwide \
-    > "$OUT/ncu_$case_.txt" 2>&1
-  echo "ncu rc $?"; grep -E "^  [a-zA-Z_].*\(|Duration|Throughput|DRAM|Achieved Occupancy|Registers|Stall|One or More|No Eligible|Issued Warp" \
-    "$OUT/ncu_$case_.txt" | head -60
+    --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section WarpStateStats --section Occupancy \
+    --section LaunchStats --section SchedulerStats \
+    python3 benchmarks/profile_case.py "${src[@]}" --runs 1 --external --out /tmp/ncuwide > "$OUT/ncu_$tag.txt" 2>&1
+  echo "ncu rc $?"; grep -E "^  [a-zA-Z_].*\(|Duration|Throughput|DRAM|Achieved Occupancy|Registers|Stall|One or More|No Eligible|Issued Warp|Pipe" \
+    "$OUT/ncu_$tag.txt" | head -70
   ;;
 sm90)
   CUTLASS_INC=$R/.deps/cutlass/include bash benchmarks/sm90/run.sh 2>&1 | tail -60
