@@ -10,18 +10,14 @@
 // A pooled kernel's output: the float entries it raises.
 using pool_t = float;
 
-__device__ __forceinline__ bool o2f_raises(float v, float old) { return v > old || (v != v && old == old); }
-
-__device__ __forceinline__ float o2f_max_nan(float a, float b) { return o2f_raises(b, a) ? b : a; }
-
-// The same as one instruction where the GPU has it (max.NaN.f32, FMNMX.NAN: sm_80 and newer).
+// max with NaN winning: one instruction where the GPU has it (max.NaN.f32, FMNMX.NAN: sm_80 and newer).
 __device__ __forceinline__ float o2f_fmax_nan(float a, float b) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   float r;
   asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
   return r;
 #else
-  return o2f_max_nan(a, b);
+  return b > a || (b != b && a == a) ? b : a;
 #endif
 }
 
@@ -43,7 +39,7 @@ __device__ __forceinline__ void pool_halve(float (&v)[V], int lane, int mask) {
 
 // A float's bits order like the float as a signed int where it is positive, and in reverse as an unsigned
 // int where it is negative (sign bit set): one fire-and-forget atomic (RED.MAX / RED.MIN, no value waited
-// for) raises the entry from any start, -inf included. NaN goes in as the positive quiet NaN, which then
+// for; global or shared memory) raises the entry from any start, -inf included. NaN goes in as the positive quiet NaN, which then
 // beats every number either way. (Half entries took a compare-and-swap loop, each warp waiting for its
 // reads and swaps: the float16 PointNet's kernel 1.6x the float one's; the float scratch avoids it.)
 __device__ __forceinline__ void o2f_atomic_max(float* p, float v) {

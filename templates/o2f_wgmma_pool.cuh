@@ -23,23 +23,15 @@ __device__ __forceinline__ void pool_take(int64_t rows, int64_t row0, float a0, 
   v1 = o2f_fmax_nan(in0 ? a1 : -INFINITY, in1 ? b1 : -INFINITY);
 }
 
-// A float into an entry held as its bits in shared memory, as o2f_atomic_max does in global memory.
-__device__ __forceinline__ void o2f_shared_max(unsigned* p, float v) {
-  if (v != v) v = __uint_as_float(0x7fc00000u);
-  if (!signbit(v)) atomicMax(reinterpret_cast<int*>(p), __float_as_int(v));
-  else atomicMin(p, __float_as_uint(v));
-}
-
-constexpr unsigned kNegInfBits = 0xff800000u;
-
 // The warpgroup's maxima of a tile whose 64 rows all lie in one group: its warps raise a shared-memory copy
 // of the group's entries (shared atomics), and the warpgroup raises the global ones once at the end of the
 // tile (pool_flush): a quarter of the global atomics (PointNet at 256 clouds: 16.8 million a run, one per
 // column and warp, where the L2's atomic units took longer than the MMAs). Two copies a warpgroup, used by
-// turns, so that one barrier a tile orders a copy's flush before its next use. nullptr: the tile straddles
-// groups or lies past the batch (its warps raise the global entries themselves).
+// turns, so that one barrier a tile orders a copy's flush before its next use (o2f_atomic_max raises
+// shared entries as it does global ones). nullptr: the tile straddles groups or lies past the batch (its
+// warps raise the global entries themselves).
 template <int N>
-__device__ __forceinline__ unsigned* pool_tile(unsigned* copies, int64_t rows, int64_t tile, int64_t stride,
+__device__ __forceinline__ float* pool_tile(float* copies, int64_t rows, int64_t tile, int64_t stride,
                                                int64_t group_rows) {
   const int64_t first = tile * 64, last = (first + 64 < rows ? first + 64 : rows) - 1;
   if (first >= rows || first / group_rows != last / group_rows) return nullptr;
@@ -51,7 +43,7 @@ __device__ __forceinline__ unsigned* pool_tile(unsigned* copies, int64_t rows, i
 // (g, t) holds block g's: it raises those entries in the tile's shared copy or, where the tile has none,
 // in global memory. `in_batch`: any of the warp's rows is (warp-uniform).
 template <int N, int NB>
-__device__ __forceinline__ void pool_chunk(bool in_batch, unsigned* shared, pool_t* y, int64_t row0, int64_t group_rows,
+__device__ __forceinline__ void pool_chunk(bool in_batch, float* shared, pool_t* y, int64_t row0, int64_t group_rows,
                                            int c0, int lane, float (&v)[16]) {
   if (!in_batch) return;
   pool_halve<8>(v, lane, 16);
@@ -60,8 +52,8 @@ __device__ __forceinline__ void pool_chunk(bool in_batch, unsigned* shared, pool
   const int g = lane >> 2, col = c0 + 8 * g + 2 * (lane & 3);
   if (g >= NB || col >= N) return;
   if (shared != nullptr) {
-    o2f_shared_max(shared + col, v[0]);
-    if (col + 1 < N) o2f_shared_max(shared + col + 1, v[1]);
+    o2f_atomic_max(shared + col, v[0]);
+    if (col + 1 < N) o2f_atomic_max(shared + col + 1, v[1]);
     return;
   }
   pool_t* out = y + (row0 - g) / group_rows * N;   // (row0 - g: the warp's first row)
@@ -73,13 +65,13 @@ __device__ __forceinline__ void pool_chunk(bool in_batch, unsigned* shared, pool
 // global ones (each thread every 128th column) and go back to -inf for the tile after next. Every thread of
 // the warpgroup calls it every tile (the barrier).
 template <int N>
-__device__ __forceinline__ void pool_flush(unsigned* shared, pool_t* y, int64_t tile, int64_t group_rows, int wg, int wtid) {
+__device__ __forceinline__ void pool_flush(float* shared, pool_t* y, int64_t tile, int64_t group_rows, int wg, int wtid) {
   wg_sync(wg);
   if (shared == nullptr) return;
   pool_t* out = y + tile * 64 / group_rows * N;
   for (int c = wtid; c < N; c += 128) {
-    const unsigned v = shared[c];
-    shared[c] = kNegInfBits;
-    if (v != kNegInfBits) o2f_atomic_max(out + c, __uint_as_float(v));
+    const float v = shared[c];
+    shared[c] = -INFINITY;
+    if (v != -INFINITY) o2f_atomic_max(out + c, v);   // (NaN too)
   }
 }
