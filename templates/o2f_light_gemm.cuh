@@ -518,13 +518,8 @@ cudaError_t run(const o2f_wide::DeviceInfo& dev, const o2f_wide::Choice& c, int 
   using L = Layout<Out, kResidual, kTileN>;
   const int w_rows = kGated ? 2 * n : n;   // gated: n gate rows, then n up rows
   auto kernel = light_gemm<Elem, Out, PairAct, kResidual, kGated>;
-  static std::atomic<unsigned long long> opted{0};   // devices (ids < 64) whose shared-memory size is set
-  const unsigned long long bit = dev.id >= 0 && dev.id < 64 ? 1ull << dev.id : 0ull;
-  if (!bit || !(opted.load(std::memory_order_acquire) & bit)) {
-    const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kSmemBytes);
-    if (err != cudaSuccess) return err;
-    opted.fetch_or(bit, std::memory_order_acq_rel);
-  }
+  static std::atomic<unsigned long long> opted{0};
+  if (const cudaError_t err = o2f_wide::smem_opt_in_once(kernel, L::kSmemBytes, dev.id, opted)) return err;
   thread_local Maps slots[kMapSlots];
   thread_local int next = 0;
   const MapKey key{dev.id, m, n, k, ldd, a, w, kResidual ? src : nullptr, d};

@@ -183,14 +183,9 @@ cudaError_t gemv(const DeviceInfo& dev, int m, const elem_t* a, int lda, const e
   const int per_block = kGated ? kGemvTileCols : 2 * kGemvTileCols;
   const int blocks = (columns + per_block - 1) / per_block;
   auto kernel = gemv_layer<Act, kGated, kIntoOutput, Out>;
-  // The ring is over 48 KiB: opted in once per device (dev.id < 64, device_info checked it; idempotent:
-  // racing threads set the same value).
-  static std::atomic<bool> opted[64];
-  if (!opted[dev.id].load(std::memory_order_acquire)) {
-    const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kGemvSmemBytes);
-    if (err != cudaSuccess) return err;
-    opted[dev.id].store(true, std::memory_order_release);
-  }
+  // The ring is over 48 KiB: opted in once a device.
+  static std::atomic<unsigned long long> opted{0};
+  if (const cudaError_t err = o2f_wide::smem_opt_in_once(kernel, kGemvSmemBytes, dev.id, opted)) return err;
   kernel<<<blocks, kGemvThreads, kGemvSmemBytes, s>>>(a, lda, w, kp, second, bias, d, ldd, columns, m);
   return cudaGetLastError();
 }
