@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -26,57 +25,35 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from onnx2fused.bench.variants import convert_model  # noqa: E402
+from onnx2fused.bench.models import model_info  # noqa: E402
+from onnx2fused.bench.timing import _burst, _cuda_torch, _Dev, _ort_gpu_runner  # noqa: E402
+from onnx2fused.bench.variants import convert_model, fused_session  # noqa: E402
 
 BURSTS = (10, 100, 400)
 PROFILED_RUNS = 60
 
 
-def _session(name: str, out: Path):
-    import onnxruntime as ort
-    fused, lib = convert_model(ROOT / "models" / f"{name}.opset17.onnx", out / name, "fp16", with_cuda=True)
-    so = ort.SessionOptions()
-    so.register_custom_ops_library(str(lib))
-    return ort.InferenceSession(str(fused), so, providers=["CUDAExecutionProvider"])
-
-
-def _host_ms(run, n: int) -> float:
-    """Host ms per run of n runs back to back, the last one waiting for the GPU."""
-    import torch
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n - 1):
-        run(False)
-    run(True)
-    return (time.perf_counter() - t0) * 1e3 / n
-
-
-def probe(name: str, rows: int, out: Path) -> None:
+def probe(dev: _Dev, name: str, rows: int, out: Path) -> None:
+    """One model's bursts, waited runs and profiled period (the module's docstring), printed."""
     import onnxruntime as ort
     import torch
     from torch.profiler import ProfilerActivity, profile
-    sess = _session(name, out)
-    x_info, y_info = sess.get_inputs()[0], sess.get_outputs()[0]
-    k, n = x_info.shape[-1], y_info.shape[-1]
-    x = torch.randn(rows, k, device="cuda")
-    y = torch.empty(rows, n, device="cuda")
-    io = sess.io_binding()
-    io.bind_input(x_info.name, "cuda", 0, np.float32, [rows, k], x.data_ptr())
-    io.bind_output(y_info.name, "cuda", 0, np.float32, [rows, n], y.data_ptr())
-    no_wait = ort.RunOptions()
-    no_wait.add_run_config_entry("disable_synchronize_execution_providers", "1")
+    fused, lib = convert_model(ROOT / "models" / f"{name}.opset17.onnx", out / name, "fp16", with_cuda=True)
+    sess = fused_session(fused, lib, ort.SessionOptions(), ["CUDAExecutionProvider"])
+    step, _, buffers = _ort_gpu_runner(dev, sess, model_info(fused), rows)   # buffers: alive while step runs
 
-    def run(wait: bool) -> None:
-        sess.run_with_iobinding(io, None if wait else no_wait)
+    def burst(n: int) -> float:
+        dev.sync()
+        return _burst(step, n)
 
-    for _ in range(10):
-        run(True)
-    times = {f"burst{b}": float(np.median([_host_ms(run, b) for _ in range(7)])) for b in BURSTS}
-    times["sync_run"] = float(np.median([_host_ms(run, 1) for _ in range(50)]))
+    for i in range(10):
+        step(i)
+    times = {f"burst{b}": float(np.median([burst(b) for _ in range(7)])) for b in BURSTS}
+    times["sync_run"] = float(np.median([burst(1) for _ in range(50)]))
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(PROFILED_RUNS):
-            run(False)
-        run(True)
+        for i in range(PROFILED_RUNS):
+            step(i, wait=False)
+        step(PROFILED_RUNS)
         torch.cuda.synchronize()
     spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
                    if e.device_type.name == "CUDA")
@@ -99,11 +76,14 @@ def main(argv=None) -> int:
                     help="comma-separated NAME:ROWS of models/NAME.opset17.onnx")
     ap.add_argument("--out", default="/tmp/ort_bursts")
     a = ap.parse_args(argv)
+    torch = _cuda_torch()
+    if torch is None:
+        raise SystemExit("ort_bursts.py needs torch with CUDA (device buffers, the profiler)")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     for item in a.models.split(","):
         name, rows = item.split(":")
-        probe(name, int(rows), out)
+        probe(_Dev(torch), name, int(rows), out)
     return 0
 
 
