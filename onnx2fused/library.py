@@ -115,7 +115,7 @@ def skip_refusal(with_cuda: bool, chains=(), options: PlanOptions | None = None)
 
 
 def pool_refusal(with_cuda: bool, chains=(), options: PlanOptions | None = None) -> dict[int, str]:
-    """Which chains leave the max pool behind them a stock op (passes/pool.py): {block_key(chain): reason}.
+    """Which chains leave the pool behind them a stock op (passes/pool.py): {block_key(chain): reason}.
     The CPU kernel (the plugin pools its rows), the resident, streamed and wgmma kernels and the fp32 CUDA
     kernel pool; the wide design does not, so a library with CUDA kernels keeps the pool apart where no
     fused kernel plans the chain at fp16."""

@@ -27,7 +27,9 @@ reads). Several layers may; the name reads `..._skipJ` (`_skipJ_K`) after the ac
 `pool` "max" (PointNet's max pool over its points, passes/pool.py): the op's output is the maximum over the rows
 that share all but the last input dimension, [..., M, K0] -> [..., N_last] (ReduceMax over axis -2 of the
 chain's output); "maxk" the same with the pooled axis kept, [..., 1, N_last] (keepdims=1: torch.max(x, 2,
-keepdim=True)); the name reads `..._poolmax` / `..._poolmaxk` and it adds to `key_text` only when present.
+keepdim=True)); "sum" / "mean" (and "sumk" / "meank") the sum or the mean over those rows (ReduceSum /
+ReduceMean: Deep Sets' sum over a set's elements, a global average pool); the name reads `..._poolmax` /
+`..._poolmaxk` / `..._poolsum` ... and it adds to `key_text` only when present.
 
 `act_math` says how an fp16 chain's hidden activations are computed on the GPU: "packed" (the default:
 the pre-activations rounded to fp16 and the activation evaluated in fp16x2 arithmetic, two elements an
@@ -58,7 +60,8 @@ OP_PREFIX = "FusedMLP"
 MAX_NAME = 96     # longer names (deep chains of many activations) are shortened to widths + layer count + hash
 SKIP_LAYERS_MAX = 64   # the plugin's registry holds a chain's skip layers as one 64-bit mask
 SKIP_ALIGN = 16   # a skip layer's x part: K0 rounded up to a k-step of the tensor cores (fp16/bf16 16, tf32 8)
-POOLS = ("max", "maxk")   # what a chain's output may be pooled by over axis -2, "maxk" keeping it (pool.py)
+POOL_OPS = ("max", "sum", "mean")   # what a chain's output may be reduced by over axis -2 (pool.py)
+POOLS = tuple(p + k for p in POOL_OPS for k in ("", "k"))   # "...k": keepdims=1, the pooled axis kept as 1
 SPEC_VERSION = 1  # bump when the meaning of a spec (and so of every generated kernel) changes
 
 
@@ -143,6 +146,16 @@ class MLPSpec:
     skip: tuple[int, ...] = ()    # each layer j > 0 here reads [x padded to skip_width, layer j-1's output]
                                   # (an int j is taken as (j,), 0 as none)
     pool: str | None = None       # "max": the output is the max over axis -2 of the last layer's (POOLS)
+
+    @property
+    def pool_op(self) -> str | None:
+        """The pool's reduction ("max", "sum", "mean"; POOL_OPS) without its keepdims mark, None unpooled."""
+        return None if self.pool is None else self.pool.removesuffix("k")
+
+    @property
+    def pool_keeps_axis(self) -> bool:
+        """Whether the pooled axis stays as 1 (keepdims=1: "maxk", "sumk", "meank")."""
+        return self.pool is not None and self.pool.endswith("k")
 
     def __post_init__(self):
         skip = (self.skip,) if isinstance(self.skip, int) else tuple(self.skip)
@@ -275,7 +288,7 @@ class MLPSpec:
             text = f"{self.norm.label} -> " + text
         if self.skip:
             text += f", x into layer{'s' if len(self.skip) > 1 else ''} {', '.join(map(str, self.skip))} (skip)"
-        return text + (" + residual" if self.residual else "") + (f", max over rows{' (kept axis)' if self.pool == 'maxk' else ''}" if self.pool else "")
+        return text + (" + residual" if self.residual else "") + (f", {self.pool_op} over rows{' (kept axis)' if self.pool_keeps_axis else ''}" if self.pool else "")
 
     def key_text(self) -> str:
         """Everything that shapes the generated code, as canonical text."""

@@ -42,9 +42,10 @@ struct KernelEntry {
                                   // NS, NB [K0]), 0 (no norm in front)
   uint64_t skip_mask = 0;         // bit j: layer j (> 0) reads [x zero-padded to skip_width, the layer before's
   int skip_width = 0;             // output], its W [skip_width + N_{j-1}, N_j]; 0: no skip connection
-  int pool = 0;                   // 1: Y is the max over axis -2 of the chain's rows, X [..., M, K0] -> Y [..., N_last];
-                                  // 2: the same with that axis kept, Y [..., 1, N_last]
+  int pool = 0;                   // 1: Y is the pool (pool_op) over axis -2 of the chain's rows, X [..., M, K0] ->
+                                  // Y [..., N_last]; 2: the same with that axis kept, Y [..., 1, N_last]
   CudaRunPoolFn cuda_run_pool = nullptr;  // a pooled spec's CUDA run (cuda_run is null then)
+  int pool_op = 0;                // the pool: 0 max (NaN wins, -inf over no rows), 1 sum, 2 mean (0 over no rows)
 };
 
 // Defined by the generated registry.cc.

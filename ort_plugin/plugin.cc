@@ -11,8 +11,8 @@
 // Inputs: X [..., K0] (float32 or float16), then W_i [K_i, N_i] and B_i [N_i] (float32) per layer
 // ([K_i, 2 N_i] and [2 N_i] for a gated layer: KernelEntry::weight_cols), then a transformer block's norm
 // parameters (KernelEntry::norm_inputs): NS [K0] (scale), and NB [K0] (bias) for a layer norm, float32.
-// Output: Y [..., N_last], the element type of X; a pooled entry (KernelEntry::pool) writes the max over X's
-// axis -2, Y [..., N_last] (or [..., 1, N_last]). Bad inputs give an ORT error naming the expected shape.
+// Output: Y [..., N_last], the element type of X; a pooled entry (KernelEntry::pool) writes the max, sum or
+// mean (KernelEntry::pool_op) over X's axis -2, Y [..., N_last] (or [..., 1, N_last]). Bad inputs give an ORT error naming the expected shape.
 #define ORT_API_MANUAL_INIT
 #include "onnxruntime_cxx_api.h"
 #undef ORT_API_MANUAL_INIT
@@ -84,7 +84,7 @@ struct Call {
   const void* x = nullptr;
   void* y = nullptr;
   int64_t rows = 0;
-  int64_t groups = 0;   // a pooled entry (KernelEntry::pool): Y's rows, each the max over rows / groups of X's
+  int64_t groups = 0;   // a pooled entry (KernelEntry::pool): Y's rows, each the pool of rows / groups of X's
   std::vector<const float*> w, b;
 };
 
@@ -158,7 +158,7 @@ OrtStatusPtr Prepare(const KernelEntry& e, Ort::KernelContext& ctx, Call& call) 
   for (size_t d = 0; d + 1 < xshape.size(); ++d) rows *= xshape[d];
   std::vector<int64_t> yshape = xshape;
   yshape.back() = NL;
-  if (e.pool) {   // Y [..., N_last]: the max over X's axis -2
+  if (e.pool) {   // Y [..., N_last]: the pool over X's axis -2
     if (xshape.size() < 3) {
       std::ostringstream s;
       s << op << ": input X must have shape [..., rows, " << K0 << "] (rank >= 3: the op pools over axis -2), got "
@@ -178,7 +178,7 @@ OrtStatusPtr Prepare(const KernelEntry& e, Ort::KernelContext& ctx, Call& call) 
 }
 
 // A pooled entry on the CPU: the chain's rows go to a buffer of their own (RowsForPool), then each group's
-// maximum to Y (PoolRows), NaN winning as in ONNX Runtime's CUDA ReduceMax; a group of no rows is -inf.
+// pool to Y (PoolRows).
 struct RowsForPool {
   void* pooled = nullptr;
   std::unique_ptr<char[]> rows;   // not zeroed: the kernel writes every row before PoolRows reads it
@@ -194,35 +194,71 @@ struct RowsForPool {
 inline bool HalfIsNan(uint16_t h) { return (h & 0x7fff) > 0x7c00; }
 inline uint16_t HalfOrder(uint16_t h) { return (h & 0x8000) ? static_cast<uint16_t>(~h) : static_cast<uint16_t>(h | 0x8000); }
 inline float MaxNan(float o, float v) { return (v > o || (v != v && o == o)) ? v : o; }
-// -inf in the element type as the CPU paths hold it (fp16 as its bits): where every pool starts.
+// -inf in the element type as the CPU paths hold it (fp16 as its bits): where every max pool starts.
 template <class T> constexpr T kLowest = T{};
 template <> constexpr float kLowest<float> = -std::numeric_limits<float>::infinity();
 template <> constexpr uint16_t kLowest<uint16_t> = 0xfc00;
 inline uint16_t MaxNan(uint16_t o, uint16_t v) {
   return (!HalfIsNan(o) && (HalfIsNan(v) || HalfOrder(v) > HalfOrder(o))) ? v : o;
 }
+inline float Widen(float v) { return v; }
+inline float Widen(uint16_t h) { return Ort::Float16_t::FromBits(h).ToFloat(); }
+template <class T> T Narrow(float v);
+template <> inline float Narrow<float>(float v) { return v; }
+template <> inline uint16_t Narrow<uint16_t>(float v) { return Ort::Float16_t(v).val; }   // (nearest even)
 
-// f(T{}) with T the element type the CPU paths hold entry e's I/O in (fp16 as its bits, float): the one place
-// the pooling code turns e.io_is_half into a type.
+// The pools (KernelEntry::pool_op) over rows of element type T, through partial results of type Acc:
+// the max in T itself (exact: rounding is monotonic), NaN winning as in ONNX Runtime's CUDA ReduceMax, -inf
+// over no rows; the sum and the mean in float (fp16 rows widened), 0 over no rows, the mean's 1/rows
+// applied once at the end (Finish's scale) as ReduceMean divides its sum.
+template <class T>
+struct MaxPool {
+  using Elem = T;
+  using Acc = T;
+  static Acc Start() { return kLowest<T>; }
+  static Acc Add(Acc a, T v) { return MaxNan(a, v); }
+  static Acc Merge(Acc a, Acc b) { return MaxNan(a, b); }
+  static T Finish(Acc a, float) { return a; }
+};
+template <class T>
+struct SumPool {
+  using Elem = T;
+  using Acc = float;
+  static Acc Start() { return 0.0f; }
+  static Acc Add(Acc a, T v) { return a + Widen(v); }
+  static Acc Merge(Acc a, Acc b) { return a + b; }
+  static T Finish(Acc a, float scale) { return Narrow<T>(a * scale); }
+};
+
+// f(P{}) with P the pool policy of entry e over its I/O type as the CPU paths hold it (fp16 as its bits,
+// float): the one place the pooling code turns e.io_is_half and e.pool_op into types.
 template <class F>
-void WithIoType(const KernelEntry& e, F&& f) {
-  if (e.io_is_half) f(uint16_t{});
-  else f(float{});
+void WithPool(const KernelEntry& e, F&& f) {
+  const bool sum = e.pool_op != 0;
+  if (e.io_is_half) sum ? f(SumPool<uint16_t>{}) : f(MaxPool<uint16_t>{});
+  else sum ? f(SumPool<float>{}) : f(MaxPool<float>{});
 }
 
-// Columns [c0, c1) of group g: the max over the group's rows, row by row (a row's columns are contiguous).
-template <class T>
-void PoolBlock(const T* in, T* out, int64_t per, int64_t n, int64_t g, int64_t c0, int64_t c1) {
-  T* o = out + g * n;
-  std::fill(o + c0, o + c1, kLowest<T>);
+// What the pool's result is multiplied by: 1 / rows a group for a mean (of some rows), else 1.
+inline float PoolScale(const KernelEntry& e, int64_t per_group) {
+  return e.pool_op == 2 && per_group > 0 ? 1.0f / static_cast<float>(per_group) : 1.0f;
+}
+
+// Columns [c0, c1) (at most kPoolCols) of group g: the pool over the group's rows, row by row (a row's
+// columns are contiguous).
+constexpr int64_t kPoolCols = 256;
+template <class P, class T>
+void PoolBlock(const T* in, T* out, int64_t per, int64_t n, int64_t g, int64_t c0, int64_t c1, float scale) {
+  typename P::Acc acc[kPoolCols];
+  std::fill(acc, acc + (c1 - c0), P::Start());
   for (int64_t r = g * per; r < (g + 1) * per; ++r) {
     const T* row = in + r * n;
-    for (int64_t c = c0; c < c1; ++c) o[c] = MaxNan(o[c], row[c]);
+    for (int64_t c = c0; c < c1; ++c) acc[c - c0] = P::Add(acc[c - c0], row[c]);
   }
+  for (int64_t c = c0; c < c1; ++c) out[g * n + c] = P::Finish(acc[c - c0], scale);
 }
 
 // One task a group and block of kPoolCols columns, over the session's threads.
-constexpr int64_t kPoolCols = 256;
 struct PoolTask {
   const KernelEntry* e;
   const Call* call;
@@ -235,9 +271,10 @@ void RunPoolTask(void* data, size_t task) {
   const int64_t n = t.e->widths[t.e->num_layers], per = t.call->groups ? t.call->rows / t.call->groups : 0;
   const int64_t g = static_cast<int64_t>(task) / t.blocks, c0 = (static_cast<int64_t>(task) % t.blocks) * kPoolCols;
   const int64_t c1 = std::min(n, c0 + kPoolCols);
-  WithIoType(*t.e, [&](auto tag) {
-    using T = decltype(tag);
-    PoolBlock(static_cast<const T*>(t.call->y), static_cast<T*>(t.pooled), per, n, g, c0, c1);
+  WithPool(*t.e, [&](auto pool) {
+    using P = decltype(pool);
+    using T = typename P::Elem;
+    PoolBlock<P>(static_cast<const T*>(t.call->y), static_cast<T*>(t.pooled), per, n, g, c0, c1, PoolScale(*t.e, per));
   });
 }
 
@@ -283,17 +320,19 @@ void RunCpuTask(void* data, size_t task) {
 
 // A pooled entry's generated kernel: tasks of rows within one group, each run through the kernel into a
 // buffer of the thread's own (one task's rows: they stay in cache) and pooled there into the task's partial
-// maximum; the partials then go into Y group by group. The rows never make a round trip through memory.
+// result; the partials then go into Y group by group. The rows never make a round trip through memory.
 struct PooledTask {
   const KernelEntry* e;
   const Call* call;
   int64_t per_group, tasks_per_group, rows_per_task;
-  char* partials;   // tasks x N_last, the io type
+  char* partials;   // tasks x N_last, the pool's partial type (P::Acc)
 };
 
-template <class T>
-void PoolInto(const T* rows, T* out, int64_t n_rows, int64_t n) {
-  PoolBlock(rows, out, n_rows, n, 0, 0, n);
+template <class P, class T>
+void PoolInto(const T* rows, typename P::Acc* out, int64_t n_rows, int64_t n) {
+  std::fill(out, out + n, P::Start());
+  for (int64_t r = 0; r < n_rows; ++r)
+    for (int64_t c = 0; c < n; ++c) out[c] = P::Add(out[c], rows[r * n + c]);
 }
 
 void RunPooledTask(void* data, size_t task) {
@@ -303,7 +342,6 @@ void RunPooledTask(void* data, size_t task) {
   const int64_t g = static_cast<int64_t>(task) / t.tasks_per_group, k = static_cast<int64_t>(task) % t.tasks_per_group;
   const int64_t r0 = g * t.per_group + k * t.rows_per_task;
   const int64_t rows = std::min(t.rows_per_task, t.per_group - k * t.rows_per_task);
-  char* partial = t.partials + static_cast<int64_t>(task) * n * elem;
   thread_local std::vector<char> buf;
   if (rows > 0) {
     if (buf.size() < static_cast<size_t>(rows * n * elem)) buf.resize(static_cast<size_t>(rows * n * elem));
@@ -311,15 +349,25 @@ void RunPooledTask(void* data, size_t task) {
           t.call->b.data(), 1);
   }
   const int64_t pooled_rows = std::max<int64_t>(rows, 0);
-  WithIoType(e, [&](auto tag) {
-    using T = decltype(tag);
-    PoolInto(reinterpret_cast<const T*>(buf.data()), reinterpret_cast<T*>(partial), pooled_rows, n);
+  WithPool(e, [&](auto pool) {
+    using P = decltype(pool);
+    using T = typename P::Elem;
+    auto* partial = reinterpret_cast<typename P::Acc*>(t.partials) + static_cast<int64_t>(task) * n;
+    PoolInto<P>(reinterpret_cast<const T*>(buf.data()), partial, pooled_rows, n);
   });
 }
 
-template <class T>
-void CombinePartials(const T* partials, T* y, int64_t groups, int64_t tasks_per_group, int64_t n) {
-  for (int64_t g = 0; g < groups; ++g) PoolInto(partials + g * tasks_per_group * n, y + g * n, tasks_per_group, n);
+template <class P, class T>
+void CombinePartials(const typename P::Acc* partials, T* y, int64_t groups, int64_t tasks_per_group, int64_t n,
+                     float scale) {
+  for (int64_t g = 0; g < groups; ++g) {
+    const typename P::Acc* p = partials + g * tasks_per_group * n;
+    for (int64_t c = 0; c < n; ++c) {
+      typename P::Acc a = p[c];
+      for (int64_t k = 1; k < tasks_per_group; ++k) a = P::Merge(a, p[k * n + c]);
+      y[g * n + c] = P::Finish(a, scale);
+    }
+  }
 }
 
 struct CpuKernel {
@@ -341,20 +389,21 @@ struct CpuKernel {
   }
 
   void RunPooled(Call& call, Ort::KernelContext& ctx) {
-    const int64_t n = e->widths[e->num_layers], elem = e->io_is_half ? 2 : 4;
+    const int64_t n = e->widths[e->num_layers];
     const int64_t per = call.groups ? call.rows / call.groups : 0;
     const int64_t rpt = e->rows_per_task > 0 ? e->rows_per_task : 64;
     PooledTask task{e, &call, per, std::max<int64_t>(1, (per + rpt - 1) / rpt), rpt, nullptr};
     const int64_t tasks = call.groups * task.tasks_per_group;
     if (tasks <= 0) return;
-    std::unique_ptr<char[]> partials(new char[static_cast<size_t>(tasks * n * elem)]);
-    task.partials = partials.get();
+    std::unique_ptr<float[]> partials(new float[static_cast<size_t>(tasks * n)]);   // (4 bytes: any P::Acc)
+    task.partials = reinterpret_cast<char*>(partials.get());
     if (tasks == 1) RunPooledTask(&task, 0);
     else ctx.ParallelFor(&RunPooledTask, static_cast<size_t>(tasks), 0, &task);
-    WithIoType(*e, [&](auto tag) {
-      using T = decltype(tag);
-      CombinePartials(reinterpret_cast<const T*>(task.partials), static_cast<T*>(call.y), call.groups,
-                      task.tasks_per_group, n);
+    WithPool(*e, [&](auto pool) {
+      using P = decltype(pool);
+      using T = typename P::Elem;
+      CombinePartials<P>(reinterpret_cast<const typename P::Acc*>(task.partials), static_cast<T*>(call.y),
+                         call.groups, task.tasks_per_group, n, PoolScale(*e, per));
     });
   }
 

@@ -1,6 +1,7 @@
-// o2f_wgmma_pool.cuh: the last layer's epilogue of a pooled chain (MLPSpec.pool "max") in the wgmma kernel:
-// in place of its stores, each output column's maximum over the warp's 16 rows of a tile raises the
-// group's float entry (o2f_pool.cuh). The kernel runs only where a group's rows are a multiple of 16
+// o2f_wgmma_pool.cuh: the last layer's epilogue of a pooled chain (MLPSpec.pool) in the wgmma kernel: in
+// place of its stores, each output column's maximum (or sum: o2f_pool_combine, o2f_pool_raise) over the
+// warp's 16 rows of a tile raises (adds to) the group's float entry (o2f_pool.cuh); "maxima" below read as
+// either. The kernel runs only where a group's rows are a multiple of 16
 // (PointNet's 1024 points a cloud; the run function leaves other groups to the mma.sync fallback), so a
 // warp's 16 rows always lie in one group: each lane takes the max of its two rows (g, g + 8) per column
 // (pool_take), then a chunk's 16 values a lane are reduced across the 8 lanes that hold the same columns
@@ -15,19 +16,19 @@
 #pragma once
 
 // Columns col and col + 1 of rows row0 (a0, a1) and row0 + 8 (b0, b1), the layer's activations: their max
-// over the two rows in v0, v1 (rows past the batch: -inf).
+// over the two rows in v0, v1 (rows past the batch: kPoolStart).
 __device__ __forceinline__ void pool_take(int64_t rows, int64_t row0, float a0, float a1, float b0, float b1,
                                           float& v0, float& v1) {
   const bool in0 = row0 < rows, in1 = row0 + 8 < rows;
-  v0 = o2f_fmax_nan(in0 ? a0 : -INFINITY, in1 ? b0 : -INFINITY);
-  v1 = o2f_fmax_nan(in0 ? a1 : -INFINITY, in1 ? b1 : -INFINITY);
+  v0 = o2f_pool_combine(in0 ? a0 : kPoolStart, in1 ? b0 : kPoolStart);
+  v1 = o2f_pool_combine(in0 ? a1 : kPoolStart, in1 ? b1 : kPoolStart);
 }
 
 // The warpgroup's maxima of a tile whose 64 rows all lie in one group: its warps raise a shared-memory copy
 // of the group's entries (shared atomics), and the warpgroup raises the global ones once at the end of the
 // tile (pool_flush): a quarter of the global atomics (PointNet at 256 clouds: 16.8 million a run, one per
 // column and warp, where the L2's atomic units took longer than the MMAs). Two copies a warpgroup, used by
-// turns, so that one barrier a tile orders a copy's flush before its next use (o2f_atomic_max raises
+// turns, so that one barrier a tile orders a copy's flush before its next use (o2f_pool_raise raises
 // shared entries as it does global ones). nullptr: the tile straddles groups or lies past the batch (its
 // warps raise the global entries themselves).
 template <int N>
@@ -39,7 +40,7 @@ __device__ __forceinline__ float* pool_tile(float* copies, int64_t rows, int64_t
 }
 
 // A chunk of NB n8 blocks from column c0: v[2j], v[2j + 1] are this lane's two-row maxima of block j's
-// columns c0 + 8j + 2t and + 1 (t = lane % 4; -inf past NB). After the exchanges over g's three bits, lane
+// columns c0 + 8j + 2t and + 1 (t = lane % 4; kPoolStart past NB). After the exchanges over g's three bits, lane
 // (g, t) holds block g's: it raises those entries in the tile's shared copy or, where the tile has none,
 // in global memory. `in_batch`: any of the warp's rows is (warp-uniform).
 template <int N, int NB>
@@ -52,17 +53,17 @@ __device__ __forceinline__ void pool_chunk(bool in_batch, float* shared, pool_t*
   const int g = lane >> 2, col = c0 + 8 * g + 2 * (lane & 3);
   if (g >= NB || col >= N) return;
   if (shared != nullptr) {
-    o2f_atomic_max(shared + col, v[0]);
-    if (col + 1 < N) o2f_atomic_max(shared + col + 1, v[1]);
+    o2f_pool_raise(shared + col, v[0]);
+    if (col + 1 < N) o2f_pool_raise(shared + col + 1, v[1]);
     return;
   }
   pool_t* out = y + (row0 - g) / group_rows * N;   // (row0 - g: the warp's first row)
-  o2f_atomic_max(out + col, v[0]);
-  if (col + 1 < N) o2f_atomic_max(out + col + 1, v[1]);
+  o2f_pool_raise(out + col, v[0]);
+  if (col + 1 < N) o2f_pool_raise(out + col + 1, v[1]);
 }
 
 // The end of a warpgroup's tile: once its warps are done with the shared copy, its entries raise the
-// global ones (each thread every 128th column) and go back to -inf for the tile after next. Every thread of
+// global ones (each thread every 128th column) and go back to kPoolStart for the tile after next. Every thread of
 // the warpgroup calls it every tile (the barrier).
 template <int N>
 __device__ __forceinline__ void pool_flush(float* shared, pool_t* y, int64_t tile, int64_t group_rows, int wg, int wtid) {
@@ -71,7 +72,7 @@ __device__ __forceinline__ void pool_flush(float* shared, pool_t* y, int64_t til
   pool_t* out = y + tile * 64 / group_rows * N;
   for (int c = wtid; c < N; c += 128) {
     const float v = shared[c];
-    shared[c] = -INFINITY;
-    if (v != -INFINITY) o2f_atomic_max(out + c, v);   // (NaN too)
+    shared[c] = kPoolStart;
+    if (v != kPoolStart) o2f_pool_raise(out + c, v);   // (NaN too)
   }
 }

@@ -565,15 +565,30 @@ def test_pooled_chain_on_cuda_ep(design, precision, io, n, keepdims, cache, tmp_
     groups of 37 rows (a warp's rows straddle two groups), 1 row, 300 rows, 48 rows (a warpgroup's 64-row
     tiles straddle groups), 256 rows (tiles inside a group) and 0 rows (-inf), float32 I/O and float16 I/O
     (odd and even n), the pooled axis dropped or kept (keepdims), against stock ORT on the CPU EP."""
-    from test_pool import pooled_mlp
+    _check_pooled_chain("max", design, precision, io, n, keepdims, cache, tmp_path, monkeypatch)
+
+
+@pytest.mark.parametrize("design,precision,io,n,keepdims", [
+    ("resident", "fp16", "f32", 5, 0), ("streamed", "fp16", "f16", 8, 1), ("auto", "fp32", "f32", 5, 1),
+    ("streamed", "bf16", "f16", 5, 0), ("wgmma", "fp16", "f32", 5, 1), ("wgmma", "fp16", "f16", 8, 0)])
+@pytest.mark.parametrize("kind", ["sum", "mean"])
+def test_sum_and_mean_pools_on_cuda_ep(kind, design, precision, io, n, keepdims, cache, tmp_path, monkeypatch):
+    """The same chains with a ReduceSum (Deep Sets) or a ReduceMean (a global average pool) behind them: the
+    kernels add each group's values into float entries (float atomics), the mean's sums scaled by 1 / rows
+    at the end; groups of no rows give 0, as stock ORT's ReduceSum and ReduceMean do."""
+    _check_pooled_chain(kind, design, precision, io, n, keepdims, cache, tmp_path, monkeypatch)
+
+
+def _check_pooled_chain(kind, design, precision, io, n, keepdims, cache, tmp_path, monkeypatch):
+    from test_pool import POOL_OPS, pooled_mlp
     from onnx_builders import F16
     monkeypatch.setenv("ONNX2FUSED_CUDA_DESIGN", design)
     k0 = 8 if design == "wgmma" and io == "f32" else 6   # (8: the wgmma kernel stages its input tiles)
-    m = pooled_mlp([k0, 16, 24, n], rank=4, elem=F16 if io == "f16" else None, keepdims=keepdims)
+    m = pooled_mlp([k0, 16, 24, n], rank=4, elem=F16 if io == "f16" else None, keepdims=keepdims, op=POOL_OPS[kind])
     src = tmp_path / "pooled.onnx"
     onnx.save(m, str(src))
     res = onnx2fused.convert(src, tmp_path / "m.onnx", precision=precision, cache_dir=cache)
-    assert ("_poolmaxk_" if keepdims else "_poolmax_") in res.chains[0].name
+    assert f"_pool{kind}{'k' if keepdims else ''}_" in res.chains[0].name
     if design == "wgmma":
         assert res.chains[0].cuda_plan.startswith("GPU: wgmma (sm_90a)"), res.chains[0].cuda_plan
     assert res.validation.provider == "CUDAExecutionProvider"
@@ -585,24 +600,25 @@ def test_pooled_chain_on_cuda_ep(design, precision, io, n, keepdims, cache, tmp_
         got, ref = sess.run(None, feeds)[0], stock(src, feeds)[0]
         assert got.shape == ref.shape == (shape[0], shape[1]) + (1,) * keepdims + (n,)
         assert rel_l2(got, ref) <= max(TOL[precision], 2e-3 if io == "f16" else 0), shape
-    # groups of no rows: -inf, ONNX's max of nothing (this host's stock ORT returns [2, 1, 0, n] there)
+    # groups of no rows: -inf, ONNX's max of nothing, or 0 (this host's stock ORT returns [2, 1, 0, n] there)
     empty = sess.run(None, {"x": np.zeros((2, 1, 0, k0), dtype)})[0]
-    assert empty.shape == (2, 1) + (1,) * keepdims + (n,) and np.isneginf(empty).all()
+    assert empty.shape == (2, 1) + (1,) * keepdims + (n,)
+    assert (np.isneginf(empty) if kind == "max" else empty == 0).all()
 
 
-@pytest.mark.parametrize("design", ["wgmma", "streamed"])
-def test_pooled_float16_chain_under_cuda_graphs(design, cache, tmp_path, monkeypatch):
+@pytest.mark.parametrize("design,kind", [("wgmma", "max"), ("streamed", "max"), ("wgmma", "mean")])
+def test_pooled_float16_chain_under_cuda_graphs(design, kind, cache, tmp_path, monkeypatch):
     """A pooled chain with float16 I/O (its float entries in a scratch the plugin takes from ORT's allocator,
     inside the graph's capture) run by ORT's CUDA graphs on fixed device buffers: the capture and three
     replays on new data each match stock ORT (the output NaN-poisoned before every run)."""
     import torch
-    from test_pool import pooled_mlp
+    from test_pool import POOL_OPS, pooled_mlp
     from onnx_builders import F16
     monkeypatch.setenv("ONNX2FUSED_CUDA_DESIGN", design)
     src = tmp_path / "pooled.onnx"
-    onnx.save(pooled_mlp([6, 16, 24, 8], rank=4, elem=F16), str(src))
+    onnx.save(pooled_mlp([6, 16, 24, 8], rank=4, elem=F16, op=POOL_OPS[kind]), str(src))
     res = onnx2fused.convert(src, tmp_path / "m.onnx", precision="fp16", cache_dir=cache)
-    assert "_poolmax_" in res.chains[0].name and res.chains[0].cuda_plan.startswith(
+    assert f"_pool{kind}_" in res.chains[0].name and res.chains[0].cuda_plan.startswith(
         "GPU: " + {"wgmma": "wgmma (sm_90a)", "streamed": "streamed weights"}[design]), res.chains[0].cuda_plan
     sess = session(res.output_path, res.library_path,
                    [("CUDAExecutionProvider", {"enable_cuda_graph": "1"}), "CPUExecutionProvider"])

@@ -68,6 +68,9 @@ NERF_TRUNK = MLPSpec(tuple(LayerSpec(k + (64 if i == 5 else 0), 256, True, ex.re
 # chunks, each n8 block's maxima over the warp's rows raising the group's float entries; fp16 I/O
 POINTNET = MLPSpec(tuple(LayerSpec(a, b, True, ex.relu() if b != 1024 else ex.identity())
                          for a, b in ((3, 64), (64, 64), (64, 64), (64, 128), (128, 1024))), "fp16", "f16", pool="max")
+# the same with a mean pool and float32 I/O (Deep Sets' mean over a set): the n8 blocks' sums added to the
+# group's float entries, scaled by 1 / rows at the end
+POINTNET_MEAN = MLPSpec(POINTNET.layers, "fp16", "f32", pool="mean")
 # Spills ptxas makes that were measured and kept (NERF_SKIP spilled 320 bytes until the ring's positions were
 # made opaque where a pass's 12 chunks fill its 3 slots alike, Ring::opaque; POINTNET 16 bytes at 128 registers
 # until the pool's row-by-row path for warps across two groups went, o2f_wgmma_pool.cuh). More is a regression.
@@ -80,9 +83,11 @@ SPILL_BYTES: dict[str, int] = {}
                                                       (GATED, False, {}), (GATED_STREAMED, False, {}),
                                                       (PRELN, False, {"blocks": True}), (RMS_GLU, False, {"blocks": True}),
                                                       (NERF_SKIP, False, {}), (NERF_VIEWS, False, {}),
-                                                      (NERF_TRUNK, False, {}), (POINTNET, True, {})],
+                                                      (NERF_TRUNK, False, {}), (POINTNET, True, {}),
+                                                      (POINTNET_MEAN, True, {})],
                          ids=["sdf_f16", "odd_widths", "streamed", "streamed_cluster2", "bf16", "gated", "gated_streamed",
-                              "preln_block", "rms_glu_block", "nerf_skip_319", "nerf_views_283", "nerf_trunk_skip", "pointnet_pooled"])
+                              "preln_block", "rms_glu_block", "nerf_skip_319", "nerf_views_283", "nerf_trunk_skip", "pointnet_pooled",
+                              "pointnet_mean_pooled"])
 def test_wgmma_source_compiles_to_hgmma_without_spills(spec, with_sm80, overrides, tmp_path):
     plan = choose.make_plan(spec, PlanOptions(design="wgmma", wgmma_overrides=WgmmaOptions(**overrides)))
     assert plan.design == "wgmma"
@@ -129,8 +134,11 @@ def test_wgmma_source_compiles_to_hgmma_without_spills(spec, with_sm80, override
     staged_res = "residual4_staged<kInRowBytes>(inb" in src or "residual2_staged<kInRowBytes>(inb" in src
     assert staged_res == (spec.residual and plan.in_buffers == 2)
     assert ("_at(x, rows, row0" in src) == (spec.residual and plan.in_buffers == 1)
-    # a pool: the warp's maxima by xor shuffles, raised by integer atomics on the float entries' bits
-    assert ("red.global.max.s32" in ptx90 or "atom.global.max.s32" in ptx90) == (spec.pool is not None)
+    # a max pool: the warp's maxima by xor shuffles, raised by integer atomics on the float entries' bits; a
+    # sum or mean: the sums added by float atomics (the mean scaled by its own kernel at the end)
+    assert ("red.global.max.s32" in ptx90 or "atom.global.max.s32" in ptx90) == (spec.pool_op == "max")
+    assert ("red.global.add.f32" in ptx90 or "atom.global.add.f32" in ptx90) == (spec.pool_op in ("sum", "mean"))
+    assert ("pool_round" in ptx90) == (spec.pool is not None and (spec.io_dtype == "f16" or spec.pool_op == "mean"))
     if with_sm80:   # the sm_80 code has the packing kernels and an empty wgmma kernel
         ptx80 = (keep / "k.compute_80.ptx").read_text()
         assert "wgmma" not in ptx80.replace("wgmma_pack", "").replace("fused_wgmma", "")

@@ -57,13 +57,14 @@ from .gated import fed_node, find_gated
 from .head_fold import HeadFold, apply_head, carry_fits, carry_mode, head_candidate, input_parts, last_activation
 from .input_affine import InputAffine, match_input_affine
 from .linear import LinearLayer, LinearRefusal, is_linear_node, match_linear
-from .pool import PoolMatch, match_pool
+from .pool import POOL_REDUCES, PoolMatch, match_pool
 from .regroup import reads_removed, regroup_ends, shape_feeders
 from .sincos import match_sincos, sincos_activation, widen
 from .skip_merge import merge_skips
 from .skip import SKIP_NO_BLOCK, SkipConcat, lay_out_skip_weight, match_skip_concat, not_a_skip, skip_cut
 
 IO_TYPES = {onnx.TensorProto.FLOAT: "f32", onnx.TensorProto.FLOAT16: "f16"}
+_POOL_NODE = {kind: op for op, kind in POOL_REDUCES.items()}   # "sum" -> "ReduceSum": what reports name
 
 
 @dataclass
@@ -98,7 +99,8 @@ class Chain:
     concat_edit: object = None     # ... and the Concat that then reads `tensor` (concat_fold.ConcatEdit)
     head: str = ""                 # a head that rides the chain into its output Concat (head_fold.py)
     joined: bool = False           # two chains joined through a piece of their input (skip_merge.py)
-    pool: str = ""                 # "max" / "maxk": the op writes the max over axis -2 of its rows (pool.py)
+    pool: str = ""                 # spec.POOLS ("max", "sumk", ...): the op writes the pool over axis -2 of its
+                                   # rows (pool.py)
 
     @property
     def rows_output(self) -> str:
@@ -148,8 +150,8 @@ class Chain:
                 f"(skip Concat{'s' if len(self.skip) > 1 else ''})"] if self.skip else []) \
             + (["two chains joined through pieces of the input"] if self.joined else []) \
             + ([f"head {self.head} rides it into its output Concat"] if self.head else []) \
-            + ([f"the ReduceMax behind it (max over the rows, axis -2{', kept' if self.pool == 'maxk' else ''})"]
-               if self.pool else [])
+            + ([f"the {_POOL_NODE[self.pool.removesuffix('k')]} behind it ({self.pool.removesuffix('k')} over the rows, "
+                f"axis -2{', kept' if self.pool.endswith('k') else ''})"] if self.pool else [])
 
     def describe(self) -> str:
         acts = ", ".join(self.activation_labels())
@@ -386,7 +388,7 @@ def find_chains(model: onnx.ModelProto, gated_refused: str | None = None,
     the same for a norm in front and a residual behind, per chain ({block_key: reason}, a template with
     `{what}`: library.block_refusal, spec.BLOCK_NO_CUDA), or one reason for every chain. `skip_refused`:
     the chains ({block_key: reason}) that end at their skip Concat (library.skip_refusal). `pool_refused`:
-    the same for the chains that leave the max pool behind them a stock op (library.pool_refusal)."""
+    the same for the chains that leave the pool behind them a stock op (library.pool_refusal)."""
     ix = GraphIndex(model)
     strict: set[int] = set()
     while True:
@@ -589,7 +591,7 @@ def _find_chains(ix: GraphIndex, gated_refused: str | None, block_refused: Mappi
             elif isinstance(pool, str):
                 ends[last.start] = f"feeds {pool}"
                 pool = None
-        if pool is not None:   # the op writes the max over its rows (pool.py)
+        if pool is not None:   # the op writes the pool over its rows (pool.py)
             idx.append(pool.node)
             out_t = pool.output
             ends.pop(last.start, None)

@@ -1,13 +1,16 @@
-"""A max pool over the rows behind a chain, taken into its fused op (PointNet's max over its points).
+"""A pool over the rows behind a chain, taken into its fused op (PointNet's max over its points, Deep Sets'
+sum over a set's elements, a global average pool over 1x1-conv features).
 
     ReduceMax(chain output [..., M, N], axes=[-2], keepdims=0) -> [..., N]       (spec.pool "max")
     ReduceMax(chain output [..., M, N], axes=[-2], keepdims=1) -> [..., 1, N]    ("maxk": fxia22's PointNet)
+    ReduceSum / ReduceMean, the same                                             ("sum", "sumk", "mean", "meank")
 
-A chain whose output only a ReduceMax over its second-to-last axis reads (after passes/pointwise_conv.py,
+A chain whose output only such a Reduce over its second-to-last axis reads (after passes/pointwise_conv.py,
 PointNet's shared MLP over [B, N points, C] rows followed by its global max pool) writes the pooled
 [..., N] directly: the widest tensor of such models (B x N x 1024) is never stored. The op's output is
-then the ReduceMax's (spec.pool "max"; the kernels raise each group's maxima, templates/o2f_pool.cuh).
-Anything else (another axis, other readers, a mean) stays a stock op after the chain.
+then the Reduce's (spec.pool; the kernels raise or add into each group's entries, templates/o2f_pool.cuh).
+Anything else (another axis, other readers, ReduceMin, a ReduceSum that does nothing for empty axes)
+stays a stock op after the chain.
 """
 from __future__ import annotations
 
@@ -15,23 +18,25 @@ from dataclasses import dataclass
 
 from .constants import GraphIndex, written_axes
 
+POOL_REDUCES = {"ReduceMax": "max", "ReduceSum": "sum", "ReduceMean": "mean"}   # op -> spec.POOL_OPS
+
 
 @dataclass
 class PoolMatch:
-    node: int        # the ReduceMax
+    node: int        # the Reduce
     output: str      # its output: the fused op's
-    kind: str = "max"   # or "maxk": keepdims=1
+    kind: str = "max"   # spec.POOLS: "max", "sum" or "mean", with "k" where keepdims=1
 
 
 def match_pool(ix: GraphIndex, t: str) -> PoolMatch | str | None:
-    """The ReduceMax over axis -2 of `t` (keepdims 0) that is t's only reader; a one-line reason where t's
-    only reader is a ReduceMax that does not qualify; None where it is not a ReduceMax at all."""
+    """The ReduceMax / ReduceSum / ReduceMean over axis -2 of `t` that is t's only reader; a one-line reason
+    where t's only reader is such a Reduce that does not qualify; None where it is not one at all."""
     users = ix.users(t)
     if len(users) != 1 or t in ix.graph_outputs:
         return None
     i = users[0]
     n = ix.node(i)
-    if n.op_type != "ReduceMax" or n.domain not in ("", "ai.onnx") or n.input[0] != t:
+    if n.op_type not in POOL_REDUCES or n.domain not in ("", "ai.onnx") or n.input[0] != t:
         return None
     rank = ix.rank(t)
     if rank is None or rank < 3:
@@ -39,6 +44,8 @@ def match_pool(ix: GraphIndex, t: str) -> PoolMatch | str | None:
     axes, known = written_axes(n, ix.const)
     if not known:
         return f"{ix.describe(i)}: its axes are computed at run time"
+    if not axes and ix.attr(i, "noop_with_empty_axes", 0):
+        return f"{ix.describe(i)}: no axes with noop_with_empty_axes=1 (an identity, not a pool)"
     if not axes or [a % rank for a in axes] != [rank - 2]:
         return f"{ix.describe(i)}: pools axes {axes if axes else 'all'}, not the rows' axis {rank - 2} alone"
-    return PoolMatch(i, n.output[0], "maxk" if ix.attr(i, "keepdims", 1) else "max")
+    return PoolMatch(i, n.output[0], POOL_REDUCES[n.op_type] + ("k" if ix.attr(i, "keepdims", 1) else ""))

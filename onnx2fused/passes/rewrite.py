@@ -144,12 +144,13 @@ def make_fallback_function(spec: MLPSpec, opset: int, with_pool: bool = True) ->
             h = em.emit(layer.activation, a)
     if spec.residual:
         h = em.node("Add", [h, block_in])
-    if spec.pool and with_pool:   # the max over axis -2 (pool.py), before rounding: rounding is monotonic
-        if opset >= 18:
+    if spec.pool and with_pool:   # the pool over axis -2 (pool.py) in float, before the output's rounding
+        op = {"max": "ReduceMax", "sum": "ReduceSum", "mean": "ReduceMean"}[spec.pool_op]
+        if opset >= (13 if op == "ReduceSum" else 18):   # (ReduceSum took its axes as an input first)
             axes = em.node("Constant", [], value=numpy_helper.from_array(np.array([-2], np.int64), "value"))
-            h = em.node("ReduceMax", [h, axes], keepdims=int(spec.pool == "maxk"))
+            h = em.node(op, [h, axes], keepdims=int(spec.pool_keeps_axis))
         else:
-            h = em.node("ReduceMax", [h], axes=[-2], keepdims=int(spec.pool == "maxk"))
+            h = em.node(op, [h], axes=[-2], keepdims=int(spec.pool_keeps_axis))
     if spec.io_dtype == "f16":
         em.nodes.append(helper.make_node("Cast", [h], ["Y"], name="cast_out", to=TensorProto.FLOAT16))
     else:
