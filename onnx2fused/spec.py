@@ -145,7 +145,8 @@ class MLPSpec:
     act_math: str = "packed"      # fp16 hidden layers: "packed" fp16x2 forms where one exists, or "fp32"
     skip: tuple[int, ...] = ()    # each layer j > 0 here reads [x padded to skip_width, layer j-1's output]
                                   # (an int j is taken as (j,), 0 as none)
-    pool: str | None = None       # "max": the output is the max over axis -2 of the last layer's (POOLS)
+    pool: str | None = None       # "max", "sum", "mean" (+ "k": axis kept): the output is that pool over axis
+                                  # -2 of the last layer's (POOLS)
 
     @property
     def pool_op(self) -> str | None:

@@ -59,9 +59,9 @@ FIRST_WIDTH_MAX = 512
 # The last layer's outputs go to memory chunk by chunk, not into a next layer's A fragments: it may be wider
 # too (NeuS's and VolSDF's SDF networks end in 1 + 256 = 257), as far as the register estimate allows.
 LAST_WIDTH_MAX = 512
-# A pooled chain's last layer (spec.pool: the max over each group's rows, PointNet's 128 -> 1024 before its
-# max over the points) writes no output rows: its chunks' values only raise the group's maxima in the
-# epilogue (o2f_wgmma_pool.cuh), so it may be wider still, as far as the register estimate allows.
+# A pooled chain's last layer (spec.pool: the max, sum or mean over each group's rows, PointNet's 128 -> 1024
+# before its max over the points) writes no output rows: its chunks' values only raise (add to) the group's
+# entries in the epilogue (o2f_wgmma_pool.cuh), so it may be wider still, as far as the register estimate allows.
 POOLED_LAST_WIDTH_MAX = 1024
 # A pooled chain's warpgroups combine a tile's maxima in two shared-memory copies of the group's entries each
 # (o2f_wgmma_pool.cuh pool_tile; static shared memory beside the dynamic the plan lays out), and take the most
