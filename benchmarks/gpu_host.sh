@@ -53,6 +53,9 @@
 #                                         ONNX2FUSED_WIDE_DEFAULT_KERNEL, ONNX2FUSED_WIDE_DEFAULT_TF32_KERNEL)
 #   benchmarks/gpu_host.sh ncuwide [CASE|M.onnx [KERNEL [ROWS]]] Nsight Compute on a wide case's (or a model's)
 #                                         kernels through ORT (profile_case.py)
+#   benchmarks/gpu_host.sh ncustall M.onnx [KERNEL [ROWS]] Nsight Compute's warp-stall breakdown of a model's kernels
+#                                         through ORT (default: every kernel, 256 rows): cycles per issued instruction
+#                                         by stall reason, largest first, and its source-level stall sampling
 #   benchmarks/gpu_host.sh profile [CASES] Nsight Compute's full set on kernel_check.py --profile (default: the
 #                                         four issue-15 cases; ONNX2FUSED_CUDA_DESIGN=wgmma for that design);
 #                                         text and raw CSV reports in $OUT
@@ -328,6 +331,22 @@ ncuwide)
     python3 benchmarks/profile_case.py "${src[@]}" --runs 1 --external --out /tmp/ncuwide > "$OUT/ncu_$tag.txt" 2>&1
   echo "ncu rc $?"; grep -E "^  [a-zA-Z_].*\(|Duration|Throughput|DRAM|Achieved Occupancy|Registers|Stall|One or More|No Eligible|Issued Warp|Pipe" \
     "$OUT/ncu_$tag.txt" | head -70
+  ;;
+ncustall)
+  # Where a kernel's warps wait (the profile ncuwide gives says only that they do): the per-reason averages of
+  # warps stalled per issued instruction, and the sampled stalls by source line (SourceCounters)
+  shift
+  ncu=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  [ -n "$ncu" ] || { echo "gpu_host.sh ncustall: no ncu (Nsight Compute) on this host"; exit 2; }
+  [ -n "${1:-}" ] || { echo "gpu_host.sh ncustall: give a model file (M.onnx)"; exit 2; }
+  src=(--model "$1" --batch "${3:-256}"); tag=$(basename "$1" .onnx); regex=${2:-.}
+  python3 benchmarks/profile_case.py "${src[@]}" --runs 1 --external --out /tmp/ncustall > /dev/null 2>&1   # build first
+  "$ncu" --nvtx --nvtx-include "o2f_runs/" --kernel-name "regex:$regex" --launch-count 1 --section WarpStateStats \
+    --section SourceCounters --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
+    python3 benchmarks/profile_case.py "${src[@]}" --runs 1 --external --out /tmp/ncustall > "$OUT/ncustall_$tag.txt" 2>&1
+  echo "ncu rc $?"
+  grep -E "smsp__average_warps_issue_stalled_" "$OUT/ncustall_$tag.txt" | awk '{print $NF, $1}' | sort -rn | head -14
+  grep -E "Warp Cycles Per Issued|Stall|stall" "$OUT/ncustall_$tag.txt" | grep -v smsp__average | head -30
   ;;
 sm90)
   CUTLASS_INC=$R/.deps/cutlass/include bash benchmarks/sm90/run.sh 2>&1 | tail -60

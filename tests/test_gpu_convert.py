@@ -529,11 +529,54 @@ def test_pointnet_on_cuda_ep(dynamo, cache, tmp_path):
     assert [n.op_type for n in fused.graph.node if n.domain != DOMAIN] == ["Transpose"]
     assert "_poolmax_" in res.chains[0].name
     assert res.chains[0].cuda_plan.startswith("GPU: wgmma (sm_90a)"), res.chains[0].cuda_plan
+    _matches_stock_at(res, src, [(1, 3, 1024), (3, 3, 1024)], seed=8)
+
+
+def _matches_stock_at(res, src, shapes, seed):
+    """The converted model's first output on the CUDA EP against stock ORT's at random inputs of each shape
+    (fp16's tolerance)."""
     sess = session(res.output_path, res.library_path, ["CUDAExecutionProvider", "CPUExecutionProvider"])
-    rng = np.random.default_rng(8)
-    for clouds in (1, 3):
-        feeds = {"x": rng.standard_normal((clouds, 3, 1024)).astype(np.float32)}
-        assert rel_l2(sess.run(None, feeds)[0], stock(src, feeds)[0]) <= TOL["fp16"], clouds
+    rng = np.random.default_rng(seed)
+    for shape in shapes:
+        feeds = {sess.get_inputs()[0].name: rng.standard_normal(shape).astype(np.float32)}
+        assert rel_l2(sess.run(None, feeds)[0], stock(src, feeds)[0]) <= TOL["fp16"], shape
+
+
+@pytest.mark.parametrize("pool", ["sum", "mean"])
+def test_deep_sets_on_cuda_ep(pool, cache, tmp_path):
+    """Deep Sets (benchmarks/deepsets.py): phi and its sum or mean over each set of 1024 one op (on Hopper the
+    wgmma kernel adds each set's rows), rho a second chain; converted with defaults, matching stock on the
+    CUDA EP at 1 and 5 sets."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from deepsets import DeepSets, export
+    torch.manual_seed(5)
+    src = export(DeepSets(pool), tmp_path / "deepsets.onnx")
+    res = check_defaults(src, tmp_path / "m.onnx", cache,
+                         lambda rng: {"x": rng.standard_normal((9, 1024, 3)).astype(np.float32)})
+    assert [list(c.widths) for c in res.chains] == [[3, 256, 256, 256], [256, 256, 40]]
+    assert f"_pool{pool}_" in res.chains[0].name
+    assert res.chains[0].cuda_plan.startswith("GPU: wgmma (sm_90a)"), res.chains[0].cuda_plan
+    _matches_stock_at(res, src, [(1, 1024, 3), (5, 1024, 3)], seed=9)
+
+
+@pytest.mark.parametrize("mode", ["gap", "max"])
+def test_cnn_head_global_pool_on_cuda_ep(mode, cache, tmp_path):
+    """A CNN head's 1x1 convs and its global pool over a 7 x 7 map (test_pointwise_conv.ConvPoolHead): the
+    positions flattened into one axis of rows, the pool in the op (49 rows a group: the mma.sync pool);
+    converted with defaults, matching stock on the CUDA EP at 1 and 37 images."""
+    import warnings
+    from test_pointwise_conv import ConvPoolHead
+    torch.manual_seed(6)
+    src = tmp_path / "head.onnx"
+    with warnings.catch_warnings():   # (the batch dynamic, the map 7 x 7: static positions flatten)
+        warnings.simplefilter("ignore")
+        torch.onnx.export(ConvPoolHead(mode).eval(), (torch.randn(2, 16, 7, 7),), str(src), dynamo=False,
+                          opset_version=17, input_names=["x"], dynamic_axes={"x": {0: "b"}})
+    res = check_defaults(src, tmp_path / "m.onnx", cache,
+                         lambda rng: {"x": rng.standard_normal((64, 16, 7, 7)).astype(np.float32)})
+    assert [list(c.widths) for c in res.chains] == [[16, 32, 48]]
+    assert ("_poolmeank_" if mode == "gap" else "_poolmaxk_") in res.chains[0].name
+    _matches_stock_at(res, src, [(1, 16, 7, 7), (37, 16, 7, 7)], seed=10)
 
 
 def test_pointwise_conv2d_head_on_cuda_ep(cache, tmp_path):

@@ -30,9 +30,10 @@ ACTS = {
 }
 
 
-def conv_model(widths, acts, rank=3, bias=True, pool=None, opset=17, extra_output=False, seed=0):
+def conv_model(widths, acts, rank=3, bias=True, pool=None, opset=17, extra_output=False, seed=0, spatial=None):
     """x [B, C0, *spatial] -> Conv(k=1) -> act -> ... ; `pool`: (op, axes or None, keepdims) after the last
-    Conv, else the last tensor is y. extra_output: the first Conv's output is a graph output too."""
+    Conv, else the last tensor is y. extra_output: the first Conv's output is a graph output too. `spatial`:
+    static spatial dims (else symbolic)."""
     g = G(opset=opset, seed=seed)
     t = "x"
     ones = [1] * (rank - 2)
@@ -56,8 +57,8 @@ def conv_model(widths, acts, rank=3, bias=True, pool=None, opset=17, extra_outpu
         t = g.op(op, ins, outputs=["y"], **attrs)
     else:
         t = g.op("Identity", [t], outputs=["y"])
-    return g.model([("x", ["b", widths[0]] + [f"s{j}" for j in range(rank - 2)])],
-                   [("y", None)] + outs, check=False)
+    dims = list(spatial) if spatial is not None else [f"s{j}" for j in range(rank - 2)]
+    return g.model([("x", ["b", widths[0]] + dims)], [("y", None)] + outs, check=False)
 
 
 def _ops(m):
@@ -103,6 +104,40 @@ def test_pools_read_the_channels_last_rows(pool, opset, rank, transposes):
     _same_outputs(m, res.model, {"x": rand([3, 4] + [5, 7][:rank - 2])})
     assert not [t for t in res.model.graph.initializer if t.name not in
                 {x for n in res.model.graph.node for x in n.input}], "unread initializers left behind"
+
+
+@pytest.mark.parametrize("pool,spatial", [
+    (("ReduceMean", [2, 3], 1), [5, 7]), (("ReduceMean", [-2, -1], 0), [5, 7]), (("ReduceMax", [2, 3], 1), [6, 6]),
+    (("ReduceSum", [2, 3, 4], 0), [2, 3, 4]), (("ReduceMean", [2, 3, 4], 1), [3, 1, 5]),
+])
+def test_a_global_pool_of_a_map_reads_its_positions_flattened_into_the_op(pool, spatial):
+    """A pool over every spatial axis of a static 2-D or 3-D map (a CNN head's global average pool): the rows
+    are [B, H W, C] (a Reshape after the Transpose in front), the pool is over their axis 1, so the chain takes
+    it in (keepdims: the pooled [B, 1, M] reshaped to [B, M, 1, 1]); the same outputs as the original."""
+    rank = 2 + len(spatial)
+    m = conv_model([4, 8, 6], ["relu"], rank=rank, pool=pool, spatial=spatial)
+    res = as_channels_last(m)
+    assert _ops(res.model)[:3] == ["Transpose", "Reshape", "MatMul"] and "Transpose" not in _ops(res.model)[1:]
+    assert "positions flattened into one axis" in res.rewritten[0]
+    feeds = {"x": rand([3, 4] + spatial)}
+    _same_outputs(m, res.model, feeds)
+    _same_outputs(m, res.model, {"x": rand([0, 4] + spatial)})   # (an empty batch: the Reshapes copy it)
+    model, plan = fusion_plan(m, with_cuda=False)
+    (chain,) = plan.chains
+    assert chain.pool == {"ReduceMean": "mean", "ReduceMax": "max", "ReduceSum": "sum"}[pool[0]] + "k" * pool[2]
+    fused = rewrite(model, plan, [chain.to_spec("fp32")])
+    assert pool[0] not in _ops(fused)
+    _same_outputs(m, fused, feeds)   # the fused node's stock fallback function
+
+
+def test_a_global_pool_of_a_map_with_dynamic_positions_keeps_them_apart():
+    """Symbolic spatial dims: the Reshape's -1 could not be inferred for an empty batch, so the rows stay
+    [B, H, W, C] and the pool (two axes) a stock op after the chain."""
+    m = conv_model([4, 8, 6], ["relu"], rank=4, pool=("ReduceMean", [2, 3], 1))
+    res = as_channels_last(m)
+    assert "Reshape" not in _ops(res.model) and "positions flattened" not in res.rewritten[0]
+    model, plan = fusion_plan(m, with_cuda=False)
+    assert plan.chains[0].pool == ""
 
 
 def test_a_tensor_read_elsewhere_ends_the_run_and_stays_channels_first():
@@ -229,6 +264,23 @@ class ConvHead(nn.Module):
         return y, y.mean(dim=(2, 3))
 
 
+class ConvPoolHead(nn.Module):
+    """A CNN's classifier head on a 7 x 7 map: 1x1 Conv2d + BatchNorm2d + ReLU, 1x1 Conv2d + SiLU, then its
+    global pool: AdaptiveAvgPool2d(1) and flatten ("gap"), x.mean((2, 3)) ("mean") or x.amax((2, 3),
+    keepdim=True) ("max")."""
+
+    def __init__(self, mode="gap"):
+        super().__init__()
+        self.mode = mode
+        self.net = nn.Sequential(nn.Conv2d(16, 32, 1), nn.BatchNorm2d(32), nn.ReLU(), nn.Conv2d(32, 48, 1), nn.SiLU())
+
+    def forward(self, x):
+        h = self.net(x)
+        if self.mode == "gap":
+            return nn.functional.adaptive_avg_pool2d(h, 1).flatten(1)
+        return h.mean((2, 3)) if self.mode == "mean" else h.amax((2, 3), keepdim=True)
+
+
 def _export(module, x, path, dynamo):
     dims = {0: "b"} | {k: f"s{k}" for k in range(2, x.dim())}
     with warnings.catch_warnings():
@@ -265,6 +317,39 @@ def test_torch_pointwise_conv_models_convert(build, dynamo, tmp_path):
     want = want if isinstance(want, tuple) else (want,)
     for got, w in zip(sess.run(None, {sess.get_inputs()[0].name: xs}), want):
         assert_close(got, w.numpy(), 1e-4)
+
+
+@pytest.mark.parametrize("mode,dynamo,pool", [("gap", False, "meank"), ("gap", True, "meank"), ("mean", True, "mean"),
+                                            ("max", False, "maxk")])
+def test_a_cnn_heads_global_pool_joins_its_fused_op(mode, dynamo, pool, tmp_path):
+    """ConvPoolHead from both exporters: its two 1x1 Convs and the global pool over the 7 x 7 map one op
+    (the positions flattened, the pool inside), converted CPU-only, matching torch at another batch."""
+    torch.manual_seed(5)
+    module = ConvPoolHead(mode).eval()
+    for m in module.net:
+        if isinstance(m, nn.BatchNorm2d):
+            m.running_mean.uniform_(-0.2, 0.2)
+            m.running_var.uniform_(0.5, 2.0)
+    x = torch.randn(2, 16, 7, 7)
+    path = tmp_path / "head.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if dynamo:
+            torch.onnx.export(module, (x,), str(path), dynamo=True, input_names=["x"],
+                              dynamic_shapes=({0: torch.export.Dim("b")},), verbose=False)
+        else:
+            torch.onnx.export(module, (x,), str(path), dynamo=False, opset_version=17, input_names=["x"],
+                              dynamic_axes={"x": {0: "b"}})
+    res = onnx2fused.convert(path, tmp_path / "head.fused.onnx", cache_dir=tmp_path / "cache", with_cuda=False)
+    assert [list(c.widths) for c in res.chains] == [[16, 32, 48]] and f"_pool{pool}_" in res.chains[0].name
+    assert not res.validation.failures
+    fused = onnx.load(str(tmp_path / "head.fused.onnx"))
+    assert not {"Conv", "GlobalAveragePool", "ReduceMean", "ReduceMax"} & set(_ops(fused))
+    sess = plugin_session(fused, res.library_path)
+    xs = rand([3, 16, 7, 7], seed=8, scale=1.0)
+    with torch.no_grad():
+        want = module(torch.from_numpy(xs)).numpy()
+    assert_close(sess.run(None, {sess.get_inputs()[0].name: xs})[0], want, 1e-4)
 
 
 def test_lone_pointwise_convs_of_a_cnn_stay_convs():

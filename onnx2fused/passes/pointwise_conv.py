@@ -21,7 +21,10 @@ reductions over positions that read it (PointNet's max pool, a global average po
 so the widest tensor is never transposed (global pools count as the Reduce they are: global_pools.py); a
 pool over one spatial axis (PointNet++'s max over each centre's samples, [B, C, samples, centres]) puts that
 axis last among the rows' axes, so that its rows lie together and pool.py takes the pool into the fused
-op. The math is the same products and sums (a Conv of kernel 1 is that matrix product); validation compares
+op. A global pool over every spatial axis of a 2-D or 3-D map (a CNN head's 1x1 convs before
+`AdaptiveAvgPool2d(1)` or `x.mean((2, 3))`, the spatial dims static) reads the rows with those axes
+flattened into one, [B, H W, C] (a Reshape after the Transpose in front; the pool over axis 1, and for
+keepdims a Reshape of the small [B, 1, M] to [B, M, 1, 1]), so that pool.py takes it into the op too. The math is the same products and sums (a Conv of kernel 1 is that matrix product); validation compares
 the fused model with the original file as always.
 """
 from __future__ import annotations
@@ -54,14 +57,16 @@ class ConvRun:
     rank: int
     weights: list[tuple[np.ndarray, np.ndarray | None]] = field(repr=False)   # W [C, M], b [M] per conv
 
-    def describe(self, ix: GraphIndex, pools: list[str]) -> str:
-        """`pools`: the Reduce ops that read the run's channels-last output in place of a Transpose back."""
+    def describe(self, ix: GraphIndex, pools: list[str], flat: bool = False) -> str:
+        """`pools`: the Reduce ops that read the run's channels-last output in place of a Transpose back;
+        `flat`: over its positions flattened into one axis (_flat_pool)."""
         widths = [self.weights[0][0].shape[0]] + [w.shape[1] for w, _ in self.weights]
         kind = {3: "Conv1d", 4: "Conv2d", 5: "Conv3d"}.get(self.rank, f"rank-{self.rank} Conv")
         behind = (f"{' and '.join(pools)} over the channels-last rows" if pools else "a Transpose back")
         return (f"{len(self.convs)} pointwise {kind} ({ix.describe(self.convs[0])}"
                 f"{' ...' if len(self.convs) > 1 else ''}; {' -> '.join(map(str, widths))} channels) as MatMuls "
-                f"over channels-last rows: a Transpose in front, {behind}")
+                f"over channels-last rows{', the positions flattened into one axis' if flat else ''}: "
+                f"a Transpose in front, {behind}")
 
 
 def _ints(ix: GraphIndex, i: int, name: str, default: int, n: int) -> list[int]:
@@ -178,6 +183,21 @@ def _pooled_axis(ix: GraphIndex, t: str, rank: int) -> int | None:
     return found.pop() if len(found) == 1 and min(found) >= 2 else None
 
 
+def _flat_pool(ix: GraphIndex, r: ConvRun) -> list[int] | None:
+    """The static spatial dims of run r's input where every reduction reading the run's output pools all of
+    them and nothing else (a global pool of a 2-D or 3-D map: its rows flattened to [B, H W, C], so that
+    the pool is over one axis, pool.py); else None."""
+    if r.rank < 4 or not _pooled(ix, r.output):
+        return None
+    dims = (ix.shapes.get(r.input) or [])[2:]
+    if len(dims) != r.rank - 2 or any(not isinstance(d, int) or d < 1 for d in dims):
+        return None   # (-1 in a Reshape cannot be inferred for an empty batch: static dims only)
+    for u in ix.users(r.output):
+        if axes_of(ix, u, r.rank) != list(range(2, r.rank)):
+            return None
+    return dims
+
+
 def _perms(rank: int, last: int | None = None) -> tuple[list[int], list[int]]:
     """(channels-first -> channels-last, and back); `last`: the spatial axis to put right before the
     channels (a pooled axis: its rows then lie together, as the fused pool wants them, pool.py)."""
@@ -236,11 +256,21 @@ def as_channels_last(model: onnx.ModelProto) -> ChannelsLast:
     after: dict[int, list[onnx.NodeProto]] = {}
     replace: dict[int, list[onnx.NodeProto]] = {}
     backs: list[tuple[onnx.NodeProto, list[int]]] = []
-    for r in runs:
+    flat: dict[int, list[int]] = {}   # run -> the spatial dims its rows flatten (_flat_pool)
+    for ri, r in enumerate(runs):
         to_last, back = _perms(r.rank, _pooled_axis(ix, r.output, r.rank))
         rename = {r.input: fresh(f"{r.input}_channels_last")}
         before[r.convs[0]] = [helper.make_node("Transpose", [r.input], [rename[r.input]], perm=to_last,
                                                name=fresh(f"{ix.keys[r.convs[0]]}_to_channels_last"))]
+        dims = _flat_pool(ix, r)
+        if dims is not None:   # [B, *dims, C] -> [B, prod(dims), C]: the global pool over one axis of rows
+            flat[ri] = dims
+            rows, shape = fresh(f"{r.input}_rows"), fresh(f"{r.input}_rows_shape")
+            channels = r.weights[0][0].shape[0]
+            g.initializer.append(numpy_helper.from_array(np.array([0, int(np.prod(dims)), channels], np.int64), shape))
+            before[r.convs[0]].append(helper.make_node("Reshape", [rename[r.input], shape], [rows],
+                                                       name=fresh(f"{ix.keys[r.convs[0]]}_flatten_positions")))
+            rename[r.input] = rows
         for c, region, (w, b) in zip(r.convs, r.regions, r.weights):
             conv = ix.node(c)
             dtype = ix.const(conv.input[1]).dtype
@@ -267,6 +297,9 @@ def as_channels_last(model: onnx.ModelProto) -> ChannelsLast:
                     n.input[k] = rename.get(x, x)
                 replace[i] = [n]
         last = max(r.convs + [i for reg in r.regions for i in reg])
+        if ri in flat:
+            backs.append((rename[r.output], None))   # (its pools read the flattened rows: _pools_read_flat_rows)
+            continue
         t_back = helper.make_node("Transpose", [rename[r.output]], [r.output], perm=back,
                                   name=fresh(f"{ix.keys[r.convs[-1]]}_to_channels_first"))
         after[last] = [t_back]
@@ -280,6 +313,11 @@ def as_channels_last(model: onnx.ModelProto) -> ChannelsLast:
     g.node.extend(nodes)
     replaced = {x for r in runs for c in r.convs for x in ix.node(c).input[1:]}
     for r, (t_back, back) in zip(runs, backs):
+        if back is None:
+            old_axes, pools = _pools_read_flat_rows(out, r.output, t_back, r.weights[-1][0].shape[1], r.rank, fresh)
+            replaced |= old_axes
+            res.rewritten.append(r.describe(ix, pools, flat=True))
+            continue
         old_axes, pools = _pools_read_channels_last(out, t_back, back, fresh)
         if not pools and _transposes_compose(out, t_back, back):
             pools = ["the Transpose after it"]
@@ -387,6 +425,38 @@ def _pools_read_channels_last(model: onnx.ModelProto, t_back: onnx.NodeProto, ba
         g.node.insert(at + 1, transpose)
     g.node.remove(t_back)
     return old_axes, list(dict.fromkeys(n.op_type for n, *_ in plans))
+
+
+def _pools_read_flat_rows(model: onnx.ModelProto, y: str, rows: str, channels: int, rank: int,
+                          fresh) -> tuple[set[str], list[str]]:
+    """The Reduce nodes reading `y` (a run's channels-first output, every spatial axis pooled: _flat_pool)
+    read its flattened channels-last rows [B, positions, channels] instead, over axis 1; keepdims=1 gives
+    [B, 1, channels], reshaped to the original [B, channels, 1, ...]. Returns (the axes inputs replaced, the
+    Reduce ops)."""
+    g = model.graph
+    ops = []
+    old_axes = set()
+    for n in [n for n in g.node if y in node_reads(n)]:   # all Reduces over the spatial axes (_flat_pool)
+        n.input[0] = rows
+        if len(n.input) > 1 and n.input[1]:
+            old_axes.add(n.input[1])
+            name = fresh(f"{n.name or n.output[0]}_axes_rows")
+            g.initializer.append(numpy_helper.from_array(np.array([1], dtype=np.int64), name))
+            n.input[1] = name
+        else:
+            for a in n.attribute:
+                if a.name == "axes":
+                    del a.ints[:]
+                    a.ints.append(1)
+        ops.append(n.op_type)
+        if next((a.i for a in n.attribute if a.name == "keepdims"), 1):
+            pooled, shape = fresh(f"{n.output[0]}_rows"), fresh(f"{n.output[0]}_shape")
+            g.initializer.append(numpy_helper.from_array(np.array([0, channels] + [1] * (rank - 2), np.int64), shape))
+            reshape = helper.make_node("Reshape", [pooled, shape], [n.output[0]],
+                                       name=fresh(f"{n.name or n.output[0]}_to_channels_first"))
+            n.output[0] = pooled
+            g.node.insert(list(g.node).index(n) + 1, reshape)
+    return old_axes, list(dict.fromkeys(ops))
 
 
 def _drop_unread(model: onnx.ModelProto, replaced: set[str]) -> None:
