@@ -568,7 +568,7 @@ def test_cnn_head_global_pool_on_cuda_ep(mode, cache, tmp_path):
     from test_pointwise_conv import ConvPoolHead
     torch.manual_seed(6)
     src = tmp_path / "head.onnx"
-    with warnings.catch_warnings():   # (the batch dynamic, the map 7 x 7: static positions flatten)
+    with warnings.catch_warnings():   # (the batch dynamic, the map 7 x 7)
         warnings.simplefilter("ignore")
         torch.onnx.export(ConvPoolHead(mode).eval(), (torch.randn(2, 16, 7, 7),), str(src), dynamo=False,
                           opset_version=17, input_names=["x"], dynamic_axes={"x": {0: "b"}})

@@ -87,16 +87,18 @@ def test_runs_become_one_chain_over_channels_last_rows(rank):
 
 
 # transposes: the one in front, and one of the pooled tensor where keepdims=1 or the kept axes come out of
-# the channels-last rows in another order (channels before the spatial axes they were in front of)
+# the channels-last rows in another order (channels before the spatial axes they were in front of); a pool
+# over a whole map reshapes its pooled tensor instead
 @pytest.mark.parametrize("pool,opset,rank,transposes", [
     (("ReduceMax", [2], 0), 17, 3, 1), (("ReduceMax", [-1], 0), 18, 3, 1), (("ReduceMax", [2], 1), 13, 3, 2),
-    (("ReduceMean", [2, 3], 1), 17, 4, 2), (("ReduceMean", [2, 3], 0), 18, 4, 1), (("ReduceSum", [2], 0), 13, 3, 1),
+    (("ReduceMean", [2, 3], 1), 17, 4, 1), (("ReduceMean", [2, 3], 0), 18, 4, 1), (("ReduceSum", [2], 0), 13, 3, 1),
     (("ReduceMin", [3], 0), 17, 4, 2), (("ReduceMax", None, 0), 17, 3, 1), (("ReduceMean", [1, 3], 0), 17, 4, 1),
 ])
 def test_pools_read_the_channels_last_rows(pool, opset, rank, transposes):
     m = conv_model([4, 8, 6], ["relu"], rank=rank, pool=pool, opset=opset)
     res = as_channels_last(m)
-    ops = _ops(res.model)
+    # (a pool over a whole map reads its positions flattened: the shape's ops, a Reshape of the pooled tensor)
+    ops = [o for o in _ops(res.model) if o not in ("Shape", "Gather", "ReduceProd", "Concat", "Reshape")]
     # no full-size Transpose back: the pool reads the channels-last rows
     assert ops[:2] == ["Transpose", "MatMul"] and ops.index(pool[0]) > ops.index("MatMul")
     assert f"{pool[0]} over the channels-last rows" in res.rewritten[0]
@@ -130,14 +132,20 @@ def test_a_global_pool_of_a_map_reads_its_positions_flattened_into_the_op(pool, 
     _same_outputs(m, fused, feeds)   # the fused node's stock fallback function
 
 
-def test_a_global_pool_of_a_map_with_dynamic_positions_keeps_them_apart():
-    """Symbolic spatial dims: the Reshape's -1 could not be inferred for an empty batch, so the rows stay
-    [B, H, W, C] and the pool (two axes) a stock op after the chain."""
-    m = conv_model([4, 8, 6], ["relu"], rank=4, pool=("ReduceMean", [2, 3], 1))
+@pytest.mark.parametrize("opset,rank", [(13, 4), (18, 4), (17, 5)])
+def test_a_global_pool_of_a_map_of_dynamic_size_flattens_by_its_shape(opset, rank):
+    """Symbolic spatial dims (a CNN exported for any image size): the Reshape's shape is computed from x's
+    (a -1 could not be inferred for an empty batch), so the pool joins the op at any map size, 0 images too."""
+    axes = list(range(2, rank))
+    m = conv_model([4, 8, 6], ["relu"], rank=rank, pool=("ReduceMean", axes, 1), opset=opset)
     res = as_channels_last(m)
-    assert "Reshape" not in _ops(res.model) and "positions flattened" not in res.rewritten[0]
+    assert {"Shape", "ReduceProd", "Reshape"} <= set(_ops(res.model)) and "positions flattened" in res.rewritten[0]
     model, plan = fusion_plan(m, with_cuda=False)
-    assert plan.chains[0].pool == ""
+    assert plan.chains[0].pool == "meank"
+    fused = rewrite(model, plan, [plan.chains[0].to_spec("fp32")])
+    for spatial in ([5, 7, 2][:rank - 2], [1, 3, 4][:rank - 2]):
+        for b in (2, 0):
+            _same_outputs(m, fused, {"x": rand([b, 4] + spatial)})
 
 
 def test_a_tensor_read_elsewhere_ends_the_run_and_stays_channels_first():
@@ -319,11 +327,13 @@ def test_torch_pointwise_conv_models_convert(build, dynamo, tmp_path):
         assert_close(got, w.numpy(), 1e-4)
 
 
-@pytest.mark.parametrize("mode,dynamo,pool", [("gap", False, "meank"), ("gap", True, "meank"), ("mean", True, "mean"),
-                                            ("max", False, "maxk")])
-def test_a_cnn_heads_global_pool_joins_its_fused_op(mode, dynamo, pool, tmp_path):
+@pytest.mark.parametrize("mode,dynamo,pool,any_size", [("gap", False, "meank", False), ("gap", True, "meank", False),
+                                                     ("mean", True, "mean", False), ("max", False, "maxk", False),
+                                                     ("gap", False, "meank", True)])
+def test_a_cnn_heads_global_pool_joins_its_fused_op(mode, dynamo, pool, any_size, tmp_path):
     """ConvPoolHead from both exporters: its two 1x1 Convs and the global pool over the 7 x 7 map one op
-    (the positions flattened, the pool inside), converted CPU-only, matching torch at another batch."""
+    (the positions flattened, the pool inside), converted CPU-only, matching torch at another batch;
+    `any_size`: exported for any map size (H, W symbolic), matching torch on a 5 x 9 map too."""
     torch.manual_seed(5)
     module = ConvPoolHead(mode).eval()
     for m in module.net:
@@ -339,17 +349,18 @@ def test_a_cnn_heads_global_pool_joins_its_fused_op(mode, dynamo, pool, tmp_path
                               dynamic_shapes=({0: torch.export.Dim("b")},), verbose=False)
         else:
             torch.onnx.export(module, (x,), str(path), dynamo=False, opset_version=17, input_names=["x"],
-                              dynamic_axes={"x": {0: "b"}})
+                              dynamic_axes={"x": {0: "b", 2: "h", 3: "w"} if any_size else {0: "b"}})
     res = onnx2fused.convert(path, tmp_path / "head.fused.onnx", cache_dir=tmp_path / "cache", with_cuda=False)
     assert [list(c.widths) for c in res.chains] == [[16, 32, 48]] and f"_pool{pool}_" in res.chains[0].name
     assert not res.validation.failures
     fused = onnx.load(str(tmp_path / "head.fused.onnx"))
     assert not {"Conv", "GlobalAveragePool", "ReduceMean", "ReduceMax"} & set(_ops(fused))
     sess = plugin_session(fused, res.library_path)
-    xs = rand([3, 16, 7, 7], seed=8, scale=1.0)
-    with torch.no_grad():
-        want = module(torch.from_numpy(xs)).numpy()
-    assert_close(sess.run(None, {sess.get_inputs()[0].name: xs})[0], want, 1e-4)
+    for shape in [[3, 16, 7, 7]] + ([[2, 16, 5, 9]] if any_size else []):
+        xs = rand(shape, seed=8, scale=1.0)
+        with torch.no_grad():
+            want = module(torch.from_numpy(xs)).numpy()
+        assert_close(sess.run(None, {sess.get_inputs()[0].name: xs})[0], want, 1e-4)
 
 
 def test_lone_pointwise_convs_of_a_cnn_stay_convs():

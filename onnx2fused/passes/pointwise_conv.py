@@ -22,9 +22,10 @@ so the widest tensor is never transposed (global pools count as the Reduce they 
 pool over one spatial axis (PointNet++'s max over each centre's samples, [B, C, samples, centres]) puts that
 axis last among the rows' axes, so that its rows lie together and pool.py takes the pool into the fused
 op. A global pool over every spatial axis of a 2-D or 3-D map (a CNN head's 1x1 convs before
-`AdaptiveAvgPool2d(1)` or `x.mean((2, 3))`, the spatial dims static) reads the rows with those axes
-flattened into one, [B, H W, C] (a Reshape after the Transpose in front; the pool over axis 1, and for
-keepdims a Reshape of the small [B, 1, M] to [B, M, 1, 1]), so that pool.py takes it into the op too. The math is the same products and sums (a Conv of kernel 1 is that matrix product); validation compares
+`AdaptiveAvgPool2d(1)` or `x.mean((2, 3))`) reads the rows with those axes flattened into one, [B, H W, C]
+(a Reshape after the Transpose in front, by a constant shape where the map's size is static, else one
+computed from x's; the pool over axis 1, and for keepdims a Reshape of the small [B, 1, M] to
+[B, M, 1, 1]), so that pool.py takes it into the op too. The math is the same products and sums (a Conv of kernel 1 is that matrix product); validation compares
 the fused model with the original file as always.
 """
 from __future__ import annotations
@@ -183,19 +184,43 @@ def _pooled_axis(ix: GraphIndex, t: str, rank: int) -> int | None:
     return found.pop() if len(found) == 1 and min(found) >= 2 else None
 
 
-def _flat_pool(ix: GraphIndex, r: ConvRun) -> list[int] | None:
-    """The static spatial dims of run r's input where every reduction reading the run's output pools all of
-    them and nothing else (a global pool of a 2-D or 3-D map: its rows flattened to [B, H W, C], so that
-    the pool is over one axis, pool.py); else None."""
+def _flat_pool(ix: GraphIndex, r: ConvRun) -> bool:
+    """Whether every reduction reading run r's output pools all of its spatial axes and nothing else (a
+    global pool of a 2-D or 3-D map: its rows flattened to [B, H W, C], so that the pool is over one axis
+    and pool.py takes it into the op)."""
     if r.rank < 4 or not _pooled(ix, r.output):
-        return None
+        return False
+    return all(axes_of(ix, u, r.rank) == list(range(2, r.rank)) for u in ix.users(r.output))
+
+
+def _flatten_positions(ix: GraphIndex, g: onnx.GraphProto, r: ConvRun, x_last: str, fresh) -> list[onnx.NodeProto]:
+    """Nodes that reshape run r's channels-last input `x_last` [B, *positions, C] to [B, prod(positions), C]
+    (its last tensor is their last node's output): one Reshape by a constant shape where the positions are
+    static; else the shape computed from x's (Shape, Gather, ReduceProd, Concat: a -1 could not be inferred
+    for an empty batch)."""
     dims = (ix.shapes.get(r.input) or [])[2:]
-    if len(dims) != r.rank - 2 or any(not isinstance(d, int) or d < 1 for d in dims):
-        return None   # (-1 in a Reshape cannot be inferred for an empty batch: static dims only)
-    for u in ix.users(r.output):
-        if axes_of(ix, u, r.rank) != list(range(2, r.rank)):
-            return None
-    return dims
+    channels = r.weights[0][0].shape[0]
+    shape, out = fresh(f"{r.input}_rows_shape"), fresh(f"{r.input}_rows")
+    name = fresh(f"{ix.keys[r.convs[0]]}_flatten_positions")
+    if len(dims) == r.rank - 2 and all(isinstance(d, int) and d >= 1 for d in dims):
+        g.initializer.append(numpy_helper.from_array(np.array([0, int(np.prod(dims)), channels], np.int64), shape))
+        return [helper.make_node("Reshape", [x_last, shape], [out], name=name)]
+    # the rows' shape as far as it is known, recorded: ONNX's shape inference gives a Reshape by a computed
+    # shape none at all, and pool.py needs the rows' rank
+    batch_dim = (ix.shapes.get(r.input) or [None])[0]
+    g.value_info.append(helper.make_tensor_value_info(out, ix.types[r.input], [batch_dim, None, channels]))
+    consts = {}
+    for key, v in (("first", [0]), ("spatial", list(range(1, r.rank - 1))), ("channels", [channels])):
+        consts[key] = fresh(f"{name}_{key}")
+        g.initializer.append(numpy_helper.from_array(np.array(v, np.int64), consts[key]))
+    full, batch, positions, count = (fresh(f"{name}_{t}") for t in ("shape", "batch", "positions", "count"))
+    return [helper.make_node("Shape", [x_last], [full], name=fresh(f"{name}_shape")),
+            helper.make_node("Gather", [full, consts["first"]], [batch], axis=0, name=fresh(f"{name}_batch")),
+            helper.make_node("Gather", [full, consts["spatial"]], [positions], axis=0, name=fresh(f"{name}_positions")),
+            helper.make_node("ReduceProd", [positions], [count], keepdims=1, name=fresh(f"{name}_count")),
+            helper.make_node("Concat", [batch, count, consts["channels"]], [shape], axis=0,
+                             name=fresh(f"{name}_concat")),
+            helper.make_node("Reshape", [x_last, shape], [out], name=name)]
 
 
 def _perms(rank: int, last: int | None = None) -> tuple[list[int], list[int]]:
@@ -256,21 +281,16 @@ def as_channels_last(model: onnx.ModelProto) -> ChannelsLast:
     after: dict[int, list[onnx.NodeProto]] = {}
     replace: dict[int, list[onnx.NodeProto]] = {}
     backs: list[tuple[onnx.NodeProto, list[int]]] = []
-    flat: dict[int, list[int]] = {}   # run -> the spatial dims its rows flatten (_flat_pool)
+    flat: set[int] = set()   # the runs whose rows have their positions flattened (_flat_pool)
     for ri, r in enumerate(runs):
         to_last, back = _perms(r.rank, _pooled_axis(ix, r.output, r.rank))
         rename = {r.input: fresh(f"{r.input}_channels_last")}
         before[r.convs[0]] = [helper.make_node("Transpose", [r.input], [rename[r.input]], perm=to_last,
                                                name=fresh(f"{ix.keys[r.convs[0]]}_to_channels_last"))]
-        dims = _flat_pool(ix, r)
-        if dims is not None:   # [B, *dims, C] -> [B, prod(dims), C]: the global pool over one axis of rows
-            flat[ri] = dims
-            rows, shape = fresh(f"{r.input}_rows"), fresh(f"{r.input}_rows_shape")
-            channels = r.weights[0][0].shape[0]
-            g.initializer.append(numpy_helper.from_array(np.array([0, int(np.prod(dims)), channels], np.int64), shape))
-            before[r.convs[0]].append(helper.make_node("Reshape", [rename[r.input], shape], [rows],
-                                                       name=fresh(f"{ix.keys[r.convs[0]]}_flatten_positions")))
-            rename[r.input] = rows
+        if _flat_pool(ix, r):   # [B, *positions, C] -> [B, prod(positions), C]: the global pool over one axis
+            flat.add(ri)
+            before[r.convs[0]] += _flatten_positions(ix, g, r, rename[r.input], fresh)
+            rename[r.input] = before[r.convs[0]][-1].output[0]
         for c, region, (w, b) in zip(r.convs, r.regions, r.weights):
             conv = ix.node(c)
             dtype = ix.const(conv.input[1]).dtype
