@@ -19,6 +19,14 @@ from .constants import GraphIndex, default_opset, written_axes
 
 
 _GLOBAL_POOLS = {"GlobalMaxPool": "ReduceMax", "GlobalAveragePool": "ReduceMean", "MaxPool": "ReduceMax"}
+REDUCE_POOLS = ("ReduceMax", "ReduceMin", "ReduceMean", "ReduceSum")   # what counts as a pool reading a run
+
+
+def pooled_only(ix: GraphIndex, t: str) -> bool:
+    """Whether reductions (REDUCE_POOLS: a global pool) are all that read tensor t."""
+    users = ix.users(t)
+    return bool(users) and t not in ix.graph_outputs and all(
+        ix.node(u).op_type in REDUCE_POOLS and ix.node(u).input[0] == t for u in users)
 
 
 def axes_of(ix: GraphIndex, i: int, rank: int | None) -> list[int] | None:

@@ -25,7 +25,7 @@ op. A global pool over every spatial axis of a 2-D or 3-D map (a CNN head's 1x1 
 `AdaptiveAvgPool2d(1)` or `x.mean((2, 3))`) reads the rows with those axes flattened into one, [B, H W, C]
 (a Reshape after the Transpose in front, by a constant shape where the map's size is static, else one
 computed from x's; the pool over axis 1, and for keepdims a Reshape of the small [B, 1, M] to
-[B, M, 1, 1]), so that pool.py takes it into the op too. The math is the same products and sums (a Conv of kernel 1 is that matrix product); validation compares
+[B, M, 1, 1]; map_pools.py), so that pool.py takes it into the op too. The math is the same products and sums (a Conv of kernel 1 is that matrix product); validation compares
 the fused model with the original file as always.
 """
 from __future__ import annotations
@@ -38,12 +38,12 @@ from onnx import helper, numpy_helper
 
 from .activations import ELEMENTWISE_OPS, match_activation
 from .constants import GraphIndex, node_reads, written_axes
-from .global_pools import axes_of, global_pools_as_reduces
+from .global_pools import REDUCE_POOLS, axes_of, global_pools_as_reduces, pooled_only
+from .map_pools import flatten_positions, pools_read_flat_rows, pools_whole_map
 
 # activations that move to channels-last: elementwise, with no axis of their own (BatchNormalization and
 # PRelu have per-channel parameters on axis 1)
 _REGION_OPS = ELEMENTWISE_OPS - {"BatchNormalization", "PRelu"}
-_POOLS = ("ReduceMax", "ReduceMin", "ReduceMean", "ReduceSum")
 _FLOAT_TYPES = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)
 
 
@@ -60,7 +60,7 @@ class ConvRun:
 
     def describe(self, ix: GraphIndex, pools: list[str], flat: bool = False) -> str:
         """`pools`: the Reduce ops that read the run's channels-last output in place of a Transpose back;
-        `flat`: over its positions flattened into one axis (_flat_pool)."""
+        `flat`: over its positions flattened into one axis (map_pools.py)."""
         widths = [self.weights[0][0].shape[0]] + [w.shape[1] for w, _ in self.weights]
         kind = {3: "Conv1d", 4: "Conv2d", 5: "Conv3d"}.get(self.rank, f"rank-{self.rank} Conv")
         behind = (f"{' and '.join(pools)} over the channels-last rows" if pools else "a Transpose back")
@@ -155,7 +155,7 @@ def find_conv_runs(ix: GraphIndex) -> tuple[list[ConvRun], list[tuple[int, str]]
                 break
             convs.append(nxt)
         taken.update(convs)
-        if len(convs) == 1 and not _pooled(ix, end):
+        if len(convs) == 1 and not pooled_only(ix, end):
             continue   # a lone 1x1 Conv (ResNet's, MobileNet's): cuDNN runs it as well as a fused op would
         x = ix.node(i).input[0]
         rank = ix.rank(x) or ix.const(ix.node(i).input[1]).ndim
@@ -163,17 +163,10 @@ def find_conv_runs(ix: GraphIndex) -> tuple[list[ConvRun], list[tuple[int, str]]
     return runs, refused
 
 
-def _pooled(ix: GraphIndex, t: str) -> bool:
-    """Whether reductions (a global pool) are all that read tensor t."""
-    users = ix.users(t)
-    return bool(users) and t not in ix.graph_outputs and all(
-        ix.node(u).op_type in _POOLS and ix.node(u).input[0] == t for u in users)
-
-
 def _pooled_axis(ix: GraphIndex, t: str, rank: int) -> int | None:
     """The one spatial axis of channels-first t that every reduction reading it pools (PointNet++'s max over
     the samples of [B, C, samples, centres]), or None."""
-    if not _pooled(ix, t):
+    if not pooled_only(ix, t):
         return None
     found = set()
     for u in ix.users(t):
@@ -182,45 +175,6 @@ def _pooled_axis(ix: GraphIndex, t: str, rank: int) -> int | None:
             return None
         found |= set(axes)
     return found.pop() if len(found) == 1 and min(found) >= 2 else None
-
-
-def _flat_pool(ix: GraphIndex, r: ConvRun) -> bool:
-    """Whether every reduction reading run r's output pools all of its spatial axes and nothing else (a
-    global pool of a 2-D or 3-D map: its rows flattened to [B, H W, C], so that the pool is over one axis
-    and pool.py takes it into the op)."""
-    if r.rank < 4 or not _pooled(ix, r.output):
-        return False
-    return all(axes_of(ix, u, r.rank) == list(range(2, r.rank)) for u in ix.users(r.output))
-
-
-def _flatten_positions(ix: GraphIndex, g: onnx.GraphProto, r: ConvRun, x_last: str, fresh) -> list[onnx.NodeProto]:
-    """Nodes that reshape run r's channels-last input `x_last` [B, *positions, C] to [B, prod(positions), C]
-    (its last tensor is their last node's output): one Reshape by a constant shape where the positions are
-    static; else the shape computed from x's (Shape, Gather, ReduceProd, Concat: a -1 could not be inferred
-    for an empty batch)."""
-    dims = (ix.shapes.get(r.input) or [])[2:]
-    channels = r.weights[0][0].shape[0]
-    shape, out = fresh(f"{r.input}_rows_shape"), fresh(f"{r.input}_rows")
-    name = fresh(f"{ix.keys[r.convs[0]]}_flatten_positions")
-    if len(dims) == r.rank - 2 and all(isinstance(d, int) and d >= 1 for d in dims):
-        g.initializer.append(numpy_helper.from_array(np.array([0, int(np.prod(dims)), channels], np.int64), shape))
-        return [helper.make_node("Reshape", [x_last, shape], [out], name=name)]
-    # the rows' shape as far as it is known, recorded: ONNX's shape inference gives a Reshape by a computed
-    # shape none at all, and pool.py needs the rows' rank
-    batch_dim = (ix.shapes.get(r.input) or [None])[0]
-    g.value_info.append(helper.make_tensor_value_info(out, ix.types[r.input], [batch_dim, None, channels]))
-    consts = {}
-    for key, v in (("first", [0]), ("spatial", list(range(1, r.rank - 1))), ("channels", [channels])):
-        consts[key] = fresh(f"{name}_{key}")
-        g.initializer.append(numpy_helper.from_array(np.array(v, np.int64), consts[key]))
-    full, batch, positions, count = (fresh(f"{name}_{t}") for t in ("shape", "batch", "positions", "count"))
-    return [helper.make_node("Shape", [x_last], [full], name=fresh(f"{name}_shape")),
-            helper.make_node("Gather", [full, consts["first"]], [batch], axis=0, name=fresh(f"{name}_batch")),
-            helper.make_node("Gather", [full, consts["spatial"]], [positions], axis=0, name=fresh(f"{name}_positions")),
-            helper.make_node("ReduceProd", [positions], [count], keepdims=1, name=fresh(f"{name}_count")),
-            helper.make_node("Concat", [batch, count, consts["channels"]], [shape], axis=0,
-                             name=fresh(f"{name}_concat")),
-            helper.make_node("Reshape", [x_last, shape], [out], name=name)]
 
 
 def _perms(rank: int, last: int | None = None) -> tuple[list[int], list[int]]:
@@ -281,15 +235,16 @@ def as_channels_last(model: onnx.ModelProto) -> ChannelsLast:
     after: dict[int, list[onnx.NodeProto]] = {}
     replace: dict[int, list[onnx.NodeProto]] = {}
     backs: list[tuple[onnx.NodeProto, list[int]]] = []
-    flat: set[int] = set()   # the runs whose rows have their positions flattened (_flat_pool)
+    flat: set[int] = set()   # the runs whose rows have their positions flattened (map_pools.py)
     for ri, r in enumerate(runs):
         to_last, back = _perms(r.rank, _pooled_axis(ix, r.output, r.rank))
         rename = {r.input: fresh(f"{r.input}_channels_last")}
         before[r.convs[0]] = [helper.make_node("Transpose", [r.input], [rename[r.input]], perm=to_last,
                                                name=fresh(f"{ix.keys[r.convs[0]]}_to_channels_last"))]
-        if _flat_pool(ix, r):   # [B, *positions, C] -> [B, prod(positions), C]: the global pool over one axis
+        if pools_whole_map(ix, r.output, r.rank):   # [B, *positions, C] -> [B, prod(positions), C] (map_pools.py)
             flat.add(ri)
-            before[r.convs[0]] += _flatten_positions(ix, g, r, rename[r.input], fresh)
+            before[r.convs[0]] += flatten_positions(ix, g, r.input, r.rank, rename[r.input], r.weights[0][0].shape[0],
+                                                    ix.keys[r.convs[0]], fresh)
             rename[r.input] = before[r.convs[0]][-1].output[0]
         for c, region, (w, b) in zip(r.convs, r.regions, r.weights):
             conv = ix.node(c)
@@ -318,7 +273,7 @@ def as_channels_last(model: onnx.ModelProto) -> ChannelsLast:
                 replace[i] = [n]
         last = max(r.convs + [i for reg in r.regions for i in reg])
         if ri in flat:
-            backs.append((rename[r.output], None))   # (its pools read the flattened rows: _pools_read_flat_rows)
+            backs.append((rename[r.output], None))   # (its pools read the flattened rows: pools_read_flat_rows)
             continue
         t_back = helper.make_node("Transpose", [rename[r.output]], [r.output], perm=back,
                                   name=fresh(f"{ix.keys[r.convs[-1]]}_to_channels_first"))
@@ -334,7 +289,7 @@ def as_channels_last(model: onnx.ModelProto) -> ChannelsLast:
     replaced = {x for r in runs for c in r.convs for x in ix.node(c).input[1:]}
     for r, (t_back, back) in zip(runs, backs):
         if back is None:
-            old_axes, pools = _pools_read_flat_rows(out, r.output, t_back, r.weights[-1][0].shape[1], r.rank, fresh)
+            old_axes, pools = pools_read_flat_rows(out, r.output, t_back, r.weights[-1][0].shape[1], r.rank, fresh)
             replaced |= old_axes
             res.rewritten.append(r.describe(ix, pools, flat=True))
             continue
@@ -405,7 +360,7 @@ def _pools_read_channels_last(model: onnx.ModelProto, t_back: onnx.NodeProto, ba
     rank = len(back)
     plans = []
     for n in users:
-        if n.op_type not in _POOLS or n.domain not in ("", "ai.onnx") or n.input[0] != y:
+        if n.op_type not in REDUCE_POOLS or n.domain not in ("", "ai.onnx") or n.input[0] != y:
             return set(), []
         axes, as_input = _pool_axes(n, inits)
         if axes == []:
@@ -445,38 +400,6 @@ def _pools_read_channels_last(model: onnx.ModelProto, t_back: onnx.NodeProto, ba
         g.node.insert(at + 1, transpose)
     g.node.remove(t_back)
     return old_axes, list(dict.fromkeys(n.op_type for n, *_ in plans))
-
-
-def _pools_read_flat_rows(model: onnx.ModelProto, y: str, rows: str, channels: int, rank: int,
-                          fresh) -> tuple[set[str], list[str]]:
-    """The Reduce nodes reading `y` (a run's channels-first output, every spatial axis pooled: _flat_pool)
-    read its flattened channels-last rows [B, positions, channels] instead, over axis 1; keepdims=1 gives
-    [B, 1, channels], reshaped to the original [B, channels, 1, ...]. Returns (the axes inputs replaced, the
-    Reduce ops)."""
-    g = model.graph
-    ops = []
-    old_axes = set()
-    for n in [n for n in g.node if y in node_reads(n)]:   # all Reduces over the spatial axes (_flat_pool)
-        n.input[0] = rows
-        if len(n.input) > 1 and n.input[1]:
-            old_axes.add(n.input[1])
-            name = fresh(f"{n.name or n.output[0]}_axes_rows")
-            g.initializer.append(numpy_helper.from_array(np.array([1], dtype=np.int64), name))
-            n.input[1] = name
-        else:
-            for a in n.attribute:
-                if a.name == "axes":
-                    del a.ints[:]
-                    a.ints.append(1)
-        ops.append(n.op_type)
-        if next((a.i for a in n.attribute if a.name == "keepdims"), 1):
-            pooled, shape = fresh(f"{n.output[0]}_rows"), fresh(f"{n.output[0]}_shape")
-            g.initializer.append(numpy_helper.from_array(np.array([0, channels] + [1] * (rank - 2), np.int64), shape))
-            reshape = helper.make_node("Reshape", [pooled, shape], [n.output[0]],
-                                       name=fresh(f"{n.name or n.output[0]}_to_channels_first"))
-            n.output[0] = pooled
-            g.node.insert(list(g.node).index(n) + 1, reshape)
-    return old_axes, list(dict.fromkeys(ops))
 
 
 def _drop_unread(model: onnx.ModelProto, replaced: set[str]) -> None:
