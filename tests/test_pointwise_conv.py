@@ -355,9 +355,33 @@ def test_a_cnn_heads_global_pool_joins_its_fused_op(mode, dynamo, pool, any_size
     assert not res.validation.failures
     fused = onnx.load(str(tmp_path / "head.fused.onnx"))
     assert not {"Conv", "GlobalAveragePool", "ReduceMean", "ReduceMax"} & set(_ops(fused))
-    sess = plugin_session(fused, res.library_path)
-    for shape in [[3, 16, 7, 7]] + ([[2, 16, 5, 9]] if any_size else []):
-        xs = rand(shape, seed=8, scale=1.0)
+    _matches_torch(plugin_session(fused, res.library_path), module,
+                   [[3, 16, 7, 7]] + ([[2, 16, 5, 9]] if any_size else []), seed=8)
+
+
+@pytest.mark.parametrize("any_size", [False, True], ids=["7x7", "any_size"])
+def test_mobilenet_head_builder_converts_with_its_pool_in_the_op(any_size, tmp_path):
+    """benchmarks/cnn_head.py (MobileNetV2's head, narrowed: 24 -> 40 channels, 10 classes): its lone 1x1 Conv
+    with the BatchNorm and ReLU6 and the average pool one op, the classifier a second chain; CPU-only, matching
+    torch (a 5 x 3 map too where exported for any size)."""
+    import sys
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from cnn_head import MobileNetV2Head, export
+    torch.manual_seed(7)
+    module = MobileNetV2Head(channels=24, features=40, classes=10)
+    src = export(module, tmp_path / "head.onnx", any_size)
+    res = onnx2fused.convert(src, tmp_path / "head.fused.onnx", cache_dir=tmp_path / "cache", with_cuda=False)
+    assert [list(c.widths) for c in res.chains] == [[24, 40], [40, 10]] and "_poolmeank_" in res.chains[0].name
+    fused = onnx.load(str(tmp_path / "head.fused.onnx"))
+    assert not {"Conv", "GlobalAveragePool", "ReduceMean", "Clip"} & set(_ops(fused))
+    _matches_torch(plugin_session(fused, res.library_path), module,
+                   [[3, 24, 7, 7]] + ([[2, 24, 5, 3]] if any_size else []), seed=9)
+
+
+def _matches_torch(sess, module, shapes, seed):
+    """The fused model's first output against the torch module's at random inputs of each shape."""
+    for shape in shapes:
+        xs = rand(shape, seed=seed, scale=1.0)
         with torch.no_grad():
             want = module(torch.from_numpy(xs)).numpy()
         assert_close(sess.run(None, {sess.get_inputs()[0].name: xs})[0], want, 1e-4)
