@@ -76,6 +76,17 @@ def test_a_second_reader_keeps_the_rows():
     assert plan.chains[0].pool == ""
 
 
+def test_two_pools_of_one_output_stay_stock_and_say_why():
+    """DGCNN's max and mean of the same tensor: the op writes one pool, so both stay, with the reason."""
+    m = pooled_mlp([6, 16, 5])
+    h = m.graph.node[-1].input[0]
+    m.graph.node.append(onnx.helper.make_node("ReduceMean", [h], ["z"], axes=[-2], keepdims=0, name="mean"))
+    m.graph.output.append(onnx.helper.make_tensor_value_info("z", onnx.TensorProto.FLOAT, None))
+    plan = find_chains(m)
+    assert plan.chains[0].pool == ""
+    assert any("2 pools of one output; the op takes one pool only" in r.reason for r in plan.refusals), plan.describe()
+
+
 def test_a_reducesum_of_no_axes_that_does_nothing_stays_stock_and_says_why():
     m = pooled_mlp([6, 16, 5], op="ReduceSum", opset=13, axes=())
     m.graph.node[-1].attribute.append(onnx.helper.make_attribute("noop_with_empty_axes", 1))

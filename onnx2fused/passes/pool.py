@@ -30,8 +30,14 @@ class PoolMatch:
 
 def match_pool(ix: GraphIndex, t: str) -> PoolMatch | str | None:
     """The ReduceMax / ReduceSum / ReduceMean over axis -2 of `t` that is t's only reader; a one-line reason
-    where t's only reader is such a Reduce that does not qualify; None where it is not one at all."""
+    where t's only reader is such a Reduce that does not qualify, or where several read it; None where no
+    such Reduce reads it."""
     users = ix.users(t)
+    if len(users) > 1 and t not in ix.graph_outputs and all(
+            ix.node(u).op_type in POOL_REDUCES and ix.node(u).input[0] == t for u in users):
+        # (DGCNN's max and mean of one tensor: the op writes one pool, and the rows both need)
+        return (f"{' and '.join(ix.describe(u) for u in users)}: {len(users)} pools of one output; the op takes "
+                f"one pool only, so they stay stock ops")
     if len(users) != 1 or t in ix.graph_outputs:
         return None
     i = users[0]
