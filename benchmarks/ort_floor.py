@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 import onnx
-from onnx import TensorProto, helper
+from onnx import helper
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))

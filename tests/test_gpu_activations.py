@@ -25,7 +25,7 @@ from gpu_support import rel_l2, require_cuda, run_poisoned  # noqa: E402
 pytestmark = [pytest.mark.gpu, pytest.mark.xdist_group("gpu-activations"), pytest.mark.timeout(900)]
 ort, torch = require_cuda()
 
-from onnx2fused import build, library  # noqa: E402
+from onnx2fused import library  # noqa: E402
 from onnx_builders import CONTINUOUS_ACTS, OTHER_ACTS, STEP_ACTS, G, fuse, run  # noqa: E402
 
 NARROW = (20, 48, 48, 7)      # resident plan; odd last width

@@ -83,7 +83,7 @@ def test_untouched_parts_kept_and_order():
     h = g.op("Relu", [g.linear(pre, 8, 16, name="fc0")], name="r0")
     mid = g.op("Softmax", [g.linear(h, 16, 16, name="fc1")], name="mid")
     shared = g.weight(16, 4, name="shared_w")
-    y1 = g.op("MatMul", [mid, shared], name="fc2", outputs=["y1"])
+    g.op("MatMul", [mid, shared], name="fc2", outputs=["y1"])
     g.op("Gemm", [mid, "wv"], name="fcv", outputs=["y2"])  # non-constant weight: refused, untouched
     g.op("MatMul", [g.op("Exp", [mid], name="e"), shared], name="fc3", outputs=["y3"])
     m = g.model([("x", ["B", 8]), ("wv", [16, 2])], [("y1", ["B", 4]), ("y2", ["B", 2]), ("y3", ["B", 4])])
