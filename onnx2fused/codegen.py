@@ -27,7 +27,7 @@ from .cuda_params import fp32_params, fused_params
 from .errors import ConversionError
 from .plan.protocol import Plan
 from .resources import templates_dir
-from .spec import POOL_OPS, MLPSpec
+from .spec import MLPSpec
 from .wgmma_params import fallback_symbol, wgmma_params
 from .wide_params import FFN_TEMPLATE, ffn_unit, tail_symbol, wide_instances, wide_params
 
@@ -258,7 +258,7 @@ def registry_params(specs: list[MLPSpec], with_cuda: bool, cpu_enabled: dict[str
             "cuda_run_fn": f"&{name}_cuda_run" if with_cuda and spec.pool is None else "nullptr",
             # a pooled spec (spec.pool): its output is [groups, N_last]; 0 leaves the fields out
             "pool": 0 if spec.pool is None else 1 + spec.pool_keeps_axis,   # 2: the pooled axis kept
-            "pool_op": POOL_OPS.index(spec.pool_op) if spec.pool else 0,   # KernelEntry::pool_op
+            "pool_op": spec.pool_code,   # KernelEntry::pool_op
             "cuda_run_pool_fn": f"&{name}_cuda_run_pool" if with_cuda and spec.pool is not None else "nullptr",
             "cuda_uses_scratch": uses_scratch,
             # a gated layer's weight is [K, 2N]: the plugin checks (and feeds the stock body) that shape;

@@ -8,7 +8,7 @@ from __future__ import annotations
 from . import expr as ex
 from .block_params import block_params
 from .plan.fused import ELEM_BYTES, Fp32Plan, FusedPlan, elem_bytes, row_pad
-from .spec import POOL_OPS, MLPSpec
+from .spec import MLPSpec
 
 
 def act_params(spec: MLPSpec, padded_widths: list[int], prescaled: bool = False) -> list[dict]:
@@ -61,7 +61,7 @@ def spec_params(spec: MLPSpec) -> dict:
         "max_width": spec.widest_row,
         "skip": list(spec.skip), "skip_width": spec.skip_width,   # these layers read [x padded, the layer before's output]
         "pool": spec.pool is not None,   # the last layer's output pooled over each group's rows (o2f_pool.cuh)
-        "pool_op": POOL_OPS.index(spec.pool_op) if spec.pool else 0,   # kPoolOp: 0 max, 1 sum, 2 mean
+        "pool_op": spec.pool_code,   # kPoolOp: 0 max, 1 sum, 2 mean
         "pool_name": spec.pool_op or "",
         **block_params(spec),   # a transformer block's norm in front and residual behind
     }

@@ -154,6 +154,12 @@ class MLPSpec:
         return None if self.pool is None else self.pool.removesuffix("k")
 
     @property
+    def pool_code(self) -> int:
+        """The pool as the generated code knows it (KernelEntry::pool_op, kPoolOp): its index in POOL_OPS
+        (0 max, 1 sum, 2 mean), 0 unpooled."""
+        return 0 if self.pool is None else POOL_OPS.index(self.pool_op)
+
+    @property
     def pool_keeps_axis(self) -> bool:
         """Whether the pooled axis stays as 1 (keepdims=1: "maxk", "sumk", "meank")."""
         return self.pool is not None and self.pool.endswith("k")

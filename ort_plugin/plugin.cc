@@ -244,17 +244,23 @@ inline float PoolScale(const KernelEntry& e, int64_t per_group) {
   return e.pool_op == 2 && per_group > 0 ? 1.0f / static_cast<float>(per_group) : 1.0f;
 }
 
-// Columns [c0, c1) (at most kPoolCols) of group g: the pool over the group's rows, row by row (a row's
-// columns are contiguous).
+// acc[0, c1 - c0) = P's partial pool of columns [c0, c1) over `rows` rows of `in` (n columns each), row by
+// row (a row's columns are contiguous).
+template <class P, class T>
+void PoolColumns(const T* in, typename P::Acc* acc, int64_t rows, int64_t n, int64_t c0, int64_t c1) {
+  std::fill(acc, acc + (c1 - c0), P::Start());
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* row = in + r * n;
+    for (int64_t c = c0; c < c1; ++c) acc[c - c0] = P::Add(acc[c - c0], row[c]);
+  }
+}
+
+// Columns [c0, c1) (at most kPoolCols) of group g: the pool over the group's `per` rows, into Y.
 constexpr int64_t kPoolCols = 256;
 template <class P, class T>
 void PoolBlock(const T* in, T* out, int64_t per, int64_t n, int64_t g, int64_t c0, int64_t c1, float scale) {
   typename P::Acc acc[kPoolCols];
-  std::fill(acc, acc + (c1 - c0), P::Start());
-  for (int64_t r = g * per; r < (g + 1) * per; ++r) {
-    const T* row = in + r * n;
-    for (int64_t c = c0; c < c1; ++c) acc[c - c0] = P::Add(acc[c - c0], row[c]);
-  }
+  PoolColumns<P>(in + g * per * n, acc, per, n, c0, c1);
   for (int64_t c = c0; c < c1; ++c) out[g * n + c] = P::Finish(acc[c - c0], scale);
 }
 
@@ -328,13 +334,6 @@ struct PooledTask {
   char* partials;   // tasks x N_last, the pool's partial type (P::Acc)
 };
 
-template <class P, class T>
-void PoolInto(const T* rows, typename P::Acc* out, int64_t n_rows, int64_t n) {
-  std::fill(out, out + n, P::Start());
-  for (int64_t r = 0; r < n_rows; ++r)
-    for (int64_t c = 0; c < n; ++c) out[c] = P::Add(out[c], rows[r * n + c]);
-}
-
 void RunPooledTask(void* data, size_t task) {
   const PooledTask& t = *static_cast<const PooledTask*>(data);
   const KernelEntry& e = *t.e;
@@ -353,7 +352,7 @@ void RunPooledTask(void* data, size_t task) {
     using P = decltype(pool);
     using T = typename P::Elem;
     auto* partial = reinterpret_cast<typename P::Acc*>(t.partials) + static_cast<int64_t>(task) * n;
-    PoolInto<P>(reinterpret_cast<const T*>(buf.data()), partial, pooled_rows, n);
+    PoolColumns<P>(reinterpret_cast<const T*>(buf.data()), partial, pooled_rows, n, 0, n);
   });
 }
 

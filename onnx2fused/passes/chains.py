@@ -57,14 +57,13 @@ from .gated import fed_node, find_gated
 from .head_fold import HeadFold, apply_head, carry_fits, carry_mode, head_candidate, input_parts, last_activation
 from .input_affine import InputAffine, match_input_affine
 from .linear import LinearLayer, LinearRefusal, is_linear_node, match_linear
-from .pool import POOL_REDUCES, PoolMatch, match_pool
+from .pool import PoolMatch, describe_pool, match_pool
 from .regroup import reads_removed, regroup_ends, shape_feeders
 from .sincos import match_sincos, sincos_activation, widen
 from .skip_merge import merge_skips
 from .skip import SKIP_NO_BLOCK, SkipConcat, lay_out_skip_weight, match_skip_concat, not_a_skip, skip_cut
 
 IO_TYPES = {onnx.TensorProto.FLOAT: "f32", onnx.TensorProto.FLOAT16: "f16"}
-_POOL_NODE = {kind: op for op, kind in POOL_REDUCES.items()}   # "sum" -> "ReduceSum": what reports name
 
 
 @dataclass
@@ -150,8 +149,7 @@ class Chain:
                 f"(skip Concat{'s' if len(self.skip) > 1 else ''})"] if self.skip else []) \
             + (["two chains joined through pieces of the input"] if self.joined else []) \
             + ([f"head {self.head} rides it into its output Concat"] if self.head else []) \
-            + ([f"the {_POOL_NODE[self.pool.removesuffix('k')]} behind it ({self.pool.removesuffix('k')} over the rows, "
-                f"axis -2{', kept' if self.pool.endswith('k') else ''})"] if self.pool else [])
+            + ([describe_pool(self.pool)] if self.pool else [])
 
     def describe(self) -> str:
         acts = ", ".join(self.activation_labels())

@@ -234,15 +234,15 @@ def as_channels_last(model: onnx.ModelProto) -> ChannelsLast:
     before: dict[int, list[onnx.NodeProto]] = {}
     after: dict[int, list[onnx.NodeProto]] = {}
     replace: dict[int, list[onnx.NodeProto]] = {}
-    backs: list[tuple[onnx.NodeProto, list[int]]] = []
-    flat: set[int] = set()   # the runs whose rows have their positions flattened (map_pools.py)
-    for ri, r in enumerate(runs):
+    # per run: its Transpose back and the permutation, or (flattened positions) its rows' tensor and None
+    backs: list[tuple[onnx.NodeProto | str, list[int] | None]] = []
+    for r in runs:
         to_last, back = _perms(r.rank, _pooled_axis(ix, r.output, r.rank))
         rename = {r.input: fresh(f"{r.input}_channels_last")}
         before[r.convs[0]] = [helper.make_node("Transpose", [r.input], [rename[r.input]], perm=to_last,
                                                name=fresh(f"{ix.keys[r.convs[0]]}_to_channels_last"))]
-        if pools_whole_map(ix, r.output, r.rank):   # [B, *positions, C] -> [B, prod(positions), C] (map_pools.py)
-            flat.add(ri)
+        flat = pools_whole_map(ix, r.output, r.rank)   # the rows' positions flattened into one axis (map_pools.py)
+        if flat:   # [B, *positions, C] -> [B, prod(positions), C]
             before[r.convs[0]] += flatten_positions(ix, g, r.input, r.rank, rename[r.input], r.weights[0][0].shape[0],
                                                     ix.keys[r.convs[0]], fresh)
             rename[r.input] = before[r.convs[0]][-1].output[0]
@@ -272,7 +272,7 @@ def as_channels_last(model: onnx.ModelProto) -> ChannelsLast:
                     n.input[k] = rename.get(x, x)
                 replace[i] = [n]
         last = max(r.convs + [i for reg in r.regions for i in reg])
-        if ri in flat:
+        if flat:
             backs.append((rename[r.output], None))   # (its pools read the flattened rows: pools_read_flat_rows)
             continue
         t_back = helper.make_node("Transpose", [rename[r.output]], [r.output], perm=back,

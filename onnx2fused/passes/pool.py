@@ -19,6 +19,13 @@ from dataclasses import dataclass
 from .constants import GraphIndex, written_axes
 
 POOL_REDUCES = {"ReduceMax": "max", "ReduceSum": "sum", "ReduceMean": "mean"}   # op -> spec.POOL_OPS
+POOL_NODE = {kind: op for op, kind in POOL_REDUCES.items()}   # spec.POOL_OPS -> the op: "sum" -> "ReduceSum"
+
+
+def describe_pool(kind: str) -> str:
+    """What a chain takes in with pool `kind` (spec.POOLS), as reports say it."""
+    op = kind.removesuffix("k")
+    return f"the {POOL_NODE[op]} behind it ({op} over the rows, axis -2{', kept' if kind.endswith('k') else ''})"
 
 
 @dataclass

@@ -30,6 +30,7 @@ from ..errors import ConversionError
 from ..spec import DOMAIN, MLPSpec, NormSpec
 from .chains import FusionPlan
 from .constants import LAYERNORM_OPSET, GraphIndex, default_opset, node_reads
+from .pool import POOL_NODE
 
 STOCK_MODEL_ATTR = "stock_model"  # the node's fallback body as a serialized model, base64 (make_stock_model)
 STOCK_DATA_LOCATION = "onnx2fused:node-inputs"  # its weights' external data: the plugin fills them in
@@ -145,7 +146,7 @@ def make_fallback_function(spec: MLPSpec, opset: int, with_pool: bool = True) ->
     if spec.residual:
         h = em.node("Add", [h, block_in])
     if spec.pool and with_pool:   # the pool over axis -2 (pool.py) in float, before the output's rounding
-        op = {"max": "ReduceMax", "sum": "ReduceSum", "mean": "ReduceMean"}[spec.pool_op]
+        op = POOL_NODE[spec.pool_op]
         if opset >= (13 if op == "ReduceSum" else 18):   # (ReduceSum took its axes as an input first)
             axes = em.node("Constant", [], value=numpy_helper.from_array(np.array([-2], np.int64), "value"))
             h = em.node(op, [h, axes], keepdims=int(spec.pool_keeps_axis))
