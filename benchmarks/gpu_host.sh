@@ -20,10 +20,10 @@
 #                                         pooled chain vs mma.sync (ONNX2FUSED_WGMMA=off) by turns, then its kernels
 #   benchmarks/gpu_host.sh pools [--no-tests] sum and mean pools and a CNN head's global pool: their GPU tests, then
 #                                         Deep Sets (sum, mean) and MobileNetV2's head (benchmarks/cnn_head.py: a
-#                                         7 x 7 map, and exported for any map size) through ORT at 32 and 256, the
-#                                         head also converted by the tree in $OLD where given (a `git archive` of
-#                                         6bef0ab or older: its pool stock, the 1x1 conv in the wide design), then
-#                                         each model's kernels (profile_case.py)
+#                                         7 x 7 map, and exported for any map size) and PointNet at 1000 points (groups
+#                                         not a multiple of 16) through ORT at 32 and 256, the head and PointNet also
+#                                         converted by the tree in $OLD where given (a `git archive` of an older
+#                                         commit), then each model's kernels (profile_case.py)
 #   benchmarks/gpu_host.sh llama [BATCHES] LLaMA-7B's MLP (wide_cases.py llama7b; default 4096,256,16,1)
 #   benchmarks/gpu_host.sh gemv [--no-bench] the wide design's GEMV path for <= 16 rows (on by default;
 #                                         ONNX2FUSED_WIDE_GEMV=off: the GEMMs): its GPU test, then LLaMA-7B at 1, 16
@@ -172,9 +172,11 @@ pools)
   mkdir -p /tmp/pools
   python3 benchmarks/deepsets.py /tmp/pools > /dev/null && python3 benchmarks/deepsets.py /tmp/pools --pool mean > /dev/null \
     && python3 benchmarks/cnn_head.py /tmp/pools > /dev/null && python3 benchmarks/cnn_head.py /tmp/pools --any-size > /dev/null \
+    && python3 benchmarks/pointnet.py /tmp/pools/pn1000 --points 1000 > /dev/null && cp /tmp/pools/pn1000/pointnet.onnx /tmp/pools/pointnet1000.onnx \
     || exit 1
-  runs=(deepsets:new deepsets_mean:new cnn_head:new cnn_head_any:new)
-  [ -n "${OLD:-}" ] && [ -d "$OLD/onnx2fused" ] && runs+=(cnn_head:old)
+  # (PointNet at 1000 points a cloud: groups not a multiple of 16, the wgmma kernel's kStraddle instance)
+  runs=(deepsets:new deepsets_mean:new cnn_head:new cnn_head_any:new pointnet1000:new)
+  [ -n "${OLD:-}" ] && [ -d "$OLD/onnx2fused" ] && runs+=(cnn_head:old pointnet1000:old)
   for run in "${runs[@]}"; do
     m=${run%%:*}; tree=${run#*:}; src=$R; [ "$tree" = old ] && src=$(cd "$OLD" && pwd)
     (cd "$src" && PYTHONPATH=/tmp/site:$src:$R/.deps/pylib ONNX2FUSED_CACHE=/tmp/pools/cache_$tree timeout 240 \
@@ -184,7 +186,7 @@ pools)
     python3 -c "import json; [print('$m $tree', r['batch'], ' '.join('%s=%.4f' % kv for kv in r['ms'].items() if kv[1])) for r in json.load(open('/tmp/pools/b_${m}_$tree/bench.json'))['rows']]" \
       || tail -3 "/tmp/pools/b_${m}_$tree.log"
   done
-  for m in deepsets cnn_head; do
+  for m in deepsets cnn_head pointnet1000; do
     timeout 150 python3 benchmarks/profile_case.py --model "/tmp/pools/$m.onnx" --batch 256 --runs 20 --out /tmp/pools/prof \
       > "$OUT/pools_${m}_profile.txt" 2>&1
     grep -A6 "kernel time per run" "$OUT/pools_${m}_profile.txt"

@@ -604,7 +604,7 @@ def test_pointwise_conv2d_head_on_cuda_ep(cache, tmp_path):
 def test_pooled_chain_on_cuda_ep(design, precision, io, n, keepdims, cache, tmp_path, monkeypatch):
     """A chain with the max pool behind it (test_pool.pooled_mlp: [b, c, m, 6] -> 16 -> 24 -> n, then
     ReduceMax over m, 8 input features where the wgmma kernel stages them) in each design that pools (wgmma:
-    its sm_90a kernel on Hopper where a group's rows are a multiple of 16, else its mma.sync fallback), at
+    its sm_90a kernel on Hopper where a group has at least 16 rows, else its mma.sync fallback), at
     groups of 37 rows (a warp's rows straddle two groups), 1 row, 300 rows, 48 rows (a warpgroup's 64-row
     tiles straddle groups), 256 rows (tiles inside a group) and 0 rows (-inf), float32 I/O and float16 I/O
     (odd and even n), the pooled axis dropped or kept (keepdims), against stock ORT on the CPU EP."""

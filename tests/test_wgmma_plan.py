@@ -328,35 +328,40 @@ def test_a_first_layer_may_be_wider_than_the_hidden_ones():
     assert wide_last.design == "wgmma" and wide_last.layers[-1].np_ == 320 and wide_last.layers[-1].chunks == 5
 
 
-def test_pooled_chains_take_wgmma_with_a_last_layer_up_to_1024():
+def test_pooled_chains_take_wgmma_with_a_last_layer_up_to_2048():
     """A pooled chain (spec.pool: PointNet's 3 -> 64 -> 64 -> 64 -> 128 -> 1024 before its max over the points)
-    stores no rows: its last layer may be 1024 wide (plan.wgmma POOLED_LAST_WIDTH_MAX), each n8 block of it
+    stores no rows: its last layer may be 2048 wide (plan.wgmma POOLED_LAST_WIDTH_MAX), each n8 block of it
     taking its two rows' maxima (pool_take), each chunk then raising the group's maxima (pool_chunk) in place
-    of stores, at the most warpgroups (POOL_NWG_MAX); the unit's entry point is the pooled run, whose other
-    GPUs run the fallback's pooled run."""
+    of stores, one part of a warp's rows (one group) at a time, at the most warpgroups (POOL_NWG_MAX); the
+    unit's entry point is the pooled run, whose other GPUs run the fallback's pooled run."""
     pooled = replace(_spec([3, 64, 64, 64, 128, 1024]), pool="max")
     plan = choose.make_plan(pooled, AUTO_WGMMA)
     assert plan.design == "wgmma" and plan.fallback.design == "streamed" and plan.nwg == wgmma.POOL_NWG_MAX
     assert plan.layers[-1].chunks == 16 and not plan.quad_stores and not plan.store_rows
     # two copies of a group's 1024 entries a warpgroup, static, within the limit beside the dynamic layout
     assert plan.pool_smem_bytes == 4 * 2 * 4 * 1024 and "+ 32 KB for the pool's copies" in plan.describe()
-    assert "; other GPUs and groups of rows not a multiple of 16: streamed (" in plan.describe()
+    assert "; other GPUs and groups of fewer than 16 rows: streamed (" in plan.describe()
     assert plan.smem_bytes + plan.pool_smem_bytes <= wgmma.SMEM_LIMIT
     assert "the last layer's output up to 512" in choose.wgmma_refused(replace(pooled, pool=None))
-    assert "up to 1024 with its pool" in choose.wgmma_refused(replace(_spec([3, 64, 128, 1040]), pool="max"))
+    assert "up to 2048 with its pool" in choose.wgmma_refused(replace(_spec([3, 64, 128, 2056]), pool="max"))
     files, _ = _render(pooled)
     src, fb = files[f"{pooled.name}_cuda.cu"], fallback_symbol(pooled)
     assert f" {pooled.name}_cuda_run_pool(" in src and f" {fb}_cuda_run_pool(" in src
     assert f"{pooled.name}_cuda_run(" not in src and f"{fb}_cuda_run(" not in src
     assert f" {fb}_cuda_run_pool(" in files[f"{fb}_cuda.cu"] and "o2f_wgmma_pool.cuh" in files
-    assert src.count("pool_take(rows, row0,") == 1024 // 8 and src.count("pool_chunk<kNOut, 8>(pin") == 16
+    assert src.count("pool_take<true>(pfirst, pmid, row0,") == src.count("pool_take<false>(pmid, pend, row0,") == 1024 // 8 and src.count("pool_chunk<kNOut, 8>(pshared") == 2 * 16
+    # each chunk's epilogue twice: the warp's rows of its first group, then the next's where they straddle two
+    # (only in the instance for groups of rows not a multiple of 16, chosen at launch)
+    assert src.count("if (kStraddle && pmid < pend) {") == 16 and "template <bool kStraddle>" in src
+    assert "group_rows % 16 != 0 ? fused_wgmma<true> : fused_wgmma<false>" in src
+    assert src.count("cudaFuncSetAttribute(fused_wgmma<") == 2
     assert "store_out" not in src
-    # a warp's rows always in one group: other group sizes run the fallback's pooled kernel
-    assert f"if (group_rows % 16 != 0) return {fb}_cuda_run_pool(" in src
+    # a warp's rows in one group or two: smaller groups run the fallback's pooled kernel
+    assert f"if (group_rows < 16) return {fb}_cuda_run_pool(" in src
     # an odd width: the padding block's columns are left to pool_chunk's column check
     odd = replace(_spec([6, 128, 5]), pool="maxk")
     src = _render(odd, WGMMA)[0][f"{odd.name}_cuda.cu"]
-    assert src.count("pool_take(rows, row0,") == 1 and src.count("pool_chunk<kNOut, 1>(pin") == 1 and "kNOut = 5;" in src
+    assert src.count("pool_take<true>(pfirst, pmid, row0,") == 1 and src.count("pool_chunk<kNOut, 1>(pshared") == 2 and "kNOut = 5;" in src
 
 
 def test_cost_rule_and_the_switches():
@@ -373,6 +378,19 @@ def test_cost_rule_and_the_switches():
     assert PlanOptions.from_env({WGMMA_ENV: "off"}).wgmma is False
     assert PlanOptions.from_env({}).wgmma is True
     assert PlanOptions.from_env({WGMMA_ENV: "on"}).wgmma is True
+
+
+def test_a_pooled_last_layer_counts_as_wide_for_the_cost_rule():
+    """A CNN head's pointwise conv before its global average pool (MobileNetV2: 320 -> 1280, a mean over
+    7 x 7 = 49 positions) is one pooled layer: it writes no rows, so it takes wgmma like a hidden layer
+    would, while the same layer unpooled (its outputs stored) stays with mma.sync; its groups of 49 rows
+    (not a multiple of 16) run the wgmma kernel's parts, only groups under 16 rows the fallback."""
+    head = replace(_spec([320, 1280]), pool="meank")
+    assert cost.wgmma_wins(head) and not cost.wgmma_wins(replace(head, pool=None))
+    plan = choose.make_plan(head)
+    assert plan.design == "wgmma" and "chosen: 1 hidden or pooled layer(s) of >= 128 outputs" in plan.reason
+    assert choose.make_plan(replace(head, pool=None)).design != "wgmma"
+    assert not cost.wgmma_wins(replace(_spec([320, 64]), pool="meank"))   # a narrow pooled layer: as before
 
 
 def test_plan_text_says_why_not_wgmma():

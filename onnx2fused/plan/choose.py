@@ -217,7 +217,8 @@ def _wgmma(spec: MLPSpec, fallback, smem: int, forced: bool, overrides: dict) ->
     if forced:
         reason = f"forced by {DESIGN_ENV}=wgmma"
     elif _wgmma_not_chosen(spec) is None:
-        reason = (f"chosen: {cost.wgmma_wide_layers(spec)} hidden layer(s) of >= {cost.WGMMA_MIN_WIDTH} outputs, where wgmma "
+        kind = "hidden or pooled" if spec.pool is not None else "hidden"
+        reason = (f"chosen: {cost.wgmma_wide_layers(spec)} {kind} layer(s) of >= {cost.WGMMA_MIN_WIDTH} outputs, where wgmma "
                   "beat mma.sync on the H100")
     else:
         return None

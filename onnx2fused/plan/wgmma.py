@@ -61,8 +61,9 @@ FIRST_WIDTH_MAX = 512
 LAST_WIDTH_MAX = 512
 # A pooled chain's last layer (spec.pool: the max, sum or mean over each group's rows, PointNet's 128 -> 1024
 # before its max over the points) writes no output rows: its chunks' values only raise (add to) the group's
-# entries in the epilogue (o2f_wgmma_pool.cuh), so it may be wider still, as far as the register estimate allows.
-POOLED_LAST_WIDTH_MAX = 1024
+# entries in the epilogue (o2f_wgmma_pool.cuh), so it may be wider still, as far as the register estimate allows
+# (MobileNetV2's and EfficientNet-B0's heads: 320 -> 1280 before their global average pool).
+POOLED_LAST_WIDTH_MAX = 2048
 # A pooled chain's warpgroups combine a tile's maxima in two shared-memory copies of the group's entries each
 # (o2f_wgmma_pool.cuh pool_tile; static shared memory beside the dynamic the plan lays out), and take the most
 # warpgroups whose fragments fit their register cap without the per-chunk term (as an override is held):
@@ -335,7 +336,7 @@ class WgmmaPlan:
         pool = f" + {self.pool_smem_bytes // 1024} KB for the pool's copies" if self.pool_smem_bytes else ""
         return (f"wgmma (sm_90a): {self.nwg} warpgroups x 64 rows, activations in registers, {weights}, "
                 f"{self.smem_bytes // 1024} KB smem{pool}), chunks {chunks}, "
-                f"{inp}; other GPUs{' and groups of rows not a multiple of 16' if self.spec.pool else ''}: "
+                f"{inp}; other GPUs{' and groups of fewer than 16 rows' if self.spec.pool else ''}: "
                 f"{self.fallback.design} ({self.fallback.describe()}){why}")
 
 
@@ -605,7 +606,8 @@ def make_wgmma_plan(spec: MLPSpec, fallback, reason: str = "", smem_limit: int =
             and fragments <= FOUR_WARPGROUP_FRAGMENTS):
         nwg = REGISTER_CAPS[0][0]
     if nwg is None and spec.pool is not None:   # POOL_NWG_MAX
-        nwg = next((n for n, c in REGISTER_CAPS if n <= POOL_NWG_MAX and lean <= c + 24), None)
+        nwg = next((n for n, c in REGISTER_CAPS if n <= POOL_NWG_MAX and max(lean, _input_peak(layers) + overhead) <= c + 24),
+                   None)
     nwg, cap = ((nwg, OVERRIDE_CAPS[nwg]) if nwg is not None else
                 next(((n, c) for n, c in REGISTER_CAPS if base <= c), REGISTER_CAPS[-1]))   # (SKIP_SLACK)
     k0_steps = layers[0].k_steps
@@ -629,6 +631,11 @@ def make_wgmma_plan(spec: MLPSpec, fallback, reason: str = "", smem_limit: int =
                 if _smem(layers, stages, nwg * buffers * ROWS * _input_row_bytes(16 * (k0_steps - p), bulk),
                          nwg * buffers if bulk else 0, cluster, b16, norm_floats) <= smem_limit]
     fits = input_fits(bias16, buffers)
+    if prefetch is None:
+        # the k-steps a staged tile holds in registers wait there through the tile, 8 registers each, beside
+        # the fragments (a CNN head's 320 -> 1280 pool, whose 80 KB rows fit beside its ring only with 13 of
+        # 20 k-steps in registers at 2 warpgroups: ~176 + 104 registers, spilled 880 bytes; unstaged, none)
+        fits = [p for p in fits if p == 0 or lean + 8 * p <= cap]
     if not fits and buffers > 1:
         # two whole tiles a warpgroup do not fit beside the weights: one, the residual then read from global
         # memory as the register path does (a 200 -> 256 -> 200 residual chain keeps its staged columns)
@@ -670,6 +677,12 @@ def make_wgmma_plan(spec: MLPSpec, fallback, reason: str = "", smem_limit: int =
                                 sum(l.chunks for l in layers))) if bulk_staged else 1,
                      PRESCALE if prescale is None else prescale, store_rows, bias16, in_buffers,
                      in_buffers == 1 and _residual_ahead(spec, layers[-1], cap, base + 8 * prefetch))
+
+
+def _input_peak(layers: list[WgmmaLayer]) -> int:
+    """Registers a thread holds while it loads a tile's input unstaged: the first layer's A fragments and a
+    group of up to REST_GROUP k-steps in fp32 (8 registers each) before their conversion."""
+    return layers[0].kp // 4 + 8 * min(REST_GROUP, layers[0].k_steps)
 
 
 def _residual_ahead(spec: MLPSpec, last: WgmmaLayer, cap: int, estimate: int) -> bool:
