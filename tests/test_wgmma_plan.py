@@ -391,6 +391,14 @@ def test_a_pooled_last_layer_counts_as_wide_for_the_cost_rule():
     assert plan.design == "wgmma" and "chosen: 1 hidden or pooled layer(s) of >= 128 outputs" in plan.reason
     assert choose.make_plan(replace(head, pool=None)).design != "wgmma"
     assert not cost.wgmma_wins(replace(_spec([320, 64]), pool="meank"))   # a narrow pooled layer: as before
+    # its 80 KB fp32 rows would fit staged beside the ring only with 13 of 20 k-steps waiting in registers
+    # (~280 with the fragments: spilled): 2 warpgroups (the unstaged load's 16 k-steps in fp32 fit there), unstaged
+    assert plan.nwg == 2 and not plan.staged_input and plan.prefetch == 0
+    staged = wgmma.make_wgmma_plan(head, plan.fallback, prefetch=13)   # an override is still taken
+    assert staged.staged_input and staged.prefetch == 13
+    # a longer chain with as wide an input keeps its measured plan (NeRF's second half: 8 k-steps in registers)
+    nerf_half = choose.make_plan(_spec([320, 256, 256, 256], ex.relu()), WGMMA)
+    assert nerf_half.nwg == 2 and nerf_half.staged_input and nerf_half.prefetch == 8
 
 
 def test_plan_text_says_why_not_wgmma():

@@ -624,18 +624,20 @@ def make_wgmma_plan(spec: MLPSpec, fallback, reason: str = "", smem_limit: int =
         raise SpecError(f"cluster of {cluster} CTAs: 1, 2 or {CLUSTER_MAX}")
     # a chunk's slice per CTA must stay a multiple of 16 bytes (bulk copies): chunks are multiples of 256
     cluster = (cluster or CLUSTER) if stages else 1
+    def register_room(p: int) -> bool:
+        # a one-layer chain's staged tile: the k-steps it holds in registers wait there through every chunk,
+        # 8 registers each, beside the layer's A fragments (a CNN head's 320 -> 1280 pool, whose 80 KB rows fit
+        # beside its ring only with 13 of 20 k-steps in registers at 2 warpgroups: ~176 + 104 registers,
+        # spilled 880 bytes; unstaged, none). Longer chains keep their measured plans (NeRF's 319-wide second
+        # half holds 8 k-steps in 255 registers, over this estimate, without spills); an override is taken.
+        return p == 0 or prefetch is not None or len(layers) > 1 or lean + 8 * p <= cap
     def input_fits(b16: bool, buffers: int) -> list[int]:
         # the norm's sums and the residual's reads from the tile take the whole row there: none in registers
         whole_rows = spec.norm is not None or buffers > 1
-        return [p for p in range(k0_steps) if not whole_rows or p == 0
+        return [p for p in range(k0_steps) if (not whole_rows or p == 0) and register_room(p)
                 if _smem(layers, stages, nwg * buffers * ROWS * _input_row_bytes(16 * (k0_steps - p), bulk),
                          nwg * buffers if bulk else 0, cluster, b16, norm_floats) <= smem_limit]
     fits = input_fits(bias16, buffers)
-    if prefetch is None:
-        # the k-steps a staged tile holds in registers wait there through the tile, 8 registers each, beside
-        # the fragments (a CNN head's 320 -> 1280 pool, whose 80 KB rows fit beside its ring only with 13 of
-        # 20 k-steps in registers at 2 warpgroups: ~176 + 104 registers, spilled 880 bytes; unstaged, none)
-        fits = [p for p in fits if p == 0 or lean + 8 * p <= cap]
     if not fits and buffers > 1:
         # two whole tiles a warpgroup do not fit beside the weights: one, the residual then read from global
         # memory as the register path does (a 200 -> 256 -> 200 residual chain keeps its staged columns)
