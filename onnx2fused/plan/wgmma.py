@@ -68,7 +68,9 @@ POOLED_LAST_WIDTH_MAX = 2048
 # (o2f_wgmma_pool.cuh pool_tile; static shared memory beside the dynamic the plan lays out), and take the most
 # warpgroups whose fragments fit their register cap without the per-chunk term (as an override is held):
 # PointNet's 3 -> ... -> 128 -> 1024 pool through ORT on an H200 at 256 clouds, 2 / 3 / 4 warpgroups
-# 0.82 / 0.57 / 0.45 ms (the 1024-wide layer's 16 chunks: more rows share each chunk the ring brings).
+# 0.82 / 0.57 / 0.45 ms (the 1024-wide layer's 16 chunks: more rows share each chunk the ring brings), and
+# whose unstaged input load fits too (_input_peak: a CNN head's 320 inputs, 16 k-steps in fp32 beside 80
+# registers of A fragments, spilled at 3 warpgroups' 168 registers).
 POOL_COPIES = 2
 POOL_NWG_MAX = 4
 
