@@ -179,8 +179,9 @@ pools)
   [ -n "${OLD:-}" ] && [ -d "$OLD/onnx2fused" ] && runs+=(cnn_head:old pointnet1000:old)
   for run in "${runs[@]}"; do
     m=${run%%:*}; tree=${run#*:}; src=$R; [ "$tree" = old ] && src=$(cd "$OLD" && pwd)
+    dims=(); [ "$m" = cnn_head_any ] && dims=(--dim h=7 --dim w=7)   # (its map's size dynamic: 7 x 7, as the other's)
     (cd "$src" && PYTHONPATH=/tmp/site:$src:$R/.deps/pylib ONNX2FUSED_CACHE=/tmp/pools/cache_$tree timeout 240 \
-      python3 -m onnx2fused bench "/tmp/pools/$m.onnx" --batches 32,256 --reps 50 --no-torch --out "/tmp/pools/b_${m}_$tree" \
+      python3 -m onnx2fused bench "/tmp/pools/$m.onnx" --batches 32,256 --reps 50 --no-torch "${dims[@]}" --out "/tmp/pools/b_${m}_$tree" \
       -q > "/tmp/pools/b_${m}_$tree.log" 2>&1)
     cp "/tmp/pools/b_${m}_$tree/bench.json" "$OUT/pools_${m}_$tree.json" 2>/dev/null
     python3 -c "import json; [print('$m $tree', r['batch'], ' '.join('%s=%.4f' % kv for kv in r['ms'].items() if kv[1])) for r in json.load(open('/tmp/pools/b_${m}_$tree/bench.json'))['rows']]" \

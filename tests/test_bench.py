@@ -245,6 +245,37 @@ def test_flops_count_conv_positions(tmp_path):
     assert bench.model_info(NERF).batch_flops(4) == 4 * bench.model_info(NERF).flops_per_row
 
 
+def test_named_dynamic_dimensions_take_the_sizes_given(tmp_path, capsys):
+    """bench --dim NAME=SIZE: an input's named dynamic axis past the batch (a CNN head's map, PointNet's
+    points) is fed, and its flops counted, at that size, not at 1; the batch axis's name, an unknown name and
+    a malformed item are refused in one line."""
+    from onnx import TensorProto, helper, numpy_helper
+    from onnx2fused.bench.models import with_dim_sizes
+    from onnx2fused.errors import ConversionError
+    w = numpy_helper.from_array(np.ones((16, 3, 1), np.float32), "w")
+    g = numpy_helper.from_array(np.ones((16, 10), np.float32), "g")
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w"], ["c"]), helper.make_node("ReduceMax", ["c"], ["p"], axes=[2], keepdims=0),
+         helper.make_node("Gemm", ["p", "g"], ["y"])],
+        "pn", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3, "points"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 10])], [w, g])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]), str(tmp_path / "pn.onnx"))
+    info = bench.model_info(tmp_path / "pn.onnx")
+    assert info.batch_flops(8) == 8 * (2 * 1 * 16 * 3 + 2 * 16 * 10)   # the points axis at 1 unless told
+    sized = with_dim_sizes(info, {"points": 100})
+    assert sized.inputs[0][2] == ["batch", 3, 100] and info.inputs[0][2] == ["batch", 3, "points"]
+    assert sized.batch_flops(8) == 8 * (2 * 100 * 16 * 3 + 2 * 16 * 10)
+    with pytest.raises(ConversionError, match="batch axis"):
+        with_dim_sizes(info, {"batch": 4})
+    with pytest.raises(ConversionError, match=r"no input has a dynamic dimension of that name .*: points\)"):
+        with_dim_sizes(info, {"h": 7})
+    for bad in ("h", "h=0", "=7", "h=x"):
+        assert bench.main(parse(tmp_path / "pn.onnx", "--cpu", "--dim", bad)) == 2
+        assert f"--dim {bad}: expected NAME=SIZE" in _one_error_line(capsys.readouterr().err)
+    assert bench.main(parse(tmp_path / "pn.onnx", "--cpu", "--dim", "h=7", "--out", tmp_path / "o")) == 2
+    assert "--dim h: no input has a dynamic dimension" in _one_error_line(capsys.readouterr().err)
+
+
 def test_gpu_batches_capped_to_memory():
     info = bench.model_info(ROOT / "models" / "mnist.opset17.onnx")
     kept, notes = bench.gpu_batches(info, bench.DEFAULT_GPU_BATCHES, total_mem=80 * 2 ** 30)

@@ -112,8 +112,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sustain", type=float, default=None, metavar="SECONDS",
                         help="GPU mode: also run the fused model back to back this long per batch (fused_sustained), "
                              "nvidia-smi sampling the SM clock and power: the throughput under sustained load")
+    parser.add_argument("--dim", action="append", default=None, metavar="NAME=SIZE",
+                        help="the size of an input's named dynamic dimension past the batch axis (repeatable: "
+                             "--dim h=7 --dim w=7 for a CNN head's map); others are 1")
     parser.add_argument("-q", "--quiet", action="store_true",
                         help="no progress lines on stderr (build steps and each timing, with the elapsed time)")
+
+
+def dim_sizes(args) -> dict[str, int]:
+    """--dim NAME=SIZE arguments as {name: size}; ValueError (one line) for a malformed one."""
+    sizes: dict[str, int] = {}
+    for item in getattr(args, "dim", None) or []:
+        name, sep, value = item.partition("=")
+        if not sep or not name.strip() or not value.strip().isdigit() or int(value) < 1:
+            raise ValueError(f"--dim {item}: expected NAME=SIZE with a size >= 1 (e.g. --dim h=7)")
+        sizes[name.strip()] = int(value)
+    return sizes
 
 
 def _already_fused(model: Path) -> bool:
@@ -135,6 +149,10 @@ def main(args) -> int:
         return _error(f"--sustain must be between 0 and 600 seconds, got {sustain:g}")
     if sustain is not None and args.cpu:
         return _error("--sustain times the GPU (the fused model under sustained load); it has no CPU mode")
+    try:
+        dim_sizes(args)
+    except ValueError as e:
+        return _error(str(e))
     model = Path(args.model)
     if not model.is_file():
         return _error(f"{model}: no such file")

@@ -7,7 +7,7 @@ import importlib.util
 import json
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -257,6 +257,25 @@ def fp16_model_file(src: Path, dst: Path) -> Path:
     else:
         onnx.save_model(m, str(dst))
     return dst
+
+
+def with_dim_sizes(info: ModelInfo, sizes: dict[str, int]) -> ModelInfo:
+    """`info` with its inputs' named dynamic dimensions past the batch axis (a CNN's map height and width)
+    at the given sizes (bench --dim NAME=SIZE); dimensions left unnamed here stay 1, as _input_shape makes
+    them. ConversionError (one line) for a name that is the batch axis or no input's dimension."""
+    from ..errors import ConversionError
+    batch_axes = {d[0] for _, _, d in info.inputs if d and isinstance(d[0], str)}
+    named = {x for _, _, d in info.inputs for x in list(d)[1:] if isinstance(x, str)}
+    for name in sizes:
+        if name in batch_axes:
+            raise ConversionError(f"--dim {name}: that is the batch axis (give its sizes with --batches)")
+        if name not in named:
+            have = ", ".join(sorted(named)) or "none"
+            raise ConversionError(f"--dim {name}: no input has a dynamic dimension of that name "
+                                  f"(the named ones past the batch axis: {have})")
+    inputs = [(n, t, list(d)[:1] + [sizes.get(x, x) if isinstance(x, str) else x for x in list(d)[1:]])
+              for n, t, d in info.inputs]
+    return replace(info, inputs=inputs, _flops={})
 
 
 def _input_shape(dims, batch: int) -> list[int]:
