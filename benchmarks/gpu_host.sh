@@ -94,6 +94,11 @@ export ONNX2FUSED_CUDA_ARCHS=${ONNX2FUSED_CUDA_ARCHS:-90} ONNX2FUSED_CACHE=${ONN
 if compgen -G ".deps/tune/*.json" > /dev/null; then
   mkdir -p "$ONNX2FUSED_CACHE/tune" && cp .deps/tune/*.json "$ONNX2FUSED_CACHE/tune/"
 fi
+# bench_rows LABEL DIR LOG: each row of DIR/bench.json (batch, every variant's median ms) after LABEL, or LOG's end
+bench_rows() {
+  python3 -c "import json; [print('$1', r['batch'], ' '.join('%s=%.4f' % kv for kv in r['ms'].items() if kv[1])) for r in json.load(open('$2/bench.json'))['rows']]" \
+    || tail -3 "$3"
+}
 save_tune() { mkdir -p "$OUT/tune" && cp "$ONNX2FUSED_CACHE"/tune/*.json "$OUT/tune/" 2>/dev/null; true; }
 trap save_tune EXIT
 
@@ -158,8 +163,7 @@ pointnet)
       env $([ $v = mma ] && echo ONNX2FUSED_WGMMA=off) timeout 240 python3 -m onnx2fused bench /tmp/pn/pointnet.onnx \
         --batches 32,256 --reps 50 --no-torch --fp16-model --out /tmp/pn_$v -q > /tmp/pn_$v.log 2>&1
       cp /tmp/pn_$v/bench.json "$OUT/pointnet_${v}_$round.json" 2>/dev/null
-      python3 -c "import json; [print('$v', r['batch'], ' '.join('%s=%.4f' % kv for kv in r['ms'].items() if kv[1])) for r in json.load(open('/tmp/pn_$v/bench.json'))['rows']]" \
-        || tail -3 /tmp/pn_$v.log
+      bench_rows "$v" /tmp/pn_$v /tmp/pn_$v.log
     done
   done
   timeout 150 python3 benchmarks/profile_case.py --model /tmp/pn/pointnet.onnx --batch 256 --runs 20 --out /tmp/pn_prof \
@@ -184,8 +188,7 @@ pools)
       python3 -m onnx2fused bench "/tmp/pools/$m.onnx" --batches 32,256 --reps 50 --no-torch "${dims[@]}" --out "/tmp/pools/b_${m}_$tree" \
       -q > "/tmp/pools/b_${m}_$tree.log" 2>&1)
     cp "/tmp/pools/b_${m}_$tree/bench.json" "$OUT/pools_${m}_$tree.json" 2>/dev/null
-    python3 -c "import json; [print('$m $tree', r['batch'], ' '.join('%s=%.4f' % kv for kv in r['ms'].items() if kv[1])) for r in json.load(open('/tmp/pools/b_${m}_$tree/bench.json'))['rows']]" \
-      || tail -3 "/tmp/pools/b_${m}_$tree.log"
+    bench_rows "$m $tree" "/tmp/pools/b_${m}_$tree" "/tmp/pools/b_${m}_$tree.log"
   done
   for m in deepsets cnn_head pointnet1000; do
     timeout 150 python3 benchmarks/profile_case.py --model "/tmp/pools/$m.onnx" --batch 256 --runs 20 --out /tmp/pools/prof \

@@ -43,7 +43,7 @@ from pathlib import Path
 from ..errors import ConversionError
 from .models import (L2_ROTATE_BYTES, MAX_ELEMENTS, MEM_FRACTION, ROTATE_BUFFERS, Layer, ModelInfo,  # noqa: F401
                      _features, _find_zoo_entry, _input_shape, _random_feed, _reason, default_cpu_batch,
-                     fp16_model_file, gpu_batches, load_torch_module, model_info, to_fp16, zoo_torch_module)
+                     fp16_model_file, gpu_batches, dim_sizes, load_torch_module, model_info, to_fp16, zoo_torch_module)
 from .report import LABELS, _write_outputs, format_table, plot  # noqa: F401
 from .timing import (FALLBACK_BW, FALLBACK_TC, ORT_DEVICE, _cuda_torch, _Dev, measure_peaks,  # noqa: F401
                      time_interleaved, time_ort_gpu, time_ort_gpu_interleaved, time_ort_gpu_pipelined,
@@ -117,17 +117,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "--dim h=7 --dim w=7 for a CNN head's map); others are 1")
     parser.add_argument("-q", "--quiet", action="store_true",
                         help="no progress lines on stderr (build steps and each timing, with the elapsed time)")
-
-
-def dim_sizes(args) -> dict[str, int]:
-    """--dim NAME=SIZE arguments as {name: size}; ValueError (one line) for a malformed one."""
-    sizes: dict[str, int] = {}
-    for item in getattr(args, "dim", None) or []:
-        name, sep, value = item.partition("=")
-        if not sep or not name.strip() or not value.strip().isdigit() or int(value) < 1:
-            raise ValueError(f"--dim {item}: expected NAME=SIZE with a size >= 1 (e.g. --dim h=7)")
-        sizes[name.strip()] = int(value)
-    return sizes
 
 
 def _already_fused(model: Path) -> bool:

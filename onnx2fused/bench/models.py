@@ -259,6 +259,17 @@ def fp16_model_file(src: Path, dst: Path) -> Path:
     return dst
 
 
+def dim_sizes(args) -> dict[str, int]:
+    """--dim NAME=SIZE arguments as {name: size}; ValueError (one line) for a malformed one."""
+    sizes: dict[str, int] = {}
+    for item in getattr(args, "dim", None) or []:
+        name, sep, value = item.partition("=")
+        if not sep or not name.strip() or not value.strip().isdigit() or int(value) < 1:
+            raise ValueError(f"--dim {item}: expected NAME=SIZE with a size >= 1 (e.g. --dim h=7)")
+        sizes[name.strip()] = int(value)
+    return sizes
+
+
 def with_dim_sizes(info: ModelInfo, sizes: dict[str, int]) -> ModelInfo:
     """`info` with its inputs' named dynamic dimensions past the batch axis (a CNN's map height and width)
     at the given sizes (bench --dim NAME=SIZE); dimensions left unnamed here stay 1, as _input_shape makes

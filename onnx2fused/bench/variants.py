@@ -16,7 +16,8 @@ import numpy as np
 from ..errors import ConversionError
 from ..spec import PLUGIN_KEY
 from .models import (_ELEM_NP, _features, _find_zoo_entry, _input_shape, _random_feed, _reason, default_cpu_batch,
-                     fp16_model_file, gpu_batches, load_torch_module, model_info, with_dim_sizes, zoo_torch_module)
+                     dim_sizes, fp16_model_file, gpu_batches, load_torch_module, model_info, with_dim_sizes,
+                     zoo_torch_module)
 from .clocks import describe as describe_clocks
 from .report import _command_line, _cpu_name, _git_commit, _versions, _write_outputs, format_table
 from .timing import (FALLBACK_BW, FALLBACK_TC, _cuda_torch, _Dev, _empty_cache, measure_peaks, spread,
@@ -98,7 +99,6 @@ def _setup(args, cpu: bool):
         raise ConversionError(f"{out_dir}: output folder is not writable")
     reps = args.reps or (DEFAULT_CPU_REPS if cpu else DEFAULT_GPU_REPS)
     warmup = args.warmup if args.warmup is not None else (2 if cpu else 10)
-    from . import dim_sizes
     return model, out_dir, reps, warmup, with_dim_sizes(model_info(model), dim_sizes(args))
 
 

@@ -22,11 +22,12 @@ _GLOBAL_POOLS = {"GlobalMaxPool": "ReduceMax", "GlobalAveragePool": "ReduceMean"
 REDUCE_POOLS = ("ReduceMax", "ReduceMin", "ReduceMean", "ReduceSum")   # what counts as a pool reading a run
 
 
-def pooled_only(ix: GraphIndex, t: str) -> bool:
-    """Whether reductions (REDUCE_POOLS: a global pool) are all that read tensor t."""
+def pooled_only(ix: GraphIndex, t: str, ops=REDUCE_POOLS) -> bool:
+    """Whether reductions (`ops`, default REDUCE_POOLS: a global pool) are all that read tensor t, as their
+    data input, and t is no graph output."""
     users = ix.users(t)
     return bool(users) and t not in ix.graph_outputs and all(
-        ix.node(u).op_type in REDUCE_POOLS and ix.node(u).input[0] == t for u in users)
+        ix.node(u).op_type in ops and ix.node(u).input[0] == t for u in users)
 
 
 def axes_of(ix: GraphIndex, i: int, rank: int | None) -> list[int] | None:

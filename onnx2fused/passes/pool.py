@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .constants import GraphIndex, written_axes
+from .global_pools import pooled_only
 
 POOL_REDUCES = {"ReduceMax": "max", "ReduceSum": "sum", "ReduceMean": "mean"}   # op -> spec.POOL_OPS
 POOL_NODE = {kind: op for op, kind in POOL_REDUCES.items()}   # spec.POOL_OPS -> the op: "sum" -> "ReduceSum"
@@ -40,8 +41,7 @@ def match_pool(ix: GraphIndex, t: str) -> PoolMatch | str | None:
     where t's only reader is such a Reduce that does not qualify, or where several read it; None where no
     such Reduce reads it."""
     users = ix.users(t)
-    if len(users) > 1 and t not in ix.graph_outputs and all(
-            ix.node(u).op_type in POOL_REDUCES and ix.node(u).input[0] == t for u in users):
+    if len(users) > 1 and pooled_only(ix, t, POOL_REDUCES):
         # (DGCNN's max and mean of one tensor: the op writes one pool, and the rows both need)
         return (f"{' and '.join(ix.describe(u) for u in users)}: {len(users)} pools of one output; the op takes "
                 f"one pool only, so they stay stock ops")
